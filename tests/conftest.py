@@ -1,0 +1,11 @@
+import pytest
+
+from tests.harness import PoolCache
+
+
+@pytest.fixture(scope="session")
+def dist_pools():
+    """Live gloo process pools keyed by world size: ``dist_pools.run(world, fn, *args)``."""
+    cache = PoolCache()
+    yield cache
+    cache.close()

@@ -1,0 +1,66 @@
+"""The multi-process harness itself: results come back, errors carry their rank and
+traceback, and a dead rank or a collective that never completes fails in bounded time."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import DistPool, RankError
+
+
+def _sum_ranks(rank, world_size):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _raise_on_one(rank, world_size):
+    if rank == world_size - 1:
+        raise ValueError("boom on the last rank")
+    t = torch.zeros(1)
+    dist.all_reduce(t)  # never completes: the last rank is gone
+    return rank
+
+
+def _die(rank, world_size):
+    if rank == 0:
+        os._exit(3)
+    time.sleep(60)
+
+
+def _hang(rank, world_size):
+    if rank == 0:
+        time.sleep(60)
+    return rank
+
+
+def test_results_come_back_by_rank(dist_pools):
+    assert dist_pools.run(3, _sum_ranks) == [3.0, 3.0, 3.0]
+
+
+def test_exception_names_rank_and_traceback():
+    pool = DistPool(2, collective_timeout_s=30)
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=r"(?s)rank 1 raised.*boom on the last rank"):
+        pool.run(_raise_on_one, grace=2.0)
+    assert time.monotonic() - t0 < 20
+    assert not pool.alive
+
+
+def test_dead_rank_fails_fast():
+    pool = DistPool(2)
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match="rank 0 died"):
+        pool.run(_die, grace=2.0)
+    assert time.monotonic() - t0 < 20
+
+
+def test_timeout_fails_instead_of_hanging():
+    pool = DistPool(2)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] never finished"):
+        pool.run(_hang, timeout=3.0)
+    assert time.monotonic() - t0 < 20
