@@ -1,0 +1,68 @@
+"""Helpers that run inside the gloo workers of the distributed tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from tests.reference import reference_attention
+from titan_cp import SequenceLayout, cp_attention
+from titan_cp.attention import cp_rank
+
+_MESHES: dict[tuple, object] = {}
+
+
+def get_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    """A cached cpu DeviceMesh over the whole world (creating process groups is not free)."""
+    key = (shape, names)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[key]
+
+
+def cp_mesh(strategy: str, world: int, ulysses: int = 1):
+    if strategy == "hybrid":
+        return get_mesh((world // ulysses, ulysses), ("cp_ring", "cp_ulysses"))
+    return get_mesh((world,), ("cp",))
+
+
+def make_inputs(seed: int, batch: int, heads: int, kv_heads: int, seq: int, dim: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq, dim, generator=g)
+    k = torch.randn(batch, kv_heads, seq, dim, generator=g)
+    v = torch.randn(batch, kv_heads, seq, dim, generator=g)
+    dout = torch.randn(batch, heads, seq, dim, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype), dout.to(dtype)
+
+
+def run_case(case: dict, world: int, dtype=torch.float32):
+    """cp attention for ``case`` on this rank; returns (shards of the reference, cp results), fp32.
+
+    The reference is computed in fp64 on the full sequence from the same fp32 inputs
+    (upcast from ``dtype`` when the case runs in low precision).
+    """
+    strategy = case["strategy"]
+    mesh = cp_mesh(strategy, world, case.get("ulysses", 1))
+    rank = cp_rank(mesh, strategy)
+    layout = SequenceLayout(case["seq"], world, case["balance"], case.get("doc_lens"))
+    q, k, v, dout = make_inputs(case.get("seed", 0), case["batch"], case["heads"], case["kv_heads"], case["seq"], case.get("dim", 8), dtype)
+
+    qf, kf, vf = (x.float().requires_grad_() for x in (q, k, v))
+    ref = reference_attention(qf, kf, vf, case.get("doc_lens"), case["causal"])
+    ref_grads = torch.autograd.grad(ref, (qf, kf, vf), dout.float())
+
+    ql, kl, vl = (layout.shard(x, 2, rank).detach().requires_grad_() for x in (q, k, v))
+    out = cp_attention(ql, kl, vl, mesh, layout, strategy=strategy, causal=case["causal"], kernel=case.get("kernel"))
+    grads = torch.autograd.grad(out, (ql, kl, vl), layout.shard(dout, 2, rank))
+    expected = [layout.shard(t, 2, rank) for t in (ref,) + tuple(ref_grads)]
+    got = [t.float() for t in (out,) + tuple(grads)]
+    return expected, got
+
+
+def max_errors(expected, got) -> dict[str, float]:
+    return {name: (e - g).abs().max().item() for name, e, g in zip(("out", "dq", "dk", "dv"), expected, got)}
+
+
+def barrier() -> None:
+    dist.barrier()

@@ -1,0 +1,328 @@
+"""Sequence layouts: which tokens of a sequence each context-parallel rank holds.
+
+A layout is one permutation of the ``seq_len`` token slots of every batch row into
+``cp_size`` equal shards. The same permutation shards every per-token tensor (tokens,
+labels, positions, document ids, loss masks) and :meth:`SequenceLayout.unshard` inverts it.
+The attention strategies read the document structure and each shard's global positions
+from the layout, so masks stay exact wherever a document's tokens land.
+
+Balances (N = ``cp_size``, S = ``seq_len``)::
+
+    contiguous   rank r holds [r*S/N, (r+1)*S/N)                           needs S % N == 0
+    zigzag       split S into 2N chunks; rank r holds chunks r and 2N-1-r  needs S % 2N == 0
+    doc_zigzag   every document is split into 2N pieces as evenly as it     needs S % N == 0
+                 allows; rank r holds pieces r and 2N-1-r of each document
+
+Under causal attention the work of a chunk grows with its position, so pairing chunk
+``r`` with chunk ``2N-1-r`` gives every rank the same work. With packed documents the
+causal mask restarts at every document, so ``zigzag`` over the whole row no longer
+balances; ``doc_zigzag`` applies the head-tail pairing inside each document instead.
+A document of length ``L = 2N*q + e`` gives ``q`` tokens to each of its 2N pieces plus one
+extra token to ``e`` of them. The extras are dealt round-robin over the 2N piece slots,
+continuing across documents, so every rank ends up with exactly ``S/N`` tokens and no
+document needs padding, whatever its length (1 token, fewer than 2N, longer than a shard).
+
+Vocabulary: a *run* is a maximal stretch of a rank's local buffer whose tokens are
+consecutive global positions of one document; masks are computed on runs, never on a
+dense ``S x S`` matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+Balance = Literal["contiguous", "zigzag", "doc_zigzag"]
+BALANCES: tuple[str, ...] = ("contiguous", "zigzag", "doc_zigzag")
+
+
+@dataclass(frozen=True)
+class Run:
+    """``length`` tokens at local offset ``local`` holding global positions ``[start, start+length)`` of document ``doc``."""
+
+    local: int
+    start: int
+    length: int
+    doc: int
+
+
+Runs = tuple[Run, ...]
+
+
+def _normalize_doc_lens(seq_len: int, doc_lens) -> tuple[tuple[int, ...], ...] | None:
+    if doc_lens is None:
+        return None
+    if isinstance(doc_lens, torch.Tensor):
+        if doc_lens.dim() != 2:
+            raise ValueError(f"doc_lens tensor must be (batch, max_docs), got shape {tuple(doc_lens.shape)}")
+        rows = [[int(n) for n in row if n != 0] for row in doc_lens.tolist()]
+    else:
+        rows = [list(row) for row in doc_lens]
+    if not rows:
+        raise ValueError("doc_lens must hold one list of document lengths per batch row; got no rows")
+    out = []
+    for b, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"doc_lens row {b} is empty; each row must hold the lengths of its documents")
+        for n in row:
+            if int(n) != n or n <= 0:
+                raise ValueError(f"doc_lens row {b} has a document of length {n}; lengths must be positive integers")
+        if sum(row) != seq_len:
+            raise ValueError(f"doc_lens row {b} sums to {sum(row)}, but seq_len is {seq_len}")
+        out.append(tuple(int(n) for n in row))
+    return tuple(out)
+
+
+def _pieces(doc_lens: Sequence[int], cp_size: int) -> list[list[tuple[int, int]]]:
+    """doc_zigzag: for each of the 2N slots, the (start, length) pieces it holds, document by document."""
+    slots = 2 * cp_size
+    pieces: list[list[tuple[int, int]]] = [[] for _ in range(slots)]
+    start, cursor = 0, 0
+    for length in doc_lens:
+        base, extra = divmod(length, slots)
+        offset = start
+        for k in range(slots):
+            n = base + (1 if (k - cursor) % slots < extra else 0)
+            if n:
+                pieces[k].append((offset, n))
+            offset += n
+        cursor = (cursor + extra) % slots
+        start += length
+    return pieces
+
+
+def _row_index(seq_len: int, cp_size: int, balance: str, doc_lens: Sequence[int] | None) -> list[list[int]]:
+    """Global positions held by each rank, in local (layout) order, for one row."""
+    n = cp_size
+    if balance == "contiguous":
+        s = seq_len // n
+        return [list(range(r * s, (r + 1) * s)) for r in range(n)]
+    if balance == "zigzag":
+        c = seq_len // (2 * n)
+        return [
+            list(range(r * c, (r + 1) * c)) + list(range((2 * n - 1 - r) * c, (2 * n - r) * c)) for r in range(n)
+        ]
+    pieces = _pieces(doc_lens if doc_lens is not None else (seq_len,), n)
+    index = []
+    for r in range(n):
+        head, tail = pieces[r], pieces[2 * n - 1 - r]
+        # document-major order: each document's head piece, then its tail piece
+        merged = sorted(head + tail) if r != 2 * n - 1 - r else head
+        index.append([p for start, length in merged for p in range(start, start + length)])
+    return index
+
+
+def _runs(positions: list[int], doc_of: list[int]) -> Runs:
+    runs = []
+    i, n = 0, len(positions)
+    while i < n:
+        j = i + 1
+        while j < n and positions[j] == positions[j - 1] + 1 and doc_of[positions[j]] == doc_of[positions[i]]:
+            j += 1
+        runs.append(Run(local=i, start=positions[i], length=j - i, doc=doc_of[positions[i]]))
+        i = j
+    return tuple(runs)
+
+
+class SequenceLayout:
+    """How the tokens of each batch row are split over ``cp_size`` ranks.
+
+    Args:
+        seq_len: tokens per row, before sharding.
+        cp_size: ranks on the ``cp`` mesh axis.
+        balance: ``"contiguous"``, ``"zigzag"`` or ``"doc_zigzag"`` (see the module docstring).
+        doc_lens: ``None`` (each row is one document), or the packed-document structure:
+            one list of document lengths per batch row, each summing to ``seq_len``, or a
+            ``(batch, max_docs)`` integer tensor zero-padded on the right.
+
+    Per-token tensors are sharded along ``dim`` with :meth:`shard`; when rows have
+    different document structures under ``doc_zigzag`` each row has its own permutation,
+    and the batch must then be dim 0 of the tensor.
+    """
+
+    def __init__(self, seq_len: int, cp_size: int, balance: Balance = "zigzag", doc_lens=None):
+        if not isinstance(cp_size, int) or cp_size < 1:
+            raise ValueError(f"cp_size must be a positive integer, got {cp_size!r}")
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+        if balance not in BALANCES:
+            raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+        divisor = 2 * cp_size if balance == "zigzag" else cp_size
+        if seq_len % divisor:
+            raise ValueError(
+                f"seq_len {seq_len} is not divisible by {divisor}, as the {balance!r} layout needs for cp_size {cp_size}"
+            )
+        self.seq_len = seq_len
+        self.cp_size = cp_size
+        self.balance = balance
+        self.doc_lens = _normalize_doc_lens(seq_len, doc_lens)
+        self.local_len = seq_len // cp_size
+        rows = self.doc_lens if self.doc_lens is not None else (None,)
+        # rows with the same documents share everything; keep one entry per distinct row
+        self._row_keys = [rows.index(row) for row in rows]
+        self._index: dict[int, list[list[int]]] = {}
+        self._doc_of: dict[int, list[int]] = {}
+        for key in set(self._row_keys):
+            row = rows[key]
+            self._index[key] = _row_index(seq_len, cp_size, balance, row)
+            lens = row if row is not None else (seq_len,)
+            self._doc_of[key] = [d for d, n in enumerate(lens) for _ in range(n)]
+        self._tensor_cache: dict[tuple, torch.Tensor] = {}
+        self._runs_cache: dict[tuple, Runs] = {}
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def batch_size(self) -> int | None:
+        """Rows described by ``doc_lens``; ``None`` when every row is one document."""
+        return None if self.doc_lens is None else len(self.doc_lens)
+
+    @property
+    def row_independent(self) -> bool:
+        """True when every row uses the same permutation (so any dim may be the batch)."""
+        return len(set(self._row_keys)) == 1 or self.balance != "doc_zigzag"
+
+    @property
+    def uniform_rows(self) -> bool:
+        """True when every row has the same documents (masks can be shared by the batch)."""
+        return len(set(self._row_keys)) == 1
+
+    def row_groups(self) -> list[tuple[int, ...]]:
+        """Batch rows grouped by identical document structure: masks are planned once per group."""
+        if self.doc_lens is None:
+            return [()]  # every row; the batch size is not known to the layout
+        groups: dict[int, list[int]] = {}
+        for b, key in enumerate(self._row_keys):
+            groups.setdefault(key, []).append(b)
+        return [tuple(rows) for rows in groups.values()]
+
+    def _key(self, row: int | None) -> int:
+        return 0 if row is None or self.doc_lens is None else self._row_keys[row]
+
+    def runs(self, ranks: Sequence[int] | None, row: int | None = None) -> Runs:
+        """Runs of the buffer that concatenates the local shards of ``ranks`` in order.
+
+        ``ranks=None`` means the whole row in natural order (the documents themselves).
+        """
+        cache_key = (None if ranks is None else tuple(ranks), self._key(row))
+        if cache_key not in self._runs_cache:
+            ranks, key = cache_key
+            if ranks is None:
+                positions = list(range(self.seq_len))
+            else:
+                positions = [p for r in ranks for p in self._index[key][r]]
+            self._runs_cache[cache_key] = _runs(positions, self._doc_of[key])
+        return self._runs_cache[cache_key]
+
+    # ------------------------------------------------------------------ tensors
+    def index(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global positions of ``rank``'s tokens in local order: ``(local_len,)``, or ``(batch, local_len)`` when rows differ."""
+        self._check_rank(rank)
+        return self._tensor("index", rank, device)
+
+    def positions(self, rank: int, device=None) -> torch.Tensor:
+        """Global positions of ``rank``'s tokens, ``(batch, local_len)`` (``(1, local_len)`` without documents)."""
+        self._check_rank(rank)
+        return self._tensor("positions", rank, device)
+
+    def doc_positions(self, rank: int, device=None) -> torch.Tensor:
+        """Position of each of ``rank``'s tokens inside its own document (restarts at 0), ``(batch, local_len)``."""
+        self._check_rank(rank)
+        return self._tensor("doc_positions", rank, device)
+
+    def doc_ids(self, rank: int, device=None) -> torch.Tensor:
+        """Document index (within its row) of each of ``rank``'s tokens, ``(batch, local_len)``."""
+        self._check_rank(rank)
+        return self._tensor("doc_ids", rank, device)
+
+    def _tensor(self, kind: str, rank: int, device) -> torch.Tensor:
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        cache_key = (kind, rank, device)
+        if cache_key not in self._tensor_cache:
+            keys = self._row_keys if self.doc_lens is not None else [0]
+            rows = []
+            for key in keys:
+                idx = self._index[key][rank]
+                if kind in ("index", "positions"):
+                    rows.append(idx)
+                else:
+                    lens = self.doc_lens[key] if self.doc_lens is not None else (self.seq_len,)
+                    starts = [0]
+                    for n in lens[:-1]:
+                        starts.append(starts[-1] + n)
+                    doc_of = self._doc_of[key]
+                    if kind == "doc_ids":
+                        rows.append([doc_of[p] for p in idx])
+                    else:
+                        rows.append([p - starts[doc_of[p]] for p in idx])
+            t = torch.tensor(rows, dtype=torch.long, device=device)
+            if kind == "index" and self.row_independent:
+                t = t[0]
+            self._tensor_cache[cache_key] = t
+        return self._tensor_cache[cache_key]
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.cp_size:
+            raise ValueError(f"rank {rank} is out of range for cp_size {self.cp_size}")
+
+    def shard(self, x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+        """This rank's tokens of ``x`` along ``dim``, in layout order."""
+        dim = dim % x.dim()
+        if x.shape[dim] != self.seq_len:
+            raise ValueError(f"cannot shard dim {dim} of size {x.shape[dim]}: the layout's seq_len is {self.seq_len}")
+        index = self.index(rank, x.device)
+        if index.dim() == 1:
+            return x.index_select(dim, index)
+        return self._per_row(x, dim, index, gather=True)
+
+    def unshard(self, locals_: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+        """Inverse of :meth:`shard`: every rank's local tensor, by rank, back in natural order."""
+        if len(locals_) != self.cp_size:
+            raise ValueError(f"unshard needs {self.cp_size} local tensors (one per rank), got {len(locals_)}")
+        first = locals_[0]
+        dim = dim % first.dim()
+        for r, t in enumerate(locals_):
+            if t.shape[dim] != self.local_len:
+                raise ValueError(f"rank {r}'s tensor has {t.shape[dim]} tokens along dim {dim}; expected {self.local_len}")
+        stacked = torch.cat(list(locals_), dim=dim)
+        return self.to_natural(stacked, dim)
+
+    def concat_index(self, device=None) -> torch.Tensor:
+        """Global position of each slot of the rank-concatenated buffer ``cat(shards)``."""
+        cache_key = ("concat", device)
+        if cache_key not in self._tensor_cache:
+            self._tensor_cache[cache_key] = torch.cat([self.index(r, device) for r in range(self.cp_size)], dim=-1)
+        return self._tensor_cache[cache_key]
+
+    def inverse_concat_index(self, device=None) -> torch.Tensor:
+        """Slot in ``cat(shards)`` of each global position: ``natural = concat[..., inverse]``."""
+        cache_key = ("inverse", device)
+        if cache_key not in self._tensor_cache:
+            self._tensor_cache[cache_key] = torch.argsort(self.concat_index(device), dim=-1)
+        return self._tensor_cache[cache_key]
+
+    def to_natural(self, concat: torch.Tensor, dim: int) -> torch.Tensor:
+        """Reorder a tensor holding ``cat(shards)`` along ``dim`` into natural order."""
+        inverse = self.inverse_concat_index(concat.device)
+        if inverse.dim() == 1:
+            return concat.index_select(dim, inverse)
+        return self._per_row(concat, dim, inverse, gather=True)
+
+    def to_concat(self, natural: torch.Tensor, dim: int) -> torch.Tensor:
+        """Inverse of :meth:`to_natural`."""
+        index = self.concat_index(natural.device)
+        if index.dim() == 1:
+            return natural.index_select(dim, index)
+        return self._per_row(natural, dim, index, gather=True)
+
+    def _per_row(self, x: torch.Tensor, dim: int, index: torch.Tensor, gather: bool) -> torch.Tensor:
+        if dim == 0:
+            raise ValueError("rows with different documents need the batch on dim 0 and the sequence elsewhere")
+        if x.shape[0] != index.shape[0]:
+            raise ValueError(f"batch size {x.shape[0]} does not match the layout's {index.shape[0]} doc_lens rows")
+        return torch.stack([x[b].index_select(dim - 1, index[b]) for b in range(x.shape[0])])
+
+    def __repr__(self) -> str:
+        docs = "None" if self.doc_lens is None else f"<{len(self.doc_lens)} rows>"
+        return f"SequenceLayout(seq_len={self.seq_len}, cp_size={self.cp_size}, balance={self.balance!r}, doc_lens={docs})"
