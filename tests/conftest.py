@@ -1,6 +1,6 @@
 import pytest
 
-from tests.harness import PoolCache
+from titan_cp.spawn import PoolCache
 
 
 @pytest.fixture(scope="session")

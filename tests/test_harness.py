@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import DistPool, RankError
+from titan_cp.spawn import DistPool, RankError
 
 
 def _sum_ranks(rank, world_size):

@@ -1,0 +1,117 @@
+"""Sequence layouts: shard/unshard round trips, the zigzag chunk rule, document balance,
+positions and document ids, and clear errors for bad input."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from titan_cp import SequenceLayout
+
+
+def _doc_rows(draw, seq_len, batch):
+    rows = []
+    for _ in range(batch):
+        row, left = [], seq_len
+        while left:
+            n = draw(st.integers(1, left))
+            row.append(n)
+            left -= n
+        rows.append(row)
+    return rows
+
+
+@st.composite
+def layouts(draw):
+    cp = draw(st.integers(1, 8))
+    balance = draw(st.sampled_from(["contiguous", "zigzag", "doc_zigzag"]))
+    mult = 2 * cp if balance == "zigzag" else cp
+    seq_len = mult * draw(st.integers(1, 12))
+    docs = _doc_rows(draw, seq_len, draw(st.integers(1, 3))) if draw(st.booleans()) else None
+    return SequenceLayout(seq_len, cp, balance, docs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts())
+def test_shard_unshard_round_trip_and_partition(layout):
+    batch = layout.batch_size or 2
+    x = torch.arange(batch * layout.seq_len * 3).view(batch, layout.seq_len, 3)
+    shards = [layout.shard(x, 1, r) for r in range(layout.cp_size)]
+    assert all(s.shape == (batch, layout.local_len, 3) for s in shards)
+    assert torch.equal(layout.unshard(shards, 1), x)
+    # every position is held by exactly one rank
+    for b in range(batch):
+        held = torch.cat([layout.positions(r)[b if layout.batch_size else 0] for r in range(layout.cp_size)])
+        assert sorted(held.tolist()) == list(range(layout.seq_len))
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts())
+def test_positions_and_doc_ids_follow_the_tokens(layout):
+    rows = layout.doc_lens or [(layout.seq_len,)] * 1
+    for b, row in enumerate(rows):
+        ids = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))
+        starts = torch.cumsum(torch.tensor([0] + list(row[:-1])), 0)
+        doc_pos = torch.arange(layout.seq_len) - starts[ids]
+        for r in range(layout.cp_size):
+            pos = layout.positions(r)[b]
+            assert torch.equal(layout.doc_ids(r)[b], ids[pos])
+            assert torch.equal(layout.doc_positions(r)[b], doc_pos[pos])
+        # after shard -> unshard, per-document positions and ids equal the originals
+        shards = [layout.doc_positions(r)[b : b + 1] for r in range(layout.cp_size)]
+        if layout.row_independent or layout.batch_size is None:
+            assert torch.equal(torch.cat([s for s in shards], 1)[0][torch.argsort(torch.cat([layout.positions(r)[b] for r in range(layout.cp_size)]))], doc_pos)
+
+
+def test_zigzag_rank_holds_chunks_r_and_2n_minus_1_minus_r():
+    layout = SequenceLayout(16, 4, "zigzag")
+    assert layout.index(0).tolist() == [0, 1, 14, 15]
+    assert layout.index(1).tolist() == [2, 3, 12, 13]
+    assert layout.index(3).tolist() == [6, 7, 8, 9]
+    assert SequenceLayout(8, 2, "contiguous").index(1).tolist() == [4, 5, 6, 7]
+
+
+def test_doc_zigzag_splits_each_document_head_tail_without_padding():
+    layout = SequenceLayout(24, 2, "doc_zigzag", [[16, 5, 3]])
+    # 16 tokens -> 4 pieces of 4: rank 0 gets pieces 0 and 3, rank 1 pieces 1 and 2
+    assert layout.index(0)[:8].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert layout.index(1)[:8].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    # documents shorter than 2N still land somewhere, and each rank holds exactly S/N tokens
+    assert layout.index(0).numel() == layout.index(1).numel() == 12
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((10, 4, "contiguous"), "not divisible by 4"),
+        ((12, 4, "zigzag"), "not divisible by 8"),
+        ((8, 0, "zigzag"), "cp_size"),
+        ((8, 2, "stripes"), "balance must be one of"),
+        ((8, 2, "doc_zigzag", [[4, 3]]), "row 0 sums to 7, but seq_len is 8"),
+        ((8, 2, "doc_zigzag", [[4, 4], [8, 0]]), "row 1 has a document of length 0"),
+        ((8, 2, "doc_zigzag", [[4, 5, -1]]), "length -1"),
+        ((8, 2, "doc_zigzag", []), "got no rows"),
+    ],
+)
+def test_bad_layouts(args, match):
+    with pytest.raises(ValueError, match=match):
+        SequenceLayout(*args)
+
+
+def test_shard_and_unshard_errors():
+    layout = SequenceLayout(8, 2, "doc_zigzag", [[3, 5], [8]])
+    with pytest.raises(ValueError, match="batch size 3 does not match the layout's 2 doc_lens rows"):
+        layout.shard(torch.zeros(3, 8), 1, 0)
+    with pytest.raises(ValueError, match="cannot shard dim 1 of size 6"):
+        layout.shard(torch.zeros(2, 6), 1, 0)
+    with pytest.raises(ValueError, match="needs 2 local tensors"):
+        layout.unshard([torch.zeros(2, 4)], 1)
+    with pytest.raises(ValueError, match="out of range"):
+        layout.index(2)
+
+
+def test_doc_lens_tensor_form_matches_lists():
+    rows = [[3, 5], [8]]
+    padded = torch.tensor([[3, 5], [8, 0]])
+    a, b = SequenceLayout(8, 2, "doc_zigzag", rows), SequenceLayout(8, 2, "doc_zigzag", padded)
+    assert torch.equal(a.index(1), b.index(1))
