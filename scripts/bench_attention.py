@@ -1,0 +1,130 @@
+"""Forward+backward time of each CP attention strategy on 1 and on N gloo ranks (one thread per rank).
+
+Prints one JSON object per (case, strategy, world)::
+
+    {"case": "causal", "strategy": "ring", "world": 2, "seq_len": 16384, "seconds": ...,
+     "efficiency": seconds(world 1) / (world * seconds(world)),
+     "bytes_sent_per_rank": <counted at the communication calls>,
+     "bytes_theory_per_rank": <the strategy's own minimum>, ...}
+
+Cases: ``causal`` (one document per row, zigzag layout) and ``docs`` (packed documents
+with log-normal lengths, doc_zigzag layout). World 1 runs the same strategy code on one
+rank, so efficiency compares like with like.
+
+    python scripts/bench_attention.py                       # defaults: seq 16384, 16 q heads, 4 kv heads, dim 64
+    python scripts/bench_attention.py --seq-len 4096 --strategies ring --cases causal docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from titan_cp import SequenceLayout, cp_attention  # noqa: E402
+from titan_cp.attention import STRATEGIES, cp_rank, min_bytes_per_rank  # noqa: E402
+from titan_cp.attention.comm import COMM_COUNTER  # noqa: E402
+from titan_cp.spawn import DistPool  # noqa: E402
+
+
+def lognormal_docs(seq_len: int, mean_len: int, seed: int) -> list[int]:
+    """Document lengths drawn log-normal (long tail) around ``mean_len``, cut to fill ``seq_len``."""
+    rng = random.Random(seed)
+    lens, left = [], seq_len
+    while left:
+        n = max(1, min(left, int(rng.lognormvariate(0, 1.0) * mean_len)))
+        lens.append(n)
+        left -= n
+    return lens
+
+
+def _mesh(strategy: str, world: int, ulysses: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if strategy == "hybrid":
+        return init_device_mesh("cpu", (world // ulysses, ulysses), mesh_dim_names=("cp_ring", "cp_ulysses"))
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+
+
+def _run(rank, world, args: dict, case: str, strategy: str):
+    import torch.distributed as dist
+
+    ulysses = min(args["hybrid_ulysses"], world) if strategy == "hybrid" else 1
+    mesh = _mesh(strategy, world, ulysses)
+    r = cp_rank(mesh, strategy)
+    seq, docs = args["seq_len"], None
+    if case == "docs":
+        docs = [lognormal_docs(seq, args["doc_mean"], seed=1)]
+    balance = "doc_zigzag" if case == "docs" else "zigzag"
+    layout = SequenceLayout(seq, world, balance, docs)
+    g = torch.Generator().manual_seed(0)
+    b, h, hkv, d = args["batch"], args["heads"], args["kv_heads"], args["head_dim"]
+    dtype = getattr(torch, args["dtype"])
+    full = [torch.randn(b, n, seq, d, generator=g).to(dtype) for n in (h, hkv, hkv, h)]
+    q, k, v, dout = (layout.shard(x, 2, r) for x in full)
+    del full
+    times, sent = [], 0
+    for it in range(args["warmup"] + args["iters"]):
+        ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
+        dist.barrier()
+        t0 = time.perf_counter()
+        with COMM_COUNTER.measure() as counter:
+            out = cp_attention(ql, kl, vl, mesh, layout, strategy=strategy)
+            out.backward(dout)
+        dist.barrier()
+        if it >= args["warmup"]:
+            times.append(time.perf_counter() - t0)
+            sent = counter.bytes_sent
+    theory = min_bytes_per_rank(strategy, q, k, world, ulysses)
+    return {"seconds": min(times), "bytes_sent_per_rank": sent, "bytes_theory_per_rank": theory, "ulysses": ulysses}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--worlds", type=int, nargs="+", default=[2])
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    p.add_argument("--cases", nargs="+", default=["causal", "docs"], choices=["causal", "docs"])
+    p.add_argument("--doc-mean", type=int, default=2048, help="mean document length for the docs case")
+    p.add_argument("--hybrid-ulysses", type=int, default=2, help="ulysses axis size for hybrid")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--iters", type=int, default=2)
+    args = vars(p.parse_args(argv))
+
+    for case in args["cases"]:
+        for strategy in args["strategies"]:
+            base = None
+            for world in [1] + [w for w in args["worlds"] if w != 1]:
+                pool = DistPool(world, collective_timeout_s=1800)
+                try:
+                    res = pool.run(_run, args, case, strategy, timeout=3600)[0]
+                finally:
+                    pool.close()
+                base = res["seconds"] if world == 1 else base
+                row = {
+                    "case": case, "strategy": strategy, "world": world, "seq_len": args["seq_len"],
+                    "heads": args["heads"], "kv_heads": args["kv_heads"], "head_dim": args["head_dim"],
+                    "dtype": args["dtype"], "seconds": round(res["seconds"], 4),
+                    "efficiency": round(base / (world * res["seconds"]), 4),
+                    "bytes_sent_per_rank": res["bytes_sent_per_rank"],
+                    "bytes_theory_per_rank": res["bytes_theory_per_rank"],
+                }
+                if strategy == "hybrid":
+                    row["ulysses_size"] = res["ulysses"]
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
