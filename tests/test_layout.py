@@ -48,19 +48,18 @@ def test_shard_unshard_round_trip_and_partition(layout):
 @settings(max_examples=150, deadline=None)
 @given(layouts())
 def test_positions_and_doc_ids_follow_the_tokens(layout):
-    rows = layout.doc_lens or [(layout.seq_len,)] * 1
-    for b, row in enumerate(rows):
-        ids = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))
-        starts = torch.cumsum(torch.tensor([0] + list(row[:-1])), 0)
-        doc_pos = torch.arange(layout.seq_len) - starts[ids]
-        for r in range(layout.cp_size):
-            pos = layout.positions(r)[b]
-            assert torch.equal(layout.doc_ids(r)[b], ids[pos])
-            assert torch.equal(layout.doc_positions(r)[b], doc_pos[pos])
-        # after shard -> unshard, per-document positions and ids equal the originals
-        shards = [layout.doc_positions(r)[b : b + 1] for r in range(layout.cp_size)]
-        if layout.row_independent or layout.batch_size is None:
-            assert torch.equal(torch.cat([s for s in shards], 1)[0][torch.argsort(torch.cat([layout.positions(r)[b] for r in range(layout.cp_size)]))], doc_pos)
+    rows = layout.doc_lens or [(layout.seq_len,)]
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
+    doc_pos = torch.stack([torch.cat([torch.arange(n) for n in r]) for r in rows])
+    ranks = range(layout.cp_size)
+    for r in ranks:
+        pos = layout.positions(r)
+        assert torch.equal(layout.doc_ids(r), ids.gather(1, pos))
+        assert torch.equal(layout.doc_positions(r), doc_pos.gather(1, pos))
+    # shard -> unshard gives back the original positions and document ids
+    assert torch.equal(layout.unshard([layout.positions(r) for r in ranks], 1)[0], torch.arange(layout.seq_len))
+    assert torch.equal(layout.unshard([layout.doc_positions(r) for r in ranks], 1), doc_pos)
+    assert torch.equal(layout.unshard([layout.doc_ids(r) for r in ranks], 1), ids)
 
 
 def test_zigzag_rank_holds_chunks_r_and_2n_minus_1_minus_r():
