@@ -1,0 +1,348 @@
+"""titan_cp.config: TOML + CLI loading, torchtitan compatibility, validation errors that name keys."""
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from titan_cp.config import JobConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+# torchtitan's Llama 3 8B preset (v0.2 schema), verbatim in keys and values.
+TORCHTITAN_LLAMA3_8B = """
+# NOTE: this toml config is a preset for 64 A100 GPUs.
+
+[job]
+dump_folder = "./outputs"
+description = "Llama 3 8B training"
+
+[profiling]
+enable_profiling = true
+save_traces_folder = "profile_trace"
+profile_freq = 100
+
+[metrics]
+log_freq = 10
+enable_tensorboard = true
+save_tb_folder = "tb"
+
+[model]
+name = "llama3"
+flavor = "8B"
+hf_assets_path = "./assets/hf/Llama-3.1-8B"
+# converters = ["float8"]
+
+[optimizer]
+name = "AdamW"
+lr = 3e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 200  # lr scheduler warm up
+
+[training]
+local_batch_size = 1
+seq_len = 8192
+max_norm = 1.0  # grad norm clipping
+steps = 1000
+dataset = "c4"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+pipeline_parallel_degree = 1
+context_parallel_degree = 1
+
+[checkpoint]
+enable = false
+folder = "checkpoint"
+interval = 500
+last_save_model_only = true
+export_dtype = "float32"
+async_mode = "disabled" # ["disabled", "async", "async_with_pinned_mem"]
+
+[compile]
+enable=false
+components = ["model", "loss"]
+
+[activation_checkpoint]
+mode = "selective"  # ["none", "selective", "full"]
+selective_ac_option = "op"  # "int" = ac every positive int layer or 'op', ac based on ops policy
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output"]
+
+[validation]
+enable = false
+dataset = "c4_validation"
+freq = 500
+steps = 1200 # Recommend value for c4_validation with world-size=8 and seq_len=8192
+"""
+
+# torchtitan's older (v0.1) debug model TOML: renamed keys (enable_checkpoint, batch_size, lr_min).
+TORCHTITAN_LLAMA3_DEBUG_V01 = """
+[job]
+dump_folder = "./outputs"
+description = "Llama 3 debug training"
+print_args = false
+use_for_integration_test = true
+
+[model]
+name = "llama3"
+flavor = "debugmodel"
+tokenizer_path = "./tests/assets/test_tiktoken.model"
+
+[lr_scheduler]
+warmup_steps = 2
+decay_ratio = 0.8
+decay_type = "linear"
+lr_min = 0.0
+
+[training]
+batch_size = 8
+seq_len = 2048
+steps = 10
+compile = false
+dataset = "c4_test"
+
+[parallelism]
+data_parallel_shard_degree = -1
+fsdp_reshard_after_forward = "default"
+enable_async_tensor_parallel = false
+context_parallel_degree = 1
+
+[checkpoint]
+enable_checkpoint = true
+interval = 10
+model_weights_only = false
+
+[float8]
+enable_fsdp_float8_all_gather = false
+filter_fqns = ["output"]
+"""
+
+
+def write(tmp_path, text, name="job.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def load_quiet(argv):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # titan_cp's own configs must not warn
+        return load_config(argv)
+
+
+def test_defaults_validate_and_to_dict():
+    cfg = load_quiet([])
+    assert cfg == JobConfig()
+    d = cfg.to_dict()
+    assert d["parallelism"]["context_parallel_strategy"] == "ring"
+    assert d["parallelism"]["context_parallel_load_balancer"] == "doc_zigzag"
+    assert d["training"]["dataset"] == "synthetic_recall"
+    assert set(d) >= {"job", "profiling", "metrics", "model", "optimizer", "lr_scheduler", "training",
+                      "parallelism", "checkpoint", "activation_checkpoint", "compile", "validation", "comm"}
+
+
+def test_precedence_cli_over_toml_over_defaults(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 1024\n[optimizer]\nlr = 1e-3\n")
+    cfg = load_quiet(["--job.config_file", path, "--training.steps", "9"])
+    assert cfg.training.steps == 9  # CLI
+    assert cfg.training.seq_len == 1024  # TOML
+    assert cfg.optimizer.lr == 1e-3  # TOML
+    assert cfg.training.local_batch_size == 8  # default
+    assert cfg.job.config_file == path
+
+
+def test_cli_forms():
+    cfg = load_quiet([
+        "--training.steps=12",
+        "--optimizer.lr", "3e-4",
+        "--checkpoint.enable",
+        "--compile.enable", "false",
+        "--compile.components", "model",
+        "--validation.recall_buckets=100,1000",
+        "--checkpoint.no_initial_load_model_only",
+        "--training.global_batch_size", "-1",
+        "--lr_scheduler.decay_ratio", "none",
+        "--parallelism.context_parallel_degree", "2",
+    ])
+    assert cfg.training.steps == 12
+    assert cfg.optimizer.lr == 3e-4
+    assert cfg.checkpoint.enable is True
+    assert cfg.compile.enable is False
+    assert cfg.compile.components == ["model"]
+    assert cfg.validation.recall_buckets == [100, 1000]
+    assert cfg.checkpoint.initial_load_model_only is False
+    assert cfg.lr_scheduler.decay_ratio is None
+    assert cfg.parallel_degrees() == {"pp": 1, "dp_replicate": 1, "dp_shard": -1, "cp": 2, "tp": 1}
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--training.stepz", "3"], "did you mean 'training.steps'"),
+        (["--parallelism.context_paralel_degree", "2"], "did you mean 'parallelism.context_parallel_degree'"),
+        (["--parallelism.context_parallel_strategy", "rng"], "did you mean 'ring'"),
+        (["--training.steps"], "--training.steps needs a value"),
+        (["--training.steps", "ten"], "training.steps must be an integer"),
+        (["--checkpoint.enable", "maybe"], "expected --section.key"),
+        (["training.steps", "3"], "expected --section.key"),
+    ],
+)
+def test_cli_errors(argv, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        load_config(argv)
+
+
+def test_unknown_toml_key_is_an_error_with_hint(tmp_path):
+    path = write(tmp_path, "[training]\nlocal_batchsize = 4\n")
+    with pytest.raises(ValueError, match=r"unknown config key 'training.local_batchsize'.*did you mean 'training.local_batch_size'"):
+        load_config(["--job.config_file", path])
+    path = write(tmp_path, "[trainer]\nsteps = 4\n", "other.toml")
+    with pytest.raises(ValueError, match=r"'trainer.steps'.*did you mean 'training.steps'"):
+        load_config(["--job.config_file", path])
+
+
+def test_wrong_toml_types_name_the_key(tmp_path):
+    with pytest.raises(ValueError, match="training.steps must be an integer"):
+        load_config(["--job.config_file", write(tmp_path, "[training]\nsteps = 1.5\n")])
+    with pytest.raises(ValueError, match="checkpoint.enable must be true or false"):
+        load_config(["--job.config_file", write(tmp_path, '[checkpoint]\nenable = "yes"\n', "b.toml")])
+
+
+def test_torchtitan_llama3_toml_loads_with_one_warning(tmp_path):
+    path = write(tmp_path, TORCHTITAN_LLAMA3_8B)
+    with pytest.warns(UserWarning) as record:
+        cfg = load_config(["--job.config_file", path])
+    assert len(record) == 1
+    message = str(record[0].message)
+    for key in ("checkpoint.export_dtype", "quantize.linear.float8.filter_fqns",
+                "quantize.linear.float8.enable_fsdp_float8_all_gather"):
+        assert key in message
+    assert "profiling.enable_profiling" not in message and "training.seq_len" not in message
+    assert cfg.profiling.enable_profiling is True
+    assert cfg.model.flavor == "8B"
+    assert cfg.model.hf_assets_path == "./assets/hf/Llama-3.1-8B"
+    assert cfg.training.dataset == "c4"
+    assert cfg.training.local_batch_size == 1
+    assert cfg.activation_checkpoint.selective_ac_option == "op"
+    assert cfg.validation.steps == 1200
+
+
+def test_legacy_torchtitan_keys_are_renamed(tmp_path):
+    path = write(tmp_path, TORCHTITAN_LLAMA3_DEBUG_V01)
+    with pytest.warns(UserWarning) as record:
+        cfg = load_config(["--job.config_file", path])
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "checkpoint.enable_checkpoint -> checkpoint.enable" in message
+    assert "training.batch_size -> training.local_batch_size" in message
+    assert "model.tokenizer_path" in message and "float8.filter_fqns" in message
+    assert cfg.checkpoint.enable is True
+    assert cfg.training.local_batch_size == 8
+    assert cfg.compile.enable is False
+    assert cfg.lr_scheduler.min_lr_factor == 0.0
+
+
+def test_validate_checks_configs_built_in_code():
+    from titan_cp.config import Compile, Parallelism
+
+    with pytest.raises(ValueError, match="parallelism.context_parallel_strategy must be one of.*did you mean 'ring'"):
+        JobConfig(parallelism=Parallelism(context_parallel_strategy="rign")).validate()
+    with pytest.raises(ValueError, match="compile.components must be one of"):
+        JobConfig(compile=Compile(components=["model", "optimizer"])).validate()
+
+
+def test_flavor_names_match_the_model_module():
+    from titan_cp.config import MODEL_FLAVORS
+    from titan_cp.model.flavors import FLAVORS
+
+    assert set(MODEL_FLAVORS) == set(FLAVORS)
+
+
+def test_headtail_is_zigzag():
+    cfg = load_quiet(["--parallelism.context_parallel_load_balancer", "headtail"])
+    assert cfg.parallelism.context_parallel_load_balancer == "zigzag"
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--training.steps", "0"], "training.steps must be positive"),
+        (["--training.local_batch_size", "-2"], "training.local_batch_size must be positive"),
+        (["--optimizer.lr", "-1"], "optimizer.lr must be positive"),
+        (["--optimizer.beta2", "1.0"], "optimizer.beta2 must be in"),
+        (["--model.name", "llama2"], "model.name must be one of"),
+        (["--model.flavor", "8b"], "did you mean '8B'"),
+        (["--parallelism.tensor_parallel_degree", "0"], "parallelism.tensor_parallel_degree must be positive"),
+        (["--parallelism.data_parallel_shard_degree", "-2"], "parallelism.data_parallel_shard_degree must be positive or -1"),
+        (["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio"),
+        (["--activation_checkpoint.selective_ac_option", "every"], "activation_checkpoint.selective_ac_option"),
+        (["--validation.recall_buckets", "100,50"], "validation.recall_buckets"),
+        (["--parallelism.context_parallel_ulysses_degree", "2"], "only used with parallelism.context_parallel_strategy"),
+        (["--parallelism.context_parallel_strategy", "hybrid", "--parallelism.context_parallel_degree", "4",
+          "--parallelism.context_parallel_ulysses_degree", "3"], "context_parallel_ulysses_degree \\(3\\) must divide"),
+        (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "3",
+          "--parallelism.pipeline_parallel_microbatch_size", "2"], "pipeline_parallel_microbatch_size"),
+    ],
+)
+def test_bad_values_name_the_key(argv, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        load_config(argv)
+
+
+@pytest.mark.parametrize("balancer, cp, seq_len, ok", [
+    ("zigzag", 4, 8192, True), ("zigzag", 4, 8196, False), ("doc_zigzag", 3, 6 * 7, True),
+    ("doc_zigzag", 3, 3 * 7, False), ("contiguous", 3, 3 * 7, True), ("contiguous", 4, 4 * 7 + 2, False),
+    ("zigzag", 1, 7, True),
+])
+@pytest.mark.parametrize("key", ["training.seq_len", "validation.seq_len"])
+def test_seq_len_divisibility_names_both_keys(key, balancer, cp, seq_len, ok):
+    argv = ["--parallelism.context_parallel_load_balancer", balancer,
+            "--parallelism.context_parallel_degree", str(cp),
+            "--training.seq_len", str(2 * cp * 8), f"--{key}", str(seq_len)]
+    if ok:
+        cfg = load_quiet(argv)
+        assert getattr(cfg, key.split(".")[0]).seq_len == seq_len
+    else:
+        with pytest.raises(ValueError, match=rf"{key} \({seq_len}\) must be divisible by "
+                                             rf"parallelism.context_parallel_degree \({cp}\)"):
+            load_config(argv)
+
+
+def test_gradient_accumulation():
+    cfg = load_quiet(["--training.local_batch_size", "2", "--training.global_batch_size", "12"])
+    assert cfg.resolve_batch_sizes(dp_degree=3) == (12, 2)
+    assert cfg.resolve_batch_sizes(dp_degree=6) == (12, 1)
+    with pytest.raises(ValueError, match=r"training.global_batch_size \(12\) must be a multiple of training.local_batch_size \(2\)"):
+        cfg.resolve_batch_sizes(dp_degree=4)
+    cfg = load_quiet(["--training.local_batch_size", "2", "--training.gradient_accumulation_steps", "3"])
+    assert cfg.resolve_batch_sizes(dp_degree=2) == (12, 3)
+    assert load_quiet(["--training.local_batch_size", "2"]).resolve_batch_sizes(dp_degree=4) == (8, 1)
+    # with every degree known, load_config checks divisibility itself
+    with pytest.raises(ValueError, match="training.global_batch_size"):
+        load_config(["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2",
+                     "--training.global_batch_size", "6"])
+    with pytest.raises(ValueError, match="training.gradient_accumulation_steps \\(2\\) disagrees"):
+        load_config(["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2",
+                     "--training.global_batch_size", "12", "--training.gradient_accumulation_steps", "2"])
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "train_configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_train_config_loads(path):
+    cfg = load_quiet(["--job.config_file", str(path)])
+    assert cfg.model.name == "llama3"
+    assert path.read_text().startswith("#"), "each preset starts with a comment header"
+    assert cfg.parallelism.context_parallel_degree > 1
+
+
+def test_train_configs_present():
+    names = {p.name for p in (REPO / "train_configs").glob("*.toml")}
+    assert names >= {"debug_cp.toml", "debug_fsdp_cp.toml", "debug_tp_cp.toml", "debug_pp_cp.toml",
+                     "debug_hybrid_cp.toml", "llama3_8b_128k.toml", "llama3_8b_256k.toml", "llama3_70b_cp.toml"}

@@ -1,0 +1,768 @@
+"""torchtitan-style job configuration: one dataclass per TOML section.
+
+Precedence is CLI > TOML > defaults::
+
+    job_config = load_config(["--job.config_file", "train_configs/debug_cp.toml",
+                              "--training.steps", "5", "--parallelism.context_parallel_degree=2"])
+
+Section and key names follow torchtitan's v0.2 ``JobConfig`` (``job``, ``metrics``, ``model``,
+``optimizer``, ``lr_scheduler``, ``training``, ``parallelism``, ``checkpoint``,
+``activation_checkpoint``, ``compile``, ``validation``, ``comm``, ...), so a torchtitan Llama 3
+TOML loads unmodified:
+
+- torchtitan keys that titan_cp does not implement (``[float8]``, ``model.converters``, ...) are
+  accepted and ignored, all listed in one warning;
+- legacy torchtitan keys that were renamed (``checkpoint.enable_checkpoint``,
+  ``training.batch_size``, ...) are applied to their new name and listed in the same warning;
+- a key that neither defines is a ``ValueError`` with a "did you mean" hint.
+
+CLI overrides: ``--section.key value`` or ``--section.key=value``; booleans also as a bare
+``--section.flag`` (true) or ``--section.no_flag`` (false); lists comma-separated; ``none`` for an
+optional value.
+
+Values are validated by :meth:`JobConfig.validate` (called by :func:`load_config`) without starting
+any process group. What needs the world size (mesh degrees, the gradient-accumulation count when
+``parallelism.data_parallel_shard_degree = -1``) is checked by ``titan_cp.mesh.ParallelDims`` and
+:meth:`JobConfig.resolve_batch_sizes` at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import types
+import typing
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
+MODEL_NAMES = ("llama3",)
+MODEL_FLAVORS = ("tiny", "debugmodel", "8B", "70B", "405B")  # the keys of titan_cp.model.flavors.FLAVORS
+
+
+@dataclass
+class Job:
+    config_file: str | None = None
+    """TOML file to read the job config from."""
+
+    dump_folder: str = "./outputs"
+    """Folder for all job outputs (checkpoints, metrics, traces)."""
+
+    description: str = "default job"
+    """Free-text description of the job, logged at start."""
+
+    print_config: bool = False
+    """Log the resolved job config at start."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Collect torch.profiler traces."""
+
+    save_traces_folder: str = "profile_traces"
+    """Trace folder, relative to ``job.dump_folder``."""
+
+    profile_freq: int = 10
+    """Collect one trace every this many steps."""
+
+    enable_memory_snapshot: bool = False
+    """Dump CUDA memory snapshots."""
+
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Memory snapshot folder, relative to ``job.dump_folder``."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log metrics every this many steps."""
+
+    enable_tensorboard: bool = False
+    """Also write TensorBoard events (needs the optional ``tensorboard`` package)."""
+
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to ``job.dump_folder``."""
+
+    disable_color_printing: bool = False
+    """Log without ANSI colors."""
+
+    save_jsonl_file: str = "metrics.jsonl"
+    """Machine-readable metrics, one JSON object per logged step, relative to
+    ``job.dump_folder``; empty disables."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family; titan_cp implements ``llama3``."""
+
+    flavor: str = "debugmodel"
+    """Model size: ``tiny``, ``debugmodel`` (CPU), ``8B``, ``70B``, ``405B``."""
+
+    hf_assets_path: str | None = None
+    """Folder with local Hugging Face assets; its ``tokenizer.json`` is used as the tokenizer.
+    Unset (or empty): the built-in byte-level tokenizer."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer."""
+
+    lr: float = 8e-4
+    """Peak learning rate."""
+
+    beta1: float = 0.9
+    """First-moment decay."""
+
+    beta2: float = 0.95
+    """Second-moment decay."""
+
+    eps: float = 1e-8
+    """Denominator epsilon."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+
+    implementation: Literal["for-loop", "foreach", "fused"] = "fused"
+    """torch.optim implementation: ``fused`` (fastest), ``foreach`` or ``for-loop``."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Linear warmup steps, from near 0 to ``optimizer.lr``."""
+
+    decay_ratio: float | None = None
+    """Fraction of ``training.steps`` spent decaying, at the end (warmup-stable-decay).
+    Unset: decay starts right after warmup."""
+
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Decay curve."""
+
+    min_lr_factor: float = 0.0
+    """The learning rate decays to ``optimizer.lr * min_lr_factor``."""
+
+
+@dataclass
+class Training:
+    dataset: str = "synthetic_recall"
+    """Dataset: ``synthetic_recall`` (built in, long-range recall), ``text`` (local .txt/.jsonl at
+    ``training.dataset_path``), ``hf`` (a Hugging Face dataset saved on disk), or any other name
+    with ``training.dataset_path`` pointing at a local copy. Nothing is ever downloaded."""
+
+    dataset_path: str | None = None
+    """Local file or folder of the dataset."""
+
+    local_batch_size: int = 8
+    """Rows (packed sequences of ``seq_len`` tokens) per microbatch per data-parallel rank."""
+
+    global_batch_size: int = -1
+    """Rows per optimizer step over all data-parallel ranks and microbatches.
+    -1: ``local_batch_size * dp degree * gradient_accumulation_steps``."""
+
+    gradient_accumulation_steps: int = -1
+    """Microbatches per optimizer step on each data-parallel rank.
+    -1: derived, ``global_batch_size / (local_batch_size * dp degree)`` (1 if both are -1)."""
+
+    seq_len: int = 2048
+    """Tokens per row (the full sequence, before context-parallel sharding)."""
+
+    max_norm: float = 1.0
+    """Gradient clipping max norm."""
+
+    steps: int = 10000
+    """Optimizer steps to train."""
+
+    seed: int = 0
+    """Base seed for parameter init and data generation."""
+
+    deterministic: bool = False
+    """Use deterministic algorithms (slower), for bit-identical reruns."""
+
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Parameter dtype for compute under FSDP mixed precision."""
+
+    mixed_precision_reduce: Literal["float32"] = "float32"
+    """Gradient reduction dtype under FSDP mixed precision."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas of the weights (DDP, or HSDP with data_parallel_shard_degree > 1). 1: off."""
+
+    data_parallel_shard_degree: int = -1
+    """FSDP sharding degree. -1: the ranks left after every other degree."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """FSDP ``reshard_after_forward`` policy."""
+
+    tensor_parallel_degree: int = 1
+    """Tensor-parallel degree. 1: off."""
+
+    disable_loss_parallel: bool = False
+    """Compute the loss on gathered logits instead of vocabulary shards under TP."""
+
+    pipeline_parallel_degree: int = 1
+    """Pipeline-parallel degree (ranks, not stages). 1: off."""
+
+    pipeline_parallel_schedule: Literal[
+        "1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+    ] = "1F1B"
+    """``torch.distributed.pipelining`` schedule."""
+
+    pipeline_parallel_microbatch_size: int = 1
+    """Rows per pipeline microbatch; must divide ``training.local_batch_size``."""
+
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Transformer layers per (virtual) stage. Unset: inferred from the schedule."""
+
+    context_parallel_degree: int = 1
+    """Context-parallel degree: ranks that split one sequence. 1: off."""
+
+    context_parallel_strategy: Literal["ring", "allgather", "ulysses", "hybrid"] = "ring"
+    """How attention exchanges data on the ``cp`` axis: ``ring`` (K/V blocks passed around a ring,
+    overlapped with compute), ``allgather`` (all-gather K/V), ``ulysses`` (all-to-all, sequence to
+    heads), ``hybrid`` (Ulysses inside, ring across)."""
+
+    context_parallel_load_balancer: Literal["contiguous", "zigzag", "doc_zigzag"] = "doc_zigzag"
+    """Sequence layout over cp ranks: ``contiguous`` (rank r holds chunk r), ``zigzag`` (rank r holds
+    chunks r and 2*cp-1-r), ``doc_zigzag`` (zigzag within each packed document).
+    torchtitan's ``headtail`` is read as ``zigzag``."""
+
+    context_parallel_ulysses_degree: int = 1
+    """For ``hybrid``: size of the inner Ulysses axis (``cp_ulysses``); the ring axis
+    (``cp_ring``) has ``context_parallel_degree / context_parallel_ulysses_degree`` ranks."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints, and resume from the latest one."""
+
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to ``job.dump_folder``."""
+
+    interval: int = 500
+    """Save every this many steps."""
+
+    keep_latest_k: int = 10
+    """Keep only the latest k checkpoints. 0: keep all."""
+
+    load_step: int = -1
+    """Step to resume from. -1: the latest."""
+
+    initial_load_path: str | None = None
+    """Checkpoint to start from when ``folder`` has none."""
+
+    initial_load_model_only: bool = True
+    """Load only the model (not optimizer and train state) from ``initial_load_path``."""
+
+    last_save_model_only: bool = True
+    """The final save holds only the model."""
+
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """State to leave out when loading, e.g. ``optimizer,lr_scheduler,dataloader``."""
+
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """``async`` saves with ``torch.distributed.checkpoint.async_save``."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "selective"
+    """Activation checkpointing: ``none``, ``full`` (every block), ``selective``."""
+
+    selective_ac_option: str = "2"
+    """For ``selective``: a positive integer n (every n-th block) or ``op`` (op-level policy)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """Apply ``torch.compile``."""
+
+    components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile."""
+
+    backend: str = "inductor"
+    """``torch.compile`` backend."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Run validation every ``freq`` steps."""
+
+    dataset: str = "synthetic_recall"
+    """Validation dataset (``synthetic_recall`` uses its held-out split)."""
+
+    dataset_path: str | None = None
+    """Local file or folder of the validation dataset."""
+
+    local_batch_size: int = -1
+    """Rows per data-parallel rank. -1: ``training.local_batch_size``."""
+
+    seq_len: int = -1
+    """Tokens per row. -1: ``training.seq_len``."""
+
+    freq: int = 10
+    """Validate every this many training steps."""
+
+    steps: int = -1
+    """Validation steps. -1: the whole (finite) validation set."""
+
+    recall_eval: bool = True
+    """Also report answer-token accuracy bucketed by fact-to-question distance (datasets with
+    answers, e.g. ``synthetic_recall``)."""
+
+    recall_buckets: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096, 8192])
+    """Upper edges (tokens) of the distance buckets for ``recall_eval``."""
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Collective timeout during initialization and the first step."""
+
+    train_timeout_seconds: int = 100
+    """Collective timeout after the first step."""
+
+
+@dataclass
+class JobConfig:
+    """The whole job: one field per TOML section."""
+
+    job: Job = field(default_factory=Job)
+    profiling: Profiling = field(default_factory=Profiling)
+    metrics: Metrics = field(default_factory=Metrics)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    validation: Validation = field(default_factory=Validation)
+    comm: Comm = field(default_factory=Comm)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """``{section: {key: value}}``, for logs and checkpoint metadata."""
+        return asdict(self)
+
+    def parallel_degrees(self) -> dict[str, int]:
+        """Degrees by mesh axis name; ``dp_shard`` may be -1 ("the rest", resolved by the mesh)."""
+        p = self.parallelism
+        return {
+            "pp": p.pipeline_parallel_degree,
+            "dp_replicate": p.data_parallel_replicate_degree,
+            "dp_shard": p.data_parallel_shard_degree,
+            "cp": p.context_parallel_degree,
+            "tp": p.tensor_parallel_degree,
+        }
+
+    def resolve_batch_sizes(self, dp_degree: int) -> tuple[int, int]:
+        """``(global_batch_size, gradient_accumulation_steps)`` in rows, for ``dp_degree`` data-parallel
+        ranks (``dp_replicate * dp_shard``): ``global = local_batch_size * dp_degree * accumulation``."""
+        t = self.training
+        per_microstep = t.local_batch_size * dp_degree
+        if t.global_batch_size == -1:
+            accum = 1 if t.gradient_accumulation_steps == -1 else t.gradient_accumulation_steps
+            return per_microstep * accum, accum
+        if t.global_batch_size % per_microstep:
+            raise ValueError(
+                f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                f"training.local_batch_size ({t.local_batch_size}) x data-parallel degree ({dp_degree}) "
+                f"= {per_microstep}"
+            )
+        accum = t.global_batch_size // per_microstep
+        if t.gradient_accumulation_steps not in (-1, accum):
+            raise ValueError(
+                f"training.gradient_accumulation_steps ({t.gradient_accumulation_steps}) disagrees with "
+                f"training.global_batch_size / (training.local_batch_size x dp degree) = "
+                f"{t.global_batch_size} / {per_microstep} = {accum}; set one of them to -1"
+            )
+        return t.global_batch_size, accum
+
+    def validate(self) -> None:
+        """Check every value that does not need the world size; raise ``ValueError`` naming the key."""
+        for key, hint in _known_keys().items():  # choices, also for configs built in code
+            section, name = key.split(".")
+            value = getattr(getattr(self, section), name)
+            if typing.get_origin(hint) is Literal:
+                _choice(key, value, typing.get_args(hint))
+            elif typing.get_origin(hint) is list and typing.get_origin(typing.get_args(hint)[0]) is Literal:
+                for item in value:
+                    _choice(key, item, typing.get_args(typing.get_args(hint)[0]))
+        m, o, s, t, p = self.model, self.optimizer, self.lr_scheduler, self.training, self.parallelism
+        _choice("model.name", m.name, MODEL_NAMES)
+        _choice("model.flavor", m.flavor, MODEL_FLAVORS)
+        _positive("optimizer.lr", o.lr)
+        _positive("optimizer.eps", o.eps)
+        _at_least("optimizer.weight_decay", o.weight_decay, 0)
+        for key, beta in (("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)):
+            if not 0 <= beta < 1:
+                raise ValueError(f"{key} must be in [0, 1), got {beta}")
+        _at_least("lr_scheduler.warmup_steps", s.warmup_steps, 0)
+        if s.decay_ratio is not None and not 0 <= s.decay_ratio <= 1:
+            raise ValueError(f"lr_scheduler.decay_ratio must be in [0, 1] or unset, got {s.decay_ratio}")
+        if not 0 <= s.min_lr_factor <= 1:
+            raise ValueError(f"lr_scheduler.min_lr_factor must be in [0, 1], got {s.min_lr_factor}")
+        for key in ("local_batch_size", "seq_len", "steps"):
+            _positive(f"training.{key}", getattr(t, key))
+        _positive("training.max_norm", t.max_norm)
+        _positive_or_auto("training.global_batch_size", t.global_batch_size)
+        _positive_or_auto("training.gradient_accumulation_steps", t.gradient_accumulation_steps)
+        _at_least("training.seed", t.seed, 0)
+
+        for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+                    "context_parallel_degree", "context_parallel_ulysses_degree",
+                    "pipeline_parallel_microbatch_size"):
+            _positive(f"parallelism.{key}", getattr(p, key))
+        _positive_or_auto("parallelism.data_parallel_shard_degree", p.data_parallel_shard_degree)
+        if p.pipeline_parallel_layers_per_stage is not None:
+            _positive("parallelism.pipeline_parallel_layers_per_stage", p.pipeline_parallel_layers_per_stage)
+        if p.context_parallel_strategy == "hybrid":
+            if p.context_parallel_degree % p.context_parallel_ulysses_degree:
+                raise ValueError(
+                    f"parallelism.context_parallel_ulysses_degree ({p.context_parallel_ulysses_degree}) must "
+                    f"divide parallelism.context_parallel_degree ({p.context_parallel_degree})"
+                )
+        elif p.context_parallel_ulysses_degree != 1:
+            raise ValueError(
+                "parallelism.context_parallel_ulysses_degree is only used with "
+                "parallelism.context_parallel_strategy = 'hybrid'; got strategy "
+                f"{p.context_parallel_strategy!r}: leave the degree at 1 or set the strategy to 'hybrid'"
+            )
+        if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
+            raise ValueError(
+                f"training.local_batch_size ({t.local_batch_size}) must be a multiple of "
+                f"parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size})"
+            )
+        _check_seq_len("training.seq_len", t.seq_len, p)
+        if -1 not in self.parallel_degrees().values():
+            self.resolve_batch_sizes(p.data_parallel_replicate_degree * p.data_parallel_shard_degree)
+
+        c = self.checkpoint
+        _positive("checkpoint.interval", c.interval)
+        _at_least("checkpoint.keep_latest_k", c.keep_latest_k, 0)
+        ac = self.activation_checkpoint
+        if ac.mode == "selective" and ac.selective_ac_option != "op":
+            if not (ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) > 0):
+                raise ValueError(
+                    "activation_checkpoint.selective_ac_option must be a positive integer or 'op', "
+                    f"got {ac.selective_ac_option!r}"
+                )
+        v = self.validation
+        _positive("validation.freq", v.freq)
+        _positive_or_auto("validation.steps", v.steps)
+        _positive_or_auto("validation.local_batch_size", v.local_batch_size)
+        _positive_or_auto("validation.seq_len", v.seq_len)
+        if v.seq_len != -1:
+            _check_seq_len("validation.seq_len", v.seq_len, p)
+        if not v.recall_buckets or any(b <= a for a, b in zip([0] + v.recall_buckets, v.recall_buckets)):
+            raise ValueError(f"validation.recall_buckets must be increasing positive integers, got {v.recall_buckets}")
+        _positive("metrics.log_freq", self.metrics.log_freq)
+        _positive("profiling.profile_freq", self.profiling.profile_freq)
+        _positive("comm.init_timeout_seconds", self.comm.init_timeout_seconds)
+        _positive("comm.train_timeout_seconds", self.comm.train_timeout_seconds)
+
+
+# --------------------------------------------------------------------------------------------
+# value checks
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{key} must be positive, got {value}")
+
+
+def _at_least(key: str, value: float, low: float) -> None:
+    if value < low:
+        raise ValueError(f"{key} must be >= {low}, got {value}")
+
+
+def _positive_or_auto(key: str, value: int) -> None:
+    if value <= 0 and value != -1:
+        raise ValueError(f"{key} must be positive or -1 (automatic), got {value}")
+
+
+def _choice(key: str, value: str, choices: typing.Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}{_did_you_mean(value, choices)}")
+
+
+def _did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
+    by_lower = {c.lower(): c for c in candidates}
+    close = [by_lower[c] for c in difflib.get_close_matches(word.lower(), list(by_lower), n=3, cutoff=0.6)]
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _check_seq_len(key: str, seq_len: int, p: Parallelism) -> None:
+    """The sequence must split evenly over the cp ranks: into cp chunks (``contiguous``), or into
+    2*cp chunks, two per rank (``zigzag``, ``doc_zigzag``)."""
+    cp = p.context_parallel_degree
+    chunks = cp if p.context_parallel_load_balancer == "contiguous" else 2 * cp
+    if cp > 1 and seq_len % chunks:
+        what = f"({cp})" if chunks == cp else f"({cp}) x 2 = {chunks}"
+        raise ValueError(
+            f"{key} ({seq_len}) must be divisible by parallelism.context_parallel_degree {what} "
+            f"for parallelism.context_parallel_load_balancer = {p.context_parallel_load_balancer!r}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# torchtitan compatibility
+
+# torchtitan (v0.2 and the legacy v0.1 names) keys titan_cp accepts and ignores, by section
+# ("a.b" for nested tables such as [quantize.linear.float8]).
+_TORCHTITAN_ONLY: dict[str, tuple[str, ...]] = {
+    "job": ("print_args", "use_for_integration_test", "save_config_file", "custom_config_module"),
+    "profiling": ("profiler_active", "profiler_warmup"),
+    "metrics": ("save_for_all_ranks", "enable_wandb"),
+    "model": ("tokenizer_path", "converters", "print_after_conversion"),
+    "optimizer": ("early_step_in_backward",),
+    "training": ("enable_cpu_offload", "dtype", "gc_freq", "gc_debug"),
+    "training.dataloader": ("num_workers", "persistent_workers", "pin_memory", "prefetch_factor"),
+    "parallelism": (
+        "enable_compiled_autograd", "enable_async_tensor_parallel", "disable_sequence_parallel",
+        "pipeline_parallel_split_points", "module_fqns_per_model_part",
+        "pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers",
+        "pipeline_parallel_schedule_csv", "pipeline_parallel_expert_parallel_overlap",
+        "context_parallel_rotate_method", "expert_parallel_degree", "expert_tensor_parallel_degree",
+        "expert_parallel_comm_backend",
+    ),
+    "checkpoint": (
+        "enable_ft_dataloader_checkpoints", "initial_load_in_hf", "initial_load_in_hf_quantized",
+        "last_save_in_hf", "export_dtype", "create_seed_checkpoint", "load_only", "model_weights_only",
+        "enable_first_step_checkpoint",
+    ),
+    "activation_checkpoint": (
+        "per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop", "memory_budget",
+        "visualize_memory_budget_pareto", "preserve_rng_state", "determinism_check", "debug",
+    ),
+    "comm": ("trace_buf_size", "save_traces_folder", "save_traces_file_prefix", "mode"),
+    "validation.dataloader": ("num_workers", "persistent_workers", "pin_memory", "prefetch_factor"),
+    "float8": (
+        "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp",
+        "force_recompute_fp8_weight_in_bwd", "recipe_name", "filter_fqns", "emulate", "moe_fqns_prototype",
+    ),
+    "mx": ("mxfp8_dim1_cast_kernel_choice", "recipe_name", "filter_fqns"),
+    "quantize.linear.float8": (
+        "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp",
+        "force_recompute_fp8_weight_in_bwd", "recipe_name", "filter_fqns", "emulate",
+    ),
+    "quantize.linear.mx": ("mxfp8_dim1_cast_kernel_choice", "recipe_name", "filter_fqns"),
+    "quantize.grouped_mm.float8": ("fqns",),
+    "quantize.grouped_mm.mx": ("recipe_name", "fqns"),
+    "memory_estimation": ("enable", "enabled", "disable_fake_mode"),
+    "fault_tolerance": (
+        "enable", "process_group", "process_group_timeout_ms", "replica_id", "group_size",
+        "min_replica_size", "semi_sync_method", "sync_steps", "should_quantize", "fragment_sync_delay",
+        "fragment_update_alpha",
+    ),
+    "experimental": ("custom_import", "custom_args_module"),
+    "debug": ("deterministic_warn_only", "moe_force_load_balance"),
+}
+
+# Renamed torchtitan keys: old dotted name -> titan_cp dotted name.
+_RENAMED = {
+    "checkpoint.enable_checkpoint": "checkpoint.enable",
+    "training.batch_size": "training.local_batch_size",
+    "training.compile": "compile.enable",
+    "lr_scheduler.lr_min": "lr_scheduler.min_lr_factor",
+    "validation.enabled": "validation.enable",
+    "debug.seed": "training.seed",
+    "debug.deterministic": "training.deterministic",
+}
+
+# torchtitan values with a titan_cp equivalent.
+_VALUE_ALIASES = {"parallelism.context_parallel_load_balancer": {"headtail": "zigzag"}}
+
+
+@functools.cache
+def _known_keys() -> dict[str, Any]:
+    """Every titan_cp dotted key -> its type hint."""
+    sections = typing.get_type_hints(JobConfig)
+    return {
+        f"{section.name}.{name}": hint
+        for section in dataclasses.fields(JobConfig)
+        for name, hint in typing.get_type_hints(sections[section.name]).items()
+    }
+
+
+@functools.cache
+def _torchtitan_keys() -> frozenset[str]:
+    return frozenset(f"{section}.{key}" for section, keys in _TORCHTITAN_ONLY.items() for key in keys)
+
+
+def _unknown_key(key: str, origin: str) -> ValueError:
+    candidates = [*_known_keys(), *_torchtitan_keys(), *_RENAMED]
+    return ValueError(f"unknown config key {key!r} ({origin}){_did_you_mean(key, candidates)}")
+
+
+def _flatten_toml(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": {"c": 1}}}`` -> ``{"a.b.c": 1}``."""
+    out: dict[str, Any] = {}
+    for name, value in table.items():
+        if isinstance(value, dict):
+            out.update(_flatten_toml(value, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = value
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# value coercion
+
+
+def _coerce(key: str, value: Any, hint: Any, from_cli: bool) -> Any:
+    """Check (TOML) or parse (CLI string) ``value`` against the type hint of ``key``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and (value is None or (from_cli and str(value).lower() in ("none", "null", ""))):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0], from_cli)
+    if origin is Literal:
+        if not isinstance(value, str):
+            raise ValueError(f"{key} must be one of {list(args)}, got {value!r}")
+        value = _VALUE_ALIASES.get(key, {}).get(value, value)
+        _choice(key, value, args)
+        return value
+    if origin is list:
+        if from_cli or isinstance(value, str):
+            value = [v.strip() for v in str(value).split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ValueError(f"{key} must be a list (comma-separated on the command line), got {value!r}")
+        return [_coerce(key, v, args[0], from_cli) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and str(value).lower() in _BOOL_WORDS:
+            return _BOOL_WORDS[str(value).lower()]
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    if hint in (int, float):
+        kind = "a float" if hint is float else "an integer"
+        if isinstance(value, bool):
+            raise ValueError(f"{key} must be {kind}, got {value!r}")
+        if from_cli:
+            try:
+                value = hint(value)
+            except ValueError:
+                raise ValueError(f"{key} must be {kind}, got {value!r}") from None
+        if hint is float and isinstance(value, int):
+            value = float(value)
+        if not isinstance(value, hint):
+            raise ValueError(f"{key} must be {kind}, got {value!r}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {hint} for {key}")  # internal: a field type coerce lacks
+
+
+_BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def _parse_cli(argv: list[str]) -> list[tuple[str, str | None]]:
+    """``["--a.b", "1", "--c.d=x", "--e.flag"]`` -> ``[("a.b", "1"), ("c.d", "x"), ("e.flag", None)]``.
+
+    A bare flag (no value) is ``None``; whether that is allowed depends on the key's type.
+    """
+    known = _known_keys()
+    out: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ValueError(f"expected --section.key, got {arg!r}")
+        name, eq, value = arg[2:].partition("=")
+        i += 1
+        if eq:
+            out.append((name, value))
+            continue
+        hint = known.get(name)
+        takes_word = i < len(argv) and not argv[i].startswith("--")
+        if hint is bool and takes_word and argv[i].lower() not in _BOOL_WORDS:
+            takes_word = False  # a bare flag followed by something else
+        if takes_word:
+            out.append((name, argv[i]))
+            i += 1
+        else:
+            out.append((name, None))
+    return out
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """Build a validated :class:`JobConfig` from ``argv``: the TOML in ``--job.config_file`` (if any)
+    overridden by the other ``--section.key value`` arguments. Starts no process group.
+
+    Raises ``ValueError`` (naming the key) for unknown keys and bad values, and warns once listing
+    the torchtitan keys that are ignored or renamed.
+    """
+    cli = _parse_cli(list(argv or []))
+    known = _known_keys()
+    toml_path = None
+    for name, value in cli:
+        if name == "job.config_file":
+            toml_path = value
+    ignored: list[str] = []
+    renamed: list[str] = []
+    values: dict[str, Any] = {}
+
+    def place(key: str, value: Any, origin: str, from_cli: bool) -> None:
+        if from_cli and key not in known and key not in _RENAMED and value is None:
+            section, _, leaf = key.rpartition(".")
+            if leaf.startswith("no_") and known.get(f"{section}.{leaf[3:]}") is bool:
+                key, value = f"{section}.{leaf[3:]}", "false"
+        if key in _RENAMED:
+            renamed.append(f"{key} -> {_RENAMED[key]}")
+            key = _RENAMED[key]
+        if key in known:
+            hint = known[key]
+            if value is None:
+                if hint is not bool:
+                    raise ValueError(f"--{key} needs a value")
+                value = "true"
+            values[key] = _coerce(key, value, hint, from_cli)
+        elif key in _torchtitan_keys():
+            ignored.append(key)
+        else:
+            raise _unknown_key(key, origin)
+
+    if toml_path is not None:
+        with open(toml_path, "rb") as f:
+            table = tomllib.load(f)
+        for key, value in _flatten_toml(table).items():
+            place(key, value, f"in {toml_path}", from_cli=False)
+    for key, value in cli:
+        place(key, value, "on the command line", from_cli=True)
+    if ignored or renamed:
+        parts = []
+        if ignored:
+            parts.append("ignoring torchtitan keys titan_cp does not implement: " + ", ".join(dict.fromkeys(ignored)))
+        if renamed:
+            parts.append("renamed legacy torchtitan keys: " + ", ".join(dict.fromkeys(renamed)))
+        warnings.warn("; ".join(parts), UserWarning, stacklevel=2)
+
+    job_config = JobConfig()
+    for key, value in values.items():
+        section, name = key.split(".")
+        setattr(getattr(job_config, section), name, value)
+    job_config.validate()
+    return job_config

@@ -1,0 +1,243 @@
+"""Document sources: the built-in synthetic long-range recall corpus, local text/JSONL, and Hugging
+Face datasets saved on disk. Nothing is downloaded.
+
+A source maps a document index ``i >= 0`` to a tokenized :class:`Document`
+(``source.document(i)``); finite sources wrap around (epoch ``i // len``), so the packer sees an
+endless, deterministic stream.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from titan_cp.data.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from titan_cp.config import JobConfig
+
+Split = Literal["train", "validation"]
+
+
+@dataclass
+class Document:
+    """One tokenized document, BOS first and EOS last.
+
+    ``answer_spans[k] = (start, end)``: token span (end exclusive) of the k-th answer;
+    ``answer_distances[k]``: tokens from the start of the fact that holds that answer to the start
+    of the answer (how far back the model must look to produce it).
+    """
+
+    tokens: list[int]
+    answer_spans: list[tuple[int, int]] = field(default_factory=list)
+    answer_distances: list[int] = field(default_factory=list)
+
+
+class DocumentSource(Protocol):
+    def document(self, index: int) -> Document: ...
+
+
+# --------------------------------------------------------------------------------------------
+# synthetic long-range recall
+
+_WORDS = (
+    "the a river stone city window music garden letter morning story market bridge harbor "
+    "forest engine paper lantern mountain signal winter field island voice station valley road "
+    "old quiet bright slow distant small heavy early green narrow warm silent open broken "
+    "walks carries finds watches builds remembers follows crosses holds opens reads leaves "
+    "near under over beyond through along behind across with without before after while"
+).split()
+_KEY_CHARS = "abcdefghijklmnopqrstuvwxyz"
+_VALUE_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+class SyntheticRecall:
+    """Documents that plant ``key = value`` facts at the start and ask for them much later.
+
+    Layout of one document (lengths log-uniform in ``[min_tokens, max_tokens]``)::
+
+        <BOS>Remember these facts.
+        qzmkt = 4k9d2x.          <- facts: random keys and values, 1 to 8 of them
+        ...
+        Filler sentences from a small vocabulary, with the questions placed at random points:
+        Question: what is qzmkt? Answer: 4k9d2x.     <- the answer span is the value's tokens
+        ...<EOS>
+
+    Every fact is asked once; the distance of an answer is its start minus the start of the
+    fact's value, so long documents give distances of thousands of tokens. Document ``i`` depends
+    only on ``(seed, split, i)``, so any document can be generated on its own; the ``validation``
+    split draws from a different random stream than ``train`` (held out by construction).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        seed: int = 0,
+        split: Split = "train",
+        min_tokens: int = 256,
+        max_tokens: int = 6144,
+    ):
+        if not 64 <= min_tokens <= max_tokens:
+            raise ValueError(f"need 64 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
+        self.tokenizer, self.seed, self.split = tokenizer, seed, split
+        self.min_tokens, self.max_tokens = min_tokens, max_tokens
+
+    def document(self, index: int) -> Document:
+        rng = random.Random(f"synthetic_recall/{self.split}/{self.seed}/{index}")
+        target = round(math.exp(rng.uniform(math.log(self.min_tokens), math.log(self.max_tokens))))
+        n_facts = rng.randint(1, max(1, min(8, target // 256)))
+        keys: list[str] = []
+        while len(keys) < n_facts:
+            key = "".join(rng.choices(_KEY_CHARS, k=5))
+            if key not in keys:
+                keys.append(key)
+        values = {k: "".join(rng.choices(_VALUE_CHARS, k=6)) for k in keys}
+
+        tok = self.tokenizer
+        tokens = [tok.bos_id]
+
+        def add(text: str) -> int:
+            start = len(tokens)
+            tokens.extend(tok.encode(text))
+            return start
+
+        add("Remember these facts.\n")
+        value_start = {}
+        for k in keys:
+            add(f"{k} = ")
+            value_start[k] = add(values[k])
+            add(".\n")
+        # Questions at random fractions of the rest of the document, each fact asked once.
+        body = max(0, target - len(tokens))
+        asked = rng.sample(keys, len(keys))
+        marks = sorted(len(tokens) + round(body * rng.uniform(0.05, 1.0)) for _ in asked)
+        spans, distances = [], []
+        for k, mark in zip(asked, marks):
+            while len(tokens) < mark:
+                add(_sentence(rng))
+            add(f"\nQuestion: what is {k}? Answer: ")
+            start = add(values[k])
+            spans.append((start, len(tokens)))
+            distances.append(start - value_start[k])
+            add(".\n")
+        while len(tokens) < target - 1:
+            add(_sentence(rng))
+        tokens.append(tok.eos_id)
+        return Document(tokens, spans, distances)
+
+
+def _sentence(rng: random.Random) -> str:
+    return " ".join(rng.choices(_WORDS, k=rng.randint(6, 14))).capitalize() + ". "
+
+
+# --------------------------------------------------------------------------------------------
+# local files
+
+
+class TextFiles:
+    """Local text: ``.txt``/``.md`` files are one document each; ``.jsonl``/``.json`` files (JSON
+    lines) one document per non-empty line, text under ``text_key``.
+
+    ``path`` is a file or a folder (searched recursively, files in sorted order). Documents are
+    indexed once at construction (file, byte offset) and read on demand.
+    """
+
+    _SUFFIXES = (".txt", ".md", ".jsonl", ".json")
+
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, text_key: str = "text"):
+        path = Path(path)
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in self._SUFFIXES)
+        self.tokenizer, self.text_key = tokenizer, text_key
+        self._index: list[tuple[Path, int]] = []  # (file, byte offset of the JSON line, or -1)
+        for f in files:
+            if f.suffix in (".jsonl", ".json"):
+                with open(f, "rb") as fh:
+                    offset = 0
+                    for line in fh:
+                        if line.strip():
+                            self._index.append((f, offset))
+                        offset += len(line)
+            else:
+                self._index.append((f, -1))
+        if not self._index:
+            raise ValueError(f"no documents ({'/'.join(self._SUFFIXES)}) under {str(path)!r}")
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def text(self, index: int) -> str:
+        file, offset = self._index[index % len(self._index)]
+        if offset < 0:
+            return file.read_text(encoding="utf-8")
+        with open(file, "rb") as fh:
+            fh.seek(offset)
+            record = json.loads(fh.readline())
+        if self.text_key not in record:
+            raise ValueError(f"{file}: JSON line at byte {offset} has no {self.text_key!r} key")
+        return record[self.text_key]
+
+    def document(self, index: int) -> Document:
+        return Document(self.tokenizer.encode(self.text(index), bos=True, eos=True))
+
+
+class HFDiskDataset:
+    """A Hugging Face dataset saved with ``save_to_disk``, read with ``datasets.load_from_disk``
+    (local only). A ``DatasetDict`` contributes its ``split`` split."""
+
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, split: Split = "train", text_key: str = "text"):
+        try:
+            import datasets
+        except ImportError as e:
+            raise ImportError(
+                "reading a Hugging Face dataset needs the optional 'datasets' package: "
+                "pip install 'titan_cp[data]'"
+            ) from e
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"{str(path)!r} has splits {sorted(ds)}, not {split!r}")
+            ds = ds[split]
+        if text_key not in ds.column_names:
+            raise ValueError(f"{str(path)!r} has columns {ds.column_names}, not {text_key!r}")
+        self._ds, self.tokenizer, self.text_key = ds, tokenizer, text_key
+
+    def __len__(self) -> int:
+        return len(self._ds)
+
+    def document(self, index: int) -> Document:
+        text = self._ds[index % len(self._ds)][self.text_key]
+        return Document(self.tokenizer.encode(text, bos=True, eos=True))
+
+
+def _is_saved_hf_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json"))
+
+
+def build_dataset(job_config: JobConfig, tokenizer: Tokenizer, split: Split = "train") -> DocumentSource:
+    """The source named by ``training.dataset`` (``split="train"``) or ``validation.dataset``.
+
+    ``synthetic_recall`` is built in (seeded by ``training.seed``; validation is its held-out
+    split). ``text`` and ``hf`` read ``*.dataset_path``; any other name (e.g. torchtitan's ``c4``)
+    needs ``*.dataset_path`` too, and is read as a saved HF dataset or as text/JSONL files,
+    whichever the path holds.
+    """
+    section = "training" if split == "train" else "validation"
+    cfg = getattr(job_config, section)
+    name, path = cfg.dataset, cfg.dataset_path
+    if name == "synthetic_recall":
+        return SyntheticRecall(tokenizer, seed=job_config.training.seed, split=split)
+    if not path:
+        raise ValueError(
+            f"{section}.dataset = {name!r} is not built in (built in: 'synthetic_recall'); set "
+            f"{section}.dataset_path to a local copy: titan_cp never downloads data"
+        )
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{section}.dataset_path = {path!r} does not exist")
+    if name == "hf" or (name != "text" and _is_saved_hf_dataset(p)):
+        return HFDiskDataset(p, tokenizer, split)
+    return TextFiles(p, tokenizer)

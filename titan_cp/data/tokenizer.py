@@ -1,0 +1,118 @@
+"""Tokenizers: a built-in byte-level one, and a local Hugging Face ``tokenizer.json``.
+
+Both expose ``vocab_size``, ``bos_id``, ``eos_id``, ``pad_id``, ``encode(text, bos=False, eos=False)
+-> list[int]`` and ``decode(ids) -> str``. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from titan_cp.config import JobConfig
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0-255, then BOS = 256, EOS = 257, PAD = 258 (``vocab_size = 259``).
+
+    Lossless on any text; ``decode`` drops the special ids.
+    """
+
+    bos_id = 256
+    eos_id = 257
+    pad_id = 258
+    vocab_size = 259
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_id] * bos + ids + [self.eos_id] * eos
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` read with the optional ``tokenizers`` package.
+
+    ``path`` is the ``tokenizer.json`` file or the folder holding it. BOS/EOS/PAD come from
+    ``tokenizer_config.json`` beside it when present, else from common special-token names
+    (``<|begin_of_text|>``, ``<s>``, ...); PAD falls back to EOS.
+    """
+
+    _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
+    _EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>", "[SEP]")
+
+    def __init__(self, path: str | Path):
+        try:
+            from tokenizers import Tokenizer as _Tokenizer
+        except ImportError as e:
+            raise ImportError(
+                "reading a tokenizer.json (model.hf_assets_path) needs the optional 'tokenizers' "
+                "package: pip install 'titan_cp[data]', or unset model.hf_assets_path to use the "
+                "built-in byte tokenizer"
+            ) from e
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        self._tok = _Tokenizer.from_file(str(file))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        special = _special_tokens(file.parent / "tokenizer_config.json")
+        self.bos_id = self._find(special.get("bos_token"), self._BOS_NAMES, "BOS")
+        self.eos_id = self._find(special.get("eos_token"), self._EOS_NAMES, "EOS")
+        pad = special.get("pad_token")
+        self.pad_id = self._tok.token_to_id(pad) if pad and self._tok.token_to_id(pad) is not None else self.eos_id
+
+    def _find(self, configured: str | None, names: Sequence[str], what: str) -> int:
+        for name in ([configured] if configured else []) + list(names):
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        raise ValueError(f"tokenizer.json has no {what} token (tried {[configured, *names]})")
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_id] * bos + ids + [self.eos_id] * eos
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _special_tokens(config_file: Path) -> dict[str, str]:
+    """``{"bos_token": "<s>", ...}`` from a ``tokenizer_config.json`` (values may be dicts)."""
+    if not config_file.is_file():
+        return {}
+    config = json.loads(config_file.read_text())
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token"):
+        value = config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def build_tokenizer(job_config: JobConfig) -> Tokenizer:
+    """The byte tokenizer, or the ``tokenizer.json`` in ``model.hf_assets_path`` when that is set."""
+    path = job_config.model.hf_assets_path
+    if not path:
+        return ByteTokenizer()
+    p = Path(path)
+    if not (p / "tokenizer.json").is_file() and not (p.is_file() and p.name.endswith(".json")):
+        raise ValueError(
+            f"model.hf_assets_path = {path!r} holds no tokenizer.json; point it at a local folder "
+            "with one, or leave it unset for the built-in byte tokenizer"
+        )
+    return HFTokenizer(p)
