@@ -1,0 +1,55 @@
+"""Model flavors: a tiny CPU test model, torchtitan's debug model, and Llama 3.1 8B/70B/405B.
+
+``build_model(flavor, vocab_size=..., device="meta")`` builds without allocating memory;
+``model.to_empty(device=...)`` then ``model.init_weights()`` materialises it, as torchtitan
+does, so that large flavors can be sharded before any weight exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from titan_cp.model.llama import ModelArgs, RoPEScaling, Transformer
+
+FLAVORS: dict[str, ModelArgs] = {
+    # A few thousand parameters per layer: unit and multi-process tests on CPU.
+    # 4 heads and 2 KV heads divide a TP degree of 2; dim 64 gives head_dim 16.
+    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
+                      max_seq_len=4096),
+    # torchtitan's debug model (dim 256, 6 layers, 16 heads), here with GQA (4 KV heads).
+    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, vocab_size=2048,
+                            multiple_of=256, max_seq_len=8192),
+    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                    multiple_of=1024, rope_scaling=RoPEScaling()),
+    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                     multiple_of=4096, rope_scaling=RoPEScaling()),
+    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
+                      multiple_of=4096, rope_scaling=RoPEScaling()),
+}
+
+
+def model_args(flavor: str, **overrides) -> ModelArgs:
+    """The flavor's ``ModelArgs`` with fields replaced by ``overrides`` (e.g. ``vocab_size``)."""
+    if flavor not in FLAVORS:
+        raise ValueError(f"unknown model.flavor {flavor!r}; choose one of {sorted(FLAVORS)}")
+    return dataclasses.replace(FLAVORS[flavor], **overrides)
+
+
+def build_model(
+    flavor: str, vocab_size: int | None = None, device: torch.device | str = "meta", **overrides
+) -> Transformer:
+    """Build ``flavor`` on ``device``; on a real device its weights are initialised by
+    ``init_weights`` (deterministic given the torch seed), on ``meta`` they are left for
+    the caller to materialise after sharding."""
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    args = model_args(flavor, **overrides)
+    with torch.device("meta"):
+        model = Transformer(args)
+    if torch.device(device).type != "meta":
+        # same weights as meta + to_empty + init_weights: only init_weights draws random numbers
+        model.to_empty(device=device)
+        model.init_weights()
+    return model

@@ -1,0 +1,264 @@
+"""Llama 3 family transformer: RoPE at explicit positions, GQA, RMSNorm, SwiGLU.
+
+Parameter names are torchtitan's (``tok_embeddings``, ``layers.N.attention.wq`` ...,
+``norm``, ``output``), so state dicts are interchangeable. Parallelisms are applied from
+outside by the ``titan_cp.parallel.apply_*`` functions; nothing here knows about meshes.
+
+Shape legend for suffixed names:
+  B batch, S sequence (local: a CP rank's tokens, not necessarily contiguous),
+  D model dim, H query heads, K key/value heads, E head dim, F feed-forward hidden,
+  V vocabulary. Head counts are inferred from tensor shapes, so they are the *local*
+  counts after tensor parallelism shards wq/wk/wv.
+
+RoPE is computed per token from ``positions`` (B, S), never from a table sliced by S:
+under context parallelism and document packing a rank's tokens carry arbitrary global
+or per-document positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from titan_cp.attention import local_attention
+
+
+@dataclass(frozen=True)
+class RoPEScaling:
+    """Llama 3.1 RoPE frequency scaling (long-context extension of a model trained at 8K)."""
+
+    scaling_factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelArgs:
+    """Shapes of a Llama 3 model (``head_dim = dim // n_heads``)."""
+
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: same as n_heads (no GQA)
+    vocab_size: int = 128256
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RoPEScaling | None = None  # None: plain RoPE; RoPEScaling(): Llama 3.1
+    max_seq_len: int = 131072  # informational (planner, configs); RoPE itself has no table
+    depth_init: bool = True  # output projections' init std shrinks with layer depth
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count of the whole model (``output`` is untied from ``tok_embeddings``)."""
+        d, e, f = self.dim, self.head_dim, self.ffn_hidden_dim
+        attention = d * self.n_heads * e * 2 + d * self.kv_heads * e * 2  # wq, wo; wk, wv
+        layer = attention + 3 * d * f + 2 * d  # w1 w2 w3, two norms
+        n = self.n_layers * layer + d + d * self.vocab_size  # + norm, output
+        return n + (self.vocab_size * d if include_embedding else 0)
+
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward), torchtitan's/PaLM's convention.
+
+        ``6 * N`` for the matmuls of the N non-embedding parameters, plus
+        ``12 * n_layers * n_heads * head_dim * seq_len`` for ``QK^T`` and ``PV``, counted
+        over the full (non-causal) square, as torchtitan does, so MFU is comparable.
+        """
+        n = self.num_params(include_embedding=False)
+        return 6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RoPEScaling | None, device=None) -> Tensor:
+    """Inverse frequencies ``theta^(-2j/E)`` for j < E/2, fp32, with Llama 3.1 scaling.
+
+    Scaling divides low frequencies (wavelength > original_max / low_freq_factor) by
+    ``scaling_factor``, keeps high ones, and interpolates smoothly in between.
+    """
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return freqs
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    scaled = (1 - smooth) * freqs / scaling.scaling_factor + smooth * freqs
+    freqs_out = torch.where(wavelen > low_freq_wavelen, freqs / scaling.scaling_factor, freqs)
+    return torch.where((wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen), scaled, freqs_out)
+
+
+def rope_cos_sin(positions: Tensor, freqs: Tensor) -> tuple[Tensor, Tensor]:
+    """``positions`` (B, S) int -> ``cos, sin`` (B, S, E/2) fp32 of the angles ``p * freq_j``."""
+    angles_BSE2 = positions.to(torch.float32)[..., None] * freqs
+    return angles_BSE2.cos(), angles_BSE2.sin()
+
+
+def apply_rotary_emb(x_BSHE: Tensor, cos_BSE2: Tensor, sin_BSE2: Tensor) -> Tensor:
+    """Rotate each pair ``(x[2j], x[2j+1])`` by the angle ``p * freq_j`` of its token.
+
+    The interleaved-pair convention is torchtitan's (``view_as_complex`` of adjacent
+    pairs), so wq/wk weights are interchangeable. Computed in fp32, returned in x's dtype.
+    """
+    x = x_BSHE.float().unflatten(-1, (-1, 2))
+    x0, x1 = x[..., 0], x[..., 1]
+    cos, sin = cos_BSE2[:, :, None, :], sin_BSE2[:, :, None, :]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x_BSHE)
+
+
+# ------------------------------------------------------------------------ modules
+
+
+class InnerAttention(nn.Module):
+    """Exact causal, document-masked attention; the seam that context parallelism replaces.
+
+    ``forward(q, k, v, doc_lens) -> out`` with q ``(B, H, S, E)``, k and v ``(B, K, S, E)``
+    (grouped-query heads not expanded), ``doc_lens`` ``(B, max_docs)`` int64 zero-padded
+    document lengths per row (None: one causal document per row); returns ``(B, H, S, E)``.
+    """
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, doc_lens: Tensor | None) -> Tensor:
+        return local_attention(q, k, v, doc_lens=doc_lens, causal=True, scale=None)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.inner_attention = InnerAttention()
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, doc_lens: Tensor | None) -> Tensor:
+        B, S, _ = x_BSD.shape
+        # -1: local head counts, as tensor parallelism shards wq/wk/wv by heads
+        q_BSHE = self.wq(x_BSD).view(B, S, -1, self.head_dim)
+        k_BSKE = self.wk(x_BSD).view(B, S, -1, self.head_dim)
+        v_BSKE = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        q_BSHE = apply_rotary_emb(q_BSHE, cos, sin)
+        k_BSKE = apply_rotary_emb(k_BSKE, cos, sin)
+        out_BHSE = self.inner_attention(
+            q_BSHE.transpose(1, 2), k_BSKE.transpose(1, 2), v_BSKE.transpose(1, 2), doc_lens
+        )
+        return self.wo(out_BHSE.transpose(1, 2).reshape(B, S, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        depth = (layer_id + 1) if args.depth_init else args.n_layers
+        self.weight_init_std = 0.02 / (2 * depth) ** 0.5
+
+    def init_weights(self) -> None:
+        for norm in (self.attention_norm, self.ffn_norm):
+            norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_lens: Tensor | None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, doc_lens)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Llama 3 decoder. Pipeline stages are copies with some parts deleted (set to None,
+    or layers removed from the ``ModuleDict``); the same forward runs every stage."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def init_weights(self) -> None:
+        """Deterministic given the torch seed; skips parts a pipeline stage deleted."""
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            std, cutoff = self.args.dim**-0.5, 3.0
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
+
+    def num_params(self) -> int:
+        """Parameters held by this module (a whole model, or one pipeline stage)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def num_flops_per_token(self, seq_len: int) -> int:
+        return self.args.num_flops_per_token(seq_len)
+
+    def forward(
+        self, tokens: Tensor, positions: Tensor | None = None, doc_lens: Tensor | None = None
+    ) -> Tensor:
+        """tokens ``(B, S)`` int64 (or hidden states ``(B, S, D)`` on a later pipeline stage);
+        positions ``(B, S)`` int64 RoPE positions (default ``arange(S)``); doc_lens
+        ``(B, max_docs)`` int64 zero-padded packed-document lengths, given unchanged to every
+        layer's attention. Returns logits ``(B, S, V)`` (hidden states before the last stage).
+        """
+        B, S = tokens.shape[0], tokens.shape[1]
+        if positions is None:
+            positions = torch.arange(S, device=tokens.device).expand(B, S)
+        freqs = rope_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling, tokens.device)
+        cos, sin = rope_cos_sin(positions, freqs)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, doc_lens)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h

@@ -1,0 +1,23 @@
+"""Parallelisms as small ``apply_*`` functions applied to a ``Transformer`` from outside.
+
+Order (as torchtitan): pipeline split, then per stage: ``apply_tp`` -> context parallel
+(``titan_cp.style``) -> ``apply_ac`` -> ``apply_compile`` -> ``apply_fsdp``.
+"""
+
+from titan_cp.parallel.ac import apply_ac
+from titan_cp.parallel.compile import apply_compile
+from titan_cp.parallel.fsdp import apply_fsdp, set_gradient_sum
+from titan_cp.parallel.pp import layers_per_stage, pipeline_llama, split_stage, stage_ids_of_rank
+from titan_cp.parallel.tp import apply_tp
+
+__all__ = [
+    "apply_ac",
+    "apply_compile",
+    "apply_fsdp",
+    "apply_tp",
+    "layers_per_stage",
+    "pipeline_llama",
+    "set_gradient_sum",
+    "split_stage",
+    "stage_ids_of_rank",
+]

@@ -1,0 +1,69 @@
+"""Activation checkpointing of transformer blocks with ``torch.utils.checkpoint``.
+
+  "full"       each block keeps only its inputs; the whole block is recomputed in backward.
+  "selective"  op-level: each block saves the outputs of matmuls and attention kernels
+               (the expensive ops) and recomputes the cheap elementwise ones (norms, RoPE,
+               SiLU, products), via ``create_selective_checkpoint_contexts``.
+               With ``every=k > 1`` instead: every k-th block fully checkpointed, the
+               others not at all (layer-level selective, torchtitan's integer option).
+
+Apply after tensor/context parallelism and before ``torch.compile`` and FSDP, as
+torchtitan does. Wrapped blocks keep their state-dict keys (the wrapper strips its
+``_checkpoint_wrapped_module.`` prefix); ``named_parameters`` show the prefix.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Literal
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from titan_cp.model.llama import Transformer
+
+
+def _save_ops() -> set:
+    """Ops whose outputs are saved under op-level selective checkpointing."""
+    aten = torch.ops.aten
+    names = [
+        "mm", "addmm", "bmm", "baddbmm", "linear",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_attention_math",
+    ]
+    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    ops.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    return ops
+
+
+def _op_policy(save_ops: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context_fn():
+    return create_selective_checkpoint_contexts(partial(_op_policy, _save_ops()))
+
+
+def apply_ac(model: Transformer, mode: Literal["none", "full", "selective"], every: int = 1) -> None:
+    """Wrap ``model.layers`` in place with activation checkpointing (see module doc).
+
+    every: for mode "selective", 1 means op-level; k > 1 means every k-th block fully.
+    """
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation_checkpoint.mode must be 'none', 'full' or 'selective', got {mode!r}")
+    if every < 1:
+        raise ValueError(f"activation_checkpoint.selective_ac_option must be >= 1, got {every}")
+    for i, (layer_id, block) in enumerate(list(model.layers.items())):
+        if mode == "full":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif every > 1:  # layer-level selective: every k-th block fully, the rest not at all
+            if i % every != 0:
+                continue
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:  # op-level selective
+            wrapped = checkpoint_wrapper(block, context_fn=_selective_context_fn, preserve_rng_state=False)
+        model.layers.register_module(layer_id, wrapped)

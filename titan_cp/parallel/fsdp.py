@@ -1,0 +1,65 @@
+"""FSDP2 (``fully_shard``) per transformer block, then the root; HSDP on a 2-D mesh.
+
+Gradients are SUMMED over the data-parallel mesh, never averaged: the loss of each rank
+is already ``sum of its token losses / global token count`` (the loader counts tokens over
+dp x cp x grad-accumulation), so the sum of the ranks' gradients is the gradient of the
+global mean. FSDP would otherwise divide by the mesh size.
+
+  forward   w = all_gather(w_shard)                    (per block, just in time)
+  backward  g_shard = reduce_scatter_sum(g)            (over the shard axis)
+            g_shard = all_reduce_sum(g_shard)          (HSDP: over the replicate axis)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from titan_cp.model.llama import Transformer
+
+
+def set_gradient_sum(model: nn.Module) -> None:
+    """Make every FSDP unit in ``model`` sum gradients: divide factor 1 with plain SUM
+    collectives (``force_sum_reduction_for_comms`` avoids ``PREMUL_SUM``, which gloo lacks)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def apply_fsdp(
+    model: Transformer,
+    dp_mesh: DeviceMesh,
+    mp_param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+    hsdp: bool = False,
+) -> None:
+    """Shard ``model`` in place over ``dp_mesh`` (1-D: FSDP; 2-D ``(replicate, shard)``: HSDP).
+
+    mp_param_dtype: dtype for compute (e.g. bf16); None keeps the parameters' dtype.
+    reduce_dtype: dtype of gradient reduction (fp32 by default, as DESIGN asks).
+    reshard_after_forward: free gathered weights after forward (False for pipeline
+        parallelism, which would otherwise all-gather again for every microbatch).
+    hsdp: the caller expects hybrid sharding; ``dp_mesh`` must then be 2-D.
+    Parts a pipeline stage deleted (None) are skipped.
+    """
+    if hsdp and dp_mesh.ndim != 2:
+        raise ValueError(
+            f"HSDP needs a 2-D (dp_replicate, dp_shard) mesh, got {dp_mesh.ndim}-D: set "
+            "parallelism.data_parallel_replicate_degree > 1"
+        )
+    mp_policy = MixedPrecisionPolicy(param_dtype=mp_param_dtype, reduce_dtype=reduce_dtype)
+    config = dict(mesh=dp_mesh, mp_policy=mp_policy)
+    if model.tok_embeddings is not None:
+        fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard_after_forward)
+    for block in model.layers.values():
+        fully_shard(block, **config, reshard_after_forward=reshard_after_forward)
+    tail = [m for m in (model.norm, model.output) if m is not None]
+    if tail:
+        # the root's backward starts with these: keeping them gathered avoids a re-gather
+        fully_shard(tail, **config, reshard_after_forward=False)
+    fully_shard(model, **config, reshard_after_forward=reshard_after_forward)
+    set_gradient_sum(model)

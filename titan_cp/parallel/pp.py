@@ -1,0 +1,130 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: split by layers, run a schedule.
+
+Splitting follows torchtitan's manual split: every stage is a deep copy of the whole
+``Transformer`` with the modules it does not own deleted (``tok_embeddings``/``norm``/
+``output`` set to None, layers removed from the ``ModuleDict``), so parameter names stay
+those of the full model and the unchanged ``Transformer.forward`` runs every stage:
+
+  stage 0       tokens (B, S) int64        -> hidden (B, S, D)
+  stage i       hidden (B, S, D)           -> hidden (B, S, D)
+  last stage    hidden (B, S, D)           -> logits (B, S, V)
+
+``positions`` (B, S) and ``doc_lens`` (B, max_docs) are *keyword* inputs of every stage:
+``schedule.step(tokens, target=labels, positions=positions, doc_lens=doc_lens)`` on the
+rank(s) holding stage 0, ``schedule.step(target=..., positions=..., doc_lens=...)``
+elsewhere (``target`` only matters where the last stage lives). The schedule chunks every
+tensor kwarg along the batch dim into the same microbatches as the tokens and hands each
+stage its own microbatch's chunk; only the hidden states travel between ranks.
+
+Loss: the schedule calls ``loss_fn(logits_mb, labels_mb)`` per microbatch; it must be the
+*summed* token cross-entropy divided by the step's global token count, and the schedule is
+built with ``scale_grads=False``, so microbatch losses and gradients add up exactly to the
+full batch's (no division by the number of microbatches).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+    get_schedule_class,
+)
+
+from titan_cp.model.llama import Transformer
+
+
+def layers_per_stage(n_layers: int, num_stages: int) -> list[list[str]]:
+    """Layer ids of each stage, contiguous, the first stages taking one extra when uneven."""
+    if n_layers < num_stages:
+        raise ValueError(
+            f"model.n_layers={n_layers} is fewer than the {num_stages} pipeline stages "
+            "(parallelism.pipeline_parallel_degree x stages per rank)"
+        )
+    base, extra = divmod(n_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        n = base + (1 if s < extra else 0)
+        out.append([str(i) for i in range(start, start + n)])
+        start += n
+    return out
+
+
+def stage_ids_of_rank(rank: int, pp: int, stages_per_rank: int, v_style: bool) -> list[int]:
+    """Loop style: rank r holds r, r+pp, ...; V style (2 per rank): r and 2pp-1-r."""
+    if v_style:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + s * pp for s in range(stages_per_rank)]
+
+
+def split_stage(model: Transformer, stage_id: int, num_stages: int) -> Transformer:
+    """A deep copy of ``model`` keeping only what stage ``stage_id`` of ``num_stages`` owns."""
+    keep = set(layers_per_stage(len(model.layers), num_stages)[stage_id])
+    part = copy.deepcopy(model)
+    for layer_id in list(part.layers.keys()):
+        if layer_id not in keep:
+            del part.layers[layer_id]
+    if stage_id != 0:
+        part.tok_embeddings = None
+    if stage_id != num_stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def pipeline_llama(
+    model: Transformer,
+    pp_mesh: DeviceMesh,
+    n_microbatches: int,
+    schedule_name: str,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device | str = "cpu",
+    parallelize_fn: Callable[[Transformer], None] | None = None,
+    stages_per_rank: int | None = None,
+):
+    """Split ``model`` into pipeline stages for this rank and build the schedule.
+
+    schedule_name: any ``torch.distributed.pipelining`` schedule name ("GPipe", "1F1B",
+        "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", ...).
+    stages_per_rank: default 1 for single-stage schedules, 2 for multi-stage ones.
+    parallelize_fn: applied in place to each stage's module (TP, AC, compile, FSDP)
+        before its ``PipelineStage`` is built.
+    Returns ``(schedule, model_parts, has_first_stage, has_last_stage)``; ``model_parts``
+    are this rank's stage modules (for the optimizer and checkpoints).
+    """
+    try:
+        schedule_class = get_schedule_class(schedule_name)
+    except ValueError as e:
+        raise ValueError(f"parallelism.pipeline_parallel_schedule: {e}") from None
+    single = issubclass(schedule_class, PipelineScheduleSingle)
+    v_style = schedule_class in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
+    if stages_per_rank is None:
+        stages_per_rank = 1 if single else 2
+    if single and stages_per_rank != 1:
+        raise ValueError(f"schedule {schedule_name} runs one stage per rank, got stages_per_rank={stages_per_rank}")
+    if not single and stages_per_rank < 2:
+        raise ValueError(f"schedule {schedule_name} needs >= 2 stages per rank, got {stages_per_rank}")
+
+    pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    num_stages = pp * stages_per_rank
+    stages, model_parts = [], []
+    for stage_id in stage_ids_of_rank(rank, pp, stages_per_rank, v_style):
+        part = split_stage(model, stage_id, num_stages)
+        if parallelize_fn is not None:
+            parallelize_fn(part)
+        model_parts.append(part)
+        stages.append(PipelineStage(part, stage_id, num_stages, torch.device(device), group=pp_mesh.get_group()))
+
+    schedule = schedule_class(
+        stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
+    )
+    has_first = any(s.is_first for s in stages)
+    has_last = any(s.is_last for s in stages)
+    return schedule, model_parts, has_first, has_last
