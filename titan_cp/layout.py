@@ -326,3 +326,30 @@ class SequenceLayout:
     def __repr__(self) -> str:
         docs = "None" if self.doc_lens is None else f"<{len(self.doc_lens)} rows>"
         return f"SequenceLayout(seq_len={self.seq_len}, cp_size={self.cp_size}, balance={self.balance!r}, doc_lens={docs})"
+
+
+_LAYOUT_CACHE: dict[tuple, SequenceLayout] = {}
+
+
+def doc_lens_key(doc_lens) -> tuple[tuple[int, ...], ...] | None:
+    """A hashable form of ``doc_lens`` (list of rows, or zero-padded tensor)."""
+    if doc_lens is None:
+        return None
+    if isinstance(doc_lens, torch.Tensor):
+        return tuple(tuple(n for n in row if n) for row in doc_lens.tolist())
+    return tuple(tuple(row) for row in doc_lens)
+
+
+def get_layout(seq_len: int, cp_size: int, balance: Balance = "zigzag", doc_lens=None) -> SequenceLayout:
+    """A cached :class:`SequenceLayout`: every layer of a step, and the data sharding, share one.
+
+    Built only from its arguments (no global state), so each pipeline microbatch gets the
+    layout of its own rows.
+    """
+    key = (seq_len, cp_size, balance, doc_lens_key(doc_lens))
+    layout = _LAYOUT_CACHE.get(key)
+    if layout is None:
+        if len(_LAYOUT_CACHE) >= 64:
+            _LAYOUT_CACHE.pop(next(iter(_LAYOUT_CACHE)))
+        layout = _LAYOUT_CACHE[key] = SequenceLayout(seq_len, cp_size, balance, key[3])
+    return layout

@@ -24,7 +24,7 @@ from titan_cp.attention.hybrid import hybrid_attention, hybrid_rank
 from titan_cp.attention.kernels import get_kernel
 from titan_cp.attention.ring import ring_attention, ring_min_bytes
 from titan_cp.attention.ulysses import ulysses_attention, ulysses_min_bytes
-from titan_cp.layout import SequenceLayout
+from titan_cp.layout import SequenceLayout, get_layout
 
 _ONE_AXIS: dict[str, Callable] = {
     "ring": ring_attention,
@@ -68,6 +68,7 @@ def _check_layout(q: torch.Tensor, layout: SequenceLayout) -> None:
         raise ValueError(f"batch size {q.shape[0]} does not match the layout's {layout.batch_size} doc_lens rows")
 
 
+@torch.compiler.disable
 def cp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -118,22 +119,7 @@ def cp_rank(mesh, strategy: str = "ring") -> int:
     return hybrid_rank(mesh) if strategy == "hybrid" else mesh.get_local_rank()
 
 
-_LAYOUTS: dict[tuple, SequenceLayout] = {}
-
-
-def _cached_layout(seq_len: int, doc_lens) -> SequenceLayout:
-    if isinstance(doc_lens, torch.Tensor):
-        doc_lens = tuple(tuple(n for n in row if n) for row in doc_lens.tolist())
-    elif doc_lens is not None:
-        doc_lens = tuple(tuple(row) for row in doc_lens)
-    key = (seq_len, doc_lens)
-    if key not in _LAYOUTS:
-        if len(_LAYOUTS) > 64:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = SequenceLayout(seq_len, 1, "contiguous", doc_lens)
-    return _LAYOUTS[key]
-
-
+@torch.compiler.disable
 def local_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -149,7 +135,7 @@ def local_attention(
     ``(batch, max_docs)`` integer tensor. GQA K/V are taken as they are.
     """
     _check_qkv(q, k, v)
-    layout = _cached_layout(q.shape[2], doc_lens)
+    layout = get_layout(q.shape[2], 1, "contiguous", doc_lens)
     return cp_attention(q, k, v, None, layout, causal=causal, scale=scale, kernel=kernel)
 
 

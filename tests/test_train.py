@@ -1,0 +1,151 @@
+"""The trainer end to end on gloo: resume on a different mesh continues the same training,
+a crash during a save leaves the previous checkpoint loadable, and the CPU debug configs
+train with a falling loss.
+
+Resume tolerance: fp32; the resumed run re-shards the same numbers over another mesh, so
+only the reduction order changes (~1e-6 relative per step); after four more AdamW steps
+we allow 1e-4 relative on the loss.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from titan_cp import checkpoint as ckpt_module
+from titan_cp.checkpoint import saved_steps
+from titan_cp.train import main
+
+BASE = [
+    "--job.config_file", "train_configs/debug_cp.toml",
+    "--model.flavor", "tiny",
+    "--training.seq_len", "256",
+    "--training.local_batch_size", "2",
+    "--training.global_batch_size", "4",
+    "--training.steps", "8",
+    "--lr_scheduler.warmup_steps", "2",
+    "--validation.enable", "false",
+    "--metrics.log_freq", "100",
+    "--checkpoint.interval", "4",
+    "--checkpoint.keep_latest_k", "0",
+]
+
+
+def _mesh_args(cp=1, dp=1, tp=1, pp=1, strategy="ring"):
+    return [
+        "--parallelism.context_parallel_degree", str(cp),
+        "--parallelism.data_parallel_shard_degree", str(dp),
+        "--parallelism.tensor_parallel_degree", str(tp),
+        "--parallelism.pipeline_parallel_degree", str(pp),
+        "--parallelism.context_parallel_strategy", strategy,
+    ]
+
+
+def _train(rank, world, argv):
+    return [r["loss"] for r in main(argv)]
+
+
+class Preempted(Exception):
+    pass
+
+
+def _train_until(rank, world, argv, stop_after_save):
+    """Train, and die right after the checkpoint of step ``stop_after_save`` (a preempted job)."""
+    real = ckpt_module.Checkpointer.save
+
+    def save(self, step):
+        path = real(self, step)
+        if step == stop_after_save:
+            raise Preempted(step)
+        return path
+
+    ckpt_module.Checkpointer.save = save
+    try:
+        main(argv)
+    except Preempted:
+        pass
+    finally:
+        ckpt_module.Checkpointer.save = real
+
+
+def _losses(dist_pools, world, folder, mesh, stop_after_save=None, extra=()):
+    argv = BASE + _mesh_args(**mesh) + ["--job.dump_folder", str(folder), *extra]
+    if stop_after_save is not None:
+        dist_pools.run(world, _train_until, argv, stop_after_save, timeout=600)
+        return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return dist_pools.run(world, _train, argv, timeout=600)[0]
+
+
+@pytest.mark.parametrize(
+    "first,second",
+    [
+        ((4, dict(cp=4)), (4, dict(dp=2, cp=2))),
+        ((2, dict(cp=2)), (4, dict(tp=2, cp=2))),
+        ((2, dict(cp=2, strategy="allgather")), (4, dict(pp=2, cp=2, strategy="allgather"))),
+    ],
+    ids=["cp4_to_dp2cp2", "cp2_to_tp2cp2", "cp2_to_pp2cp2"],
+)
+def test_resume_on_another_mesh_continues_the_same_training(dist_pools, tmp_path, first, second):
+    straight = _losses(dist_pools, first[0], tmp_path / "straight", first[1], extra=["--checkpoint.enable", "false"])
+    run = tmp_path / "run"
+    head = _losses(dist_pools, first[0], run, first[1], stop_after_save=4)
+    assert saved_steps(run / "checkpoint") == [4]
+    tail = _losses(dist_pools, second[0], run, second[1])  # resumes from step 4, trains 5..8
+    assert len(tail) == 4
+    assert head == pytest.approx(straight[:4], rel=1e-6)
+    assert tail == pytest.approx(straight[4:], rel=1e-4)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert all(r["global_valid_tokens"] > 0 and r["tokens_per_second"] > 0 for r in rows)
+
+
+def _train_crashing_at_save(rank, world, argv, crash_step):
+    real = ckpt_module.dcp.save
+
+    def save(state, checkpoint_id):
+        real(state, checkpoint_id=checkpoint_id)
+        if checkpoint_id.endswith(f"step-{crash_step}.tmp"):
+            raise RuntimeError("simulated crash while saving")
+
+    ckpt_module.dcp.save = save
+    try:
+        return main(argv)
+    finally:
+        ckpt_module.dcp.save = real
+
+
+def test_crash_during_save_keeps_the_previous_checkpoint(dist_pools, tmp_path):
+    argv = BASE + _mesh_args(cp=2) + ["--job.dump_folder", str(tmp_path), "--checkpoint.interval", "2", "--training.steps", "4"]
+    with pytest.raises(Exception, match="simulated crash while saving"):
+        dist_pools.run(2, _train_crashing_at_save, argv, 4, timeout=600)
+    folder = tmp_path / "checkpoint"
+    assert saved_steps(folder) == [2]  # the half-written step-4 is not a checkpoint
+    assert (folder / "step-4.tmp").exists()
+    losses = dist_pools.run(2, _train, argv, timeout=600)[0]
+    assert len(losses) == 2  # resumed from step 2: trained steps 3 and 4
+    assert saved_steps(folder) == [2, 4] and not (folder / "step-4.tmp").exists()
+
+
+CONFIGS = {
+    "debug_cp.toml": 4,
+    "debug_fsdp_cp.toml": 4,
+    "debug_tp_cp.toml": 4,
+    "debug_pp_cp.toml": 4,
+    "debug_hybrid_cp.toml": 4,
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cpu_debug_configs_train_with_falling_loss(dist_pools, tmp_path, name):
+    argv = [
+        "--job.config_file", f"train_configs/{name}", "--model.flavor", "tiny", "--training.seq_len", "512",
+        "--training.steps", "12", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
+        "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "false", "--validation.freq", "6",
+        "--validation.steps", "1", "--metrics.log_freq", "100",
+    ]
+    losses = dist_pools.run(CONFIGS[name], _train, argv, timeout=600)[0]
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
+    assert Path(tmp_path / "metrics.jsonl").exists()

@@ -1,0 +1,68 @@
+"""One microbatch through a parallelized model: shard by the layout, forward, loss, backward.
+
+Shared by the trainer and the composition tests, so both run exactly the same path::
+
+    rows of this dp rank ──layout.shard(cp rank)──> tokens, labels, positions (local)
+    model(tokens, positions, doc_lens) ──> logits (local) ──> sum CE / global count ──> backward
+
+``doc_lens`` stays whole (every cp rank needs the documents of the full rows to mask its
+shard); everything per-token is sharded with the same permutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from titan_cp.layout import get_layout
+from titan_cp.loss import GlobalTokenLoss
+
+
+@dataclass
+class Microbatch:
+    """Packed rows: ``tokens, labels, positions`` ``(B, S)`` int64; ``doc_lens`` ``(B, max_docs)`` zero-padded."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor
+    doc_lens: torch.Tensor | None = None
+
+    def shard(self, cp_size: int, cp_rank: int, balance: str) -> Microbatch:
+        """This cp rank's tokens of every per-token tensor (the same permutation for all)."""
+        if cp_size == 1:
+            return self
+        layout = get_layout(self.tokens.shape[1], cp_size, balance, self.doc_lens)
+        return Microbatch(
+            *(layout.shard(t, 1, cp_rank) for t in (self.tokens, self.labels, self.positions)),
+            doc_lens=self.doc_lens,
+        )
+
+    def to(self, device) -> Microbatch:
+        return Microbatch(
+            *(t.to(device) for t in (self.tokens, self.labels, self.positions)),
+            doc_lens=None if self.doc_lens is None else self.doc_lens.to(device),
+        )
+
+
+def forward_backward(model_parts, local: Microbatch, loss_fn: GlobalTokenLoss, schedule=None, has_first=True, has_last=True) -> torch.Tensor:
+    """Run one (cp-sharded) microbatch; return this rank's loss contribution (0 where no last stage).
+
+    Without a pipeline ``model_parts`` is ``[model]``. With one, ``schedule.step`` splits the
+    rows into pipeline microbatches and carries ``positions`` and ``doc_lens`` to every stage.
+    """
+    kwargs = dict(positions=local.positions, doc_lens=local.doc_lens)
+    if schedule is None:
+        logits = model_parts[0](local.tokens, **kwargs)
+        loss = loss_fn(logits, local.labels)
+        loss.backward()
+        return loss.detach()
+    losses: list[torch.Tensor] = []
+    target = local.labels if has_last else None
+    if has_first:
+        schedule.step(local.tokens, target=target, losses=losses, **kwargs)
+    else:
+        schedule.step(target=target, losses=losses, **kwargs)
+    if has_last:
+        return torch.stack(losses).sum().detach()
+    return torch.zeros((), device=local.tokens.device)

@@ -1,0 +1,97 @@
+"""``ContextParallel``: CP attention as a ``ParallelStyle``, applied with ``parallelize_module``.
+
+::
+
+    parallelize_module(
+        model,
+        world_mesh["cp"],                       # 2-D ("cp_ring", "cp_ulysses") for hybrid
+        {"layers.*.attention.inner_attention": ContextParallel(strategy="ring", balance="doc_zigzag")},
+    )
+
+The style takes over the forward of the attention core, ``inner_attention(q, k, v, doc_lens)``
+(q ``(B, H, S_local, E)``, k/v ``(B, K, S_local, E)``): everything around it (projections,
+RoPE, norms, MLP) is token-wise and runs on the local shard unchanged. Inputs may be plain
+local shards or DTensors placed ``Shard(2)`` on the cp mesh; the output is of the same kind.
+As a DTensor, the "global" sequence is the layout's rank-concatenated order (the shards
+stacked by rank), the convention of PyTorch's own load-balanced CP.
+
+The batch's document structure arrives as the ``doc_lens`` argument of every call, and the
+layout is rebuilt (cached) from it and the local shapes: no global state, so each pipeline
+microbatch carries its own documents through every stage.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from titan_cp.attention import STRATEGIES, cp_attention
+from titan_cp.layout import BALANCES, get_layout
+
+SEQ_DIM = 2
+
+
+class ContextParallel(ParallelStyle):
+    """Run the wrapped attention module's math as CP attention over the mesh it is applied with.
+
+    Args:
+        strategy: ``"ring"``, ``"allgather"``, ``"ulysses"`` or ``"hybrid"`` (2-D mesh).
+        balance: the sequence layout the data was sharded with (``"doc_zigzag"``,
+            ``"zigzag"`` or ``"contiguous"``); it must match the data sharding.
+        causal: causal mask within each document.
+        kernel: local kernel name, ``None`` for the fastest on the device.
+    """
+
+    def __init__(self, strategy: str = "ring", balance: str = "doc_zigzag", causal: bool = True, kernel: str | None = None):
+        super().__init__()
+        if strategy not in STRATEGIES:
+            raise ValueError(
+                f"parallelism.context_parallel_strategy must be one of {STRATEGIES}, got {strategy!r}"
+            )
+        if balance not in BALANCES:
+            raise ValueError(
+                f"parallelism.context_parallel_load_balancer must be one of {BALANCES}, got {balance!r}"
+            )
+        self.strategy, self.balance, self.causal, self.kernel = strategy, balance, causal, kernel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        want = 2 if self.strategy == "hybrid" else 1
+        if device_mesh.ndim != want:
+            raise ValueError(
+                f"ContextParallel(strategy={self.strategy!r}) needs a {want}-D cp mesh, got "
+                f"{device_mesh.ndim}-D {device_mesh.mesh_dim_names}"
+            )
+
+        def forward(q, k, v, doc_lens=None):
+            return self._attend(device_mesh, q, k, v, doc_lens)
+
+        module.forward = forward
+        module.cp_style = self
+        return module
+
+    def _attend(self, mesh: DeviceMesh, q, k, v, doc_lens):
+        as_dtensor = isinstance(q, DTensor)
+        if as_dtensor:
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                if not isinstance(t, DTensor) or any(p != Shard(SEQ_DIM) for p in t.placements):
+                    raise ValueError(f"ContextParallel takes {name} as a DTensor placed Shard({SEQ_DIM}) on the cp mesh")
+            q, k, v = q.to_local(), k.to_local(), v.to_local()
+        layout = get_layout(q.shape[SEQ_DIM] * mesh.size(), mesh.size(), self.balance, doc_lens)
+        out = cp_attention(q, k, v, mesh, layout, strategy=self.strategy, causal=self.causal, kernel=self.kernel)
+        if as_dtensor:
+            out = DTensor.from_local(out, mesh, [Shard(SEQ_DIM)] * mesh.ndim, run_check=False)
+        return out
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(strategy={self.strategy!r}, balance={self.balance!r}, causal={self.causal})"
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, strategy: str = "ring", balance: str = "doc_zigzag", kernel: str | None = None) -> None:
+    """Make every transformer block's attention core context-parallel over ``cp_mesh``."""
+    parallelize_module(
+        model,
+        cp_mesh,
+        {"layers.*.attention.inner_attention": ContextParallel(strategy=strategy, balance=balance, kernel=kernel)},
+    )

@@ -1,0 +1,303 @@
+"""The trainer: ``torchrun --nproc-per-node N -m titan_cp.train --job.config_file X.toml [--section.key value ...]``.
+
+One step::
+
+    loader ── this dp rank's rows + the step's global valid-token count
+      └─ per microbatch: shard by the layout (cp rank) ─ forward ─ sum CE / global count ─ backward
+    clip by the global grad norm (DTensors, every pipeline stage) ─ AdamW ─ LR schedule
+    log loss, grad norm, lr, tokens/s, MFU, memory, ETA ─ validate ─ checkpoint
+
+Runs on CPU with gloo (the embedded defaults) and on GPUs with NCCL. The trainer wires
+the parts together and owns no math: the model, parallelisms, loss, data and checkpoint
+each live in their own module.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from titan_cp.attention import cp_rank
+from titan_cp.checkpoint import Checkpointer
+from titan_cp.config import JobConfig, load_config
+from titan_cp.data import build_dataloader, build_tokenizer
+from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
+from titan_cp.mesh import ParallelDims
+from titan_cp.metrics import MetricsLogger, device_memory_bytes, peak_flops_per_second
+from titan_cp.model import build_model
+from titan_cp.parallel import pipeline_llama
+from titan_cp.parallelize import ParallelizeOptions, cp_mesh, parallelize_llama
+from titan_cp.step import Microbatch, forward_backward
+
+logger = logging.getLogger("titan_cp")
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, decay_ratio: float | None, decay_type: str, min_lr_factor: float):
+    """Multiplier of the peak LR at each step: linear warmup, constant, then decay to ``min_lr_factor``.
+
+    ``decay_ratio``: the fraction of the steps (after warmup) spent decaying; ``None`` decays
+    over every step after warmup.
+    """
+    decay_steps = total_steps - warmup_steps if decay_ratio is None else round(total_steps * decay_ratio)
+    decay_start = total_steps - decay_steps
+
+    def factor(step: int) -> float:  # LambdaLR calls with the number of steps taken so far
+        step += 1
+        if step <= warmup_steps:
+            return step / (warmup_steps + 1)
+        if step <= decay_start or decay_steps <= 0:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / decay_steps)
+        if decay_type == "linear":
+            shape = 1 - progress
+        elif decay_type == "sqrt":
+            shape = 1 - math.sqrt(progress)
+        else:
+            shape = 0.5 * (1 + math.cos(math.pi * progress))
+        return min_lr_factor + (1 - min_lr_factor) * shape
+
+    return factor
+
+
+def clip_grad_norm_(parts, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Clip by the global L2 norm of every gradient, DTensor shards and every pipeline stage included."""
+    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(norm, torch.distributed.tensor.DTensor):
+        norm = norm.full_tensor()
+    if pp_group is not None:
+        sq = norm**2
+        dist.all_reduce(sq, group=pp_group)
+        norm = sq.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+    return norm
+
+
+class TrainState:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+def _init_distributed(cfg: JobConfig) -> torch.device:
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.comm.init_timeout_seconds))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return torch.device("cpu")
+
+
+class Trainer:
+    """Everything a run holds; ``train()`` runs it to ``training.steps``."""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        t, p = cfg.training, cfg.parallelism
+        self.device = _init_distributed(cfg)
+        torch.manual_seed(t.seed)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.dims = ParallelDims.from_config(cfg, dist.get_world_size())
+        self.dims.build_mesh(self.device.type)
+        dp = self.dims.get_mesh("dp")
+        self.dp_rank, self.dp_degree = dp.get_local_rank(), dp.size()
+        self.cp_rank = cp_rank(cp_mesh(self.dims), p.context_parallel_strategy) if self.dims.cp_enabled else 0
+        self.tp_rank = self.dims.get_mesh("tp").get_local_rank()
+
+        self.tokenizer = build_tokenizer(cfg)
+        self.loader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "train")
+        self.val_loader = (
+            build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "validation") if cfg.validation.enable else None
+        )
+        self.loss_fn = GlobalTokenLoss()
+        model = build_model(cfg.model.flavor, vocab_size=self.tokenizer.vocab_size, device="cpu")  # seeded: same on every mesh
+        self.model_args = model.args
+        self.flops_per_token = model.num_flops_per_token(t.seq_len)
+        mp = {"bfloat16": torch.bfloat16, "float32": None}[t.mixed_precision_param]
+        ac = cfg.activation_checkpoint
+        options = ParallelizeOptions(
+            cp_strategy=p.context_parallel_strategy,
+            cp_balance=p.context_parallel_load_balancer,
+            ac_mode="selective" if ac.mode == "selective" else ac.mode,
+            ac_every=int(ac.selective_ac_option) if ac.selective_ac_option.isdigit() else 1,
+            compile=cfg.compile.enable and "model" in cfg.compile.components,
+            mp_param_dtype=mp,  # logits are gathered over tp (no loss parallel): the loss is a plain tensor
+        )
+        self.schedule, self.first, self.last = None, True, True
+        if self.dims.pp_enabled:
+            n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size
+            self.schedule, self.parts, self.first, self.last = pipeline_llama(
+                model, self.dims.get_mesh("pp"), n_micro, p.pipeline_parallel_schedule, self.loss_fn,
+                device=self.device, parallelize_fn=lambda part: parallelize_llama(part, self.dims, options),
+            )
+        else:
+            parallelize_llama(model, self.dims, options)
+            self.parts = [model]
+        for part in self.parts:
+            part.to(self.device)
+        o = cfg.optimizer
+        self.optimizers = [
+            torch.optim.AdamW(part.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                              weight_decay=o.weight_decay, foreach=o.implementation == "foreach" or None)
+            for part in self.parts
+        ]
+        s = cfg.lr_scheduler
+        factor = lr_lambda(s.warmup_steps, t.steps, s.decay_ratio, s.decay_type, s.min_lr_factor)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, factor) for opt in self.optimizers]
+        self.state = TrainState()
+        self.dump = Path(cfg.job.dump_folder)
+        c = cfg.checkpoint
+        self.checkpointer = Checkpointer(
+            self.dump / c.folder, self.parts, self.optimizers,
+            {"lr_scheduler": self.schedulers[0], "dataloader": self.loader, "train_state": self.state},
+            keep_latest_k=c.keep_latest_k,
+        )
+        for sched in self.schedulers[1:]:
+            self.checkpointer.stateful[f"lr_scheduler_{id(sched)}"] = sched
+        if c.enable and self.checkpointer.load(c.load_step) is None and c.initial_load_path:
+            self.checkpointer.load_model(c.initial_load_path)
+        self.metrics = MetricsLogger(self.dump, cfg, enabled=dist.get_rank() == 0)
+        self.peak_flops = peak_flops_per_second(self.device)
+
+    # ------------------------------------------------------------------ steps
+    def _microbatch(self, batch) -> Microbatch:
+        mb = Microbatch(batch.tokens, batch.labels, batch.positions, batch.doc_lens_padded).to(self.device)
+        return mb.shard(self.dims.cp, self.cp_rank, self.cfg.parallelism.context_parallel_load_balancer)
+
+    def _global_sum(self, value: torch.Tensor) -> float:
+        """Sum a per-rank loss contribution over the world, counting each tp group once, last stage only."""
+        counted = value.detach().float() if (self.last and self.tp_rank == 0) else torch.zeros((), device=self.device)
+        dist.all_reduce(counted)
+        return counted.item()
+
+    def train_step(self, step_data) -> tuple[float, float]:
+        self.loss_fn.global_valid_tokens = step_data.global_valid_tokens
+        local = torch.zeros((), device=self.device)
+        for batch in step_data.microbatches:
+            local = local + forward_backward(self.parts, self._microbatch(batch), self.loss_fn, self.schedule, self.first, self.last)
+        pp_group = self.dims.get_mesh("pp").get_group() if self.dims.pp_enabled else None
+        grad_norm = clip_grad_norm_(self.parts, self.cfg.training.max_norm, pp_group)
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        return self._global_sum(local), grad_norm.item()
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Held-out loss and recall accuracy by fact-to-question distance, computed under CP."""
+        if self.dims.pp_enabled:
+            logger.warning("validation is skipped under pipeline parallelism")
+            return {}
+        v = self.cfg.validation
+        buckets = v.recall_buckets
+        # per bucket: [correct, total]; plus loss sum and token count
+        counts = torch.zeros(len(buckets) + 1, 2, dtype=torch.float64, device=self.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        steps = v.steps if v.steps != -1 else 1
+        for part in self.parts:
+            part.eval()
+        for _ in range(steps):
+            for batch in next(self.val_loader).microbatches:
+                mb = self._microbatch(batch)
+                layout_dist = Microbatch(batch.recall_distance, batch.recall_distance, batch.recall_distance,
+                                         batch.doc_lens_padded).to(self.device)
+                dist_local = layout_dist.shard(self.dims.cp, self.cp_rank, self.cfg.parallelism.context_parallel_load_balancer).tokens
+                logits = self.parts[0](mb.tokens, positions=mb.positions, doc_lens=mb.doc_lens).float()
+                valid = mb.labels != IGNORE_INDEX
+                ce = torch.nn.functional.cross_entropy(logits[valid], mb.labels[valid], reduction="sum")
+                loss_sum += ce if self.tp_rank == 0 else 0
+                tokens += valid.sum() if self.tp_rank == 0 else 0
+                correct = logits.argmax(-1) == mb.labels
+                answer = dist_local > 0
+                bucket = torch.bucketize(dist_local, torch.tensor(buckets, device=self.device))
+                for b in range(len(buckets) + 1):
+                    sel = answer & (bucket == b)
+                    if self.tp_rank == 0:
+                        counts[b, 0] += (correct & sel).sum()
+                        counts[b, 1] += sel.sum()
+        for part in self.parts:
+            part.train()
+        for t in (counts, loss_sum, tokens):
+            dist.all_reduce(t)
+        out = {"val_loss": (loss_sum / tokens.clamp(min=1)).item()}
+        for b in range(len(buckets) + 1):
+            name = f"recall_le_{buckets[b]}" if b < len(buckets) else f"recall_gt_{buckets[-1]}"
+            if counts[b, 1] > 0:
+                out[name] = (counts[b, 0] / counts[b, 1]).item()
+        answered = counts[:, 1].sum()
+        if answered > 0:
+            out["recall"] = (counts[:, 0].sum() / answered).item()
+        return out
+
+    def train(self) -> list[dict]:
+        cfg, t = self.cfg, self.cfg.training
+        history = []
+        tokens_per_step = self.loader.global_batch_size * t.seq_len
+        start = time.perf_counter()
+        first_step = self.state.step
+        while self.state.step < t.steps:
+            step_data = next(self.loader)
+            t0 = time.perf_counter()
+            loss, grad_norm = self.train_step(step_data)
+            self.state.step += 1
+            step, dt = self.state.step, time.perf_counter() - t0
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {step}")
+            tps = tokens_per_step / dt
+            record = {
+                "step": step, "loss": loss, "grad_norm": grad_norm, "lr": self.schedulers[0].get_last_lr()[0],
+                "tokens_per_second": tps, "global_valid_tokens": step_data.global_valid_tokens,
+                "mfu": self.flops_per_token * tps / (self.peak_flops * dist.get_world_size()),
+                "memory_bytes": device_memory_bytes(self.device),
+                "eta_seconds": (time.perf_counter() - start) / (step - first_step) * (t.steps - step),
+            }
+            if self.val_loader is not None and step % cfg.validation.freq == 0:
+                record.update(self.validate())
+            history.append(record)
+            self.metrics.log(record, console=step % cfg.metrics.log_freq == 0 or step == t.steps)
+            if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps):
+                self.checkpointer.save(step)
+        self.metrics.close()
+        return history
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run a training job; returns the per-step metrics (as written to ``metrics.jsonl``)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    cfg = load_config(sys.argv[1:] if argv is None else argv)
+    return Trainer(cfg).train()
+
+
+if __name__ == "__main__":
+    main()
+    if dist.is_initialized():
+        dist.destroy_process_group()
