@@ -8,9 +8,21 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests.reference import reference_attention
 from titan_cp import SequenceLayout, cp_attention
-from titan_cp.attention import cp_rank
+from titan_cp.attention import cp_rank, register_kernel
+from titan_cp.attention.kernels import CPUFlashKernel
 
 _MESHES: dict[tuple, object] = {}
+
+
+class LoopVarlenKernel(CPUFlashKernel):
+    """Drives block.py's packed variable-length route (the one flash-attn's varlen kernels take
+    on CUDA) on CPU: tiles are packed and unpacked exactly as there, each segment run by the CPU kernel."""
+
+    name = "cpu_varlen_loop"
+    native_varlen = True
+
+
+register_kernel("cpu_varlen_loop", LoopVarlenKernel)
 
 
 def get_mesh(shape: tuple[int, ...], names: tuple[str, ...]):

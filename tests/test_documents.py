@@ -44,20 +44,20 @@ def _check(rank, world, cases):
     return [max_errors(*run_case(case, world)) for case in cases]
 
 
-def _cases(strategy, world, ulysses, rows, causal):
+def _cases(strategy, world, ulysses, rows, causal, kernel=None):
     heads, kv_heads = HEADS[world]
     return [
         dict(strategy=strategy, ulysses=ulysses, seq=SEQ, batch=len(rows), heads=heads, kv_heads=kv_heads,
-             causal=causal, balance=balance, doc_lens=rows, seed=len(rows[0]))
+             causal=causal, balance=balance, doc_lens=rows, seed=len(rows[0]), kernel=kernel)
         for balance in BALANCES
     ]
 
 
-def _run_property(dist_pools, strategy, world, ulysses=1):
+def _run_property(dist_pools, strategy, world, ulysses=1, kernel=None):
     @settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(rows=st.lists(doc_row(world), min_size=1, max_size=2), causal=st.booleans())
     def prop(rows, causal):
-        cases = _cases(strategy, world, ulysses, rows, causal)
+        cases = _cases(strategy, world, ulysses, rows, causal, kernel)
         for r, results in enumerate(dist_pools.run(world, _check, cases)):
             for case, errs in zip(cases, results):
                 assert all(e <= TOL for e in errs.values()), (r, case, errs)
@@ -74,6 +74,12 @@ def test_documents_match_dense_reference(dist_pools, strategy, world):
 @pytest.mark.parametrize("world,ulysses", [(2, 2), (3, 1), (4, 2)])
 def test_documents_hybrid(dist_pools, world, ulysses):
     _run_property(dist_pools, "hybrid", world, ulysses)
+
+
+@pytest.mark.parametrize("strategy,world", [("ring", 2), ("allgather", 3), ("ulysses", 4)])
+def test_documents_through_the_packed_varlen_route(dist_pools, strategy, world):
+    """The packing of all tiles into one variable-length call (flash-attn's route on CUDA)."""
+    _run_property(dist_pools, strategy, world, kernel="cpu_varlen_loop")
 
 
 def _leakage(rank, world, strategy, ulysses, balance):

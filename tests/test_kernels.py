@@ -79,3 +79,30 @@ def test_flash_attn(dtype):
     kernel = get_kernel("flash_attn", torch.device("cuda"), dtype)
     assert get_kernel(None, torch.device("cuda"), dtype).name == "flash_attn"
     _check(kernel, dtype, "cuda", 2e-2)
+
+
+@pytest.mark.skipif(not flash_attn_available(), reason="needs a CUDA device and the flash-attn package")
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_attn_varlen_matches_segment_by_segment(causal):
+    """flash-attn's varlen kernels against the same segments run one by one (the default loop)."""
+    kernel = get_kernel("flash_attn", torch.device("cuda"), torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 17, 1, 40]
+    total = sum(lens)
+    q, dout = (torch.randn(total, 6, 64, generator=g).cuda().bfloat16() for _ in range(2))
+    k, v = (torch.randn(total, 2, 64, generator=g).cuda().bfloat16() for _ in range(2))
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    out, lse = kernel.varlen_forward(q, k, v, cu, cu, causal, SCALE)
+    ref_out, ref_lse = AttentionKernelLoop().varlen_forward(q, k, v, cu, cu, causal, SCALE)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-2)
+    got = kernel.varlen_backward(dout, q, k, v, out, lse, cu, cu, causal, SCALE)
+    want = AttentionKernelLoop().varlen_backward(dout, q, k, v, out, lse, cu, cu, causal, SCALE)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)
+
+
+class AttentionKernelLoop(MathKernel):
+    """The math kernel through the default segment-by-segment varlen loop."""

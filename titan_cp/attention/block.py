@@ -52,12 +52,40 @@ def _row_slices(rows: tuple[int, ...]) -> list[slice]:
     return slices
 
 
+def _varlen_groups(plan: Plan, batch: int):
+    """Every (row, tile) of the plan, split by the tiles' causal flag: one varlen call each."""
+    for causal in (True, False):
+        items = [(b, t) for rows, tiles in plan for b in (rows or range(batch)) for t in tiles if t.causal == causal]
+        if items:
+            cu_q, cu_k = [0], [0]
+            for _, t in items:
+                cu_q.append(cu_q[-1] + t.q1 - t.q0)
+                cu_k.append(cu_k[-1] + t.k1 - t.k0)
+            yield causal, items, cu_q, cu_k
+
+
+def _pack(x, items, use_q: bool):
+    """``(total, heads, dim)``: the tiles' rows of ``x`` (batch, heads, seq, dim), segment after segment."""
+    return torch.cat([x[b, :, t.q0 : t.q1] if use_q else x[b, :, t.k0 : t.k1] for b, t in items], dim=1).transpose(0, 1)
+
+
+def _pack_lse(lse, items):
+    return torch.cat([lse[b, :, t.q0 : t.q1] for b, t in items], dim=1)
+
+
 def block_forward(q, k, v, plan: Plan, kernel: AttentionKernel, scale: float, out_acc, lse_acc) -> None:
     """Fold attention of ``q`` on ``(k, v)`` under ``plan`` into the fp32 accumulators, in place.
 
     q: (batch, q_heads, sq, head_dim); k, v: (batch, kv_heads, sk, head_dim);
     out_acc: (batch, q_heads, sq, head_dim) fp32; lse_acc: (batch, q_heads, sq) fp32.
+    Kernels with native variable-length support take all tiles of a causal flag in one call.
     """
+    if kernel.native_varlen:
+        for causal, items, cu_q, cu_k in _varlen_groups(plan, q.shape[0]):
+            out, lse = kernel.varlen_forward(_pack(q, items, True), _pack(k, items, False), _pack(v, items, False), cu_q, cu_k, causal, scale)
+            for (b, t), a, e in zip(items, cu_q, cu_q[1:]):
+                merge_(out_acc[b, :, t.q0 : t.q1], lse_acc[b, :, t.q0 : t.q1], out[a:e].transpose(0, 1), lse[:, a:e])
+        return
     for rows, tiles in plan:
         for rs in _row_slices(rows):
             for t in tiles:
@@ -72,6 +100,17 @@ def block_backward(dout, q, k, v, out, lse, plan: Plan, kernel: AttentionKernel,
 
     ``out`` and ``lse`` are the final merged results for ``q`` (``out`` in the input dtype).
     """
+    if kernel.native_varlen:
+        for causal, items, cu_q, cu_k in _varlen_groups(plan, q.shape[0]):
+            dq, dk, dv = kernel.varlen_backward(
+                _pack(dout, items, True), _pack(q, items, True), _pack(k, items, False), _pack(v, items, False),
+                _pack(out, items, True), _pack_lse(lse, items), cu_q, cu_k, causal, scale,
+            )
+            for (b, t), a, e, c, d in zip(items, cu_q, cu_q[1:], cu_k, cu_k[1:]):
+                dq_acc[b, :, t.q0 : t.q1] += dq[a:e].transpose(0, 1)
+                dk_acc[b, :, t.k0 : t.k1] += dk[c:d].transpose(0, 1)
+                dv_acc[b, :, t.k0 : t.k1] += dv[c:d].transpose(0, 1)
+        return
     for rows, tiles in plan:
         for rs in _row_slices(rows):
             for t in tiles:

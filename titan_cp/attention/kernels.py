@@ -33,15 +33,48 @@ _ATEN = torch.ops.aten
 
 
 class AttentionKernel:
-    """A local tile kernel; subclasses implement :meth:`forward` and :meth:`backward`."""
+    """A local tile kernel; subclasses implement :meth:`forward` and :meth:`backward`.
+
+    Variable-length form: many tiles packed into one call, the way flash-attn's varlen
+    kernels take them. Segment ``i`` is ``q[cu_q[i]:cu_q[i+1]]`` against
+    ``k[cu_k[i]:cu_k[i+1]]``::
+
+        varlen_forward(q, k, v, cu_q, cu_k, causal, scale)                -> (out, lse)
+        varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale) -> (dq, dk, dv)
+
+        q, out, dout: (total_q, q_heads, head_dim)    k, v: (total_k, kv_heads, head_dim)
+        lse: (q_heads, total_q) fp32                  cu_q, cu_k: cumulative lengths (lists)
+
+    Kernels with ``native_varlen = True`` run all tiles of a mask plan in one call; the
+    default implementation here loops over the segments with :meth:`forward`/:meth:`backward`.
+    """
 
     name = "base"
+    native_varlen = False
 
     def forward(self, q, k, v, causal: bool, scale: float):
         raise NotImplementedError
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
         raise NotImplementedError
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
+        outs, lses = [], []
+        for (a, b), (c, d) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
+            out, lse = self.forward(*(x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])), causal, scale)
+            outs.append(out[0].transpose(0, 1))
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float):
+        dqs, dks, dvs = [], [], []
+        for (a, b), (c, d) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
+            seg = (x.transpose(0, 1)[None] for x in (dout[a:b], q[a:b], k[c:d], v[c:d], out[a:b]))
+            dq, dk, dv = self.backward(*seg, lse[None, :, a:b], causal, scale)
+            dqs.append(dq[0].transpose(0, 1))
+            dks.append(dk[0].transpose(0, 1))
+            dvs.append(dv[0].transpose(0, 1))
+        return torch.cat(dqs), torch.cat(dks), torch.cat(dvs)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
@@ -142,14 +175,19 @@ class FlashAttnKernel(AttentionKernel):
     """
 
     name = "flash_attn"
+    native_varlen = True
 
     def __init__(self):
         from flash_attn import flash_attn_interface as fai  # noqa: PLC0415 - optional dependency
 
         self._fwd = fai._flash_attn_forward
         self._bwd = fai._flash_attn_backward
+        self._vfwd = fai._flash_attn_varlen_forward
+        self._vbwd = fai._flash_attn_varlen_backward
         self._fwd_params = inspect.signature(self._fwd).parameters
         self._bwd_params = inspect.signature(self._bwd).parameters
+        self._vfwd_params = inspect.signature(self._vfwd).parameters
+        self._vbwd_params = inspect.signature(self._vbwd).parameters
 
     @staticmethod
     def _window(params, kwargs):
@@ -181,6 +219,35 @@ class FlashAttnKernel(AttentionKernel):
             kwargs["rng_state"] = None
         self._bwd(dot, qt, kt, vt, ot, lse.contiguous(), dq, dk, dv, **kwargs)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    @staticmethod
+    def _cu(cu, device):
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        return torch.tensor(cu, dtype=torch.int32, device=device), max(lengths)
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, causal, scale):
+        (cq, mq), (ck, mk) = self._cu(cu_q, q.device), self._cu(cu_k, q.device)
+        kwargs = self._window(self._vfwd_params, dict(dropout_p=0.0, softmax_scale=scale, causal=causal))
+        kwargs.update(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk)
+        if "return_softmax" in self._vfwd_params:
+            kwargs["return_softmax"] = False
+        if "block_table" in self._vfwd_params:
+            kwargs["block_table"] = None
+        res = self._vfwd(q.contiguous(), k.contiguous(), v.contiguous(), **kwargs)
+        return res[0], res[1]
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
+        (cq, mq), (ck, mk) = self._cu(cu_q, q.device), self._cu(cu_k, q.device)
+        q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        kwargs = self._window(self._vbwd_params, dict(dropout_p=0.0, softmax_scale=scale, causal=causal))
+        kwargs.update(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk)
+        if "deterministic" in self._vbwd_params:
+            kwargs["deterministic"] = False
+        if "rng_state" in self._vbwd_params:
+            kwargs["rng_state"] = None
+        self._vbwd(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, **kwargs)
+        return dq, dk, dv
 
 
 _REGISTRY: dict[str, Callable[[], AttentionKernel]] = {
