@@ -284,8 +284,8 @@ def test_ac_keeps_gradients_and_saves_memory(mode, every):
         apply_ac(tiny(), "sometimes")
 
 
-@pytest.mark.parametrize("fullgraph, with_docs", [(True, False), (False, True)])
-def test_compile_per_block_keeps_gradients(fullgraph, with_docs):
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_compile_per_block_keeps_gradients(with_docs):
     torch._dynamo.reset()
     tokens, labels, positions, doc_lens = packed_inputs(2)
     doc_lens = doc_lens if with_docs else None
@@ -294,9 +294,10 @@ def test_compile_per_block_keeps_gradients(fullgraph, with_docs):
     model = copy.deepcopy(ref)
     # aot_eager: dynamo capture and AOT autograd, without inductor's C++ codegen (~35 s for
     # this model on a busy 2-core machine; checked by hand, equal within GRAD_TOL).
-    # fullgraph=True: the block code has no graph break; packed documents do break in
-    # local_attention (doc_lens -> Python ints), which the default fullgraph=False allows.
-    apply_compile(model, backend="aot_eager", fullgraph=fullgraph)
+    # The attention core is opaque to the compiler (torch.compiler.disable: a Python loop over
+    # mask tiles and ring communication): the projections, RoPE, norms and MLP around it compile,
+    # and the block breaks its graph once at the attention call.
+    apply_compile(model, backend="aot_eager")
     assert all(isinstance(b, torch._dynamo.eval_frame.OptimizedModule) for b in model.layers.values())
     ref_loss, ref_grads = reference_grads(ref, tokens, labels, positions, doc_lens, count)
     loss, _ = reference_grads(model, tokens, labels, positions, doc_lens, count)

@@ -16,11 +16,11 @@ from titan_cp.model.llama import Transformer
 def apply_compile(model: Transformer, backend: str = "inductor", fullgraph: bool = False) -> None:
     """Replace each ``model.layers[i]`` in place by ``torch.compile(block)``.
 
-    fullgraph: fail on a graph break instead of running part of a block eagerly. The block
-        code itself traces as one graph (tested with ``doc_lens=None``); with packed
-        documents ``local_attention`` turns ``doc_lens`` into Python ints (a data-dependent
-        graph break), so the default allows the break: attention runs eagerly between the
-        compiled projections/MLP.
+    fullgraph: fail on a graph break instead of running part of a block eagerly. The
+        attention core is opaque to the compiler (``torch.compiler.disable``: a Python loop
+        over mask tiles, plus the CP communication), so a block breaks its graph once at the
+        attention call; the default allows that break: attention runs eagerly between the
+        compiled projections/RoPE and norms/MLP.
     ``model.state_dict()`` then shows an ``_orig_mod.`` prefix in block keys;
     ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` strips it, so
     checkpoints keep torchtitan's keys.
