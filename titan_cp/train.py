@@ -139,7 +139,6 @@ class Trainer:
         self.loss_fn = GlobalTokenLoss()
         model = build_model(cfg.model.flavor, vocab_size=self.tokenizer.vocab_size, device="cpu")  # seeded: same on every mesh
         self.model_args = model.args
-        self.flops_per_token = model.num_flops_per_token(t.seq_len)
         mp = {"bfloat16": torch.bfloat16, "float32": None}[t.mixed_precision_param]
         ac = cfg.activation_checkpoint
         options = ParallelizeOptions(
@@ -184,6 +183,7 @@ class Trainer:
         if c.enable and self.checkpointer.load(c.load_step) is None and c.initial_load_path:
             self.checkpointer.load_model(c.initial_load_path)
         self.metrics = MetricsLogger(self.dump, cfg, enabled=dist.get_rank() == 0)
+        dist.barrier()  # ranks sharing a machine measure together, each seeing its share of it
         self.peak_flops = peak_flops_per_second(self.device)
 
     # ------------------------------------------------------------------ steps
@@ -273,10 +273,14 @@ class Trainer:
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {step}")
             tps = tokens_per_step / dt
+            # this dp rank's rows, times the dp degree: the step's model FLOPs over all ranks
+            pairs = sum(n * (n + 1) // 2 for b in step_data.microbatches for row in b.doc_lens for n in row)
+            tokens = sum(b.tokens.numel() for b in step_data.microbatches)
+            flops = self.model_args.training_flops(tokens, pairs) * self.dp_degree
             record = {
                 "step": step, "loss": loss, "grad_norm": grad_norm, "lr": self.schedulers[0].get_last_lr()[0],
                 "tokens_per_second": tps, "global_valid_tokens": step_data.global_valid_tokens,
-                "mfu": self.flops_per_token * tps / (self.peak_flops * dist.get_world_size()),
+                "mfu": flops / dt / (self.peak_flops * dist.get_world_size()),
                 "memory_bytes": device_memory_bytes(self.device),
                 "eta_seconds": (time.perf_counter() - start) / (step - first_step) * (t.steps - step),
             }

@@ -64,7 +64,7 @@ class SyntheticRecall:
         qzmkt = 4k9d2x.          <- facts: random keys and values, 1 to 8 of them
         ...
         Filler sentences from a small vocabulary, with the questions placed at random points:
-        Question: what is qzmkt? Answer: 4k9d2x.     <- the answer span is the value's tokens
+        Question: what is qzmkt? Answer: qzmkt = 4k9d2x.   <- the answer span is the value's tokens
         ...<EOS>
 
     Every fact is asked once; the distance of an answer is its start minus the start of the
@@ -105,6 +105,9 @@ class SyntheticRecall:
             tokens.extend(tok.encode(text))
             return start
 
+        # filler repeats sentences from a small per-document pool: text a model can learn to
+        # copy from earlier in the document (induction), the same skill fact recall needs
+        pool = [_sentence(rng) for _ in range(rng.randint(4, 12))]
         add("Remember these facts.\n")
         value_start = {}
         for k in keys:
@@ -118,14 +121,14 @@ class SyntheticRecall:
         spans, distances = [], []
         for k, mark in zip(asked, marks):
             while len(tokens) < mark:
-                add(_sentence(rng))
-            add(f"\nQuestion: what is {k}? Answer: ")
+                add(rng.choice(pool))
+            add(f"\nQuestion: what is {k}? Answer: {k} = ")
             start = add(values[k])
             spans.append((start, len(tokens)))
             distances.append(start - value_start[k])
             add(".\n")
         while len(tokens) < target - 1:
-            add(_sentence(rng))
+            add(rng.choice(pool))
         tokens.append(tok.eos_id)
         return Document(tokens, spans, distances)
 

@@ -87,6 +87,15 @@ class ModelArgs:
         n = self.num_params(include_embedding=False)
         return 6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
+    def training_flops(self, num_tokens: int, attention_pairs: int) -> int:
+        """FLOPs of one forward + backward as actually computed: ``6 * N`` per token for the
+        matmuls, plus ``12 * head_dim`` per head, layer and visible (query, key) pair for
+        ``QK^T`` and ``PV`` (2 * 2 * head_dim forward, twice that backward). With causal and
+        document masks the visible pairs are far fewer than ``seq_len^2``; use this for MFU.
+        """
+        n = self.num_params(include_embedding=False)
+        return 6 * n * num_tokens + 12 * self.n_layers * self.n_heads * self.head_dim * attention_pairs
+
 
 # ---------------------------------------------------------------------------- RoPE
 

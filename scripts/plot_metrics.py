@@ -1,0 +1,73 @@
+"""Draw a run's ``metrics.jsonl`` as a PNG: training and validation loss, and long-range recall.
+
+    python scripts/plot_metrics.py outputs/debug_cp/metrics.jsonl --out docs/main_job.png
+
+Recall is the accuracy of the model's next-token prediction on the answer tokens of the
+synthetic corpus (the planted values it must retrieve from thousands of tokens back),
+overall and by fact-to-question distance bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def load(path: Path) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} holds no metrics")
+    return rows
+
+
+def plot(rows: list[dict], out: Path, title: str | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_recall) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r["step"] for r in rows]
+    ax_loss.plot(steps, [r["loss"] for r in rows], label="train loss", lw=1)
+    val = [r for r in rows if "val_loss" in r]
+    if val:
+        ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("cross-entropy (nats/token)")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+
+    keys = sorted({k for r in val for k in r if k.startswith("recall_")}, key=lambda k: (k.startswith("recall_gt"), int(k.split("_")[-1])))
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in val if key in r]
+        label = key.replace("recall_le_", "distance <= ").replace("recall_gt_", "distance > ")
+        ax_recall.plot(*zip(*pts), ".--", lw=1, label=label)
+    pts = [(r["step"], r["recall"]) for r in val if "recall" in r]
+    if pts:
+        ax_recall.plot(*zip(*pts), "o-", color="black", lw=2, label="all answers")
+    ax_recall.set_xlabel("step")
+    ax_recall.set_ylabel("recall accuracy (answer tokens)")
+    ax_recall.set_ylim(0, 1)
+    ax_recall.legend(fontsize=8)
+    ax_recall.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("metrics", type=Path, help="metrics.jsonl written by titan_cp.train")
+    p.add_argument("--out", type=Path, default=None, help="PNG path (default: next to the metrics file)")
+    p.add_argument("--title", default=None)
+    args = p.parse_args(argv)
+    out = args.out or args.metrics.with_suffix(".png")
+    plot(load(args.metrics), out, args.title)
+    print(json.dumps({"png": str(out)}))
+
+
+if __name__ == "__main__":
+    main()
