@@ -46,6 +46,34 @@ def device_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def recall_counts(pred: torch.Tensor, labels: torch.Tensor, distance: torch.Tensor, buckets: list[int]) -> torch.Tensor:
+    """``(len(buckets) + 1, 2)`` float64: per distance bucket, [correct, total] answer tokens.
+
+    pred, labels, distance: same shape; a token is an answer token when ``distance > 0``
+    (the tokens between its fact and it); bucket ``b`` holds distances in
+    ``(buckets[b-1], buckets[b]]``, the last one distances beyond ``buckets[-1]``.
+    """
+    answer = distance > 0
+    bucket = torch.bucketize(distance, torch.tensor(buckets, device=distance.device))
+    correct = (pred == labels) & answer
+    counts = torch.zeros(len(buckets) + 1, 2, dtype=torch.float64, device=pred.device)
+    counts[:, 0].index_add_(0, bucket[correct], torch.ones_like(bucket[correct], dtype=torch.float64))
+    counts[:, 1].index_add_(0, bucket[answer], torch.ones_like(bucket[answer], dtype=torch.float64))
+    return counts
+
+
+def recall_metrics(counts: torch.Tensor, buckets: list[int]) -> dict[str, float]:
+    """``recall_le_<d>`` per bucket that saw answers, ``recall_gt_<last>``, and ``recall`` over all."""
+    out = {}
+    for b in range(len(buckets) + 1):
+        name = f"recall_le_{buckets[b]}" if b < len(buckets) else f"recall_gt_{buckets[-1]}"
+        if counts[b, 1] > 0:
+            out[name] = (counts[b, 0] / counts[b, 1]).item()
+    if counts[:, 1].sum() > 0:
+        out["recall"] = (counts[:, 0].sum() / counts[:, 1].sum()).item()
+    return out
+
+
 class MetricsLogger:
     """Writes metrics on rank 0: console every ``log_freq`` steps, every step to JSON lines."""
 

@@ -32,7 +32,7 @@ from titan_cp.config import JobConfig, load_config
 from titan_cp.data import build_dataloader, build_tokenizer
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
-from titan_cp.metrics import MetricsLogger, device_memory_bytes, peak_flops_per_second
+from titan_cp.metrics import MetricsLogger, device_memory_bytes, peak_flops_per_second, recall_counts, recall_metrics
 from titan_cp.model import build_model
 from titan_cp.parallel import pipeline_llama
 from titan_cp.parallelize import ParallelizeOptions, cp_mesh, parallelize_llama
@@ -236,27 +236,13 @@ class Trainer:
                 ce = torch.nn.functional.cross_entropy(logits[valid], mb.labels[valid], reduction="sum")
                 loss_sum += ce if self.tp_rank == 0 else 0
                 tokens += valid.sum() if self.tp_rank == 0 else 0
-                correct = logits.argmax(-1) == mb.labels
-                answer = dist_local > 0
-                bucket = torch.bucketize(dist_local, torch.tensor(buckets, device=self.device))
-                for b in range(len(buckets) + 1):
-                    sel = answer & (bucket == b)
-                    if self.tp_rank == 0:
-                        counts[b, 0] += (correct & sel).sum()
-                        counts[b, 1] += sel.sum()
+                if self.tp_rank == 0:
+                    counts += recall_counts(logits.argmax(-1), mb.labels, dist_local, buckets)
         for part in self.parts:
             part.train()
         for t in (counts, loss_sum, tokens):
             dist.all_reduce(t)
-        out = {"val_loss": (loss_sum / tokens.clamp(min=1)).item()}
-        for b in range(len(buckets) + 1):
-            name = f"recall_le_{buckets[b]}" if b < len(buckets) else f"recall_gt_{buckets[-1]}"
-            if counts[b, 1] > 0:
-                out[name] = (counts[b, 0] / counts[b, 1]).item()
-        answered = counts[:, 1].sum()
-        if answered > 0:
-            out["recall"] = (counts[:, 0].sum() / answered).item()
-        return out
+        return {"val_loss": (loss_sum / tokens.clamp(min=1)).item(), **recall_metrics(counts, buckets)}
 
     def train(self) -> list[dict]:
         cfg, t = self.cfg, self.cfg.training

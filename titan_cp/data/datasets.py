@@ -61,7 +61,7 @@ class SyntheticRecall:
     Layout of one document (lengths log-uniform in ``[min_tokens, max_tokens]``)::
 
         <BOS>Remember these facts.
-        qzmkt = 4k9d2x.          <- facts: random keys and values, 1 to 8 of them
+        qzmkt = 4k9d2x.          <- facts: random keys and values, 1 to 24 of them
         ...
         Filler sentences from a small vocabulary, with the questions placed at random points:
         Question: what is qzmkt? Answer: qzmkt = 4k9d2x.   <- the answer span is the value's tokens
@@ -89,7 +89,7 @@ class SyntheticRecall:
     def document(self, index: int) -> Document:
         rng = random.Random(f"synthetic_recall/{self.split}/{self.seed}/{index}")
         target = round(math.exp(rng.uniform(math.log(self.min_tokens), math.log(self.max_tokens))))
-        n_facts = rng.randint(1, max(1, min(8, target // 256)))
+        n_facts = rng.randint(1, max(1, min(24, target // 128)))
         keys: list[str] = []
         while len(keys) < n_facts:
             key = "".join(rng.choices(_KEY_CHARS, k=5))
