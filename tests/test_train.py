@@ -149,3 +149,19 @@ def test_cpu_debug_configs_train_with_falling_loss(dist_pools, tmp_path, name):
     assert len(losses) == 12
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
     assert Path(tmp_path / "metrics.jsonl").exists()
+
+
+def _validation(rank, world, argv):
+    return [{k: v for k, v in r.items() if k.startswith(("val_loss", "recall"))} for r in main(argv)]
+
+
+def test_validation_under_cp_equals_a_single_process(dist_pools, tmp_path):
+    """Held-out loss and recall by distance, computed on cp shards, match the 1-rank run."""
+    argv = BASE + ["--training.steps", "2", "--validation.enable", "true", "--validation.freq", "2",
+                   "--validation.steps", "2", "--checkpoint.enable", "false"]
+    single = dist_pools.run(1, _validation, argv + _mesh_args(cp=1) + ["--job.dump_folder", str(tmp_path / "a")])[0][-1]
+    cp = dist_pools.run(4, _validation, argv + _mesh_args(cp=4) + ["--job.dump_folder", str(tmp_path / "b")])[0][-1]
+    assert "val_loss" in single and "recall" in single
+    assert cp.keys() == single.keys()
+    for key in single:
+        assert cp[key] == pytest.approx(single[key], rel=1e-4, abs=1e-9), key

@@ -19,6 +19,13 @@ from titan_cp.layout import get_layout
 from titan_cp.loss import GlobalTokenLoss
 
 
+def shard_tokens(x: torch.Tensor, doc_lens, cp_size: int, cp_rank: int, balance: str) -> torch.Tensor:
+    """This cp rank's tokens of a per-token ``(B, S)`` tensor under the layout of ``doc_lens``."""
+    if cp_size == 1:
+        return x
+    return get_layout(x.shape[1], cp_size, balance, doc_lens).shard(x, 1, cp_rank)
+
+
 @dataclass
 class Microbatch:
     """Packed rows: ``tokens, labels, positions`` ``(B, S)`` int64; ``doc_lens`` ``(B, max_docs)`` zero-padded."""
@@ -32,9 +39,8 @@ class Microbatch:
         """This cp rank's tokens of every per-token tensor (the same permutation for all)."""
         if cp_size == 1:
             return self
-        layout = get_layout(self.tokens.shape[1], cp_size, balance, self.doc_lens)
         return Microbatch(
-            *(layout.shard(t, 1, cp_rank) for t in (self.tokens, self.labels, self.positions)),
+            *(shard_tokens(t, self.doc_lens, cp_size, cp_rank, balance) for t in (self.tokens, self.labels, self.positions)),
             doc_lens=self.doc_lens,
         )
 

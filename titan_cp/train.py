@@ -36,7 +36,7 @@ from titan_cp.metrics import MetricsLogger, device_memory_bytes, peak_flops_per_
 from titan_cp.model import build_model
 from titan_cp.parallel import pipeline_llama
 from titan_cp.parallelize import ParallelizeOptions, cp_mesh, parallelize_llama
-from titan_cp.step import Microbatch, forward_backward
+from titan_cp.step import Microbatch, forward_backward, shard_tokens
 
 logger = logging.getLogger("titan_cp")
 
@@ -228,16 +228,14 @@ class Trainer:
         for _ in range(steps):
             for batch in next(self.val_loader).microbatches:
                 mb = self._microbatch(batch)
-                layout_dist = Microbatch(batch.recall_distance, batch.recall_distance, batch.recall_distance,
-                                         batch.doc_lens_padded).to(self.device)
-                dist_local = layout_dist.shard(self.dims.cp, self.cp_rank, self.cfg.parallelism.context_parallel_load_balancer).tokens
+                distance = shard_tokens(batch.recall_distance.to(self.device), mb.doc_lens, self.dims.cp, self.cp_rank,
+                                        self.cfg.parallelism.context_parallel_load_balancer)
                 logits = self.parts[0](mb.tokens, positions=mb.positions, doc_lens=mb.doc_lens).float()
-                valid = mb.labels != IGNORE_INDEX
-                ce = torch.nn.functional.cross_entropy(logits[valid], mb.labels[valid], reduction="sum")
-                loss_sum += ce if self.tp_rank == 0 else 0
-                tokens += valid.sum() if self.tp_rank == 0 else 0
-                if self.tp_rank == 0:
-                    counts += recall_counts(logits.argmax(-1), mb.labels, dist_local, buckets)
+                if self.tp_rank == 0:  # logits are replicated over tp: count them once
+                    valid = mb.labels != IGNORE_INDEX
+                    loss_sum += torch.nn.functional.cross_entropy(logits[valid], mb.labels[valid], reduction="sum")
+                    tokens += valid.sum()
+                    counts += recall_counts(logits.argmax(-1), mb.labels, distance, buckets)
         for part in self.parts:
             part.train()
         for t in (counts, loss_sum, tokens):
