@@ -104,8 +104,10 @@ def test_synthetic_recall_answers_are_the_planted_facts_far_back():
             answer = d.tokens[s:e]
             fact_value = d.tokens[s - dist_ : s - dist_ + len(answer)]
             assert answer == fact_value  # the answer is the planted value...
-            key = TOK.decode(d.tokens[s - dist_ - 8 : s - dist_]).split("\n")[-1].removesuffix(" = ")
-            assert TOK.decode(d.tokens[:s]).endswith(f"Question: what is {key}? Answer: {key} = ")  # ...of the asked key
+            key = TOK.decode(d.tokens[s - dist_ - 1 : s - dist_])
+            assert TOK.decode(d.tokens[s - dist_ - 6 : s - dist_]) == f"fact {key}"
+            assert TOK.decode(d.tokens[:s]).endswith(f"\nRecall {key}")  # ...of the asked key
+            assert TOK.decode(d.tokens).count(key) == 2  # the key occurs only at its fact and its question
             distances.append(dist_)
     assert max(distances) > 3000
     assert sum(x >= 1000 for x in distances) >= len(distances) // 3  # thousands of tokens, not a few

@@ -51,20 +51,23 @@ _WORDS = (
     "walks carries finds watches builds remembers follows crosses holds opens reads leaves "
     "near under over beyond through along behind across with without before after while"
 ).split()
-_KEY_CHARS = "abcdefghijklmnopqrstuvwxyz"
+# Keys are symbols that occur nowhere else in a document: the key right before a value is the
+# whole cue, so recalling the value is one content lookup, possibly thousands of tokens back.
+_KEYS = "#$%&*+<>@^|~"
 _VALUE_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
 class SyntheticRecall:
-    """Documents that plant ``key = value`` facts at the start and ask for them much later.
+    """Documents that plant key -> value facts at the start and ask for them much later.
 
     Layout of one document (lengths log-uniform in ``[min_tokens, max_tokens]``)::
 
         <BOS>Remember these facts.
-        qzmkt = 4k9d2x.          <- facts: random keys and values, 1 to 24 of them
+        fact @4k9d2x.            <- facts: a symbol key, a random value; 1 to 12 of them
         ...
-        Filler sentences from a small vocabulary, with the questions placed at random points:
-        Question: what is qzmkt? Answer: qzmkt = 4k9d2x.   <- the answer span is the value's tokens
+        Filler sentences repeated from a small per-document pool, with the questions at
+        random points:
+        Recall @4k9d2x.          <- the answer span is the value's tokens
         ...<EOS>
 
     Every fact is asked once; the distance of an answer is its start minus the start of the
@@ -89,12 +92,8 @@ class SyntheticRecall:
     def document(self, index: int) -> Document:
         rng = random.Random(f"synthetic_recall/{self.split}/{self.seed}/{index}")
         target = round(math.exp(rng.uniform(math.log(self.min_tokens), math.log(self.max_tokens))))
-        n_facts = rng.randint(1, max(1, min(24, target // 128)))
-        keys: list[str] = []
-        while len(keys) < n_facts:
-            key = "".join(rng.choices(_KEY_CHARS, k=5))
-            if key not in keys:
-                keys.append(key)
+        n_facts = rng.randint(1, max(1, min(len(_KEYS), target // 128)))
+        keys = rng.sample(_KEYS, n_facts)
         values = {k: "".join(rng.choices(_VALUE_CHARS, k=6)) for k in keys}
 
         tok = self.tokenizer
@@ -111,7 +110,7 @@ class SyntheticRecall:
         add("Remember these facts.\n")
         value_start = {}
         for k in keys:
-            add(f"{k} = ")
+            add(f"fact {k}")
             value_start[k] = add(values[k])
             add(".\n")
         # Questions at random fractions of the rest of the document, each fact asked once.
@@ -122,7 +121,7 @@ class SyntheticRecall:
         for k, mark in zip(asked, marks):
             while len(tokens) < mark:
                 add(rng.choice(pool))
-            add(f"\nQuestion: what is {k}? Answer: {k} = ")
+            add(f"\nRecall {k}")
             start = add(values[k])
             spans.append((start, len(tokens)))
             distances.append(start - value_start[k])
