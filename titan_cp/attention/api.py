@@ -9,6 +9,10 @@ Shapes (SDPA's)::
 ``seq_local`` tokens are this rank's shard under ``layout`` (``layout.shard(x, dim=2, rank)``).
 The result on every rank equals the matching rows of full-sequence attention with the
 causal and document masks; every strategy is differentiable in q, k and v.
+
+Both entry points are opaque to ``torch.compile`` (``torch.compiler.disable``): they are a
+Python loop over mask tiles around communication, so a compiled model runs them eagerly
+between its compiled pieces.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from titan_cp.attention.block import BlockAttention, make_plan
 from titan_cp.attention.hybrid import hybrid_attention, hybrid_rank
 from titan_cp.attention.kernels import get_kernel
 from titan_cp.attention.ring import ring_attention, ring_min_bytes
-from titan_cp.attention.ulysses import ulysses_attention, ulysses_min_bytes
+from titan_cp.attention.ulysses import kv_head_map, ulysses_attention, ulysses_min_bytes
 from titan_cp.layout import SequenceLayout, get_layout
 
 _ONE_AXIS: dict[str, Callable] = {
@@ -146,8 +150,6 @@ def min_bytes_per_rank(strategy: str, q: torch.Tensor, k: torch.Tensor, world: i
     ring_size = world // ulysses_size
     uly = ulysses_min_bytes(q, k, ulysses_size, backward)
     # after the all-to-all each ring rank holds U times the tokens for 1/U of the heads
-    from titan_cp.attention.ulysses import kv_head_map  # noqa: PLC0415
-
     heads = kv_head_map(q.shape[1], k.shape[1], ulysses_size)
     kv_heads = 1 if heads is not None else k.shape[1] // ulysses_size
     b, _, s, d = k.shape
