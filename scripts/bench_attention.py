@@ -1,6 +1,7 @@
 """Forward+backward time of each CP attention strategy on 1 and on N gloo ranks (one thread per rank).
 
-Prints one JSON object per (case, strategy, world)::
+Prints one JSON object per (case, strategy, world); ``seconds`` is the fastest of
+``--iters`` timed iterations (``seconds_median`` beside it)::
 
     {"case": "causal", "strategy": "ring", "world": 2, "seq_len": 16384, "seconds": ...,
      "efficiency": seconds(world 1) / (world * seconds(world)),
@@ -83,7 +84,7 @@ def _run(rank, world, args: dict, case: str, strategy: str):
             times.append(time.perf_counter() - t0)
             sent = counter.bytes_sent
     theory = min_bytes_per_rank(strategy, q, k, world, ulysses)
-    return {"seconds": min(times), "bytes_sent_per_rank": sent, "bytes_theory_per_rank": theory, "ulysses": ulysses}
+    return {"seconds": min(times), "seconds_median": sorted(times)[len(times) // 2], "bytes_sent_per_rank": sent, "bytes_theory_per_rank": theory, "ulysses": ulysses}
 
 
 def main(argv=None) -> None:
@@ -100,7 +101,7 @@ def main(argv=None) -> None:
     p.add_argument("--doc-mean", type=int, default=2048, help="mean document length for the docs case")
     p.add_argument("--hybrid-ulysses", type=int, default=2, help="ulysses axis size for hybrid")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--iters", type=int, default=3, help="timed iterations; seconds is the fastest (a shared machine adds noise)")
     args = vars(p.parse_args(argv))
 
     for case in args["cases"]:
@@ -117,6 +118,7 @@ def main(argv=None) -> None:
                     "case": case, "strategy": strategy, "world": world, "seq_len": args["seq_len"],
                     "heads": args["heads"], "kv_heads": args["kv_heads"], "head_dim": args["head_dim"],
                     "dtype": args["dtype"], "seconds": round(res["seconds"], 4),
+                    "seconds_median": round(res["seconds_median"], 4),
                     "efficiency": round(base / (world * res["seconds"]), 4),
                     "bytes_sent_per_rank": res["bytes_sent_per_rank"],
                     "bytes_theory_per_rank": res["bytes_theory_per_rank"],
