@@ -106,3 +106,21 @@ def test_flash_attn_varlen_matches_segment_by_segment(causal):
 
 class AttentionKernelLoop(MathKernel):
     """The math kernel through the default segment-by-segment varlen loop."""
+
+
+def test_flash_attn_keyword_arguments_follow_the_installed_signature():
+    """The flash-attn backend adapts to the version installed: window as two ints or a pair,
+    optional arguments only where the signature has them (checked without flash-attn)."""
+    from titan_cp.attention.kernels import FlashAttnKernel
+
+    v26 = {"dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap",
+           "alibi_slopes", "return_softmax"}
+    kw = FlashAttnKernel._kwargs(v26, True, 0.5)
+    assert kw == dict(dropout_p=0.0, softmax_scale=0.5, causal=True, window_size_left=-1, window_size_right=-1,
+                      softcap=0.0, alibi_slopes=None, return_softmax=False)
+    v24 = {"dropout_p", "softmax_scale", "causal", "window_size", "alibi_slopes", "deterministic", "rng_state"}
+    kw = FlashAttnKernel._kwargs(v24, False, 0.25, **FlashAttnKernel._varlen([0, 3, 10], [0, 5, 6], "cpu"))
+    assert kw["window_size"] == (-1, -1) and kw["deterministic"] is False and kw["rng_state"] is None
+    assert "softcap" not in kw and "return_softmax" not in kw
+    assert kw["cu_seqlens_q"].tolist() == [0, 3, 10] and kw["cu_seqlens_q"].dtype == torch.int32
+    assert (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (7, 5)

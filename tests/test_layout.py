@@ -6,19 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.strategies import doc_row
 from titan_cp import SequenceLayout
-
-
-def _doc_rows(draw, seq_len, batch):
-    rows = []
-    for _ in range(batch):
-        row, left = [], seq_len
-        while left:
-            n = draw(st.integers(1, left))
-            row.append(n)
-            left -= n
-        rows.append(row)
-    return rows
 
 
 @st.composite
@@ -27,7 +16,7 @@ def layouts(draw):
     balance = draw(st.sampled_from(["contiguous", "zigzag", "doc_zigzag"]))
     mult = 2 * cp if balance == "zigzag" else cp
     seq_len = mult * draw(st.integers(1, 12))
-    docs = _doc_rows(draw, seq_len, draw(st.integers(1, 3))) if draw(st.booleans()) else None
+    docs = [doc_row(draw, seq_len) for _ in range(draw(st.integers(1, 3)))] if draw(st.booleans()) else None
     return SequenceLayout(seq_len, cp, balance, docs)
 
 

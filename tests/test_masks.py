@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.reference import dense_mask
+from tests.strategies import doc_row
 from titan_cp import SequenceLayout
 from titan_cp.attention.block import make_plan
 
@@ -16,14 +17,7 @@ def cases(draw):
     balance = draw(st.sampled_from(["contiguous", "zigzag", "doc_zigzag"]))
     mult = 2 * cp if balance == "zigzag" else cp
     seq_len = mult * draw(st.integers(1, 10))
-    docs = None
-    if draw(st.booleans()):
-        row, left = [], seq_len
-        while left:
-            n = draw(st.integers(1, left))
-            row.append(n)
-            left -= n
-        docs = [row]
+    docs = [doc_row(draw, seq_len)] if draw(st.booleans()) else None
     causal = draw(st.booleans())
     q_ranks = draw(st.one_of(st.none(), st.lists(st.integers(0, cp - 1), min_size=1, max_size=3, unique=True)))
     k_ranks = draw(st.one_of(st.none(), st.lists(st.integers(0, cp - 1), min_size=1, max_size=3, unique=True)))

@@ -189,63 +189,48 @@ class FlashAttnKernel(AttentionKernel):
         self._vfwd_params = inspect.signature(self._vfwd).parameters
         self._vbwd_params = inspect.signature(self._vbwd).parameters
 
-    @staticmethod
-    def _window(params, kwargs):
+    # keyword arguments some flash-attn versions take and others do not: set where present
+    _OPTIONAL = {"softcap": 0.0, "alibi_slopes": None, "return_softmax": False, "block_table": None,
+                 "deterministic": False, "rng_state": None}
+
+    @classmethod
+    def _kwargs(cls, params, causal: bool, scale: float, **extra) -> dict:
+        kwargs = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, **extra)
         if "window_size_left" in params:
             kwargs.update(window_size_left=-1, window_size_right=-1)
         elif "window_size" in params:
-            kwargs.update(window_size=(-1, -1))
-        if "softcap" in params:
-            kwargs["softcap"] = 0.0
-        if "alibi_slopes" in params:
-            kwargs["alibi_slopes"] = None
+            kwargs["window_size"] = (-1, -1)
+        kwargs.update({k: v for k, v in cls._OPTIONAL.items() if k in params})
         return kwargs
+
+    @staticmethod
+    def _varlen(cu_q, cu_k, device) -> dict:
+        def cu(c):
+            return torch.tensor(c, dtype=torch.int32, device=device), max(b - a for a, b in zip(c, c[1:]))
+
+        (cq, mq), (ck, mk) = cu(cu_q), cu(cu_k)
+        return dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk)
 
     def forward(self, q, k, v, causal, scale):
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-        kwargs = self._window(self._fwd_params, dict(dropout_p=0.0, softmax_scale=scale, causal=causal))
-        if "return_softmax" in self._fwd_params:
-            kwargs["return_softmax"] = False
-        res = self._fwd(qt, kt, vt, **kwargs)
+        res = self._fwd(qt, kt, vt, **self._kwargs(self._fwd_params, causal, scale))
         return res[0].transpose(1, 2), res[1]
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         qt, kt, vt, ot, dot = (x.transpose(1, 2).contiguous() for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
-        kwargs = self._window(self._bwd_params, dict(dropout_p=0.0, softmax_scale=scale, causal=causal))
-        if "deterministic" in self._bwd_params:
-            kwargs["deterministic"] = False
-        if "rng_state" in self._bwd_params:
-            kwargs["rng_state"] = None
-        self._bwd(dot, qt, kt, vt, ot, lse.contiguous(), dq, dk, dv, **kwargs)
+        self._bwd(dot, qt, kt, vt, ot, lse.contiguous(), dq, dk, dv, **self._kwargs(self._bwd_params, causal, scale))
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
-    @staticmethod
-    def _cu(cu, device):
-        lengths = [b - a for a, b in zip(cu, cu[1:])]
-        return torch.tensor(cu, dtype=torch.int32, device=device), max(lengths)
-
     def varlen_forward(self, q, k, v, cu_q, cu_k, causal, scale):
-        (cq, mq), (ck, mk) = self._cu(cu_q, q.device), self._cu(cu_k, q.device)
-        kwargs = self._window(self._vfwd_params, dict(dropout_p=0.0, softmax_scale=scale, causal=causal))
-        kwargs.update(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk)
-        if "return_softmax" in self._vfwd_params:
-            kwargs["return_softmax"] = False
-        if "block_table" in self._vfwd_params:
-            kwargs["block_table"] = None
+        kwargs = self._kwargs(self._vfwd_params, causal, scale, **self._varlen(cu_q, cu_k, q.device))
         res = self._vfwd(q.contiguous(), k.contiguous(), v.contiguous(), **kwargs)
         return res[0], res[1]
 
     def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
-        (cq, mq), (ck, mk) = self._cu(cu_q, q.device), self._cu(cu_k, q.device)
         q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        kwargs = self._window(self._vbwd_params, dict(dropout_p=0.0, softmax_scale=scale, causal=causal))
-        kwargs.update(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk)
-        if "deterministic" in self._vbwd_params:
-            kwargs["deterministic"] = False
-        if "rng_state" in self._vbwd_params:
-            kwargs["rng_state"] = None
+        kwargs = self._kwargs(self._vbwd_params, causal, scale, **self._varlen(cu_q, cu_k, q.device))
         self._vbwd(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, **kwargs)
         return dq, dk, dv
 
