@@ -6,16 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.strategies import doc_row
+from tests.strategies import doc_row, layout_shape
 from titan_cp import SequenceLayout
 
 
 @st.composite
 def layouts(draw):
-    cp = draw(st.integers(1, 8))
-    balance = draw(st.sampled_from(["contiguous", "zigzag", "doc_zigzag"]))
-    mult = 2 * cp if balance == "zigzag" else cp
-    seq_len = mult * draw(st.integers(1, 12))
+    cp, balance, seq_len = layout_shape(draw, max_cp=8, max_chunks=12)
     docs = [doc_row(draw, seq_len) for _ in range(draw(st.integers(1, 3)))] if draw(st.booleans()) else None
     return SequenceLayout(seq_len, cp, balance, docs)
 

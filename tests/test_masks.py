@@ -6,17 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.reference import dense_mask
-from tests.strategies import doc_row
+from tests.strategies import doc_row, layout_shape
 from titan_cp import SequenceLayout
 from titan_cp.attention.block import make_plan
 
 
 @st.composite
 def cases(draw):
-    cp = draw(st.integers(1, 6))
-    balance = draw(st.sampled_from(["contiguous", "zigzag", "doc_zigzag"]))
-    mult = 2 * cp if balance == "zigzag" else cp
-    seq_len = mult * draw(st.integers(1, 10))
+    cp, balance, seq_len = layout_shape(draw, max_cp=6, max_chunks=10)
     docs = [doc_row(draw, seq_len)] if draw(st.booleans()) else None
     causal = draw(st.booleans())
     q_ranks = draw(st.one_of(st.none(), st.lists(st.integers(0, cp - 1), min_size=1, max_size=3, unique=True)))
