@@ -1,0 +1,75 @@
+"""scripts/recall_probe.py: its rows ask exactly the planted facts, and a short run reports
+the fields its summary promises."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import recall_probe as rp  # noqa: E402
+
+from titan_cp.data.packing import IGNORE_INDEX  # noqa: E402
+
+
+@pytest.mark.parametrize("facts,gap", [(1, 0), (8, 16), (12, 100)])
+def test_document_answers_are_the_planted_values(facts, gap):
+    tokens, answers = rp.recall_document(random.Random(facts + gap), facts, gap)
+    assert tokens[0] == rp.TOKENIZER.bos_id and len(answers) == facts
+    planted = {tokens[1 + 3 * i]: tokens[2 + 3 * i] for i in range(facts)}
+    assert len(planted) == facts and set(planted) <= set(rp.KEYS)
+    assert tokens[1 + 3 * facts : 1 + 3 * facts + gap] == [rp.FILLER] * gap
+    asked = []
+    for a in answers:
+        assert tokens[a - 2] == rp.QUESTION
+        assert tokens[a] == planted[tokens[a - 1]]  # the answer is the value planted for the key
+        asked.append(tokens[a - 1])
+    assert sorted(asked) == sorted(planted)  # every fact asked once
+
+
+def test_row_labels_positions_and_answers():
+    S = 300
+    row = rp.recall_row(random.Random(0), S, facts=5, gap=40)
+    tokens, labels, positions, lens = row["tokens"], row["labels"], row["positions"], row["doc_lens"]
+    assert tokens.shape == labels.shape == positions.shape == (S,) and int(lens.sum()) == S
+    ends = lens.cumsum(0)
+    assert (labels[ends - 1] == IGNORE_INDEX).all()
+    inner = torch.ones(S, dtype=torch.bool)
+    inner[ends - 1] = False
+    assert torch.equal(labels[inner], tokens.roll(-1)[inner])
+    assert torch.equal(positions, torch.cat([torch.arange(n) for n in lens.tolist()]))
+    at = row["answer_at"]
+    assert len(at) > 0 and (labels[at] != IGNORE_INDEX).all()
+    # each answer label is predicted from its key, itself right after a question mark
+    assert (tokens[at - 1] == rp.QUESTION).all() and torch.isin(tokens[at], torch.tensor(rp.KEYS)).all()
+    assert torch.isin(labels[at], torch.tensor(rp.VALUES)).all()
+    # answers cut off with the last document are dropped, never mislabelled
+    cut = rp.recall_row(random.Random(0), 37, facts=8, gap=16)
+    assert int(cut["doc_lens"].sum()) == 37 and (cut["answer_at"] < 36).all()
+
+
+def test_short_run_reports_and_summary():
+    lines = []
+    args = rp.parse_args(["--steps", "6", "--every", "2", "--seq-len", "256", "--gap", "8"])
+    records = rp.run(args, emit=lines.append)
+    parsed = [json.loads(line) for line in lines]
+    assert [r["step"] for r in parsed[:-1]] == [2, 4, 6] and parsed[:-1] == records
+    for r in records:
+        assert 0.0 <= r["recall"] <= 1.0 and r["chance"] == round(1 / 36, 4) and r["loss"] > 0
+    summary = parsed[-1]
+    assert summary["steps"] == 6 and summary["gap"] == 8
+    assert summary["final_recall"] == records[-1]["recall"]
+    assert "steps_to_2x_chance" in summary
+
+
+def test_bad_arguments_exit():
+    with pytest.raises(SystemExit):
+        rp.parse_args(["--facts", "13"])
+    with pytest.raises(SystemExit):
+        rp.parse_args(["--gap", "-1"])
