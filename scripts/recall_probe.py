@@ -22,9 +22,10 @@ not change the math, the tests hold every strategy to the single-process result)
     {"step": 400, "loss": 1.31, "recall": 0.06, "chance": 0.0278, "seconds": 110.2}
 
 ``recall`` is the accuracy of the next-token prediction on the answer tokens of that step's
-row, computed before the update on the row's fresh documents (never trained on). The last
-line is the summary: ``steps_to_2x_chance``, the first step at which the mean recall of the
-last three reports reached twice chance (null if it never did).
+row, computed before the update on the row's fresh documents (never trained on), over ``answers`` answer tokens. The last line is
+the summary: ``steps_to_2x_chance``, the first report at which the recall pooled over the
+latest reports holding at least 1000 answers reached twice chance (null if it never did;
+pooling keeps one lucky row from counting when documents are long and answers few).
 
     python scripts/recall_probe.py                       # tiny model, gap 16, 1200 steps
     python scripts/recall_probe.py --gap 2048 --plot /tmp/recall_probe.png
@@ -114,19 +115,31 @@ def run(args: argparse.Namespace, emit=print) -> list[dict]:
             at = row["answer_at"]
             recall = (logits[at].argmax(-1) == row["labels"][at]).float().mean().item()
             record = {"step": step, "loss": round(loss.item(), 4), "recall": round(recall, 4),
-                      "chance": round(chance, 4), "seconds": round(time.perf_counter() - start, 1)}
+                      "answers": len(at), "chance": round(chance, 4),
+                      "seconds": round(time.perf_counter() - start, 1)}
             records.append(record)
             emit(json.dumps(record))
-    reached = None
-    for i in range(2, len(records)):
-        if sum(r["recall"] for r in records[i - 2 : i + 1]) / 3 >= 2 * chance:
-            reached = records[i]["step"]
-            break
+    reached = steps_to_recall(records, 2 * chance)
     summary = {"flavor": args.flavor, "gap": args.gap, "facts": args.facts, "seq_len": args.seq_len,
                "lr": args.lr, "steps": args.steps, "steps_to_2x_chance": reached,
                "final_recall": records[-1]["recall"] if records else None}
     emit(json.dumps(summary))
     return records
+
+
+def steps_to_recall(records: list[dict], level: float, min_answers: int = 1000) -> int | None:
+    """First report step at which recall pooled over the latest reports (back until they hold
+    ``min_answers`` answers, or all reports so far) reaches ``level``."""
+    for i in range(len(records)):
+        correct = total = 0
+        for r in reversed(records[: i + 1]):
+            correct += r["recall"] * r["answers"]
+            total += r["answers"]
+            if total >= min_answers:
+                break
+        if total >= min_answers and correct / total >= level:
+            return records[i]["step"]
+    return None
 
 
 def plot(records: list[dict], path: str) -> None:

@@ -62,10 +62,21 @@ def test_short_run_reports_and_summary():
     assert [r["step"] for r in parsed[:-1]] == [2, 4, 6] and parsed[:-1] == records
     for r in records:
         assert 0.0 <= r["recall"] <= 1.0 and r["chance"] == round(1 / 36, 4) and r["loss"] > 0
+        assert r["answers"] > 0
     summary = parsed[-1]
     assert summary["steps"] == 6 and summary["gap"] == 8
     assert summary["final_recall"] == records[-1]["recall"]
     assert "steps_to_2x_chance" in summary
+
+
+def test_steps_to_recall_pools_answers():
+    rec = lambda step, recall, answers: {"step": step, "recall": recall, "answers": answers}  # noqa: E731
+    # one lucky row of 50 answers does not count; a pooled 1000 answers at 0.06 does
+    few = [rec(20 * i, 0.2 if i == 3 else 0.02, 50) for i in range(1, 10)]
+    assert rp.steps_to_recall(few, 0.0556) is None
+    many = [rec(20, 0.02, 500), rec(40, 0.02, 500), rec(60, 0.09, 500), rec(80, 0.09, 500)]
+    assert rp.steps_to_recall(many, 0.0556) == 80  # at 60 the pool is 0.02·500 + 0.09·500 -> 0.055
+    assert rp.steps_to_recall([rec(20, 0.5, 999)], 0.1) is None  # too few answers to judge
 
 
 def test_bad_arguments_exit():
