@@ -1,5 +1,6 @@
 """titan_cp.data: tokenizers, the synthetic recall corpus, local datasets, packing and DP loading."""
 
+import bisect
 import importlib.util
 import json
 import random
@@ -185,11 +186,13 @@ def random_docs(rng, n, max_len):
         length = rng.randint(1, max_len)
         tokens = [rng.randrange(256) for _ in range(length)]
         spans, dists = [], []
-        for _ in range(rng.randint(0, 2)):
-            s = rng.randrange(length)
+        for _ in range(rng.randint(0, 2) if length > 1 else 0):
+            s = rng.randrange(1, length)
             e = rng.randint(s + 1, min(length, s + 5))
+            if any(s < e2 and s2 < e for s2, e2 in spans):
+                continue  # answers are disjoint spans, as in every corpus
             spans.append((s, e))
-            dists.append(rng.randint(1, 5000))
+            dists.append(rng.randint(1, s))  # the fact starts in the document, s - distance >= 0
         docs.append(Document(tokens, spans, dists))
     return docs
 
@@ -213,14 +216,17 @@ def test_packing_invariants(seed, seq_len, max_len):
     rng = random.Random(seed)
     docs = random_docs(rng, rng.randint(1, 6), max_len)
     # the reference stream: concatenated documents, with each token's answer distance (0: no answer)
-    stream, answer_at, boundary = [], [], []
+    # and the stream index of that answer's fact
+    stream, answer_at, fact_at, boundary = [], [], [], []
     while len(stream) < 5 * seq_len + 1:
         for d in docs:
-            dist_of = [0] * len(d.tokens)
+            dist_of, fact_of = [0] * len(d.tokens), [0] * len(d.tokens)
             for (s, e), distance in zip(d.answer_spans, d.answer_distances):
                 dist_of[s:e] = [distance] * (e - s)
+                fact_of[s:e] = [len(stream) + s - distance] * (e - s)
             stream += d.tokens
             answer_at += dist_of
+            fact_at += fact_of
             boundary += [True] + [False] * (len(d.tokens) - 1)
     packer = Packer(ListSource(docs), seq_len)
     for r in range(5):
@@ -231,7 +237,12 @@ def test_packing_invariants(seed, seq_len, max_len):
         starts = [0] + torch.tensor(row.doc_lens).cumsum(0).tolist()[:-1]
         assert starts == [i for i in range(seq_len) if i == 0 or boundary[g + i]]  # cut at documents and rows
         labels = row.labels.tolist()
-        expected = [answer_at[g + i + 1] if labels[i] != IGNORE_INDEX else 0 for i in range(seq_len)]
+        piece_start = [g + starts[bisect.bisect_right(starts, i) - 1] for i in range(seq_len)]
+        # an answer is marked where its label is, and only when its fact lies in the same piece
+        expected = [
+            answer_at[g + i + 1] if labels[i] != IGNORE_INDEX and fact_at[g + i + 1] >= piece_start[i] else 0
+            for i in range(seq_len)
+        ]
         assert row.recall_distance.tolist() == expected
 
 

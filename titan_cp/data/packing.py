@@ -9,7 +9,8 @@ pieces in it (lengths ``doc_lens``, summing to ``S``)::
     labels[i]     tokens[i+1] if i+1 is in the same piece, else -100 (each piece's last token)
     positions[i]  i - start of its piece
     recall_distance[i]   the answer's distance (tokens back to its fact) when labels[i] is an
-                  answer token, else 0
+                  answer token whose fact lies in the same piece, else 0 (an answer cut
+                  off from its fact by a row boundary cannot be recalled, so is not asked)
 
 A row with ``n`` pieces has ``S - n`` loss-bearing tokens.
 """
@@ -94,9 +95,9 @@ class Packer:
         for (doc, a, b), row_start in zip(pieces, starts.tolist()):
             for (s, e), distance in zip(doc.answer_spans, doc.answer_distances):
                 # position p predicts token p+1: answer tokens [s, e) are predicted from [s-1, e-1),
-                # and p, p+1 must both lie in the piece [a, b).
+                # and p, p+1 must both lie in the piece [a, b), as must the fact (at s - distance).
                 lo, hi = max(s - 1, a), min(e - 1, b - 1)
-                if lo < hi:
+                if lo < hi and s - distance >= a:
                     recall_distance[row_start + lo - a : row_start + hi - a] = distance
         return PackedRow(tokens, labels, positions, recall_distance, doc_lens)
 
