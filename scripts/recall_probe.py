@@ -15,17 +15,19 @@ in byte-tokenizer ids::
 keys are distinct symbols of ``#$%&*+<>@^|~``, values random letters or digits (chance is
 1/36), so a value is recallable only from its fact, ``gap`` + a few tokens back. Rows of
 ``--seq-len`` tokens hold as many documents as fit (document-masked attention, per-document
-positions). The model trains on one row per step (single process: context parallelism does
-not change the math, the tests hold every strategy to the single-process result). Every
-``--every`` steps one JSON line::
+positions; a document cut by a row boundary continues in the next row, and answers cut off
+from their facts are not asked). The model trains on one row per step (single process:
+context parallelism does not change the math, the tests hold every strategy to the
+single-process result). Every ``--every`` steps one JSON line::
 
-    {"step": 400, "loss": 1.31, "recall": 0.06, "chance": 0.0278, "seconds": 110.2}
+    {"step": 400, "loss": 1.31, "recall": 0.06, "answers": 896, "chance": 0.0278, "seconds": 110.2}
 
 ``recall`` is the accuracy of the next-token prediction on the answer tokens of that step's
-row, computed before the update on the row's fresh documents (never trained on), over ``answers`` answer tokens. The last line is
-the summary: ``steps_to_2x_chance``, the first report at which the recall pooled over the
-latest reports holding at least 1000 answers reached twice chance (null if it never did;
-pooling keeps one lucky row from counting when documents are long and answers few).
+row, computed before the update on the row's fresh documents (never trained on), over
+``answers`` answer tokens. The last line is the summary: ``steps_to_2x_chance``, the first
+report at which the recall pooled over the latest reports holding at least 1000 answers
+reached twice chance (null if it never did; pooling keeps one lucky row from counting when
+documents are long and answers few).
 
     python scripts/recall_probe.py                       # tiny model, gap 16, 1200 steps
     python scripts/recall_probe.py --gap 2048 --plot /tmp/recall_probe.png
@@ -45,9 +47,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from titan_cp.data import IGNORE_INDEX, ByteTokenizer, Document, Packer  # noqa: E402
 from titan_cp.data.datasets import _KEYS, _VALUE_CHARS  # noqa: E402
-from titan_cp.data.packing import IGNORE_INDEX  # noqa: E402
-from titan_cp.data.tokenizer import ByteTokenizer  # noqa: E402
+from titan_cp.metrics import recall_counts  # noqa: E402
 from titan_cp.model import build_model  # noqa: E402
 
 TOKENIZER = ByteTokenizer()
@@ -58,65 +60,53 @@ QUESTION = ord("?")
 SPACE = ord(" ")
 
 
-def recall_document(rng: random.Random, facts: int, gap: int) -> tuple[list[int], list[int]]:
-    """One document's tokens and the indices of its answer (value) tokens."""
-    keys = rng.sample(KEYS, facts)
-    value = {k: rng.choice(VALUES) for k in keys}
-    tokens = [TOKENIZER.bos_id]
-    for k in keys:
-        tokens += [k, value[k], SPACE]
-    tokens += [FILLER] * gap
-    answers = []
-    for k in rng.sample(keys, facts):
-        tokens += [QUESTION, k]
-        answers.append(len(tokens))
-        tokens += [value[k], SPACE]
-    return tokens, answers
+class ProbeDocuments:
+    """A ``DocumentSource``: document ``i`` plants ``facts`` key -> value facts, ``gap`` filler
+    tokens, then asks every key once; depends only on ``(seed, i)``."""
 
+    def __init__(self, facts: int, gap: int, seed: int = 0):
+        self.facts, self.gap, self.seed = facts, gap, seed
 
-def recall_row(rng: random.Random, seq_len: int, facts: int, gap: int) -> dict[str, torch.Tensor]:
-    """A packed row: ``tokens``, ``labels``, ``positions`` (S,), ``doc_lens`` (n_docs,), and
-    ``answer_at``, the positions whose label is an answer token. The last document is cut
-    to fit; answers cut off with it are dropped."""
-    tokens, doc_lens, answer_at = [], [], []
-    while len(tokens) < seq_len:
-        doc, answers = recall_document(rng, facts, gap)
-        doc = doc[: seq_len - len(tokens)]
-        # position p predicts token p + 1: the answer at a is predicted at a - 1, same document
-        answer_at += [len(tokens) + a - 1 for a in answers if a < len(doc)]
-        tokens += doc
-        doc_lens.append(len(doc))
-    tokens_t = torch.tensor(tokens)
-    lens = torch.tensor(doc_lens)
-    labels = tokens_t.roll(-1).clone()
-    labels[lens.cumsum(0) - 1] = IGNORE_INDEX  # a document's last token predicts nothing
-    positions = torch.cat([torch.arange(n) for n in doc_lens])
-    return {"tokens": tokens_t, "labels": labels, "positions": positions, "doc_lens": lens,
-            "answer_at": torch.tensor(answer_at, dtype=torch.long)}
+    def document(self, index: int) -> Document:
+        rng = random.Random(f"recall_probe/{self.seed}/{index}")
+        keys = rng.sample(KEYS, self.facts)
+        value = {k: rng.choice(VALUES) for k in keys}
+        tokens, value_at = [TOKENIZER.bos_id], {}
+        for k in keys:
+            value_at[k] = len(tokens) + 1
+            tokens += [k, value[k], SPACE]
+        tokens += [FILLER] * self.gap
+        spans, distances = [], []
+        for k in rng.sample(keys, self.facts):
+            tokens += [QUESTION, k]
+            spans.append((len(tokens), len(tokens) + 1))
+            distances.append(len(tokens) - value_at[k])
+            tokens += [value[k], SPACE]
+        return Document(tokens, spans, distances)
 
 
 def run(args: argparse.Namespace, emit=print) -> list[dict]:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    rng = random.Random(args.seed)
+    packer = Packer(ProbeDocuments(args.facts, args.gap, args.seed), args.seq_len)
     model = build_model(args.flavor, vocab_size=TOKENIZER.vocab_size, device="cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     chance = 1 / len(VALUES)
     records, start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
-        row = recall_row(rng, args.seq_len, args.facts, args.gap)
-        logits = model(row["tokens"][None], row["positions"][None], row["doc_lens"][None])[0]
-        loss = F.cross_entropy(logits, row["labels"], ignore_index=IGNORE_INDEX)
+        row = packer.next_row()
+        doc_lens = torch.tensor([row.doc_lens])
+        logits = model(row.tokens[None], row.positions[None], doc_lens)[0]
+        loss = F.cross_entropy(logits, row.labels, ignore_index=IGNORE_INDEX)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step % args.every == 0:
-            at = row["answer_at"]
-            recall = (logits[at].argmax(-1) == row["labels"][at]).float().mean().item()
-            record = {"step": step, "loss": round(loss.item(), 4), "recall": round(recall, 4),
-                      "answers": len(at), "chance": round(chance, 4),
-                      "seconds": round(time.perf_counter() - start, 1)}
+            (correct, answers), = recall_counts(logits.argmax(-1), row.labels, row.recall_distance, []).tolist()
+            record = {"step": step, "loss": round(loss.item(), 4),
+                      "recall": round(correct / max(answers, 1), 4), "answers": int(answers),
+                      "chance": round(chance, 4), "seconds": round(time.perf_counter() - start, 1)}
             records.append(record)
             emit(json.dumps(record))
     reached = steps_to_recall(records, 2 * chance)

@@ -216,12 +216,17 @@ def test_wrong_toml_types_name_the_key(tmp_path):
         load_config(["--job.config_file", write(tmp_path, '[checkpoint]\nenable = "yes"\n', "b.toml")])
 
 
-def test_torchtitan_llama3_toml_loads_with_one_warning(tmp_path):
-    path = write(tmp_path, TORCHTITAN_LLAMA3_8B)
+def load_with_one_warning(path):
+    """Load ``path``, asserting exactly one warning; return the config and that warning's text."""
     with pytest.warns(UserWarning) as record:
         cfg = load_config(["--job.config_file", path])
     assert len(record) == 1
-    message = str(record[0].message)
+    return cfg, str(record[0].message)
+
+
+def test_torchtitan_llama3_toml_loads_with_one_warning(tmp_path):
+    path = write(tmp_path, TORCHTITAN_LLAMA3_8B)
+    cfg, message = load_with_one_warning(path)
     for key in ("checkpoint.export_dtype", "quantize.linear.float8.filter_fqns",
                 "quantize.linear.float8.enable_fsdp_float8_all_gather"):
         assert key in message
@@ -237,10 +242,7 @@ def test_torchtitan_llama3_toml_loads_with_one_warning(tmp_path):
 
 def test_legacy_torchtitan_keys_are_renamed(tmp_path):
     path = write(tmp_path, TORCHTITAN_LLAMA3_DEBUG_V01)
-    with pytest.warns(UserWarning) as record:
-        cfg = load_config(["--job.config_file", path])
-    assert len(record) == 1
-    message = str(record[0].message)
+    cfg, message = load_with_one_warning(path)
     assert "checkpoint.enable_checkpoint -> checkpoint.enable" in message
     assert "training.batch_size -> training.local_batch_size" in message
     assert "model.tokenizer_path" in message and "float8.filter_fqns" in message

@@ -1,10 +1,9 @@
-"""scripts/recall_probe.py: its rows ask exactly the planted facts, and a short run reports
-the fields its summary promises."""
+"""scripts/recall_probe.py: its documents ask exactly the planted facts, the shared packer marks
+their answers, and a short run reports the fields its summary promises."""
 
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -20,38 +19,42 @@ from titan_cp.data.packing import IGNORE_INDEX  # noqa: E402
 
 @pytest.mark.parametrize("facts,gap", [(1, 0), (8, 16), (12, 100)])
 def test_document_answers_are_the_planted_values(facts, gap):
-    tokens, answers = rp.recall_document(random.Random(facts + gap), facts, gap)
-    assert tokens[0] == rp.TOKENIZER.bos_id and len(answers) == facts
+    source = rp.ProbeDocuments(facts, gap, seed=facts + gap)
+    doc = source.document(3)
+    tokens = doc.tokens
+    assert tokens == source.document(3).tokens  # a document depends only on (seed, index)
+    assert tokens[0] == rp.TOKENIZER.bos_id and len(doc.answer_spans) == facts
     planted = {tokens[1 + 3 * i]: tokens[2 + 3 * i] for i in range(facts)}
     assert len(planted) == facts and set(planted) <= set(rp.KEYS)
     assert tokens[1 + 3 * facts : 1 + 3 * facts + gap] == [rp.FILLER] * gap
     asked = []
-    for a in answers:
-        assert tokens[a - 2] == rp.QUESTION
+    for (a, e), distance in zip(doc.answer_spans, doc.answer_distances):
+        assert e == a + 1 and tokens[a - 2] == rp.QUESTION
         assert tokens[a] == planted[tokens[a - 1]]  # the answer is the value planted for the key
+        assert tokens[a - distance] == tokens[a] and tokens[a - distance - 1] == tokens[a - 1]  # its fact
         asked.append(tokens[a - 1])
     assert sorted(asked) == sorted(planted)  # every fact asked once
 
 
-def test_row_labels_positions_and_answers():
+def test_packed_rows_mark_exactly_the_answers():
     S = 300
-    row = rp.recall_row(random.Random(0), S, facts=5, gap=40)
-    tokens, labels, positions, lens = row["tokens"], row["labels"], row["positions"], row["doc_lens"]
-    assert tokens.shape == labels.shape == positions.shape == (S,) and int(lens.sum()) == S
-    ends = lens.cumsum(0)
-    assert (labels[ends - 1] == IGNORE_INDEX).all()
-    inner = torch.ones(S, dtype=torch.bool)
-    inner[ends - 1] = False
-    assert torch.equal(labels[inner], tokens.roll(-1)[inner])
-    assert torch.equal(positions, torch.cat([torch.arange(n) for n in lens.tolist()]))
-    at = row["answer_at"]
-    assert len(at) > 0 and (labels[at] != IGNORE_INDEX).all()
-    # each answer label is predicted from its key, itself right after a question mark
-    assert (tokens[at - 1] == rp.QUESTION).all() and torch.isin(tokens[at], torch.tensor(rp.KEYS)).all()
-    assert torch.isin(labels[at], torch.tensor(rp.VALUES)).all()
-    # answers cut off with the last document are dropped, never mislabelled
-    cut = rp.recall_row(random.Random(0), 37, facts=8, gap=16)
-    assert int(cut["doc_lens"].sum()) == 37 and (cut["answer_at"] < 36).all()
+    packer = rp.Packer(rp.ProbeDocuments(facts=5, gap=40), S)
+    for _ in range(4):
+        row = packer.next_row()
+        tokens, labels, marked = row.tokens, row.labels, row.recall_distance > 0
+        assert marked.any() and (labels[marked] != IGNORE_INDEX).all()
+        # each marked position holds a key right after a question mark, its label a value
+        at = marked.nonzero().squeeze(1)
+        assert (at > 0).all() and (tokens[at - 1] == rp.QUESTION).all()
+        assert torch.isin(tokens[at], torch.tensor(rp.KEYS)).all()
+        assert torch.isin(labels[at], torch.tensor(rp.VALUES)).all()
+        # and every question whose fact lies in the same piece is marked
+        starts = torch.tensor([0] + row.doc_lens[:-1]).cumsum(0)
+        for i in (labels != IGNORE_INDEX).nonzero().squeeze(1).tolist():
+            piece = int(starts[starts <= i].max())
+            if i > piece and tokens[i - 1] == rp.QUESTION:
+                fact = [j for j in range(piece, i - 1) if tokens[j] == tokens[i] and tokens[j + 1] == labels[i]]
+                assert bool(marked[i]) == bool(fact), i
 
 
 def test_short_run_reports_and_summary():
