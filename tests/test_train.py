@@ -157,8 +157,9 @@ def _validation(rank, world, argv):
 
 def test_validation_under_cp_equals_a_single_process(dist_pools, tmp_path):
     """Held-out loss and recall by distance, computed on cp shards, match the 1-rank run."""
+    # rows long enough that some answers share a row with their fact (only those are scored)
     argv = BASE + ["--training.steps", "2", "--validation.enable", "true", "--validation.freq", "2",
-                   "--validation.steps", "2", "--checkpoint.enable", "false"]
+                   "--validation.steps", "2", "--checkpoint.enable", "false", "--training.seq_len", "2048"]
     single = dist_pools.run(1, _validation, argv + _mesh_args(cp=1) + ["--job.dump_folder", str(tmp_path / "a")])[0][-1]
     cp = dist_pools.run(4, _validation, argv + _mesh_args(cp=4) + ["--job.dump_folder", str(tmp_path / "b")])[0][-1]
     assert "val_loss" in single and "recall" in single
