@@ -4,8 +4,18 @@
 import pytest
 import torch
 
+from types import SimpleNamespace
+
 from titan_cp.attention import get_kernel
-from titan_cp.attention.kernels import MathKernel, flash_attn_available
+from titan_cp.attention import kernels as kernels_module
+from titan_cp.attention.kernels import (
+    CUDAFlashKernel,
+    FlashAttnKernel,
+    MathKernel,
+    Segments,
+    check_kernel,
+    flash_attn_available,
+)
 
 SCALE = 0.25
 
@@ -61,10 +71,13 @@ def test_backward_with_global_out_and_lse_is_a_slice_of_the_full_gradient():
     torch.testing.assert_close(torch.cat([a[1], b[1]], 2), full[1], atol=1e-5, rtol=1e-5)
 
 
-def test_auto_picks_cpu_flash_on_cpu_and_rejects_unknown_names():
+def test_auto_picks_cpu_flash_on_cpu_and_cuda_flash_for_half_on_cuda():
     assert get_kernel(None, torch.device("cpu"), torch.float32).name == "cpu_flash"
-    with pytest.raises(ValueError, match="unknown attention kernel 'nope'"):
-        get_kernel("nope", torch.device("cpu"), torch.float32)
+    assert check_kernel(None, torch.device("cpu"), torch.bfloat16, 64).name == "cpu_flash"
+    # the CUDA choice is made without touching a device
+    assert check_kernel(None, torch.device("cuda"), torch.bfloat16, 128).name == "cuda_flash"
+    assert check_kernel("auto", "cuda", torch.float16, 64).name == "cuda_flash"
+    assert check_kernel(None, "cuda", torch.float32, 64).name == "math"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: ATen's CUDA flash kernel")
@@ -73,54 +86,270 @@ def test_cuda_flash(dtype):
     _check(get_kernel("cuda_flash", torch.device("cuda"), dtype), dtype, "cuda", 2e-2)
 
 
-@pytest.mark.skipif(not flash_attn_available(), reason="needs a CUDA device and the flash-attn package")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_flash_attn(dtype):
-    kernel = get_kernel("flash_attn", torch.device("cuda"), dtype)
-    assert get_kernel(None, torch.device("cuda"), dtype).name == "flash_attn"
-    _check(kernel, dtype, "cuda", 2e-2)
-
-
-@pytest.mark.skipif(not flash_attn_available(), reason="needs a CUDA device and the flash-attn package")
-@pytest.mark.parametrize("causal", [True, False])
-def test_flash_attn_varlen_matches_segment_by_segment(causal):
-    """flash-attn's varlen kernels against the same segments run one by one (the default loop)."""
-    kernel = get_kernel("flash_attn", torch.device("cuda"), torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    lens = [5, 17, 1, 40]
-    total = sum(lens)
-    q, dout = (torch.randn(total, 6, 64, generator=g).cuda().bfloat16() for _ in range(2))
-    k, v = (torch.randn(total, 2, 64, generator=g).cuda().bfloat16() for _ in range(2))
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    out, lse = kernel.varlen_forward(q, k, v, cu, cu, causal, SCALE)
-    ref_out, ref_lse = AttentionKernelLoop().varlen_forward(q, k, v, cu, cu, causal, SCALE)
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-2)
-    got = kernel.varlen_backward(dout, q, k, v, out, lse, cu, cu, causal, SCALE)
-    want = AttentionKernelLoop().varlen_backward(dout, q, k, v, out, lse, cu, cu, causal, SCALE)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)
-
-
 class AttentionKernelLoop(MathKernel):
     """The math kernel through the default segment-by-segment varlen loop."""
+
+
+def _packed(lens_q, lens_k, heads=6, kv_heads=2, dim=16, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda n, h: torch.randn(n, h, dim, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    tq, tk = sum(lens_q), sum(lens_k)
+    return mk(tq, heads), mk(tk, kv_heads), mk(tk, kv_heads), mk(tq, heads)
+
+
+def test_segments_from_offsets_and_lengths():
+    seg = Segments.from_lengths([3, 0, 7], [5, 2, 7], "cpu")
+    assert seg.host_q == (0, 3, 3, 10) and seg.host_k == (0, 5, 7, 14)
+    assert seg.cu_q.dtype == seg.cu_k.dtype == torch.int32 and seg.cu_q.is_contiguous()
+    assert seg.cu_q.tolist() == [0, 3, 3, 10] and seg.cu_k.tolist() == [0, 5, 7, 14]
+    assert (seg.max_q, seg.max_k, len(seg)) == (7, 7, 3)
+    assert Segments.from_offsets([0], [0], "cpu").max_q == 0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_default_varlen_loop_matches_each_segment_alone(causal):
+    """The base-class loop: packed (total, heads, dim) buffers, GQA, an empty query segment;
+    every segment equals dense attention of its own slices, dK/dV come back at kv_heads."""
+    lens_q = [5, 0, 9, 1]
+    lens_k = lens_q if causal else [4, 3, 11, 2]
+    q, k, v, dout = _packed(lens_q, lens_k)
+    seg = Segments.from_lengths(lens_q, lens_k, "cpu")
+    kern = AttentionKernelLoop()
+    out, lse = kern.varlen_forward(q, k, v, seg, causal, SCALE)
+    assert out.shape == q.shape and lse.shape == (6, sum(lens_q)) and lse.dtype == torch.float32
+    dq, dk, dv = kern.varlen_backward(dout, q, k, v, out, lse, seg, causal, SCALE)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    for (a, b), (c, d) in zip(zip(seg.host_q, seg.host_q[1:]), zip(seg.host_k, seg.host_k[1:])):
+        if a == b:
+            continue
+        dense = [x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d], dout[a:b])]
+        qs, ks, vs = (x.clone().requires_grad_() for x in dense[:3])
+        ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=SCALE, enable_gqa=True)
+        grads = torch.autograd.grad(ref, (qs, ks, vs), dense[3])
+        torch.testing.assert_close(out[a:b], ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+        for got, want in zip((dq[a:b], dk[c:d], dv[c:d]), grads):
+            torch.testing.assert_close(got, want[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+class _RecordingAten:
+    """Stands in for ``torch.ops.aten`` in kernels.py: records the flash calls, runs them on meta tensors."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        op = getattr(torch.ops.aten, name)
+
+        def call(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            return op(*args, **kwargs)
+
+        return call
+
+
+def test_cuda_flash_kernel_calls_and_shapes_on_meta_tensors(monkeypatch):
+    """ATen's CUDA flash kernel, checked without a GPU through its meta implementation: K/V at
+    their own head count, the dense backward passes None as cumulative lengths (a defined
+    tensor would select the variable-length route), lse (B, H, S) dense and (H, total_q) varlen."""
+    rec = _RecordingAten()
+    monkeypatch.setattr(kernels_module, "_ATEN", rec)
+    kern = CUDAFlashKernel()
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, k = torch.empty(2, 8, 40, 64, **meta), torch.empty(2, 2, 40, 64, **meta)
+    out, lse = kern.forward(q, k, k, True, SCALE)
+    assert out.shape == q.shape and lse.shape == (2, 8, 40) and lse.dtype == torch.float32
+    dq, dk, dv = kern.backward(q, q, k, k, out, lse, True, SCALE)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+    (fname, fargs, fkw), (bname, bargs, bkw) = rec.calls
+    assert fname == "_flash_attention_forward" and fargs[3] is None and fargs[4] is None and fkw == {"scale": SCALE}
+    assert fargs[1].shape == (2, 40, 2, 64)  # (B, S, H_kv, D): no repeat_interleave
+    assert bname == "_flash_attention_backward" and bargs[6] is None and bargs[7] is None
+    assert bargs[10] == 0.0 and bargs[11] is True
+
+    rec.calls.clear()
+    seg = Segments.from_lengths([5, 17, 1], [5, 17, 1], "cpu")
+    seg = Segments(seg.cu_q.to("meta"), seg.cu_k.to("meta"), seg.max_q, seg.max_k, seg.host_q, seg.host_k)
+    qp, kp = torch.empty(23, 8, 64, **meta), torch.empty(23, 2, 64, **meta)
+    out, lse = kern.varlen_forward(qp, kp, kp, seg, True, SCALE)
+    assert out.shape == qp.shape and lse.shape == (8, 23)
+    dq, dk, dv = kern.varlen_backward(qp, qp, kp, kp, out, lse, seg, True, SCALE)
+    assert dq.shape == qp.shape and dk.shape == kp.shape and dv.shape == kp.shape
+    (_, fargs, _), (_, bargs, _) = rec.calls
+    assert fargs[3] is seg.cu_q and fargs[5:7] == (17, 17)
+    assert bargs[6] is seg.cu_q and bargs[7] is seg.cu_k and bargs[8:10] == (17, 17)
+
+
+def _fake_flash_attn(generation: str):
+    """Fake flash-attn private functions (bf16 on CPU, math inside) with the result tuples of
+    two generations: "2.6" returns (out, q, k, v, out_padded, lse, S_dmask, rng_state),
+    "2.7" returns (out, lse, S_dmask, rng_state). Signatures follow each generation's keywords."""
+    ref = MathKernel()
+
+    def result(out, lse, q, k, v):
+        rng = torch.zeros(2, dtype=torch.int64)
+        s_dmask = torch.empty(0, dtype=q.dtype)
+        if generation == "2.6":
+            return out, q, k, v, out, lse, s_dmask, rng
+        return out, lse, s_dmask, rng
+
+    def fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1, window_size_right=-1,
+            softcap=0.0, alibi_slopes=None, return_softmax=False):
+        o, lse = ref.forward(*(x.transpose(1, 2) for x in (q, k, v)), causal, softmax_scale)
+        return result(o.transpose(1, 2), lse, q, k, v)
+
+    def vfwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+             window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+             block_table=None):
+        seg = Segments.from_offsets(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), "cpu")
+        o, lse = AttentionKernelLoop().varlen_forward(q, k, v, seg, causal, softmax_scale)
+        return result(o, lse, q, k, v)
+
+    def bwd(*args, **kwargs):
+        raise AssertionError("not called here")
+
+    return SimpleNamespace(_flash_attn_forward=fwd, _flash_attn_backward=bwd,
+                           _flash_attn_varlen_forward=vfwd, _flash_attn_varlen_backward=bwd)
+
+
+@pytest.mark.parametrize("generation", ["2.6", "2.7"])
+def test_flash_attn_out_and_lse_whichever_tuple_the_release_returns(generation):
+    kern = FlashAttnKernel(_fake_flash_attn(generation))
+    q, k, v, _ = _qkv(torch.bfloat16)
+    out, lse = kern.forward(q, k, v, True, SCALE)
+    want_out, want_lse = MathKernel().forward(q, k, v, True, SCALE)
+    assert out.shape == q.shape and lse.dtype == torch.float32
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+
+    lens = [5, 17, 1]
+    qp, kp, vp, _ = _packed(lens, lens, dtype=torch.bfloat16)
+    seg = Segments.from_lengths(lens, lens, "cpu")
+    out, lse = kern.varlen_forward(qp, kp, vp, seg, False, SCALE)
+    want_out, want_lse = AttentionKernelLoop().varlen_forward(qp, kp, vp, seg, False, SCALE)
+    assert lse.shape == (6, 23)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+
+
+def test_flash_attn_release_with_a_padded_varlen_lse_is_refused():
+    fai = _fake_flash_attn("2.7")
+    real = fai._flash_attn_varlen_forward
+
+    def padded(*args, **kwargs):
+        out, lse, *rest = real(*args, **kwargs)
+        return (out, torch.zeros(3, lse.shape[0], 17), *rest)
+
+    fai._flash_attn_varlen_forward = padded
+    qp, kp, vp, _ = _packed([5, 17, 1], [5, 17, 1], dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"log-sum-exp of shape \(3, 6, 17\), expected \(6, 23\)"):
+        FlashAttnKernel(fai).varlen_forward(qp, kp, vp, Segments.from_lengths([5, 17, 1], [5, 17, 1], "cpu"), True, SCALE)
 
 
 def test_flash_attn_keyword_arguments_follow_the_installed_signature():
     """The flash-attn backend adapts to the version installed: window as two ints or a pair,
     optional arguments only where the signature has them (checked without flash-attn)."""
-    from titan_cp.attention.kernels import FlashAttnKernel
-
     v26 = {"dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap",
            "alibi_slopes", "return_softmax"}
     kw = FlashAttnKernel._kwargs(v26, True, 0.5)
     assert kw == dict(dropout_p=0.0, softmax_scale=0.5, causal=True, window_size_left=-1, window_size_right=-1,
                       softcap=0.0, alibi_slopes=None, return_softmax=False)
     v24 = {"dropout_p", "softmax_scale", "causal", "window_size", "alibi_slopes", "deterministic", "rng_state"}
-    kw = FlashAttnKernel._kwargs(v24, False, 0.25, **FlashAttnKernel._varlen([0, 3, 10], [0, 5, 6], "cpu"))
+    seg = Segments.from_offsets([0, 3, 10], [0, 5, 6], "cpu")
+    kw = FlashAttnKernel._kwargs(v24, False, 0.25, **FlashAttnKernel._varlen(seg))
     assert kw["window_size"] == (-1, -1) and kw["deterministic"] is False and kw["rng_state"] is None
     assert "softcap" not in kw and "return_softmax" not in kw
     assert kw["cu_seqlens_q"].tolist() == [0, 3, 10] and kw["cu_seqlens_q"].dtype == torch.int32
     assert (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (7, 5)
+
+
+# ---- bad input: a ValueError that names the problem and the choices -------------------------
+
+
+def test_unknown_kernel_name():
+    with pytest.raises(ValueError, match=r"unknown attention kernel 'nope'; choose one of .*'cpu_flash'.*'cuda_flash'"):
+        get_kernel("nope", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="unknown attention kernel 'nope'"):
+        check_kernel("nope", torch.device("cpu"), torch.float32, 64)
+
+
+@pytest.mark.parametrize("name", ["cuda_flash", "flash_attn"])
+def test_cuda_kernel_on_cpu_tensors(name, monkeypatch):
+    monkeypatch.setitem(kernels_module._INSTANCES, "flash_attn", FlashAttnKernel(_fake_flash_attn("2.7")))
+    with pytest.raises(ValueError, match=f"kernel '{name}' runs on cuda tensors, but q, k, v are on cpu; "
+                                         "for cpu choose 'cpu_flash'"):
+        check_kernel(name, torch.device("cpu"), torch.bfloat16, 64)
+
+
+def test_cpu_kernel_on_cuda_tensors():
+    with pytest.raises(ValueError, match="kernel 'cpu_flash' runs on cpu tensors, but q, k, v are on cuda"):
+        check_kernel("cpu_flash", torch.device("cuda"), torch.bfloat16, 64)
+
+
+def test_flash_attn_not_installed(monkeypatch):
+    monkeypatch.delitem(kernels_module._INSTANCES, "flash_attn", raising=False)
+    real = kernels_module.importlib.util.find_spec
+    monkeypatch.setattr(kernels_module.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    with pytest.raises(ValueError, match=r"'flash_attn' needs the flash-attn package, which is not installed"):
+        check_kernel("flash_attn", torch.device("cuda"), torch.bfloat16, 64)
+
+
+def test_fp32_with_a_flash_only_kernel():
+    with pytest.raises(ValueError, match=r"'cuda_flash' takes float16/bfloat16 tensors, got float32; .*'math'"):
+        check_kernel("cuda_flash", torch.device("cuda"), torch.float32, 64)
+
+
+@pytest.mark.parametrize("head_dim", [100, 264, 4])
+def test_head_dim_the_flash_kernel_does_not_take(head_dim):
+    with pytest.raises(ValueError, match=f"'cuda_flash' takes head_dim a multiple of 8 and at most 256, got {head_dim}"):
+        check_kernel("cuda_flash", torch.device("cuda"), torch.bfloat16, head_dim)
+    assert check_kernel("cpu_flash", torch.device("cpu"), torch.bfloat16, head_dim).name == "cpu_flash"
+
+
+@pytest.mark.parametrize("head_dim", [0, -8])
+def test_head_dim_not_positive(head_dim):
+    with pytest.raises(ValueError, match=f"head_dim must be a positive integer, got {head_dim}"):
+        check_kernel(None, torch.device("cpu"), torch.float32, head_dim)
+
+
+def test_integer_tensors():
+    with pytest.raises(ValueError, match="floating-point q, k, v; got int64"):
+        check_kernel(None, torch.device("cpu"), torch.int64, 64)
+
+
+# ---- on a GPU -------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: ATen's CUDA flash kernel")
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_flash_varlen_matches_segment_by_segment(causal):
+    _check_varlen(get_kernel("cuda_flash", torch.device("cuda"), torch.bfloat16), causal)
+
+
+@pytest.mark.skipif(not flash_attn_available(), reason="needs a CUDA device and the flash-attn package")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flash_attn(dtype):
+    _check(get_kernel("flash_attn", torch.device("cuda"), dtype), dtype, "cuda", 2e-2)
+
+
+@pytest.mark.skipif(not flash_attn_available(), reason="needs a CUDA device and the flash-attn package")
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_attn_varlen_matches_segment_by_segment(causal):
+    _check_varlen(get_kernel("flash_attn", torch.device("cuda"), torch.bfloat16), causal)
+
+
+def _check_varlen(kernel, causal):
+    """A native varlen kernel against the same segments run one by one through the math kernel."""
+    lens_q = [5, 17, 1, 40]
+    lens_k = lens_q if causal else [9, 3, 30, 40]
+    q, k, v, dout = _packed(lens_q, lens_k, dim=64, dtype=torch.bfloat16, device="cuda")
+    seg = Segments.from_lengths(lens_q, lens_k, "cuda")
+    out, lse = kernel.varlen_forward(q, k, v, seg, causal, SCALE)
+    ref_out, ref_lse = AttentionKernelLoop().varlen_forward(q, k, v, seg, causal, SCALE)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-2)
+    got = kernel.varlen_backward(dout, q, k, v, out, lse, seg, causal, SCALE)
+    want = AttentionKernelLoop().varlen_backward(dout, q, k, v, out, lse, seg, causal, SCALE)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)

@@ -1,11 +1,13 @@
 """Context-parallel attention: strategies, local kernels, masks and the log-sum-exp merge."""
 
 from titan_cp.attention.api import STRATEGIES, cp_attention, cp_rank, local_attention, min_bytes_per_rank
-from titan_cp.attention.kernels import AttentionKernel, get_kernel, register_kernel
+from titan_cp.attention.kernels import AttentionKernel, Segments, check_kernel, get_kernel, register_kernel
 
 __all__ = [
     "STRATEGIES",
     "AttentionKernel",
+    "Segments",
+    "check_kernel",
     "cp_attention",
     "cp_rank",
     "get_kernel",

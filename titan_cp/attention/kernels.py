@@ -8,7 +8,16 @@ Every kernel computes dense attention of one tile (see :mod:`titan_cp.attention.
     q, out, dout: (batch, q_heads, sq, head_dim)        in the input dtype
     k, v:         (batch, kv_heads, sk, head_dim)       kv_heads divides q_heads (GQA)
     lse:          (batch, q_heads, sq)                  fp32, natural log
+    dk, dv:       at kv_heads, like k and v
     causal:       top-left aligned; the tiles make every causal call square
+
+and many tiles packed token-major into one variable-length call (:class:`Segments`)::
+
+    varlen_forward(q, k, v, seg, causal, scale)                  -> (out, lse)
+    varlen_backward(dout, q, k, v, out, lse, seg, causal, scale) -> (dq, dk, dv)
+
+    q, out, dout: (total_q, q_heads, head_dim)      k, v, dk, dv: (total_k, kv_heads, head_dim)
+    lse:          (q_heads, total_q) fp32
 
 ``backward`` receives the *final* ``out`` and ``lse`` of the whole attention, not the
 tile's own: with ``P = exp(q k^T * scale - lse)`` and ``D = rowsum(dout * out)`` the tile's
@@ -16,41 +25,88 @@ gradients are then exact pieces of the full gradient (the flash-attention backwa
 
     dv = P^T dout       dS = P * (dout v^T - D)       dq = dS k * scale       dk = dS^T q * scale
 
-Backends: ``cpu_flash`` (ATen's CPU flash kernel), ``cuda_flash`` (ATen's CUDA flash
-kernel, fp16/bf16), ``flash_attn`` (the flash-attn package where installed, fp16/bf16),
-and ``math``, a plain fp32 reference for tests and for dtypes no fast kernel takes.
+Backends:
+
+=============  ============  ===============  ========================================
+name           device        dtypes           head_dim
+=============  ============  ===============  ========================================
+``math``       any           any float        any (plain fp32 reference, S x S scores)
+``cpu_flash``  cpu           fp32/fp64/bf16/  any (ATen's CPU flash kernel)
+                             fp16
+``cuda_flash`` cuda          fp16/bf16        multiple of 8, at most 256 (ATen's CUDA
+                                              flash kernel, variable-length, GQA native)
+``flash_attn`` cuda          fp16/bf16        multiple of 8, at most 256 (the flash-attn
+                                              package, where installed)
+=============  ============  ===============  ========================================
+
+:func:`check_kernel` turns a kernel name (or ``None`` for the default) into a kernel and
+raises ``ValueError`` for a combination it cannot run.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
 _ATEN = torch.ops.aten
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Segment i is q[cu_q[i]:cu_q[i+1]] against k[cu_k[i]:cu_k[i+1]] of token-major packed buffers."""
+    cu_q: torch.Tensor      # (n+1,) int32 on the tensors' device
+    cu_k: torch.Tensor      # (n+1,) int32
+    max_q: int
+    max_k: int
+    host_q: tuple[int, ...] # the same offsets on the host, for kernels that loop (never read a device tensor)
+    host_k: tuple[int, ...]
+
+    @classmethod
+    def from_offsets(cls, host_q: Sequence[int], host_k: Sequence[int], device) -> "Segments":
+        """Segments from cumulative offsets held on the host (``[0, ..., total]``, ``n+1`` each).
+
+        One host-to-device copy for both offset tensors. Every segment with queries must
+        have keys (flash kernels give an empty key range an lse of ``+inf``).
+        """
+        host_q, host_k = tuple(int(x) for x in host_q), tuple(int(x) for x in host_k)
+        assert len(host_q) == len(host_k) >= 1 and host_q[0] == host_k[0] == 0, (host_q, host_k)
+        both = torch.tensor([host_q, host_k], dtype=torch.int32).to(device, non_blocking=True)
+        widths = lambda c: max((b - a for a, b in zip(c, c[1:])), default=0)  # noqa: E731
+        return cls(both[0], both[1], widths(host_q), widths(host_k), host_q, host_k)
+
+    @classmethod
+    def from_lengths(cls, q_lens: Sequence[int], k_lens: Sequence[int], device) -> "Segments":
+        """Segments from per-segment lengths (host integers)."""
+        cum = lambda lens: [0] + [sum(lens[: i + 1]) for i in range(len(lens))]  # noqa: E731
+        return cls.from_offsets(cum(list(q_lens)), cum(list(k_lens)), device)
+
+    def __len__(self) -> int:
+        return len(self.host_q) - 1
 
 
 class AttentionKernel:
     """A local tile kernel; subclasses implement :meth:`forward` and :meth:`backward`.
 
-    Variable-length form: many tiles packed into one call, the way flash-attn's varlen
-    kernels take them. Segment ``i`` is ``q[cu_q[i]:cu_q[i+1]]`` against
-    ``k[cu_k[i]:cu_k[i+1]]``::
+    Kernels with ``native_varlen = True`` run all tiles of a mask plan in one
+    :meth:`varlen_forward`/:meth:`varlen_backward` call; the default implementation here
+    loops over the segments (on the host offsets) with :meth:`forward`/:meth:`backward`.
 
-        varlen_forward(q, k, v, cu_q, cu_k, causal, scale)                -> (out, lse)
-        varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale) -> (dq, dk, dv)
-
-        q, out, dout: (total_q, q_heads, head_dim)    k, v: (total_k, kv_heads, head_dim)
-        lse: (q_heads, total_q) fp32                  cu_q, cu_k: cumulative lengths (lists)
-
-    Kernels with ``native_varlen = True`` run all tiles of a mask plan in one call; the
-    default implementation here loops over the segments with :meth:`forward`/:meth:`backward`.
+    ``devices`` (device types), ``dtypes``, ``max_head_dim`` and ``head_dim_multiple`` say
+    what the kernel runs on; ``None`` means no restriction. :func:`check_kernel` reads them.
     """
 
     name = "base"
     native_varlen = False
+    devices: tuple[str, ...] | None = None
+    dtypes: tuple[torch.dtype, ...] | None = None
+    max_head_dim: int | None = None
+    head_dim_multiple: int = 1
 
     def forward(self, q, k, v, causal: bool, scale: float):
         raise NotImplementedError
@@ -58,23 +114,30 @@ class AttentionKernel:
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
         raise NotImplementedError
 
-    def varlen_forward(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
+    def varlen_forward(self, q, k, v, seg: Segments, causal: bool, scale: float):
         outs, lses = [], []
-        for (a, b), (c, d) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
+        for (a, b), (c, d) in zip(zip(seg.host_q, seg.host_q[1:]), zip(seg.host_k, seg.host_k[1:])):
+            if a == b:
+                continue
+            assert d > c, f"segment with queries [{a}, {b}) has no keys"
             out, lse = self.forward(*(x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])), causal, scale)
             outs.append(out[0].transpose(0, 1))
             lses.append(lse[0])
+        if not outs:
+            return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
         return torch.cat(outs), torch.cat(lses, dim=1)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float):
-        dqs, dks, dvs = [], [], []
-        for (a, b), (c, d) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
-            seg = (x.transpose(0, 1)[None] for x in (dout[a:b], q[a:b], k[c:d], v[c:d], out[a:b]))
-            dq, dk, dv = self.backward(*seg, lse[None, :, a:b], causal, scale)
-            dqs.append(dq[0].transpose(0, 1))
-            dks.append(dk[0].transpose(0, 1))
-            dvs.append(dv[0].transpose(0, 1))
-        return torch.cat(dqs), torch.cat(dks), torch.cat(dvs)
+    def varlen_backward(self, dout, q, k, v, out, lse, seg: Segments, causal: bool, scale: float):
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for (a, b), (c, d) in zip(zip(seg.host_q, seg.host_q[1:]), zip(seg.host_k, seg.host_k[1:])):
+            if a == b:
+                continue
+            tiles = (x.transpose(0, 1)[None] for x in (dout[a:b], q[a:b], k[c:d], v[c:d], out[a:b]))
+            g = self.backward(*tiles, lse[None, :, a:b], causal, scale)
+            dq[a:b] += g[0][0].transpose(0, 1)
+            dk[c:d] += g[1][0].transpose(0, 1)
+            dv[c:d] += g[2][0].transpose(0, 1)
+        return dq, dk, dv
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
@@ -95,6 +158,7 @@ class MathKernel(AttentionKernel):
     """Plain fp32 attention, written out; the reference the fast kernels are checked against."""
 
     name = "math"
+    dtypes = _FLOATS
 
     @staticmethod
     def _probs(q, k, causal, scale, lse=None):
@@ -132,6 +196,8 @@ class CPUFlashKernel(AttentionKernel):
     """ATen's CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``); takes GQA as is."""
 
     name = "cpu_flash"
+    devices = ("cpu",)
+    dtypes = _FLOATS
 
     def forward(self, q, k, v, causal, scale):
         return _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -143,42 +209,141 @@ class CPUFlashKernel(AttentionKernel):
 
 
 class CUDAFlashKernel(AttentionKernel):
-    """ATen's CUDA flash attention (fp16/bf16). K/V heads are expanded locally, after any communication."""
+    """ATen's CUDA flash attention, ``aten._flash_attention_forward/_backward`` (fp16/bf16).
+
+    No package beyond PyTorch. K/V stay at their own head count (the kernel takes GQA
+    natively and returns dK/dV summed over each group). Both forms go through the same two
+    ops (schemas of torch 2.11 to 2.13; only the arguments common to them are passed)::
+
+        _flash_attention_forward(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                                 is_causal, return_debug_mask, *, scale)
+            -> (out, lse, rng_state, unused, debug_attn_mask)
+        _flash_attention_backward(dout, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k,
+                                  dropout_p, is_causal, rng_state, unused, *, scale) -> (dq, dk, dv)
+
+        dense   cum_seq = None      q (B, S, H, D), lse (B, H, S)
+        varlen  cum_seq int32 (n+1) q (total_q, H, D), lse (H, total_q)
+
+    The backward takes the variable-length route exactly when ``cum_seq_q`` is a defined
+    tensor, so the dense backward passes ``None``. With ``dropout_p = 0`` the kernel never
+    reads ``rng_state``; an empty placeholder is passed. The kernel aligns a causal mask
+    bottom-right; the tiles make every causal call square, where that is top-left too.
+    """
 
     name = "cuda_flash"
+    native_varlen = True
+    devices = ("cuda",)
+    dtypes = _HALF
+    max_head_dim = 256
+    head_dim_multiple = 8
+
+    def __init__(self):
+        self._rng: dict[torch.device, torch.Tensor] = {}
+
+    def _rng_state(self, device: torch.device) -> torch.Tensor:
+        """A placeholder for the philox state, which the kernel reads only when dropout_p > 0."""
+        if device not in self._rng:
+            self._rng[device] = torch.zeros(2, dtype=torch.int64, device=device)
+        return self._rng[device]
 
     def forward(self, q, k, v, causal, scale):
-        groups = q.shape[1] // k.shape[1]
-        res = _ATEN._scaled_dot_product_flash_attention(
-            q, _expand_kv(k, groups), _expand_kv(v, groups), 0.0, causal, False, scale=scale
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, S, H, D) views
+        res = _ATEN._flash_attention_forward(
+            qt, kt, vt, None, None, qt.shape[1], kt.shape[1], 0.0, causal, False, scale=scale
         )
-        return res[0], res[1]
+        return res[0].transpose(1, 2), res[1]
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
-        groups = q.shape[1] // k.shape[1]
-        ke, ve = _expand_kv(k, groups), _expand_kv(v, groups)
-        sq, sk = q.shape[2], k.shape[2]
-        cum = torch.empty(0, dtype=torch.int32, device=q.device)
-        seed = torch.empty((), dtype=torch.int64, device=q.device)
-        dq, dk, dv = _ATEN._scaled_dot_product_flash_attention_backward(
-            dout.contiguous(), q, ke, ve, out.contiguous(), lse.contiguous(), cum, cum, sq, sk, 0.0, causal,
-            seed, seed, scale=scale,
+        qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in (q, k, v, out, dout))
+        rng = self._rng_state(q.device)
+        dq, dk, dv = _ATEN._flash_attention_backward(
+            dot, qt, kt, vt, ot, lse.contiguous(), None, None, qt.shape[1], kt.shape[1], 0.0, causal,
+            rng, rng, scale=scale,
         )
-        return dq, _reduce_kv(dk, groups), _reduce_kv(dv, groups)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    def varlen_forward(self, q, k, v, seg: Segments, causal, scale):
+        if len(seg) == 0:
+            return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        res = _ATEN._flash_attention_forward(
+            q, k, v, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, 0.0, causal, False, scale=scale
+        )
+        out, lse = res[0], res[1]
+        if tuple(lse.shape) != (q.shape[1], q.shape[0]):
+            raise RuntimeError(
+                f"torch {torch.__version__}: aten._flash_attention_forward returned a log-sum-exp of shape "
+                f"{tuple(lse.shape)} for {len(seg)} segments, expected (q_heads, total_q) = "
+                f"{(q.shape[1], q.shape[0])}; choose another kernel (kernel='flash_attn' or 'math')"
+            )
+        return out, lse
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seg: Segments, causal, scale):
+        if len(seg) == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        rng = self._rng_state(q.device)
+        return _ATEN._flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, 0.0, causal,
+            rng, rng, scale=scale,
+        )
+
+
+def _first_lse(res, shape: tuple[int, ...]) -> torch.Tensor:
+    """The log-sum-exp among a flash-attn forward's results: its one fp32 tensor of ``shape``.
+
+    flash-attn's private forwards return different tuples across releases::
+
+        up to 2.6:   (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)
+        2.7 on:      (out, softmax_lse, S_dmask, rng_state)
+
+    ``out`` comes first in both; the inputs, ``out_padded`` and ``S_dmask`` are fp16/bf16
+    (flash-attn takes no fp32) and ``rng_state`` is int64, so the lse is the one fp32 tensor.
+    Its shape is checked too: releases that return a padded ``(n, heads, max_q)`` varlen lse
+    are not supported.
+    """
+    for t in res[1:]:
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+            if tuple(t.shape) != shape:
+                raise RuntimeError(
+                    f"flash-attn {_flash_attn_version()} returned a log-sum-exp of shape {tuple(t.shape)}, "
+                    f"expected {shape}; this flash-attn release is not supported (use kernel='cuda_flash')"
+                )
+            return t
+    raise RuntimeError(
+        f"flash-attn {_flash_attn_version()}: no fp32 log-sum-exp among the forward's results "
+        f"{[type(t).__name__ if not isinstance(t, torch.Tensor) else (tuple(t.shape), t.dtype) for t in res]}; "
+        "use kernel='cuda_flash'"
+    )
+
+
+def _flash_attn_version() -> str:
+    try:
+        import flash_attn  # noqa: PLC0415 - optional dependency
+
+        return str(getattr(flash_attn, "__version__", "unknown"))
+    except ImportError:
+        return "(not importable)"
 
 
 class FlashAttnKernel(AttentionKernel):
     """The flash-attn package (fp16/bf16 on CUDA); takes GQA natively, tensors as ``(batch, seq, heads, dim)``.
 
-    The tiles make causal calls square, so flash-attn's bottom-right causal alignment
-    agrees with the top-left convention of the interface.
+    Robust to the version installed: keyword arguments follow the installed signatures
+    (:meth:`_kwargs`) and the lse is picked out of the forward's results by dtype and shape
+    (:func:`_first_lse`), whichever tuple the release returns. The tiles make causal calls
+    square, so flash-attn's bottom-right causal alignment agrees with the top-left
+    convention of the interface.
     """
 
     name = "flash_attn"
     native_varlen = True
+    devices = ("cuda",)
+    dtypes = _HALF
+    max_head_dim = 256
+    head_dim_multiple = 8
 
-    def __init__(self):
-        from flash_attn import flash_attn_interface as fai  # noqa: PLC0415 - optional dependency
+    def __init__(self, fai=None):
+        if fai is None:
+            from flash_attn import flash_attn_interface as fai  # noqa: PLC0415 - optional dependency
 
         self._fwd = fai._flash_attn_forward
         self._bwd = fai._flash_attn_backward
@@ -204,17 +369,13 @@ class FlashAttnKernel(AttentionKernel):
         return kwargs
 
     @staticmethod
-    def _varlen(cu_q, cu_k, device) -> dict:
-        def cu(c):
-            return torch.tensor(c, dtype=torch.int32, device=device), max(b - a for a, b in zip(c, c[1:]))
-
-        (cq, mq), (ck, mk) = cu(cu_q), cu(cu_k)
-        return dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk)
+    def _varlen(seg: Segments) -> dict:
+        return dict(cu_seqlens_q=seg.cu_q, cu_seqlens_k=seg.cu_k, max_seqlen_q=seg.max_q, max_seqlen_k=seg.max_k)
 
     def forward(self, q, k, v, causal, scale):
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         res = self._fwd(qt, kt, vt, **self._kwargs(self._fwd_params, causal, scale))
-        return res[0].transpose(1, 2), res[1]
+        return res[0].transpose(1, 2), _first_lse(res, (q.shape[0], q.shape[1], q.shape[2]))
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         qt, kt, vt, ot, dot = (x.transpose(1, 2).contiguous() for x in (q, k, v, out, dout))
@@ -222,15 +383,19 @@ class FlashAttnKernel(AttentionKernel):
         self._bwd(dot, qt, kt, vt, ot, lse.contiguous(), dq, dk, dv, **self._kwargs(self._bwd_params, causal, scale))
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
-    def varlen_forward(self, q, k, v, cu_q, cu_k, causal, scale):
-        kwargs = self._kwargs(self._vfwd_params, causal, scale, **self._varlen(cu_q, cu_k, q.device))
+    def varlen_forward(self, q, k, v, seg: Segments, causal, scale):
+        if len(seg) == 0:
+            return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        kwargs = self._kwargs(self._vfwd_params, causal, scale, **self._varlen(seg))
         res = self._vfwd(q.contiguous(), k.contiguous(), v.contiguous(), **kwargs)
-        return res[0], res[1]
+        return res[0], _first_lse(res, (q.shape[1], q.shape[0]))
 
-    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
+    def varlen_backward(self, dout, q, k, v, out, lse, seg: Segments, causal, scale):
         q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        kwargs = self._kwargs(self._vbwd_params, causal, scale, **self._varlen(cu_q, cu_k, q.device))
+        if len(seg) == 0:
+            return dq.zero_(), dk.zero_(), dv.zero_()
+        kwargs = self._kwargs(self._vbwd_params, causal, scale, **self._varlen(seg))
         self._vbwd(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, **kwargs)
         return dq, dk, dv
 
@@ -255,17 +420,86 @@ def register_kernel(name: str, factory: Callable[[], AttentionKernel]) -> None:
     _INSTANCES.pop(name, None)
 
 
+def default_kernel_name(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel ``None``/``"auto"`` picks: ``cpu_flash`` on CPU; on CUDA ``cuda_flash`` for
+    fp16/bf16 (PyTorch's own variable-length flash kernel: no extra package, and the same
+    flash-attention algorithm; flash-attn is used only when named) and ``math`` otherwise."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "cpu_flash"
+    if device.type == "cuda" and dtype in _HALF:
+        return "cuda_flash"
+    return "math"
+
+
+def _choices() -> str:
+    return ", ".join(repr(n) for n in sorted(_REGISTRY)) + " or None/'auto' for the default"
+
+
 def get_kernel(name: str | None, device: torch.device, dtype: torch.dtype) -> AttentionKernel:
-    """The kernel called ``name``, or (``None`` / ``"auto"``) the fastest one for ``device`` and ``dtype``."""
+    """The kernel called ``name``, or (``None`` / ``"auto"``) the default for ``device`` and ``dtype``.
+
+    Raises ``ValueError`` for an unknown name and for flash-attn requested where it is not
+    installed. What the kernel runs on is checked by :func:`check_kernel`.
+    """
     if name in (None, "auto"):
-        if device.type == "cpu":
-            name = "cpu_flash"
-        elif device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-            name = "flash_attn" if flash_attn_available() else "cuda_flash"
-        else:
-            name = "math"
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown attention kernel {name!r}; choose one of {sorted(_REGISTRY)} or 'auto'")
+        name = default_kernel_name(device, dtype)
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown attention kernel {name!r}; choose one of {_choices()}")
     if name not in _INSTANCES:
-        _INSTANCES[name] = _REGISTRY[name]()
+        if name == "flash_attn" and _REGISTRY[name] is FlashAttnKernel:
+            if importlib.util.find_spec("flash_attn") is None:
+                raise ValueError(
+                    "attention kernel 'flash_attn' needs the flash-attn package, which is not installed "
+                    f"(pip install flash-attn); or choose one of {_choices()}"
+                )
+            try:
+                _INSTANCES[name] = FlashAttnKernel()
+            except ImportError as e:
+                raise ValueError(f"attention kernel 'flash_attn': the flash-attn package fails to import ({e})") from e
+        else:
+            _INSTANCES[name] = _REGISTRY[name]()
     return _INSTANCES[name]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_kernel(
+    kernel: str | AttentionKernel | None, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> AttentionKernel:
+    """The kernel to run attention of ``dtype`` tensors on ``device`` with ``head_dim``, checked.
+
+    ``kernel``: a registered name, ``None``/``"auto"`` (see :func:`default_kernel_name`), or
+    a kernel object. Raises ``ValueError`` naming the problem and the choices when the name is
+    unknown, flash-attn is not installed, or the kernel does not run on the device, the
+    dtype or the head dimension.
+    """
+    device = torch.device(device)
+    if not dtype.is_floating_point:
+        raise ValueError(f"attention needs floating-point q, k, v; got {_dtype_name(dtype)}")
+    if int(head_dim) != head_dim or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive integer, got {head_dim}")
+    kern = kernel if isinstance(kernel, AttentionKernel) else get_kernel(kernel, device, dtype)
+    default = default_kernel_name(device, dtype)
+    if kern.devices is not None and device.type not in kern.devices:
+        raise ValueError(
+            f"attention kernel {kern.name!r} runs on {'/'.join(kern.devices)} tensors, but q, k, v are on "
+            f"{device.type}; for {device.type} choose {default!r} (the default), 'math', or None"
+        )
+    if kern.dtypes is not None and dtype not in kern.dtypes:
+        raise ValueError(
+            f"attention kernel {kern.name!r} takes {'/'.join(_dtype_name(d) for d in kern.dtypes)} tensors, "
+            f"got {_dtype_name(dtype)}; cast q, k, v (e.g. training.mixed_precision_param = \"bfloat16\") "
+            f"or choose {default!r} (the default for {_dtype_name(dtype)} on {device.type}) or 'math'"
+        )
+    if (kern.max_head_dim is not None and head_dim > kern.max_head_dim) or head_dim % kern.head_dim_multiple:
+        limits = [f"a multiple of {kern.head_dim_multiple}"] if kern.head_dim_multiple > 1 else []
+        if kern.max_head_dim is not None:
+            limits.append(f"at most {kern.max_head_dim}")
+        raise ValueError(
+            f"attention kernel {kern.name!r} takes head_dim {' and '.join(limits)}, got {head_dim}; "
+            "choose 'math' or change the model's head_dim"
+        )
+    return kern
