@@ -1,0 +1,31 @@
+"""One-GPU self-check of titan_cp: kernels against fp64, a simulated ring against one native
+call, and a short bf16 training run; JSON lines, a summary line last.
+
+    python scripts/gpu_check.py                        # one CUDA device, < 4 minutes on an H200
+    python scripts/gpu_check.py --device cpu --small   # the same logic on CPU at toy sizes
+
+Without a CUDA device (and without --device cpu) it prints one line saying so and exits 0.
+The exit status is 1 when a check failed. See titan_cp/tools/gpu_check.py for what is checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from titan_cp.tools.gpu_check import SECTIONS, print_json, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--small", action="store_true", help="toy sizes (for CPU and tests)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument("--ring-kernel", default=None, help="kernel for the ring section (default: the device's default)")
+    args = parser.parse_args(argv)
+    summary = run(args.device, args.small, [s for s in args.sections.split(",") if s], print_json, args.ring_kernel)
+    return 1 if summary.get("status") == "fail" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

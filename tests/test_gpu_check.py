@@ -1,0 +1,74 @@
+"""The GPU self-check's logic, run on CPU at toy sizes (``--device cpu --small``), and its
+simulated ring checked for exactness against full-sequence attention."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_cp.attention.kernels import get_kernel
+from titan_cp.layout import SequenceLayout
+from titan_cp.tools import gpu_check
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+
+
+def test_lognormal_doc_lens_sum_to_the_row():
+    lens = gpu_check.lognormal_doc_lens(131072, 1024, seed=1)
+    assert sum(lens) == 131072 and min(lens) >= 1
+    assert 500 < sum(lens) / len(lens) < 2000  # mean near 1024 (the last one is cut)
+    assert lens == gpu_check.lognormal_doc_lens(131072, 1024, seed=1)
+
+
+@pytest.mark.parametrize("balance,doc_lens", [("zigzag", None), ("doc_zigzag", [[50, 3, 1, 74, 64, 40]])])
+def test_simulated_ring_equals_full_attention(balance, doc_lens):
+    """All ranks' ring steps in one process give full-sequence attention and its gradients (fp32)."""
+    s, h, kh, e, n = 232, 4, 2, 8, 4
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, h, s, e, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, kh, s, e, generator=g) for _ in range(2))
+    layout = SequenceLayout(s, n, balance, doc_lens)
+    kern = get_kernel("math", torch.device("cpu"), torch.float32)
+    out, grads = gpu_check.simulated_ring(q, k, v, layout, kern, True, 0.3, dout)
+    lens = doc_lens[0] if doc_lens else [s]
+    mask = gpu_check._visible(lens, lens, True, "cpu")
+    qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=0.3, enable_gqa=True)
+    want = torch.autograd.grad(ref, (qs, ks, vs), dout)
+    torch.testing.assert_close(out, ref.detach(), atol=1e-5, rtol=1e-5)
+    for got, w in zip(grads, want):
+        torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5)
+
+
+def test_small_cpu_run_passes_every_section():
+    records = []
+    summary = gpu_check.run("cpu", small=True, emit=records.append)
+    assert records[0]["section"] == "env" and "_flash_attention_forward" in records[0]["flash_attn_schemas"]
+    assert records[-1] is summary and summary["status"] == "ok", summary["failures"]
+    kernels = [r for r in records if r.get("section") == "kernels"]
+    assert {r["kernel"] for r in kernels} == {"cpu_flash", "math"}
+    assert len(kernels) == 2 * len(gpu_check.kernel_cases(gpu_check.SMALL))
+    ring = [r for r in records if r.get("section") == "ring"]
+    assert [r["case"] for r in ring] == ["causal", "docs_32"]
+    assert all(r["efficiency"]["fwd_bwd"] > 0 for r in ring)
+    train = next(r for r in records if r.get("section") == "train")
+    assert train["steps_logged"] == 3 and train["tokens_per_second"] > 0 and train["mfu"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed where there is no GPU")
+def test_cli_without_a_gpu_says_so_and_exits_0(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT)])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and '"status": "skipped"' in out[0] and "no CUDA device" in out[0]
+
+
+def test_unknown_section():
+    with pytest.raises(ValueError, match="unknown gpu_check sections"):
+        gpu_check.run("cpu", small=True, sections=["kernels", "nope"], emit=lambda r: None)

@@ -1,0 +1,511 @@
+"""One-GPU self-check: every CUDA kernel against fp64, a simulated ring against one native
+call, and a short training run. ``scripts/gpu_check.py`` is the command line::
+
+    python scripts/gpu_check.py                         # one CUDA device, < 4 minutes on an H200
+    python scripts/gpu_check.py --device cpu --small    # the same logic on CPU at toy sizes
+
+Each result is one JSON-serialisable dict (one output line); :func:`run` ends with a summary.
+
+Sections
+--------
+``kernels``  every kernel that runs on the device (CUDA: ``cuda_flash``, ``flash_attn`` where
+             installed, ``math``), forward and backward, dense ``(B, H, S, E)`` and packed
+             variable-length, GQA, causal and not, against an fp64 reference. A kernel passes
+             when each of ``out, dq, dk, dv`` is at most ``3 x`` as far from the fp64
+             reference as bf16 SDPA on the same inputs is, plus ``1e-3 x max|reference|``
+             (flash-attention's own test bar, with room for the backward's atomics); the lse
+             must agree to ``2e-3``.
+``ring``     :func:`simulated_ring`: every rank's ring steps run one after another in this
+             process, on the package's engine, timed against one native call on the whole
+             sequence (dense causal flash; one variable-length call over packed documents).
+             ``efficiency = t(one call) / t(simulated ring summed over ranks)``: 1.0 means
+             splitting the work over the ring steps costs nothing; the bars are 0.90 (causal)
+             and 0.85 (documents of mean length 1K) for forward + backward.
+``train``    the trainer on the debug model, bf16, one process, a few dozen steps, with
+             tokens/s and MFU from its ``metrics.jsonl``.
+
+Timing: CUDA events around each measured call after a warm-up call (the warm-up also
+builds the layout's plans, as the first layer of a microbatch does); the fastest of
+``repeats`` runs and the median are reported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from titan_cp.attention.kernels import (
+    AttentionKernel,
+    Segments,
+    check_kernel,
+    flash_attn_available,
+    get_kernel,
+)
+
+SECTIONS = ("kernels", "ring", "train")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Problem sizes of one run."""
+
+    # kernels: B rows of S tokens for the dense cases; documents of one packed row for varlen
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    doc_lens: tuple[int, ...]
+    # ring: one row of ring_seq tokens, Llama-3-8B heads by default
+    ring_seq: int
+    ring_heads: int
+    ring_kv_heads: int
+    ring_head_dim: int
+    cp: int
+    doc_means: tuple[int, ...]
+    repeats: int
+    # train
+    train_steps: int
+    train_args: tuple[str, ...]
+
+
+FULL = Sizes(
+    batch=2, seq=1024, heads=8, kv_heads=2, head_dim=128, doc_lens=(300, 1, 77, 500, 146),
+    ring_seq=131072, ring_heads=32, ring_kv_heads=8, ring_head_dim=128, cp=8, doc_means=(1024, 4096), repeats=3,
+    train_steps=30, train_args=(),
+)
+SMALL = Sizes(
+    batch=2, seq=64, heads=4, kv_heads=2, head_dim=16, doc_lens=(20, 1, 7, 36),
+    ring_seq=256, ring_heads=4, ring_kv_heads=2, ring_head_dim=16, cp=4, doc_means=(32,), repeats=1,
+    train_steps=3,
+    train_args=("--model.flavor", "tiny", "--training.seq_len", "256", "--training.local_batch_size", "1",
+                "--training.global_batch_size", "2", "--lr_scheduler.warmup_steps", "1"),
+)
+
+RING_BARS = {"causal": 0.90, "docs_1024": 0.85}
+
+
+# ---------------------------------------------------------------------------- helpers
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> dict:
+    """Seconds per call of ``fn``: ``{"min": ..., "median": ...}`` over ``repeats`` runs after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return {"min": min(times), "median": statistics.median(times)}
+
+
+def lognormal_doc_lens(total: int, mean: float, seed: int = 0, sigma: float = 1.0) -> list[int]:
+    """Document lengths drawn log-normal with the given mean, the last one cut so they sum to ``total``."""
+    rng = random.Random(seed)
+    mu = math.log(mean) - sigma**2 / 2
+    lens, left = [], total
+    while left:
+        n = min(left, max(1, round(rng.lognormvariate(mu, sigma))))
+        lens.append(n)
+        left -= n
+    return lens
+
+
+def _cum(lens) -> list[int]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+# ---------------------------------------------------------------------------- section: kernels
+def _visible(q_lens, k_lens, causal: bool, device) -> torch.Tensor:
+    """``(total_q, total_k)`` bool: segment ``i``'s queries see segment ``i``'s keys (top-left causal)."""
+    def ids_and_pos(lens):
+        lens_t = torch.tensor(lens, device=device)
+        ids = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t)
+        starts = torch.tensor(_cum(lens)[:-1], device=device)
+        return ids, torch.arange(int(lens_t.sum()), device=device) - starts[ids]
+
+    qi, qp = ids_and_pos(q_lens)
+    ki, kp = ids_and_pos(k_lens)
+    vis = qi[:, None] == ki[None, :]
+    if causal:
+        vis &= kp[None, :] <= qp[:, None]
+    return vis
+
+
+def _masked_attention(q, k, v, dout, visible, scale, sdpa: bool):
+    """Attention of packed ``q (Nq, H, E)`` on ``k, v (Nk, K, E)`` under ``visible (Nq, Nk)``:
+    ``(out (Nq, H, E), lse (H, Nq) or None, dq, dk, dv)``. fp64 written out, or SDPA in the input dtype."""
+    qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    if sdpa:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *(x.transpose(0, 1)[None] for x in (qs, ks, vs)), attn_mask=visible, scale=scale, enable_gqa=True
+        )[0].transpose(0, 1)
+        lse = None
+    else:
+        qh = qs.transpose(0, 1)
+        kh, vh = (x.transpose(0, 1).repeat_interleave(groups, 0) for x in (ks, vs))
+        s = (qh @ kh.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        out = (torch.exp(s - lse[..., None]) @ vh).transpose(0, 1)
+        lse = lse.detach()
+    grads = torch.autograd.grad(out, (qs, ks, vs), dout)
+    return (out.detach(), lse, *grads)
+
+
+def _run_kernel(kern: AttentionKernel, api: str, q, k, v, dout, q_lens, k_lens, causal, scale):
+    """The kernel on packed buffers, through its dense (``api == "dense"``, equal segments as
+    batch rows, passed as the ``(B, H, S, E)`` transposed views the engine passes) or its
+    variable-length interface. Returns token-major ``(out, lse (H, Nq), dq, dk, dv)``."""
+    if api == "varlen":
+        seg = Segments.from_lengths(q_lens, k_lens, q.device)
+        out, lse = kern.varlen_forward(q, k, v, seg, causal, scale)
+        return (out, lse, *kern.varlen_backward(dout, q, k, v, out, lse, seg, causal, scale))
+    b = len(q_lens)
+
+    def hm(x):
+        return x.view(b, x.shape[0] // b, *x.shape[1:]).transpose(1, 2)
+
+    def tm(x):
+        return x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[3])
+
+    out, lse = kern.forward(hm(q), hm(k), hm(v), causal, scale)
+    grads = kern.backward(hm(dout), hm(q), hm(k), hm(v), out, lse, causal, scale)
+    return (tm(out), lse.transpose(0, 1).reshape(lse.shape[1], -1), *(tm(g) for g in grads))
+
+
+def kernel_cases(sizes: Sizes) -> list[dict]:
+    """The (api, segment lengths, causal) cases every kernel is checked on."""
+    s, b = sizes.seq, sizes.batch
+    docs = list(sizes.doc_lens)
+    other = docs[1:] + docs[:1]  # keys of other lengths for the non-causal segments
+    return [
+        dict(name="dense_causal", api="dense", q_lens=[s] * b, k_lens=[s] * b, causal=True),
+        dict(name="dense_cross", api="dense", q_lens=[s] * b, k_lens=[s * 3 // 4] * b, causal=False),
+        dict(name="varlen_documents_causal", api="varlen", q_lens=docs, k_lens=docs, causal=True),
+        dict(name="varlen_segments", api="varlen", q_lens=docs, k_lens=[max(1, n) for n in other], causal=False),
+        dict(name="varlen_single_query_segments", api="varlen", q_lens=[1] * 16, k_lens=docs[:4] * 4, causal=False),
+    ]
+
+
+def check_kernels(device: torch.device, sizes: Sizes, dtype=torch.bfloat16) -> list[dict]:
+    """Section ``kernels``: one record per (kernel, case)."""
+    names = ["cuda_flash", "flash_attn", "math"] if device.type == "cuda" else ["cpu_flash", "math"]
+    if device.type == "cuda" and not flash_attn_available():
+        names.remove("flash_attn")
+    g = torch.Generator().manual_seed(0)
+    h, kh, e = sizes.heads, sizes.kv_heads, sizes.head_dim
+    scale = 1 / math.sqrt(e)
+    records = []
+    for case in kernel_cases(sizes):
+        nq, nk = sum(case["q_lens"]), sum(case["k_lens"])
+        q, dout = (torch.randn(nq, h, e, generator=g).to(device, dtype) for _ in range(2))
+        k, v = (torch.randn(nk, kh, e, generator=g).to(device, dtype) for _ in range(2))
+        vis = _visible(case["q_lens"], case["k_lens"], case["causal"], device)
+        ref = _masked_attention(*(x.double() for x in (q, k, v, dout)), vis, scale, sdpa=False)
+        base = _masked_attention(q, k, v, dout, vis, scale, sdpa=True)
+        base_err = [_max_err(x, r) for x, r in zip(base[:1] + base[2:], ref[:1] + ref[2:])]
+        for name in names:
+            rec = dict(section="kernels", kernel=name, case=case["name"], api=case["api"], causal=case["causal"],
+                       dtype=str(dtype).replace("torch.", ""), heads=h, kv_heads=kh, head_dim=e)
+            try:
+                kern = check_kernel(name, device, dtype, e)
+                got = _run_kernel(kern, case["api"], q, k, v, dout, case["q_lens"], case["k_lens"], case["causal"], scale)
+                _sync(device)
+                errs = {}
+                ok = tuple(got[0].shape) == tuple(q.shape) and tuple(got[1].shape) == (h, nq)
+                ok &= tuple(got[3].shape) == tuple(k.shape) and tuple(got[4].shape) == tuple(k.shape)
+                for i, key in zip((0, 2, 3, 4), ("out", "dq", "dk", "dv")):
+                    err = _max_err(got[i], ref[i])
+                    bar = 3 * base_err[(0, 2, 3, 4).index(i)] + 1e-3 * ref[i].abs().max().item()
+                    errs[key] = {"err": err, "sdpa_err": base_err[(0, 2, 3, 4).index(i)], "bar": bar}
+                    ok &= err <= bar
+                lse_err = _max_err(got[1], ref[1])
+                errs["lse"] = {"err": lse_err, "bar": 2e-3}
+                ok &= lse_err <= 2e-3
+                rec.update(status="ok" if ok else "fail", errors=errs)
+            except Exception as exc:  # noqa: BLE001 - a failing kernel is a result, not the end of the check
+                rec.update(status="error", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc(limit=4))
+            records.append(rec)
+    return records
+
+
+# ---------------------------------------------------------------------------- section: ring
+def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale: float, dout=None):
+    """Every rank's ring steps of one attention layer, run one after another in this process.
+
+    q: ``(B, H, S, E)``; k, v: ``(B, K, S, E)``; dout like q; the whole sequence in natural
+    order. Rank ``r`` holds shard ``r`` of ``layout``; at ring step ``i`` it holds the K/V
+    shard of rank ``(r - i) mod N`` and folds it into its fp32 accumulators with the
+    engine's :func:`~titan_cp.attention.block.block_forward` (backward: the gradients of that
+    shard go to the accumulators of its owner, as the ring carries dK/dV home). Nothing is
+    communicated: the time is the sum over ranks of what each rank computes.
+
+    Returns ``out (B, H, S, E)`` in natural order, and with ``dout`` also ``(dq, dk, dv)``.
+    """
+    from titan_cp.attention import block  # noqa: PLC0415 - the engine; adapt here when it changes
+
+    n, b = layout.cp_size, q.shape[0]
+
+    def shards(x):
+        return [block.token_major(layout.shard(x, 2, r)) for r in range(n)]
+
+    def unshard(parts, dtype):
+        return layout.unshard([block.head_major(p.to(dtype), b) for p in parts], dim=2)
+
+    qs, ks, vs = shards(q), shards(k), shards(v)
+    outs, lses = [], []
+    for r in range(n):
+        out_acc, lse_acc = block.new_accumulators(qs[r])
+        for i in range(n):
+            src = (r - i) % n
+            plan = block.make_plan(layout, (r,), (src,), causal)
+            block.block_forward(qs[r], ks[src], vs[src], b, plan, kernel, scale, out_acc, lse_acc)
+        outs.append(out_acc.to(q.dtype))
+        lses.append(lse_acc)
+    out = unshard(outs, q.dtype)
+    if dout is None:
+        return out
+    dos = shards(dout)
+    dq = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in qs]
+    dk = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in ks]
+    dv = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in vs]
+    for r in range(n):
+        for i in range(n):
+            src = (r - i) % n
+            plan = block.make_plan(layout, (r,), (src,), causal)
+            block.block_backward(dos[r], qs[r], ks[src], vs[src], outs[r], lses[r], b, plan, kernel, scale,
+                                 dq[r], dk[src], dv[src])
+    return out, (unshard(dq, q.dtype), unshard(dk, k.dtype), unshard(dv, v.dtype))
+
+
+def _one_call(kernel: AttentionKernel, q, k, v, dout, doc_lens, causal, scale):
+    """One native call on the whole sequence: dense ``(1, H, S, E)``, or variable-length over the documents."""
+    if doc_lens is None:
+        out, lse = kernel.forward(q, k, v, causal, scale)
+        return out if dout is None else kernel.backward(dout, q, k, v, out, lse, causal, scale)
+    qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))
+    seg = Segments.from_lengths(doc_lens, doc_lens, q.device)
+    out, lse = kernel.varlen_forward(qt, kt, vt, seg, causal, scale)
+    if dout is None:
+        return out
+    return kernel.varlen_backward(dout[0].transpose(0, 1), qt, kt, vt, out, lse, seg, causal, scale)
+
+
+def ring_cases(sizes: Sizes) -> list[dict]:
+    cases = [dict(name="causal", balance="zigzag", doc_lens=None, doc_mean=None)]
+    for mean in sizes.doc_means:
+        lens = lognormal_doc_lens(sizes.ring_seq, mean, seed=mean)
+        cases.append(dict(name=f"docs_{mean}", balance="doc_zigzag", doc_lens=lens, doc_mean=mean))
+    return cases
+
+
+def check_ring(device: torch.device, sizes: Sizes, kernel_name: str | None = None, dtype=torch.bfloat16) -> list[dict]:
+    """Section ``ring``: simulated ring against one native call, forward and forward + backward."""
+    from titan_cp.layout import SequenceLayout  # noqa: PLC0415
+
+    s, h, kh, e, n = sizes.ring_seq, sizes.ring_heads, sizes.ring_kv_heads, sizes.ring_head_dim, sizes.cp
+    kern = check_kernel(kernel_name, device, dtype, e)
+    scale = 1 / math.sqrt(e)
+    g = torch.Generator().manual_seed(1)
+    # (1, S, H, E) token-major storage viewed as (1, H, S, E), as the model produces it
+    q, dout = (torch.randn(1, s, h, e, generator=g).to(device, dtype).transpose(1, 2) for _ in range(2))
+    k, v = (torch.randn(1, s, kh, e, generator=g).to(device, dtype).transpose(1, 2) for _ in range(2))
+    records = []
+    for case in ring_cases(sizes):
+        rec = dict(section="ring", case=case["name"], kernel=kern.name, seq=s, cp=n, heads=h, kv_heads=kh, head_dim=e,
+                   balance=case["balance"], dtype=str(dtype).replace("torch.", ""))
+        if case["doc_lens"] is not None:
+            rec.update(doc_mean=case["doc_mean"], documents=len(case["doc_lens"]))
+        try:
+            doc_rows = None if case["doc_lens"] is None else [case["doc_lens"]]
+            layout = SequenceLayout(s, n, case["balance"], doc_rows)
+            lens = case["doc_lens"]
+
+            def call_f():
+                return _one_call(kern, q, k, v, None, lens, True, scale)
+
+            def call_fb():
+                return _one_call(kern, q, k, v, dout, lens, True, scale)
+
+            def ring_f():
+                return simulated_ring(q, k, v, layout, kern, True, scale)
+
+            def ring_fb():
+                return simulated_ring(q, k, v, layout, kern, True, scale, dout)
+
+            t = {key: timed(fn, device, sizes.repeats) for key, fn in
+                 (("call_fwd", call_f), ("ring_fwd", ring_f), ("call_fwd_bwd", call_fb), ("ring_fwd_bwd", ring_fb))}
+            one = call_f()
+            ring_out = ring_f()
+            one = one if lens is None else one.transpose(0, 1)[None]
+            diff = _max_err(ring_out, one)
+            eff = {"fwd": t["call_fwd"]["min"] / t["ring_fwd"]["min"],
+                   "fwd_bwd": t["call_fwd_bwd"]["min"] / t["ring_fwd_bwd"]["min"]}
+            bar = RING_BARS.get(case["name"])
+            rec.update(
+                seconds={key: val["min"] for key, val in t.items()},
+                seconds_median={key: val["median"] for key, val in t.items()},
+                efficiency=eff, bar=bar,
+                meets_bar=None if bar is None else bool(eff["fwd_bwd"] >= bar),
+                max_abs_diff_vs_one_call=diff,
+                # bf16 outputs of the two routes differ by rounding of the fp32 merge only
+                status="ok" if diff <= 0.05 else "fail",
+            )
+        except Exception as exc:  # noqa: BLE001
+            rec.update(status="error", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc(limit=6))
+        records.append(rec)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return records
+
+
+# ---------------------------------------------------------------------------- section: train
+def check_train(device: torch.device, sizes: Sizes, timeout: float = 170.0) -> dict:
+    """Section ``train``: ``python -m titan_cp.train`` on the debug model, bf16, one process."""
+    rec = dict(section="train", steps=sizes.train_steps, flavor="debugmodel")
+    with tempfile.TemporaryDirectory(prefix="gpu_check_train_") as tmp:
+        argv = [
+            sys.executable, "-m", "titan_cp.train", "--job.config_file", str(REPO / "train_configs" / "debug_cp.toml"),
+            "--parallelism.context_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "1",
+            "--training.steps", str(sizes.train_steps), "--training.mixed_precision_param", "bfloat16",
+            "--training.deterministic", "false", "--validation.enable", "false", "--checkpoint.enable", "false",
+            "--metrics.log_freq", "1", "--job.dump_folder", tmp, *sizes.train_args,
+        ]
+        if "--model.flavor" in sizes.train_args:
+            rec["flavor"] = sizes.train_args[sizes.train_args.index("--model.flavor") + 1]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        if device.type == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rec.update(status="error", error=f"training did not finish in {timeout:.0f} s")
+            return rec
+        rec["wall_seconds"] = time.perf_counter() - t0
+        metrics = Path(tmp) / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        if proc.returncode != 0 or not rows:
+            rec.update(status="error", returncode=proc.returncode, error=(proc.stderr or proc.stdout)[-3000:])
+            return rec
+        warm = rows[min(5, len(rows) - 1):] if len(rows) > 1 else rows
+        losses = [r["loss"] for r in rows]
+        rec.update(
+            steps_logged=len(rows), first_loss=losses[0], last_loss=losses[-1],
+            tokens_per_second=statistics.median(r["tokens_per_second"] for r in warm),
+            mfu=statistics.median(r["mfu"] for r in warm),
+            memory_gib=max(r.get("memory_bytes", 0) for r in rows) / 2**30,
+            status="ok" if len(rows) == sizes.train_steps and all(math.isfinite(x) for x in losses) else "fail",
+        )
+    return rec
+
+
+# ---------------------------------------------------------------------------- driver
+def environment(device: torch.device) -> dict:
+    """Versions, the device, and the schemas of the ATen flash ops the ``cuda_flash`` kernel calls."""
+    aten = torch.ops.aten
+    rec = dict(section="env", torch=torch.__version__, device=str(device),
+               flash_attn_schemas={op: str(getattr(aten, op).default._schema)
+                                   for op in ("_flash_attention_forward", "_flash_attention_backward")})
+    if device.type == "cuda":
+        rec.update(device_name=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                   capability=".".join(map(str, torch.cuda.get_device_capability(device))))
+    if flash_attn_available():
+        import flash_attn  # noqa: PLC0415 - optional
+
+        rec["flash_attn"] = getattr(flash_attn, "__version__", "unknown")
+    return rec
+
+
+def print_json(record: dict) -> None:
+    """One record as one JSON line on stdout."""
+    print(json.dumps(record, default=str), flush=True)
+
+
+def run(device: str = "cuda", small: bool = False, sections=SECTIONS, emit: Callable[[dict], None] = print_json,
+        ring_kernel: str | None = None) -> dict:
+    """Run the check; ``emit`` gets every record, the summary last (and is returned).
+
+    Without a CUDA device when ``device == "cuda"``, emits one record saying so and returns it.
+    """
+    if device == "cuda" and not torch.cuda.is_available():
+        rec = dict(summary=True, status="skipped", reason="no CUDA device: nothing to check (use --device cpu --small "
+                                                           "to exercise the logic on CPU)")
+        emit(rec)
+        return rec
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown gpu_check sections {sorted(unknown)}; choose from {SECTIONS}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    sizes = SMALL if small else FULL
+    t0 = time.perf_counter()
+    records = [environment(dev)]
+    emit(records[-1])
+    timing = {}
+    for section in sections:
+        ts = time.perf_counter()
+        if section == "kernels":
+            out = check_kernels(dev, sizes)
+        elif section == "ring":
+            out = check_ring(dev, sizes, ring_kernel)
+        else:
+            out = [check_train(dev, sizes)]
+        for rec in out:
+            emit(rec)
+        records += out
+        timing[section] = time.perf_counter() - ts
+    failures = [{k: r.get(k) for k in ("section", "kernel", "case", "status")} for r in records
+                if r.get("status") not in (None, "ok")]
+    below = [r["case"] for r in records if r.get("section") == "ring" and r.get("meets_bar") is False]
+    train = next((r for r in records if r.get("section") == "train"), {})
+    summary = dict(
+        summary=True, device=records[0].get("device_name", str(dev)), torch=torch.__version__,
+        status="ok" if not failures else "fail", failures=failures,
+        ring_efficiency={r["case"]: r["efficiency"] for r in records if r.get("section") == "ring" and "efficiency" in r},
+        ring_below_bar=below,
+        train={k: train.get(k) for k in ("tokens_per_second", "mfu", "last_loss")} if train else None,
+        section_seconds=timing, seconds=time.perf_counter() - t0, sizes=asdict(sizes) if small else "full",
+    )
+    emit(summary)
+    return summary
+
+
+__all__ = ["FULL", "SECTIONS", "SMALL", "Sizes", "check_kernels", "check_ring", "check_train", "lognormal_doc_lens",
+           "print_json", "run", "simulated_ring", "timed"]
