@@ -275,8 +275,8 @@ def test_unknown_kernel_name():
 @pytest.mark.parametrize("name", ["cuda_flash", "flash_attn"])
 def test_cuda_kernel_on_cpu_tensors(name, monkeypatch):
     monkeypatch.setitem(kernels_module._INSTANCES, "flash_attn", FlashAttnKernel(_fake_flash_attn("2.7")))
-    with pytest.raises(ValueError, match=f"kernel '{name}' runs on cuda tensors, but q, k, v are on cpu; "
-                                         "for cpu choose 'cpu_flash'"):
+    with pytest.raises(ValueError, match=f"kernel '{name}' runs on cuda tensors, but q, k, v are on cpu; for bfloat16 "
+                                         r"on cpu with head_dim 64 choose one of \['cpu_flash', 'math'\] or None"):
         check_kernel(name, torch.device("cpu"), torch.bfloat16, 64)
 
 
@@ -295,7 +295,8 @@ def test_flash_attn_not_installed(monkeypatch):
 
 
 def test_fp32_with_a_flash_only_kernel():
-    with pytest.raises(ValueError, match=r"'cuda_flash' takes float16/bfloat16 tensors, got float32; .*'math'"):
+    with pytest.raises(ValueError, match=r"'cuda_flash' takes float16/bfloat16 tensors, got float32; .*\['math'\]"
+                                         r".*training.mixed_precision_param"):
         check_kernel("cuda_flash", torch.device("cuda"), torch.float32, 64)
 
 
@@ -304,6 +305,9 @@ def test_head_dim_the_flash_kernel_does_not_take(head_dim):
     with pytest.raises(ValueError, match=f"'cuda_flash' takes head_dim a multiple of 8 and at most 256, got {head_dim}"):
         check_kernel("cuda_flash", torch.device("cuda"), torch.bfloat16, head_dim)
     assert check_kernel("cpu_flash", torch.device("cpu"), torch.bfloat16, head_dim).name == "cpu_flash"
+    # the default does not fit either: the error says so instead of falling back to the dense kernel
+    with pytest.raises(ValueError, match=r"'cuda_flash' takes head_dim .* choose one of \['math'\]$"):
+        check_kernel(None, torch.device("cuda"), torch.bfloat16, head_dim)
 
 
 @pytest.mark.parametrize("head_dim", [0, -8])

@@ -466,6 +466,32 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _problem(kern, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why ``kern`` (a kernel or kernel class) cannot run this attention, or ``None``."""
+    if kern.devices is not None and device_type not in kern.devices:
+        return f"runs on {'/'.join(kern.devices)} tensors, but q, k, v are on {device_type}"
+    if kern.dtypes is not None and dtype not in kern.dtypes:
+        return f"takes {'/'.join(_dtype_name(d) for d in kern.dtypes)} tensors, got {_dtype_name(dtype)}"
+    if (kern.max_head_dim is not None and head_dim > kern.max_head_dim) or head_dim % kern.head_dim_multiple:
+        limits = [f"a multiple of {kern.head_dim_multiple}"] if kern.head_dim_multiple > 1 else []
+        if kern.max_head_dim is not None:
+            limits.append(f"at most {kern.max_head_dim}")
+        return f"takes head_dim {' and '.join(limits)}, got {head_dim}"
+    return None
+
+
+def _fitting(device_type: str, dtype: torch.dtype, head_dim: int) -> list[str]:
+    """Registered kernels (those given as classes) that run this attention."""
+    names = []
+    for name, factory in sorted(_REGISTRY.items()):
+        if not isinstance(factory, type) or _problem(factory, device_type, dtype, head_dim) is not None:
+            continue
+        if factory is FlashAttnKernel and importlib.util.find_spec("flash_attn") is None:
+            continue
+        names.append(name)
+    return names
+
+
 def check_kernel(
     kernel: str | AttentionKernel | None, device: torch.device, dtype: torch.dtype, head_dim: int
 ) -> AttentionKernel:
@@ -482,24 +508,16 @@ def check_kernel(
     if int(head_dim) != head_dim or head_dim < 1:
         raise ValueError(f"head_dim must be a positive integer, got {head_dim}")
     kern = kernel if isinstance(kernel, AttentionKernel) else get_kernel(kernel, device, dtype)
-    default = default_kernel_name(device, dtype)
-    if kern.devices is not None and device.type not in kern.devices:
+    problem = _problem(kern, device.type, dtype, head_dim)
+    if problem is not None:
+        hint = ""
+        if kern.dtypes is not None and dtype not in kern.dtypes and device.type == "cuda":
+            hint = ' (or compute in bfloat16: training.mixed_precision_param = "bfloat16")'
+        choices = _fitting(device.type, dtype, head_dim)
+        default = default_kernel_name(device, dtype)
+        or_default = f" or None (the default, {default!r})" if default in choices else ""
         raise ValueError(
-            f"attention kernel {kern.name!r} runs on {'/'.join(kern.devices)} tensors, but q, k, v are on "
-            f"{device.type}; for {device.type} choose {default!r} (the default), 'math', or None"
-        )
-    if kern.dtypes is not None and dtype not in kern.dtypes:
-        raise ValueError(
-            f"attention kernel {kern.name!r} takes {'/'.join(_dtype_name(d) for d in kern.dtypes)} tensors, "
-            f"got {_dtype_name(dtype)}; cast q, k, v (e.g. training.mixed_precision_param = \"bfloat16\") "
-            f"or choose {default!r} (the default for {_dtype_name(dtype)} on {device.type}) or 'math'"
-        )
-    if (kern.max_head_dim is not None and head_dim > kern.max_head_dim) or head_dim % kern.head_dim_multiple:
-        limits = [f"a multiple of {kern.head_dim_multiple}"] if kern.head_dim_multiple > 1 else []
-        if kern.max_head_dim is not None:
-            limits.append(f"at most {kern.max_head_dim}")
-        raise ValueError(
-            f"attention kernel {kern.name!r} takes head_dim {' and '.join(limits)}, got {head_dim}; "
-            "choose 'math' or change the model's head_dim"
+            f"attention kernel {kern.name!r} {problem}; for {_dtype_name(dtype)} on {device.type} with head_dim "
+            f"{head_dim} choose one of {choices}{or_default}{hint}"
         )
     return kern
