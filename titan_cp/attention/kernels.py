@@ -57,6 +57,13 @@ _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _offsets(lens: Sequence[int]) -> list[int]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + int(n))
+    return out
+
+
 @dataclass(frozen=True)
 class Segments:
     """Segment i is q[cu_q[i]:cu_q[i+1]] against k[cu_k[i]:cu_k[i+1]] of token-major packed buffers."""
@@ -83,8 +90,7 @@ class Segments:
     @classmethod
     def from_lengths(cls, q_lens: Sequence[int], k_lens: Sequence[int], device) -> "Segments":
         """Segments from per-segment lengths (host integers)."""
-        cum = lambda lens: [0] + [sum(lens[: i + 1]) for i in range(len(lens))]  # noqa: E731
-        return cls.from_offsets(cum(list(q_lens)), cum(list(k_lens)), device)
+        return cls.from_offsets(_offsets(q_lens), _offsets(k_lens), device)
 
     def __len__(self) -> int:
         return len(self.host_q) - 1
