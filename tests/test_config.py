@@ -292,6 +292,11 @@ def test_headtail_is_zigzag():
           "--parallelism.context_parallel_ulysses_degree", "3"], "context_parallel_ulysses_degree \\(3\\) must divide"),
         (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "3",
           "--parallelism.pipeline_parallel_microbatch_size", "2"], "pipeline_parallel_microbatch_size"),
+        (["--training.packing", "bestfit"], "training.packing must be one of .*did you mean 'best_fit'"),
+        (["--training.packing_lookahead", "0"], "training.packing_lookahead must be positive"),
+        (["--training.loss_roles", "assistant,bot"], "training.loss_roles must be one of"),
+        (["--training.loss_roles", ""], "training.loss_roles is empty"),
+        (["--validation.dataset", "mixture"], "validation.dataset = 'mixture' is not supported"),
     ],
 )
 def test_bad_values_name_the_key(argv, fragment):

@@ -152,14 +152,59 @@ class LRScheduler:
 
 
 @dataclass
+class MixtureSource:
+    """One source of ``training.mixture``: a ``[[training.mixture]]`` table in TOML, or
+    ``name:kind:path:weight`` on the command line (comma-separated; ``path`` may be empty)."""
+
+    name: str
+    """Name of the source, unique in the mixture; its drawn tokens are logged as ``tokens_drawn/<name>``."""
+
+    kind: str
+    """Dataset kind, as ``training.dataset``: ``synthetic_recall``, ``text``, ``chat``, ``hf``, ...."""
+
+    path: str | None = None
+    """Local file or folder of the source (not needed for ``synthetic_recall``)."""
+
+    weight: float = 1.0
+    """Sampling weight (>= 0): documents are drawn with probability weight / sum of weights."""
+
+    @classmethod
+    def parse(cls, key: str, text: str) -> dict[str, str]:
+        """``"name:kind:path:weight"`` -> the table's fields (values still strings)."""
+        parts = text.split(":")
+        if len(parts) < 4:
+            raise ValueError(f"{key} entries on the command line are name:kind:path:weight, got {text!r}")
+        return {"name": parts[0], "kind": parts[1], "path": ":".join(parts[2:-1]) or "none", "weight": parts[-1]}
+
+
+@dataclass
 class Training:
     dataset: str = "synthetic_recall"
     """Dataset: ``synthetic_recall`` (built in, long-range recall), ``text`` (local .txt/.jsonl at
-    ``training.dataset_path``), ``hf`` (a Hugging Face dataset saved on disk), or any other name
-    with ``training.dataset_path`` pointing at a local copy. Nothing is ever downloaded."""
+    ``training.dataset_path``), ``chat`` (chat/agent-trajectory JSON lines, ``{"messages": [{"role",
+    "content"}, ...]}``, loss on ``training.loss_roles``), ``hf`` (a Hugging Face dataset saved on
+    disk), ``mixture`` (the sources of ``training.mixture``, by weight), or any other name with
+    ``training.dataset_path`` pointing at a local copy. Nothing is ever downloaded."""
 
     dataset_path: str | None = None
     """Local file or folder of the dataset."""
+
+    packing: Literal["stream", "best_fit"] = "stream"
+    """How documents become rows (training and validation): ``stream`` packs them end to end and
+    cuts one wherever a row ends (no padding); ``best_fit`` never cuts a document no longer than
+    ``seq_len`` (longer ones are split into ``seq_len`` windows) and fills the rest of a row with
+    one padding document that carries no loss. See ``titan_cp.data.packing``."""
+
+    packing_lookahead: int = 512
+    """For ``packing = "best_fit"``: document pieces buffered to choose from when filling a row
+    (more: less padding, documents read further ahead)."""
+
+    loss_roles: list[Literal["system", "user", "assistant", "tool"]] = field(default_factory=lambda: ["assistant"])
+    """For ``chat`` records: the roles whose turns carry loss; the other turns are context only."""
+
+    mixture: list[MixtureSource] = field(default_factory=list)
+    """For ``dataset = "mixture"``: the sources and their sampling weights, as ``[[training.mixture]]``
+    tables with ``name``, ``kind``, ``path``, ``weight``. Seeded by ``training.seed``."""
 
     local_batch_size: int = 8
     """Rows (packed sequences of ``seq_len`` tokens) per microbatch per data-parallel rank."""
@@ -423,6 +468,10 @@ class JobConfig:
         _positive_or_auto("training.global_batch_size", t.global_batch_size)
         _positive_or_auto("training.gradient_accumulation_steps", t.gradient_accumulation_steps)
         _at_least("training.seed", t.seed, 0)
+        _positive("training.packing_lookahead", t.packing_lookahead)
+        if not t.loss_roles:
+            raise ValueError("training.loss_roles is empty: chat records would carry no loss; list at least one role")
+        _check_mixture(t, self.validation)
 
         for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
                     "context_parallel_degree", "context_parallel_ulysses_degree",
@@ -505,6 +554,33 @@ def _did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
     by_lower = {c.lower(): c for c in candidates}
     close = [by_lower[c] for c in difflib.get_close_matches(word.lower(), list(by_lower), n=3, cutoff=0.6)]
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _check_mixture(t: Training, v: Validation) -> None:
+    """``training.dataset = "mixture"`` exactly when ``training.mixture`` lists sources; names
+    unique, kinds not nested, weights >= 0 with a positive sum."""
+    if t.dataset == "mixture" and not t.mixture:
+        raise ValueError("training.dataset = 'mixture' needs sources: add [[training.mixture]] tables")
+    if t.dataset == "mixture" and t.dataset_path:
+        raise ValueError("training.dataset_path is not read for training.dataset = 'mixture' (each source has its "
+                         "own path in training.mixture): unset it")
+    if t.mixture and t.dataset != "mixture":
+        raise ValueError(
+            f"training.mixture lists sources but training.dataset = {t.dataset!r}: set training.dataset = "
+            "'mixture' to train on them, or remove the table"
+        )
+    if v.dataset == "mixture":
+        raise ValueError("validation.dataset = 'mixture' is not supported: name one source for validation")
+    names = [m.name for m in t.mixture]
+    for i, m in enumerate(t.mixture):
+        if not m.name or names.count(m.name) > 1:
+            raise ValueError(f"training.mixture[{i}].name = {m.name!r}: names must be non-empty and unique, got {names}")
+        if m.kind == "mixture":
+            raise ValueError(f"training.mixture[{i}].kind = 'mixture' ({m.name!r}): a mixture cannot hold another mixture")
+        if not m.weight >= 0:
+            raise ValueError(f"training.mixture[{i}].weight ({m.name!r}) must be >= 0, got {m.weight}")
+    if t.mixture and sum(m.weight for m in t.mixture) <= 0:
+        raise ValueError(f"training.mixture weights sum to zero ({[m.weight for m in t.mixture]}): give one a positive weight")
 
 
 def _check_seq_len(key: str, seq_len: int, p: Parallelism) -> None:
@@ -669,6 +745,20 @@ def _coerce(key: str, value: Any, hint: Any, from_cli: bool) -> Any:
         if not isinstance(value, str):
             raise ValueError(f"{key} must be a string, got {value!r}")
         return value
+    if dataclasses.is_dataclass(hint):  # a table, e.g. one [[training.mixture]] entry
+        if from_cli or isinstance(value, str):
+            value, from_cli = hint.parse(key, str(value)), True
+        if not isinstance(value, dict):
+            raise ValueError(f"{key} entries must be tables, got {value!r}")
+        hints = typing.get_type_hints(hint)
+        for name in value:
+            if name not in hints:
+                raise ValueError(f"{key}: unknown key {name!r} in {value!r}{_did_you_mean(name, hints)}")
+        required = [f.name for f in dataclasses.fields(hint) if f.default is dataclasses.MISSING]
+        missing = [name for name in required if name not in value]
+        if missing:
+            raise ValueError(f"{key}: entry {value!r} lacks {missing}")
+        return hint(**{name: _coerce(f"{key}.{name}", v, hints[name], from_cli) for name, v in value.items()})
     raise TypeError(f"unsupported config type {hint} for {key}")  # internal: a field type coerce lacks
 
 

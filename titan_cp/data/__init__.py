@@ -1,5 +1,7 @@
-"""Data: tokenizers, document sources, packing with document boundaries, and DP-aware loading."""
+"""Data: tokenizers, document sources (synthetic, text, chat trajectories, mixtures), packing with
+document boundaries and loss masks, and DP-aware loading."""
 
+from titan_cp.data.chat import ChatJsonl, render_chat
 from titan_cp.data.datasets import (
     Document,
     DocumentSource,
@@ -9,20 +11,25 @@ from titan_cp.data.datasets import (
     build_dataset,
 )
 from titan_cp.data.loader import Batch, PackedDataLoader, Step, build_dataloader
-from titan_cp.data.packing import IGNORE_INDEX, PackedRow, Packer
+from titan_cp.data.mixture import Mixture
+from titan_cp.data.packing import IGNORE_INDEX, BestFitPacker, PackedRow, Packer, RowSummary, make_packer
 from titan_cp.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
     "Batch",
+    "BestFitPacker",
     "ByteTokenizer",
+    "ChatJsonl",
     "Document",
     "DocumentSource",
     "HFDiskDataset",
     "HFTokenizer",
+    "Mixture",
     "PackedDataLoader",
     "PackedRow",
     "Packer",
+    "RowSummary",
     "Step",
     "SyntheticRecall",
     "TextFiles",
@@ -30,4 +37,6 @@ __all__ = [
     "build_dataloader",
     "build_dataset",
     "build_tokenizer",
+    "make_packer",
+    "render_chat",
 ]

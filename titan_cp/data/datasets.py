@@ -1,5 +1,6 @@
-"""Document sources: the built-in synthetic long-range recall corpus, local text/JSONL, and Hugging
-Face datasets saved on disk. Nothing is downloaded.
+"""Document sources: the built-in synthetic long-range recall corpus, local text/JSONL, chat and
+agent trajectories (:mod:`titan_cp.data.chat`), Hugging Face datasets saved on disk, and weighted
+mixtures of these (:mod:`titan_cp.data.mixture`). Nothing is downloaded.
 
 A source maps a document index ``i >= 0`` to a tokenized :class:`Document`
 (``source.document(i)``); finite sources wrap around (epoch ``i // len``), so the packer sees an
@@ -11,10 +12,12 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal
 
+from titan_cp.data.chat import ChatJsonl
+from titan_cp.data.document import Document, DocumentSource
+from titan_cp.data.mixture import Mixture
 from titan_cp.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -22,23 +25,8 @@ if TYPE_CHECKING:
 
 Split = Literal["train", "validation"]
 
-
-@dataclass
-class Document:
-    """One tokenized document, BOS first and EOS last.
-
-    ``answer_spans[k] = (start, end)``: token span (end exclusive) of the k-th answer;
-    ``answer_distances[k]``: tokens from the start of the fact that holds that answer to the start
-    of the answer (how far back the model must look to produce it).
-    """
-
-    tokens: list[int]
-    answer_spans: list[tuple[int, int]] = field(default_factory=list)
-    answer_distances: list[int] = field(default_factory=list)
-
-
-class DocumentSource(Protocol):
-    def document(self, index: int) -> Document: ...
+__all__ = ["ChatJsonl", "Document", "DocumentSource", "HFDiskDataset", "Mixture", "SyntheticRecall", "TextFiles",
+           "build_dataset"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,23 +213,50 @@ def build_dataset(job_config: JobConfig, tokenizer: Tokenizer, split: Split = "t
     """The source named by ``training.dataset`` (``split="train"``) or ``validation.dataset``.
 
     ``synthetic_recall`` is built in (seeded by ``training.seed``; validation is its held-out
-    split). ``text`` and ``hf`` read ``*.dataset_path``; any other name (e.g. torchtitan's ``c4``)
-    needs ``*.dataset_path`` too, and is read as a saved HF dataset or as text/JSONL files,
+    split). ``text``, ``chat`` and ``hf`` read ``*.dataset_path``; ``chat`` records carry loss on
+    the roles in ``training.loss_roles``. ``mixture`` (training only) draws from the sources of
+    ``training.mixture`` by weight, seeded by ``training.seed``. Any other name (e.g. torchtitan's
+    ``c4``) needs ``*.dataset_path`` too, and is read as a saved HF dataset or as text/JSONL files,
     whichever the path holds.
     """
     section = "training" if split == "train" else "validation"
     cfg = getattr(job_config, section)
-    name, path = cfg.dataset, cfg.dataset_path
+    t = job_config.training
+    if cfg.dataset == "mixture":
+        if split != "train":
+            raise ValueError("validation.dataset = 'mixture' is not supported: name one source for validation")
+        if not t.mixture:
+            raise ValueError("training.dataset = 'mixture' needs sources in training.mixture ([[training.mixture]] tables)")
+        return Mixture(
+            [(m.name, _source(m.kind, m.path, f"training.mixture[{m.name!r}]", "kind", "path", job_config, tokenizer,
+                              split), m.weight) for m in t.mixture],
+            seed=t.seed,
+        )
+    if split == "train" and t.mixture:
+        raise ValueError(
+            f"training.mixture lists sources but training.dataset = {t.dataset!r}: set training.dataset = "
+            "'mixture' to train on them, or remove the table"
+        )
+    return _source(cfg.dataset, cfg.dataset_path, section, "dataset", "dataset_path", job_config, tokenizer, split)
+
+
+def _source(name: str, path: str | None, section: str, name_key: str, path_key: str, job_config: JobConfig,
+            tokenizer: Tokenizer, split: Split) -> DocumentSource:
+    """One source of kind ``name`` at ``path``; errors name ``{section}.{name_key}`` / ``{section}.{path_key}``."""
     if name == "synthetic_recall":
         return SyntheticRecall(tokenizer, seed=job_config.training.seed, split=split)
+    if name == "mixture":
+        raise ValueError(f"{section}.{name_key} = 'mixture': a mixture cannot hold another mixture")
     if not path:
         raise ValueError(
-            f"{section}.dataset = {name!r} is not built in (built in: 'synthetic_recall'); set "
-            f"{section}.dataset_path to a local copy: titan_cp never downloads data"
+            f"{section}.{name_key} = {name!r} is not built in (built in: 'synthetic_recall'); set "
+            f"{section}.{path_key} to a local copy: titan_cp never downloads data"
         )
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"{section}.dataset_path = {path!r} does not exist")
+        raise ValueError(f"{section}.{path_key} = {path!r} does not exist")
+    if name == "chat":
+        return ChatJsonl(p, tokenizer, job_config.training.loss_roles)
     if name == "hf" or (name != "text" and _is_saved_hf_dataset(p)):
         return HFDiskDataset(p, tokenizer, split)
     return TextFiles(p, tokenizer)

@@ -1,0 +1,119 @@
+"""Chat and agent-trajectory records: JSON lines of ``{"messages": [{"role", "content"}, ...]}``.
+
+One record is one document (its boundaries are trajectory boundaries: the packer never lets one
+record attend to another). It is rendered with this template (ChatML), BOS before and EOS after::
+
+    <BOS><|im_start|>system\\n{content}<|im_end|>\\n<|im_start|>user\\n{content}<|im_end|>\\n
+        <|im_start|>assistant\\n{content}<|im_end|>\\n<|im_start|>tool\\n{content}<|im_end|>\\n ...<EOS>
+
+and carries a per-token loss mask: the tokens of ``{content}<|im_end|>`` of every message whose
+role is in ``loss_roles`` (default: ``assistant``) are training targets, so the model learns to
+answer and to end its turn; role headers, the newline after each turn, BOS, EOS and every other
+role's turns carry no loss. Each piece (header, content + end marker, newline) is tokenized on its
+own so the mask is exact at turn boundaries; with a BPE tokenizer that may split differently from
+tokenizing the whole text at once. ``<|im_start|>``/``<|im_end|>`` are plain text to the byte
+tokenizer and single tokens to a Hugging Face tokenizer that defines them as added tokens.
+
+Roles are ``system``, ``user``, ``assistant``, ``tool``; ``content`` is a string. A file is checked
+whole when the source is built: a line that is not JSON, a record without ``messages``, an unknown
+role, a missing or non-string ``content``, or an empty conversation is a ``ValueError`` naming the
+file, the line number and the key. Blank lines are not records and are passed over.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from titan_cp.data.document import Document
+from titan_cp.data.tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant", "tool")
+TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
+
+
+def render_chat(messages: Sequence[dict], tokenizer: Tokenizer, loss_roles: Sequence[str] = ("assistant",)) -> Document:
+    """Tokens and loss mask of one conversation under the module's template."""
+    tokens, mask = [tokenizer.bos_id], [False]
+
+    def add(text: str, loss: bool) -> None:
+        ids = tokenizer.encode(text)
+        tokens.extend(ids)
+        mask.extend([loss] * len(ids))
+
+    for message in messages:
+        add(f"{TURN_START}{message['role']}\n", False)
+        add(f"{message['content']}{TURN_END}", message["role"] in loss_roles)
+        add("\n", False)
+    tokens.append(tokenizer.eos_id)
+    mask.append(False)
+    return Document(tokens, loss_mask=mask)
+
+
+def check_record(record: object, where: str) -> None:
+    """Raise ``ValueError`` (prefixed by ``where``, "file, line n") unless ``record`` is a chat record."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
+    if "messages" not in record:
+        raise ValueError(f"{where}: no 'messages' key (keys: {sorted(record)})")
+    messages = record["messages"]
+    if not isinstance(messages, list):
+        raise ValueError(f"{where}: 'messages' must be a list, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError(f"{where}: 'messages' is empty (an empty conversation)")
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"{where}: messages[{k}] must be an object, got {type(message).__name__}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"{where}: messages[{k}] has no {key!r} key")
+        if message["role"] not in ROLES:
+            raise ValueError(f"{where}: messages[{k}].role = {message['role']!r} is not one of {list(ROLES)}")
+        if not isinstance(message["content"], str):
+            raise ValueError(f"{where}: messages[{k}].content must be a string, got {type(message['content']).__name__}")
+
+
+class ChatJsonl:
+    """Chat/trajectory records from ``.jsonl`` files: one record per non-blank line.
+
+    ``path`` is a file or a folder (searched recursively for ``*.jsonl``, in sorted order). Every
+    line is checked at construction (see the module docstring); records are indexed by (file, byte
+    offset) and read again on demand, so memory does not grow with the data.
+    """
+
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, loss_roles: Sequence[str] = ("assistant",)):
+        unknown = [r for r in loss_roles if r not in ROLES]
+        if unknown:
+            raise ValueError(f"training.loss_roles: unknown roles {unknown}; roles are {list(ROLES)}")
+        path = Path(path)
+        files = [path] if path.is_file() else sorted(path.rglob("*.jsonl"))
+        self.tokenizer, self.loss_roles = tokenizer, tuple(loss_roles)
+        self._index: list[tuple[Path, int]] = []
+        for f in files:
+            with open(f, "rb") as fh:
+                offset = 0
+                for line_no, line in enumerate(fh, start=1):
+                    if line.strip():
+                        where = f"{f}, line {line_no}"
+                        try:
+                            record = json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+                        check_record(record, where)
+                        self._index.append((f, offset))
+                    offset += len(line)
+        if not self._index:
+            raise ValueError(f"no chat records (*.jsonl lines) under {str(path)!r}")
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def messages(self, index: int) -> list[dict]:
+        file, offset = self._index[index % len(self._index)]
+        with open(file, "rb") as fh:
+            fh.seek(offset)
+            return json.loads(fh.readline())["messages"]
+
+    def document(self, index: int) -> Document:
+        return render_chat(self.messages(index), self.tokenizer, self.loss_roles)
