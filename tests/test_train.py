@@ -166,3 +166,29 @@ def test_validation_under_cp_equals_a_single_process(dist_pools, tmp_path):
     assert cp.keys() == single.keys()
     for key in single:
         assert cp[key] == pytest.approx(single[key], rel=1e-4, abs=1e-9), key
+
+
+def _records(rank, world, argv):
+    return main(argv)
+
+
+def test_chat_mixture_with_best_fit_packing_under_cp_equals_a_single_process(dist_pools, tmp_path):
+    """Trajectories (loss on assistant turns) mixed with the recall corpus, packed best-fit with
+    padding documents: the CP 2 run trains on the same tokens with the same loss as one process,
+    and logs the tokens drawn per source."""
+    argv = ["--job.config_file", "train_configs/debug_chat_mix.toml", "--training.seq_len", "2048",
+            "--training.steps", "3", "--training.packing_lookahead", "8", "--validation.enable", "false",
+            "--metrics.log_freq", "100"]
+    single = dist_pools.run(1, _records, argv + ["--parallelism.context_parallel_degree", "1",
+                                                 "--job.dump_folder", str(tmp_path / "a")], timeout=600)[0]
+    cp = dist_pools.run(2, _records, argv + ["--job.dump_folder", str(tmp_path / "b")], timeout=600)[0]
+    assert [r["loss"] for r in cp] == pytest.approx([r["loss"] for r in single], rel=1e-4)
+    for key in ("global_valid_tokens", "padding_tokens", "tokens_drawn/trajectories", "tokens_drawn/recall"):
+        assert [r[key] for r in cp] == [r[key] for r in single], key
+    last = single[-1]
+    assert last["tokens_drawn/trajectories"] > 0 and last["tokens_drawn/recall"] > 0
+    padding = sum(r["padding_tokens"] for r in single)
+    assert padding > 0
+    assert last["tokens_drawn/trajectories"] + last["tokens_drawn/recall"] + padding == 3 * 2 * 2048
+    logged = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1]["tokens_drawn/recall"] == last["tokens_drawn/recall"]

@@ -103,6 +103,7 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, record["step"])
         if console:
             extra = "".join(f"  {k} {record[k]:.3f}" for k in record if k.startswith(("val_loss", "recall")))
+            extra += "".join(f"  {k} {record[k]}" for k in record if k.startswith("tokens_drawn/"))
             logger.info(
                 "step %d  loss %.4f  grad_norm %.3f  lr %.2e  tokens/s %.0f  mfu %.1f%%  memory %.2f GiB  eta %.0fs%s",
                 record["step"], record["loss"], record["grad_norm"], record["lr"], record["tokens_per_second"],

@@ -264,10 +264,13 @@ class Trainer:
             record = {
                 "step": step, "loss": loss, "grad_norm": grad_norm, "lr": self.schedulers[0].get_last_lr()[0],
                 "tokens_per_second": tps, "global_valid_tokens": step_data.global_valid_tokens,
+                "padding_tokens": step_data.padding_tokens,
                 "mfu": flops / dt / (self.peak_flops * dist.get_world_size()),
                 "memory_bytes": device_memory_bytes(self.device),
                 "eta_seconds": (time.perf_counter() - start) / (step - first_step) * (t.steps - step),
             }
+            # running totals of the tokens each mixture source has put into rows
+            record.update({f"tokens_drawn/{name}": n for name, n in self.loader.source_tokens.items()})
             if self.val_loader is not None and step % cfg.validation.freq == 0:
                 record.update(self.validate())
             history.append(record)
