@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from titan_cp.tools.gpu_check import SECTIONS, print_json, run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from titan_cp.tools.gpu_check import SECTIONS, print_json, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
