@@ -219,7 +219,9 @@ class CUDAFlashKernel(AttentionKernel):
 
     No package beyond PyTorch. K/V stay at their own head count (the kernel takes GQA
     natively and returns dK/dV summed over each group). Both forms go through the same two
-    ops (schemas of torch 2.11 to 2.13; only the arguments common to them are passed)::
+    ops; only positional arguments and ``scale`` are passed, common to every release since
+    torch 2.7 (which renamed ``philox_seed, philox_offset`` to ``rng_state, unused``, same
+    positions; later releases added keyword-only arguments such as ``block_table``)::
 
         _flash_attention_forward(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                                  is_causal, return_debug_mask, *, scale)
