@@ -77,7 +77,8 @@ def test_auto_picks_cpu_flash_on_cpu_and_cuda_flash_for_half_on_cuda():
     # the CUDA choice is made without touching a device
     assert check_kernel(None, torch.device("cuda"), torch.bfloat16, 128).name == "cuda_flash"
     assert check_kernel("auto", "cuda", torch.float16, 64).name == "cuda_flash"
-    assert check_kernel(None, "cuda", torch.float32, 64).name == "math"
+    with pytest.warns(UserWarning, match=r"attention on cuda in float32 runs the dense 'math' kernel.*mixed_precision_param"):
+        assert check_kernel(None, "cuda", torch.float32, 64).name == "math"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: ATen's CUDA flash kernel")

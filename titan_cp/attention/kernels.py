@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -452,6 +453,13 @@ def get_kernel(name: str | None, device: torch.device, dtype: torch.dtype) -> At
     """
     if name in (None, "auto"):
         name = default_kernel_name(device, dtype)
+        if name == "math" and torch.device(device).type == "cuda":
+            warnings.warn(
+                f"attention on cuda in {_dtype_name(dtype)} runs the dense 'math' kernel (S x S scores in fp32); "
+                'compute in bfloat16 (training.mixed_precision_param = "bfloat16") for the flash kernel, '
+                "or name the kernel to silence this",
+                stacklevel=3,
+            )
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown attention kernel {name!r}; choose one of {_choices()}")
     if name not in _INSTANCES:
