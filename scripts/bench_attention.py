@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from titan_cp import SequenceLayout, cp_attention  # noqa: E402
 from titan_cp.attention import STRATEGIES, cp_rank, min_bytes_per_rank  # noqa: E402
-from titan_cp.attention.comm import COMM_COUNTER  # noqa: E402
+from titan_cp.attention.comm import count_comm  # noqa: E402
 from titan_cp.spawn import DistPool  # noqa: E402
 
 
@@ -76,7 +76,7 @@ def _run(rank, world, args: dict, case: str, strategy: str):
         ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
         dist.barrier()
         t0 = time.perf_counter()
-        with COMM_COUNTER.measure() as counter:
+        with count_comm() as counter:
             out = cp_attention(ql, kl, vl, mesh, layout, strategy=strategy)
             out.backward(dout)
         dist.barrier()

@@ -20,7 +20,7 @@ Work per rank (N = cp, S = seq_len, W[r, j] = pairs of rank r's queries on rank 
 Balances compared side by side:
 
     contiguous, zigzag, doc_zigzag   titan_cp.layout; pairs from the mask plans (make_plan,
-                                     ring_plans, plan_pairs), cross-checked against the
+                                     ring_plans, Plan.pairs), cross-checked against the
                                      position counter below
     torch_head_tail                  torch's _HeadTailLoadBalancer
     torch_per_doc_head_tail          torch's _PerDocumentHeadTailLoadBalancer: needs every
@@ -77,7 +77,7 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
     _PTRRLoadBalancer,
 )
 
-from titan_cp.attention.block import make_plan, plan_pairs  # noqa: E402
+from titan_cp.attention.block import make_plan  # noqa: E402
 from titan_cp.attention.ring import ring_plans  # noqa: E402
 from titan_cp.attention.masks import plan_tiles, visible_pairs  # noqa: E402
 from titan_cp.layout import BALANCES, Run, Runs, SequenceLayout  # noqa: E402
@@ -231,10 +231,10 @@ def layout_work(layout: SequenceLayout) -> tuple[torch.Tensor, torch.Tensor, tor
     steps = torch.zeros(n, n, dtype=torch.long)
     tiles = torch.zeros(n, dtype=torch.long)
     for r in range(n):
-        work[r] = plan_pairs(make_plan(layout, (r,), None, True))
+        work[r] = make_plan(layout, (r,), None, True).pairs()
         for s, plan in enumerate(ring_plans(layout, r, n, lambda i: (i,), True)):
-            steps[s, r] = plan_pairs(plan)
-            tiles[r] += sum(len(t) for _, t in plan)
+            steps[s, r] = plan.pairs()
+            tiles[r] += plan.num_tiles
     return work, steps, tiles
 
 

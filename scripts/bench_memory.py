@@ -37,7 +37,7 @@ forward + loss + backward while two exact counters watch it. One JSON object per
 
 ``bytes_sent_per_rank``
     What the CP attention handed to communication calls during the step
-    (``titan_cp.attention.comm.COMM_COUNTER``): 0 at CP 1, and proof that the ring ran at CP > 1.
+    (``titan_cp.attention.comm.count_comm``): 0 at CP 1, and proof that the ring ran at CP > 1.
 
 ``constant_saved`` (CP > 1)
     Saved tensors with the same module, dtype and shape at CP 1 and at this CP (per-token
@@ -332,9 +332,9 @@ def _rank_fn(rank: int, world: int, cfg: dict) -> dict:
     loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
     local = full.shard(world, rank, cfg["balance"])
     del full
-    from titan_cp.attention.comm import COMM_COUNTER
+    from titan_cp.attention.comm import count_comm
 
-    with COMM_COUNTER.measure() as comm:  # proof that the CP attention really exchanged K/V
+    with count_comm() as comm:  # proof that the CP attention really exchanged K/V
         result = measure_step(model, local, loss_fn)
     result["bytes_sent"] = comm.bytes_sent
     return result

@@ -6,7 +6,7 @@ import torch
 from tests.dist_utils import cp_mesh, make_inputs
 from titan_cp import SequenceLayout, cp_attention
 from titan_cp.attention import cp_rank, min_bytes_per_rank
-from titan_cp.attention.comm import COMM_COUNTER
+from titan_cp.attention.comm import count_comm
 
 
 def _bad_inputs(rank, world):
@@ -62,7 +62,7 @@ def _measure_bytes(rank, world, strategy, ulysses, kv_heads, dtype):
     q, k, v, dout = make_inputs(0, 2, 8, kv_heads, 32, 8, dtype)
     r = cp_rank(mesh, strategy)
     ql, kl, vl = (layout.shard(x, 2, r).requires_grad_() for x in (q, k, v))
-    with COMM_COUNTER.measure() as c:
+    with count_comm() as c:
         out = cp_attention(ql, kl, vl, mesh, layout, strategy=strategy)
         forward = c.bytes_sent
         out.backward(layout.shard(dout, 2, r))

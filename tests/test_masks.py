@@ -35,8 +35,8 @@ def test_tiles_cover_exactly_the_visible_pairs(case):
     qp, kp = _positions(layout, q_ranks), _positions(layout, k_ranks)
     want = truth[qp][:, kp].int()
     got = torch.zeros_like(want)
-    for rows, tiles in make_plan(layout, q_ranks, k_ranks, causal):
-        for t in tiles:
+    for group in make_plan(layout, q_ranks, k_ranks, causal).groups:
+        for t in group.tiles:
             n, m = t.q1 - t.q0, t.k1 - t.k0
             assert n > 0 and m > 0
             if t.causal:

@@ -34,6 +34,13 @@ from typing import Literal, Sequence
 
 import torch
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without synchronising the host with a CUDA stream (pinned, non-blocking)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 Balance = Literal["contiguous", "zigzag", "doc_zigzag"]
 BALANCES: tuple[str, ...] = ("contiguous", "zigzag", "doc_zigzag")
 
@@ -51,15 +58,39 @@ class Run:
 Runs = tuple[Run, ...]
 
 
+def _tensor_rows(doc_lens: torch.Tensor) -> list[list[int]]:
+    """Rows of a zero-padded ``(batch, max_docs)`` integer tensor, padding dropped."""
+    if doc_lens.dim() != 2:
+        raise ValueError(f"doc_lens tensor must be (batch, max_docs), got shape {tuple(doc_lens.shape)}")
+    if doc_lens.dtype.is_floating_point or doc_lens.dtype.is_complex or doc_lens.dtype == torch.bool:
+        raise ValueError(f"doc_lens tensor must hold integers (int32/int64), got {doc_lens.dtype}")
+    rows = []
+    for b, row in enumerate(doc_lens.tolist()):
+        n = len(row)
+        while n and row[n - 1] == 0:
+            n -= 1
+        if 0 in row[:n]:
+            raise ValueError(
+                f"doc_lens row {b} has a zero-length document before its last document: {row}; "
+                "a tensor row is zero-padded on the right only"
+            )
+        rows.append(row[:n])
+    return rows
+
+
 def _normalize_doc_lens(seq_len: int, doc_lens) -> tuple[tuple[int, ...], ...] | None:
     if doc_lens is None:
         return None
     if isinstance(doc_lens, torch.Tensor):
-        if doc_lens.dim() != 2:
-            raise ValueError(f"doc_lens tensor must be (batch, max_docs), got shape {tuple(doc_lens.shape)}")
-        rows = [[int(n) for n in row if n != 0] for row in doc_lens.tolist()]
+        rows = _tensor_rows(doc_lens)
     else:
-        rows = [list(row) for row in doc_lens]
+        rows = list(doc_lens)
+        for b, row in enumerate(rows):
+            if not isinstance(row, (list, tuple)):
+                raise ValueError(
+                    f"doc_lens must hold one list of document lengths per batch row (e.g. [[3, 5]]); row {b} is {row!r}"
+                )
+        rows = [list(row) for row in rows]
     if not rows:
         raise ValueError("doc_lens must hold one list of document lengths per batch row; got no rows")
     out = []
@@ -67,8 +98,8 @@ def _normalize_doc_lens(seq_len: int, doc_lens) -> tuple[tuple[int, ...], ...] |
         if not row:
             raise ValueError(f"doc_lens row {b} is empty; each row must hold the lengths of its documents")
         for n in row:
-            if int(n) != n or n <= 0:
-                raise ValueError(f"doc_lens row {b} has a document of length {n}; lengths must be positive integers")
+            if isinstance(n, bool) or not isinstance(n, (int, float)) or int(n) != n or n <= 0:
+                raise ValueError(f"doc_lens row {b} has a document of length {n!r}; lengths must be positive integers")
         if sum(row) != seq_len:
             raise ValueError(f"doc_lens row {b} sums to {sum(row)}, but seq_len is {seq_len}")
         out.append(tuple(int(n) for n in row))
@@ -126,6 +157,12 @@ def _runs(positions: list[int], doc_of: list[int]) -> Runs:
     return tuple(runs)
 
 
+def _check_dim(dim: int, x: torch.Tensor) -> int:
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim {dim} is out of range for a {x.dim()}-D tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
 class SequenceLayout:
     """How the tokens of each batch row are split over ``cp_size`` ranks.
 
@@ -171,6 +208,18 @@ class SequenceLayout:
             self._doc_of[key] = [d for d, n in enumerate(lens) for _ in range(n)]
         self._tensor_cache: dict[tuple, torch.Tensor] = {}
         self._runs_cache: dict[tuple, Runs] = {}
+        self._memo: dict[tuple, object] = {}
+
+    def doc_lens_tensor(self) -> torch.Tensor | None:
+        """The documents as a zero-padded ``(batch, max_docs)`` int64 host tensor (``None`` without documents)."""
+        return self.memo(("doc_lens_tensor",), lambda: _doc_lens_tensor(self))
+
+    def memo(self, key: tuple, build):
+        """``build()`` once per layout and ``key``: the attention plans and their device
+        indices are built once per microbatch and reused by every layer."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     # ------------------------------------------------------------------ structure
     @property
@@ -268,7 +317,7 @@ class SequenceLayout:
 
     def shard(self, x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
         """This rank's tokens of ``x`` along ``dim``, in layout order."""
-        dim = dim % x.dim()
+        dim = _check_dim(dim, x)
         if x.shape[dim] != self.seq_len:
             raise ValueError(f"cannot shard dim {dim} of size {x.shape[dim]}: the layout's seq_len is {self.seq_len}")
         index = self.index(rank, x.device)
@@ -281,7 +330,7 @@ class SequenceLayout:
         if len(locals_) != self.cp_size:
             raise ValueError(f"unshard needs {self.cp_size} local tensors (one per rank), got {len(locals_)}")
         first = locals_[0]
-        dim = dim % first.dim()
+        dim = _check_dim(dim, first)
         for r, t in enumerate(locals_):
             if t.shape[dim] != self.local_len:
                 raise ValueError(f"rank {r}'s tensor has {t.shape[dim]} tokens along dim {dim}; expected {self.local_len}")
@@ -316,6 +365,33 @@ class SequenceLayout:
             return natural.index_select(dim, index)
         return self._per_row(natural, dim, index, gather=True)
 
+    def _natural_index(self, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each natural token-major row ``b*S + p``: the (rank, ``b*S_local + j``) holding it."""
+
+        def build():
+            inverse = self.inverse_concat_index()  # concat slot of each natural position
+            inverse = inverse.expand(batch, -1) if inverse.dim() == 1 else inverse
+            if inverse.shape[0] != batch:
+                raise ValueError(f"batch size {batch} does not match the layout's {inverse.shape[0]} doc_lens rows")
+            rank, j = inverse // self.local_len, inverse % self.local_len
+            slot = j + self.local_len * torch.arange(batch).unsqueeze(1)
+            return to_device(rank.reshape(-1), torch.device(device)), to_device(slot.reshape(-1), torch.device(device))
+
+        return self.memo(("natural_index", batch, torch.device(device)), build)
+
+    def stacked_to_natural(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+        """``(cp_size, B*S_local, ...)`` (every rank's token-major shard, stacked by rank) ->
+        ``(B*seq_len, ...)`` token-major in natural order: one gather."""
+        rank, slot = self._natural_index(batch, x.device)
+        return x[rank, slot]
+
+    def natural_to_stacked(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+        """Inverse of :meth:`stacked_to_natural`: one scatter."""
+        rank, slot = self._natural_index(batch, x.device)
+        out = x.new_empty((self.cp_size, batch * self.local_len) + tuple(x.shape[1:]))
+        out[rank, slot] = x
+        return out
+
     def _per_row(self, x: torch.Tensor, dim: int, index: torch.Tensor, gather: bool) -> torch.Tensor:
         if dim == 0:
             raise ValueError("rows with different documents need the batch on dim 0 and the sequence elsewhere")
@@ -328,15 +404,36 @@ class SequenceLayout:
         return f"SequenceLayout(seq_len={self.seq_len}, cp_size={self.cp_size}, balance={self.balance!r}, doc_lens={docs})"
 
 
+_CACHE_SIZE = 16  # layouts (with their plans and device indices) kept: a step's microbatches
 _LAYOUT_CACHE: dict[tuple, SequenceLayout] = {}
+_TENSOR_KEYS: dict[int, tuple] = {}  # id(doc_lens tensor) -> (tensor, version, key): one tolist per microbatch
+
+
+def _remember(t: torch.Tensor, key) -> None:
+    if len(_TENSOR_KEYS) >= _CACHE_SIZE:
+        _TENSOR_KEYS.pop(next(iter(_TENSOR_KEYS)))
+    _TENSOR_KEYS[id(t)] = (t, t._version, key)
 
 
 def doc_lens_key(doc_lens) -> tuple[tuple[int, ...], ...] | None:
-    """A hashable form of ``doc_lens`` (list of rows, or zero-padded tensor)."""
+    """A hashable form of ``doc_lens`` (list of rows, or zero-padded host tensor)."""
     if doc_lens is None:
         return None
     if isinstance(doc_lens, torch.Tensor):
-        return tuple(tuple(n for n in row if n) for row in doc_lens.tolist())
+        if doc_lens.device.type != "cpu":
+            raise ValueError(
+                f"doc_lens must be a CPU tensor, got one on {doc_lens.device}: reading the documents from the "
+                "device would synchronise it in every layer; keep doc_lens on the host"
+            )
+        hit = _TENSOR_KEYS.get(id(doc_lens))
+        if hit is not None and hit[0] is doc_lens and hit[1] == doc_lens._version:
+            return hit[2]
+        key = tuple(tuple(row) for row in _tensor_rows(doc_lens))
+        _remember(doc_lens, key)
+        return key
+    for b, row in enumerate(doc_lens):
+        if not isinstance(row, (list, tuple)):
+            raise ValueError(f"doc_lens must hold one list of document lengths per batch row (e.g. [[3, 5]]); row {b} is {row!r}")
     return tuple(tuple(row) for row in doc_lens)
 
 
@@ -344,12 +441,26 @@ def get_layout(seq_len: int, cp_size: int, balance: Balance = "zigzag", doc_lens
     """A cached :class:`SequenceLayout`: every layer of a step, and the data sharding, share one.
 
     Built only from its arguments (no global state), so each pipeline microbatch gets the
-    layout of its own rows.
+    layout of its own rows. A ``doc_lens`` tensor must be on the host; the same tensor
+    object passed again (every layer) is recognised without reading it.
     """
     key = (seq_len, cp_size, balance, doc_lens_key(doc_lens))
     layout = _LAYOUT_CACHE.get(key)
     if layout is None:
-        if len(_LAYOUT_CACHE) >= 64:
+        if len(_LAYOUT_CACHE) >= _CACHE_SIZE:
             _LAYOUT_CACHE.pop(next(iter(_LAYOUT_CACHE)))
         layout = _LAYOUT_CACHE[key] = SequenceLayout(seq_len, cp_size, balance, key[3])
     return layout
+
+
+def _doc_lens_tensor(layout: SequenceLayout) -> torch.Tensor | None:
+    """``layout.doc_lens`` as a zero-padded host tensor, registered so that :func:`get_layout` maps it
+    back to ``layout`` itself without reading it."""
+    if layout.doc_lens is None:
+        return None
+    width = max(len(row) for row in layout.doc_lens)
+    t = torch.tensor([list(row) + [0] * (width - len(row)) for row in layout.doc_lens], dtype=torch.int64)
+    key = (layout.seq_len, layout.cp_size, layout.balance, layout.doc_lens)
+    _LAYOUT_CACHE.setdefault(key, layout)
+    _remember(t, layout.doc_lens)
+    return t

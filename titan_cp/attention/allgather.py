@@ -9,26 +9,50 @@ and reordered into natural token order, so each local query run needs one full t
     backward   dkv_loc = reduce_scatter(dattn_kv(q_r, kv))  the dual collective
                dq_r    = dattn_q(q_r, kv)
 
-Memory: each rank holds the full K/V of the sequence for the duration of the layer,
-which is cheap with GQA (kv_heads << q_heads) and buys a single collective per pass.
+Memory: each rank holds the full K/V of the sequence for the duration of the layer (and
+keeps it for the backward), which is cheap with GQA (kv_heads << q_heads) and buys a
+single collective per pass.
 """
 
 from __future__ import annotations
 
 import torch
 
-from titan_cp.attention.block import BlockAttention, make_plan
-from titan_cp.attention.comm import all_gather
-from titan_cp.layout import SequenceLayout
+from titan_cp.attention.block import head_major, make_plan, plan_backward, plan_forward, token_major
+from titan_cp.attention.comm import all_gather, reduce_scatter
+from titan_cp.attention.context import CPContext
+
+KEEPS = ("q", "out")
 
 
-def allgather_attention(q, k, v, group, layout: SequenceLayout, rank: int, causal: bool, scale: float, kernel) -> torch.Tensor:
-    """All-gather attention on a 1-D cp group."""
-    hkv = k.shape[1]
-    kv = all_gather(torch.cat([k, v], dim=1), 2, group)  # (batch, 2*kv_heads, seq, head_dim), rank order
-    kv = layout.to_natural(kv, dim=2)
-    plan = make_plan(layout, (rank,), None, causal)
-    return BlockAttention.apply(q, kv[:, :hkv], kv[:, hkv:], plan, kernel, scale)
+def _plan(ctx: CPContext):
+    return make_plan(ctx.layout, (ctx.rank,), None, ctx.causal)
+
+
+def forward(ctx: CPContext, q, k, v):
+    batch = q.shape[0]
+    kv = torch.stack([token_major(k), token_major(v)], dim=1)  # (B*S, 2, K, E)
+    kv = ctx.layout.stacked_to_natural(all_gather(kv, ctx.group), batch)  # (B*S_full, 2, K, E), natural order
+    out_t, lse = plan_forward(token_major(q), kv[:, 0], kv[:, 1], batch, _plan(ctx), ctx.kernel, ctx.scale)
+    return head_major(out_t, batch), (lse, kv)
+
+
+def backward(ctx: CPContext, dout, q, k, v, out, saved):
+    lse, kv = saved
+    batch = q.shape[0]
+    dq, dk, dv = plan_backward(
+        token_major(dout), token_major(q), kv[:, 0], kv[:, 1], token_major(out), lse, batch, _plan(ctx), ctx.kernel,
+        ctx.scale,
+    )
+    dkv = ctx.layout.natural_to_stacked(torch.stack([dk, dv], dim=1), batch)  # (N, B*S, 2, K, E): chunk j is rank j's
+    dkv = reduce_scatter(dkv, ctx.group)  # (B*S, 2, K, E)
+    return head_major(dq, batch), head_major(dkv[:, 0], batch), head_major(dkv[:, 1], batch)
+
+
+def saved_like(ctx: CPContext, q, k, v):
+    b, h, s, e = q.shape
+    n = ctx.cp_size
+    return q.new_empty((h, b * s), dtype=torch.float32), k.new_empty((b * n * s, 2, k.shape[1], e))
 
 
 def allgather_min_bytes(q: torch.Tensor, k: torch.Tensor, world: int, backward: bool = True) -> int:

@@ -10,44 +10,46 @@ Shapes (SDPA's)::
 The result on every rank equals the matching rows of full-sequence attention with the
 causal and document masks; every strategy is differentiable in q, k and v.
 
-Both entry points are opaque to ``torch.compile`` (``torch.compiler.disable``): they are a
-Python loop over mask tiles around communication, so a compiled model runs them eagerly
-between its compiled pieces.
+The attention is one ``torch.library`` custom op, ``titan_cp::cp_attention`` (and its
+backward, ``titan_cp::cp_attention_backward``), with fake implementations that give the
+output shapes: ``torch.compile`` traces a block with CP attention as one graph
+(``fullgraph=True``) and calls the op, which runs the strategy's communication and kernels
+eagerly. Non-tensor settings (mesh, strategy, layout balance, kernel) travel as an integer
+handle to a registered :class:`CPSpec`; the documents travel as the ``doc_lens`` tensor
+(on the host), from which the op rebuilds (cached) the layout.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
+from torch import Tensor
 
-from titan_cp.attention.allgather import allgather_attention, allgather_min_bytes
-from titan_cp.attention.block import BlockAttention, make_plan
-from titan_cp.attention.hybrid import hybrid_attention, hybrid_rank
-from titan_cp.attention.kernels import get_kernel
-from titan_cp.attention.ring import ring_attention, ring_min_bytes
-from titan_cp.attention.ulysses import kv_head_map, ulysses_attention, ulysses_min_bytes
+from titan_cp.attention import allgather, hybrid, ring, ulysses
+from titan_cp.attention.allgather import allgather_min_bytes
+from titan_cp.attention.context import CPContext
+from titan_cp.attention.hybrid import hybrid_rank
+from titan_cp.attention.kernels import check_kernel
+from titan_cp.attention.ring import ring_min_bytes
+from titan_cp.attention.ulysses import kv_head_map, ulysses_min_bytes
 from titan_cp.layout import SequenceLayout, get_layout
 
-_ONE_AXIS: dict[str, Callable] = {
-    "ring": ring_attention,
-    "allgather": allgather_attention,
-    "ulysses": ulysses_attention,
-}
-STRATEGIES: tuple[str, ...] = ("ring", "allgather", "ulysses", "hybrid")
+_STRATEGIES: dict[str, ModuleType] = {"ring": ring, "allgather": allgather, "ulysses": ulysses, "hybrid": hybrid}
+STRATEGIES: tuple[str, ...] = tuple(_STRATEGIES)
 
-MIN_BYTES: dict[str, Callable] = {
-    "ring": ring_min_bytes,
-    "allgather": allgather_min_bytes,
-    "ulysses": ulysses_min_bytes,
-}
+MIN_BYTES = {"ring": ring_min_bytes, "allgather": allgather_min_bytes, "ulysses": ulysses_min_bytes}
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+# ---------------------------------------------------------------------------- checks
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+        if 0 in t.shape:
+            raise ValueError(f"{name} has an empty dimension: shape {tuple(t.shape)} (batch, heads, seq, head_dim)")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
@@ -62,7 +64,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
-def _check_layout(q: torch.Tensor, layout: SequenceLayout) -> None:
+def _check_layout(q: Tensor, layout: SequenceLayout) -> None:
     if q.shape[2] != layout.local_len:
         raise ValueError(
             f"q has {q.shape[2]} tokens per rank but the layout gives each rank {layout.local_len} "
@@ -72,18 +74,146 @@ def _check_layout(q: torch.Tensor, layout: SequenceLayout) -> None:
         raise ValueError(f"batch size {q.shape[0]} does not match the layout's {layout.batch_size} doc_lens rows")
 
 
-@torch.compiler.disable
+def _scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number (default 1/sqrt(head_dim)), got {scale}")
+    return scale
+
+
+def _check_mesh(mesh, strategy: str, layout: SequenceLayout, q: Tensor, k: Tensor) -> None:
+    want = 2 if strategy == "hybrid" else 1
+    if mesh.ndim != want:
+        raise ValueError(f"strategy {strategy!r} needs a {want}-D cp mesh, got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}")
+    if mesh.size() != layout.cp_size:
+        raise ValueError(f"the cp mesh has {mesh.size()} ranks but the layout was built for cp_size {layout.cp_size}")
+    if strategy == "ulysses":
+        kv_head_map(q.shape[1], k.shape[1], mesh.size())
+    elif strategy == "hybrid":
+        kv_head_map(q.shape[1], k.shape[1], mesh.size(hybrid.hybrid_dims(mesh)[1]))
+
+
+# ---------------------------------------------------------------------------- the custom op
+@dataclass(frozen=True)
+class CPSpec:
+    """The non-tensor part of a CP attention call, registered once and passed to the op as an int."""
+
+    mesh: object  # DeviceMesh, or None on one device
+    strategy: str
+    balance: str
+    kernel: str | None
+
+
+_SPECS: list[CPSpec] = []
+_SPEC_IDS: dict[tuple, int] = {}
+
+
+def register_spec(spec: CPSpec) -> int:
+    """The handle of ``spec`` (the same handle for the same spec, so compiled graphs stay valid)."""
+    key = (id(spec.mesh), spec.strategy, spec.balance, spec.kernel)
+    if key not in _SPEC_IDS:
+        _SPEC_IDS[key] = len(_SPECS)
+        _SPECS.append(spec)
+    return _SPEC_IDS[key]
+
+
+def _context(handle: int, q: Tensor, k_heads: int, doc_lens, causal: bool, scale: float, fake: bool = False) -> tuple[CPContext, ModuleType]:
+    spec = _SPECS[handle]
+    cp = 1 if spec.mesh is None else spec.mesh.size()
+    module = ring if spec.mesh is None else _STRATEGIES[spec.strategy]
+    layout = None if fake else get_layout(q.shape[2] * cp, cp, spec.balance, doc_lens)
+    kernel = None if fake else check_kernel(spec.kernel, q.device, q.dtype, q.shape[-1])
+    return CPContext(spec.mesh, layout, causal, scale, kernel, q.shape[1], k_heads), module
+
+
+def _bshe_like(x: Tensor) -> Tensor:
+    """An empty ``(B, H, S, E)`` tensor stored token-major, the strides every op output has."""
+    b, h, s, e = x.shape
+    return x.new_empty((b, s, h, e)).transpose(1, 2)
+
+
+def _fresh(x: Tensor) -> Tensor:
+    """``x`` in storage of its own, token-major: op outputs neither alias each other nor differ
+    in strides from the fake implementation's (a copy only where a strategy's result shares storage)."""
+    if (x._base is None or x._base.numel() == x.numel()) and x.transpose(1, 2).is_contiguous():
+        return x
+    y = _bshe_like(x)
+    y.copy_(x)
+    return y
+
+
+@torch.library.custom_op("titan_cp::cp_attention", mutates_args=())
+def _cp_attention_op(q: Tensor, k: Tensor, v: Tensor, doc_lens: Tensor | None, handle: int, causal: bool, scale: float) -> list[Tensor]:
+    ctx, module = _context(handle, q, k.shape[1], doc_lens, causal, scale)
+    out, saved = module.forward(ctx, q, k, v)
+    return [_fresh(out), *saved]
+
+
+@_cp_attention_op.register_fake
+def _(q, k, v, doc_lens, handle, causal, scale):
+    ctx, module = _context(handle, q, k.shape[1], doc_lens, causal, scale, fake=True)
+    return [_bshe_like(q), *module.saved_like(ctx, q, k, v)]
+
+
+@torch.library.custom_op("titan_cp::cp_attention_backward", mutates_args=())
+def _cp_attention_backward_op(
+    dout: Tensor, q: Tensor | None, k: Tensor | None, v: Tensor | None, out: Tensor | None, saved: list[Tensor],
+    doc_lens: Tensor | None, handle: int, causal: bool, scale: float, kv_heads: int,
+) -> list[Tensor]:
+    ctx, module = _context(handle, dout, kv_heads, doc_lens, causal, scale)
+    dq, dk, dv = module.backward(ctx, dout, q, k, v, out, saved)
+    return [_fresh(dq), _fresh(dk), _fresh(dv)]
+
+
+@_cp_attention_backward_op.register_fake
+def _(dout, q, k, v, out, saved, doc_lens, handle, causal, scale, kv_heads):
+    b, _, s, e = dout.shape
+    kv = dout.new_empty((b, s, kv_heads, e)).transpose(1, 2)
+    return [_bshe_like(dout), kv, torch.empty_like(kv)]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, doc_lens, handle, causal, scale = inputs
+    keeps = (ring if _SPECS[handle].mesh is None else _STRATEGIES[_SPECS[handle].strategy]).KEEPS
+    kept = [t if name in keeps else None for name, t in (("q", q), ("k", k), ("v", v), ("out", output[0]))]
+    ctx.kept = [name for name, t in zip(("q", "k", "v", "out"), kept) if t is not None]
+    ctx.save_for_backward(*(t for t in kept if t is not None), *output[1:])
+    ctx.doc_lens, ctx.handle, ctx.causal, ctx.scale, ctx.kv_heads = doc_lens, handle, causal, scale, k.shape[1]
+
+
+def _backward(ctx, grads):
+    saved = list(ctx.saved_tensors)
+    kept = {name: saved.pop(0) for name in ctx.kept}
+    dout = grads[0]
+    dq, dk, dv = _cp_attention_backward_op(
+        dout, kept.get("q"), kept.get("k"), kept.get("v"), kept.get("out"), saved, ctx.doc_lens, ctx.handle,
+        ctx.causal, ctx.scale, ctx.kv_heads,
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+_cp_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------- public functions
+def attend(q: Tensor, k: Tensor, v: Tensor, handle: int, doc_lens: Tensor | None, causal: bool, scale: float) -> Tensor:
+    """The op itself, for callers that checked their inputs (``ContextParallel``): traceable by ``torch.compile``."""
+    return _cp_attention_op(q, k, v, doc_lens, handle, causal, scale)[0]
+
+
 def cp_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
     mesh,
     layout: SequenceLayout,
     strategy: str = "ring",
     causal: bool = True,
     scale: float | None = None,
     kernel: str | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """Exact attention for this rank's query shard, with the K/V of every rank of ``mesh``.
 
     Args:
@@ -94,28 +224,23 @@ def cp_attention(
         layout: the :class:`~titan_cp.SequenceLayout` the shards were taken with.
         strategy: ``"ring"``, ``"allgather"``, ``"ulysses"`` or ``"hybrid"``.
         causal: causal mask (inside each document when the layout has documents).
-        scale: softmax scale, ``1/sqrt(head_dim)`` by default.
-        kernel: local kernel name (``"cpu_flash"``, ``"cuda_flash"``, ``"flash_attn"``, ``"math"``);
-            ``None`` picks the fastest for the device and dtype.
+        scale: softmax scale, ``1/sqrt(head_dim)`` by default; a positive finite number.
+        kernel: local kernel name (``"cpu_flash"``, ``"cuda_flash"``, ``"flash_attn"``, ``"math"``,
+            or one added with ``register_kernel``); ``None`` picks the fastest for the device and dtype.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown cp attention strategy {strategy!r}; choose one of {STRATEGIES}")
     _check_qkv(q, k, v)
     _check_layout(q, layout)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    kern = get_kernel(kernel, q.device, q.dtype)
+    scale = _scale(scale, q.shape[-1])
+    check_kernel(kernel, q.device, q.dtype, q.shape[-1])
     if mesh is None:
         if layout.cp_size != 1:
             raise ValueError(f"mesh is None but the layout spreads the sequence over {layout.cp_size} ranks")
-        return BlockAttention.apply(q, k, v, make_plan(layout, (0,), (0,), causal), kern, scale)
-    want = 2 if strategy == "hybrid" else 1
-    if mesh.ndim != want:
-        raise ValueError(f"strategy {strategy!r} needs a {want}-D cp mesh, got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}")
-    if mesh.size() != layout.cp_size:
-        raise ValueError(f"the cp mesh has {mesh.size()} ranks but the layout was built for cp_size {layout.cp_size}")
-    if strategy == "hybrid":
-        return hybrid_attention(q, k, v, mesh, layout, causal, scale, kern)
-    return _ONE_AXIS[strategy](q, k, v, mesh.get_group(), layout, mesh.get_local_rank(), causal, scale, kern)
+    else:
+        _check_mesh(mesh, strategy, layout, q, k)
+    handle = register_spec(CPSpec(mesh, strategy, layout.balance, kernel))
+    return attend(q, k, v, handle, layout.doc_lens_tensor(), causal, scale)
 
 
 def cp_rank(mesh, strategy: str = "ring") -> int:
@@ -123,27 +248,26 @@ def cp_rank(mesh, strategy: str = "ring") -> int:
     return hybrid_rank(mesh) if strategy == "hybrid" else mesh.get_local_rank()
 
 
-@torch.compiler.disable
 def local_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
     doc_lens=None,
     causal: bool = True,
     scale: float | None = None,
     kernel: str | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """Exact single-device attention with causal and packed-document masks.
 
     ``doc_lens``: ``None``, one list of document lengths per batch row, or a zero-padded
-    ``(batch, max_docs)`` integer tensor. GQA K/V are taken as they are.
+    ``(batch, max_docs)`` integer tensor on the host. GQA K/V are taken as they are.
     """
     _check_qkv(q, k, v)
     layout = get_layout(q.shape[2], 1, "contiguous", doc_lens)
     return cp_attention(q, k, v, None, layout, causal=causal, scale=scale, kernel=kernel)
 
 
-def min_bytes_per_rank(strategy: str, q: torch.Tensor, k: torch.Tensor, world: int, ulysses_size: int = 1, backward: bool = True) -> int:
+def min_bytes_per_rank(strategy: str, q: Tensor, k: Tensor, world: int, ulysses_size: int = 1, backward: bool = True) -> int:
     """The strategy's own minimum bytes sent per rank for one forward (+ backward) on these local shapes."""
     if strategy != "hybrid":
         return MIN_BYTES[strategy](q, k, world, backward)

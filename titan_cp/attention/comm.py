@@ -1,15 +1,15 @@
-"""Communication for the strategies: ring exchange and differentiable collectives.
+"""Communication for the strategies: the ring exchange and three collectives.
 
-Every byte a strategy hands to a communication call is counted in :data:`COMM_COUNTER`
-(``bytes_sent``: the bytes that leave this rank), so benchmarks can compare what was
-actually sent with each strategy's theoretical minimum.
+The strategies write their backward by hand (the attention is one custom op, see
+:mod:`titan_cp.attention.api`), each collective's backward being its *dual*::
 
-The collectives are differentiable; each backward is the *dual* collective of its
-forward::
+    forward                                  backward
+    y = all_gather(x)                        dx = reduce_scatter(dy)
+    y = all_to_all(x)  (chunk j -> rank j)   dx = all_to_all(dy)  (the same exchange, reversed)
 
-    forward                               backward
-    y = all_gather(x)        along dim    dx = reduce_scatter(dy)  along dim
-    y = all_to_all(x)  scatter a, gather b   dx = all_to_all(dy)  scatter b, gather a
+Counting is opt-in: inside ``with count_comm() as c:`` every call adds the bytes that
+leave this rank to ``c.bytes_sent`` (benchmarks and tests compare them with each
+strategy's minimum); outside, nothing is counted.
 """
 
 from __future__ import annotations
@@ -28,22 +28,25 @@ class CommCounter:
     bytes_sent: int = 0
     calls: int = 0
 
-    def add(self, nbytes: int) -> None:
-        self.bytes_sent += int(nbytes)
-        self.calls += 1
 
-    def reset(self) -> None:
-        self.bytes_sent = 0
-        self.calls = 0
-
-    @contextlib.contextmanager
-    def measure(self):
-        """``with COMM_COUNTER.measure() as c: ...`` counts from zero inside the block."""
-        self.reset()
-        yield self
+_COUNTER: CommCounter | None = None
 
 
-COMM_COUNTER = CommCounter()
+@contextlib.contextmanager
+def count_comm():
+    """``with count_comm() as c: ...``: ``c.bytes_sent`` and ``c.calls`` count from zero inside the block."""
+    global _COUNTER
+    outer, _COUNTER = _COUNTER, CommCounter()
+    try:
+        yield _COUNTER
+    finally:
+        _COUNTER = outer
+
+
+def _count(nbytes: int) -> None:
+    if _COUNTER is not None:
+        _COUNTER.bytes_sent += int(nbytes)
+        _COUNTER.calls += 1
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -87,72 +90,38 @@ class RingComm:
             dist.P2POp(dist.isend, send, group=self.group, group_peer=self.next, tag=tag),
             dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.prev, tag=tag),
         ]
-        COMM_COUNTER.add(_nbytes(send))
+        _count(_nbytes(send))
         return Exchange(dist.batch_isend_irecv(ops), recv)
 
 
-def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """``(N, *x.shape)``: every rank's ``x``, stacked by rank. Backward: :func:`reduce_scatter`."""
     n = dist.get_world_size(group)
     x = x.contiguous()
     out = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    COMM_COUNTER.add((n - 1) * _nbytes(x))
-    dist.all_gather_into_tensor(out.view(n * x.shape[0], *x.shape[1:]), x, group=group)
-    return torch.cat(out.unbind(0), dim=dim)
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    n = dist.get_world_size(group)
-    chunks = torch.stack(x.chunk(n, dim=dim)).contiguous()  # (n, ...): chunk j is rank j's
-    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
-    COMM_COUNTER.add(_nbytes(chunks) * (n - 1) // n)
-    dist.reduce_scatter_tensor(out, chunks.view(-1, *chunks.shape[2:]), group=group)
+    _count((n - 1) * _nbytes(x))
+    dist.all_gather_into_tensor(out.view(n * x.shape[0], *x.shape[1:]) if x.dim() else out, x, group=group)
     return out
 
 
-def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` ``(N, ...)``: chunk ``j`` summed over ranks lands on rank ``j``. Backward: :func:`all_gather`."""
     n = dist.get_world_size(group)
-    chunks = torch.stack(x.chunk(n, dim=scatter_dim)).contiguous()  # chunk j goes to rank j
-    out = torch.empty_like(chunks)
-    COMM_COUNTER.add(_nbytes(chunks) * (n - 1) // n)
-    dist.all_to_all_single(out, chunks, group=group)
-    return torch.cat(out.unbind(0), dim=gather_dim)  # chunk j came from rank j
+    x = x.contiguous()
+    out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+    _count(_nbytes(x) * (n - 1) // n)
+    dist.reduce_scatter_tensor(out, x.view(-1, *x.shape[2:]), group=group)
+    return out
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
+def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` ``(N, ...)``: chunk ``j`` goes to rank ``j``; the result's chunk ``j`` came from rank ``j``.
 
-    @staticmethod
-    def backward(ctx, dy):
-        return _reduce_scatter(dy, ctx.dim, ctx.group), None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group):
-        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        return _all_to_all(x, scatter_dim, gather_dim, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(dy, gather_dim, scatter_dim, ctx.group), None, None, None
-
-
-def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` (rank order); backward: reduce-scatter."""
-    if dist.get_world_size(group) == 1:
-        return x
-    return _AllGather.apply(x, dim % x.dim(), group)
-
-
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
-    """Split ``x`` along ``scatter_dim``, send chunk j to rank j, concatenate what arrives along ``gather_dim``.
-
-    Backward: the same exchange with the two dims swapped.
+    Self-dual: the backward is the same exchange applied to the gradient.
     """
-    if dist.get_world_size(group) == 1:
-        return x
-    return _AllToAll.apply(x, scatter_dim % x.dim(), gather_dim % x.dim(), group)
+    n = dist.get_world_size(group)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _count(_nbytes(x) * (n - 1) // n)
+    dist.all_to_all_single(out, x, group=group)
+    return out

@@ -7,6 +7,7 @@ their union; those unions then run the ring among the ``R`` groups::
     q_h, kv_h = all_to_all over ulysses (scatter heads, gather seq)
     out_h     = ring over the ring axis (group g's buffer = shards g*U .. g*U+U-1)
     out       = all_to_all over ulysses (scatter seq, gather heads)
+    backward: the ring's backward between the dual all-to-alls
 
 Ulysses needs fast links (it moves every activation once) and caps at the head count;
 the ring needs only neighbour bandwidth and scales past it. The usual placement is
@@ -17,9 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from titan_cp.attention.ring import RingAttention, ring_plans
-from titan_cp.attention.ulysses import heads_to_seq, kv_to_heads, seq_to_heads
-from titan_cp.layout import SequenceLayout
+from titan_cp.attention.block import head_major, token_major
+from titan_cp.attention.context import CPContext
+from titan_cp.attention.ring import ring_backward, ring_forward, ring_plans
+from titan_cp.attention.ulysses import gather_heads, kv_from_heads, kv_head_map, kv_to_heads, scatter_heads
+
+KEEPS = ()
 
 
 def hybrid_dims(mesh) -> tuple[int, int]:
@@ -36,14 +40,55 @@ def hybrid_rank(mesh) -> int:
     return mesh.get_local_rank(ring_dim) * mesh.size(uly_dim) + mesh.get_local_rank(uly_dim)
 
 
-def hybrid_attention(q, k, v, mesh, layout: SequenceLayout, causal: bool, scale: float, kernel) -> torch.Tensor:
-    """Hybrid attention on a 2-D ``(ring, ulysses)`` cp mesh."""
-    ring_dim, uly_dim = hybrid_dims(mesh)
-    ring_size, uly_size = mesh.size(ring_dim), mesh.size(uly_dim)
-    uly_group, ring_group = mesh.get_group(uly_dim), mesh.get_group(ring_dim)
-    q_h = seq_to_heads(q, uly_group)
-    k_h, v_h = kv_to_heads(k, v, q.shape[1], uly_group)
+def _stacked_to_concat(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """``(U, B*S, ...)`` stacked by member -> ``(B*U*S, ...)``: each row holds the members' shards in order."""
+    u, n = x.shape[:2]
+    return x.reshape(u, batch, n // batch, *x.shape[2:]).transpose(0, 1).reshape(u * n, *x.shape[2:])
+
+
+def _concat_to_stacked(x: torch.Tensor, batch: int, u: int) -> torch.Tensor:
+    n = x.shape[0] // u
+    return x.reshape(batch, u, n // batch, *x.shape[1:]).transpose(0, 1).reshape(u, n, *x.shape[1:])
+
+
+def _axes(ctx: CPContext):
+    ring_dim, uly_dim = hybrid_dims(ctx.mesh)
+    ring_size, uly_size = ctx.mesh.size(ring_dim), ctx.mesh.size(uly_dim)
+    ring_rank = ctx.mesh.get_local_rank(ring_dim)
     members = lambda g: tuple(range(g * uly_size, (g + 1) * uly_size))  # noqa: E731
-    plans = ring_plans(layout, mesh.get_local_rank(ring_dim), ring_size, members, causal)
-    out = RingAttention.apply(q_h, k_h, v_h, ring_group, plans, kernel, scale)
-    return heads_to_seq(out, uly_group)
+    plans = ctx.layout.memo(
+        ("hybrid_plans", ring_rank, ring_size, ctx.causal),
+        lambda: ring_plans(ctx.layout, ring_rank, ring_size, members, ctx.causal),
+    )
+    return ctx.mesh.get_group(ring_dim), ctx.mesh.get_group(uly_dim), uly_size, plans
+
+
+def forward(ctx: CPContext, q, k, v):
+    b = q.shape[0]
+    ring_group, uly_group, u, plans = _axes(ctx)
+    q_h = _stacked_to_concat(scatter_heads(token_major(q), u, uly_group), b)  # (B*U*S, H/U, E)
+    kv_h = _stacked_to_concat(kv_to_heads(token_major(k), token_major(v), ctx.q_heads, u, uly_group), b)
+    out_h, lse_h = ring_forward(q_h, kv_h[:, :, 0], kv_h[:, :, 1], b, ring_group, plans, ctx.kernel, ctx.scale)
+    out = gather_heads(_concat_to_stacked(out_h, b, u), uly_group)
+    return head_major(out, b), (q_h, kv_h, out_h, lse_h)
+
+
+def backward(ctx: CPContext, dout, q, k, v, out, saved):
+    q_h, kv_h, out_h, lse_h = saved
+    b = dout.shape[0]
+    ring_group, uly_group, u, plans = _axes(ctx)
+    dout_h = _stacked_to_concat(scatter_heads(token_major(dout), u, uly_group), b)
+    dq_h, dk_h, dv_h = ring_backward(
+        dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, b, ring_group, plans, ctx.kernel, ctx.scale
+    )
+    dq = gather_heads(_concat_to_stacked(dq_h, b, u), uly_group)
+    dkv = kv_from_heads(_concat_to_stacked(torch.stack([dk_h, dv_h], dim=2), b, u), ctx.q_heads, ctx.kv_heads, u, uly_group)
+    return head_major(dq, b), head_major(dkv[:, :, 0], b), head_major(dkv[:, :, 1], b)
+
+
+def saved_like(ctx: CPContext, q, k, v):
+    b, h, s, e = q.shape
+    u = ctx.mesh.size(hybrid_dims(ctx.mesh)[1])
+    kv_heads = 1 if kv_head_map(h, k.shape[1], u) is not None else k.shape[1] // u
+    q_h = q.new_empty((b * s * u, h // u, e))
+    return q_h, k.new_empty((b * s * u, kv_heads, 2, e)), torch.empty_like(q_h), q.new_empty((h // u, b * s * u), dtype=torch.float32)

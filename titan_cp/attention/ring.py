@@ -15,8 +15,9 @@ received and passes it on; after the last step every accumulator has visited all
 and arrives home. With the zigzag layouts every step carries the same causal work on
 every rank; a step whose mask plan is empty (nothing visible) computes nothing.
 
-For the hybrid strategy a "rank" of this ring is a whole Ulysses group, and its buffer
-the concatenation of the group members' shards (``members``).
+Saves only the local q, k, v, out and lse: remote K/V are sent round again in the backward.
+One rank (``N = 1``) is plain local attention. For the hybrid strategy a "rank" of this ring
+is a whole Ulysses group, and its buffer the concatenation of the group members' shards.
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from titan_cp.attention.block import Plan, block_backward, block_forward, make_plan, new_accumulators
+from titan_cp.attention.block import (
+    Plan, block_backward, block_forward, head_major, make_plan, new_accumulators, token_major,
+)
 from titan_cp.attention.comm import RingComm
-from titan_cp.attention.kernels import AttentionKernel
+from titan_cp.attention.context import CPContext
 from titan_cp.layout import SequenceLayout
+
+KEEPS = ("q", "k", "v", "out")
 
 
 def ring_plans(
@@ -42,60 +46,77 @@ def ring_plans(
     ]
 
 
-class RingAttention(torch.autograd.Function):
-    """``out = attention(q, all K/V of the ring)`` for this rank's queries; see the module docstring."""
+def ring_forward(q_t, k_t, v_t, batch: int, group, plans: list[Plan], kernel, scale: float):
+    """``(out_t, lse)``: ``(B*S, H, E)`` output in q's dtype and ``(H, B*S)`` fp32 lse.
 
-    @staticmethod
-    def forward(ctx, q, k, v, group, plans: list[Plan], kernel: AttentionKernel, scale: float):
-        n = len(plans)
-        comm = RingComm(group) if n > 1 else None
-        kv = torch.stack([k, v])  # one message per step: (2, batch, kv_heads, seq, head_dim)
-        out_acc, lse = new_accumulators(q)
-        for step, plan in enumerate(plans):
-            inflight = comm.send_recv(kv, tag=0) if step + 1 < n else None
-            if plan:
-                block_forward(q, kv[0], kv[1], plan, kernel, scale, out_acc, lse)
-            if inflight is not None:
-                kv = inflight.wait()
-        out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.plans, ctx.kernel, ctx.scale = group, plans, kernel, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        plans, kernel, scale = ctx.plans, ctx.kernel, ctx.scale
-        n = len(plans)
-        comm = RingComm(ctx.group) if n > 1 else None
-        dout = dout.contiguous()
-        kv = torch.stack([k, v])
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        own = None  # gradient of my own K/V computed by me (step 0)
-        travelling = None  # in-flight exchange of accumulated dK/dV
-        for step, plan in enumerate(plans):
-            inflight = comm.send_recv(kv, tag=0) if step + 1 < n else None
-            dkv = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=k.device)
-            if plan:
-                block_backward(dout, q, kv[0], kv[1], out, lse, plan, kernel, scale, dq, dkv[0], dkv[1])
-            if step == 0:
-                own = dkv
-            else:
-                if travelling is not None:
-                    dkv += travelling.wait()  # what the ranks before me added for this block
-                travelling = comm.send_recv(dkv, tag=1)
-            if inflight is not None:
-                kv = inflight.wait()
-        if travelling is not None:
-            own += travelling.wait()  # my block's accumulator, home after visiting every rank
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
+    Token-major ``q_t (B*S, H, E)``, ``k_t, v_t (B*S, K, E)``; ``plans[s]`` is step ``s``'s mask plan.
+    """
+    n = len(plans)
+    comm = RingComm(group) if n > 1 else None
+    kv = torch.stack([k_t, v_t])  # one message per step: (2, B*S, K, E)
+    out_acc, lse = new_accumulators(q_t)
+    for step, plan in enumerate(plans):
+        inflight = comm.send_recv(kv, tag=0) if step + 1 < n else None
+        block_forward(q_t, kv[0], kv[1], batch, plan, kernel, scale, out_acc, lse)
+        if inflight is not None:
+            kv = inflight.wait()
+    return out_acc.to(q_t.dtype), lse
 
 
-def ring_attention(q, k, v, group, layout: SequenceLayout, rank: int, causal: bool, scale: float, kernel) -> torch.Tensor:
-    """Ring attention on a 1-D cp group; ``rank`` is this rank's index in ``group`` and ``layout``."""
-    n = dist.get_world_size(group)
-    plans = ring_plans(layout, rank, n, lambda r: (r,), causal)
-    return RingAttention.apply(q, k, v, group, plans, kernel, scale)
+def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, batch: int, group, plans: list[Plan], kernel, scale: float):
+    """``(dq_t, dk_t, dv_t)`` token-major in the input dtype; ``lse`` as :func:`ring_forward` returned it."""
+    n = len(plans)
+    comm = RingComm(group) if n > 1 else None
+    kv = torch.stack([k_t, v_t])
+    dq = torch.zeros(q_t.shape, dtype=torch.float32, device=q_t.device)
+    own = None  # gradient of my own K/V computed by me (step 0)
+    travelling = None  # in-flight exchange of accumulated dK/dV
+    for step, plan in enumerate(plans):
+        inflight = comm.send_recv(kv, tag=0) if step + 1 < n else None
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        block_backward(dout_t, q_t, kv[0], kv[1], out_t, lse, batch, plan, kernel, scale, dq, dkv[0], dkv[1])
+        if step == 0:
+            own = dkv
+        else:
+            if travelling is not None:
+                dkv += travelling.wait()  # what the ranks before me added for this block
+            travelling = comm.send_recv(dkv, tag=1)
+        if inflight is not None:
+            kv = inflight.wait()
+    if travelling is not None:
+        own += travelling.wait()  # my block's accumulator, home after visiting every rank
+    own = own.to(k_t.dtype)
+    return dq.to(q_t.dtype), own[0], own[1]
+
+
+def _plans(ctx: CPContext) -> list[Plan]:
+    n = ctx.layout.cp_size
+    key = ("ring_plans", ctx.rank, ctx.causal)
+    return ctx.layout.memo(key, lambda: ring_plans(ctx.layout, ctx.rank, n, lambda r: (r,), ctx.causal))
+
+
+def _group(ctx: CPContext):
+    return ctx.group if ctx.layout.cp_size > 1 else None
+
+
+def forward(ctx: CPContext, q, k, v):
+    b = q.shape[0]
+    out_t, lse = ring_forward(token_major(q), token_major(k), token_major(v), b, _group(ctx), _plans(ctx), ctx.kernel, ctx.scale)
+    return head_major(out_t, b), (lse,)
+
+
+def backward(ctx: CPContext, dout, q, k, v, out, saved):
+    b = q.shape[0]
+    grads = ring_backward(
+        token_major(dout), token_major(q), token_major(k), token_major(v), token_major(out), saved[0], b, _group(ctx),
+        _plans(ctx), ctx.kernel, ctx.scale,
+    )
+    return tuple(head_major(g, b) for g in grads)
+
+
+def saved_like(ctx: CPContext, q, k, v):
+    b, h, s, _ = q.shape
+    return (q.new_empty((h, b * s), dtype=torch.float32),)
 
 
 def ring_min_bytes(q: torch.Tensor, k: torch.Tensor, world: int, backward: bool = True) -> int:

@@ -1,0 +1,53 @@
+"""What a strategy needs besides ``q, k, v``: one small object instead of a long argument list.
+
+Every strategy module has the same shape::
+
+    forward(ctx, q, k, v)                       -> (out, saved)
+    backward(ctx, dout, q, k, v, out, saved)     -> (dq, dk, dv)
+    saved_like(ctx, q, k, v)                     -> empty tensors shaped like ``saved``
+    KEEPS: the inputs/outputs among ("q", "k", "v", "out") its backward reads (others arrive as None)
+
+``q, out, dout`` are ``(batch, q_heads, seq_local, head_dim)``, ``k, v`` ``(batch, kv_heads,
+seq_local, head_dim)``; ``saved`` is what the backward needs beyond them (the log-sum-exp,
+gathered K/V, head shards), returned as outputs of the custom op so that autograd and
+``torch.compile`` see them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_cp.attention.kernels import AttentionKernel
+from titan_cp.layout import SequenceLayout
+
+
+@dataclass(frozen=True)
+class CPContext:
+    """One CP attention call's setting.
+
+    mesh: the cp ``DeviceMesh`` (1-D; 2-D ``(ring, ulysses)`` for hybrid), ``None`` on one device.
+    layout: the sequence layout the shards were taken with.
+    q_heads, kv_heads: the local head counts of q and k/v (the backward may see neither tensor).
+    """
+
+    mesh: object
+    layout: SequenceLayout
+    causal: bool
+    scale: float
+    kernel: AttentionKernel
+    q_heads: int
+    kv_heads: int
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.mesh is None else self.mesh.size()
+
+    @property
+    def group(self):
+        """The process group of a 1-D cp mesh."""
+        return self.mesh.get_group()
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in a 1-D cp mesh and in the layout."""
+        return 0 if self.mesh is None else self.mesh.get_local_rank()
