@@ -118,25 +118,24 @@ def test_chat_records_are_documents_and_only_their_roles_carry_loss(tmp_path):
     source = ChatJsonl(tmp_path / "chats.jsonl", TOK)
     assert len(source) == 40
     docs = [render_chat(r["messages"], TOK) for r in records]
-    for packer in (BestFitPacker(source, 512, lookahead=8, pad_id=TOK.pad_id), Packer(source, 512)):
-        stream_labels = []
-        for _ in range(6):
-            row = packer.next_row()
-            check_row(row, 512)
-            summary_pieces = []
-            start = 0
-            for n in row.doc_lens:
-                summary_pieces.append((start, n))
-                start += n
-            if isinstance(packer, BestFitPacker):
-                # every record is one whole piece: its boundaries are the row's document boundaries
-                for s, n in summary_pieces[: len(summary_pieces) - (row.padding > 0)]:
-                    assert any(row.tokens[s : s + n].tolist() == d.tokens for d in docs)
-            stream_labels.append(row.labels)
-        # a label is kept exactly where the target token is in an assistant turn
-        for row_labels in stream_labels:
-            kept = row_labels[row_labels != IGNORE_INDEX]
-            assert (kept < 256).all()  # never BOS/EOS/PAD: those carry no loss
+    packer = BestFitPacker(source, 512, lookahead=8, pad_id=TOK.pad_id)
+    for _ in range(6):
+        before = packer.state_dict()
+        pieces = packer.skip_row().pieces
+        packer.load_state_dict(before)
+        row = packer.next_row()
+        check_row(row, 512)
+        offset = 0
+        for i, a, b in pieces:
+            labels = row.labels[offset : offset + b - a]
+            offset += b - a
+            if i < 0:
+                assert (labels == IGNORE_INDEX).all()  # padding carries no loss
+                continue
+            doc = docs[i % len(docs)]
+            assert (a, b) == (0, len(doc.tokens))  # one record = one whole document
+            # a label is kept exactly where the next token is an assistant target
+            assert (labels != IGNORE_INDEX).tolist() == doc.loss_mask[1:] + [False]
 
 
 def test_chat_validation_and_loss_tokens_through_the_loader(tmp_path):

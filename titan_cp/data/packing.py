@@ -16,10 +16,14 @@ left of the row is one padding document (``pad_id`` tokens, positions from 0, no
 only to itself like any document). ``scripts/bench_packing.py`` measures the padding: with 512
 pieces of lookahead it stays under 0.2% on the mixes of ``titan_cp.data.lengths``.
 
-A document longer than ``S`` is split into windows: its first ``floor(L / S)`` windows of ``S`` tokens are rows of their
-own, in order, ahead of the next best-fit row, and its last ``L mod S`` tokens (if any) are one
-buffered piece like a short document. The state is the next document index, the buffered pieces
-and the pending windows, so a resumed run reads exactly the rows the straight run would have.
+A document longer than ``S`` is split into windows: its first ``floor(L / S)`` windows of ``S``
+tokens are rows of their own, in order, ahead of the next best-fit row, and its last ``L mod S``
+tokens (if any) are one buffered piece like a short document. Reading pauses while windows are
+pending, so a long document's windows are the next rows after it is read; at the start of a run,
+while the buffer first fills, that puts the windows of the long documents among the first
+``lookahead`` ahead of the first best-fit row. The state is the next document index, the buffered
+pieces and the pending windows, so a resumed run reads exactly the rows the straight run would
+have.
 
 Per row, with ``pieces`` the document pieces in it (lengths ``doc_lens``, summing to ``S``)::
 
