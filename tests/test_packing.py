@@ -482,3 +482,51 @@ def test_cp_training_with_padding_documents_equals_one_process(tmp_path, dist_po
         assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
         bad = {n: e for n, e in errors.items() if not e <= 2e-5}
         assert not bad, bad
+
+
+# ---- the tokenizer's own chat template ------------------------------------------------------------
+
+HAS_TOKENIZERS = __import__("importlib").util.find_spec("tokenizers") is not None
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<turn> {{ m['role'] }} : {{ m['content'] | trim }} <end>\n"
+            "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def _hf_assets(folder, template):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words = " ".join(f"{m['role']} {m['content']}" for m in CONVERSATION) + " : <turn> <end>"
+    tok.train_from_iterator([words], trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>"}
+    if template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.skipif(not HAS_TOKENIZERS, reason="needs the optional 'tokenizers' package")
+def test_the_tokenizers_chat_template_masks_the_same_turns(tmp_path):
+    _hf_assets(tmp_path, TEMPLATE)
+    write_chats(tmp_path / "c.jsonl", [{"messages": CONVERSATION}])
+    cfg = load_config(["--model.hf_assets_path", str(tmp_path), "--training.dataset", "chat",
+                       "--training.dataset_path", str(tmp_path / "c.jsonl"), "--training.chat_template", "tokenizer"])
+    from titan_cp.data import build_tokenizer
+
+    tok = build_tokenizer(cfg)
+    doc = build_dataset(cfg, tok).document(0)
+    words = [tok.token(i) for i in doc.tokens]
+    assert words[0] == "<s>" and words[-1] == "</s>" and words.count("<turn>") == len(CONVERSATION)
+    targets = [w for w, keep in zip(words, doc.loss_mask) if keep]
+    # assistant content and the end of its turn as the template renders it, nothing else
+    assert targets == ["ls", "<end>", "</s>", "Two", "files.", "<end>", "</s>"]
+    # a template that does not extend the rendering turn by turn is refused, naming file and line
+    _hf_assets(tmp_path, "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(ValueError, match=r"c.jsonl, line 1: messages\[1\].*training.chat_template = 'chatml'"):
+        build_dataset(cfg, build_tokenizer(cfg))
+    _hf_assets(tmp_path, None)
+    with pytest.raises(ValueError, match="has no chat_template"):
+        build_dataset(cfg, build_tokenizer(cfg))
+    with pytest.raises(ValueError, match="training.chat_template = 'tokenizer' needs model.hf_assets_path"):
+        load_config(["--training.chat_template", "tokenizer"])

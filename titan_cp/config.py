@@ -202,6 +202,10 @@ class Training:
     loss_roles: list[Literal["system", "user", "assistant", "tool"]] = field(default_factory=lambda: ["assistant"])
     """For ``chat`` records: the roles whose turns carry loss; the other turns are context only."""
 
+    chat_template: Literal["chatml", "tokenizer"] = "chatml"
+    """For ``chat`` records: ``chatml`` (built in, see ``titan_cp.data.chat``) or ``tokenizer``
+    (the ``chat_template`` of the ``tokenizer_config.json`` in ``model.hf_assets_path``)."""
+
     mixture: list[MixtureSource] = field(default_factory=list)
     """For ``dataset = "mixture"``: the sources and their sampling weights, as ``[[training.mixture]]``
     tables with ``name``, ``kind``, ``path``, ``weight``. Seeded by ``training.seed``."""
@@ -472,6 +476,9 @@ class JobConfig:
         if not t.loss_roles:
             raise ValueError("training.loss_roles is empty: chat records would carry no loss; list at least one role")
         _check_mixture(t, self.validation)
+        if t.chat_template == "tokenizer" and not m.hf_assets_path:
+            raise ValueError("training.chat_template = 'tokenizer' needs model.hf_assets_path (a tokenizer_config.json "
+                             "with a chat_template); the byte tokenizer has none")
 
         for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
                     "context_parallel_degree", "context_parallel_ulysses_degree",

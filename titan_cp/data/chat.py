@@ -14,6 +14,15 @@ own so the mask is exact at turn boundaries; with a BPE tokenizer that may split
 tokenizing the whole text at once. ``<|im_start|>``/``<|im_end|>`` are plain text to the byte
 tokenizer and single tokens to a Hugging Face tokenizer that defines them as added tokens.
 
+With ``training.chat_template = "tokenizer"`` a record is rendered instead by the Jinja
+``chat_template`` of the ``tokenizer_config.json`` beside ``model.hf_assets_path``'s
+``tokenizer.json`` (no BOS/EOS added: the template writes what it writes), tokenized whole, and a
+token is a target when its first character lies in a loss turn: from the start of that turn's
+content to the end of what the template renders for the turn (its end-of-turn marker included).
+The turn boundaries come from rendering the first k messages for every k (the template must
+extend a conversation's rendering as messages are added, as chat templates do), and a turn's
+content start from rendering it with a marker in place of its content.
+
 Roles are ``system``, ``user``, ``assistant``, ``tool``; ``content`` is a string. A file is checked
 whole when the source is built: a line that is not JSON, a record without ``messages``, an unknown
 role, a missing or non-string ``content``, or an empty conversation is a ``ValueError`` naming the
@@ -51,6 +60,48 @@ def render_chat(messages: Sequence[dict], tokenizer: Tokenizer, loss_roles: Sequ
     return Document(tokens, loss_mask=mask)
 
 
+_MARK = "\u2063content\u2063"  # stands in for a turn's content, to find where the template puts it
+
+
+def compile_template(template: str):
+    """A Hugging Face chat template compiled as ``transformers`` does (sandboxed Jinja, trimmed blocks)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
+def render_template_chat(messages: Sequence[dict], tokenizer, template, loss_roles: Sequence[str] = ("assistant",)) -> Document:
+    """Tokens and loss mask of one conversation under a compiled tokenizer chat template (see the
+    module docstring); ``tokenizer`` needs ``encode_with_offsets`` and ``token`` (:class:`HFTokenizer`)."""
+    names = dict(bos_token=tokenizer.token(tokenizer.bos_id), eos_token=tokenizer.token(tokenizer.eos_id),
+                 add_generation_prompt=False)
+    spans, before = [], ""
+    for k, message in enumerate(messages):
+        upto = template.render(messages=list(messages[: k + 1]), **names)
+        if not upto.startswith(before):
+            raise ValueError(
+                f"messages[{k}]: the tokenizer's chat template renders the first {k + 1} messages as something "
+                f"other than the first {k} plus more, so turns cannot be told apart; set training.chat_template = 'chatml'"
+            )
+        if message["role"] in loss_roles:
+            probe = template.render(messages=[*messages[:k], {**message, "content": _MARK}], **names)
+            start = probe.find(_MARK, len(before))
+            if start < 0 or probe[:start] != upto[:start]:
+                raise ValueError(f"messages[{k}]: cannot find where the tokenizer's chat template puts the content; "
+                                 "set training.chat_template = 'chatml'")
+            spans.append((start, len(upto)))
+        before = upto
+    ids, offsets = tokenizer.encode_with_offsets(before)
+    mask = [any(a <= first < b for a, b in spans) for first, _ in offsets]
+    return Document(list(ids), loss_mask=mask)
+
+
 def check_record(record: object, where: str) -> None:
     """Raise ``ValueError`` (prefixed by ``where``, "file, line n") unless ``record`` is a chat record."""
     if not isinstance(record, dict):
@@ -79,17 +130,20 @@ class ChatJsonl:
 
     ``path`` is a file or a folder (searched recursively for ``*.jsonl``, in sorted order). Every
     line is checked at construction (see the module docstring); records are indexed by (file, byte
-    offset) and read again on demand, so memory does not grow with the data.
+    offset) and read again on demand, so memory does not grow with the data. ``chat_template``:
+    ``None`` for the built-in template, or the Jinja source of a tokenizer's chat template.
     """
 
-    def __init__(self, path: str | Path, tokenizer: Tokenizer, loss_roles: Sequence[str] = ("assistant",)):
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, loss_roles: Sequence[str] = ("assistant",),
+                 chat_template: str | None = None):
         unknown = [r for r in loss_roles if r not in ROLES]
         if unknown:
             raise ValueError(f"training.loss_roles: unknown roles {unknown}; roles are {list(ROLES)}")
         path = Path(path)
         files = [path] if path.is_file() else sorted(path.rglob("*.jsonl"))
         self.tokenizer, self.loss_roles = tokenizer, tuple(loss_roles)
-        self._index: list[tuple[Path, int]] = []
+        self._template = compile_template(chat_template) if chat_template is not None else None
+        self._index: list[tuple[Path, int, int]] = []  # (file, byte offset, line number)
         for f in files:
             with open(f, "rb") as fh:
                 offset = 0
@@ -101,19 +155,27 @@ class ChatJsonl:
                         except json.JSONDecodeError as e:
                             raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
                         check_record(record, where)
-                        self._index.append((f, offset))
+                        self._index.append((f, offset, line_no))
                     offset += len(line)
         if not self._index:
             raise ValueError(f"no chat records (*.jsonl lines) under {str(path)!r}")
+        if self._template is not None:
+            self.document(0)  # a template that cannot be used fails now, not mid-run
 
     def __len__(self) -> int:
         return len(self._index)
 
     def messages(self, index: int) -> list[dict]:
-        file, offset = self._index[index % len(self._index)]
+        file, offset, _ = self._index[index % len(self._index)]
         with open(file, "rb") as fh:
             fh.seek(offset)
             return json.loads(fh.readline())["messages"]
 
     def document(self, index: int) -> Document:
-        return render_chat(self.messages(index), self.tokenizer, self.loss_roles)
+        if self._template is None:
+            return render_chat(self.messages(index), self.tokenizer, self.loss_roles)
+        try:
+            return render_template_chat(self.messages(index), self.tokenizer, self._template, self.loss_roles)
+        except ValueError as e:
+            file, _, line_no = self._index[index % len(self._index)]
+            raise ValueError(f"{file}, line {line_no}: {e}") from None

@@ -256,7 +256,17 @@ def _source(name: str, path: str | None, section: str, name_key: str, path_key: 
     if not p.exists():
         raise ValueError(f"{section}.{path_key} = {path!r} does not exist")
     if name == "chat":
-        return ChatJsonl(p, tokenizer, job_config.training.loss_roles)
+        t = job_config.training
+        template = None
+        if t.chat_template == "tokenizer":
+            template = getattr(tokenizer, "chat_template", None)
+            if template is None:
+                raise ValueError(
+                    "training.chat_template = 'tokenizer', but the tokenizer (model.hf_assets_path = "
+                    f"{job_config.model.hf_assets_path!r}) has no chat_template in its tokenizer_config.json; "
+                    "set training.chat_template = 'chatml'"
+                )
+        return ChatJsonl(p, tokenizer, t.loss_roles, template)
     if name == "hf" or (name != "text" and _is_saved_hf_dataset(p)):
         return HFDiskDataset(p, tokenizer, split)
     return TextFiles(p, tokenizer)

@@ -49,7 +49,8 @@ class HFTokenizer:
 
     ``path`` is the ``tokenizer.json`` file or the folder holding it. BOS/EOS/PAD come from
     ``tokenizer_config.json`` beside it when present, else from common special-token names
-    (``<|begin_of_text|>``, ``<s>``, ...); PAD falls back to EOS.
+    (``<|begin_of_text|>``, ``<s>``, ...); PAD falls back to EOS. ``chat_template``: the Jinja
+    chat template of that ``tokenizer_config.json`` (``None`` if it has none).
     """
 
     _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
@@ -73,6 +74,7 @@ class HFTokenizer:
         self.eos_id = self._find(special.get("eos_token"), self._EOS_NAMES, "EOS")
         pad = special.get("pad_token")
         self.pad_id = self._tok.token_to_id(pad) if pad and self._tok.token_to_id(pad) is not None else self.eos_id
+        self.chat_template = _chat_template(file.parent / "tokenizer_config.json")
 
     def _find(self, configured: str | None, names: Sequence[str], what: str) -> int:
         for name in ([configured] if configured else []) + list(names):
@@ -88,6 +90,14 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of ``text`` (special tokens written in it included) and each token's character span."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    def token(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id)
+
 
 def _special_tokens(config_file: Path) -> dict[str, str]:
     """``{"bos_token": "<s>", ...}`` from a ``tokenizer_config.json`` (values may be dicts)."""
@@ -102,6 +112,16 @@ def _special_tokens(config_file: Path) -> dict[str, str]:
         if isinstance(value, str):
             out[key] = value
     return out
+
+
+def _chat_template(config_file: Path) -> str | None:
+    """The ``chat_template`` of a ``tokenizer_config.json`` (a named list: its ``default`` entry)."""
+    if not config_file.is_file():
+        return None
+    template = json.loads(config_file.read_text()).get("chat_template")
+    if isinstance(template, list):
+        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    return template if isinstance(template, str) else None
 
 
 def build_tokenizer(job_config: JobConfig) -> Tokenizer:
