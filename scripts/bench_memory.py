@@ -320,7 +320,7 @@ def _rank_fn(rank: int, world: int, cfg: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from titan_cp.model import build_model
-    from titan_cp.style import apply_cp
+    from titan_cp.parallel.cp import apply_cp
 
     torch.manual_seed(0)
     model = build_model(cfg["flavor"], device="cpu", vocab_size=cfg["vocab_size"])

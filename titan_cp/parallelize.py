@@ -19,7 +19,7 @@ import torch
 from titan_cp.mesh import ParallelDims
 from titan_cp.model.llama import Transformer
 from titan_cp.parallel import apply_ac, apply_compile, apply_fsdp, apply_tp
-from titan_cp.style import apply_cp
+from titan_cp.parallel.cp import apply_cp
 
 
 @dataclass

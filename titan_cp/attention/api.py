@@ -110,12 +110,16 @@ _SPECS: list[CPSpec] = []
 _SPEC_IDS: dict[tuple, int] = {}
 
 
-def register_spec(spec: CPSpec) -> int:
-    """The handle of ``spec`` (the same handle for the same spec, so compiled graphs stay valid)."""
-    key = (id(spec.mesh), spec.strategy, spec.balance, spec.kernel)
+@torch.compiler.assume_constant_result
+def register_spec(mesh, strategy: str, balance: str, kernel: str | None) -> int:
+    """The handle of this :class:`CPSpec` (the same handle for the same spec, so compiled graphs stay valid).
+
+    Run eagerly even while ``torch.compile`` traces a caller: the handle is a constant of the graph.
+    """
+    key = (id(mesh), strategy, balance, kernel)
     if key not in _SPEC_IDS:
         _SPEC_IDS[key] = len(_SPECS)
-        _SPECS.append(spec)
+        _SPECS.append(CPSpec(mesh, strategy, balance, kernel))
     return _SPEC_IDS[key]
 
 
@@ -239,7 +243,7 @@ def cp_attention(
             raise ValueError(f"mesh is None but the layout spreads the sequence over {layout.cp_size} ranks")
     else:
         _check_mesh(mesh, strategy, layout, q, k)
-    handle = register_spec(CPSpec(mesh, strategy, layout.balance, kernel))
+    handle = register_spec(mesh, strategy, layout.balance, kernel)
     return attend(q, k, v, handle, layout.doc_lens_tensor(), causal, scale)
 
 
@@ -263,6 +267,9 @@ def local_attention(
     ``(batch, max_docs)`` integer tensor on the host. GQA K/V are taken as they are.
     """
     _check_qkv(q, k, v)
+    if doc_lens is None or isinstance(doc_lens, Tensor):  # the model's path: straight to the op, traceable
+        return attend(q, k, v, register_spec(None, "ring", "contiguous", kernel), doc_lens, causal,
+                      _scale(scale, q.shape[-1]))
     layout = get_layout(q.shape[2], 1, "contiguous", doc_lens)
     return cp_attention(q, k, v, None, layout, causal=causal, scale=scale, kernel=kernel)
 

@@ -1,18 +1,21 @@
 """Parallelisms as small ``apply_*`` functions applied to a ``Transformer`` from outside.
 
 Order (as torchtitan): pipeline split, then per stage: ``apply_tp`` -> context parallel
-(``titan_cp.style``) -> ``apply_ac`` -> ``apply_compile`` -> ``apply_fsdp``.
+(``apply_cp``) -> ``apply_ac`` -> ``apply_compile`` -> ``apply_fsdp``.
 """
 
 from titan_cp.parallel.ac import apply_ac
 from titan_cp.parallel.compile import apply_compile
+from titan_cp.parallel.cp import ContextParallel, apply_cp
 from titan_cp.parallel.fsdp import apply_fsdp, set_gradient_sum
 from titan_cp.parallel.pp import layers_per_stage, pipeline_llama, split_stage, stage_ids_of_rank
 from titan_cp.parallel.tp import apply_tp
 
 __all__ = [
+    "ContextParallel",
     "apply_ac",
     "apply_compile",
+    "apply_cp",
     "apply_fsdp",
     "apply_tp",
     "layers_per_stage",

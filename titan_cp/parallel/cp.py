@@ -15,19 +15,25 @@ local shards or DTensors placed ``Shard(2)`` on the cp mesh; the output is of th
 As a DTensor, the "global" sequence is the layout's rank-concatenated order (the shards
 stacked by rank), the convention of PyTorch's own load-balanced CP.
 
-The batch's document structure arrives as the ``doc_lens`` argument of every call, and the
-layout is rebuilt (cached) from it and the local shapes: no global state, so each pipeline
-microbatch carries its own documents through every stage.
+The batch's document structure arrives as the ``doc_lens`` argument of every call, a
+zero-padded ``(B, max_docs)`` tensor *on the host*; the layout, its mask plans and their
+device indices are built from it once per microbatch (the first layer) and reused by every
+other layer (the same tensor object is recognised without being read again): no device
+synchronisation in the layer loop, and no global state, so each pipeline microbatch
+carries its own documents through every stage. The call is the ``titan_cp::cp_attention``
+custom op, so a compiled block keeps its whole graph (``fullgraph=True``).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from titan_cp.attention import STRATEGIES, cp_attention
+from titan_cp.attention import STRATEGIES
+from titan_cp.attention.api import _check_qkv, attend, register_spec
 from titan_cp.layout import BALANCES, get_layout
 
 SEQ_DIM = 2
@@ -63,23 +69,26 @@ class ContextParallel(ParallelStyle):
                 f"ContextParallel(strategy={self.strategy!r}) needs a {want}-D cp mesh, got "
                 f"{device_mesh.ndim}-D {device_mesh.mesh_dim_names}"
             )
+        handle = register_spec(device_mesh, self.strategy, self.balance, self.kernel)
 
         def forward(q, k, v, doc_lens=None):
-            return self._attend(device_mesh, q, k, v, doc_lens)
+            return self._attend(device_mesh, handle, q, k, v, doc_lens)
 
         module.forward = forward
         module.cp_style = self
         return module
 
-    def _attend(self, mesh: DeviceMesh, q, k, v, doc_lens):
+    def _attend(self, mesh: DeviceMesh, handle: int, q, k, v, doc_lens):
         as_dtensor = isinstance(q, DTensor)
         if as_dtensor:
             for name, t in (("q", q), ("k", k), ("v", v)):
                 if not isinstance(t, DTensor) or any(p != Shard(SEQ_DIM) for p in t.placements):
                     raise ValueError(f"ContextParallel takes {name} as a DTensor placed Shard({SEQ_DIM}) on the cp mesh")
             q, k, v = q.to_local(), k.to_local(), v.to_local()
-        layout = get_layout(q.shape[SEQ_DIM] * mesh.size(), mesh.size(), self.balance, doc_lens)
-        out = cp_attention(q, k, v, mesh, layout, strategy=self.strategy, causal=self.causal, kernel=self.kernel)
+        _check_qkv(q, k, v)
+        if doc_lens is not None and not isinstance(doc_lens, torch.Tensor):  # rows as lists: once, eagerly
+            doc_lens = get_layout(q.shape[SEQ_DIM] * mesh.size(), mesh.size(), self.balance, doc_lens).doc_lens_tensor()
+        out = attend(q, k, v, handle, doc_lens, self.causal, q.shape[-1] ** -0.5)
         if as_dtensor:
             out = DTensor.from_local(out, mesh, [Shard(SEQ_DIM)] * mesh.ndim, run_check=False)
         return out

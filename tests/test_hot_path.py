@@ -1,0 +1,115 @@
+"""The hot path: host work per ring step that does not grow with the number of documents,
+and a CP block that compiles whole.
+
+Counting is not timing: these tests count kernel calls and the tensor operations
+dispatched around them (a ``TorchDispatchMode``), never seconds.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.dist_utils import cp_mesh, make_inputs
+from titan_cp import SequenceLayout
+from titan_cp.attention import api, cp_rank, register_kernel
+from titan_cp.attention.kernels import CPUFlashKernel
+
+SEQ = 4096
+
+
+class CountingVarlenKernel(CPUFlashKernel):
+    """A native-varlen kernel (segments looped on the CPU kernel) that counts its calls and
+    marks the operations it dispatches itself, so they are not counted as host work around it."""
+
+    name = "counting_varlen"
+    native_varlen = True
+    calls = {"forward": 0, "backward": 0}
+    inside = False
+
+    def varlen_forward(self, *args, **kwargs):
+        CountingVarlenKernel.calls["forward"] += 1
+        CountingVarlenKernel.inside = True
+        try:
+            return super().varlen_forward(*args, **kwargs)
+        finally:
+            CountingVarlenKernel.inside = False
+
+    def varlen_backward(self, *args, **kwargs):
+        CountingVarlenKernel.calls["backward"] += 1
+        CountingVarlenKernel.inside = True
+        try:
+            return super().varlen_backward(*args, **kwargs)
+        finally:
+            CountingVarlenKernel.inside = False
+
+
+register_kernel("counting_varlen", CountingVarlenKernel)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched outside the kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not CountingVarlenKernel.inside:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _docs(n: int, seed: int = 0) -> list[int]:
+    """``n`` documents of random lengths filling ``SEQ`` tokens."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, SEQ), n - 1))
+    return [b - a for a, b in zip([0] + cuts, cuts + [SEQ])]
+
+
+def _steps(strategy: str, mesh) -> int:
+    """Blocks of keys each rank attends in turn: ring steps, or one gathered buffer."""
+    if strategy == "ring":
+        return mesh.size()
+    if strategy == "hybrid":
+        return mesh.size(0)
+    return 1
+
+
+def _count(rank, world, strategy, ulysses, n_docs):
+    """One forward + backward of the strategy's own functions (inside the op) with the counting kernel."""
+    mesh = cp_mesh(strategy, world, ulysses)
+    r = cp_rank(mesh, strategy)
+    layout = SequenceLayout(SEQ, world, "doc_zigzag", [_docs(n_docs)])
+    q, k, v, dout = (layout.shard(x, 2, r) for x in make_inputs(0, 1, 4, 2, SEQ, 8))
+    handle = api.register_spec(mesh, strategy, layout.balance, "counting_varlen")
+    ctx, module = api._context(handle, q, k.shape[1], layout.doc_lens_tensor(), True, 0.35)
+    CountingVarlenKernel.calls.update(forward=0, backward=0)
+    layout.memo(("warm",), lambda: module.forward(ctx, q, k, v))  # plans and device indices: once per microbatch
+    CountingVarlenKernel.calls.update(forward=0, backward=0)
+    with OpCounter() as counter:
+        out, saved = module.forward(ctx, q, k, v)
+        module.backward(ctx, dout, q, k, v, out, saved)
+    return dict(CountingVarlenKernel.calls), counter.ops, _steps(strategy, mesh)
+
+
+STRATEGY_MESHES = [("ring", 4, 1), ("allgather", 4, 1), ("ulysses", 2, 1), ("hybrid", 4, 2)]
+
+
+@pytest.mark.parametrize("strategy,world,ulysses", STRATEGY_MESHES)
+def test_varlen_calls_per_step_and_host_ops_do_not_grow_with_documents(dist_pools, strategy, world, ulysses):
+    """At most one kernel call per causal flag per step, and the operations around the kernel
+    stay the same (within 50%) from 10 to 1,000 documents."""
+    ops = {}
+    for n_docs in (1, 10, 100, 1000):
+        for rank, (calls, n_ops, steps) in enumerate(dist_pools.run(world, _count, strategy, ulysses, n_docs)):
+            assert calls["forward"] <= 2 * steps, (n_docs, rank, calls, steps)
+            assert calls["backward"] <= 2 * steps, (n_docs, rank, calls, steps)
+            assert calls["forward"] >= 1
+            ops[n_docs, rank] = n_ops
+    for rank in range(world):
+        few, many = ops[10, rank], ops[1000, rank]
+        assert many <= 1.5 * few, f"rank {rank}: {few} operations around the kernel with 10 documents, {many} with 1000"
