@@ -45,10 +45,9 @@ class Microbatch:
         )
 
     def to(self, device) -> Microbatch:
-        return Microbatch(
-            *(t.to(device) for t in (self.tokens, self.labels, self.positions)),
-            doc_lens=None if self.doc_lens is None else self.doc_lens.to(device),
-        )
+        """The per-token tensors on ``device``; ``doc_lens`` stays on the host, where the attention
+        reads it once per microbatch to build its plans (read from a GPU it would synchronise every layer)."""
+        return Microbatch(*(t.to(device) for t in (self.tokens, self.labels, self.positions)), doc_lens=self.doc_lens)
 
 
 def forward_backward(model_parts, local: Microbatch, loss_fn: GlobalTokenLoss, schedule=None, has_first=True, has_last=True) -> torch.Tensor:

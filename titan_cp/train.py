@@ -14,6 +14,7 @@ each live in their own module.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import math
@@ -149,6 +150,11 @@ class Trainer:
             compile=cfg.compile.enable and "model" in cfg.compile.components,
             mp_param_dtype=mp,  # logits are gathered over tp (no loss parallel): the loss is a plain tensor
         )
+        # FSDP computes in mp's dtype itself; without it (one device, TP or PP alone) autocast does, as torchtitan
+        sharded = self.dims.fsdp_enabled or self.dims.dp_replicate_enabled
+        self.amp = torch.autocast(self.device.type, dtype=mp) if mp is not None and not sharded else contextlib.nullcontext()
+        if mp is not None and not sharded:
+            logger.info("training.mixed_precision_param = %s: autocast (no FSDP to cast the parameters)", t.mixed_precision_param)
         self.schedule, self.first, self.last = None, True, True
         if self.dims.pp_enabled:
             n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size
@@ -201,7 +207,8 @@ class Trainer:
         self.loss_fn.global_valid_tokens = step_data.global_valid_tokens
         local = torch.zeros((), device=self.device)
         for batch in step_data.microbatches:
-            local = local + forward_backward(self.parts, self._microbatch(batch), self.loss_fn, self.schedule, self.first, self.last)
+            with self.amp:
+                local = local + forward_backward(self.parts, self._microbatch(batch), self.loss_fn, self.schedule, self.first, self.last)
         pp_group = self.dims.get_mesh("pp").get_group() if self.dims.pp_enabled else None
         grad_norm = clip_grad_norm_(self.parts, self.cfg.training.max_norm, pp_group)
         for opt, sched in zip(self.optimizers, self.schedulers):
@@ -230,7 +237,8 @@ class Trainer:
                 mb = self._microbatch(batch)
                 distance = shard_tokens(batch.recall_distance.to(self.device), mb.doc_lens, self.dims.cp, self.cp_rank,
                                         self.cfg.parallelism.context_parallel_load_balancer)
-                logits = self.parts[0](mb.tokens, positions=mb.positions, doc_lens=mb.doc_lens).float()
+                with self.amp:
+                    logits = self.parts[0](mb.tokens, positions=mb.positions, doc_lens=mb.doc_lens).float()
                 if self.tp_rank == 0:  # logits are replicated over tp: count them once
                     valid = mb.labels != IGNORE_INDEX
                     loss_sum += torch.nn.functional.cross_entropy(logits[valid], mb.labels[valid], reduction="sum")
