@@ -237,7 +237,9 @@ class Training:
     """Use deterministic algorithms (slower), for bit-identical reruns."""
 
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
-    """Parameter dtype for compute under FSDP mixed precision."""
+    """Compute dtype: FSDP casts the parameters to it; without FSDP (one device, TP or PP alone)
+    the forward runs under ``torch.autocast`` with it. ``float32`` on CUDA falls to the dense
+    ``math`` attention kernel (with a warning): the flash kernels take bf16/fp16 only."""
 
     mixed_precision_reduce: Literal["float32"] = "float32"
     """Gradient reduction dtype under FSDP mixed precision."""
