@@ -31,6 +31,13 @@ def _bad_inputs(rank, world):
          r"query heads \(6\) to be divisible by its cp size \(4\)"),
         (lambda: cp_attention(torch.randn(1, 12, 4, 8), torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), mesh, layout, strategy="ulysses"),
          r"K/V heads \(6\) to divide, or be divisible by, its cp size \(4\)"),
+        (lambda: cp_attention(q, k, k, mesh, layout, scale=0.0), "scale must be a positive finite number"),
+        (lambda: cp_attention(q, k, k, mesh, layout, scale=float("nan")), "scale must be a positive finite number"),
+        (lambda: cp_attention(q[..., :0], k[..., :0], k[..., :0], mesh, layout), "q has an empty dimension"),
+        (lambda: cp_attention(q[:, :0], k[:, :0], k[:, :0], mesh, layout), "q has an empty dimension"),
+        (lambda: cp_attention(q, k, k, mesh, layout, kernel="cuda_flash"), "runs on cuda tensors, but q, k, v are on cpu"),
+        (lambda: cp_attention(q, k, k, mesh, layout, kernel="nope"), "unknown attention kernel 'nope'"),
+        (lambda: cp_attention(q.long(), k.long(), k.long(), mesh, layout), "floating-point"),
     ]
     import re
 

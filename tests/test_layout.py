@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from tests.strategies import doc_row, layout_shape
 from titan_cp import SequenceLayout
+from titan_cp.layout import get_layout
 
 
 @st.composite
@@ -76,6 +77,10 @@ def test_doc_zigzag_splits_each_document_head_tail_without_padding():
         ((8, 2, "doc_zigzag", [[4, 4], [8, 0]]), "row 1 has a document of length 0"),
         ((8, 2, "doc_zigzag", [[4, 5, -1]]), "length -1"),
         ((8, 2, "doc_zigzag", []), "got no rows"),
+        ((8, 2, "doc_zigzag", [4, 4]), r"one list of document lengths per batch row \(e.g. \[\[3, 5\]\]\); row 0 is 4"),
+        ((8, 2, "doc_zigzag", torch.tensor([[4.0, 4.0]])), "must hold integers"),
+        ((8, 2, "doc_zigzag", torch.tensor([[4, 0, 4]])), "zero-length document before its last document"),
+        ((8, 2, "doc_zigzag", [[4, 3.5, 0.5]]), "length 3.5"),
     ],
 )
 def test_bad_layouts(args, match):
@@ -93,6 +98,20 @@ def test_shard_and_unshard_errors():
         layout.unshard([torch.zeros(2, 4)], 1)
     with pytest.raises(ValueError, match="out of range"):
         layout.index(2)
+    with pytest.raises(ValueError, match=r"dim 5 is out of range for a 2-D tensor"):
+        layout.shard(torch.zeros(2, 8), 5, 0)
+    with pytest.raises(ValueError, match=r"dim -3 is out of range"):
+        layout.unshard([torch.zeros(2, 4)] * 2, -3)
+
+
+def test_get_layout_takes_doc_lens_from_the_host_only():
+    """A device tensor would be read (a device synchronisation) in every layer."""
+    with pytest.raises(ValueError, match="doc_lens must be a CPU tensor, got one on meta"):
+        get_layout(8, 2, "doc_zigzag", torch.zeros(1, 2, dtype=torch.long, device="meta"))
+    rows = torch.tensor([[3, 5]])
+    assert get_layout(8, 2, "doc_zigzag", rows) is get_layout(8, 2, "doc_zigzag", rows)
+    rows[0, 0], rows[0, 1] = 5, 3  # changed in place: recognised by its version, not its identity
+    assert get_layout(8, 2, "doc_zigzag", rows).doc_lens == ((5, 3),)
 
 
 def test_doc_lens_tensor_form_matches_lists():

@@ -13,14 +13,14 @@ import torch
 from titan_cp.model.llama import Transformer
 
 
-def apply_compile(model: Transformer, backend: str = "inductor", fullgraph: bool = False) -> None:
+def apply_compile(model: Transformer, backend: str = "inductor", fullgraph: bool = True) -> None:
     """Replace each ``model.layers[i]`` in place by ``torch.compile(block)``.
 
     fullgraph: fail on a graph break instead of running part of a block eagerly. The
-        attention core is opaque to the compiler (``torch.compiler.disable``: a Python loop
-        over mask tiles, plus the CP communication), so a block breaks its graph once at the
-        attention call; the default allows that break: attention runs eagerly between the
-        compiled projections/RoPE and norms/MLP.
+        attention (local or context-parallel) is the ``titan_cp::cp_attention`` custom op
+        with a fake implementation, so a block is one graph: the compiler fuses the
+        projections, RoPE, norms and MLP around the op, which runs its communication and
+        kernels eagerly.
     ``model.state_dict()`` then shows an ``_orig_mod.`` prefix in block keys;
     ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` strips it, so
     checkpoints keep torchtitan's keys.
