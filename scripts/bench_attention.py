@@ -12,6 +12,16 @@ Cases: ``causal`` (one document per row, zigzag layout) and ``docs`` (packed doc
 with log-normal lengths, doc_zigzag layout). World 1 runs the same strategy code on one
 rank, so efficiency compares like with like.
 
+Case ``host`` (see :mod:`titan_cp.tools.host`): the host-side cost of one layer, the thing
+that makes a packed long-sequence step host-bound on a GPU. One head of head_dim 8 (the
+arithmetic is negligible), ``--host-seq-len`` tokens of log-normal documents of mean
+``--host-doc-mean``, ring over ``--host-world`` ranks, doc_zigzag; prints
+``host_ms_per_layer`` (main-thread CPU time of forward + backward with the layout built
+inside, max over ranks), ``tiles`` (rank 0) and ``kernel_calls_per_step`` for the CPU kernel
+(one call per tile) and for the packed variable-length route (one call per causal flag)::
+
+    python scripts/bench_attention.py --cases host
+
     python scripts/bench_attention.py                       # defaults: seq 16384, 16 q heads, 4 kv heads, dim 64
     python scripts/bench_attention.py --seq-len 4096 --strategies ring --cases causal docs
 """
@@ -33,6 +43,8 @@ from titan_cp import SequenceLayout, cp_attention  # noqa: E402
 from titan_cp.attention import STRATEGIES, cp_rank, min_bytes_per_rank  # noqa: E402
 from titan_cp.attention.comm import count_comm  # noqa: E402
 from titan_cp.spawn import DistPool  # noqa: E402
+from titan_cp.tools.gpu_check import lognormal_doc_lens  # noqa: E402
+from titan_cp.tools.host import host_layer  # noqa: E402
 
 
 def lognormal_docs(seq_len: int, mean_len: int, seed: int) -> list[int]:
@@ -97,7 +109,10 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--worlds", type=int, nargs="+", default=[2])
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
-    p.add_argument("--cases", nargs="+", default=["causal", "docs"], choices=["causal", "docs"])
+    p.add_argument("--cases", nargs="+", default=["causal", "docs"], choices=["causal", "docs", "host"])
+    p.add_argument("--host-seq-len", type=int, default=131072)
+    p.add_argument("--host-doc-mean", type=int, default=1024)
+    p.add_argument("--host-world", type=int, default=8)
     p.add_argument("--doc-mean", type=int, default=2048, help="mean document length for the docs case")
     p.add_argument("--hybrid-ulysses", type=int, default=2, help="ulysses axis size for hybrid")
     p.add_argument("--warmup", type=int, default=1)
@@ -105,6 +120,9 @@ def main(argv=None) -> None:
     args = vars(p.parse_args(argv))
 
     for case in args["cases"]:
+        if case == "host":
+            _host(args)
+            continue
         for strategy in args["strategies"]:
             base = None
             for world in [1] + [w for w in args["worlds"] if w != 1]:
@@ -126,6 +144,24 @@ def main(argv=None) -> None:
                 if strategy == "hybrid":
                     row["ulysses_size"] = res["ulysses"]
                 print(json.dumps(row), flush=True)
+
+
+def _host(args: dict) -> None:
+    seq, world = args["host_seq_len"], args["host_world"]
+    docs = lognormal_doc_lens(seq, args["host_doc_mean"], seed=1)
+    pool = DistPool(world, collective_timeout_s=1800)
+    try:
+        for route, native in (("per_tile", None), ("varlen", True)):
+            res = pool.run(host_layer, seq, docs, "ring", "cpu_flash", native, timeout=3600)
+            print(json.dumps({
+                "case": "host", "strategy": "ring", "world": world, "seq_len": seq, "documents": len(docs),
+                "doc_mean": args["host_doc_mean"], "kernel": "cpu_flash", "route": route,
+                "host_ms_per_layer": round(max(r["host_ms"] for r in res), 2),
+                "host_ms_rank0": round(res[0]["host_ms"], 2), "tiles": res[0]["tiles"],
+                "kernel_calls_per_step": max(r["kernel_calls_per_step"] for r in res),
+            }), flush=True)
+    finally:
+        pool.close()
 
 
 if __name__ == "__main__":
