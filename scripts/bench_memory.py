@@ -49,7 +49,7 @@ forward + loss + backward while two exact counters watch it. One JSON object per
     the groups whose own scaling ``bytes(1) / (cp * bytes(cp))`` is below 0.9, largest excess
     ``bytes(cp) - bytes(1)/cp`` first, with their tensors' dtypes and shapes.
 
-Model: ``debugmodel`` (dim 256, 6 layers, 16 heads, 4 KV heads) with the byte tokenizer's
+Model: ``debugmodel_gqa`` (dim 256, 6 layers, 16 heads, 4 KV heads) with the byte tokenizer's
 vocabulary (259), fp32, batch 1; the row packs ``--docs`` documents whose lengths are
 proportional to ``docs, docs-1, ..., 1``. One thread per rank (the CPU flash kernel sizes
 its scratch buffers by the thread count, so all degrees use the same).
@@ -447,7 +447,7 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--docs", type=int, default=4, help="documents packed in each row (1: one causal document)")
-    p.add_argument("--flavor", default="debugmodel")
+    p.add_argument("--flavor", default="debugmodel_gqa")
     p.add_argument("--vocab-size", type=int, default=BYTE_VOCAB, help="259: the byte tokenizer's")
     p.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--strategy", default="ring")

@@ -120,13 +120,57 @@ def test_llama31_flavors_on_meta(flavor, expected):
 
 
 def test_small_flavors_and_overrides():
-    dbg = model_args("debugmodel")
+    dbg = model_args("debugmodel_gqa")
     assert (dbg.dim, dbg.n_layers, dbg.n_heads, dbg.kv_heads) == (256, 6, 16, 4)
+    assert dbg.rope_scaling is None
     t = FLAVORS["tiny"]
     assert (t.dim, t.n_layers, t.n_heads, t.kv_heads) == (64, 2, 4, 2)
-    m = build_model("debugmodel", vocab_size=1000)
+    m = build_model("debugmodel_gqa", vocab_size=1000)
     assert m.output.weight.shape == (1000, 256)
-    assert m.num_params() == model_args("debugmodel", vocab_size=1000).num_params()
+    assert m.num_params() == model_args("debugmodel_gqa", vocab_size=1000).num_params()
+
+
+# torchtitan's llama3 flavors (torchtitan/models/llama3/__init__.py, v0.2): the names titan_cp
+# shares with torchtitan must be these models exactly. Fields left out take torchtitan's
+# TransformerModelArgs defaults: n_kv_heads = n_heads, multiple_of 256, no ffn multiplier,
+# norm eps 1e-5, Llama 3.1 RoPE scaling (8, 1, 4, 8192), max_seq_len 131072.
+TORCHTITAN_LLAMA3 = {
+    "debugmodel": dict(dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000),
+    "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+               rope_theta=500000),
+    "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+                rope_theta=500000),
+    "405B": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
+                 rope_theta=500000),
+}
+TORCHTITAN_DEFAULTS = dict(n_kv_heads=None, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=None, norm_eps=1e-5,
+                           rope_scaling=RoPEScaling(8.0, 1.0, 4.0, 8192), max_seq_len=131072)
+
+
+@pytest.mark.parametrize("flavor", sorted(TORCHTITAN_LLAMA3))
+def test_flavors_named_as_torchtitans_are_torchtitans_models(flavor):
+    want = {**TORCHTITAN_DEFAULTS, **TORCHTITAN_LLAMA3[flavor]}
+    ours = FLAVORS[flavor]
+    got = {k: getattr(ours, k) for k in want}
+    got["n_kv_heads"] = None if ours.kv_heads == ours.n_heads else ours.kv_heads
+    assert got == want
+    assert ours.depth_init
+
+
+def test_flavors_named_as_torchtitans_match_installed_torchtitan():
+    tt = pytest.importorskip("torchtitan.models.llama3", reason="torchtitan is not installed (optional extra)")
+    configs = getattr(tt, "llama3_args", None) or getattr(tt, "llama3_configs", None)
+    if configs is None or not hasattr(next(iter(configs.values())), "n_layers"):
+        pytest.skip("this torchtitan release describes models with nested configs, not TransformerModelArgs")
+    for name in set(configs) & set(FLAVORS):
+        theirs, ours = configs[name], FLAVORS[name]
+        for field in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier", "norm_eps",
+                      "rope_theta"):
+            assert getattr(ours, field) == getattr(theirs, field), (name, field)
+        assert ours.kv_heads == (theirs.n_kv_heads or theirs.n_heads), name
+        s = theirs.rope_scaling_args
+        assert ours.rope_scaling == RoPEScaling(s.scaling_factor, s.low_freq_factor, s.high_freq_factor,
+                                                s.original_max_position_embeddings), name
     with pytest.raises(ValueError, match="model.flavor"):
         build_model("7B")
 

@@ -232,7 +232,7 @@ def kernel_cases(sizes: Sizes) -> list[dict]:
 
 def check_kernels(device: torch.device, sizes: Sizes, dtype=torch.bfloat16) -> list[dict]:
     """Section ``kernels``: one record per (kernel, case)."""
-    names = ["cuda_flash", "flash_attn", "math"] if device.type == "cuda" else ["cpu_flash", "math"]
+    names = ["cuda_flash", "flash_attn", "math"] if device.type == "cuda" else ["cpu_varlen", "cpu_flash", "math"]
     if device.type == "cuda" and not flash_attn_available():
         names.remove("flash_attn")
     g = torch.Generator().manual_seed(0)
@@ -405,7 +405,7 @@ def check_ring(device: torch.device, sizes: Sizes, kernel_name: str | None = Non
 # ---------------------------------------------------------------------------- section: train
 def check_train(device: torch.device, sizes: Sizes, timeout: float = 170.0) -> dict:
     """Section ``train``: ``python -m titan_cp.train`` on the debug model, bf16, one process."""
-    rec = dict(section="train", steps=sizes.train_steps, flavor="debugmodel")
+    rec = dict(section="train", steps=sizes.train_steps, flavor="debugmodel_gqa")
     with tempfile.TemporaryDirectory(prefix="gpu_check_train_") as tmp:
         argv = [
             sys.executable, "-m", "titan_cp.train", "--job.config_file", str(REPO / "train_configs" / "debug_cp.toml"),
