@@ -171,3 +171,29 @@ def _build_for_wrong_world(rank, world_size):
 def test_build_mesh_checks_the_launched_world_size(dist_pools):
     messages = dist_pools.run(2, _build_for_wrong_world)
     assert all(m is not None and "for 4 ranks" in m and "2 ranks were launched" in m for m in messages)
+
+
+def _fsdp_mesh_report(rank, world_size, kwargs):
+    """Build the mesh and FSDP's mesh, recording any warning torch gives (deprecated slicing)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pd = ParallelDims(world_size=world_size, **kwargs)
+        pd.build_mesh("cpu")
+        mesh = pd.fsdp_mesh()
+        total = torch.tensor([rank])
+        dist.all_reduce(total, group=mesh.get_group(mesh.ndim - 1))
+    return mesh.mesh_dim_names, mesh.mesh.tolist(), total.item(), [str(w.message) for w in caught]
+
+
+def test_fsdp_mesh_is_kept_not_sliced_from_the_root(dist_pools):
+    """HSDP: (dp_replicate, dp_shard_cp) joined from kept views; no deprecation warning."""
+    reports = dist_pools.run(4, _fsdp_mesh_report, dict(dp_replicate=2, dp_shard=1, cp=2, tp=1, pp=1))
+    for rank, (names, ranks, total, warned) in enumerate(reports):
+        assert names == ("dp_replicate", "dp_shard_cp")
+        assert ranks == [[0, 1], [2, 3]]
+        assert total == (1 if rank < 2 else 5)  # the shard group: ranks {0, 1} or {2, 3}
+        assert not warned, warned
+    (names, ranks, _, warned), *_ = dist_pools.run(2, _fsdp_mesh_report, dict(dp_replicate=1, dp_shard=-1, cp=2, tp=1, pp=1))
+    assert names == ("dp_shard_cp",) and ranks == [0, 1] and not warned

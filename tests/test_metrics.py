@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from titan_cp.metrics import recall_counts, recall_metrics
-from titan_cp.train import lr_lambda
+from titan_cp.optim import lr_lambda
 
 
 def test_recall_counts_answer_tokens_by_distance_bucket():

@@ -19,12 +19,17 @@ view           axes                                         used for
 ``cp``         cp_ring x cp_ulysses (hybrid only)           the sequence-parallel group as a whole
 ============== ============================================ ==========================================
 
+FSDP's mesh is :meth:`ParallelDims.fsdp_mesh`: the kept ``dp_shard_cp`` view, or for HSDP the
+2-D ``(dp_replicate, dp_shard_cp)`` mesh joined from kept views (``DeviceMesh._concatenate``),
+never sliced from the root.
+
 For hybrid CP the Ulysses axis is the inner one (adjacent ranks, the fastest links carry the
 all-to-all) and the ring runs across it: cp rank ``r = ring_rank * cp_ulysses + ulysses_rank``.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from math import prod
 from typing import TYPE_CHECKING
@@ -192,6 +197,7 @@ class ParallelDims:
         meshes["dp"] = world["dp_replicate", "dp_shard"]._flatten("dp")
         meshes["dp_shard_cp"] = world[("dp_shard", *cp_axes)]._flatten("dp_shard_cp")
         meshes["dp_cp"] = world[("dp_replicate", "dp_shard", *cp_axes)]._flatten("dp_cp")
+        meshes["dp_replicate_dp_shard_cp"] = DeviceMesh._concatenate([world["dp_replicate"], meshes["dp_shard_cp"]])
         self._meshes = meshes
         return world
 
@@ -209,6 +215,19 @@ class ParallelDims:
         if name not in world.mesh_dim_names:
             raise KeyError(f"no mesh {name!r}; have {sorted([*world.mesh_dim_names, *self._meshes])}")
         return world[name]
+
+    def set_timeout(self, seconds: float) -> None:
+        """Set the collective timeout of the default process group and of every group of the mesh
+        and its views (``comm.train_timeout_seconds`` after the first step, as torchtitan does)."""
+        timeout = datetime.timedelta(seconds=seconds)
+        groups = {id(g): g for mesh in self._meshes.values() for g in mesh.get_all_groups()}
+        for group in [None, *groups.values()]:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards over: 1-D ``dp_shard_cp``, or 2-D ``(dp_replicate, dp_shard_cp)``
+        for HSDP (``dp_replicate > 1``)."""
+        return self.get_mesh("dp_replicate_dp_shard_cp" if self.dp_replicate_enabled else "dp_shard_cp")
 
     def hybrid_cp_mesh(self) -> DeviceMesh:
         """The 2-D ``("cp_ring", "cp_ulysses")`` sub-mesh of hybrid CP."""

@@ -1,11 +1,16 @@
 """Activation checkpointing of transformer blocks with ``torch.utils.checkpoint``.
 
   "full"       each block keeps only its inputs; the whole block is recomputed in backward.
-  "selective"  op-level: each block saves the outputs of matmuls and attention kernels
-               (the expensive ops) and recomputes the cheap elementwise ones (norms, RoPE,
-               SiLU, products), via ``create_selective_checkpoint_contexts``.
-               With ``every=k > 1`` instead: every k-th block fully checkpointed, the
-               others not at all (layer-level selective, torchtitan's integer option).
+  "selective"  layer-level, torchtitan's integer ``selective_ac_option``: every k-th block
+               (0, k, 2k, ...) fully checkpointed, the others not at all; ``every=1`` is
+               every block.
+  "op"         op-level (torchtitan's ``selective_ac_option = "op"``): each block saves the
+               outputs of matmuls and attention kernels (the expensive ops) and recomputes
+               the cheap elementwise ones (norms, RoPE, SiLU, products), via
+               ``create_selective_checkpoint_contexts``.
+
+``ac_mode_and_every(mode, selective_ac_option)`` maps the ``[activation_checkpoint]`` keys
+to these arguments.
 
 Apply after tensor/context parallelism and before ``torch.compile`` and FSDP, as
 torchtitan does. Wrapped blocks keep their state-dict keys (the wrapper strips its
@@ -46,24 +51,36 @@ def _selective_context_fn():
     return create_selective_checkpoint_contexts(partial(_op_policy, _save_ops()))
 
 
-def apply_ac(model: Transformer, mode: Literal["none", "full", "selective"], every: int = 1) -> None:
+def ac_mode_and_every(mode: str, selective_ac_option: str) -> tuple[str, int]:
+    """``activation_checkpoint.mode`` and ``.selective_ac_option`` -> ``apply_ac``'s ``(mode, every)``."""
+    if mode != "selective":
+        return mode, 1
+    if selective_ac_option == "op":
+        return "op", 1
+    if not (selective_ac_option.isdigit() and int(selective_ac_option) > 0):
+        raise ValueError(f"activation_checkpoint.selective_ac_option must be a positive integer or 'op', "
+                         f"got {selective_ac_option!r}")
+    return "selective", int(selective_ac_option)
+
+
+def apply_ac(model: Transformer, mode: Literal["none", "full", "selective", "op"], every: int = 1) -> None:
     """Wrap ``model.layers`` in place with activation checkpointing (see module doc).
 
-    every: for mode "selective", 1 means op-level; k > 1 means every k-th block fully.
+    every: for mode "selective", checkpoint blocks 0, every, 2*every, ... (1: every block).
     """
     if mode == "none":
         return
-    if mode not in ("full", "selective"):
+    if mode not in ("full", "selective", "op"):
         raise ValueError(f"activation_checkpoint.mode must be 'none', 'full' or 'selective', got {mode!r}")
     if every < 1:
         raise ValueError(f"activation_checkpoint.selective_ac_option must be >= 1, got {every}")
     for i, (layer_id, block) in enumerate(list(model.layers.items())):
         if mode == "full":
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        elif every > 1:  # layer-level selective: every k-th block fully, the rest not at all
+        elif mode == "selective":  # layer-level: every k-th block fully, the rest not at all
             if i % every != 0:
                 continue
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        else:  # op-level selective
+        else:  # op-level
             wrapped = checkpoint_wrapper(block, context_fn=_selective_context_fn, preserve_rng_state=False)
         model.layers.register_module(layer_id, wrapped)
