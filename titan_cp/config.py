@@ -31,10 +31,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import types
 import typing
 import warnings
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 try:
@@ -43,7 +45,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 MODEL_NAMES = ("llama3",)
-MODEL_FLAVORS = ("tiny", "debugmodel", "8B", "70B", "405B")  # the keys of titan_cp.model.flavors.FLAVORS
+INT64 = (-(2**63), 2**63 - 1)  # every integer key must fit (seeds, sizes and steps become tensors and C ints)
 
 
 @dataclass
@@ -58,25 +60,32 @@ class Job:
     """Free-text description of the job, logged at start."""
 
     print_config: bool = False
-    """Log the resolved job config at start."""
+    """Log the resolved job config (every key, as JSON) at start, on rank 0."""
 
 
 @dataclass
 class Profiling:
     enable_profiling: bool = False
-    """Collect torch.profiler traces."""
+    """Collect ``torch.profiler`` traces (CPU and CUDA activity): one Chrome trace per rank every
+    ``profile_freq`` steps, of the last step of each period, as
+    ``<save_traces_folder>/iteration_<step>/rank<r>_trace.json``."""
 
     save_traces_folder: str = "profile_traces"
     """Trace folder, relative to ``job.dump_folder``."""
 
     profile_freq: int = 10
-    """Collect one trace every this many steps."""
+    """Trace (and snapshot memory) every this many steps."""
 
     enable_memory_snapshot: bool = False
-    """Dump CUDA memory snapshots."""
+    """Record the CUDA caching allocator's history and dump a snapshot every ``profile_freq`` steps
+    as ``<save_memory_snapshot_folder>/iteration_<step>/rank<r>_memory_snapshot.pickle`` (open it at
+    pytorch.org/memory_viz). CUDA only: on CPU the trainer logs that no snapshot is taken."""
 
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Memory snapshot folder, relative to ``job.dump_folder``."""
+
+    def validate(self) -> None:
+        _positive("profiling.profile_freq", self.profile_freq)
 
 
 @dataclass
@@ -90,12 +99,12 @@ class Metrics:
     save_tb_folder: str = "tb"
     """TensorBoard folder, relative to ``job.dump_folder``."""
 
-    disable_color_printing: bool = False
-    """Log without ANSI colors."""
-
     save_jsonl_file: str = "metrics.jsonl"
-    """Machine-readable metrics, one JSON object per logged step, relative to
-    ``job.dump_folder``; empty disables."""
+    """Machine-readable metrics, one JSON object per step, relative to ``job.dump_folder``;
+    empty (``--metrics.save_jsonl_file=``) disables the file."""
+
+    def validate(self) -> None:
+        _positive("metrics.log_freq", self.log_freq)
 
 
 @dataclass
@@ -104,17 +113,23 @@ class Model:
     """Model family; titan_cp implements ``llama3``."""
 
     flavor: str = "debugmodel"
-    """Model size: ``tiny``, ``debugmodel`` (CPU), ``8B``, ``70B``, ``405B``."""
+    """Model size (``titan_cp.model.flavors``): torchtitan's ``debugmodel``, ``8B``, ``70B``, ``405B``
+    (the same models as torchtitan's flavors of those names), or titan_cp's ``tiny`` and
+    ``debugmodel_gqa`` (CPU)."""
 
     hf_assets_path: str | None = None
     """Folder with local Hugging Face assets; its ``tokenizer.json`` is used as the tokenizer.
     Unset (or empty): the built-in byte-level tokenizer."""
 
+    def validate(self) -> None:
+        _choice("model.name", self.name, MODEL_NAMES)
+        _choice("model.flavor", self.flavor, list(_flavors()))
+
 
 @dataclass
 class Optimizer:
     name: Literal["AdamW", "Adam"] = "AdamW"
-    """Optimizer."""
+    """``AdamW`` (decoupled weight decay) or ``Adam`` (``weight_decay`` added to the gradient)."""
 
     lr: float = 8e-4
     """Peak learning rate."""
@@ -132,13 +147,23 @@ class Optimizer:
     """Decoupled weight decay."""
 
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
-    """torch.optim implementation: ``fused`` (fastest), ``foreach`` or ``for-loop``."""
+    """torch.optim implementation: ``fused`` (one kernel for all parameters, fastest),
+    ``foreach`` (multi-tensor ops) or ``for-loop`` (one parameter at a time)."""
+
+    def validate(self) -> None:
+        _positive("optimizer.lr", self.lr)
+        _positive("optimizer.eps", self.eps)
+        _at_least("optimizer.weight_decay", self.weight_decay, 0)
+        for key, beta in (("optimizer.beta1", self.beta1), ("optimizer.beta2", self.beta2)):
+            if not 0 <= beta < 1:
+                raise ValueError(f"{key} must be in [0, 1), got {beta}")
 
 
 @dataclass
 class LRScheduler:
     warmup_steps: int = 200
-    """Linear warmup steps, from near 0 to ``optimizer.lr``."""
+    """Linear warmup steps, from near 0 to ``optimizer.lr``; at most ``training.steps`` (a longer
+    warmup is shortened to ``training.steps``, with a warning, as torchtitan does)."""
 
     decay_ratio: float | None = None
     """Fraction of ``training.steps`` spent decaying, at the end (warmup-stable-decay).
@@ -149,6 +174,13 @@ class LRScheduler:
 
     min_lr_factor: float = 0.0
     """The learning rate decays to ``optimizer.lr * min_lr_factor``."""
+
+    def validate(self) -> None:
+        _at_least("lr_scheduler.warmup_steps", self.warmup_steps, 0)
+        if self.decay_ratio is not None and not 0 <= self.decay_ratio <= 1:
+            raise ValueError(f"lr_scheduler.decay_ratio must be in [0, 1] or unset, got {self.decay_ratio}")
+        if not 0 <= self.min_lr_factor <= 1:
+            raise ValueError(f"lr_scheduler.min_lr_factor must be in [0, 1], got {self.min_lr_factor}")
 
 
 @dataclass
@@ -241,8 +273,14 @@ class Training:
     the forward runs under ``torch.autocast`` with it. ``float32`` on CUDA falls to the dense
     ``math`` attention kernel (with a warning): the flash kernels take bf16/fp16 only."""
 
-    mixed_precision_reduce: Literal["float32"] = "float32"
-    """Gradient reduction dtype under FSDP mixed precision."""
+    def validate(self) -> None:
+        for key in ("local_batch_size", "seq_len", "steps", "max_norm", "packing_lookahead"):
+            _positive(f"training.{key}", getattr(self, key))
+        _positive_or_auto("training.global_batch_size", self.global_batch_size)
+        _positive_or_auto("training.gradient_accumulation_steps", self.gradient_accumulation_steps)
+        _at_least("training.seed", self.seed, 0)
+        if not self.loss_roles:
+            raise ValueError("training.loss_roles is empty: chat records would carry no loss; list at least one role")
 
 
 @dataclass
@@ -254,13 +292,12 @@ class Parallelism:
     """FSDP sharding degree. -1: the ranks left after every other degree."""
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """FSDP ``reshard_after_forward`` policy."""
+    """FSDP ``reshard_after_forward``: ``default`` and ``always`` free the gathered weights after
+    each block's forward (gathering them again for the backward), except under pipeline
+    parallelism, where they stay gathered between a stage's microbatches; ``never`` keeps them."""
 
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree. 1: off."""
-
-    disable_loss_parallel: bool = False
-    """Compute the loss on gathered logits instead of vocabulary shards under TP."""
 
     pipeline_parallel_degree: int = 1
     """Pipeline-parallel degree (ranks, not stages). 1: off."""
@@ -272,9 +309,6 @@ class Parallelism:
 
     pipeline_parallel_microbatch_size: int = 1
     """Rows per pipeline microbatch; must divide ``training.local_batch_size``."""
-
-    pipeline_parallel_layers_per_stage: int | None = None
-    """Transformer layers per (virtual) stage. Unset: inferred from the schedule."""
 
     context_parallel_degree: int = 1
     """Context-parallel degree: ranks that split one sequence. 1: off."""
@@ -293,6 +327,56 @@ class Parallelism:
     """For ``hybrid``: size of the inner Ulysses axis (``cp_ulysses``); the ring axis
     (``cp_ring``) has ``context_parallel_degree / context_parallel_ulysses_degree`` ranks."""
 
+    def validate(self) -> None:
+        for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+                    "context_parallel_degree", "context_parallel_ulysses_degree",
+                    "pipeline_parallel_microbatch_size"):
+            _positive(f"parallelism.{key}", getattr(self, key))
+        _positive_or_auto("parallelism.data_parallel_shard_degree", self.data_parallel_shard_degree)
+        if self.context_parallel_strategy == "hybrid":
+            if self.context_parallel_degree % self.context_parallel_ulysses_degree:
+                raise ValueError(
+                    f"parallelism.context_parallel_ulysses_degree ({self.context_parallel_ulysses_degree}) must "
+                    f"divide parallelism.context_parallel_degree ({self.context_parallel_degree})"
+                )
+        elif self.context_parallel_ulysses_degree != 1:
+            raise ValueError(
+                "parallelism.context_parallel_ulysses_degree is only used with "
+                "parallelism.context_parallel_strategy = 'hybrid'; got strategy "
+                f"{self.context_parallel_strategy!r}: leave the degree at 1 or set the strategy to 'hybrid'"
+            )
+
+    def ulysses_degree(self) -> int:
+        """Ranks that split the heads by all-to-all: cp for ``ulysses``, the inner axis for ``hybrid``."""
+        if self.context_parallel_strategy == "ulysses":
+            return self.context_parallel_degree
+        return self.context_parallel_ulysses_degree if self.context_parallel_strategy == "hybrid" else 1
+
+    def check_model(self, flavor: str, n_heads: int, n_kv_heads: int, n_layers: int) -> None:
+        """Degrees the flavor's heads and layers can take (TP splits heads; Ulysses splits each TP
+        shard's heads again; pipeline stages need at least one layer each)."""
+        tp, uly = self.tensor_parallel_degree, self.ulysses_degree()
+        for what, count in (("heads", n_heads), ("KV heads", n_kv_heads)):
+            if count % tp:
+                raise ValueError(f"parallelism.tensor_parallel_degree ({tp}) must divide the {what} of "
+                                 f"model.flavor = {flavor!r} ({count})")
+        q, kv = n_heads // tp, n_kv_heads // tp
+        key = ("parallelism.context_parallel_degree" if self.context_parallel_strategy == "ulysses"
+               else "parallelism.context_parallel_ulysses_degree")
+        if uly > 1 and (q % uly or (kv % uly and uly % kv)):
+            raise ValueError(
+                f"{key} ({uly}) must divide the query heads per tensor-parallel rank of model.flavor = {flavor!r} "
+                f"({n_heads} / tp {tp} = {q}), and divide or be a multiple of its KV heads per rank ({kv})"
+            )
+        single = self.pipeline_parallel_schedule in ("1F1B", "GPipe")
+        stages = self.pipeline_parallel_degree * (1 if single else 2)
+        if self.pipeline_parallel_degree > 1 and n_layers < stages:
+            raise ValueError(
+                f"parallelism.pipeline_parallel_degree ({self.pipeline_parallel_degree}) with schedule "
+                f"{self.pipeline_parallel_schedule!r} makes {stages} stages, more than the {n_layers} layers "
+                f"of model.flavor = {flavor!r}"
+            )
+
 
 @dataclass
 class Checkpoint:
@@ -309,22 +393,51 @@ class Checkpoint:
     """Keep only the latest k checkpoints. 0: keep all."""
 
     load_step: int = -1
-    """Step to resume from. -1: the latest."""
+    """Step to resume from; that step's checkpoint must exist. -1: the latest, if any."""
 
     initial_load_path: str | None = None
-    """Checkpoint to start from when ``folder`` has none."""
+    """Weights to start from when there is nothing to resume (``enable`` false, or ``folder``
+    empty): a DCP checkpoint folder (titan_cp's, or torchtitan's with the same flavor), or with
+    ``initial_load_in_hf`` a Hugging Face checkpoint folder."""
 
     initial_load_model_only: bool = True
     """Load only the model (not optimizer and train state) from ``initial_load_path``."""
 
-    last_save_model_only: bool = True
-    """The final save holds only the model."""
+    initial_load_in_hf: bool = False
+    """``initial_load_path`` is a Hugging Face Llama checkpoint folder (``*.safetensors``, one file
+    or sharded with ``model.safetensors.index.json``; ``config.json`` checked where present):
+    its weights are renamed to torchtitan's and q/k converted to titan_cp's RoPE layout
+    (``titan_cp.model.hf``). Weights only: needs ``initial_load_model_only``."""
 
-    exclude_from_loading: list[str] = field(default_factory=list)
-    """State to leave out when loading, e.g. ``optimizer,lr_scheduler,dataloader``."""
+    last_save_in_hf: bool = False
+    """At the end of training also write the model as a Hugging Face Llama checkpoint
+    (safetensors, index, ``config.json``) to ``<job.dump_folder>/<folder>/step-<N>-hf``, whether
+    or not ``enable`` is set."""
+
+    last_save_model_only: bool = True
+    """The save at the last step (``training.steps``) holds only the model (for export or
+    fine-tuning); it cannot be resumed, so the resumable saves before it are kept."""
+
+    exclude_from_loading: list[Literal["model", "optimizer", "lr_scheduler", "dataloader", "train_state"]] = field(
+        default_factory=list)
+    """State to leave out when resuming from ``folder``, e.g. ``optimizer,lr_scheduler,dataloader``
+    (left as built: fresh optimizer moments, schedule from step 0, data from the start)."""
 
     async_mode: Literal["disabled", "async"] = "disabled"
-    """``async`` saves with ``torch.distributed.checkpoint.async_save``."""
+    """``async`` saves with ``torch.distributed.checkpoint.async_save`` (training continues while a
+    background thread writes; the save is renamed into place when the next one starts or the run
+    ends); ``disabled`` saves synchronously."""
+
+    def validate(self) -> None:
+        _positive("checkpoint.interval", self.interval)
+        _at_least("checkpoint.keep_latest_k", self.keep_latest_k, 0)
+        _at_least("checkpoint.load_step", self.load_step, -1)
+        if self.initial_load_in_hf and not self.initial_load_path:
+            raise ValueError("checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_path (a Hugging Face "
+                             "checkpoint folder)")
+        if self.initial_load_in_hf and not self.initial_load_model_only:
+            raise ValueError("checkpoint.initial_load_in_hf = true loads weights only: set "
+                             "checkpoint.initial_load_model_only = true")
 
 
 @dataclass
@@ -333,7 +446,17 @@ class ActivationCheckpoint:
     """Activation checkpointing: ``none``, ``full`` (every block), ``selective``."""
 
     selective_ac_option: str = "2"
-    """For ``selective``: a positive integer n (every n-th block) or ``op`` (op-level policy)."""
+    """For ``selective``, as torchtitan: a positive integer n checkpoints every n-th block fully
+    (blocks 0, n, 2n, ...; ``1`` is every block) and leaves the others alone; ``op`` checkpoints
+    every block op by op (matmul and attention outputs saved, the rest recomputed)."""
+
+    def validate(self) -> None:
+        if self.mode == "selective" and self.selective_ac_option != "op":
+            if not (self.selective_ac_option.isdigit() and int(self.selective_ac_option) > 0):
+                raise ValueError(
+                    "activation_checkpoint.selective_ac_option must be a positive integer or 'op', "
+                    f"got {self.selective_ac_option!r}"
+                )
 
 
 @dataclass
@@ -342,10 +465,11 @@ class Compile:
     """Apply ``torch.compile``."""
 
     components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
-    """What to compile."""
+    """What to compile: ``model`` compiles each transformer block. ``loss`` is accepted for
+    torchtitan's presets but not compiled (the trainer logs so once)."""
 
     backend: str = "inductor"
-    """``torch.compile`` backend."""
+    """``torch.compile`` backend (one of ``torch._dynamo.list_backends()``)."""
 
 
 @dataclass
@@ -378,6 +502,17 @@ class Validation:
     recall_buckets: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096, 8192])
     """Upper edges (tokens) of the distance buckets for ``recall_eval``."""
 
+    def validate(self) -> None:
+        _positive("validation.freq", self.freq)
+        _positive_or_auto("validation.steps", self.steps)
+        _positive_or_auto("validation.local_batch_size", self.local_batch_size)
+        _positive_or_auto("validation.seq_len", self.seq_len)
+        if not self.recall_buckets or any(b <= a for a, b in zip([0] + self.recall_buckets, self.recall_buckets)):
+            raise ValueError(f"validation.recall_buckets must be increasing positive integers, got {self.recall_buckets}")
+        if self.enable and self.steps == -1 and self.dataset == "synthetic_recall":
+            raise ValueError("validation.steps = -1 validates on the whole validation set, but validation.dataset = "
+                             "'synthetic_recall' is endless: set validation.steps to a positive number")
+
 
 @dataclass
 class Comm:
@@ -385,7 +520,11 @@ class Comm:
     """Collective timeout during initialization and the first step."""
 
     train_timeout_seconds: int = 100
-    """Collective timeout after the first step."""
+    """Collective timeout after the first step (set on every process group once step 1 is done)."""
+
+    def validate(self) -> None:
+        _positive("comm.init_timeout_seconds", self.init_timeout_seconds)
+        _positive("comm.train_timeout_seconds", self.train_timeout_seconds)
 
 
 @dataclass
@@ -445,98 +584,106 @@ class JobConfig:
         return t.global_batch_size, accum
 
     def validate(self) -> None:
-        """Check every value that does not need the world size; raise ``ValueError`` naming the key."""
-        for key, hint in _known_keys().items():  # choices, also for configs built in code
+        """Check every value that does not need the world size; raise ``ValueError`` naming the key.
+
+        Each section checks its own keys (``<Section>.validate``); this adds the checks that span
+        sections. Adjusts (with a warning) a warmup longer than the run. Reads no files."""
+        for key, hint in _known_keys().items():  # types and choices, also for configs built in code
             section, name = key.split(".")
-            value = getattr(getattr(self, section), name)
-            if typing.get_origin(hint) is Literal:
-                _choice(key, value, typing.get_args(hint))
-            elif typing.get_origin(hint) is list and typing.get_origin(typing.get_args(hint)[0]) is Literal:
-                for item in value:
-                    _choice(key, item, typing.get_args(typing.get_args(hint)[0]))
-        m, o, s, t, p = self.model, self.optimizer, self.lr_scheduler, self.training, self.parallelism
-        _choice("model.name", m.name, MODEL_NAMES)
-        _choice("model.flavor", m.flavor, MODEL_FLAVORS)
-        _positive("optimizer.lr", o.lr)
-        _positive("optimizer.eps", o.eps)
-        _at_least("optimizer.weight_decay", o.weight_decay, 0)
-        for key, beta in (("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)):
-            if not 0 <= beta < 1:
-                raise ValueError(f"{key} must be in [0, 1), got {beta}")
-        _at_least("lr_scheduler.warmup_steps", s.warmup_steps, 0)
-        if s.decay_ratio is not None and not 0 <= s.decay_ratio <= 1:
-            raise ValueError(f"lr_scheduler.decay_ratio must be in [0, 1] or unset, got {s.decay_ratio}")
-        if not 0 <= s.min_lr_factor <= 1:
-            raise ValueError(f"lr_scheduler.min_lr_factor must be in [0, 1], got {s.min_lr_factor}")
-        for key in ("local_batch_size", "seq_len", "steps"):
-            _positive(f"training.{key}", getattr(t, key))
-        _positive("training.max_norm", t.max_norm)
-        _positive_or_auto("training.global_batch_size", t.global_batch_size)
-        _positive_or_auto("training.gradient_accumulation_steps", t.gradient_accumulation_steps)
-        _at_least("training.seed", t.seed, 0)
-        _positive("training.packing_lookahead", t.packing_lookahead)
-        if not t.loss_roles:
-            raise ValueError("training.loss_roles is empty: chat records would carry no loss; list at least one role")
-        _check_mixture(t, self.validation)
+            _check_value(key, getattr(getattr(self, section), name), hint)
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "validate"):
+                section.validate()
+        m, s, t, p, v = self.model, self.lr_scheduler, self.training, self.parallelism, self.validation
+        if s.warmup_steps > t.steps:
+            warnings.warn(f"lr_scheduler.warmup_steps ({s.warmup_steps}) is longer than training.steps ({t.steps}): "
+                          f"warming up over {t.steps} steps", UserWarning, stacklevel=3)
+            s.warmup_steps = t.steps
+        _check_mixture(t, v)
         if t.chat_template == "tokenizer" and not m.hf_assets_path:
             raise ValueError("training.chat_template = 'tokenizer' needs model.hf_assets_path (a tokenizer_config.json "
                              "with a chat_template); the byte tokenizer has none")
-
-        for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
-                    "context_parallel_degree", "context_parallel_ulysses_degree",
-                    "pipeline_parallel_microbatch_size"):
-            _positive(f"parallelism.{key}", getattr(p, key))
-        _positive_or_auto("parallelism.data_parallel_shard_degree", p.data_parallel_shard_degree)
-        if p.pipeline_parallel_layers_per_stage is not None:
-            _positive("parallelism.pipeline_parallel_layers_per_stage", p.pipeline_parallel_layers_per_stage)
-        if p.context_parallel_strategy == "hybrid":
-            if p.context_parallel_degree % p.context_parallel_ulysses_degree:
-                raise ValueError(
-                    f"parallelism.context_parallel_ulysses_degree ({p.context_parallel_ulysses_degree}) must "
-                    f"divide parallelism.context_parallel_degree ({p.context_parallel_degree})"
-                )
-        elif p.context_parallel_ulysses_degree != 1:
-            raise ValueError(
-                "parallelism.context_parallel_ulysses_degree is only used with "
-                "parallelism.context_parallel_strategy = 'hybrid'; got strategy "
-                f"{p.context_parallel_strategy!r}: leave the degree at 1 or set the strategy to 'hybrid'"
-            )
+        args = _flavors()[m.flavor]
+        p.check_model(m.flavor, args.n_heads, args.n_kv_heads or args.n_heads, args.n_layers)
         if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
             raise ValueError(
                 f"training.local_batch_size ({t.local_batch_size}) must be a multiple of "
                 f"parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size})"
             )
         _check_seq_len("training.seq_len", t.seq_len, p)
+        if v.seq_len != -1:
+            _check_seq_len("validation.seq_len", v.seq_len, p)
         if -1 not in self.parallel_degrees().values():
             self.resolve_batch_sizes(p.data_parallel_replicate_degree * p.data_parallel_shard_degree)
 
-        c = self.checkpoint
-        _positive("checkpoint.interval", c.interval)
-        _at_least("checkpoint.keep_latest_k", c.keep_latest_k, 0)
-        ac = self.activation_checkpoint
-        if ac.mode == "selective" and ac.selective_ac_option != "op":
-            if not (ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) > 0):
-                raise ValueError(
-                    "activation_checkpoint.selective_ac_option must be a positive integer or 'op', "
-                    f"got {ac.selective_ac_option!r}"
-                )
-        v = self.validation
-        _positive("validation.freq", v.freq)
-        _positive_or_auto("validation.steps", v.steps)
-        _positive_or_auto("validation.local_batch_size", v.local_batch_size)
-        _positive_or_auto("validation.seq_len", v.seq_len)
-        if v.seq_len != -1:
-            _check_seq_len("validation.seq_len", v.seq_len, p)
-        if not v.recall_buckets or any(b <= a for a, b in zip([0] + v.recall_buckets, v.recall_buckets)):
-            raise ValueError(f"validation.recall_buckets must be increasing positive integers, got {v.recall_buckets}")
-        _positive("metrics.log_freq", self.metrics.log_freq)
-        _positive("profiling.profile_freq", self.profiling.profile_freq)
-        _positive("comm.init_timeout_seconds", self.comm.init_timeout_seconds)
-        _positive("comm.train_timeout_seconds", self.comm.train_timeout_seconds)
+    def check_files(self) -> None:
+        """What the files on disk can tell before any process starts: the tokenizer, each dataset's
+        path, the checkpoint to resume or start from. Raises ``ValueError`` naming the key."""
+        m, t, v, c = self.model, self.training, self.validation, self.checkpoint
+        if m.hf_assets_path:
+            path = Path(m.hf_assets_path)
+            if not (path / "tokenizer.json").is_file() and not (path.is_file() and path.suffix == ".json"):
+                raise ValueError(f"model.hf_assets_path = {m.hf_assets_path!r} holds no tokenizer.json; point it at "
+                                 "a local folder with one, or leave it unset for the built-in byte tokenizer")
+        sources = [] if t.dataset == "mixture" else [(t.dataset, t.dataset_path, "training.dataset", "training.dataset_path")]
+        sources += [(s.kind, s.path, f"training.mixture[{i}].kind", f"training.mixture[{i}].path")
+                    for i, s in enumerate(t.mixture)]
+        if v.enable:
+            sources.append((v.dataset, v.dataset_path, "validation.dataset", "validation.dataset_path"))
+        for kind, path, kind_key, path_key in sources:
+            if kind == "synthetic_recall":
+                continue
+            if not path:
+                raise ValueError(f"{kind_key} = {kind!r} is not built in (built in: 'synthetic_recall'); set "
+                                 f"{path_key} to a local copy: titan_cp never downloads data")
+            if not Path(path).exists():
+                raise ValueError(f"{path_key} = {path!r} does not exist")
+        if not c.enable:  # nothing to resume: initial_load_path is used
+            if c.initial_load_path and not Path(c.initial_load_path).exists():
+                raise ValueError(f"checkpoint.initial_load_path = {c.initial_load_path!r} does not exist")
+            return
+        folder = Path(self.job.dump_folder) / c.folder
+        steps = sorted(int(d.name[5:]) for d in folder.glob("step-*") if d.is_dir() and d.name[5:].isdigit())
+        if c.load_step != -1 and c.load_step not in steps:
+            raise ValueError(f"checkpoint.load_step = {c.load_step}, but {folder} holds "
+                             f"{'steps ' + str(steps) if steps else 'no checkpoint'}")
+        if not steps and c.initial_load_path and not Path(c.initial_load_path).exists():
+            raise ValueError(f"checkpoint.initial_load_path = {c.initial_load_path!r} does not exist")
 
 
 # --------------------------------------------------------------------------------------------
 # value checks
+
+
+def _check_value(key: str, value: Any, hint: Any) -> None:
+    """A value of the hint's type (``Literal`` choices included), finite if a float, 64-bit if an int."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        _choice(key, value, args)
+    elif origin is list:
+        for item in value:
+            _check_value(key, item, args[0])
+    elif hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{key} must be a finite number, got {value!r}")
+    elif hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        if not INT64[0] <= value <= INT64[1]:
+            raise ValueError(f"{key} = {value} does not fit in 64 bits")
+
+
+@functools.cache
+def _flavors() -> dict:
+    from titan_cp.model.flavors import FLAVORS  # noqa: PLC0415 - the model imports torch; the config needs it here only
+
+    return FLAVORS
 
 
 def _positive(key: str, value: float) -> None:
@@ -593,10 +740,11 @@ def _check_mixture(t: Training, v: Validation) -> None:
 
 
 def _check_seq_len(key: str, seq_len: int, p: Parallelism) -> None:
-    """The sequence must split evenly over the cp ranks: into cp chunks (``contiguous``), or into
-    2*cp chunks, two per rank (``zigzag``, ``doc_zigzag``)."""
+    """The sequence must split evenly over the cp ranks: into 2*cp chunks, two per rank
+    (``zigzag``), or into cp equal shards (``contiguous``; ``doc_zigzag``, which zigzags each
+    document and gives every rank seq_len / cp tokens)."""
     cp = p.context_parallel_degree
-    chunks = cp if p.context_parallel_load_balancer == "contiguous" else 2 * cp
+    chunks = 2 * cp if p.context_parallel_load_balancer == "zigzag" else cp
     if cp > 1 and seq_len % chunks:
         what = f"({cp})" if chunks == cp else f"({cp}) x 2 = {chunks}"
         raise ValueError(
@@ -609,14 +757,18 @@ def _check_seq_len(key: str, seq_len: int, p: Parallelism) -> None:
 # torchtitan compatibility
 
 # torchtitan (v0.2 and the legacy v0.1 names) keys titan_cp accepts and ignores, by section
-# ("a.b" for nested tables such as [quantize.linear.float8]).
+# ("a.b" for nested tables such as [quantize.linear.float8]). Among them, what titan_cp does
+# instead: it logs without colors (metrics.disable_color_printing), reduces gradients in fp32
+# (training.mixed_precision_reduce), computes the loss on logits gathered over tp
+# (parallelism.disable_loss_parallel) and splits layers evenly over the schedule's stages
+# (parallelism.pipeline_parallel_layers_per_stage).
 _TORCHTITAN_ONLY: dict[str, tuple[str, ...]] = {
     "job": ("print_args", "use_for_integration_test", "save_config_file", "custom_config_module"),
     "profiling": ("profiler_active", "profiler_warmup"),
-    "metrics": ("save_for_all_ranks", "enable_wandb"),
+    "metrics": ("save_for_all_ranks", "enable_wandb", "disable_color_printing"),
     "model": ("tokenizer_path", "converters", "print_after_conversion"),
     "optimizer": ("early_step_in_backward",),
-    "training": ("enable_cpu_offload", "dtype", "gc_freq", "gc_debug"),
+    "training": ("enable_cpu_offload", "dtype", "gc_freq", "gc_debug", "mixed_precision_reduce"),
     "training.dataloader": ("num_workers", "persistent_workers", "pin_memory", "prefetch_factor"),
     "parallelism": (
         "enable_compiled_autograd", "enable_async_tensor_parallel", "disable_sequence_parallel",
@@ -624,11 +776,11 @@ _TORCHTITAN_ONLY: dict[str, tuple[str, ...]] = {
         "pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers",
         "pipeline_parallel_schedule_csv", "pipeline_parallel_expert_parallel_overlap",
         "context_parallel_rotate_method", "expert_parallel_degree", "expert_tensor_parallel_degree",
-        "expert_parallel_comm_backend",
+        "expert_parallel_comm_backend", "disable_loss_parallel", "pipeline_parallel_layers_per_stage",
     ),
     "checkpoint": (
-        "enable_ft_dataloader_checkpoints", "initial_load_in_hf", "initial_load_in_hf_quantized",
-        "last_save_in_hf", "export_dtype", "create_seed_checkpoint", "load_only", "model_weights_only",
+        "enable_ft_dataloader_checkpoints", "initial_load_in_hf_quantized", "export_dtype",
+        "create_seed_checkpoint", "load_only", "model_weights_only",
         "enable_first_step_checkpoint",
     ),
     "activation_checkpoint": (
@@ -823,8 +975,10 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     ignored: list[str] = []
     renamed: list[str] = []
     values: dict[str, Any] = {}
+    spelled: dict[str, str] = {}  # titan_cp key -> how the TOML named it (two names for one key: an error)
 
     def place(key: str, value: Any, origin: str, from_cli: bool) -> None:
+        given = key
         if from_cli and key not in known and key not in _RENAMED and value is None:
             section, _, leaf = key.rpartition(".")
             if leaf.startswith("no_") and known.get(f"{section}.{leaf[3:]}") is bool:
@@ -833,6 +987,10 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
             renamed.append(f"{key} -> {_RENAMED[key]}")
             key = _RENAMED[key]
         if key in known:
+            if not from_cli:
+                if key in spelled:
+                    raise ValueError(f"{spelled[key]} and {given} ({origin}) both set {key}: keep one")
+                spelled[key] = given
             hint = known[key]
             if value is None:
                 if hint is not bool:
@@ -845,8 +1003,13 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
             raise _unknown_key(key, origin)
 
     if toml_path is not None:
-        with open(toml_path, "rb") as f:
-            table = tomllib.load(f)
+        try:
+            with open(toml_path, "rb") as f:
+                table = tomllib.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"job.config_file = {toml_path!r} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"job.config_file = {toml_path!r} is not valid TOML: {e}") from None
         for key, value in _flatten_toml(table).items():
             place(key, value, f"in {toml_path}", from_cli=False)
     for key, value in cli:
@@ -865,3 +1028,21 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         setattr(getattr(job_config, section), name, value)
     job_config.validate()
     return job_config
+
+
+def usage() -> str:
+    """The command line and every key with its type and default, by section (``--help``)."""
+    lines = [
+        "usage: torchrun --nproc-per-node N -m titan_cp.train --job.config_file X.toml [--section.key value ...]",
+        "",
+        "Precedence: command line > TOML > defaults. Booleans: --section.flag / --section.no_flag;",
+        "lists comma-separated; 'none' unsets an optional value. Presets: train_configs/*.toml.",
+    ]
+    defaults = JobConfig()
+    for section in dataclasses.fields(JobConfig):
+        lines.append(f"\n[{section.name}]")
+        for f in dataclasses.fields(getattr(defaults, section.name)):
+            hint = _known_keys()[f"{section.name}.{f.name}"]
+            kind = typing.get_args(hint) if typing.get_origin(hint) is Literal else getattr(hint, "__name__", hint)
+            lines.append(f"  --{section.name}.{f.name} ({kind}, default {getattr(getattr(defaults, section.name), f.name)!r})")
+    return "\n".join(lines)
