@@ -15,7 +15,13 @@ has, so cp, dp_shard, dp_replicate, tp and pp degrees may all change.
 
 Why a crash never leaves a bad "latest": a save is written under ``step-N.tmp`` and renamed
 to ``step-N`` by rank 0 only after every rank finished writing (``rename`` is atomic on
-POSIX); loading looks at complete ``step-N`` folders only.
+POSIX); loading looks at complete ``step-N`` folders only. An asynchronous save
+(``checkpoint.async_mode = "async"``, ``dcp.async_save``) is renamed when the next save starts
+or :meth:`Checkpointer.close` is called.
+
+A model-only save (``checkpoint.last_save_model_only``) holds the ``model`` alone; resuming
+with ``checkpoint.load_step = -1`` takes the newest save that holds the whole state, and a
+model-only step named by ``load_step`` loads the model alone.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch.distributed as dist
@@ -35,6 +42,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from titan_cp.model import hf
 
 logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -55,11 +64,17 @@ class Checkpointer:
     (the LR schedulers, the data loader, the train state).
     """
 
-    def __init__(self, folder: str | Path, model_parts, optimizers, stateful: dict, keep_latest_k: int = 0):
+    def __init__(self, folder: str | Path, model_parts, optimizers, stateful: dict, keep_latest_k: int = 0,
+                 async_mode: str = "disabled", exclude_from_loading: tuple[str, ...] = ()):
         self.folder = Path(folder)
         self.model_parts, self.optimizers, self.stateful = model_parts, optimizers, stateful
         self.keep_latest_k = keep_latest_k
+        self.async_mode = async_mode
+        self.exclude_from_loading = set(exclude_from_loading)
         self._options = StateDictOptions(flatten_optimizer_state_dict=True)
+        self._pending: tuple[Future, Path, Path] | None = None  # an async save not yet renamed into place
+        # an async save's collectives run in a background thread: on a group of their own, as torchtitan
+        self._async_group = dist.new_group(backend="gloo") if async_mode == "async" else None
 
     def _model_state(self) -> dict:
         state = {}
@@ -80,23 +95,41 @@ class Checkpointer:
             state.update({name: obj.state_dict() for name, obj in self.stateful.items()})
         return state
 
-    def save(self, step: int) -> Path:
-        """Write ``step-<step>`` atomically; then keep only the newest ``keep_latest_k``."""
+    def save(self, step: int, model_only: bool = False) -> Path:
+        """Write ``step-<step>`` atomically (the model alone if ``model_only``); then keep only the
+        newest ``keep_latest_k``. Asynchronous saves are renamed into place by the next save or
+        :meth:`close`."""
+        self.close()
         final = self.folder / f"step-{step}"
         tmp = self.folder / f"step-{step}.tmp"
-        rank0 = dist.get_rank() == 0
-        if rank0:
+        if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        dcp.save(self._state(model_only=False), checkpoint_id=str(tmp))
+        state = self._state(model_only=model_only)
+        if self.async_mode == "async":
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
+            self._pending = (future, tmp, final)
+            return final
+        dcp.save(state, checkpoint_id=str(tmp))
+        self._finish(tmp, final)
+        return final
+
+    def close(self) -> None:
+        """Wait for an asynchronous save in flight and rename it into place."""
+        if self._pending is not None:
+            future, tmp, final = self._pending
+            self._pending = None
+            future.result()
+            self._finish(tmp, final)
+
+    def _finish(self, tmp: Path, final: Path) -> None:
         dist.barrier()  # every rank has written its shards
-        if rank0:
+        if dist.get_rank() == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             self._purge()
         dist.barrier()
-        return final
 
     def _purge(self) -> None:
         for p in self.folder.glob("step-*.tmp"):  # leftovers of crashed saves
@@ -106,32 +139,89 @@ class Checkpointer:
                 shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
 
     def load(self, step: int = -1) -> int | None:
-        """Load ``step`` (``-1``: the newest complete one); return it, or ``None`` if there is none."""
+        """Load ``step`` (``-1``: the newest complete one holding the whole state, else the newest
+        model-only one); return it, or ``None`` if ``step`` is -1 and there is none. A requested
+        step that is not there is a ``ValueError``: a resume never silently starts from scratch."""
         steps = saved_steps(self.folder)
+        if step != -1 and step not in steps:
+            held = f"steps {steps}" if steps else "no checkpoint"
+            raise ValueError(f"checkpoint.load_step = {step}, but {self.folder} holds {held}")
         if not steps:
             return None
         if step == -1:
-            step = steps[-1]
-        elif step not in steps:
-            raise ValueError(f"checkpoint.load_step = {step}, but {self.folder} holds steps {steps}")
-        self._load_path(self.folder / f"step-{step}", model_only=False)
+            full = [s for s in steps if not _model_only(self.folder / f"step-{s}")]
+            step = full[-1] if full else steps[-1]
+        path = self.folder / f"step-{step}"
+        model_only = _model_only(path)
+        if model_only:
+            logger.warning("checkpoint %s holds only the model (checkpoint.last_save_model_only): loading the "
+                           "model; optimizer, schedule, data position and step start afresh", path)
+        self._load_path(path, model_only=model_only, exclude=self.exclude_from_loading)
         return step
 
-    def load_model(self, path: str | Path) -> None:
-        """Load model weights only (``checkpoint.initial_load_path``)."""
+    def load_model(self, path: str | Path, model_only: bool = True) -> None:
+        """Start from ``checkpoint.initial_load_path``: the model, or everything it holds when
+        ``model_only`` is false (``checkpoint.initial_load_model_only``)."""
         if not Path(path).is_dir():
-            raise ValueError(f"checkpoint.initial_load_path {path} is not a checkpoint folder")
-        self._load_path(Path(path), model_only=True)
+            raise ValueError(f"checkpoint.initial_load_path = {str(path)!r} is not a checkpoint folder")
+        if _torchtitan_layout(Path(path)):
+            return self._load_torchtitan_model(Path(path), model_only)
+        self._load_path(Path(path), model_only=model_only or _model_only(Path(path)))
 
-    def _load_path(self, path: Path, model_only: bool) -> None:
-        state = self._state(model_only)
+    def _load_torchtitan_model(self, path: Path, model_only: bool) -> None:
+        """A DCP checkpoint written by torchtitan: the model's parameters at the top level under
+        the same names (``tok_embeddings.weight``, ``layers.0.attention.wq.weight`` ...)."""
+        if not model_only:
+            raise ValueError(f"checkpoint.initial_load_path = {str(path)!r} is a torchtitan checkpoint; titan_cp "
+                             "loads its model weights only: set checkpoint.initial_load_model_only = true")
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        state = self._model_state()
+        for name, t in state.items():  # check everything before loading anything
+            if name not in saved:
+                raise ValueError(f"checkpoint.initial_load_path = {str(path)!r} has no {name}")
+            if tuple(saved[name].size) != tuple(t.shape):
+                raise ValueError(f"checkpoint.initial_load_path = {str(path)!r}: {name} has shape "
+                                 f"{tuple(saved[name].size)}, but the model's has shape {tuple(t.shape)}")
         dcp.load(state, checkpoint_id=str(path))
         for part in self.model_parts:
-            set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-        if model_only:
-            return
-        for part, opt in zip(self.model_parts, self.optimizers):
-            set_optimizer_state_dict(part, opt, state["optimizer"], options=self._options)
+            set_model_state_dict(part, state, options=StateDictOptions(strict=False))
+        logger.info("loaded torchtitan model weights %s", path)
+
+    def load_hf(self, path: str | Path, model_args) -> None:
+        """Start from the Hugging Face Llama checkpoint folder ``path``
+        (``checkpoint.initial_load_in_hf``): weights only, renamed and q/k permuted
+        (``titan_cp.model.hf.load_hf``); shapes and ``config.json`` are checked first."""
+        hf.load_hf(self.model_parts, path, model_args, key="checkpoint.initial_load_path")
+
+    def save_hf(self, step: int, model_args) -> Path:
+        """Write the model as a Hugging Face Llama checkpoint to ``<folder>/step-<step>-hf``
+        (``checkpoint.last_save_in_hf``; ``titan_cp.model.hf.save_hf``)."""
+        return hf.save_hf(self.model_parts, self.folder / f"step-{step}-hf", model_args)
+
+    def _load_path(self, path: Path, model_only: bool, exclude: set[str] = frozenset()) -> None:
+        state = {k: v for k, v in self._state(model_only).items() if k not in exclude}
+        dcp.load(state, checkpoint_id=str(path))
+        if "model" in state:
+            for part in self.model_parts:
+                set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+        if "optimizer" in state:
+            for part, opt in zip(self.model_parts, self.optimizers):
+                set_optimizer_state_dict(part, opt, state["optimizer"], options=self._options)
         for name, obj in self.stateful.items():
-            obj.load_state_dict(state[name])
-        logger.info("loaded checkpoint %s", path)
+            if name in state:
+                obj.load_state_dict(state[name])
+        left_out = f" (left out: {', '.join(sorted(exclude))})" if exclude else ""
+        logger.info("loaded checkpoint %s%s", path, left_out)
+
+
+def _torchtitan_layout(path: Path) -> bool:
+    """Whether the DCP checkpoint at ``path`` is torchtitan's: model keys at the top level,
+    where titan_cp nests them under ``model.``."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return "tok_embeddings.weight" in keys or any(k.startswith("layers.") for k in keys)
+
+
+def _model_only(path: Path) -> bool:
+    """Whether the DCP checkpoint at ``path`` holds the model alone (no optimizer state)."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return not any(k.startswith("optimizer") for k in keys)
