@@ -32,6 +32,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import os
 import types
 import typing
 import warnings
@@ -597,8 +598,9 @@ class JobConfig:
                 section.validate()
         m, s, t, p, v = self.model, self.lr_scheduler, self.training, self.parallelism, self.validation
         if s.warmup_steps > t.steps:
-            warnings.warn(f"lr_scheduler.warmup_steps ({s.warmup_steps}) is longer than training.steps ({t.steps}): "
-                          f"warming up over {t.steps} steps", UserWarning, stacklevel=3)
+            if os.environ.get("RANK", "0") == "0":  # once per job, not once per process
+                warnings.warn(f"lr_scheduler.warmup_steps ({s.warmup_steps}) is longer than training.steps ({t.steps}): "
+                              f"warming up over {t.steps} steps", UserWarning, stacklevel=3)
             s.warmup_steps = t.steps
         _check_mixture(t, v)
         if t.chat_template == "tokenizer" and not m.hf_assets_path:
