@@ -1,6 +1,8 @@
 """CP composed with FSDP2, TP and PP, each against a single-process run of the same model
 on the same packed-document batches: the loss, every parameter's gradient, and the
-parameters after three AdamW steps.
+parameters after three AdamW steps. The parallel models are built as the trainer builds
+them (``build_parallel_model``: on meta, parallelized, then materialised shard by shard)
+and computes the loss (chunked, vocabulary-parallel under TP).
 
 fp32 throughout. Tolerances: the parallel runs add the same numbers in a different order
 (sharded reductions, tile splits, log-sum-exp merges), which moves losses and gradients
@@ -18,12 +20,11 @@ from torch.distributed.tensor import DTensor
 from titan_cp.attention import cp_rank
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
-from titan_cp.model import build_model
-from titan_cp.parallel import pipeline_llama
-from titan_cp.parallelize import ParallelizeOptions, cp_mesh, parallelize_llama
+from titan_cp.model import build_model, model_args
+from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, cp_mesh, materialize
 from titan_cp.step import Microbatch, forward_backward
 
-SEQ, ROWS, STEPS, LR = 48, 4, 3, 1e-3
+SEQ, ROWS, STEPS, LR, SEED = 48, 4, 3, 1e-3, 0
 
 
 def make_batch(seed: int, rows: int = ROWS, seq: int = SEQ, vocab: int = 256) -> Microbatch:
@@ -59,8 +60,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(n_layers: int):
-    torch.manual_seed(0)
-    model = build_model("tiny", device="cpu", n_layers=n_layers)
+    model = build_model("tiny", n_layers=n_layers)
+    materialize(model, "cpu", SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     loss_fn = GlobalTokenLoss()
     losses, grads = [], None
@@ -84,18 +85,12 @@ def _compare(rank, world, combo: dict):
     pd.build_mesh("cpu")
     options = ParallelizeOptions(cp_strategy=combo["strategy"], cp_balance=combo.get("balance", "doc_zigzag"),
                                  ac_mode=combo.get("ac", "none"))
-    torch.manual_seed(0)
-    model = build_model("tiny", device="cpu", n_layers=combo.get("n_layers", 2))
     loss_fn = GlobalTokenLoss()
-    schedule, first, last = None, True, True
-    if pd.pp_enabled:
-        schedule, parts, first, last = pipeline_llama(
-            model, pd.get_mesh("pp"), n_microbatches=2, schedule_name=combo["schedule"], loss_fn=loss_fn,
-            parallelize_fn=lambda part: parallelize_llama(part, pd, options),
-        )
-    else:
-        parallelize_llama(model, pd, options)
-        parts = [model]
+    built = build_parallel_model(
+        model_args("tiny", n_layers=combo.get("n_layers", 2)), pd, options, "cpu", seed=SEED, loss_fn=loss_fn,
+        pp_microbatches=2, pp_schedule=combo.get("schedule", "1F1B"),
+    )
+    parts, schedule, first, last = built.parts, built.schedule, built.has_first, built.has_last
     opt = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=LR)
     c_rank = cp_rank(cp_mesh(pd), combo["strategy"]) if pd.cp_enabled else 0
     dp_mesh = pd.get_mesh("dp")

@@ -9,14 +9,37 @@ gradient-accumulation microbatches of a step (counted by the loader)::
 so gradients are *summed* over ``dp x cp`` (FSDP's division set to 1), never averaged.
 Averaging per rank instead would weight a token by 1/(its rank's count): ranks whose shard
 holds fewer valid tokens (document ends, masked prompts) would count for more.
+
+The token cross-entropies come from the last hidden states and the output weight, a chunk
+of tokens at a time (:func:`chunked_cross_entropy_sum`): the ``(tokens, vocab)`` logits,
+in the compute dtype or in fp32, never exist whole, in the forward or in the backward.
+Per chunk ``c`` of tokens (``h_c`` ``(n, D)``, ``W`` ``(V, D)``, ``y`` the labels)::
+
+    forward   z_c = h_c W^T (fp32)    lse_c = logsumexp(z_c)    loss += sum_valid (lse_c - z_c[y])
+    backward  z_c = h_c W^T again     p_c = exp(z_c - lse_c) - onehot(y), zero where invalid
+              dh_c = g p_c W          dW += g p_c^T h_c
+
+Only ``lse`` (``(N,)`` fp32) is kept between forward and backward. Under tensor parallelism
+the vocabulary is sharded (``W`` a DTensor ``Shard(0)`` on the tp mesh, rank r holding rows
+``[v_r, v_r + V/tp)``) and the chunks are vocabulary-parallel, without gathering logits::
+
+    m = all_reduce_max(max_v z)     lse = log(all_reduce_sum(sum_v exp(z - m))) + m
+    z[y] = all_reduce_sum(z[y] where y is in this rank's rows, else 0)
+    backward: p_c on this rank's rows only; dW_r = g p_c^T h_c; dh_c = g p_c W_r is a partial
+              sum over the tp ranks (the dual of the input all-gather: a reduce-scatter)
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 IGNORE_INDEX = -100
+LOSS_CHUNK_BYTES = 128 * 2**20  # fp32 logits of one chunk of tokens (per tp rank)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -27,17 +50,116 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-class GlobalTokenLoss:
-    """``loss_fn(logits, labels) = token_loss_sum / global_valid_tokens``; set the count every step.
+def _chunk_lse_and_target(z_nV: Tensor, labels_n: Tensor, vocab_start: int, group) -> tuple[Tensor, Tensor]:
+    """``(lse, target logit)`` per token of fp32 logits ``z`` (this rank's vocabulary rows); ``z`` is overwritten."""
+    vocab_local = z_nV.shape[1]
+    index = labels_n - vocab_start
+    mine = (index >= 0) & (index < vocab_local) & (labels_n != IGNORE_INDEX)
+    target = z_nV.gather(1, index.clamp(0, vocab_local - 1)[:, None]).squeeze(1).where(mine, 0.0)
+    m = z_nV.amax(1)
+    if group is not None:
+        dist.all_reduce(m, dist.ReduceOp.MAX, group=group)
+    m = m.where(m.isfinite(), 0.0)
+    sumexp = z_nV.sub_(m[:, None]).exp_().sum(1)
+    if group is not None:
+        both = torch.stack((sumexp, target))
+        dist.all_reduce(both, group=group)
+        sumexp, target = both[0], both[1]
+    return sumexp.log() + m, target
 
-    One object serves a pipeline schedule (whose ``loss_fn`` is fixed when it is built) and
-    the plain training step alike.
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """``sum over valid tokens of CE(h W^T, y)``; see the module docstring. h ``(N, D)``, W ``(V_local, D)``."""
+
+    @staticmethod
+    def forward(ctx, h_ND, w_VD, labels_N, chunk, vocab_start, group):
+        lse_N = torch.empty(h_ND.shape[0], dtype=torch.float32, device=h_ND.device)
+        total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        for s in range(0, h_ND.shape[0], chunk):
+            e = min(s + chunk, h_ND.shape[0])
+            z = torch.mm(h_ND[s:e], w_VD.t()).float()
+            lse, target = _chunk_lse_and_target(z, labels_N[s:e], vocab_start, group)
+            del z
+            lse_N[s:e] = lse
+            total += (lse - target).where(labels_N[s:e] != IGNORE_INDEX, 0.0).sum()
+        ctx.save_for_backward(h_ND, w_VD, labels_N, lse_N)
+        ctx.chunk, ctx.vocab_start = chunk, vocab_start
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        h_ND, w_VD, labels_N, lse_N = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        vocab_local = w_VD.shape[0]
+        dh_ND = torch.empty_like(h_ND) if need_h else None
+        dw_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_w else None
+        g = g.float()
+        for s in range(0, h_ND.shape[0], ctx.chunk):
+            e = min(s + ctx.chunk, h_ND.shape[0])
+            h_c, y = h_ND[s:e], labels_N[s:e]
+            p = torch.mm(h_c, w_VD.t()).float().sub_(lse_N[s:e, None]).exp_()  # softmax of the chunk
+            index = y - ctx.vocab_start
+            mine = (index >= 0) & (index < vocab_local) & (y != IGNORE_INDEX)
+            p.scatter_add_(1, index.clamp(0, vocab_local - 1)[:, None], -mine.to(p.dtype)[:, None])
+            p.mul_(((y != IGNORE_INDEX).to(p.dtype) * g)[:, None])
+            p = p.to(h_ND.dtype)
+            if need_h:
+                torch.mm(p, w_VD, out=dh_ND[s:e])
+            if need_w:
+                if p.dtype == torch.float32:
+                    dw_VD.addmm_(p.t(), h_c)
+                else:
+                    dw_VD += torch.mm(p.t(), h_c)
+            del p
+        dw = dw_VD.to(w_VD.dtype) if need_w else None
+        return dh_ND, dw, None, None, None, None
+
+
+def chunked_cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int | None = None) -> Tensor:
+    """``sum over tokens with a label of CE(h @ weight.T, label)``, fp32, computed chunk by chunk.
+
+    h: ``(..., D)`` last hidden states (after the final norm); weight: ``(V, D)`` the output
+    projection; labels: ``(...)`` int64, ``IGNORE_INDEX`` where no loss. chunk_tokens: tokens
+    per chunk (default: ``LOSS_CHUNK_BYTES`` of fp32 logits). Under autocast the matmuls run
+    in the autocast dtype, as ``F.linear`` would. Tensor parallel: ``weight`` a DTensor
+    ``Shard(0)`` on a 1-D mesh and ``h`` a DTensor replicated on it (or a plain tensor equal on
+    every rank); the result is then the same plain tensor on every rank of the mesh.
+    """
+    group, vocab_start = None, 0
+    if isinstance(weight, DTensor):
+        if weight.device_mesh.ndim != 1 or not weight.placements[0].is_shard(0):
+            raise ValueError(f"vocabulary-parallel loss needs the output weight Shard(0) on a 1-D mesh, got {weight.placements}")
+        _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+        group, vocab_start = weight.device_mesh.get_group(), offset[0]
+        weight = weight.to_local()
+        if isinstance(h, DTensor):  # its gradient is a partial sum over the vocabulary shards
+            h = h.to_local(grad_placements=[Partial()])
+    device_type = h.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        h, weight = h.to(dtype), weight.to(dtype)
+    if chunk_tokens is None:
+        chunk_tokens = max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
+    with torch.autocast(device_type, enabled=False):
+        return _ChunkedCrossEntropy.apply(
+            h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), chunk_tokens, vocab_start, group
+        )
+
+
+class GlobalTokenLoss:
+    """``loss_fn(output, labels) = token CE sum / global_valid_tokens``; set the count every step.
+
+    ``output`` is what the model (or the last pipeline stage) returned: the summed token
+    cross-entropy when it was called with ``labels`` (a 0-dim tensor, computed chunk by chunk
+    inside the output projection), or logits ``(batch, seq, vocab)``. One object serves a
+    pipeline schedule (whose ``loss_fn`` is fixed when it is built) and the plain step alike.
     """
 
     def __init__(self) -> None:
         self.global_valid_tokens: int | None = None
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if not self.global_valid_tokens:
             raise ValueError("GlobalTokenLoss.global_valid_tokens must be set to the step's positive token count")
-        return token_loss_sum(logits, labels) / self.global_valid_tokens
+        loss_sum = output if output.ndim == 0 else token_loss_sum(output, labels)
+        return loss_sum / self.global_valid_tokens

@@ -8,17 +8,23 @@ Per model part (a whole model, or one pipeline stage)::
 CP ranks shard the weights too (FSDP's mesh includes the cp axis): they hold different
 tokens of the same rows, so their gradients must be summed exactly like data-parallel
 ranks' — FSDP's reduce-scatter does that, with the division set to 1 (see ``loss.py``).
+
+``build_parallel_model`` does it all from the model's shapes, as torchtitan does: build on
+``meta`` (no memory), cut this rank's pipeline stages from it, parallelize each, then
+``to_empty`` on the device (each rank allocates only its shards) and initialise in place
+with values that do not depend on the mesh (``titan_cp.model.init``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from titan_cp.mesh import ParallelDims
-from titan_cp.model.llama import Transformer
-from titan_cp.parallel import apply_ac, apply_compile, apply_fsdp, apply_tp
+from titan_cp.model.llama import ModelArgs, Transformer
+from titan_cp.parallel import apply_ac, apply_compile, apply_fsdp, apply_tp, pipeline_llama
 from titan_cp.parallel.cp import apply_cp
 
 
@@ -32,6 +38,7 @@ class ParallelizeOptions:
     ac_mode: str = "none"
     ac_every: int = 1
     compile: bool = False
+    compile_backend: str = "inductor"
     loss_parallel: bool = False
     mp_param_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
@@ -51,14 +58,9 @@ def parallelize_llama(model: Transformer, parallel_dims: ParallelDims, options: 
     if options.ac_mode != "none":
         apply_ac(model, options.ac_mode, every=options.ac_every)
     if options.compile:
-        apply_compile(model)
+        apply_compile(model, backend=options.compile_backend)
     if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
-        world = parallel_dims.world_mesh
-        parallel_dims.get_mesh("dp_shard_cp")  # the flattened axis must exist before slicing it
-        if parallel_dims.dp_replicate_enabled:
-            mesh = world["dp_replicate", "dp_shard_cp"]
-        else:
-            mesh = world["dp_shard_cp"]
+        mesh = parallel_dims.fsdp_mesh()  # kept flattened views, never sliced from the root (deprecated)
         apply_fsdp(
             model,
             mesh,
@@ -66,3 +68,54 @@ def parallelize_llama(model: Transformer, parallel_dims: ParallelDims, options: 
             reshard_after_forward=options.reshard_after_forward and not parallel_dims.pp_enabled,
             hsdp=parallel_dims.dp_replicate_enabled,
         )
+
+
+def materialize(model: Transformer, device: torch.device | str, seed: int | None = None) -> None:
+    """Allocate ``model``'s parameters (this rank's shards, when parallelized) on ``device``
+    and initialise them in place (``Transformer.init_weights``: the same values on any mesh)."""
+    model.to_empty(device=device)
+    model.init_weights(seed)
+
+
+@dataclass
+class ModelParts:
+    """This rank's model: its parts (the whole model, or its pipeline stages) and, with a
+    pipeline, the schedule and whether this rank holds the first / last stage."""
+
+    parts: list[Transformer]
+    schedule: Any = None
+    has_first: bool = True
+    has_last: bool = True
+
+
+def build_parallel_model(
+    args: ModelArgs,
+    parallel_dims: ParallelDims,
+    options: ParallelizeOptions,
+    device: torch.device | str,
+    seed: int | None = None,
+    loss_fn: Callable | None = None,
+    pp_microbatches: int = 1,
+    pp_schedule: str = "1F1B",
+) -> ModelParts:
+    """Build ``args``' model on ``meta``, cut this rank's pipeline stages, parallelize, and
+    materialise on ``device`` with weights that depend on ``seed`` only (not on the mesh).
+
+    Nothing larger than a rank's shards (plus one init block) is ever allocated.
+    loss_fn, pp_microbatches, pp_schedule: the pipeline schedule's (pipeline parallelism only).
+    """
+    with torch.device("meta"):
+        model = Transformer(args)
+
+    def prepare(part: Transformer) -> None:
+        parallelize_llama(part, parallel_dims, options)
+        materialize(part, device, seed)
+
+    if parallel_dims.pp_enabled:
+        schedule, parts, first, last = pipeline_llama(
+            model, parallel_dims.get_mesh("pp"), pp_microbatches, pp_schedule, loss_fn,
+            device=device, parallelize_fn=prepare,
+        )
+        return ModelParts(parts, schedule, first, last)
+    prepare(model)
+    return ModelParts([model])

@@ -3,7 +3,10 @@
 Shared by the trainer and the composition tests, so both run exactly the same path::
 
     rows of this dp rank ──layout.shard(cp rank)──> tokens, labels, positions (local)
-    model(tokens, positions, doc_lens) ──> logits (local) ──> sum CE / global count ──> backward
+    model(tokens, positions, doc_lens, labels) ──> sum CE (local, chunked) / global count ──> backward
+
+The model computes the summed token cross-entropy itself, from its last hidden states and
+output weight chunk by chunk (``titan_cp.loss``), so whole logits never exist in training.
 
 ``doc_lens`` stays whole (every cp rank needs the documents of the full rows to mask its
 shard); everything per-token is sharded with the same permutation.
@@ -54,20 +57,21 @@ def forward_backward(model_parts, local: Microbatch, loss_fn: GlobalTokenLoss, s
     """Run one (cp-sharded) microbatch; return this rank's loss contribution (0 where no last stage).
 
     Without a pipeline ``model_parts`` is ``[model]``. With one, ``schedule.step`` splits the
-    rows into pipeline microbatches and carries ``positions`` and ``doc_lens`` to every stage.
+    rows into pipeline microbatches and carries ``positions``, ``doc_lens`` and ``labels`` to every stage.
     """
-    kwargs = dict(positions=local.positions, doc_lens=local.doc_lens)
+    kwargs = dict(positions=local.positions, doc_lens=local.doc_lens, labels=local.labels)
     if schedule is None:
-        logits = model_parts[0](local.tokens, **kwargs)
-        loss = loss_fn(logits, local.labels)
+        loss_sum = model_parts[0](local.tokens, **kwargs)
+        loss = loss_fn(loss_sum, local.labels)
         loss.backward()
         return loss.detach()
     losses: list[torch.Tensor] = []
     target = local.labels if has_last else None
+    # return_outputs=False: the last stage's outputs are 0-dim loss sums, which the schedule cannot concatenate
     if has_first:
-        schedule.step(local.tokens, target=target, losses=losses, **kwargs)
+        schedule.step(local.tokens, target=target, losses=losses, return_outputs=False, **kwargs)
     else:
-        schedule.step(target=target, losses=losses, **kwargs)
+        schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
     if has_last:
         return torch.stack(losses).sum().detach()
     return torch.zeros((), device=local.tokens.device)

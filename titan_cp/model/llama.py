@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan_cp.attention import local_attention
+from titan_cp.loss import chunked_cross_entropy_sum
+from titan_cp.model.init import ParamInit, draw_seed
 
 
 @dataclass(frozen=True)
@@ -164,10 +166,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.inner_attention = InnerAttention()
 
-    def init_weights(self, init_std: float) -> None:
+    def init_weights(self, init: ParamInit, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+            init.trunc_normal_(linear.weight, std=0.02)
+        init.trunc_normal_(self.wo.weight, std=init_std)
 
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, doc_lens: Tensor | None) -> Tensor:
         B, S, _ = x_BSD.shape
@@ -192,10 +194,10 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+    def init_weights(self, init: ParamInit, init_std: float) -> None:
+        init.trunc_normal_(self.w1.weight, std=0.02)
         for linear in (self.w2, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+            init.trunc_normal_(linear.weight, std=init_std)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -211,20 +213,34 @@ class TransformerBlock(nn.Module):
         depth = (layer_id + 1) if args.depth_init else args.n_layers
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
-    def init_weights(self) -> None:
+    def init_weights(self, init: ParamInit) -> None:
         for norm in (self.attention_norm, self.ffn_norm):
-            norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-        self.feed_forward.init_weights(self.weight_init_std)
+            init.ones_(norm.weight)
+        self.attention.init_weights(init, self.weight_init_std)
+        self.feed_forward.init_weights(init, self.weight_init_std)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_lens: Tensor | None) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, doc_lens)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class Output(nn.Linear):
+    """The output projection ``D -> V``. ``output(h)`` gives logits ``(B, S, V)``;
+    ``output(h, labels)`` gives the summed token cross-entropy (fp32, 0-dim), computed chunk
+    by chunk so that the ``(B*S, V)`` logits never exist whole (``titan_cp.loss``)."""
+
+    def __init__(self, dim: int, vocab_size: int):
+        super().__init__(dim, vocab_size, bias=False)
+
+    def forward(self, h: Tensor, labels: Tensor | None = None) -> Tensor:
+        if labels is None:
+            return F.linear(h, self.weight)
+        return chunked_cross_entropy_sum(h, self.weight, labels)
+
+
 class Transformer(nn.Module):
-    """Llama 3 decoder. Pipeline stages are copies with some parts deleted (set to None,
-    or layers removed from the ``ModuleDict``); the same forward runs every stage."""
+    """Llama 3 decoder. A pipeline stage holds some of its parts (others None, layers left out
+    of the ``ModuleDict``, names unchanged); the same forward runs every stage."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -232,19 +248,27 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Output(args.dim, args.vocab_size)
 
-    def init_weights(self) -> None:
-        """Deterministic given the torch seed; skips parts a pipeline stage deleted."""
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter in place; skips parts a pipeline stage does not hold.
+
+        Each parameter is drawn from generators seeded by ``(seed, its name, block of rows)``
+        and each rank fills only its own shard (``titan_cp.model.init``): the values do not
+        depend on the mesh, and nothing larger than a shard is allocated. ``seed`` None draws
+        one from torch's global generator (deterministic given ``torch.manual_seed``).
+        """
+        init = ParamInit(self, draw_seed() if seed is None else seed)
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight)
+            init.normal_(self.tok_embeddings.weight, std=1.0)
         for layer in self.layers.values():
-            layer.init_weights()
+            layer.init_weights(init)
         if self.norm is not None:
-            self.norm.reset_parameters()
+            init.ones_(self.norm.weight)
         if self.output is not None:
             std, cutoff = self.args.dim**-0.5, 3.0
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
+            init.trunc_normal_(self.output.weight, std=std, a=-cutoff * std, b=cutoff * std)
 
     def num_params(self) -> int:
         """Parameters held by this module (a whole model, or one pipeline stage)."""
@@ -254,12 +278,18 @@ class Transformer(nn.Module):
         return self.args.num_flops_per_token(seq_len)
 
     def forward(
-        self, tokens: Tensor, positions: Tensor | None = None, doc_lens: Tensor | None = None
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        doc_lens: Tensor | None = None,
+        labels: Tensor | None = None,
     ) -> Tensor:
         """tokens ``(B, S)`` int64 (or hidden states ``(B, S, D)`` on a later pipeline stage);
         positions ``(B, S)`` int64 RoPE positions (default ``arange(S)``); doc_lens
         ``(B, max_docs)`` int64 zero-padded packed-document lengths, given unchanged to every
-        layer's attention. Returns logits ``(B, S, V)`` (hidden states before the last stage).
+        layer's attention; labels ``(B, S)`` int64 (``IGNORE_INDEX`` where no loss).
+        Returns logits ``(B, S, V)``, or with ``labels`` the summed token cross-entropy (fp32,
+        0-dim, the logits never whole); hidden states ``(B, S, D)`` before the last stage.
         """
         B, S = tokens.shape[0], tokens.shape[1]
         if positions is None:
@@ -270,4 +300,6 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin, doc_lens)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if labels is None else self.output(h, labels)

@@ -1,30 +1,32 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: split by layers, run a schedule.
 
-Splitting follows torchtitan's manual split: every stage is a deep copy of the whole
-``Transformer`` with the modules it does not own deleted (``tok_embeddings``/``norm``/
-``output`` set to None, layers removed from the ``ModuleDict``), so parameter names stay
-those of the full model and the unchanged ``Transformer.forward`` runs every stage:
+Splitting follows torchtitan's manual split, without its deep copy: a stage is a
+``Transformer`` shell holding the modules it owns, taken from the whole model (the same
+module objects, not copies: cut from the model built on ``meta``, before any weight exists)
+and the others None (``tok_embeddings``/``norm``/``output``) or absent from the
+``ModuleDict`` (layers), so parameter names stay those of the full model and the unchanged
+``Transformer.forward`` runs every stage:
 
   stage 0       tokens (B, S) int64        -> hidden (B, S, D)
   stage i       hidden (B, S, D)           -> hidden (B, S, D)
-  last stage    hidden (B, S, D)           -> logits (B, S, V)
+  last stage    hidden (B, S, D)           -> token CE sum () fp32 (``labels`` given), else logits
 
-``positions`` (B, S) and ``doc_lens`` (B, max_docs) are *keyword* inputs of every stage:
-``schedule.step(tokens, target=labels, positions=positions, doc_lens=doc_lens)`` on the
-rank(s) holding stage 0, ``schedule.step(target=..., positions=..., doc_lens=...)``
+``positions`` (B, S), ``doc_lens`` (B, max_docs) and ``labels`` (B, S) are *keyword* inputs
+of every stage: ``schedule.step(tokens, target=labels, positions=..., doc_lens=...,
+labels=labels)`` on the rank(s) holding stage 0, ``schedule.step(target=..., ...)``
 elsewhere (``target`` only matters where the last stage lives). The schedule chunks every
 tensor kwarg along the batch dim into the same microbatches as the tokens and hands each
-stage its own microbatch's chunk; only the hidden states travel between ranks.
-
-Loss: the schedule calls ``loss_fn(logits_mb, labels_mb)`` per microbatch; it must be the
-*summed* token cross-entropy divided by the step's global token count, and the schedule is
-built with ``scale_grads=False``, so microbatch losses and gradients add up exactly to the
-full batch's (no division by the number of microbatches).
+stage its own microbatch's chunk; only the hidden states travel between ranks. The last
+stage computes the summed token cross-entropy from its hidden states chunk by chunk
+(``titan_cp.loss``: no whole logits), and the schedule's ``loss_fn(output_mb, labels_mb)``
+divides it by the step's global token count (``GlobalTokenLoss``). The schedule is built
+with ``scale_grads=False``, so microbatch losses and gradients add up exactly to the full
+batch's (no division by the number of microbatches).
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from typing import Callable
 
 import torch
@@ -65,17 +67,17 @@ def stage_ids_of_rank(rank: int, pp: int, stages_per_rank: int, v_style: bool) -
 
 
 def split_stage(model: Transformer, stage_id: int, num_stages: int) -> Transformer:
-    """A deep copy of ``model`` keeping only what stage ``stage_id`` of ``num_stages`` owns."""
-    keep = set(layers_per_stage(len(model.layers), num_stages)[stage_id])
-    part = copy.deepcopy(model)
-    for layer_id in list(part.layers.keys()):
-        if layer_id not in keep:
-            del part.layers[layer_id]
-    if stage_id != 0:
-        part.tok_embeddings = None
-    if stage_id != num_stages - 1:
-        part.norm = None
-        part.output = None
+    """Stage ``stage_id`` of ``num_stages``: a ``Transformer`` holding ``model``'s own modules
+    for that stage (shared, not copied; the other parts None or absent)."""
+    keep = layers_per_stage(len(model.layers), num_stages)[stage_id]
+    with torch.device("meta"):  # an empty shell: its own modules are replaced just below
+        part = Transformer(dataclasses.replace(model.args, n_layers=0))
+    part.args = model.args
+    part.layers = nn.ModuleDict({layer_id: model.layers[layer_id] for layer_id in keep})
+    part.tok_embeddings = model.tok_embeddings if stage_id == 0 else None
+    last = stage_id == num_stages - 1
+    part.norm = model.norm if last else None
+    part.output = model.output if last else None
     return part
 
 
@@ -94,8 +96,8 @@ def pipeline_llama(
     schedule_name: any ``torch.distributed.pipelining`` schedule name ("GPipe", "1F1B",
         "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", ...).
     stages_per_rank: default 1 for single-stage schedules, 2 for multi-stage ones.
-    parallelize_fn: applied in place to each stage's module (TP, AC, compile, FSDP)
-        before its ``PipelineStage`` is built.
+    parallelize_fn: applied in place to each stage's module (TP, AC, compile, FSDP, then
+        materialisation when ``model`` is on ``meta``) before its ``PipelineStage`` is built.
     Returns ``(schedule, model_parts, has_first_stage, has_last_stage)``; ``model_parts``
     are this rank's stage modules (for the optimizer and checkpoints).
     """

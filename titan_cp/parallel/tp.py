@@ -10,13 +10,18 @@ Per block, on the ``tp`` mesh axis (n = tp degree; x_s a sequence shard, x the f
 and in the backward each collective is replaced by its dual (the all-gather's backward is a
 reduce-scatter and vice versa). The extra block inputs ``cos, sin, doc_lens`` are per-token
 plain tensors for the *full* local sequence and are passed through unchanged (layout None).
+
+The output projection is column-parallel over the vocabulary (``VocabParallelOutput``):
+called with labels it returns the loss computed vocabulary-parallel chunk by chunk, no
+logits gathered (``titan_cp.loss``); called without, logits ``Shard(-1)`` (loss parallel)
+or gathered.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -28,14 +33,32 @@ from torch.distributed.tensor.parallel import (
 from titan_cp.model.llama import Transformer
 
 
+class VocabParallelOutput(ColwiseParallel):
+    """``ColwiseParallel`` for ``Output`` (weight ``Shard(0)``: rows of the vocabulary) that
+    passes ``labels`` through: ``output(h, labels)`` returns the summed token cross-entropy, a
+    plain tensor equal on every tp rank; ``output(h)`` returns logits in ``output_layouts``."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        h = ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs[:1], device_mesh)
+        return (h, *inputs[1:])
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if not isinstance(outputs, DTensor):  # the loss
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
 def apply_tp(
     model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool = False, sequence_parallel: bool = True
 ) -> None:
     """Shard ``model`` in place over the 1-D ``tp_mesh``.
 
-    loss_parallel: logits stay a DTensor sharded over the vocabulary (``Shard(-1)``); the
-        loss must then be computed under ``torch.distributed.tensor.parallel.loss_parallel()``.
-        Otherwise logits are gathered to a plain replicated tensor.
+    loss_parallel: logits (``model(tokens)`` without labels) stay a DTensor sharded over the
+        vocabulary (``Shard(-1)``), for ``torch.distributed.tensor.parallel.loss_parallel()``;
+        otherwise they are gathered to a plain replicated tensor. The training loss
+        (``model(tokens, labels=...)``) is vocabulary-parallel either way.
     sequence_parallel: activations between blocks (and the norms) are sharded over the
         sequence dim; otherwise they are replicated and the norms are not parallelised.
     Works on a pipeline stage (parts deleted as None are skipped).
@@ -55,7 +78,7 @@ def apply_tp(
     if model.norm is not None and sequence_parallel:
         root_plan["norm"] = SequenceParallel()
     if model.output is not None:
-        root_plan["output"] = ColwiseParallel(
+        root_plan["output"] = VocabParallelOutput(
             input_layouts=seq,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
