@@ -35,8 +35,7 @@ from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
 from titan_cp.metrics import MetricsLogger, device_memory_bytes, peak_flops_per_second, recall_counts, recall_metrics
 from titan_cp.model import build_model
-from titan_cp.parallel import pipeline_llama
-from titan_cp.parallelize import ParallelizeOptions, cp_mesh, parallelize_llama
+from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, cp_mesh
 from titan_cp.step import Microbatch, forward_backward, shard_tokens
 
 logger = logging.getLogger("titan_cp")
@@ -138,8 +137,7 @@ class Trainer:
             build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "validation") if cfg.validation.enable else None
         )
         self.loss_fn = GlobalTokenLoss()
-        model = build_model(cfg.model.flavor, vocab_size=self.tokenizer.vocab_size, device="cpu")  # seeded: same on every mesh
-        self.model_args = model.args
+        self.model_args = build_model(cfg.model.flavor, vocab_size=self.tokenizer.vocab_size).args  # on meta: no memory
         mp = {"bfloat16": torch.bfloat16, "float32": None}[t.mixed_precision_param]
         ac = cfg.activation_checkpoint
         options = ParallelizeOptions(
@@ -148,25 +146,20 @@ class Trainer:
             ac_mode="selective" if ac.mode == "selective" else ac.mode,
             ac_every=int(ac.selective_ac_option) if ac.selective_ac_option.isdigit() else 1,
             compile=cfg.compile.enable and "model" in cfg.compile.components,
-            mp_param_dtype=mp,  # logits are gathered over tp (no loss parallel): the loss is a plain tensor
+            mp_param_dtype=mp,  # the loss is vocabulary-parallel over tp, a plain tensor
         )
         # FSDP computes in mp's dtype itself; without it (one device, TP or PP alone) autocast does, as torchtitan
         sharded = self.dims.fsdp_enabled or self.dims.dp_replicate_enabled
         self.amp = torch.autocast(self.device.type, dtype=mp) if mp is not None and not sharded else contextlib.nullcontext()
         if mp is not None and not sharded:
             logger.info("training.mixed_precision_param = %s: autocast (no FSDP to cast the parameters)", t.mixed_precision_param)
-        self.schedule, self.first, self.last = None, True, True
-        if self.dims.pp_enabled:
-            n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size
-            self.schedule, self.parts, self.first, self.last = pipeline_llama(
-                model, self.dims.get_mesh("pp"), n_micro, p.pipeline_parallel_schedule, self.loss_fn,
-                device=self.device, parallelize_fn=lambda part: parallelize_llama(part, self.dims, options),
-            )
-        else:
-            parallelize_llama(model, self.dims, options)
-            self.parts = [model]
-        for part in self.parts:
-            part.to(self.device)
+        # built on meta, parallelized, then each rank allocates and initialises only its shards (seeded: same on every mesh)
+        built = build_parallel_model(
+            self.model_args, self.dims, options, self.device, seed=t.seed, loss_fn=self.loss_fn,
+            pp_microbatches=t.local_batch_size // p.pipeline_parallel_microbatch_size,
+            pp_schedule=p.pipeline_parallel_schedule,
+        )
+        self.parts, self.schedule, self.first, self.last = built.parts, built.schedule, built.has_first, built.has_last
         o = cfg.optimizer
         self.optimizers = [
             torch.optim.AdamW(part.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
