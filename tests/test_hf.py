@@ -126,6 +126,9 @@ def test_missing_path_names_the_key_and_the_path(tmp_path):
     ckpt = Checkpointer(tmp_path / "ckpt", [model], [], {})
     with pytest.raises(ValueError, match=f"checkpoint.initial_load_path = '{missing}'"):
         ckpt.load_model(missing)
+    hf_llama(model.args).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="set checkpoint.initial_load_in_hf = true"):
+        ckpt.load_model(tmp_path / "hf")  # a Hugging Face folder without initial_load_in_hf
 
 
 def test_torchtitan_dcp_checkpoint_loads_as_it_is(tmp_path):
