@@ -164,6 +164,10 @@ class Checkpointer:
         ``model_only`` is false (``checkpoint.initial_load_model_only``)."""
         if not Path(path).is_dir():
             raise ValueError(f"checkpoint.initial_load_path = {str(path)!r} is not a checkpoint folder")
+        if not (Path(path) / ".metadata").is_file():
+            hint = ("; it holds *.safetensors: set checkpoint.initial_load_in_hf = true"
+                    if any(Path(path).glob("*.safetensors")) else "")
+            raise ValueError(f"checkpoint.initial_load_path = {str(path)!r} is not a DCP checkpoint (no .metadata){hint}")
         if _torchtitan_layout(Path(path)):
             return self._load_torchtitan_model(Path(path), model_only)
         self._load_path(Path(path), model_only=model_only or _model_only(Path(path)))
