@@ -150,7 +150,7 @@ def test_defaults_validate_and_to_dict():
 
 
 def test_precedence_cli_over_toml_over_defaults(tmp_path):
-    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 1024\n[optimizer]\nlr = 1e-3\n")
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 1024\n[optimizer]\nlr = 1e-3\n[lr_scheduler]\nwarmup_steps = 2\n")
     cfg = load_quiet(["--job.config_file", path, "--training.steps", "9"])
     assert cfg.training.steps == 9  # CLI
     assert cfg.training.seq_len == 1024  # TOML
@@ -171,6 +171,7 @@ def test_cli_forms():
         "--training.global_batch_size", "-1",
         "--lr_scheduler.decay_ratio", "none",
         "--parallelism.context_parallel_degree", "2",
+        "--lr_scheduler.warmup_steps", "3",
     ])
     assert cfg.training.steps == 12
     assert cfg.optimizer.lr == 3e-4
@@ -261,11 +262,11 @@ def test_validate_checks_configs_built_in_code():
         JobConfig(compile=Compile(components=["model", "optimizer"])).validate()
 
 
-def test_flavor_names_match_the_model_module():
-    from titan_cp.config import MODEL_FLAVORS
+def test_flavor_choices_are_the_model_module_flavors():
     from titan_cp.model.flavors import FLAVORS
 
-    assert set(MODEL_FLAVORS) == set(FLAVORS)
+    for flavor in FLAVORS:
+        assert load_quiet(["--model.flavor", flavor]).model.flavor == flavor
 
 
 def test_headtail_is_zigzag():
@@ -306,7 +307,7 @@ def test_bad_values_name_the_key(argv, fragment):
 
 @pytest.mark.parametrize("balancer, cp, seq_len, ok", [
     ("zigzag", 4, 8192, True), ("zigzag", 4, 8196, False), ("doc_zigzag", 3, 6 * 7, True),
-    ("doc_zigzag", 3, 3 * 7, False), ("contiguous", 3, 3 * 7, True), ("contiguous", 4, 4 * 7 + 2, False),
+    ("doc_zigzag", 3, 3 * 7, True), ("doc_zigzag", 3, 3 * 7 + 1, False), ("contiguous", 3, 3 * 7, True), ("contiguous", 4, 4 * 7 + 2, False),
     ("zigzag", 1, 7, True),
 ])
 @pytest.mark.parametrize("key", ["training.seq_len", "validation.seq_len"])
@@ -353,3 +354,173 @@ def test_train_configs_present():
     names = {p.name for p in (REPO / "train_configs").glob("*.toml")}
     assert names >= {"debug_cp.toml", "debug_fsdp_cp.toml", "debug_tp_cp.toml", "debug_pp_cp.toml",
                      "debug_hybrid_cp.toml", "llama3_8b_128k.toml", "llama3_8b_256k.toml", "llama3_70b_cp.toml"}
+
+
+# --------------------------------------------------------------------------------------------
+# every key is read by the package
+
+
+def _attributes_read(trees) -> set[str]:
+    import ast
+
+    return {node.attr for tree in trees for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)}
+
+
+# JobConfig methods that hand values to the run (not validation), e.g. the mesh degrees.
+CONFIG_READERS = {"parallel_degrees", "resolve_batch_sizes", "ulysses_degree"}
+
+
+# Fields read generically rather than by attribute name, with the reader.
+READ_GENERICALLY = {
+    "job.config_file": "load_config takes it from argv before the config exists",
+}
+
+
+def test_every_config_field_is_read_outside_config_py():
+    """A key that nothing reads is a bug: each field name must be read as an attribute somewhere in
+    titan_cp/ other than config.py (validation does not count)."""
+    import dataclasses
+
+    from titan_cp import config
+
+    import ast
+
+    trees = [ast.parse(p.read_text()) for p in (REPO / "titan_cp").rglob("*.py") if p.name != "config.py"]
+    trees += [node for node in ast.walk(ast.parse((REPO / "titan_cp" / "config.py").read_text()))
+              if isinstance(node, ast.FunctionDef) and node.name in CONFIG_READERS]
+    read = _attributes_read(trees)
+    unread = [
+        f"{section.name}.{f.name}"
+        for section in dataclasses.fields(config.JobConfig)
+        for f in dataclasses.fields(section.default_factory())
+        if f.name not in read and f"{section.name}.{f.name}" not in READ_GENERICALLY
+    ]
+    assert not unread, f"config keys read by nothing in titan_cp/: {unread}"
+
+
+# --------------------------------------------------------------------------------------------
+# bad input: clear errors naming the key, before any process group
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--optimizer.lr", "nan"], "optimizer.lr must be a finite number"),
+        (["--optimizer.lr", "inf"], "optimizer.lr must be a finite number"),
+        (["--optimizer.lr", "1e400"], "optimizer.lr must be a finite number"),
+        (["--training.max_norm", "nan"], "training.max_norm must be a finite number"),
+        (["--training.seed", str(2**64)], "training.seed = 18446744073709551616 does not fit in 64 bits"),
+        (["--training.steps", str(2**63)], "training.steps = .* does not fit in 64 bits"),
+        (["--checkpoint.load_step", "-2"], "checkpoint.load_step must be >= -1"),
+        (["--parallelism.tensor_parallel_degree", "3", "--model.flavor", "tiny"],
+         r"parallelism.tensor_parallel_degree \(3\) must divide the heads of model.flavor = 'tiny' \(4\)"),
+        (["--parallelism.tensor_parallel_degree", "4", "--model.flavor", "tiny"],
+         r"tensor_parallel_degree \(4\) must divide the KV heads"),
+        (["--parallelism.context_parallel_strategy", "ulysses", "--parallelism.context_parallel_degree", "8",
+          "--model.flavor", "tiny"], r"parallelism.context_parallel_degree \(8\) must divide the query heads"),
+        (["--parallelism.context_parallel_strategy", "hybrid", "--parallelism.context_parallel_degree", "8",
+          "--parallelism.context_parallel_ulysses_degree", "8", "--model.flavor", "tiny"],
+         r"parallelism.context_parallel_ulysses_degree \(8\) must divide"),
+        (["--parallelism.pipeline_parallel_degree", "4", "--model.flavor", "tiny"],
+         r"pipeline_parallel_degree \(4\) .* 4 stages, more than the 2 layers of model.flavor = 'tiny'"),
+        (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+          "Interleaved1F1B", "--model.flavor", "tiny"], "4 stages, more than the 2 layers"),
+        (["--validation.enable", "--validation.steps", "-1"], "validation.steps = -1 .* 'synthetic_recall' is endless"),
+    ],
+)
+def test_bad_numbers_and_degrees_name_the_key(argv, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        load_config(["--lr_scheduler.warmup_steps", "1", *argv])
+
+
+def test_toml_non_finite_and_huge_values(tmp_path):
+    with pytest.raises(ValueError, match="training.max_norm must be a finite number"):
+        load_config(["--job.config_file", write(tmp_path, "[training]\nmax_norm = nan\n")])
+    with pytest.raises(ValueError, match="optimizer.lr must be a finite number"):
+        load_config(["--job.config_file", write(tmp_path, "[optimizer]\nlr = inf\n", "b.toml")])
+
+
+def test_configs_built_in_code_are_checked_too():
+    from titan_cp.config import Optimizer, Training
+
+    with pytest.raises(ValueError, match="optimizer.lr must be a finite number"):
+        JobConfig(optimizer=Optimizer(lr=float("nan"))).validate()
+    with pytest.raises(ValueError, match="training.seed = .* does not fit in 64 bits"):
+        JobConfig(training=Training(seed=2**70)).validate()
+
+
+def test_warmup_longer_than_the_run_is_shortened_with_a_warning():
+    with pytest.warns(UserWarning, match=r"lr_scheduler.warmup_steps \(200\) is longer than training.steps \(5\)"):
+        cfg = load_config(["--training.steps", "5"])
+    assert cfg.lr_scheduler.warmup_steps == 5
+
+
+def test_toml_syntax_error_and_missing_file_name_the_file(tmp_path):
+    path = write(tmp_path, "[training\nsteps = 3\n")
+    with pytest.raises(ValueError, match=rf"job.config_file = '{path}' is not valid TOML"):
+        load_config(["--job.config_file", path])
+    with pytest.raises(ValueError, match="job.config_file = 'nope.toml' does not exist"):
+        load_config(["--job.config_file", "nope.toml"])
+
+
+def test_two_toml_keys_for_one_setting_is_an_error(tmp_path):
+    path = write(tmp_path, "[training]\nbatch_size = 4\nlocal_batch_size = 2\n")
+    with pytest.raises(ValueError, match="training.batch_size and training.local_batch_size .* both set "
+                                         "training.local_batch_size"):
+        load_config(["--job.config_file", path])
+    # the command line overrides the TOML, whichever name it uses
+    path = write(tmp_path, "[training]\nlocal_batch_size = 2\n", "b.toml")
+    with pytest.warns(UserWarning, match="renamed"):
+        assert load_config(["--job.config_file", path, "--training.batch_size", "4"]).training.local_batch_size == 4
+
+
+def test_check_files_before_any_process_group(tmp_path):
+    cfg = load_quiet(["--model.hf_assets_path", str(tmp_path)])
+    with pytest.raises(ValueError, match="model.hf_assets_path = .* holds no tokenizer.json"):
+        cfg.check_files()
+    cfg = load_quiet(["--training.dataset", "c4"])
+    with pytest.raises(ValueError, match="training.dataset = 'c4' is not built in .* set training.dataset_path"):
+        cfg.check_files()
+    cfg = load_quiet(["--training.dataset", "text", "--training.dataset_path", str(tmp_path / "none")])
+    with pytest.raises(ValueError, match="training.dataset_path = .* does not exist"):
+        cfg.check_files()
+    cfg = load_quiet(["--validation.enable", "--validation.dataset", "text", "--validation.steps", "2"])
+    with pytest.raises(ValueError, match="validation.dataset = 'text' is not built in"):
+        cfg.check_files()
+    cfg = load_quiet(["--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.load_step", "4"])
+    with pytest.raises(ValueError, match="checkpoint.load_step = 4, but .* holds no checkpoint"):
+        cfg.check_files()
+    (tmp_path / "checkpoint" / "step-2").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"checkpoint.load_step = 4, but .* holds steps \[2\]"):
+        cfg.check_files()
+    cfg = load_quiet(["--checkpoint.initial_load_path", str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="checkpoint.initial_load_path = .* does not exist"):
+        cfg.check_files()
+    load_quiet([]).check_files()  # the defaults need no file
+
+
+def test_no_arguments_and_help_print_usage(capsys):
+    from titan_cp.train import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+    out = capsys.readouterr().out
+    assert out.startswith("usage: torchrun") and "--training.steps (int, default 10000)" in out
+    for argv in (["--help"], ["--job.config_file", "train_configs/debug_cp.toml", "-h"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("usage:")
+
+
+def test_empty_jsonl_file_disables_it(tmp_path):
+    from titan_cp.metrics import MetricsLogger
+
+    cfg = load_quiet(["--metrics.save_jsonl_file="])
+    assert cfg.metrics.save_jsonl_file == ""
+    logger = MetricsLogger(tmp_path, cfg, enabled=True)
+    logger.log({"step": 1, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_second": 1.0, "mfu": 0.5,
+                "memory_bytes": 0, "eta_seconds": 0.0}, console=True)
+    logger.close()
+    assert list(tmp_path.iterdir()) == []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import math
 import os
@@ -29,57 +30,21 @@ import torch.distributed as dist
 
 from titan_cp.attention import cp_rank
 from titan_cp.checkpoint import Checkpointer
-from titan_cp.config import JobConfig, load_config
+from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
-from titan_cp.metrics import MetricsLogger, device_memory_bytes, peak_flops_per_second, recall_counts, recall_metrics
+from titan_cp.metrics import MFU, MetricsLogger, device_memory_bytes, recall_counts, recall_metrics, visible_pairs
 from titan_cp.model import build_model
 from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, cp_mesh
+from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda
+from titan_cp.parallel.ac import ac_mode_and_every
+from titan_cp.profiling import Profiler
 from titan_cp.step import Microbatch, forward_backward, shard_tokens
 
+__all__ = ["Trainer", "clip_grad_norm_", "lr_lambda", "main"]
+
 logger = logging.getLogger("titan_cp")
-
-
-def lr_lambda(warmup_steps: int, total_steps: int, decay_ratio: float | None, decay_type: str, min_lr_factor: float):
-    """Multiplier of the peak LR at each step: linear warmup, constant, then decay to ``min_lr_factor``.
-
-    ``decay_ratio``: the fraction of the steps (after warmup) spent decaying; ``None`` decays
-    over every step after warmup.
-    """
-    decay_steps = total_steps - warmup_steps if decay_ratio is None else round(total_steps * decay_ratio)
-    decay_start = total_steps - decay_steps
-
-    def factor(step: int) -> float:  # LambdaLR calls with the number of steps taken so far
-        step += 1
-        if step <= warmup_steps:
-            return step / (warmup_steps + 1)
-        if step <= decay_start or decay_steps <= 0:
-            return 1.0
-        progress = min(1.0, (step - decay_start) / decay_steps)
-        if decay_type == "linear":
-            shape = 1 - progress
-        elif decay_type == "sqrt":
-            shape = 1 - math.sqrt(progress)
-        else:
-            shape = 0.5 * (1 + math.cos(math.pi * progress))
-        return min_lr_factor + (1 - min_lr_factor) * shape
-
-    return factor
-
-
-def clip_grad_norm_(parts, max_norm: float, pp_group=None) -> torch.Tensor:
-    """Clip by the global L2 norm of every gradient, DTensor shards and every pipeline stage included."""
-    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, 2.0)
-    if isinstance(norm, torch.distributed.tensor.DTensor):
-        norm = norm.full_tensor()
-    if pp_group is not None:
-        sq = norm**2
-        dist.all_reduce(sq, group=pp_group)
-        norm = sq.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
-    return norm
 
 
 class TrainState:
@@ -131,11 +96,20 @@ class Trainer:
         self.cp_rank = cp_rank(cp_mesh(self.dims), p.context_parallel_strategy) if self.dims.cp_enabled else 0
         self.tp_rank = self.dims.get_mesh("tp").get_local_rank()
 
+        if dist.get_rank() == 0:
+            logger.info("job: %s (%s)", cfg.job.description, cfg.job.config_file or "no config file")
+            if cfg.job.print_config:
+                logger.info("config:\n%s", json.dumps(cfg.to_dict(), indent=2))
         self.tokenizer = build_tokenizer(cfg)
         self.loader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "train")
         self.val_loader = (
             build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "validation") if cfg.validation.enable else None
         )
+        if self.val_loader is not None:  # every validation reads the same rows, from the start of the set
+            self.val_start = self.val_loader.state_dict()
+            self.val_steps = cfg.validation.steps if cfg.validation.steps != -1 else _whole_set_steps(self.val_loader)
+        if cfg.compile.enable and "loss" in cfg.compile.components and dist.get_rank() == 0:
+            logger.info("compile.components: 'loss' is not compiled by titan_cp (only 'model' is)")
         self.loss_fn = GlobalTokenLoss()
         self.model_args = build_model(cfg.model.flavor, vocab_size=self.tokenizer.vocab_size).args  # on meta: no memory
         mp = {"bfloat16": torch.bfloat16, "float32": None}[t.mixed_precision_param]
@@ -143,9 +117,10 @@ class Trainer:
         options = ParallelizeOptions(
             cp_strategy=p.context_parallel_strategy,
             cp_balance=p.context_parallel_load_balancer,
-            ac_mode="selective" if ac.mode == "selective" else ac.mode,
-            ac_every=int(ac.selective_ac_option) if ac.selective_ac_option.isdigit() else 1,
+            **dict(zip(("ac_mode", "ac_every"), ac_mode_and_every(ac.mode, ac.selective_ac_option))),
             compile=cfg.compile.enable and "model" in cfg.compile.components,
+            compile_backend=cfg.compile.backend,
+            reshard_after_forward=p.fsdp_reshard_after_forward != "never",
             mp_param_dtype=mp,  # the loss is vocabulary-parallel over tp, a plain tensor
         )
         # FSDP computes in mp's dtype itself; without it (one device, TP or PP alone) autocast does, as torchtitan
@@ -161,29 +136,29 @@ class Trainer:
         )
         self.parts, self.schedule, self.first, self.last = built.parts, built.schedule, built.has_first, built.has_last
         o = cfg.optimizer
-        self.optimizers = [
-            torch.optim.AdamW(part.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                              weight_decay=o.weight_decay, foreach=o.implementation == "foreach" or None)
-            for part in self.parts
-        ]
+        self.optimizers = build_optimizers(self.parts, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay,
+                                           o.implementation)
         s = cfg.lr_scheduler
-        factor = lr_lambda(s.warmup_steps, t.steps, s.decay_ratio, s.decay_type, s.min_lr_factor)
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, factor) for opt in self.optimizers]
+        self.schedulers = LRSchedulers(
+            self.optimizers, lr_lambda(s.warmup_steps, t.steps, s.decay_ratio, s.decay_type, s.min_lr_factor))
         self.state = TrainState()
         self.dump = Path(cfg.job.dump_folder)
         c = cfg.checkpoint
         self.checkpointer = Checkpointer(
             self.dump / c.folder, self.parts, self.optimizers,
-            {"lr_scheduler": self.schedulers[0], "dataloader": self.loader, "train_state": self.state},
-            keep_latest_k=c.keep_latest_k,
+            {"lr_scheduler": self.schedulers, "dataloader": self.loader, "train_state": self.state},
+            keep_latest_k=c.keep_latest_k, async_mode=c.async_mode, exclude_from_loading=tuple(c.exclude_from_loading),
         )
-        for sched in self.schedulers[1:]:
-            self.checkpointer.stateful[f"lr_scheduler_{id(sched)}"] = sched
-        if c.enable and self.checkpointer.load(c.load_step) is None and c.initial_load_path:
-            self.checkpointer.load_model(c.initial_load_path)
+        resumed = c.enable and self.checkpointer.load(c.load_step) is not None
+        if not resumed and c.initial_load_path:  # into the sharded, initialised model
+            if c.initial_load_in_hf:
+                self.checkpointer.load_hf(c.initial_load_path, self.model_args)
+            else:
+                self.checkpointer.load_model(c.initial_load_path, c.initial_load_model_only)
         self.metrics = MetricsLogger(self.dump, cfg, enabled=dist.get_rank() == 0)
+        self.profiler = Profiler(cfg.profiling, self.dump, dist.get_rank(), self.device)
         dist.barrier()  # ranks sharing a machine measure together, each seeing its share of it
-        self.peak_flops = peak_flops_per_second(self.device)
+        self.mfu = MFU(self.device, dist.get_world_size())
 
     # ------------------------------------------------------------------ steps
     def _microbatch(self, batch) -> Microbatch:
@@ -204,10 +179,10 @@ class Trainer:
                 local = local + forward_backward(self.parts, self._microbatch(batch), self.loss_fn, self.schedule, self.first, self.last)
         pp_group = self.dims.get_mesh("pp").get_group() if self.dims.pp_enabled else None
         grad_norm = clip_grad_norm_(self.parts, self.cfg.training.max_norm, pp_group)
-        for opt, sched in zip(self.optimizers, self.schedulers):
+        for opt in self.optimizers:
             opt.step()
-            sched.step()
             opt.zero_grad(set_to_none=True)
+        self.schedulers.step()
         return self._global_sum(local), grad_norm.item()
 
     @torch.no_grad()
@@ -222,10 +197,10 @@ class Trainer:
         counts = torch.zeros(len(buckets) + 1, 2, dtype=torch.float64, device=self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
-        steps = v.steps if v.steps != -1 else 1
+        self.val_loader.load_state_dict(self.val_start)
         for part in self.parts:
             part.eval()
-        for _ in range(steps):
+        for _ in range(self.val_steps):
             for batch in next(self.val_loader).microbatches:
                 mb = self._microbatch(batch)
                 distance = shard_tokens(batch.recall_distance.to(self.device), mb.doc_lens, self.dims.cp, self.cp_rank,
@@ -236,7 +211,8 @@ class Trainer:
                     valid = mb.labels != IGNORE_INDEX
                     loss_sum += torch.nn.functional.cross_entropy(logits[valid], mb.labels[valid], reduction="sum")
                     tokens += valid.sum()
-                    counts += recall_counts(logits.argmax(-1), mb.labels, distance, buckets)
+                    if v.recall_eval:
+                        counts += recall_counts(logits.argmax(-1), mb.labels, distance, buckets)
         for part in self.parts:
             part.train()
         for t in (counts, loss_sum, tokens):
@@ -249,24 +225,29 @@ class Trainer:
         tokens_per_step = self.loader.global_batch_size * t.seq_len
         start = time.perf_counter()
         first_step = self.state.step
+        p = cfg.parallelism
         while self.state.step < t.steps:
             step_data = next(self.loader)
             t0 = time.perf_counter()
-            loss, grad_norm = self.train_step(step_data)
+            with self.profiler.step(self.state.step + 1):
+                loss, grad_norm = self.train_step(step_data)
             self.state.step += 1
             step, dt = self.state.step, time.perf_counter() - t0
+            if step == first_step + 1:  # initialisation and the first step may take long; the rest may not
+                self.dims.set_timeout(cfg.comm.train_timeout_seconds)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {step}")
             tps = tokens_per_step / dt
             # this dp rank's rows, times the dp degree: the step's model FLOPs over all ranks
-            pairs = sum(n * (n + 1) // 2 for b in step_data.microbatches for row in b.doc_lens for n in row)
+            pairs = sum(visible_pairs(b.doc_lens, t.seq_len, self.dims.cp, p.context_parallel_load_balancer)
+                        for b in step_data.microbatches)
             tokens = sum(b.tokens.numel() for b in step_data.microbatches)
             flops = self.model_args.training_flops(tokens, pairs) * self.dp_degree
             record = {
-                "step": step, "loss": loss, "grad_norm": grad_norm, "lr": self.schedulers[0].get_last_lr()[0],
+                "step": step, "loss": loss, "grad_norm": grad_norm, "lr": self.schedulers.get_last_lr()[0],
                 "tokens_per_second": tps, "global_valid_tokens": step_data.global_valid_tokens,
                 "padding_tokens": step_data.padding_tokens,
-                "mfu": flops / dt / (self.peak_flops * dist.get_world_size()),
+                "mfu": self.mfu(flops, dt), "mfu_is_estimate": self.mfu.is_estimate,
                 "memory_bytes": device_memory_bytes(self.device),
                 "eta_seconds": (time.perf_counter() - start) / (step - first_step) * (t.steps - step),
             }
@@ -277,15 +258,37 @@ class Trainer:
             history.append(record)
             self.metrics.log(record, console=step % cfg.metrics.log_freq == 0 or step == t.steps)
             if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps):
-                self.checkpointer.save(step)
+                if step == t.steps and cfg.checkpoint.last_save_model_only:
+                    self.checkpointer.save(step, model_only=True)
+                else:
+                    self.checkpointer.save(step)
+        self.checkpointer.close()  # an asynchronous save in flight lands
+        if cfg.checkpoint.last_save_in_hf:
+            self.checkpointer.save_hf(self.state.step, self.model_args)
         self.metrics.close()
         return history
 
 
+def _whole_set_steps(loader) -> int:
+    """Validation steps that read a finite set once: its tokens over a step's tokens, rounded up
+    (with ``best_fit`` packing the padding leaves the last documents of the set unread)."""
+    source = loader.packer.source
+    n = sum(len(source.document(i).tokens) for i in range(len(source)))
+    return max(1, -(-n // (loader.global_batch_size * loader.seq_len)))
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    """Run a training job; returns the per-step metrics (as written to ``metrics.jsonl``)."""
+    """Run a training job; returns the per-step metrics (as written to ``metrics.jsonl``).
+
+    With no arguments, or ``--help``/``-h``, prints the usage and every key instead (exit status 2
+    and 0): a run is never started from the defaults alone by accident."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or any(a in ("--help", "-h") for a in argv):
+        print(usage())
+        raise SystemExit(0 if argv else 2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    cfg = load_config(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(argv)
+    cfg.check_files()  # before any process group starts
     return Trainer(cfg).train()
 
 

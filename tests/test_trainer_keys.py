@@ -1,0 +1,136 @@
+"""The trainer's keys do what their docstrings say: optimizer name and implementation, AC option,
+LR-schedule checkpoint keys, async and model-only saves, exclude_from_loading, load_step, profiling,
+train timeout, whole-set validation, MFU and the visible-pair count."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_cp import checkpoint as ckpt_module
+from titan_cp.checkpoint import Checkpointer, saved_steps
+from titan_cp.metrics import MFU, visible_pairs
+from titan_cp.model import build_model
+from titan_cp.optim import LRSchedulers, build_optimizers, lr_lambda
+from titan_cp.parallel.ac import ac_mode_and_every, apply_ac
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tiny():
+    return build_model("tiny", device="cpu")
+
+
+@pytest.mark.parametrize("name, cls", [("AdamW", torch.optim.AdamW), ("Adam", torch.optim.Adam)])
+@pytest.mark.parametrize("implementation", ["fused", "foreach", "for-loop"])
+def test_optimizer_name_and_implementation(name, cls, implementation):
+    (opt,) = build_optimizers([_tiny()], name, 1e-3, (0.9, 0.95), 1e-8, 0.1, implementation)
+    assert type(opt) is cls
+    assert opt.defaults["fused"] is (implementation == "fused")
+    assert opt.defaults["foreach"] is (implementation == "foreach")
+    with pytest.raises(ValueError, match="optimizer.name"):
+        build_optimizers([_tiny()], "SGD", 1e-3, (0.9, 0.95), 1e-8, 0.1, implementation)
+
+
+@pytest.mark.parametrize("option, wrapped", [("1", [True, True]), ("2", [True, False]), ("op", [True, True])])
+def test_selective_ac_option_as_torchtitan(option, wrapped):
+    model = _tiny()
+    mode, every = ac_mode_and_every("selective", option)
+    assert mode == ("op" if option == "op" else "selective")
+    apply_ac(model, mode, every=every)
+    kinds = [type(block).__name__ == "CheckpointWrapper" for block in model.layers.values()]
+    assert kinds == wrapped
+    op_level = [getattr(block, "checkpoint_fn", None) is not None and "context_fn" in str(block.checkpoint_fn)
+                for block in model.layers.values()]
+    assert all(op_level) == (option == "op")
+
+
+def test_lr_schedulers_checkpoint_as_one_state_under_a_fixed_key():
+    factor = lr_lambda(2, 10, None, "linear", 0.0)
+    parts = [_tiny(), _tiny()]
+    optimizers = build_optimizers(parts, "AdamW", 1.0, (0.9, 0.95), 1e-8, 0.0, "foreach")
+    scheds = LRSchedulers(optimizers, factor)
+    for _ in range(3):
+        for opt in optimizers:
+            opt.step()
+        scheds.step()
+    state = scheds.state_dict()
+    fresh = LRSchedulers(build_optimizers([_tiny()], "AdamW", 1.0, (0.9, 0.95), 1e-8, 0.0, "foreach"), factor)
+    fresh.load_state_dict(state)  # another number of pipeline stages
+    assert fresh.get_last_lr() == scheds.get_last_lr() and fresh.schedulers[0].last_epoch == 3
+    assert "id(" not in (REPO / "titan_cp" / "train.py").read_text()  # no key from a Python object id
+
+
+def test_requested_load_step_that_is_not_there_fails(tmp_path):
+    with pytest.raises(ValueError, match="checkpoint.load_step = 3, but .* holds no checkpoint"):
+        Checkpointer(tmp_path, [], [], {}).load(3)
+    assert Checkpointer(tmp_path, [], [], {}).load(-1) is None
+
+
+def test_visible_pairs_is_the_plan_count():
+    rows = [[3, 5], [8]]
+    assert visible_pairs(rows, 8) == 6 + 15 + 36
+    assert visible_pairs(rows, 8, cp=2, balance="doc_zigzag") == 6 + 15 + 36
+
+
+def test_cpu_mfu_is_an_estimate_and_never_above_one():
+    mfu = MFU(torch.device("cpu"), ranks=2)
+    assert mfu.is_estimate
+    assert mfu(flops=1e30, seconds=1.0) == pytest.approx(1.0)
+    assert 0 < mfu(flops=1e10, seconds=1.0) < 1
+
+
+def _run(rank, world, argv):
+    from titan_cp.mesh import ParallelDims
+    from titan_cp.train import main
+
+    timeouts = []
+    real = ParallelDims.set_timeout
+    ParallelDims.set_timeout = lambda self, s: (timeouts.append(s), real(self, s))[1]
+    try:
+        return [r["step"] for r in main(argv)], timeouts
+    finally:
+        ParallelDims.set_timeout = real
+
+
+BASE = [
+    "--job.config_file", "train_configs/debug_cp.toml", "--model.flavor", "tiny", "--training.seq_len", "256",
+    "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "1", "--validation.enable", "false",
+    "--metrics.log_freq", "100", "--parallelism.context_parallel_degree", "2", "--checkpoint.enable",
+    "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0", "--comm.train_timeout_seconds", "77",
+]
+
+
+def test_async_model_only_saves_exclude_profiling_and_train_timeout(dist_pools, tmp_path):
+    argv = BASE + ["--job.dump_folder", str(tmp_path), "--training.steps", "4", "--checkpoint.async_mode", "async",
+                   "--profiling.enable_profiling", "--profiling.profile_freq", "3"]
+    (steps, timeouts), _ = dist_pools.run(2, _run, argv, timeout=600)
+    assert steps == [1, 2, 3, 4] and timeouts == [77]
+    folder = tmp_path / "checkpoint"
+    assert saved_steps(folder) == [2, 4] and not list(folder.glob("*.tmp"))
+    assert not ckpt_module._model_only(folder / "step-2") and ckpt_module._model_only(folder / "step-4")
+    assert sorted(p.name for p in (tmp_path / "profile_traces" / "iteration_3").iterdir()) == [
+        "rank0_trace.json", "rank1_trace.json"]
+    # resume: the newest whole state is step 2 (step 4 holds the model alone); the data restarts
+    argv = BASE + ["--job.dump_folder", str(tmp_path), "--training.steps", "5",
+                   "--checkpoint.exclude_from_loading", "dataloader", "--metrics.save_jsonl_file="]
+    (steps, _), _ = dist_pools.run(2, _run, argv, timeout=600)
+    assert steps == [3, 4, 5]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4  # the second run wrote none
+
+
+def test_whole_set_validation_steps(tmp_path):
+    from titan_cp.config import load_config
+    from titan_cp.data import build_dataloader, build_tokenizer
+    from titan_cp.train import _whole_set_steps
+
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps({"text": "x" * n}) + "\n" for n in (300, 500, 700)))
+    cfg = load_config(["--validation.enable", "--validation.dataset", "text", "--validation.dataset_path",
+                       str(tmp_path / "val.jsonl"), "--training.seq_len", "256", "--training.local_batch_size", "2",
+                       "--lr_scheduler.warmup_steps", "1", "--training.steps", "2"])
+    loader = build_dataloader(cfg, build_tokenizer(cfg), 0, 1, "validation")
+    tokens = sum(len(loader.packer.source.document(i).tokens) for i in range(3))
+    assert _whole_set_steps(loader) == -(-tokens // 512) >= 3
