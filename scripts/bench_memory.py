@@ -1,4 +1,13 @@
-"""Per-rank activation memory of one forward+backward of the model under context parallelism.
+"""Per-rank activation memory of one forward+backward of the model under context parallelism
+(``--case cp``, the default), or the peak of the chunked loss alone (``--case loss``).
+
+``--case loss`` prints one JSON line: the peak bytes (above the inputs, gradients included) of
+one forward + backward of the chunked output projection + cross-entropy
+(``titan_cp.tools.memory.measure_loss_memory``) at ``--tokens`` x ``--vocab`` x ``--dim``,
+next to the bytes of the whole fp32 logits it never holds (target: peak <= 10% of them)::
+
+    python scripts/bench_memory.py --case loss            # 16384 tokens, vocab 128256, dim 512
+    python scripts/bench_memory.py --case loss --tokens 2048 --unchunked   # the reference, small
 
 For each CP degree (a separate pool of that many gloo ranks; CP 1 is the plain model, no
 ``apply_cp``), every rank builds the model, takes its shard of one packed row, and runs one
@@ -61,13 +70,12 @@ its scratch buffers by the thread count, so all degrees use the same).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import re
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -77,6 +85,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss  # noqa: E402
+from titan_cp.tools.memory import AllocatorTrace, allocator_trace, measure_loss_memory  # noqa: E402, F401
 from titan_cp.step import Microbatch  # noqa: E402
 
 BYTE_VOCAB = 259  # titan_cp.data.tokenizer.ByteTokenizer.vocab_size
@@ -213,73 +222,6 @@ class SavedTensorCounter:
         return {m: {"bytes": v["bytes"], "tensors": dict(v["tensors"])} for m, v in out.items()}
 
 
-# --------------------------------------------------------------------- peak bytes
-
-
-@dataclass
-class AllocatorTrace:
-    """The CPU allocator's events during ``with allocator_trace() as trace:`` (filled on exit).
-
-    ``events``: ``(ptr, signed nbytes, allocator running total)`` in time order. Totals are
-    relative to the allocator's running total just before the first event.
-    """
-
-    events: list[tuple[int, int, int]] = field(default_factory=list)
-    consistent: bool = True  # every running total equals the previous one plus the event's size
-
-    @property
-    def peak(self) -> int:
-        return max((total for _, _, total in self.events), default=0)
-
-    @property
-    def end(self) -> int:
-        return self.events[-1][2] if self.events else 0
-
-    def peak_without(self, ptrs: Iterable[int]) -> int:
-        """Peak of the running total with the *last* allocation at each of ``ptrs`` left out
-        (e.g. the storages that end up as ``param.grad``): those are the blocks still held at
-        the end, so their bytes are subtracted from the first moment they exist."""
-        last = {}
-        wanted = set(ptrs)
-        for i, (ptr, size, _) in enumerate(self.events):
-            if size > 0 and ptr in wanted:
-                last[ptr] = i
-        held = dict.fromkeys(last.values(), True)
-        peak = excluded = 0
-        for i, (_, size, total) in enumerate(self.events):
-            if i in held:
-                excluded += size
-            peak = max(peak, total - excluded)
-        return peak
-
-
-@contextlib.contextmanager
-def allocator_trace():
-    """Record the CPU allocator's allocations and frees (``torch.profiler``, ``profile_memory``)."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    trace = AllocatorTrace()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        yield trace
-    allocs = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            f = node.extra_fields
-            allocs.append((node.start_time_ns, f.id, f.ptr, f.alloc_size, f.total_allocated))
-    allocs.sort(key=lambda a: (a[0], a[1]))
-    if allocs:
-        base = allocs[0][4] - allocs[0][3]
-        prev = base
-        for _, _, ptr, size, total in allocs:
-            trace.consistent &= total == prev + size
-            prev = total
-            trace.events.append((ptr, size, total - base))
-
-
 # ------------------------------------------------------------------- measurement
 
 
@@ -293,10 +235,11 @@ def measure_step(model: nn.Module, local: Microbatch, loss_fn: Callable, scope_m
     try:
         with allocator_trace() as trace:
             with SavedTensorCounter(params, scope) as counter:
-                logits = model(local.tokens, positions=local.positions, doc_lens=local.doc_lens)
-                loss = loss_fn(logits, local.labels)
+                # as in training: the model computes the summed token CE itself, chunk by chunk
+                loss_sum = model(local.tokens, positions=local.positions, doc_lens=local.doc_lens, labels=local.labels)
+                loss = loss_fn(loss_sum, local.labels)
             loss.backward()
-            del logits, loss
+            del loss_sum, loss
     finally:
         scope.remove()
     grads = {storage_key(p.grad) for p in params if p.grad is not None}
@@ -444,6 +387,14 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", choices=("cp", "loss"), default="cp")
+    p.add_argument("--tokens", type=int, default=16384, help="--case loss: tokens")
+    p.add_argument("--vocab", type=int, default=128256, help="--case loss: vocabulary")
+    p.add_argument("--dim", type=int, default=512, help="--case loss: model dim")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="--case loss: tokens per chunk (default: 128 MiB of fp32 logits)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="--case loss")
+    p.add_argument("--device", default="cpu", help="--case loss: cpu or cuda")
+    p.add_argument("--unchunked", action="store_true", help="--case loss: measure whole logits + F.cross_entropy instead")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--docs", type=int, default=4, help="documents packed in each row (1: one causal document)")
@@ -455,6 +406,11 @@ def main(argv=None) -> None:
     p.add_argument("--top", type=int, default=8, help="non_shrinking entries per row")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of bytes per rank vs cp")
     args = p.parse_args(argv)
+    if args.case == "loss":
+        row = measure_loss_memory(args.tokens, args.vocab, args.dim, args.chunk_tokens, getattr(torch, args.dtype),
+                                  args.device, args.unchunked)
+        print(json.dumps(row), flush=True)
+        return
     cfg = {k: getattr(args, k) for k in ("seq_len", "batch", "docs", "flavor", "vocab_size", "strategy", "balance")}
     cps = sorted(set(args.cps) | {1})
     results = {cp: measure_cp(cp, cfg) for cp in cps}

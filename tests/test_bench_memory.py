@@ -107,3 +107,18 @@ def test_tiny_model_memory_halves_with_cp(dist_pools):
         assert row["alloc_trace_consistent"]
         assert row["end_bytes"] == row["grad_bytes"] == row["param_bytes"]  # nothing but the grads left
         assert row["saved_bytes_per_rank"] < row["peak_bytes_per_rank"]
+
+
+def test_loss_case_never_holds_whole_logits():
+    """``--case loss``: the chunked loss's peak is its gradients plus about one chunk of fp32
+    logits (here 1/8 of them); the unchunked reference holds at least the whole fp32 logits.
+    Both compute the same loss (fp32, reduction order only: rel 1e-5)."""
+    size = dict(tokens=512, vocab=4096, dim=64)
+    chunked = bm.measure_loss_memory(**size, chunk_tokens=64)
+    whole = bm.measure_loss_memory(**size, unchunked=True)
+    chunk_logits = 64 * 4096 * F32
+    assert chunked["fp32_logits_bytes"] == 512 * 4096 * F32 == 8 * chunk_logits
+    assert chunked["alloc_trace_consistent"] and whole["alloc_trace_consistent"]
+    assert chunked["grad_bytes"] < chunked["peak_bytes"] <= chunked["grad_bytes"] + 2 * chunk_logits
+    assert whole["peak_bytes"] >= whole["fp32_logits_bytes"]
+    assert chunked["loss"] == pytest.approx(whole["loss"], rel=1e-5)
