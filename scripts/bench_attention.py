@@ -17,8 +17,10 @@ that makes a packed long-sequence step host-bound on a GPU. One head of head_dim
 arithmetic is negligible), ``--host-seq-len`` tokens of log-normal documents of mean
 ``--host-doc-mean``, ring over ``--host-world`` ranks, doc_zigzag; prints
 ``host_ms_per_layer`` (main-thread CPU time of forward + backward with the layout built
-inside, max over ranks), ``tiles`` (rank 0) and ``kernel_calls_per_step`` for the CPU kernel
-(one call per tile) and for the packed variable-length route (one call per causal flag)::
+inside, max over ranks), ``tiles`` (rank 0) and ``kernel_calls_per_step`` for ATen's CPU flash
+kernel (one call per tile), for the packed variable-length route with that kernel looping over
+the segments, and for ``cpu_varlen``, the CPU default (one call per causal flag, short segments
+batched)::
 
     python scripts/bench_attention.py --cases host
 
@@ -151,11 +153,12 @@ def _host(args: dict) -> None:
     docs = lognormal_doc_lens(seq, args["host_doc_mean"], seed=1)
     pool = DistPool(world, collective_timeout_s=1800)
     try:
-        for route, native in (("per_tile", None), ("varlen", True)):
-            res = pool.run(host_layer, seq, docs, "ring", "cpu_flash", native, timeout=3600)
+        for kernel, route, native in (("cpu_flash", "per_tile", None), ("cpu_flash", "varlen_loop", True),
+                                      ("cpu_varlen", "varlen", None)):
+            res = pool.run(host_layer, seq, docs, "ring", kernel, native, timeout=3600)
             print(json.dumps({
                 "case": "host", "strategy": "ring", "world": world, "seq_len": seq, "documents": len(docs),
-                "doc_mean": args["host_doc_mean"], "kernel": "cpu_flash", "route": route,
+                "doc_mean": args["host_doc_mean"], "kernel": kernel, "route": route,
                 "host_ms_per_layer": round(max(r["host_ms"] for r in res), 2),
                 "host_ms_rank0": round(res[0]["host_ms"], 2), "tiles": res[0]["tiles"],
                 "kernel_calls_per_step": max(r["kernel_calls_per_step"] for r in res),

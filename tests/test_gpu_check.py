@@ -50,8 +50,8 @@ def test_small_cpu_run_passes_every_section():
     assert records[0]["section"] == "env" and "_flash_attention_forward" in records[0]["flash_attn_schemas"]
     assert records[-1] is summary and summary["status"] == "ok", summary["failures"]
     kernels = [r for r in records if r.get("section") == "kernels"]
-    assert {r["kernel"] for r in kernels} == {"cpu_flash", "math"}
-    assert len(kernels) == 2 * len(gpu_check.kernel_cases(gpu_check.SMALL))
+    assert {r["kernel"] for r in kernels} == {"cpu_varlen", "cpu_flash", "math"}
+    assert len(kernels) == 3 * len(gpu_check.kernel_cases(gpu_check.SMALL))
     ring = [r for r in records if r.get("section") == "ring"]
     assert [r["case"] for r in ring] == ["causal", "docs_32"]
     assert all(r["efficiency"]["fwd_bwd"] > 0 for r in ring)

@@ -71,9 +71,9 @@ def test_backward_with_global_out_and_lse_is_a_slice_of_the_full_gradient():
     torch.testing.assert_close(torch.cat([a[1], b[1]], 2), full[1], atol=1e-5, rtol=1e-5)
 
 
-def test_auto_picks_cpu_flash_on_cpu_and_cuda_flash_for_half_on_cuda():
-    assert get_kernel(None, torch.device("cpu"), torch.float32).name == "cpu_flash"
-    assert check_kernel(None, torch.device("cpu"), torch.bfloat16, 64).name == "cpu_flash"
+def test_auto_picks_cpu_varlen_on_cpu_and_cuda_flash_for_half_on_cuda():
+    assert get_kernel(None, torch.device("cpu"), torch.float32).name == "cpu_varlen"
+    assert check_kernel(None, torch.device("cpu"), torch.bfloat16, 64).name == "cpu_varlen"
     # the CUDA choice is made without touching a device
     assert check_kernel(None, torch.device("cuda"), torch.bfloat16, 128).name == "cuda_flash"
     assert check_kernel("auto", "cuda", torch.float16, 64).name == "cuda_flash"
@@ -277,7 +277,7 @@ def test_unknown_kernel_name():
 def test_cuda_kernel_on_cpu_tensors(name, monkeypatch):
     monkeypatch.setitem(kernels_module._INSTANCES, "flash_attn", FlashAttnKernel(_fake_flash_attn("2.7")))
     with pytest.raises(ValueError, match=f"kernel '{name}' runs on cuda tensors, but q, k, v are on cpu; for bfloat16 "
-                                         r"on cpu with head_dim 64 choose one of \['cpu_flash', 'math'\] or None"):
+                                         r"on cpu with head_dim 64 choose one of \['cpu_flash', 'cpu_varlen', 'math'\] or None"):
         check_kernel(name, torch.device("cpu"), torch.bfloat16, 64)
 
 

@@ -124,37 +124,45 @@ def _pieces(doc_lens: Sequence[int], cp_size: int) -> list[list[tuple[int, int]]
     return pieces
 
 
-def _row_index(seq_len: int, cp_size: int, balance: str, doc_lens: Sequence[int] | None) -> list[list[int]]:
-    """Global positions held by each rank, in local (layout) order, for one row."""
+def _spans(starts, lengths) -> torch.Tensor:
+    """``cat(arange(s, s + n) for s, n)`` as one int64 tensor, without a Python loop over positions."""
+    s = torch.as_tensor(starts, dtype=torch.int64)
+    n = torch.as_tensor(lengths, dtype=torch.int64)
+    if not len(s):
+        return s
+    return torch.arange(int(n.sum())) + torch.repeat_interleave(s - (torch.cumsum(n, 0) - n), n)
+
+
+def _row_index(seq_len: int, cp_size: int, balance: str, doc_lens: Sequence[int] | None) -> list[torch.Tensor]:
+    """Global positions held by each rank, in local (layout) order, for one row: one int64 tensor per rank."""
     n = cp_size
     if balance == "contiguous":
         s = seq_len // n
-        return [list(range(r * s, (r + 1) * s)) for r in range(n)]
+        return [torch.arange(r * s, (r + 1) * s) for r in range(n)]
     if balance == "zigzag":
         c = seq_len // (2 * n)
-        return [
-            list(range(r * c, (r + 1) * c)) + list(range((2 * n - 1 - r) * c, (2 * n - r) * c)) for r in range(n)
-        ]
+        return [_spans([r * c, (2 * n - 1 - r) * c], [c, c]) for r in range(n)]
     pieces = _pieces(doc_lens if doc_lens is not None else (seq_len,), n)
     index = []
     for r in range(n):
         head, tail = pieces[r], pieces[2 * n - 1 - r]
         # document-major order: each document's head piece, then its tail piece
         merged = sorted(head + tail) if r != 2 * n - 1 - r else head
-        index.append([p for start, length in merged for p in range(start, start + length)])
+        index.append(_spans([a for a, _ in merged], [b for _, b in merged]))
     return index
 
 
-def _runs(positions: list[int], doc_of: list[int]) -> Runs:
-    runs = []
-    i, n = 0, len(positions)
-    while i < n:
-        j = i + 1
-        while j < n and positions[j] == positions[j - 1] + 1 and doc_of[positions[j]] == doc_of[positions[i]]:
-            j += 1
-        runs.append(Run(local=i, start=positions[i], length=j - i, doc=doc_of[positions[i]]))
-        i = j
-    return tuple(runs)
+def _runs(positions: torch.Tensor, doc_of: torch.Tensor) -> Runs:
+    """Maximal stretches of consecutive positions inside one document (vectorised)."""
+    doc = doc_of[positions]
+    cut = torch.ones(positions.numel(), dtype=torch.bool)
+    cut[1:] = (positions[1:] != positions[:-1] + 1) | (doc[1:] != doc[:-1])
+    first = torch.nonzero(cut).flatten()
+    lengths = torch.diff(first, append=torch.tensor([positions.numel()]))
+    return tuple(
+        Run(local=i, start=p, length=n, doc=d)
+        for i, p, n, d in zip(first.tolist(), positions[first].tolist(), lengths.tolist(), doc[first].tolist())
+    )
 
 
 def _check_dim(dim: int, x: torch.Tensor) -> int:
@@ -199,13 +207,16 @@ class SequenceLayout:
         rows = self.doc_lens if self.doc_lens is not None else (None,)
         # rows with the same documents share everything; keep one entry per distinct row
         self._row_keys = [rows.index(row) for row in rows]
-        self._index: dict[int, list[list[int]]] = {}
-        self._doc_of: dict[int, list[int]] = {}
+        self._index: dict[int, list[torch.Tensor]] = {}
+        self._doc_of: dict[int, torch.Tensor] = {}
+        self._doc_start: dict[int, torch.Tensor] = {}
         for key in set(self._row_keys):
             row = rows[key]
             self._index[key] = _row_index(seq_len, cp_size, balance, row)
             lens = row if row is not None else (seq_len,)
-            self._doc_of[key] = [d for d, n in enumerate(lens) for _ in range(n)]
+            lens_t = torch.tensor(lens, dtype=torch.int64)
+            self._doc_of[key] = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
+            self._doc_start[key] = torch.cumsum(lens_t, 0) - lens_t
         self._tensor_cache: dict[tuple, torch.Tensor] = {}
         self._runs_cache: dict[tuple, Runs] = {}
         self._memo: dict[tuple, object] = {}
@@ -258,9 +269,9 @@ class SequenceLayout:
         if cache_key not in self._runs_cache:
             ranks, key = cache_key
             if ranks is None:
-                positions = list(range(self.seq_len))
+                positions = torch.arange(self.seq_len)
             else:
-                positions = [p for r in ranks for p in self._index[key][r]]
+                positions = torch.cat([self._index[key][r] for r in ranks])
             self._runs_cache[cache_key] = _runs(positions, self._doc_of[key])
         return self._runs_cache[cache_key]
 
@@ -295,17 +306,11 @@ class SequenceLayout:
                 idx = self._index[key][rank]
                 if kind in ("index", "positions"):
                     rows.append(idx)
+                elif kind == "doc_ids":
+                    rows.append(self._doc_of[key][idx])
                 else:
-                    lens = self.doc_lens[key] if self.doc_lens is not None else (self.seq_len,)
-                    starts = [0]
-                    for n in lens[:-1]:
-                        starts.append(starts[-1] + n)
-                    doc_of = self._doc_of[key]
-                    if kind == "doc_ids":
-                        rows.append([doc_of[p] for p in idx])
-                    else:
-                        rows.append([p - starts[doc_of[p]] for p in idx])
-            t = torch.tensor(rows, dtype=torch.long, device=device)
+                    rows.append(idx - self._doc_start[key][self._doc_of[key][idx]])
+            t = torch.stack(rows).to(device)
             if kind == "index" and self.row_independent:
                 t = t[0]
             self._tensor_cache[cache_key] = t

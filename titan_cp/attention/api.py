@@ -151,7 +151,8 @@ def _fresh(x: Tensor) -> Tensor:
 @torch.library.custom_op("titan_cp::cp_attention", mutates_args=())
 def _cp_attention_op(q: Tensor, k: Tensor, v: Tensor, doc_lens: Tensor | None, handle: int, causal: bool, scale: float) -> list[Tensor]:
     ctx, module = _context(handle, q, k.shape[1], doc_lens, causal, scale)
-    out, saved = module.forward(ctx, q, k, v)
+    with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
+        out, saved = module.forward(ctx, q, k, v)
     return [_fresh(out), *saved]
 
 
@@ -167,7 +168,8 @@ def _cp_attention_backward_op(
     doc_lens: Tensor | None, handle: int, causal: bool, scale: float, kv_heads: int,
 ) -> list[Tensor]:
     ctx, module = _context(handle, dout, kv_heads, doc_lens, causal, scale)
-    dq, dk, dv = module.backward(ctx, dout, q, k, v, out, saved)
+    with torch.autocast(dout.device.type, enabled=False):
+        dq, dk, dv = module.backward(ctx, dout, q, k, v, out, saved)
     return [_fresh(dq), _fresh(dk), _fresh(dv)]
 
 
@@ -229,7 +231,7 @@ def cp_attention(
         strategy: ``"ring"``, ``"allgather"``, ``"ulysses"`` or ``"hybrid"``.
         causal: causal mask (inside each document when the layout has documents).
         scale: softmax scale, ``1/sqrt(head_dim)`` by default; a positive finite number.
-        kernel: local kernel name (``"cpu_flash"``, ``"cuda_flash"``, ``"flash_attn"``, ``"math"``,
+        kernel: local kernel name (``"cpu_varlen"``, ``"cpu_flash"``, ``"cuda_flash"``, ``"flash_attn"``, ``"math"``,
             or one added with ``register_kernel``); ``None`` picks the fastest for the device and dtype.
     """
     if strategy not in STRATEGIES:

@@ -32,7 +32,7 @@ import torch
 from titan_cp.attention.kernels import AttentionKernel, Segments
 from titan_cp.attention.masks import Tile, plan_tiles
 from titan_cp.attention.merge import merge_segments_
-from titan_cp.layout import SequenceLayout, to_device
+from titan_cp.layout import SequenceLayout, _spans, to_device
 
 
 @dataclass(frozen=True)
@@ -75,16 +75,6 @@ def _contiguous_slices(rows: tuple[int, ...] | None, batch: int) -> list[slice]:
     return slices
 
 
-def _spans(starts: list[int], ends: list[int]) -> torch.Tensor:
-    """``cat(arange(s, e) for s, e)`` as one int64 tensor, built without a Python loop over tokens."""
-    s = torch.tensor(starts, dtype=torch.int64)
-    n = torch.tensor(ends, dtype=torch.int64) - s
-    if not len(starts):
-        return s
-    offsets = torch.cumsum(n, 0) - n
-    return torch.arange(int(n.sum())) + torch.repeat_interleave(s - offsets, n)
-
-
 class Plan:
     """Mask plan of a query buffer of ``q_len`` tokens per row on a key buffer of ``k_len``.
 
@@ -123,8 +113,8 @@ class Plan:
             items = [(b, t) for b, t in per_row if t.causal == causal]
             if not items:
                 continue
-            q_rows = _spans([b * sq + t.q0 for b, t in items], [b * sq + t.q1 for b, t in items])
-            k_rows = _spans([b * sk + t.k0 for b, t in items], [b * sk + t.k1 for b, t in items])
+            q_rows = _spans([b * sq + t.q0 for b, t in items], [t.q1 - t.q0 for _, t in items])
+            k_rows = _spans([b * sk + t.k0 for b, t in items], [t.k1 - t.k0 for _, t in items])
             lq = [t.q1 - t.q0 for _, t in items]
             lk = [t.k1 - t.k0 for _, t in items]
             host_q = tuple(torch.tensor([0] + lq).cumsum(0).tolist())
@@ -148,8 +138,8 @@ class Plan:
             calls=tuple(calls),
             q_dest=to_device(torch.cat(dests) if dests else empty, device),
             slices=tuple(slices),
-            tile_q_dest=to_device(_spans([a for a, _ in tq], [b for _, b in tq]), device),
-            tile_k_dest=to_device(_spans([a for a, _ in tk], [b for _, b in tk]), device),
+            tile_q_dest=to_device(_spans([a for a, _ in tq], [b - a for a, b in tq]), device),
+            tile_k_dest=to_device(_spans([a for a, _ in tk], [b - a for a, b in tk]), device),
         )
 
 

@@ -62,7 +62,7 @@ def counting_kernel(name: str, native_varlen: bool | None = None) -> CountingKer
 
 
 def host_layer(rank: int, world: int, seq_len: int, doc_lens: list[int], strategy: str = "ring",
-               kernel: str = "cpu_flash", native_varlen: bool | None = None, iters: int = 3) -> dict:
+               kernel: str = "cpu_varlen", native_varlen: bool | None = None, iters: int = 3) -> dict:
     """Main-thread CPU time of one layer's forward + backward on this rank, layout built inside (fastest of ``iters``).
 
     Runs inside a gloo process of :class:`titan_cp.spawn.DistPool`. Returns ``host_ms``,
