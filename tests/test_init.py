@@ -139,3 +139,35 @@ def test_construction_allocates_only_shards(dist_pools):
     for growth, local in dist_pools.run(4, _construction_growth, timeout=600):
         assert local == pytest.approx(total / 4, rel=0.01)
         assert 0.9 * local < growth < 0.4 * total, (growth, local, total)
+
+
+# ----------------------------------------------------------------- trainer, first steps
+
+TRAIN_ARGV = [
+    "--job.config_file", "train_configs/debug_cp.toml", "--model.flavor", "tiny", "--training.seq_len", "256",
+    "--training.local_batch_size", "2", "--training.global_batch_size", "4", "--training.steps", "3",
+    "--lr_scheduler.warmup_steps", "1", "--validation.enable", "false", "--metrics.log_freq", "100",
+    "--checkpoint.enable", "false",
+]
+
+
+def _train_losses(rank, world, argv):
+    from titan_cp.train import main
+
+    return [r["loss"] for r in main(argv)]
+
+
+def test_trainer_first_losses_do_not_depend_on_the_mesh(dist_pools, tmp_path):
+    """The trainer builds on meta and initialises shard by shard: its first three losses on
+    CP4, DP2xCP2, TP2xCP2 and PP2xCP2 equal one process's (fp32; reduction order only, and
+    three AdamW steps: rel 1e-5)."""
+    def run(world, cp=1, dp=1, tp=1, pp=1):
+        mesh = ["--parallelism.context_parallel_degree", str(cp), "--parallelism.data_parallel_shard_degree", str(dp),
+                "--parallelism.tensor_parallel_degree", str(tp), "--parallelism.pipeline_parallel_degree", str(pp)]
+        folder = tmp_path / f"cp{cp}_dp{dp}_tp{tp}_pp{pp}"
+        return dist_pools.run(world, _train_losses, TRAIN_ARGV + mesh + ["--job.dump_folder", str(folder)], timeout=600)[0]
+
+    one = run(1)
+    assert len(one) == 3
+    for mesh in (dict(cp=4), dict(dp=2, cp=2), dict(tp=2, cp=2), dict(pp=2, cp=2)):
+        assert run(4, **mesh) == pytest.approx(one, rel=1e-5), mesh
