@@ -4,7 +4,7 @@
 
     parallelize_module(
         model,
-        world_mesh["cp"],                       # 2-D ("cp_ring", "cp_ulysses") for hybrid
+        cp_mesh,                                # 1-D "cp"; 2-D ("cp_ring", "cp_ulysses") for hybrid
         {"layers.*.attention.inner_attention": ContextParallel(strategy="ring", balance="doc_zigzag")},
     )
 
