@@ -8,6 +8,7 @@ the same seeded block of the unsharded tensor, whatever the shard (``titan_cp.mo
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -130,7 +131,7 @@ def _construction_growth(rank, world):
     return (peak - before) * 1024, local
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="needs Linux /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="reads and resets the peak RSS in /proc (Linux)")
 def test_construction_allocates_only_shards(dist_pools):
     """4 ranks, FSDP 4, ~4 GB of fp32 weights: each rank's peak RSS grows by about a quarter of
     it. Building the whole model on each rank first (the pre-meta path) grows it by >= 4 GB."""
