@@ -19,7 +19,6 @@ or gathered.
 
 from __future__ import annotations
 
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
