@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests.test_parallel import S, full, packed_inputs, reference_grads, tiny
-from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss, chunked_cross_entropy_sum, token_loss_sum
+from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss, chunked_cross_entropy_sum, chunked_evaluate, token_loss_sum
 from titan_cp.parallel import apply_tp
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -31,6 +31,15 @@ def _inputs(n=300, d=32, v=1000, seed=0):
     labels = torch.randint(0, v, (n,), generator=g)
     labels[::7] = IGNORE_INDEX
     return h, w, labels
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7, 300])
+def test_chunked_evaluate_equals_loss_and_argmax_of_the_logits(chunk):
+    h, w, labels = _inputs()
+    logits = (h @ w.t()).detach()
+    ce_sum, predicted = chunked_evaluate(h.detach(), w.detach(), labels, chunk)
+    torch.testing.assert_close(ce_sum, token_loss_sum(logits[None], labels[None]), **TOL)
+    assert torch.equal(predicted, logits.argmax(-1))
 
 
 @pytest.mark.parametrize("chunk", [None, 1, 7, 64, 300, 1000])
@@ -106,9 +115,14 @@ def _tp_loss_rank(rank, world, sequence_parallel):
     torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-5, atol=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(full(p.grad), ref_grads[name], rtol=1e-4, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
-    # logits for validation still come out whole (no loss parallel)
+    # logits still come out whole (no loss parallel)
     logits = model(tokens, positions, doc_lens)
     assert not isinstance(logits, DTensor) and logits.shape == (2, S, 256)
+    # evaluation, chunked and vocabulary-parallel: the CE sum and argmax of those logits
+    with torch.no_grad():
+        ce_sum, predicted = model(tokens, positions, doc_lens, labels=labels, predict=True)
+    torch.testing.assert_close(ce_sum, ref_loss * count, rtol=1e-5, atol=1e-4)
+    assert torch.equal(predicted, logits.argmax(-1))
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False])

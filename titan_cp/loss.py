@@ -146,6 +146,47 @@ def chunked_cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor, chunk_t
         )
 
 
+@torch.no_grad()
+def chunked_evaluate(h: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
+    """``(sum of token CE over tokens with a label, argmax predictions (...))`` without the whole logits.
+
+    Arguments as :func:`chunked_cross_entropy_sum` (no gradient). Under tensor parallelism each
+    rank's best vocabulary row and its logit are gathered over the tp ranks, chunk by chunk,
+    and the largest wins (the lowest vocabulary index on a tie, as ``argmax``).
+    """
+    group, vocab_start = None, 0
+    if isinstance(weight, DTensor):
+        _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+        group, vocab_start = weight.device_mesh.get_group(), offset[0]
+        weight = weight.to_local()
+        h = h.to_local() if isinstance(h, DTensor) else h
+    device_type = h.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        h, weight = h.to(dtype), weight.to(dtype)
+    if chunk_tokens is None:
+        chunk_tokens = max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
+    h_ND, labels_N = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    pred = torch.empty(labels_N.shape, dtype=torch.int64, device=h.device)
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    with torch.autocast(device_type, enabled=False):
+        for s in range(0, h_ND.shape[0], chunk_tokens):
+            e = min(s + chunk_tokens, h_ND.shape[0])
+            z = torch.mm(h_ND[s:e], weight.t()).float()
+            best, index = z.max(1)
+            index = index + vocab_start
+            if group is not None:  # (value, row) of every tp rank, ranks in vocabulary order
+                n = dist.get_world_size(group)
+                both = torch.empty(n, 2, e - s, dtype=torch.float64, device=z.device)
+                dist.all_gather_into_tensor(both.view(2 * n, e - s), torch.stack((best.double(), index.double())), group=group)
+                winner = both[:, 0].argmax(0)  # first (lowest rows) of equal maxima
+                index = both[:, 1].gather(0, winner[None]).squeeze(0).long()
+            pred[s:e] = index
+            lse, target = _chunk_lse_and_target(z, labels_N[s:e], vocab_start, group)
+            total += (lse - target).where(labels_N[s:e] != IGNORE_INDEX, 0.0).sum()
+    return total, pred.view(labels.shape)
+
+
 class GlobalTokenLoss:
     """``loss_fn(output, labels) = token CE sum / global_valid_tokens``; set the count every step.
 

@@ -205,14 +205,14 @@ class Trainer:
                 mb = self._microbatch(batch)
                 distance = shard_tokens(batch.recall_distance.to(self.device), mb.doc_lens, self.dims.cp, self.cp_rank,
                                         self.cfg.parallelism.context_parallel_load_balancer)
-                with self.amp:
-                    logits = self.parts[0](mb.tokens, positions=mb.positions, doc_lens=mb.doc_lens).float()
-                if self.tp_rank == 0:  # logits are replicated over tp: count them once
-                    valid = mb.labels != IGNORE_INDEX
-                    loss_sum += torch.nn.functional.cross_entropy(logits[valid], mb.labels[valid], reduction="sum")
-                    tokens += valid.sum()
+                with self.amp:  # chunked: the (tokens x vocab) logits are never whole
+                    ce_sum, predicted = self.parts[0](mb.tokens, positions=mb.positions, doc_lens=mb.doc_lens,
+                                                      labels=mb.labels, predict=True)
+                if self.tp_rank == 0:  # the results are replicated over tp: count them once
+                    loss_sum += ce_sum
+                    tokens += (mb.labels != IGNORE_INDEX).sum()
                     if v.recall_eval:
-                        counts += recall_counts(logits.argmax(-1), mb.labels, distance, buckets)
+                        counts += recall_counts(predicted, mb.labels, distance, buckets)
         for part in self.parts:
             part.train()
         for t in (counts, loss_sum, tokens):

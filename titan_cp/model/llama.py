@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan_cp.attention import local_attention
-from titan_cp.loss import chunked_cross_entropy_sum
+from titan_cp.loss import chunked_cross_entropy_sum, chunked_evaluate
 from titan_cp.model.init import ParamInit, draw_seed
 
 
@@ -227,14 +227,17 @@ class TransformerBlock(nn.Module):
 class Output(nn.Linear):
     """The output projection ``D -> V``. ``output(h)`` gives logits ``(B, S, V)``;
     ``output(h, labels)`` gives the summed token cross-entropy (fp32, 0-dim), computed chunk
-    by chunk so that the ``(B*S, V)`` logits never exist whole (``titan_cp.loss``)."""
+    by chunk so that the ``(B*S, V)`` logits never exist whole (``titan_cp.loss``);
+    ``output(h, labels, predict=True)`` gives ``(CE sum, argmax predictions (B, S))`` the same way."""
 
     def __init__(self, dim: int, vocab_size: int):
         super().__init__(dim, vocab_size, bias=False)
 
-    def forward(self, h: Tensor, labels: Tensor | None = None) -> Tensor:
+    def forward(self, h: Tensor, labels: Tensor | None = None, predict: bool = False):
         if labels is None:
             return F.linear(h, self.weight)
+        if predict:  # evaluation: (CE sum, argmax predictions), chunked, no gradient
+            return chunked_evaluate(h, self.weight, labels)
         return chunked_cross_entropy_sum(h, self.weight, labels)
 
 
@@ -283,13 +286,15 @@ class Transformer(nn.Module):
         positions: Tensor | None = None,
         doc_lens: Tensor | None = None,
         labels: Tensor | None = None,
-    ) -> Tensor:
+        predict: bool = False,
+    ):
         """tokens ``(B, S)`` int64 (or hidden states ``(B, S, D)`` on a later pipeline stage);
         positions ``(B, S)`` int64 RoPE positions (default ``arange(S)``); doc_lens
         ``(B, max_docs)`` int64 zero-padded packed-document lengths, given unchanged to every
         layer's attention; labels ``(B, S)`` int64 (``IGNORE_INDEX`` where no loss).
         Returns logits ``(B, S, V)``, or with ``labels`` the summed token cross-entropy (fp32,
-        0-dim, the logits never whole); hidden states ``(B, S, D)`` before the last stage.
+        0-dim, the logits never whole), and with ``labels`` and ``predict`` the pair (that sum,
+        argmax predictions ``(B, S)``) for evaluation; hidden states ``(B, S, D)`` before the last stage.
         """
         B, S = tokens.shape[0], tokens.shape[1]
         if positions is None:
@@ -302,4 +307,4 @@ class Transformer(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
-        return self.output(h) if labels is None else self.output(h, labels)
+        return self.output(h) if labels is None else self.output(h, labels, predict=predict)
