@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -44,39 +43,19 @@ import torch  # noqa: E402
 from titan_cp import SequenceLayout, cp_attention  # noqa: E402
 from titan_cp.attention import STRATEGIES, cp_rank, min_bytes_per_rank  # noqa: E402
 from titan_cp.attention.comm import count_comm  # noqa: E402
-from titan_cp.spawn import DistPool  # noqa: E402
-from titan_cp.tools.gpu_check import lognormal_doc_lens  # noqa: E402
+from titan_cp.testing import DistPool, cp_mesh, lognormal_doc_lens  # noqa: E402
 from titan_cp.tools.host import host_layer  # noqa: E402
-
-
-def lognormal_docs(seq_len: int, mean_len: int, seed: int) -> list[int]:
-    """Document lengths drawn log-normal (long tail) around ``mean_len``, cut to fill ``seq_len``."""
-    rng = random.Random(seed)
-    lens, left = [], seq_len
-    while left:
-        n = max(1, min(left, int(rng.lognormvariate(0, 1.0) * mean_len)))
-        lens.append(n)
-        left -= n
-    return lens
-
-
-def _mesh(strategy: str, world: int, ulysses: int):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if strategy == "hybrid":
-        return init_device_mesh("cpu", (world // ulysses, ulysses), mesh_dim_names=("cp_ring", "cp_ulysses"))
-    return init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
 
 
 def _run(rank, world, args: dict, case: str, strategy: str):
     import torch.distributed as dist
 
     ulysses = min(args["hybrid_ulysses"], world) if strategy == "hybrid" else 1
-    mesh = _mesh(strategy, world, ulysses)
+    mesh = cp_mesh(strategy, world, ulysses)
     r = cp_rank(mesh, strategy)
     seq, docs = args["seq_len"], None
     if case == "docs":
-        docs = [lognormal_docs(seq, args["doc_mean"], seed=1)]
+        docs = [lognormal_doc_lens(seq, args["doc_mean"], seed=1)]
     balance = "doc_zigzag" if case == "docs" else "zigzag"
     layout = SequenceLayout(seq, world, balance, docs)
     g = torch.Generator().manual_seed(0)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,7 @@ from titan_cp.attention.kernels import (
     flash_attn_available,
     get_kernel,
 )
+from titan_cp.testing.docs import lognormal_doc_lens
 
 SECTIONS = ("kernels", "ring", "train")
 REPO = Path(__file__).resolve().parents[2]
@@ -125,18 +125,6 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: 
             fn()
             times.append(time.perf_counter() - t0)
     return {"min": min(times), "median": statistics.median(times)}
-
-
-def lognormal_doc_lens(total: int, mean: float, seed: int = 0, sigma: float = 1.0) -> list[int]:
-    """Document lengths drawn log-normal with the given mean, the last one cut so they sum to ``total``."""
-    rng = random.Random(seed)
-    mu = math.log(mean) - sigma**2 / 2
-    lens, left = [], total
-    while left:
-        n = min(left, max(1, round(rng.lognormvariate(mu, sigma))))
-        lens.append(n)
-        left -= n
-    return lens
 
 
 def _cum(lens) -> list[int]:

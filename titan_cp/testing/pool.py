@@ -1,0 +1,194 @@
+"""Run a function on N gloo processes on this CPU, and fail (never hang) when it goes wrong.
+
+(``titan_cp.spawn`` re-exports this module for older imports.)
+
+Used by the distributed tests and the benchmarks (``torchrun`` is the launcher for training).
+
+A :class:`DistPool` keeps ``world_size`` worker processes alive, each with a gloo process
+group already initialised, so that the many small distributed tests of the suite pay the
+start-up cost (importing torch, rendezvous) once per world size instead of once per test.
+
+``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns the
+list of per-rank results. ``fn`` must be importable by name (a module-level function), and
+its arguments and results picklable.
+
+Failure handling, the reason this file exists:
+- a rank that raises sends back its exception and traceback; ``run`` re-raises it as
+  :class:`RankError` naming the rank, with the remote traceback in the message;
+- the other ranks may then be stuck in a collective that will never complete: after
+  ``grace`` seconds the whole pool is killed and a fresh one starts on the next call;
+- a rank that dies (segfault, ``os._exit``) or a call that exceeds ``timeout`` seconds
+  kills the pool and raises, so a test fails within a bounded time instead of hanging.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+_CTX = mp.get_context("spawn")
+
+
+class RankError(RuntimeError):
+    """An exception raised on one rank of a distributed test, with its remote traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, conn, collective_timeout_s: float, threads: int) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
+        conn.send(("ready", None))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            result = fn(rank, world_size, *args, **kwargs)
+            conn.send(("ok", result))
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            conn.send(("error", traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - shutting down anyway
+        pass
+
+
+class DistPool:
+    """``world_size`` live gloo ranks that run test functions on request."""
+
+    def __init__(self, world_size: int, collective_timeout_s: float = 120.0, start_timeout_s: float = 120.0, threads: int = 1):
+        self.world_size = world_size
+        port = _free_port()
+        self._conns = []
+        self._procs = []
+        for rank in range(world_size):
+            parent, child = _CTX.Pipe()
+            p = _CTX.Process(
+                target=_worker, args=(rank, world_size, port, child, collective_timeout_s, threads), daemon=True
+            )
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+        replies = self._collect(start_timeout_s, grace=5.0)
+        for rank, (status, payload) in enumerate(replies):
+            if status != "ready":
+                self.close()
+                raise RankError(f"rank {rank} failed to start:\n{payload}")
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def _collect(self, timeout: float, grace: float) -> list[tuple[str, Any]]:
+        """Wait for one reply per rank; on error, timeout or death, kill the pool and raise."""
+        replies: list[tuple[str, Any] | None] = [None] * self.world_size
+        deadline = time.monotonic() + timeout
+        first_error: tuple[int, str] | None = None
+        while any(r is None for r in replies):
+            now = time.monotonic()
+            if now > deadline:
+                pending = [i for i, r in enumerate(replies) if r is None]
+                self.close()
+                if first_error is not None:
+                    rank, tb = first_error
+                    raise RankError(f"rank {rank} raised (ranks {pending} then stuck):\n{tb}")
+                raise TimeoutError(f"distributed call exceeded {timeout:.0f}s; ranks {pending} never finished")
+            for rank, conn in enumerate(self._conns):
+                if replies[rank] is not None:
+                    continue
+                if conn.poll(0.01):
+                    try:
+                        replies[rank] = conn.recv()
+                    except EOFError:
+                        replies[rank] = ("error", f"rank {rank} died (exit code {self._procs[rank].exitcode})")
+                    if replies[rank][0] == "error" and first_error is None:
+                        first_error = (rank, replies[rank][1])
+                        deadline = min(deadline, time.monotonic() + grace)
+                elif not self._procs[rank].is_alive():
+                    replies[rank] = ("error", f"rank {rank} died (exit code {self._procs[rank].exitcode})")
+                    if first_error is None:
+                        first_error = (rank, replies[rank][1])
+                        deadline = min(deadline, time.monotonic() + grace)
+        if first_error is not None:
+            self.close()
+            rank, tb = first_error
+            raise RankError(f"rank {rank} raised:\n{tb}")
+        return replies  # type: ignore[return-value]
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, grace: float = 10.0, **kwargs: Any) -> list[Any]:
+        """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the results by rank."""
+        if not self.alive:
+            raise RuntimeError("this DistPool was closed after an earlier failure")
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        return [payload for _, payload in self._collect(timeout, grace)]
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self._procs:
+            p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2.0)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+
+class PoolCache:
+    """One live :class:`DistPool` per world size, replaced after a failure."""
+
+    def __init__(self, max_pools: int = 3):
+        self._pools: dict[int, DistPool] = {}
+        self._max = max_pools
+
+    def get(self, world_size: int) -> DistPool:
+        pool = self._pools.get(world_size)
+        if pool is not None and pool.alive:
+            return pool
+        if len(self._pools) >= self._max:  # keep the process count bounded on a small machine
+            oldest = next(iter(self._pools))
+            self._pools.pop(oldest).close()
+        pool = DistPool(world_size)
+        self._pools[world_size] = pool
+        return pool
+
+    def run(self, world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        return self.get(world_size).run(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
