@@ -1,7 +1,8 @@
-"""scripts/bench_balance.py: the exact pair counter, the balances it compares, the records it prints."""
+"""titan_cp.tools.balance (what scripts/bench_balance.py prints): the exact pair counter, the
+balances it compares, the records; and the script's command line, run as a process."""
 
-import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,12 +13,9 @@ from hypothesis import strategies as st
 
 from titan_cp import SequenceLayout
 from titan_cp.layout import BALANCES
+from titan_cp.tools import balance as bb
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "bench_balance.py"
-_spec = importlib.util.spec_from_file_location("bench_balance", _PATH)
-bb = importlib.util.module_from_spec(_spec)
-sys.modules["bench_balance"] = bb
-_spec.loader.exec_module(bb)
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_balance.py"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -82,7 +80,7 @@ def test_every_balance_counts_all_pairs_exactly(cp):
 
 
 def test_mixes_fill_the_row_deterministically():
-    for mix in bb.MIXES:
+    for mix in bb.BALANCE_MIXES:
         rows = bb.make_rows(mix, 8192, 2, seed=1)
         assert all(sum(r) == 8192 and min(r) >= 1 for r in rows)
         assert rows == bb.make_rows(mix, 8192, 2, seed=1)
@@ -160,10 +158,19 @@ def test_greedy_doc_is_an_equal_partition(cp, lens, alpha):
     assert torch.equal(torch.cat(positions).sort().values, torch.arange(sum(lens)))
 
 
-def test_main_prints_records_and_plots(tmp_path, capsys):
+def test_rank_pairs_sum_to_the_row():
+    lens = bb.make_rows("code_repo", 4096, 1, seed=2)[0]
+    layout = SequenceLayout(4096, 4, "doc_zigzag", [lens])
+    pairs = bb.rank_pairs(layout)
+    assert int(pairs.sum()) == bb.causal_doc_total(lens)
+    assert torch.equal(pairs, bb.layout_work(layout)[0])
+
+
+def test_script_prints_records_and_plots(tmp_path):
     png = tmp_path / "balance.png"
-    bb.main(["--seq-len", "1024", "--cps", "2", "4", "--rows", "1", "--mixes", "one_huge", "--plot", str(png)])
-    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    out = subprocess.run([sys.executable, str(SCRIPT), "--seq-len", "1024", "--cps", "2", "4", "--rows", "1", "--mixes",
+                          "one_huge", "--plot", str(png)], capture_output=True, text=True, check=True).stdout
+    recs = [json.loads(line) for line in out.splitlines()]
     assert len(recs) == 2 * len(bb.ALL_BALANCES)
     for r in recs:
         assert {"mix", "cp", "balance", "max_over_mean", "ring_critical_over_ideal"} <= r.keys()
