@@ -116,10 +116,9 @@ def device(gpu: str, hbm_gb: float | None = None, nnodes: int = 1, ngpu: int = 8
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is unknown; choose one of {sorted(GPUS)}")
     d = GPUS[gpu]
-    if gpu == "cpu" or nnodes > 1:
-        d = dataclasses.replace(d, gpus_per_node=ngpu // nnodes)
-    else:
-        d = dataclasses.replace(d, gpus_per_node=ngpu)
+    d = dataclasses.replace(d, gpus_per_node=ngpu // nnodes)
+    if gpu == "cpu":  # the ranks of a host share its memory
+        d = dataclasses.replace(d, memory_bytes=d.memory_bytes / d.gpus_per_node)
     return d if hbm_gb is None else dataclasses.replace(d, memory_bytes=hbm_gb * GB)
 
 
@@ -487,6 +486,12 @@ def plan(job_config, ngpu: int, gpu: str = "h100", nnodes: int = 1, doc_mix: str
         r.update(gpu=gpu, ngpu=ngpu, nnodes=nnodes, doc_mix=doc_mix, ac=ac, flavor=m.flavor, balance=balance)
         records.append(r)
     records.sort(key=lambda r: (-r["fits"], -r["tokens_per_second_per_gpu"], r["memory_bytes_per_rank"]))
+    # among the plans that fit within 2% of the fastest, the one with the most headroom (2 GB steps), then speed
+    near = [r for r in records if r["fits"] and r["tokens_per_second_per_gpu"] >= 0.98 * records[0]["tokens_per_second_per_gpu"]]
+    if near:
+        first = min(near, key=lambda r: (r["memory_bytes_per_rank"] // (2 * GB), -r["tokens_per_second_per_gpu"]))
+        records.remove(first)
+        records.insert(0, first)
     for r in records:
         r["recommended"] = False
     best = records[0]
@@ -496,7 +501,7 @@ def plan(job_config, ngpu: int, gpu: str = "h100", nnodes: int = 1, doc_mix: str
 
 
 def _reason(r: dict, dev: Device) -> str:
-    why = (f"fastest that fits: {r['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, "
+    why = (f"least memory within 2% of the fastest that fits: {r['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, "
            f"{r['memory_bytes_per_rank'] / GB:.1f} of {dev.memory_bytes / GB:.0f} GB")
     if r["ring_compute_over_transfer"] is not None:
         hidden = "hides" if r["ring_compute_over_transfer"] >= 1 else "cannot hide"
