@@ -37,7 +37,7 @@ forward + loss + backward while two exact counters watch it. One JSON object per
     its lock), and the peak is the maximum of that total minus its value at the start. It
     counts allocations made on the profiled (main) thread, which is where every tensor of
     the step is created; ``end_bytes`` (what is still held after the step's outputs are
-    dropped) equals ``grad_bytes`` when no free was missed. Memory malloc'ed by gloo
+    dropped) is ``grad_bytes`` plus the few KB of index tensors the layout caches. Memory malloc'ed by gloo
     itself (outside PyTorch's allocator) is not included.
 
     Without FSDP every rank holds all parameter gradients, which do not shrink with CP, so
