@@ -77,7 +77,13 @@ def _run(rank, world, args: dict, case: str, strategy: str):
             times.append(time.perf_counter() - t0)
             sent = counter.bytes_sent
     theory = min_bytes_per_rank(strategy, q, k, world, ulysses)
-    return {"seconds": min(times), "seconds_median": sorted(times)[len(times) // 2], "bytes_sent_per_rank": sent, "bytes_theory_per_rank": theory, "ulysses": ulysses}
+    return {
+        "seconds": min(times),
+        "seconds_median": sorted(times)[len(times) // 2],
+        "bytes_sent_per_rank": sent,
+        "bytes_theory_per_rank": theory,
+        "ulysses": ulysses,
+    }
 
 
 def main(argv=None) -> None:
@@ -97,7 +103,9 @@ def main(argv=None) -> None:
     p.add_argument("--doc-mean", type=int, default=2048, help="mean document length for the docs case")
     p.add_argument("--hybrid-ulysses", type=int, default=2, help="ulysses axis size for hybrid")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--iters", type=int, default=3, help="timed iterations; seconds is the fastest (a shared machine adds noise)")
+    p.add_argument(
+        "--iters", type=int, default=3, help="timed iterations; seconds is the fastest (a shared machine adds noise)"
+    )
     args = vars(p.parse_args(argv))
 
     for case in args["cases"]:
@@ -114,9 +122,15 @@ def main(argv=None) -> None:
                     pool.close()
                 base = res["seconds"] if world == 1 else base
                 row = {
-                    "case": case, "strategy": strategy, "world": world, "seq_len": args["seq_len"],
-                    "heads": args["heads"], "kv_heads": args["kv_heads"], "head_dim": args["head_dim"],
-                    "dtype": args["dtype"], "seconds": round(res["seconds"], 4),
+                    "case": case,
+                    "strategy": strategy,
+                    "world": world,
+                    "seq_len": args["seq_len"],
+                    "heads": args["heads"],
+                    "kv_heads": args["kv_heads"],
+                    "head_dim": args["head_dim"],
+                    "dtype": args["dtype"],
+                    "seconds": round(res["seconds"], 4),
                     "seconds_median": round(res["seconds_median"], 4),
                     "efficiency": round(base / (world * res["seconds"]), 4),
                     "bytes_sent_per_rank": res["bytes_sent_per_rank"],
@@ -132,16 +146,31 @@ def _host(args: dict) -> None:
     docs = lognormal_doc_lens(seq, args["host_doc_mean"], seed=1)
     pool = DistPool(world, collective_timeout_s=1800)
     try:
-        for kernel, route, native in (("cpu_flash", "per_tile", None), ("cpu_flash", "varlen_loop", True),
-                                      ("cpu_varlen", "varlen", None)):
+        for kernel, route, native in (
+            ("cpu_flash", "per_tile", None),
+            ("cpu_flash", "varlen_loop", True),
+            ("cpu_varlen", "varlen", None),
+        ):
             res = pool.run(host_layer, seq, docs, "ring", kernel, native, timeout=3600)
-            print(json.dumps({
-                "case": "host", "strategy": "ring", "world": world, "seq_len": seq, "documents": len(docs),
-                "doc_mean": args["host_doc_mean"], "kernel": kernel, "route": route,
-                "host_ms_per_layer": round(max(r["host_ms"] for r in res), 2),
-                "host_ms_rank0": round(res[0]["host_ms"], 2), "tiles": res[0]["tiles"],
-                "kernel_calls_per_step": max(r["kernel_calls_per_step"] for r in res),
-            }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "case": "host",
+                        "strategy": "ring",
+                        "world": world,
+                        "seq_len": seq,
+                        "documents": len(docs),
+                        "doc_mean": args["host_doc_mean"],
+                        "kernel": kernel,
+                        "route": route,
+                        "host_ms_per_layer": round(max(r["host_ms"] for r in res), 2),
+                        "host_ms_rank0": round(res[0]["host_ms"], 2),
+                        "tiles": res[0]["tiles"],
+                        "kernel_calls_per_step": max(r["kernel_calls_per_step"] for r in res),
+                    }
+                ),
+                flush=True,
+            )
     finally:
         pool.close()
 

@@ -45,8 +45,15 @@ def plot(records: list[dict], path: str) -> None:
         for i, b in enumerate(balances):
             got = [r for r in records if r["mix"] == mix and r["balance"] == b and r["max_over_mean"] is not None]
             if got:
-                ax.plot([r["cp"] for r in got], [r["max_over_mean"] for r in got], style[got[0]["source"]],
-                        marker=markers[i % len(markers)], ms=4, color=f"C{i}", label=b)
+                ax.plot(
+                    [r["cp"] for r in got],
+                    [r["max_over_mean"] for r in got],
+                    style[got[0]["source"]],
+                    marker=markers[i % len(markers)],
+                    ms=4,
+                    color=f"C{i}",
+                    label=b,
+                )
         cps = sorted({r["cp"] for r in records})
         ax.set_xscale("log", base=2)
         ax.set_xticks(cps, [str(c) for c in cps])
@@ -70,8 +77,12 @@ def main(argv=None) -> None:
     p.add_argument("--mixes", nargs="+", default=list(BALANCE_MIXES), choices=list(MIXES))
     p.add_argument("--balances", nargs="+", default=list(ALL_BALANCES), choices=list(ALL_BALANCES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--greedy-alpha", type=float, default=0.02,
-                   help="greedy_doc keeps a document whole when its work is <= this fraction of a rank's ideal work")
+    p.add_argument(
+        "--greedy-alpha",
+        type=float,
+        default=0.02,
+        help="greedy_doc keeps a document whole when its work is <= this fraction of a rank's ideal work",
+    )
     p.add_argument("--plot", metavar="PATH", help="write a PNG of max_over_mean by cp")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # small vectors; threads only contend

@@ -95,8 +95,11 @@ def plot(rows: list[dict], path: str) -> None:
     cps = [r["cp"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     mib = 2**20
-    series = [("saved_bytes_per_rank", "saved for backward", "C0"), ("peak_bytes_per_rank", "peak (allocator)", "C1"),
-              ("peak_bytes_no_grads_per_rank", "peak without param grads", "C2")]
+    series = [
+        ("saved_bytes_per_rank", "saved for backward", "C0"),
+        ("peak_bytes_per_rank", "peak (allocator)", "C1"),
+        ("peak_bytes_no_grads_per_rank", "peak without param grads", "C2"),
+    ]
     for key, label, color in series:
         ys = [r[key] / mib for r in rows]
         ax.plot(cps, ys, "o-", color=color, label=label)
@@ -121,10 +124,14 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=16384, help="--case loss: tokens")
     p.add_argument("--vocab", type=int, default=128256, help="--case loss: vocabulary")
     p.add_argument("--dim", type=int, default=512, help="--case loss: model dim")
-    p.add_argument("--chunk-tokens", type=int, default=None, help="--case loss: tokens per chunk (default: 128 MiB of fp32 logits)")
+    p.add_argument(
+        "--chunk-tokens", type=int, default=None, help="--case loss: tokens per chunk (default: 128 MiB of fp32 logits)"
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="--case loss")
     p.add_argument("--device", default="cpu", help="--case loss: cpu or cuda")
-    p.add_argument("--unchunked", action="store_true", help="--case loss: measure whole logits + F.cross_entropy instead")
+    p.add_argument(
+        "--unchunked", action="store_true", help="--case loss: measure whole logits + F.cross_entropy instead"
+    )
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--docs", type=int, default=4, help="documents packed in each row (1: one causal document)")
@@ -139,12 +146,21 @@ def main(argv=None) -> None:
     p.add_argument("--plot", metavar="PATH", help="write a PNG of bytes per rank vs cp")
     args = p.parse_args(argv)
     if args.case == "loss":
-        row = measure_loss_memory(args.tokens, args.vocab, args.dim, args.chunk_tokens, getattr(torch, args.dtype),
-                                  args.device, args.unchunked)
+        row = measure_loss_memory(
+            args.tokens,
+            args.vocab,
+            args.dim,
+            args.chunk_tokens,
+            getattr(torch, args.dtype),
+            args.device,
+            args.unchunked,
+        )
         print(json.dumps(row), flush=True)
         return
-    cfg = {k: getattr(args, k) for k in ("seq_len", "batch", "docs", "flavor", "vocab_size", "strategy", "balance", "ulysses",
-                                     "ac")}
+    cfg = {
+        k: getattr(args, k)
+        for k in ("seq_len", "batch", "docs", "flavor", "vocab_size", "strategy", "balance", "ulysses", "ac")
+    }
     cps = sorted(set(args.cps) | {1})
     results = {cp: measure_cp(cp, cfg) for cp in cps}
     rows = summarize(results, args.seq_len, args.top)

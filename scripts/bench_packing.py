@@ -46,8 +46,14 @@ def main(argv: list[str] | None = None) -> None:
                     packer = make_packer(source, seq_len, packing, lookahead or 1)
                     t0 = time.perf_counter()
                     stats = measure_packing(packer, rows, source.length)
-                    record = {"mix": mix, "seq_len": seq_len, "packing": packing, "lookahead": lookahead, **stats,
-                              "seconds": round(time.perf_counter() - t0, 2)}
+                    record = {
+                        "mix": mix,
+                        "seq_len": seq_len,
+                        "packing": packing,
+                        "lookahead": lookahead,
+                        **stats,
+                        "seconds": round(time.perf_counter() - t0, 2),
+                    }
                     print(json.dumps(record), flush=True)
 
 

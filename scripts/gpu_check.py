@@ -23,8 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--small", action="store_true", help="toy sizes (for CPU and tests)")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
-    parser.add_argument("--ring-kernel", default=None, help="kernel for the ring section (default: the device's default)")
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}"
+    )
+    parser.add_argument(
+        "--ring-kernel", default=None, help="kernel for the ring section (default: the device's default)"
+    )
     args = parser.parse_args(argv)
     summary = run(args.device, args.small, [s for s in args.sections.split(",") if s], print_json, args.ring_kernel)
     return 1 if summary.get("status") == "fail" else 0

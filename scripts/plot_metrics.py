@@ -38,7 +38,10 @@ def plot(rows: list[dict], out: Path, title: str | None = None) -> None:
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)
 
-    keys = sorted({k for r in val for k in r if k.startswith("recall_")}, key=lambda k: (k.startswith("recall_gt"), int(k.split("_")[-1])))
+    keys = sorted(
+        {k for r in val for k in r if k.startswith("recall_")},
+        key=lambda k: (k.startswith("recall_gt"), int(k.split("_")[-1])),
+    )
     for key in keys:
         pts = [(r["step"], r[key]) for r in val if key in r]
         label = key.replace("recall_le_", "distance <= ").replace("recall_gt_", "distance > ")

@@ -103,16 +103,28 @@ def run(args: argparse.Namespace, emit=print) -> list[dict]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step % args.every == 0:
-            (correct, answers), = recall_counts(logits.argmax(-1), row.labels, row.recall_distance, []).tolist()
-            record = {"step": step, "loss": round(loss.item(), 4),
-                      "recall": round(correct / max(answers, 1), 4), "answers": int(answers),
-                      "chance": round(chance, 4), "seconds": round(time.perf_counter() - start, 1)}
+            ((correct, answers),) = recall_counts(logits.argmax(-1), row.labels, row.recall_distance, []).tolist()
+            record = {
+                "step": step,
+                "loss": round(loss.item(), 4),
+                "recall": round(correct / max(answers, 1), 4),
+                "answers": int(answers),
+                "chance": round(chance, 4),
+                "seconds": round(time.perf_counter() - start, 1),
+            }
             records.append(record)
             emit(json.dumps(record))
     reached = steps_to_recall(records, 2 * chance)
-    summary = {"flavor": args.flavor, "gap": args.gap, "facts": args.facts, "seq_len": args.seq_len,
-               "lr": args.lr, "steps": args.steps, "steps_to_2x_chance": reached,
-               "final_recall": records[-1]["recall"] if records else None}
+    summary = {
+        "flavor": args.flavor,
+        "gap": args.gap,
+        "facts": args.facts,
+        "seq_len": args.seq_len,
+        "lr": args.lr,
+        "steps": args.steps,
+        "steps_to_2x_chance": reached,
+        "final_recall": records[-1]["recall"] if records else None,
+    }
     emit(json.dumps(summary))
     return records
 

@@ -29,8 +29,24 @@ from titan_cp import plan as P  # noqa: E402
 from titan_cp.model import model_args  # noqa: E402
 
 BENCH = {
-    "balance": ["bench_balance.py", "--seq-len", "16384", "--cps", "2", "4", "8", "--rows", "1", "--balances",
-                "contiguous", "zigzag", "doc_zigzag", "torch_head_tail", "torch_per_doc_head_tail_padded", "greedy_doc"],
+    "balance": [
+        "bench_balance.py",
+        "--seq-len",
+        "16384",
+        "--cps",
+        "2",
+        "4",
+        "8",
+        "--rows",
+        "1",
+        "--balances",
+        "contiguous",
+        "zigzag",
+        "doc_zigzag",
+        "torch_head_tail",
+        "torch_per_doc_head_tail_padded",
+        "greedy_doc",
+    ],
     "memory": ["bench_memory.py", "--seq-len", "2048", "--cps", "1", "2", "4"],
     "attention": ["bench_attention.py", "--seq-len", "4096", "--worlds", "2", "4", "--cases", "docs", "--iters", "2"],
 }
@@ -56,7 +72,9 @@ def memory_figure(rows: list[dict], path: Path) -> None:
     pred = [P.step_peak_bytes(args, r["local_tokens"], 4, act_bytes=4, cp=r["cp"]) for r in rows]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     mib = 2**20
-    ax.plot(cps, [r["saved_bytes_per_rank"] / mib for r in rows], "o-", color="C0", label="saved for backward (measured)")
+    ax.plot(
+        cps, [r["saved_bytes_per_rank"] / mib for r in rows], "o-", color="C0", label="saved for backward (measured)"
+    )
     ax.plot(cps, [p["saved"] / mib for p in pred], "x", color="k", ms=9, label="saved (planner)")
     ax.plot(cps, [r["peak_bytes_per_rank"] / mib for r in rows], "o-", color="C1", label="peak (allocator)")
     ax.plot(cps, [p["peak"] / mib for p in pred], "+", color="C3", ms=11, label="peak (planner)")
@@ -97,13 +115,17 @@ def efficiency_figure(recs: list[dict], path: Path) -> None:
 
 
 def published_table() -> str:
-    lines = ["| FSDP x CP | seq | published tok/s/GPU | planner (bf16) | planner (x1.48 float8+compile) | planner GiB | fits 96 GB |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| FSDP x CP | seq | published tok/s/GPU | planner (bf16) | planner (x1.48 float8+compile) | planner GiB | fits 96 GB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     base, fast = P.published_comparison(1.0), P.published_comparison(1.48)
     for b, f in zip(base, fast):
-        lines.append(f"| {b['dp_shard']} x {b['cp']} | {b['seq_len'] // 1024}K | {b['published_tokens_per_second_per_gpu']:,} "
-                     f"| {b['tokens_per_second_per_gpu']:,.0f} | {f['tokens_per_second_per_gpu']:,.0f} "
-                     f"| {b['memory_gib']:.1f} | {'yes' if b['fits'] else 'no'} |")
+        lines.append(
+            f"| {b['dp_shard']} x {b['cp']} | {b['seq_len'] // 1024}K | {b['published_tokens_per_second_per_gpu']:,} "
+            f"| {b['tokens_per_second_per_gpu']:,.0f} | {f['tokens_per_second_per_gpu']:,.0f} "
+            f"| {b['memory_gib']:.1f} | {'yes' if b['fits'] else 'no'} |"
+        )
     return "\n".join(lines)
 
 

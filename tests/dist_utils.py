@@ -58,7 +58,9 @@ def run_case(case: dict, world: int, dtype=torch.float32):
     mesh = cp_mesh(strategy, world, case.get("ulysses", 1))
     rank = cp_rank(mesh, strategy)
     layout = SequenceLayout(case["seq"], world, case["balance"], case.get("doc_lens"))
-    q, k, v, dout = make_inputs(case.get("seed", 0), case["batch"], case["heads"], case["kv_heads"], case["seq"], case.get("dim", 8), dtype)
+    q, k, v, dout = make_inputs(
+        case.get("seed", 0), case["batch"], case["heads"], case["kv_heads"], case["seq"], case.get("dim", 8), dtype
+    )
 
     qf, kf, vf = (x.float().requires_grad_() for x in (q, k, v))
     ref = reference_attention(qf, kf, vf, case.get("doc_lens"), case["causal"])

@@ -19,23 +19,53 @@ def _bad_inputs(rank, world):
         (lambda: cp_attention(q, k, k, mesh, layout, strategy="spiral"), "unknown cp attention strategy 'spiral'"),
         (lambda: cp_attention(q, k, k[..., :4], mesh, layout), "k and v must have the same shape"),
         (lambda: cp_attention(q, k[:, :, :2], k[:, :, :2], mesh, layout), "must agree in batch, seq and head_dim"),
-        (lambda: cp_attention(q, torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), mesh, layout), r"q heads \(4\) must be a multiple"),
+        (
+            lambda: cp_attention(q, torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), mesh, layout),
+            r"q heads \(4\) must be a multiple",
+        ),
         (lambda: cp_attention(q, k.double(), k.double(), mesh, layout), "must share a dtype"),
         (lambda: cp_attention(q[0], k, k, mesh, layout), r"q must be \(batch, heads, seq, head_dim\)"),
-        (lambda: cp_attention(q[:, :, :2], k[:, :, :2], k[:, :, :2], mesh, layout), "q has 2 tokens per rank but the layout gives each rank 4"),
+        (
+            lambda: cp_attention(q[:, :, :2], k[:, :, :2], k[:, :, :2], mesh, layout),
+            "q has 2 tokens per rank but the layout gives each rank 4",
+        ),
         (lambda: cp_attention(q, k, k, mesh2, layout, strategy="ring"), "needs a 1-D cp mesh, got a 2-D mesh"),
         (lambda: cp_attention(q, k, k, mesh, layout, strategy="hybrid"), "needs a 2-D cp mesh, got a 1-D mesh"),
         (lambda: cp_attention(q, k, k, mesh, SequenceLayout(4, 1, "zigzag")), "the layout was built for cp_size 1"),
-        (lambda: cp_attention(q, k, k, mesh, SequenceLayout(16, 4, "doc_zigzag", [[8, 8], [16]])), "batch size 1 does not match"),
-        (lambda: cp_attention(torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), mesh, layout, strategy="ulysses"),
-         r"query heads \(6\) to be divisible by its cp size \(4\)"),
-        (lambda: cp_attention(torch.randn(1, 12, 4, 8), torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), mesh, layout, strategy="ulysses"),
-         r"K/V heads \(6\) to divide, or be divisible by, its cp size \(4\)"),
+        (
+            lambda: cp_attention(q, k, k, mesh, SequenceLayout(16, 4, "doc_zigzag", [[8, 8], [16]])),
+            "batch size 1 does not match",
+        ),
+        (
+            lambda: cp_attention(
+                torch.randn(1, 6, 4, 8),
+                torch.randn(1, 6, 4, 8),
+                torch.randn(1, 6, 4, 8),
+                mesh,
+                layout,
+                strategy="ulysses",
+            ),
+            r"query heads \(6\) to be divisible by its cp size \(4\)",
+        ),
+        (
+            lambda: cp_attention(
+                torch.randn(1, 12, 4, 8),
+                torch.randn(1, 6, 4, 8),
+                torch.randn(1, 6, 4, 8),
+                mesh,
+                layout,
+                strategy="ulysses",
+            ),
+            r"K/V heads \(6\) to divide, or be divisible by, its cp size \(4\)",
+        ),
         (lambda: cp_attention(q, k, k, mesh, layout, scale=0.0), "scale must be a positive finite number"),
         (lambda: cp_attention(q, k, k, mesh, layout, scale=float("nan")), "scale must be a positive finite number"),
         (lambda: cp_attention(q[..., :0], k[..., :0], k[..., :0], mesh, layout), "q has an empty dimension"),
         (lambda: cp_attention(q[:, :0], k[:, :0], k[:, :0], mesh, layout), "q has an empty dimension"),
-        (lambda: cp_attention(q, k, k, mesh, layout, kernel="cuda_flash"), "runs on cuda tensors, but q, k, v are on cpu"),
+        (
+            lambda: cp_attention(q, k, k, mesh, layout, kernel="cuda_flash"),
+            "runs on cuda tensors, but q, k, v are on cpu",
+        ),
         (lambda: cp_attention(q, k, k, mesh, layout, kernel="nope"), "unknown attention kernel 'nope'"),
         (lambda: cp_attention(q.long(), k.long(), k.long(), mesh, layout), "floating-point"),
     ]
@@ -74,14 +104,25 @@ def _measure_bytes(rank, world, strategy, ulysses, kv_heads, dtype):
         forward = c.bytes_sent
         out.backward(layout.shard(dout, 2, r))
         total = c.bytes_sent
-    return forward, total, min_bytes_per_rank(strategy, ql, kl, world, ulysses, backward=False), min_bytes_per_rank(strategy, ql, kl, world, ulysses)
+    return (
+        forward,
+        total,
+        min_bytes_per_rank(strategy, ql, kl, world, ulysses, backward=False),
+        min_bytes_per_rank(strategy, ql, kl, world, ulysses),
+    )
 
 
 @pytest.mark.parametrize(
     "strategy,ulysses,kv_heads,dtype",
-    [("ring", 1, 2, torch.float32), ("ring", 1, 2, torch.bfloat16), ("allgather", 1, 2, torch.float32),
-     ("ulysses", 1, 4, torch.float32), ("ulysses", 1, 1, torch.bfloat16), ("hybrid", 2, 2, torch.float32),
-     ("hybrid", 2, 1, torch.float32)],
+    [
+        ("ring", 1, 2, torch.float32),
+        ("ring", 1, 2, torch.bfloat16),
+        ("allgather", 1, 2, torch.float32),
+        ("ulysses", 1, 4, torch.float32),
+        ("ulysses", 1, 1, torch.bfloat16),
+        ("hybrid", 2, 2, torch.float32),
+        ("hybrid", 2, 1, torch.float32),
+    ],
 )
 def test_bytes_sent_equal_the_strategy_minimum(dist_pools, strategy, ulysses, kv_heads, dtype):
     """GQA K/V travel at their own head count (ulysses replicates only up to one head per rank)."""

@@ -29,8 +29,17 @@ def _cases(strategy: str, world: int, ulysses: int = 1) -> list[dict]:
     cases = []
     for causal, kv_heads, balance in itertools.product((True, False), _kv_options(world), ("contiguous", "zigzag")):
         cases.append(
-            dict(strategy=strategy, ulysses=ulysses, seq=SEQ, batch=2, heads=12, kv_heads=kv_heads,
-                 causal=causal, balance=balance, seed=world * 100 + kv_heads)
+            dict(
+                strategy=strategy,
+                ulysses=ulysses,
+                seq=SEQ,
+                batch=2,
+                heads=12,
+                kv_heads=kv_heads,
+                causal=causal,
+                balance=balance,
+                seed=world * 100 + kv_heads,
+            )
         )
     return cases
 
@@ -76,7 +85,9 @@ def _check_bf16(rank, world, cases):
     for case in cases:
         expected, got = run_case(case, world, dtype=torch.bfloat16)
         # single-device bf16 SDPA against the same reference: the error bf16 itself costs
-        q, k, v, dout = make_inputs(case["seed"], case["batch"], case["heads"], case["kv_heads"], case["seq"], 8, torch.bfloat16)
+        q, k, v, dout = make_inputs(
+            case["seed"], case["batch"], case["heads"], case["kv_heads"], case["seq"], 8, torch.bfloat16
+        )
         qb, kb, vb = (x.requires_grad_() for x in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=case["causal"], enable_gqa=True)
         sdpa_grads = torch.autograd.grad(sdpa, (qb, kb, vb), dout)
@@ -88,14 +99,26 @@ def _check_bf16(rank, world, cases):
     return out
 
 
-@pytest.mark.parametrize("strategy,world,ulysses", [("ring", 4, 1), ("allgather", 3, 1), ("ulysses", 2, 1), ("hybrid", 4, 2)])
+@pytest.mark.parametrize(
+    "strategy,world,ulysses", [("ring", 4, 1), ("allgather", 3, 1), ("ulysses", 2, 1), ("hybrid", 4, 2)]
+)
 def test_bf16_error_is_bf16_sized(dist_pools, strategy, world, ulysses):
     """bf16 error at most 3x single-device bf16 SDPA's own error against the fp32 reference (plus 1e-3
     absolute slack for tensors whose SDPA error happens to be tiny)."""
     cases = [
-        dict(strategy=strategy, ulysses=ulysses, seq=SEQ, batch=2, heads=12, kv_heads=kv, causal=causal,
-             balance="zigzag", seed=7 + kv)
-        for causal in (True, False) for kv in (4, 1)
+        dict(
+            strategy=strategy,
+            ulysses=ulysses,
+            seq=SEQ,
+            batch=2,
+            heads=12,
+            kv_heads=kv,
+            causal=causal,
+            balance="zigzag",
+            seed=7 + kv,
+        )
+        for causal in (True, False)
+        for kv in (4, 1)
     ]
     for results in dist_pools.run(world, _check_bf16, cases):
         for case, (errs, base) in zip(cases, results):

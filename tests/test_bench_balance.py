@@ -168,8 +168,26 @@ def test_rank_pairs_sum_to_the_row():
 
 def test_script_prints_records_and_plots(tmp_path):
     png = tmp_path / "balance.png"
-    out = subprocess.run([sys.executable, str(SCRIPT), "--seq-len", "1024", "--cps", "2", "4", "--rows", "1", "--mixes",
-                          "one_huge", "--plot", str(png)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--seq-len",
+            "1024",
+            "--cps",
+            "2",
+            "4",
+            "--rows",
+            "1",
+            "--mixes",
+            "one_huge",
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     recs = [json.loads(line) for line in out.splitlines()]
     assert len(recs) == 2 * len(bb.ALL_BALANCES)
     for r in recs:

@@ -100,7 +100,9 @@ def test_allocator_trace_exact():
 
 
 def test_tiny_model_memory_halves_with_cp(dist_pools):
-    cfg = dict(seq_len=64, batch=1, docs=3, flavor="tiny", vocab_size=bm.BYTE_VOCAB, strategy="ring", balance="doc_zigzag")
+    cfg = dict(
+        seq_len=64, batch=1, docs=3, flavor="tiny", vocab_size=bm.BYTE_VOCAB, strategy="ring", balance="doc_zigzag"
+    )
     results = {cp: bm.measure_cp(cp, cfg, runner=dist_pools.run) for cp in (1, 2)}
     rows = {r["cp"]: r for r in bm.summarize(results, cfg["seq_len"])}
     s1, s2 = rows[1]["saved_bytes_per_rank"], rows[2]["saved_bytes_per_rank"]

@@ -79,16 +79,28 @@ def _reference(n_layers: int):
 def _compare(rank, world, combo: dict):
     ref_losses, ref_grads, ref_params = _reference(combo.get("n_layers", 2))
     pd = ParallelDims(
-        dp_replicate=combo.get("dp_replicate", 1), dp_shard=combo.get("dp_shard", 1), cp=combo.get("cp", 1),
-        tp=combo.get("tp", 1), pp=combo.get("pp", 1), world_size=world, cp_ulysses=combo.get("ulysses"),
+        dp_replicate=combo.get("dp_replicate", 1),
+        dp_shard=combo.get("dp_shard", 1),
+        cp=combo.get("cp", 1),
+        tp=combo.get("tp", 1),
+        pp=combo.get("pp", 1),
+        world_size=world,
+        cp_ulysses=combo.get("ulysses"),
     )
     pd.build_mesh("cpu")
-    options = ParallelizeOptions(cp_strategy=combo["strategy"], cp_balance=combo.get("balance", "doc_zigzag"),
-                                 ac_mode=combo.get("ac", "none"))
+    options = ParallelizeOptions(
+        cp_strategy=combo["strategy"], cp_balance=combo.get("balance", "doc_zigzag"), ac_mode=combo.get("ac", "none")
+    )
     loss_fn = GlobalTokenLoss()
     built = build_parallel_model(
-        model_args("tiny", n_layers=combo.get("n_layers", 2)), pd, options, "cpu", seed=SEED, loss_fn=loss_fn,
-        pp_microbatches=2, pp_schedule=combo.get("schedule", "1F1B"),
+        model_args("tiny", n_layers=combo.get("n_layers", 2)),
+        pd,
+        options,
+        "cpu",
+        seed=SEED,
+        loss_fn=loss_fn,
+        pp_microbatches=2,
+        pp_schedule=combo.get("schedule", "1F1B"),
     )
     parts, schedule, first, last = built.parts, built.schedule, built.has_first, built.has_last
     opt = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=LR)
@@ -139,7 +151,9 @@ COMBOS = {
 @pytest.mark.parametrize("name", list(COMBOS))
 def test_composition_matches_single_process(dist_pools, name):
     world, combo = COMBOS[name]
-    for rank, (ref_losses, losses, grad_errs, param_errs) in enumerate(dist_pools.run(world, _compare, combo, timeout=600)):
+    for rank, (ref_losses, losses, grad_errs, param_errs) in enumerate(
+        dist_pools.run(world, _compare, combo, timeout=600)
+    ):
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), (rank, losses, ref_losses)
         bad = {n: e for n, e in grad_errs.items() if not e <= 2e-5}
         assert not bad, (rank, "gradients", bad)

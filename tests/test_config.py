@@ -145,12 +145,27 @@ def test_defaults_validate_and_to_dict():
     assert d["parallelism"]["context_parallel_strategy"] == "ring"
     assert d["parallelism"]["context_parallel_load_balancer"] == "doc_zigzag"
     assert d["training"]["dataset"] == "synthetic_recall"
-    assert set(d) >= {"job", "profiling", "metrics", "model", "optimizer", "lr_scheduler", "training",
-                      "parallelism", "checkpoint", "activation_checkpoint", "compile", "validation", "comm"}
+    assert set(d) >= {
+        "job",
+        "profiling",
+        "metrics",
+        "model",
+        "optimizer",
+        "lr_scheduler",
+        "training",
+        "parallelism",
+        "checkpoint",
+        "activation_checkpoint",
+        "compile",
+        "validation",
+        "comm",
+    }
 
 
 def test_precedence_cli_over_toml_over_defaults(tmp_path):
-    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 1024\n[optimizer]\nlr = 1e-3\n[lr_scheduler]\nwarmup_steps = 2\n")
+    path = write(
+        tmp_path, "[training]\nsteps = 7\nseq_len = 1024\n[optimizer]\nlr = 1e-3\n[lr_scheduler]\nwarmup_steps = 2\n"
+    )
     cfg = load_quiet(["--job.config_file", path, "--training.steps", "9"])
     assert cfg.training.steps == 9  # CLI
     assert cfg.training.seq_len == 1024  # TOML
@@ -160,19 +175,28 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
 
 
 def test_cli_forms():
-    cfg = load_quiet([
-        "--training.steps=12",
-        "--optimizer.lr", "3e-4",
-        "--checkpoint.enable",
-        "--compile.enable", "false",
-        "--compile.components", "model",
-        "--validation.recall_buckets=100,1000",
-        "--checkpoint.no_initial_load_model_only",
-        "--training.global_batch_size", "-1",
-        "--lr_scheduler.decay_ratio", "none",
-        "--parallelism.context_parallel_degree", "2",
-        "--lr_scheduler.warmup_steps", "3",
-    ])
+    cfg = load_quiet(
+        [
+            "--training.steps=12",
+            "--optimizer.lr",
+            "3e-4",
+            "--checkpoint.enable",
+            "--compile.enable",
+            "false",
+            "--compile.components",
+            "model",
+            "--validation.recall_buckets=100,1000",
+            "--checkpoint.no_initial_load_model_only",
+            "--training.global_batch_size",
+            "-1",
+            "--lr_scheduler.decay_ratio",
+            "none",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--lr_scheduler.warmup_steps",
+            "3",
+        ]
+    )
     assert cfg.training.steps == 12
     assert cfg.optimizer.lr == 3e-4
     assert cfg.checkpoint.enable is True
@@ -203,7 +227,9 @@ def test_cli_errors(argv, fragment):
 
 def test_unknown_toml_key_is_an_error_with_hint(tmp_path):
     path = write(tmp_path, "[training]\nlocal_batchsize = 4\n")
-    with pytest.raises(ValueError, match=r"unknown config key 'training.local_batchsize'.*did you mean 'training.local_batch_size'"):
+    with pytest.raises(
+        ValueError, match=r"unknown config key 'training.local_batchsize'.*did you mean 'training.local_batch_size'"
+    ):
         load_config(["--job.config_file", path])
     path = write(tmp_path, "[trainer]\nsteps = 4\n", "other.toml")
     with pytest.raises(ValueError, match=r"'trainer.steps'.*did you mean 'training.steps'"):
@@ -228,8 +254,11 @@ def load_with_one_warning(path):
 def test_torchtitan_llama3_toml_loads_with_one_warning(tmp_path):
     path = write(tmp_path, TORCHTITAN_LLAMA3_8B)
     cfg, message = load_with_one_warning(path)
-    for key in ("checkpoint.export_dtype", "quantize.linear.float8.filter_fqns",
-                "quantize.linear.float8.enable_fsdp_float8_all_gather"):
+    for key in (
+        "checkpoint.export_dtype",
+        "quantize.linear.float8.filter_fqns",
+        "quantize.linear.float8.enable_fsdp_float8_all_gather",
+    ):
         assert key in message
     assert "profiling.enable_profiling" not in message and "training.seq_len" not in message
     assert cfg.profiling.enable_profiling is True
@@ -284,15 +313,39 @@ def test_headtail_is_zigzag():
         (["--model.name", "llama2"], "model.name must be one of"),
         (["--model.flavor", "8b"], "did you mean '8B'"),
         (["--parallelism.tensor_parallel_degree", "0"], "parallelism.tensor_parallel_degree must be positive"),
-        (["--parallelism.data_parallel_shard_degree", "-2"], "parallelism.data_parallel_shard_degree must be positive or -1"),
+        (
+            ["--parallelism.data_parallel_shard_degree", "-2"],
+            "parallelism.data_parallel_shard_degree must be positive or -1",
+        ),
         (["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio"),
         (["--activation_checkpoint.selective_ac_option", "every"], "activation_checkpoint.selective_ac_option"),
         (["--validation.recall_buckets", "100,50"], "validation.recall_buckets"),
-        (["--parallelism.context_parallel_ulysses_degree", "2"], "only used with parallelism.context_parallel_strategy"),
-        (["--parallelism.context_parallel_strategy", "hybrid", "--parallelism.context_parallel_degree", "4",
-          "--parallelism.context_parallel_ulysses_degree", "3"], "context_parallel_ulysses_degree \\(3\\) must divide"),
-        (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "3",
-          "--parallelism.pipeline_parallel_microbatch_size", "2"], "pipeline_parallel_microbatch_size"),
+        (
+            ["--parallelism.context_parallel_ulysses_degree", "2"],
+            "only used with parallelism.context_parallel_strategy",
+        ),
+        (
+            [
+                "--parallelism.context_parallel_strategy",
+                "hybrid",
+                "--parallelism.context_parallel_degree",
+                "4",
+                "--parallelism.context_parallel_ulysses_degree",
+                "3",
+            ],
+            "context_parallel_ulysses_degree \\(3\\) must divide",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--training.local_batch_size",
+                "3",
+                "--parallelism.pipeline_parallel_microbatch_size",
+                "2",
+            ],
+            "pipeline_parallel_microbatch_size",
+        ),
         (["--training.packing", "bestfit"], "training.packing must be one of .*did you mean 'best_fit'"),
         (["--training.packing_lookahead", "0"], "training.packing_lookahead must be positive"),
         (["--training.loss_roles", "assistant,bot"], "training.loss_roles must be one of"),
@@ -305,22 +358,40 @@ def test_bad_values_name_the_key(argv, fragment):
         load_config(argv)
 
 
-@pytest.mark.parametrize("balancer, cp, seq_len, ok", [
-    ("zigzag", 4, 8192, True), ("zigzag", 4, 8196, False), ("doc_zigzag", 3, 6 * 7, True),
-    ("doc_zigzag", 3, 3 * 7, True), ("doc_zigzag", 3, 3 * 7 + 1, False), ("contiguous", 3, 3 * 7, True), ("contiguous", 4, 4 * 7 + 2, False),
-    ("zigzag", 1, 7, True),
-])
+@pytest.mark.parametrize(
+    "balancer, cp, seq_len, ok",
+    [
+        ("zigzag", 4, 8192, True),
+        ("zigzag", 4, 8196, False),
+        ("doc_zigzag", 3, 6 * 7, True),
+        ("doc_zigzag", 3, 3 * 7, True),
+        ("doc_zigzag", 3, 3 * 7 + 1, False),
+        ("contiguous", 3, 3 * 7, True),
+        ("contiguous", 4, 4 * 7 + 2, False),
+        ("zigzag", 1, 7, True),
+    ],
+)
 @pytest.mark.parametrize("key", ["training.seq_len", "validation.seq_len"])
 def test_seq_len_divisibility_names_both_keys(key, balancer, cp, seq_len, ok):
-    argv = ["--parallelism.context_parallel_load_balancer", balancer,
-            "--parallelism.context_parallel_degree", str(cp),
-            "--training.seq_len", str(2 * cp * 8), f"--{key}", str(seq_len)]
+    argv = [
+        "--parallelism.context_parallel_load_balancer",
+        balancer,
+        "--parallelism.context_parallel_degree",
+        str(cp),
+        "--training.seq_len",
+        str(2 * cp * 8),
+        f"--{key}",
+        str(seq_len),
+    ]
     if ok:
         cfg = load_quiet(argv)
         assert getattr(cfg, key.split(".")[0]).seq_len == seq_len
     else:
-        with pytest.raises(ValueError, match=rf"{key} \({seq_len}\) must be divisible by "
-                                             rf"parallelism.context_parallel_degree \({cp}\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"{key} \({seq_len}\) must be divisible by "
+            rf"parallelism.context_parallel_degree \({cp}\)",
+        ):
             load_config(argv)
 
 
@@ -328,18 +399,38 @@ def test_gradient_accumulation():
     cfg = load_quiet(["--training.local_batch_size", "2", "--training.global_batch_size", "12"])
     assert cfg.resolve_batch_sizes(dp_degree=3) == (12, 2)
     assert cfg.resolve_batch_sizes(dp_degree=6) == (12, 1)
-    with pytest.raises(ValueError, match=r"training.global_batch_size \(12\) must be a multiple of training.local_batch_size \(2\)"):
+    with pytest.raises(
+        ValueError, match=r"training.global_batch_size \(12\) must be a multiple of training.local_batch_size \(2\)"
+    ):
         cfg.resolve_batch_sizes(dp_degree=4)
     cfg = load_quiet(["--training.local_batch_size", "2", "--training.gradient_accumulation_steps", "3"])
     assert cfg.resolve_batch_sizes(dp_degree=2) == (12, 3)
     assert load_quiet(["--training.local_batch_size", "2"]).resolve_batch_sizes(dp_degree=4) == (8, 1)
     # with every degree known, load_config checks divisibility itself
     with pytest.raises(ValueError, match="training.global_batch_size"):
-        load_config(["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2",
-                     "--training.global_batch_size", "6"])
+        load_config(
+            [
+                "--parallelism.data_parallel_shard_degree",
+                "2",
+                "--training.local_batch_size",
+                "2",
+                "--training.global_batch_size",
+                "6",
+            ]
+        )
     with pytest.raises(ValueError, match="training.gradient_accumulation_steps \\(2\\) disagrees"):
-        load_config(["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2",
-                     "--training.global_batch_size", "12", "--training.gradient_accumulation_steps", "2"])
+        load_config(
+            [
+                "--parallelism.data_parallel_shard_degree",
+                "2",
+                "--training.local_batch_size",
+                "2",
+                "--training.global_batch_size",
+                "12",
+                "--training.gradient_accumulation_steps",
+                "2",
+            ]
+        )
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "train_configs").glob("*.toml")), ids=lambda p: p.name)
@@ -352,8 +443,16 @@ def test_every_train_config_loads(path):
 
 def test_train_configs_present():
     names = {p.name for p in (REPO / "train_configs").glob("*.toml")}
-    assert names >= {"debug_cp.toml", "debug_fsdp_cp.toml", "debug_tp_cp.toml", "debug_pp_cp.toml",
-                     "debug_hybrid_cp.toml", "llama3_8b_128k.toml", "llama3_8b_256k.toml", "llama3_70b_cp.toml"}
+    assert names >= {
+        "debug_cp.toml",
+        "debug_fsdp_cp.toml",
+        "debug_tp_cp.toml",
+        "debug_pp_cp.toml",
+        "debug_hybrid_cp.toml",
+        "llama3_8b_128k.toml",
+        "llama3_8b_256k.toml",
+        "llama3_70b_cp.toml",
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -363,8 +462,12 @@ def test_train_configs_present():
 def _attributes_read(trees) -> set[str]:
     import ast
 
-    return {node.attr for tree in trees for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)}
+    return {
+        node.attr
+        for tree in trees
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+    }
 
 
 # JobConfig methods that hand values to the run (not validation), e.g. the mesh degrees.
@@ -380,15 +483,17 @@ READ_GENERICALLY = {
 def test_every_config_field_is_read_outside_config_py():
     """A key that nothing reads is a bug: each field name must be read as an attribute somewhere in
     titan_cp/ other than config.py (validation does not count)."""
+    import ast
     import dataclasses
 
     from titan_cp import config
 
-    import ast
-
     trees = [ast.parse(p.read_text()) for p in (REPO / "titan_cp").rglob("*.py") if p.name != "config.py"]
-    trees += [node for node in ast.walk(ast.parse((REPO / "titan_cp" / "config.py").read_text()))
-              if isinstance(node, ast.FunctionDef) and node.name in CONFIG_READERS]
+    trees += [
+        node
+        for node in ast.walk(ast.parse((REPO / "titan_cp" / "config.py").read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name in CONFIG_READERS
+    ]
     read = _attributes_read(trees)
     unread = [
         f"{section.name}.{f.name}"
@@ -413,19 +518,53 @@ def test_every_config_field_is_read_outside_config_py():
         (["--training.seed", str(2**64)], "training.seed = 18446744073709551616 does not fit in 64 bits"),
         (["--training.steps", str(2**63)], "training.steps = .* does not fit in 64 bits"),
         (["--checkpoint.load_step", "-2"], "checkpoint.load_step must be >= -1"),
-        (["--parallelism.tensor_parallel_degree", "3", "--model.flavor", "tiny"],
-         r"parallelism.tensor_parallel_degree \(3\) must divide the heads of model.flavor = 'tiny' \(4\)"),
-        (["--parallelism.tensor_parallel_degree", "4", "--model.flavor", "tiny"],
-         r"tensor_parallel_degree \(4\) must divide the KV heads"),
-        (["--parallelism.context_parallel_strategy", "ulysses", "--parallelism.context_parallel_degree", "8",
-          "--model.flavor", "tiny"], r"parallelism.context_parallel_degree \(8\) must divide the query heads"),
-        (["--parallelism.context_parallel_strategy", "hybrid", "--parallelism.context_parallel_degree", "8",
-          "--parallelism.context_parallel_ulysses_degree", "8", "--model.flavor", "tiny"],
-         r"parallelism.context_parallel_ulysses_degree \(8\) must divide"),
-        (["--parallelism.pipeline_parallel_degree", "4", "--model.flavor", "tiny"],
-         r"pipeline_parallel_degree \(4\) .* 4 stages, more than the 2 layers of model.flavor = 'tiny'"),
-        (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-          "Interleaved1F1B", "--model.flavor", "tiny"], "4 stages, more than the 2 layers"),
+        (
+            ["--parallelism.tensor_parallel_degree", "3", "--model.flavor", "tiny"],
+            r"parallelism.tensor_parallel_degree \(3\) must divide the heads of model.flavor = 'tiny' \(4\)",
+        ),
+        (
+            ["--parallelism.tensor_parallel_degree", "4", "--model.flavor", "tiny"],
+            r"tensor_parallel_degree \(4\) must divide the KV heads",
+        ),
+        (
+            [
+                "--parallelism.context_parallel_strategy",
+                "ulysses",
+                "--parallelism.context_parallel_degree",
+                "8",
+                "--model.flavor",
+                "tiny",
+            ],
+            r"parallelism.context_parallel_degree \(8\) must divide the query heads",
+        ),
+        (
+            [
+                "--parallelism.context_parallel_strategy",
+                "hybrid",
+                "--parallelism.context_parallel_degree",
+                "8",
+                "--parallelism.context_parallel_ulysses_degree",
+                "8",
+                "--model.flavor",
+                "tiny",
+            ],
+            r"parallelism.context_parallel_ulysses_degree \(8\) must divide",
+        ),
+        (
+            ["--parallelism.pipeline_parallel_degree", "4", "--model.flavor", "tiny"],
+            r"pipeline_parallel_degree \(4\) .* 4 stages, more than the 2 layers of model.flavor = 'tiny'",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "Interleaved1F1B",
+                "--model.flavor",
+                "tiny",
+            ],
+            "4 stages, more than the 2 layers",
+        ),
         (["--validation.enable", "--validation.steps", "-1"], "validation.steps = -1 .* 'synthetic_recall' is endless"),
     ],
 )
@@ -466,8 +605,9 @@ def test_toml_syntax_error_and_missing_file_name_the_file(tmp_path):
 
 def test_two_toml_keys_for_one_setting_is_an_error(tmp_path):
     path = write(tmp_path, "[training]\nbatch_size = 4\nlocal_batch_size = 2\n")
-    with pytest.raises(ValueError, match="training.batch_size and training.local_batch_size .* both set "
-                                         "training.local_batch_size"):
+    with pytest.raises(
+        ValueError, match="training.batch_size and training.local_batch_size .* both set training.local_batch_size"
+    ):
         load_config(["--job.config_file", path])
     # the command line overrides the TOML, whichever name it uses
     path = write(tmp_path, "[training]\nlocal_batch_size = 2\n", "b.toml")
@@ -520,7 +660,18 @@ def test_empty_jsonl_file_disables_it(tmp_path):
     cfg = load_quiet(["--metrics.save_jsonl_file="])
     assert cfg.metrics.save_jsonl_file == ""
     logger = MetricsLogger(tmp_path, cfg, enabled=True)
-    logger.log({"step": 1, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_second": 1.0, "mfu": 0.5,
-                "memory_bytes": 0, "eta_seconds": 0.0}, console=True)
+    logger.log(
+        {
+            "step": 1,
+            "loss": 1.0,
+            "grad_norm": 1.0,
+            "lr": 1e-3,
+            "tokens_per_second": 1.0,
+            "mfu": 0.5,
+            "memory_bytes": 0,
+            "eta_seconds": 0.0,
+        },
+        console=True,
+    )
     logger.close()
     assert list(tmp_path.iterdir()) == []

@@ -65,8 +65,10 @@ def test_hf_tokenizer_round_trip(tmp_path):
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["the ring passes keys and values", "the cat sat"],
-                            trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.train_from_iterator(
+        ["the ring passes keys and values", "the cat sat"],
+        trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]),
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
     hf = build_tokenizer(load_config(["--model.hf_assets_path", str(tmp_path)]))
@@ -134,8 +136,11 @@ def test_build_dataset_errors_name_the_key(tmp_path):
     with pytest.raises(ValueError, match="training.dataset = 'c4' is not built in.*training.dataset_path"):
         build_dataset(load_config(["--training.dataset", "c4"]), TOK)
     with pytest.raises(ValueError, match="validation.dataset_path = .* does not exist"):
-        build_dataset(load_config(["--validation.dataset", "text", "--validation.dataset_path", str(tmp_path / "no")]),
-                      TOK, split="validation")
+        build_dataset(
+            load_config(["--validation.dataset", "text", "--validation.dataset_path", str(tmp_path / "no")]),
+            TOK,
+            split="validation",
+        )
     (tmp_path / "x.jsonl").write_text('{"content": "no text key"}\n')
     with pytest.raises(ValueError, match="no 'text' key"):
         TextFiles(tmp_path, TOK).document(0)
@@ -157,10 +162,19 @@ def test_hf_dataset_from_disk(tmp_path):
     def dataset(texts, name):  # explicit fingerprint: datasets' dill hashing breaks on some pyarrow versions
         return datasets.Dataset(InMemoryTable.from_pydict({"text": texts}), fingerprint=name)
 
-    datasets.DatasetDict({"train": dataset(["alpha", "beta"], "train"), "validation": dataset(["gamma"], "val")}
-                         ).save_to_disk(str(tmp_path / "ds"))
-    argv = ["--training.dataset", "c4", "--training.dataset_path", str(tmp_path / "ds"),
-            "--validation.dataset", "c4_validation", "--validation.dataset_path", str(tmp_path / "ds")]
+    datasets.DatasetDict(
+        {"train": dataset(["alpha", "beta"], "train"), "validation": dataset(["gamma"], "val")}
+    ).save_to_disk(str(tmp_path / "ds"))
+    argv = [
+        "--training.dataset",
+        "c4",
+        "--training.dataset_path",
+        str(tmp_path / "ds"),
+        "--validation.dataset",
+        "c4_validation",
+        "--validation.dataset_path",
+        str(tmp_path / "ds"),
+    ]
     cfg = load_config(argv)
     train, val = build_dataset(cfg, TOK), build_dataset(cfg, TOK, split="validation")
     assert [TOK.decode(train.document(i).tokens) for i in range(3)] == ["alpha", "beta", "alpha"]
@@ -358,8 +372,18 @@ def test_resume_with_another_seq_len_is_an_error():
 
 
 def test_build_dataloader_from_config():
-    cfg = load_config(["--training.seq_len", "128", "--training.local_batch_size", "2",
-                       "--training.global_batch_size", "8", "--validation.local_batch_size", "1"])
+    cfg = load_config(
+        [
+            "--training.seq_len",
+            "128",
+            "--training.local_batch_size",
+            "2",
+            "--training.global_batch_size",
+            "8",
+            "--validation.local_batch_size",
+            "1",
+        ]
+    )
     train = build_dataloader(cfg, TOK, dp_rank=1, dp_degree=2)
     step = next(train)
     assert train.gradient_accumulation_steps == 2 and len(step.microbatches) == 2

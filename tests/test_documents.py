@@ -47,8 +47,19 @@ def _check(rank, world, cases):
 def _cases(strategy, world, ulysses, rows, causal, kernel=None):
     heads, kv_heads = HEADS[world]
     return [
-        dict(strategy=strategy, ulysses=ulysses, seq=SEQ, batch=len(rows), heads=heads, kv_heads=kv_heads,
-             causal=causal, balance=balance, doc_lens=rows, seed=len(rows[0]), kernel=kernel)
+        dict(
+            strategy=strategy,
+            ulysses=ulysses,
+            seq=SEQ,
+            batch=len(rows),
+            heads=heads,
+            kv_heads=kv_heads,
+            causal=causal,
+            balance=balance,
+            doc_lens=rows,
+            seed=len(rows[0]),
+            kernel=kernel,
+        )
         for balance in BALANCES
     ]
 
@@ -103,11 +114,15 @@ def _leakage(rank, world, strategy, ulysses, balance):
     untouched = layout.doc_ids(r) != 1
     untouched[1] = True  # row 1 is all one other document
     moved = [(a - b).abs().amax(dim=(1, 3))[untouched].max().item() for a, b in zip(*results)]
-    changed = [(a - b).abs().amax(dim=(1, 3))[~untouched].max().item() if (~untouched).any() else 1.0 for a, b in zip(*results)]
+    changed = [
+        (a - b).abs().amax(dim=(1, 3))[~untouched].max().item() if (~untouched).any() else 1.0 for a, b in zip(*results)
+    ]
     return moved, changed
 
 
-@pytest.mark.parametrize("strategy,world,ulysses", [("ring", 3, 1), ("allgather", 4, 1), ("ulysses", 2, 1), ("hybrid", 4, 2)])
+@pytest.mark.parametrize(
+    "strategy,world,ulysses", [("ring", 3, 1), ("allgather", 4, 1), ("ulysses", 2, 1), ("hybrid", 4, 2)]
+)
 @pytest.mark.parametrize("balance", ["zigzag", "doc_zigzag"])
 def test_no_leakage_across_documents(dist_pools, strategy, world, ulysses, balance):
     any_changed = False

@@ -32,13 +32,26 @@ def hf_llama(args, seed: int = 0, **changes):
     ``hf_config``, so a mistake there cannot hide here); ``changes`` override config fields."""
     s = args.rope_scaling
     fields = dict(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.kv_heads,
-        rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta, max_position_embeddings=args.max_seq_len,
-        tie_word_embeddings=False, hidden_act="silu",
-        rope_scaling=None if s is None else dict(
-            rope_type="llama3", factor=s.scaling_factor, low_freq_factor=s.low_freq_factor,
-            high_freq_factor=s.high_freq_factor, original_max_position_embeddings=s.original_max_position_embeddings),
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.ffn_hidden_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.kv_heads,
+        rms_norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta,
+        max_position_embeddings=args.max_seq_len,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        rope_scaling=None
+        if s is None
+        else dict(
+            rope_type="llama3",
+            factor=s.scaling_factor,
+            low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_max_position_embeddings,
+        ),
     )
     fields.update(changes)
     torch.manual_seed(seed)
@@ -100,8 +113,11 @@ def test_shape_mismatch_names_the_first_parameter_and_loads_nothing(tmp_path):
     hf_llama(args, vocab_size=300).save_pretrained(tmp_path)
     model = build_model("tiny", vocab_size=BYTE_VOCAB, device="cpu")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight has shape \(300, 64\), but the model's "
-                                         r"tok_embeddings\.weight has shape \(259, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.embed_tokens\.weight has shape \(300, 64\), but the model's "
+        r"tok_embeddings\.weight has shape \(259, 64\)",
+    ):
         load_hf([model], tmp_path, args)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -146,8 +162,11 @@ def test_torchtitan_dcp_checkpoint_loads_as_it_is(tmp_path):
     with pytest.raises(ValueError, match="initial_load_model_only = true"):
         Checkpointer(tmp_path / "ckpt", [ours], [], {}).load_model(tmp_path / "tt", model_only=False)
     wrong = build_model("tiny", device="cpu", vocab_size=300)
-    with pytest.raises(ValueError, match=r"tok_embeddings\.weight has shape \(256, 64\), but the model's has shape "
-                                         r"\(300, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tok_embeddings\.weight has shape \(256, 64\), but the model's has shape "
+        r"\(300, 64\)",
+    ):
         Checkpointer(tmp_path / "ckpt", [wrong], [], {}).load_model(tmp_path / "tt")
 
 
@@ -194,18 +213,48 @@ def test_hf_in_and_out_through_the_trainer(dist_pools, tmp_path, world, mesh):
     with torch.no_grad():
         want = hf(x).logits
     argv = [
-        "--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", "1",
-        "--training.local_batch_size", str(mesh.get("pp", 1)), "--training.global_batch_size", str(mesh.get("pp", 1)), "--lr_scheduler.warmup_steps", "0",
-        "--optimizer.lr", "1e-30", "--training.mixed_precision_param", "float32", "--validation.enable", "false",
-        "--metrics.log_freq", "100",
-        "--parallelism.context_parallel_degree", str(mesh.get("cp", 1)),
-        "--parallelism.tensor_parallel_degree", str(mesh.get("tp", 1)),
-        "--parallelism.pipeline_parallel_degree", str(mesh.get("pp", 1)),
-        "--parallelism.pipeline_parallel_microbatch_size", "1",
-        "--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_strategy", "ring",
-        "--checkpoint.enable", "false", "--checkpoint.initial_load_in_hf", "true",
-        "--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.last_save_in_hf", "true",
-        "--job.dump_folder", str(tmp_path / "run"),
+        "--model.flavor",
+        "tiny",
+        "--training.seq_len",
+        "64",
+        "--training.steps",
+        "1",
+        "--training.local_batch_size",
+        str(mesh.get("pp", 1)),
+        "--training.global_batch_size",
+        str(mesh.get("pp", 1)),
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--optimizer.lr",
+        "1e-30",
+        "--training.mixed_precision_param",
+        "float32",
+        "--validation.enable",
+        "false",
+        "--metrics.log_freq",
+        "100",
+        "--parallelism.context_parallel_degree",
+        str(mesh.get("cp", 1)),
+        "--parallelism.tensor_parallel_degree",
+        str(mesh.get("tp", 1)),
+        "--parallelism.pipeline_parallel_degree",
+        str(mesh.get("pp", 1)),
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "1",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--parallelism.context_parallel_strategy",
+        "ring",
+        "--checkpoint.enable",
+        "false",
+        "--checkpoint.initial_load_in_hf",
+        "true",
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "hf"),
+        "--checkpoint.last_save_in_hf",
+        "true",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
     ]
     for result in dist_pools.run(world, _load_forward_train_export, argv, x, timeout=600):
         if result is None:

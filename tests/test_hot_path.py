@@ -161,7 +161,9 @@ def _compiled_matches_eager(rank, world, strategy, backend):
     return (out - out_c).abs().max().item(), max(grads)
 
 
-@pytest.mark.parametrize("world,strategy,backend", [(1, "ring", "inductor"), (2, "ring", "aot_eager"), (2, "ulysses", "aot_eager")])
+@pytest.mark.parametrize(
+    "world,strategy,backend", [(1, "ring", "inductor"), (2, "ring", "aot_eager"), (2, "ulysses", "aot_eager")]
+)
 def test_block_with_cp_attention_compiles_whole(dist_pools, world, strategy, backend):
     for out_err, grad_err in dist_pools.run(world, _compiled_matches_eager, strategy, backend, timeout=600):
         assert out_err <= 1e-5 and grad_err <= 1e-5, (out_err, grad_err)

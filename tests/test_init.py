@@ -33,8 +33,14 @@ def _one_process_state(args: ModelArgs) -> dict[str, torch.Tensor]:
 
 
 def _mesh(world: int, mesh: dict) -> ParallelDims:
-    pd = ParallelDims(dp_replicate=1, dp_shard=mesh.get("dp", 1), cp=mesh.get("cp", 1), tp=mesh.get("tp", 1),
-                      pp=mesh.get("pp", 1), world_size=world)
+    pd = ParallelDims(
+        dp_replicate=1,
+        dp_shard=mesh.get("dp", 1),
+        cp=mesh.get("cp", 1),
+        tp=mesh.get("tp", 1),
+        pp=mesh.get("pp", 1),
+        world_size=world,
+    )
     pd.build_mesh("cpu")
     return pd
 
@@ -44,8 +50,14 @@ def _gathered_state(rank, world, mesh: dict, ac: str):
     init_module.BLOCK_ELEMENTS = SMALL_BLOCK
     try:
         built = build_parallel_model(
-            model_args("tiny", n_layers=4), _mesh(world, mesh), ParallelizeOptions(cp_strategy="ring", ac_mode=ac),
-            "cpu", seed=SEED, loss_fn=GlobalTokenLoss(), pp_microbatches=2, pp_schedule="GPipe",
+            model_args("tiny", n_layers=4),
+            _mesh(world, mesh),
+            ParallelizeOptions(cp_strategy="ring", ac_mode=ac),
+            "cpu",
+            seed=SEED,
+            loss_fn=GlobalTokenLoss(),
+            pp_microbatches=2,
+            pp_schedule="GPipe",
         )
     finally:
         init_module.BLOCK_ELEMENTS = block
@@ -131,7 +143,9 @@ def _construction_growth(rank, world):
     return (peak - before) * 1024, local
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="reads and resets the peak RSS in /proc (Linux)")
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/clear_refs"), reason="reads and resets the peak RSS in /proc (Linux)"
+)
 def test_construction_allocates_only_shards(dist_pools):
     """4 ranks, FSDP 4, ~4 GB of fp32 weights: each rank's peak RSS grows by about a quarter of
     it. Building the whole model on each rank first (the pre-meta path) grows it by >= 4 GB."""
@@ -145,10 +159,26 @@ def test_construction_allocates_only_shards(dist_pools):
 # ----------------------------------------------------------------- trainer, first steps
 
 TRAIN_ARGV = [
-    "--job.config_file", "train_configs/debug_cp.toml", "--model.flavor", "tiny", "--training.seq_len", "256",
-    "--training.local_batch_size", "2", "--training.global_batch_size", "4", "--training.steps", "3",
-    "--lr_scheduler.warmup_steps", "1", "--validation.enable", "false", "--metrics.log_freq", "100",
-    "--checkpoint.enable", "false",
+    "--job.config_file",
+    "train_configs/debug_cp.toml",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "256",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "4",
+    "--training.steps",
+    "3",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--validation.enable",
+    "false",
+    "--metrics.log_freq",
+    "100",
+    "--checkpoint.enable",
+    "false",
 ]
 
 
@@ -162,11 +192,22 @@ def test_trainer_first_losses_do_not_depend_on_the_mesh(dist_pools, tmp_path):
     """The trainer builds on meta and initialises shard by shard: its first three losses on
     CP4, DP2xCP2, TP2xCP2 and PP2xCP2 equal one process's (fp32; reduction order only, and
     three AdamW steps: rel 1e-5)."""
+
     def run(world, cp=1, dp=1, tp=1, pp=1):
-        mesh = ["--parallelism.context_parallel_degree", str(cp), "--parallelism.data_parallel_shard_degree", str(dp),
-                "--parallelism.tensor_parallel_degree", str(tp), "--parallelism.pipeline_parallel_degree", str(pp)]
+        mesh = [
+            "--parallelism.context_parallel_degree",
+            str(cp),
+            "--parallelism.data_parallel_shard_degree",
+            str(dp),
+            "--parallelism.tensor_parallel_degree",
+            str(tp),
+            "--parallelism.pipeline_parallel_degree",
+            str(pp),
+        ]
         folder = tmp_path / f"cp{cp}_dp{dp}_tp{tp}_pp{pp}"
-        return dist_pools.run(world, _train_losses, TRAIN_ARGV + mesh + ["--job.dump_folder", str(folder)], timeout=600)[0]
+        return dist_pools.run(
+            world, _train_losses, TRAIN_ARGV + mesh + ["--job.dump_folder", str(folder)], timeout=600
+        )[0]
 
     one = run(1)
     assert len(one) == 3

@@ -1,10 +1,10 @@
 """Local kernels against the plain math kernel, and the tile backward fed the *global*
 ``out``/``lse`` (the identity every strategy's backward relies on)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-
-from types import SimpleNamespace
 
 from titan_cp.attention import get_kernel
 from titan_cp.attention import kernels as kernels_module
@@ -77,7 +77,9 @@ def test_auto_picks_cpu_varlen_on_cpu_and_cuda_flash_for_half_on_cuda():
     # the CUDA choice is made without touching a device
     assert check_kernel(None, torch.device("cuda"), torch.bfloat16, 128).name == "cuda_flash"
     assert check_kernel("auto", "cuda", torch.float16, 64).name == "cuda_flash"
-    with pytest.warns(UserWarning, match=r"attention on cuda in float32 runs the dense 'math' kernel.*mixed_precision_param"):
+    with pytest.warns(
+        UserWarning, match=r"attention on cuda in float32 runs the dense 'math' kernel.*mixed_precision_param"
+    ):
         assert check_kernel(None, "cuda", torch.float32, 64).name == "math"
 
 
@@ -125,7 +127,9 @@ def test_default_varlen_loop_matches_each_segment_alone(causal):
             continue
         dense = [x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d], dout[a:b])]
         qs, ks, vs = (x.clone().requires_grad_() for x in dense[:3])
-        ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=SCALE, enable_gqa=True)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=causal, scale=SCALE, enable_gqa=True
+        )
         grads = torch.autograd.grad(ref, (qs, ks, vs), dense[3])
         torch.testing.assert_close(out[a:b], ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
         for got, want in zip((dq[a:b], dk[c:d], dv[c:d]), grads):
@@ -193,14 +197,40 @@ def _fake_flash_attn(generation: str):
             return out, q, k, v, out, lse, s_dmask, rng
         return out, lse, s_dmask, rng
 
-    def fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1, window_size_right=-1,
-            softcap=0.0, alibi_slopes=None, return_softmax=False):
+    def fwd(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+        return_softmax=False,
+    ):
         o, lse = ref.forward(*(x.transpose(1, 2) for x in (q, k, v)), causal, softmax_scale)
         return result(o.transpose(1, 2), lse, q, k, v)
 
-    def vfwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-             window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
-             block_table=None):
+    def vfwd(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+        return_softmax=False,
+        block_table=None,
+    ):
         seg = Segments.from_offsets(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), "cpu")
         o, lse = AttentionKernelLoop().varlen_forward(q, k, v, seg, causal, softmax_scale)
         return result(o, lse, q, k, v)
@@ -208,8 +238,12 @@ def _fake_flash_attn(generation: str):
     def bwd(*args, **kwargs):
         raise AssertionError("not called here")
 
-    return SimpleNamespace(_flash_attn_forward=fwd, _flash_attn_backward=bwd,
-                           _flash_attn_varlen_forward=vfwd, _flash_attn_varlen_backward=bwd)
+    return SimpleNamespace(
+        _flash_attn_forward=fwd,
+        _flash_attn_backward=bwd,
+        _flash_attn_varlen_forward=vfwd,
+        _flash_attn_varlen_backward=bwd,
+    )
 
 
 @pytest.mark.parametrize("generation", ["2.6", "2.7"])
@@ -243,17 +277,35 @@ def test_flash_attn_release_with_a_padded_varlen_lse_is_refused():
     fai._flash_attn_varlen_forward = padded
     qp, kp, vp, _ = _packed([5, 17, 1], [5, 17, 1], dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"log-sum-exp of shape \(3, 6, 17\), expected \(6, 23\)"):
-        FlashAttnKernel(fai).varlen_forward(qp, kp, vp, Segments.from_lengths([5, 17, 1], [5, 17, 1], "cpu"), True, SCALE)
+        FlashAttnKernel(fai).varlen_forward(
+            qp, kp, vp, Segments.from_lengths([5, 17, 1], [5, 17, 1], "cpu"), True, SCALE
+        )
 
 
 def test_flash_attn_keyword_arguments_follow_the_installed_signature():
     """The flash-attn backend adapts to the version installed: window as two ints or a pair,
     optional arguments only where the signature has them (checked without flash-attn)."""
-    v26 = {"dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap",
-           "alibi_slopes", "return_softmax"}
+    v26 = {
+        "dropout_p",
+        "softmax_scale",
+        "causal",
+        "window_size_left",
+        "window_size_right",
+        "softcap",
+        "alibi_slopes",
+        "return_softmax",
+    }
     kw = FlashAttnKernel._kwargs(v26, True, 0.5)
-    assert kw == dict(dropout_p=0.0, softmax_scale=0.5, causal=True, window_size_left=-1, window_size_right=-1,
-                      softcap=0.0, alibi_slopes=None, return_softmax=False)
+    assert kw == dict(
+        dropout_p=0.0,
+        softmax_scale=0.5,
+        causal=True,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+        return_softmax=False,
+    )
     v24 = {"dropout_p", "softmax_scale", "causal", "window_size", "alibi_slopes", "deterministic", "rng_state"}
     seg = Segments.from_offsets([0, 3, 10], [0, 5, 6], "cpu")
     kw = FlashAttnKernel._kwargs(v24, False, 0.25, **FlashAttnKernel._varlen(seg))
@@ -276,8 +328,11 @@ def test_unknown_kernel_name():
 @pytest.mark.parametrize("name", ["cuda_flash", "flash_attn"])
 def test_cuda_kernel_on_cpu_tensors(name, monkeypatch):
     monkeypatch.setitem(kernels_module._INSTANCES, "flash_attn", FlashAttnKernel(_fake_flash_attn("2.7")))
-    with pytest.raises(ValueError, match=f"kernel '{name}' runs on cuda tensors, but q, k, v are on cpu; for bfloat16 "
-                                         r"on cpu with head_dim 64 choose one of \['cpu_flash', 'cpu_varlen', 'math'\] or None"):
+    with pytest.raises(
+        ValueError,
+        match=f"kernel '{name}' runs on cuda tensors, but q, k, v are on cpu; for bfloat16 "
+        r"on cpu with head_dim 64 choose one of \['cpu_flash', 'cpu_varlen', 'math'\] or None",
+    ):
         check_kernel(name, torch.device("cpu"), torch.bfloat16, 64)
 
 
@@ -289,21 +344,27 @@ def test_cpu_kernel_on_cuda_tensors():
 def test_flash_attn_not_installed(monkeypatch):
     monkeypatch.delitem(kernels_module._INSTANCES, "flash_attn", raising=False)
     real = kernels_module.importlib.util.find_spec
-    monkeypatch.setattr(kernels_module.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    monkeypatch.setattr(
+        kernels_module.importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a)
+    )
     with pytest.raises(ValueError, match=r"'flash_attn' needs the flash-attn package, which is not installed"):
         check_kernel("flash_attn", torch.device("cuda"), torch.bfloat16, 64)
 
 
 def test_fp32_with_a_flash_only_kernel():
-    with pytest.raises(ValueError, match=r"'cuda_flash' takes float16/bfloat16 tensors, got float32; .*\['math'\]"
-                                         r".*training.mixed_precision_param"):
+    with pytest.raises(
+        ValueError,
+        match=r"'cuda_flash' takes float16/bfloat16 tensors, got float32; .*\['math'\]"
+        r".*training.mixed_precision_param",
+    ):
         check_kernel("cuda_flash", torch.device("cuda"), torch.float32, 64)
 
 
 @pytest.mark.parametrize("head_dim", [100, 264, 4])
 def test_head_dim_the_flash_kernel_does_not_take(head_dim):
-    with pytest.raises(ValueError, match=f"'cuda_flash' takes head_dim a multiple of 8 and at most 256, got {head_dim}"):
+    with pytest.raises(
+        ValueError, match=f"'cuda_flash' takes head_dim a multiple of 8 and at most 256, got {head_dim}"
+    ):
         check_kernel("cuda_flash", torch.device("cuda"), torch.bfloat16, head_dim)
     assert check_kernel("cpu_flash", torch.device("cpu"), torch.bfloat16, head_dim).name == "cpu_flash"
     # the default does not fit either: the error says so instead of falling back to the dense kernel

@@ -114,7 +114,9 @@ def _tp_loss_rank(rank, world, sequence_parallel):
     loss.backward()
     torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-5, atol=1e-6)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(full(p.grad), ref_grads[name], rtol=1e-4, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            full(p.grad), ref_grads[name], rtol=1e-4, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
     # logits still come out whole (no loss parallel)
     logits = model(tokens, positions, doc_lens)
     assert not isinstance(logits, DTensor) and logits.shape == (2, S, 256)

@@ -9,8 +9,9 @@ from titan_cp.mesh import AXES, HYBRID_AXES, ParallelDims
 
 
 def dims(world_size, dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, cp_ulysses=None):
-    return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp,
-                        world_size=world_size, cp_ulysses=cp_ulysses)
+    return ParallelDims(
+        dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, world_size=world_size, cp_ulysses=cp_ulysses
+    )
 
 
 # ---- validation, no process group -------------------------------------------------------------
@@ -21,7 +22,13 @@ def test_dp_shard_minus_one_takes_the_rest():
     assert pd.dp_shard == 2
     assert pd.dp_degree == 4
     assert pd.non_data_parallel_size == 4
-    assert (pd.dp_enabled, pd.fsdp_enabled, pd.cp_enabled, pd.tp_enabled, pd.pp_enabled) == (True, True, True, True, False)
+    assert (pd.dp_enabled, pd.fsdp_enabled, pd.cp_enabled, pd.tp_enabled, pd.pp_enabled) == (
+        True,
+        True,
+        True,
+        True,
+        False,
+    )
 
 
 def test_properties_of_the_trivial_mesh():
@@ -34,14 +41,26 @@ def test_properties_of_the_trivial_mesh():
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        (dict(world_size=8, dp_shard=2, cp=2), r"multiply to 4 .* not the world size 8.*parallelism.data_parallel_shard_degree = -1"),
-        (dict(world_size=6, cp=4), r"parallelism.data_parallel_shard_degree = -1 .* world size 6 is not a multiple .*= 4"),
+        (
+            dict(world_size=8, dp_shard=2, cp=2),
+            r"multiply to 4 .* not the world size 8.*parallelism.data_parallel_shard_degree = -1",
+        ),
+        (
+            dict(world_size=6, cp=4),
+            r"parallelism.data_parallel_shard_degree = -1 .* world size 6 is not a multiple .*= 4",
+        ),
         (dict(world_size=4, cp=0), r"parallelism.context_parallel_degree must be positive, got 0"),
         (dict(world_size=4, tp=-3), r"parallelism.tensor_parallel_degree must be positive"),
-        (dict(world_size=4, pp=-1), r"parallelism.pipeline_parallel_degree is -1, but only parallelism.data_parallel_shard_degree may be -1"),
+        (
+            dict(world_size=4, pp=-1),
+            r"parallelism.pipeline_parallel_degree is -1, but only parallelism.data_parallel_shard_degree may be -1",
+        ),
         (dict(world_size=4, dp_replicate=-1), r"parallelism.data_parallel_replicate_degree is -1"),
         (dict(world_size=4, dp_shard=0), r"parallelism.data_parallel_shard_degree must be positive or -1"),
-        (dict(world_size=8, cp=4, cp_ulysses=3), r"parallelism.context_parallel_ulysses_degree \(3\) must be a positive divisor"),
+        (
+            dict(world_size=8, cp=4, cp_ulysses=3),
+            r"parallelism.context_parallel_ulysses_degree \(3\) must be a positive divisor",
+        ),
         (dict(world_size=0), r"world size must be positive"),
     ],
 )
@@ -55,8 +74,16 @@ def test_from_config():
     pd = ParallelDims.from_config(cfg, world_size=16)
     assert (pd.pp, pd.dp_replicate, pd.dp_shard, pd.cp, pd.tp) == (1, 1, 2, 4, 2)
     assert not pd.hybrid_cp
-    cfg = load_config(["--parallelism.context_parallel_degree", "4", "--parallelism.context_parallel_strategy", "hybrid",
-                       "--parallelism.context_parallel_ulysses_degree", "2"])
+    cfg = load_config(
+        [
+            "--parallelism.context_parallel_degree",
+            "4",
+            "--parallelism.context_parallel_strategy",
+            "hybrid",
+            "--parallelism.context_parallel_ulysses_degree",
+            "2",
+        ]
+    )
     pd = ParallelDims.from_config(cfg, world_size=8)
     assert pd.hybrid_cp and (pd.cp_ring, pd.cp_ulysses, pd.dp_shard) == (2, 2, 2)
     with pytest.raises(ValueError, match="parallelism.context_parallel_degree"):
@@ -115,7 +142,9 @@ def test_mesh_world_1(dist_pools):
 def test_mesh_world_2_cp(dist_pools):
     reports = dist_pools.run(2, _mesh_report, dict(dp_replicate=1, dp_shard=-1, cp=2, tp=1, pp=1))
     assert reports[0]["shape"] == (1, 1, 1, 2, 1)
-    _check_views(reports, {"cp": [[0, 1]], "dp": [[0], [1]], "dp_shard_cp": [[0, 1]], "dp_cp": [[0, 1]], "tp": [[0], [1]]})
+    _check_views(
+        reports, {"cp": [[0, 1]], "dp": [[0], [1]], "dp_shard_cp": [[0, 1]], "dp_cp": [[0, 1]], "tp": [[0], [1]]}
+    )
 
 
 def test_mesh_world_2_ddp(dist_pools):
@@ -127,20 +156,31 @@ def test_mesh_world_4_fsdp_cp(dist_pools):
     # rank = dp_shard * 2 + cp
     reports = dist_pools.run(4, _mesh_report, dict(dp_replicate=1, dp_shard=2, cp=2, tp=1, pp=1))
     assert reports[0]["names"] == AXES and reports[0]["shape"] == (1, 1, 2, 2, 1)
-    _check_views(reports, {
-        "cp": [[0, 1], [2, 3]],
-        "dp_shard": [[0, 2], [1, 3]],
-        "dp": [[0, 2], [1, 3]],
-        "dp_shard_cp": [[0, 1, 2, 3]],
-        "dp_cp": [[0, 1, 2, 3]],
-    })
+    _check_views(
+        reports,
+        {
+            "cp": [[0, 1], [2, 3]],
+            "dp_shard": [[0, 2], [1, 3]],
+            "dp": [[0, 2], [1, 3]],
+            "dp_shard_cp": [[0, 1, 2, 3]],
+            "dp_cp": [[0, 1, 2, 3]],
+        },
+    )
 
 
 def test_mesh_world_4_pp_tp_cp(dist_pools):
     # rank = pp * 2 + tp  (cp 1)  then  pp 1 x cp 2 x tp 2: rank = cp * 2 + tp
     reports = dist_pools.run(4, _mesh_report, dict(dp_replicate=1, dp_shard=-1, cp=2, tp=2, pp=1))
-    _check_views(reports, {"tp": [[0, 1], [2, 3]], "cp": [[0, 2], [1, 3]], "dp": [[0], [1], [2], [3]],
-                           "dp_cp": [[0, 2], [1, 3]], "dp_shard_cp": [[0, 2], [1, 3]]})
+    _check_views(
+        reports,
+        {
+            "tp": [[0, 1], [2, 3]],
+            "cp": [[0, 2], [1, 3]],
+            "dp": [[0], [1], [2], [3]],
+            "dp_cp": [[0, 2], [1, 3]],
+            "dp_shard_cp": [[0, 2], [1, 3]],
+        },
+    )
     reports = dist_pools.run(4, _mesh_report, dict(dp_replicate=1, dp_shard=-1, cp=2, tp=1, pp=2))
     _check_views(reports, {"pp": [[0, 2], [1, 3]], "cp": [[0, 1], [2, 3]], "dp_cp": [[0, 1], [2, 3]]})
 
@@ -149,14 +189,17 @@ def test_mesh_world_4_hybrid_cp(dist_pools):
     # cp 4 = cp_ring 2 x cp_ulysses 2, Ulysses inner: cp rank = ring * 2 + ulysses
     reports = dist_pools.run(4, _mesh_report, dict(dp_replicate=1, dp_shard=-1, cp=4, tp=1, pp=1, cp_ulysses=2))
     assert reports[0]["names"] == HYBRID_AXES and reports[0]["shape"] == (1, 1, 1, 2, 2, 1)
-    _check_views(reports, {
-        "cp_ulysses": [[0, 1], [2, 3]],
-        "cp_ring": [[0, 2], [1, 3]],
-        "cp": [[0, 1, 2, 3]],
-        "dp_shard_cp": [[0, 1, 2, 3]],
-        "dp_cp": [[0, 1, 2, 3]],
-        "dp": [[0], [1], [2], [3]],
-    })
+    _check_views(
+        reports,
+        {
+            "cp_ulysses": [[0, 1], [2, 3]],
+            "cp_ring": [[0, 2], [1, 3]],
+            "cp": [[0, 1, 2, 3]],
+            "dp_shard_cp": [[0, 1, 2, 3]],
+            "dp_cp": [[0, 1, 2, 3]],
+            "dp": [[0], [1], [2], [3]],
+        },
+    )
     assert reports[0]["hybrid"] == (("cp_ring", "cp_ulysses"), (2, 2), [[0, 1], [2, 3]])
 
 
@@ -195,5 +238,7 @@ def test_fsdp_mesh_is_kept_not_sliced_from_the_root(dist_pools):
         assert ranks == [[0, 1], [2, 3]]
         assert total == (1 if rank < 2 else 5)  # the shard group: ranks {0, 1} or {2, 3}
         assert not warned, warned
-    (names, ranks, _, warned), *_ = dist_pools.run(2, _fsdp_mesh_report, dict(dp_replicate=1, dp_shard=-1, cp=2, tp=1, pp=1))
+    (names, ranks, _, warned), *_ = dist_pools.run(
+        2, _fsdp_mesh_report, dict(dp_replicate=1, dp_shard=-1, cp=2, tp=1, pp=1)
+    )
     assert names == ("dp_shard_cp",) and ranks == [0, 1] and not warned

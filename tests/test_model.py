@@ -81,9 +81,15 @@ def batch(seed: int, b: int, s: int, vocab: int = 256) -> tuple[torch.Tensor, to
 def test_parameter_names_are_torchtitans():
     model = tiny()
     per_layer = [
-        "attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight",
-        "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
-        "attention_norm.weight", "ffn_norm.weight",
+        "attention.wq.weight",
+        "attention.wk.weight",
+        "attention.wv.weight",
+        "attention.wo.weight",
+        "feed_forward.w1.weight",
+        "feed_forward.w2.weight",
+        "feed_forward.w3.weight",
+        "attention_norm.weight",
+        "ffn_norm.weight",
     ]
     expected = {"tok_embeddings.weight", "norm.weight", "output.weight"}
     expected |= {f"layers.{i}.{n}" for i in range(2) for n in per_layer}
@@ -106,9 +112,7 @@ def test_shapes_and_gqa_heads_reach_inner_attention():
     assert seen == [[(3, 4, 10, hd), (3, 2, 10, hd), (3, 2, 10, hd), (3, 4, 10, hd)]]  # K/V not expanded
 
 
-@pytest.mark.parametrize(
-    "flavor, expected", [("8B", 8.03e9), ("70B", 70.55e9), ("405B", 405.85e9)]
-)
+@pytest.mark.parametrize("flavor, expected", [("8B", 8.03e9), ("70B", 70.55e9), ("405B", 405.85e9)])
 def test_llama31_flavors_on_meta(flavor, expected):
     model = build_model(flavor)  # meta device: no memory
     assert all(p.is_meta for p in model.parameters())
@@ -136,15 +140,25 @@ def test_small_flavors_and_overrides():
 # norm eps 1e-5, Llama 3.1 RoPE scaling (8, 1, 4, 8192), max_seq_len 131072.
 TORCHTITAN_LLAMA3 = {
     "debugmodel": dict(dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000),
-    "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
-               rope_theta=500000),
-    "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
-                rope_theta=500000),
-    "405B": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
-                 rope_theta=500000),
+    "8B": dict(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024, rope_theta=500000
+    ),
+    "70B": dict(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096, rope_theta=500000
+    ),
+    "405B": dict(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096, rope_theta=500000
+    ),
 }
-TORCHTITAN_DEFAULTS = dict(n_kv_heads=None, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=None, norm_eps=1e-5,
-                           rope_scaling=RoPEScaling(8.0, 1.0, 4.0, 8192), max_seq_len=131072)
+TORCHTITAN_DEFAULTS = dict(
+    n_kv_heads=None,
+    vocab_size=128256,
+    multiple_of=256,
+    ffn_dim_multiplier=None,
+    norm_eps=1e-5,
+    rope_scaling=RoPEScaling(8.0, 1.0, 4.0, 8192),
+    max_seq_len=131072,
+)
 
 
 @pytest.mark.parametrize("flavor", sorted(TORCHTITAN_LLAMA3))
@@ -164,13 +178,22 @@ def test_flavors_named_as_torchtitans_match_installed_torchtitan():
         pytest.skip("this torchtitan release describes models with nested configs, not TransformerModelArgs")
     for name in set(configs) & set(FLAVORS):
         theirs, ours = configs[name], FLAVORS[name]
-        for field in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier", "norm_eps",
-                      "rope_theta"):
+        for field in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "vocab_size",
+            "multiple_of",
+            "ffn_dim_multiplier",
+            "norm_eps",
+            "rope_theta",
+        ):
             assert getattr(ours, field) == getattr(theirs, field), (name, field)
         assert ours.kv_heads == (theirs.n_kv_heads or theirs.n_heads), name
         s = theirs.rope_scaling_args
-        assert ours.rope_scaling == RoPEScaling(s.scaling_factor, s.low_freq_factor, s.high_freq_factor,
-                                                s.original_max_position_embeddings), name
+        assert ours.rope_scaling == RoPEScaling(
+            s.scaling_factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings
+        ), name
     with pytest.raises(ValueError, match="model.flavor"):
         build_model("7B")
 

@@ -48,8 +48,10 @@ class ListSource:
 
 
 def random_chat(rng: random.Random, max_turns: int = 6, max_chars: int = 60) -> dict:
-    turns = [{"role": rng.choice(ROLES), "content": "".join(rng.choices("abcdefgh xyz", k=rng.randint(0, max_chars)))}
-             for _ in range(rng.randint(1, max_turns))]
+    turns = [
+        {"role": rng.choice(ROLES), "content": "".join(rng.choices("abcdefgh xyz", k=rng.randint(0, max_chars)))}
+        for _ in range(rng.randint(1, max_turns))
+    ]
     return {"messages": turns}
 
 
@@ -107,8 +109,10 @@ def test_chat_template_and_role_masks():
     assert len(doc.loss_mask) == len(doc.tokens)
     # only the assistant turns (content and end marker) are targets: not system, user, tool, headers
     assert _targets(doc) == "ls<|im_end|>|Two files.<|im_end|>"
-    assert _targets(render_chat(CONVERSATION, TOK, ["assistant", "tool"])) == \
-        "ls<|im_end|>|a.txt b.txt<|im_end|>|Two files.<|im_end|>"
+    assert (
+        _targets(render_chat(CONVERSATION, TOK, ["assistant", "tool"]))
+        == "ls<|im_end|>|a.txt b.txt<|im_end|>|Two files.<|im_end|>"
+    )
 
 
 def test_chat_records_are_documents_and_only_their_roles_carry_loss(tmp_path):
@@ -140,9 +144,24 @@ def test_chat_records_are_documents_and_only_their_roles_carry_loss(tmp_path):
 
 def test_chat_validation_and_loss_tokens_through_the_loader(tmp_path):
     write_chats(tmp_path / "train.jsonl", [{"messages": CONVERSATION}] * 3)
-    cfg = load_config(["--training.dataset", "chat", "--training.dataset_path", str(tmp_path / "train.jsonl"),
-                       "--training.seq_len", "512", "--training.local_batch_size", "1", "--training.packing", "best_fit",
-                       "--validation.dataset", "chat", "--validation.dataset_path", str(tmp_path / "train.jsonl")])
+    cfg = load_config(
+        [
+            "--training.dataset",
+            "chat",
+            "--training.dataset_path",
+            str(tmp_path / "train.jsonl"),
+            "--training.seq_len",
+            "512",
+            "--training.local_batch_size",
+            "1",
+            "--training.packing",
+            "best_fit",
+            "--validation.dataset",
+            "chat",
+            "--validation.dataset_path",
+            str(tmp_path / "train.jsonl"),
+        ]
+    )
     doc = render_chat(CONVERSATION, TOK)
     per_doc = sum(doc.loss_mask[1:])
     fit = 512 // len(doc.tokens)
@@ -152,16 +171,22 @@ def test_chat_validation_and_loss_tokens_through_the_loader(tmp_path):
         assert step.padding_tokens == 512 - fit * len(doc.tokens)
 
 
-@pytest.mark.parametrize("line, fragment", [
-    ("{not json", "not JSON"),
-    ('{"text": "hi"}', "no 'messages' key"),
-    ('{"messages": []}', "'messages' is empty"),
-    ('{"messages": {"role": "user"}}', "'messages' must be a list"),
-    ('{"messages": [{"role": "bot", "content": "x"}]}', r"messages\[0\].role = 'bot' is not one of"),
-    ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]}', r"messages\[1\] has no 'content' key"),
-    ('{"messages": [{"role": "user", "content": null}]}', r"messages\[0\].content must be a string"),
-    ('[1, 2]', "a record must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "line, fragment",
+    [
+        ("{not json", "not JSON"),
+        ('{"text": "hi"}', "no 'messages' key"),
+        ('{"messages": []}', "'messages' is empty"),
+        ('{"messages": {"role": "user"}}', "'messages' must be a list"),
+        ('{"messages": [{"role": "bot", "content": "x"}]}', r"messages\[0\].role = 'bot' is not one of"),
+        (
+            '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]}',
+            r"messages\[1\] has no 'content' key",
+        ),
+        ('{"messages": [{"role": "user", "content": null}]}', r"messages\[0\].content must be a string"),
+        ("[1, 2]", "a record must be a JSON object"),
+    ],
+)
 def test_bad_chat_records_name_file_line_and_key(tmp_path, line, fragment):
     good = json.dumps({"messages": CONVERSATION})
     (tmp_path / "bad.jsonl").write_text(f"{good}\n\n{line}\n{good}\n")
@@ -173,8 +198,9 @@ def test_bad_chat_records_name_file_line_and_key(tmp_path, line, fragment):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), seq_len=st.integers(2, 64), max_len=st.integers(1, 150),
-       lookahead=st.integers(1, 12))
+@given(
+    seed=st.integers(0, 10_000), seq_len=st.integers(2, 64), max_len=st.integers(1, 150), lookahead=st.integers(1, 12)
+)
 def test_best_fit_keeps_documents_whole(seed, seq_len, max_len, lookahead):
     rng = random.Random(seed)
     docs = [Document([rng.randrange(256) for _ in range(rng.randint(1, max_len))]) for _ in range(rng.randint(1, 8))]
@@ -296,13 +322,13 @@ seq_len = 256
 [[training.mixture]]
 name = "chat"
 kind = "chat"
-path = "{tmp_path / 'chat.jsonl'}"
+path = "{tmp_path / "chat.jsonl"}"
 weight = 2
 
 [[training.mixture]]
 name = "text"
 kind = "text"
-path = "{tmp_path / 'a.txt'}"
+path = "{tmp_path / "a.txt"}"
 weight = 1
 
 [[training.mixture]]
@@ -323,15 +349,24 @@ weight = 1
         build_dataset(load_config(bad), TOK)
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--training.mixture", "a:synthetic_recall::-1,b:synthetic_recall::1"], r"training.mixture\[0\].weight \('a'\) must be >= 0"),
-    (["--training.mixture", "a:synthetic_recall::0,b:synthetic_recall::0"], "training.mixture weights sum to zero"),
-    (["--training.mixture", "a:synthetic_recall::1,a:synthetic_recall::1"], "names must be non-empty and unique"),
-    (["--training.mixture", "a:mixture::1"], "cannot hold another mixture"),
-    (["--training.mixture", "a:synthetic_recall"], "name:kind:path:weight"),
-    (["--training.mixture", "a:synthetic_recall::1", "--training.dataset_path", "x"], "training.dataset_path is not read"),
-    ([], None),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (
+            ["--training.mixture", "a:synthetic_recall::-1,b:synthetic_recall::1"],
+            r"training.mixture\[0\].weight \('a'\) must be >= 0",
+        ),
+        (["--training.mixture", "a:synthetic_recall::0,b:synthetic_recall::0"], "training.mixture weights sum to zero"),
+        (["--training.mixture", "a:synthetic_recall::1,a:synthetic_recall::1"], "names must be non-empty and unique"),
+        (["--training.mixture", "a:mixture::1"], "cannot hold another mixture"),
+        (["--training.mixture", "a:synthetic_recall"], "name:kind:path:weight"),
+        (
+            ["--training.mixture", "a:synthetic_recall::1", "--training.dataset_path", "x"],
+            "training.dataset_path is not read",
+        ),
+        ([], None),
+    ],
+)
 def test_mixture_config_errors_name_the_key(argv, fragment):
     argv = ["--training.dataset", "mixture", *argv]
     if fragment is None:
@@ -373,15 +408,19 @@ def test_best_fit_mixture_resumes_on_another_dp_degree(tmp_path, new_dp):
     kw = dict(packing="best_fit", lookahead=8, pad_id=TOK.pad_id, source_names=("chat", "recall"))
     straight_loader = PackedDataLoader(_mixed_source(tmp_path / "c.jsonl"), seq_len, G, G, **kw)
     straight = _rows(straight_loader, 2 * k)
-    before = [PackedDataLoader(_mixed_source(tmp_path / "c.jsonl"), seq_len, G, 1, dp_rank=d, dp_degree=2, **kw)
-              for d in range(2)]
+    before = [
+        PackedDataLoader(_mixed_source(tmp_path / "c.jsonl"), seq_len, G, 1, dp_rank=d, dp_degree=2, **kw)
+        for d in range(2)
+    ]
     got = {}
     for loader in before:
         got.update(_rows(loader, k))
     states = [json.loads(json.dumps(loader.state_dict())) for loader in before]
     assert states[0] == states[1]
-    after = [PackedDataLoader(_mixed_source(tmp_path / "c.jsonl"), seq_len, G, 1, dp_rank=d, dp_degree=new_dp, **kw)
-             for d in range(new_dp)]
+    after = [
+        PackedDataLoader(_mixed_source(tmp_path / "c.jsonl"), seq_len, G, 1, dp_rank=d, dp_degree=new_dp, **kw)
+        for d in range(new_dp)
+    ]
     for loader in after:
         loader.load_state_dict(states[0])
         for r, row in _rows(loader, k).items():
@@ -402,8 +441,17 @@ def test_resume_with_another_packing_is_an_error():
 
 
 def _masked_counts(rank, world, path, steps):
-    loader = PackedDataLoader(ChatJsonl(path, TOK), 256, 2 * world, 1, dp_rank=rank, dp_degree=world,
-                              packing="best_fit", lookahead=8, pad_id=TOK.pad_id)
+    loader = PackedDataLoader(
+        ChatJsonl(path, TOK),
+        256,
+        2 * world,
+        1,
+        dp_rank=rank,
+        dp_degree=world,
+        packing="best_fit",
+        lookahead=8,
+        pad_id=TOK.pad_id,
+    )
     out = []
     for _ in range(steps):
         step = next(loader)
@@ -418,8 +466,9 @@ def test_global_valid_tokens_with_masks_equal_a_single_process_count(tmp_path, d
     rng = random.Random(2)
     write_chats(tmp_path / "c.jsonl", [random_chat(rng, max_turns=10, max_chars=50) for _ in range(25)])
     per_rank = dist_pools.run(2, _masked_counts, tmp_path / "c.jsonl", 3)
-    single = PackedDataLoader(ChatJsonl(tmp_path / "c.jsonl", TOK), 256, 4, 4, packing="best_fit", lookahead=8,
-                              pad_id=TOK.pad_id)
+    single = PackedDataLoader(
+        ChatJsonl(tmp_path / "c.jsonl", TOK), 256, 4, 4, packing="best_fit", lookahead=8, pad_id=TOK.pad_id
+    )
     for step in zip(*per_rank):
         reference = next(single)
         count = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in reference.microbatches)
@@ -475,8 +524,9 @@ def _cp_matches_one_process(rank, world, path, strategy, balance):
 def test_cp_training_with_padding_documents_equals_one_process(tmp_path, dist_pools, strategy, balance):
     rng = random.Random(4)
     write_chats(tmp_path / "c.jsonl", [random_chat(rng, max_turns=5, max_chars=30) for _ in range(12)])
-    for ref_loss, loss, errors, doc_lens in dist_pools.run(2, _cp_matches_one_process, tmp_path / "c.jsonl",
-                                                           strategy, balance, timeout=600):
+    for ref_loss, loss, errors, _doc_lens in dist_pools.run(
+        2, _cp_matches_one_process, tmp_path / "c.jsonl", strategy, balance, timeout=600
+    ):
         packed = _padded_chat_batch(tmp_path / "c.jsonl", 192, 2)
         assert sum(r.item() for r in (packed.tokens == TOK.pad_id).sum(1)) > 0  # padding documents present
         assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
@@ -488,8 +538,10 @@ def test_cp_training_with_padding_documents_equals_one_process(tmp_path, dist_po
 
 HAS_TOKENIZERS = __import__("importlib").util.find_spec("tokenizers") is not None
 
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<turn> {{ m['role'] }} : {{ m['content'] | trim }} <end>\n"
-            "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<turn> {{ m['role'] }} : {{ m['content'] | trim }} <end>\n"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+)
 
 
 def _hf_assets(folder, template):
@@ -510,8 +562,18 @@ def _hf_assets(folder, template):
 def test_the_tokenizers_chat_template_masks_the_same_turns(tmp_path):
     _hf_assets(tmp_path, TEMPLATE)
     write_chats(tmp_path / "c.jsonl", [{"messages": CONVERSATION}])
-    cfg = load_config(["--model.hf_assets_path", str(tmp_path), "--training.dataset", "chat",
-                       "--training.dataset_path", str(tmp_path / "c.jsonl"), "--training.chat_template", "tokenizer"])
+    cfg = load_config(
+        [
+            "--model.hf_assets_path",
+            str(tmp_path),
+            "--training.dataset",
+            "chat",
+            "--training.dataset_path",
+            str(tmp_path / "c.jsonl"),
+            "--training.chat_template",
+            "tokenizer",
+        ]
+    )
     from titan_cp.data import build_tokenizer
 
     tok = build_tokenizer(cfg)

@@ -206,8 +206,12 @@ def _pp_rank(rank, world, schedule_name, n_layers, n_microbatches, with_docs):
             )
 
     schedule, parts, has_first, has_last = pipeline_llama(
-        model, mesh, n_microbatches, schedule_name,
-        loss_fn=lambda logits, y: global_loss(logits, y, count), parallelize_fn=record,
+        model,
+        mesh,
+        n_microbatches,
+        schedule_name,
+        loss_fn=lambda logits, y: global_loss(logits, y, count),
+        parallelize_fn=record,
     )
     losses = []
     kwargs = dict(positions=positions, doc_lens=doc_lens)

@@ -28,8 +28,20 @@ SEQ, DOCS = 2048, 4
 
 
 def _cfg(**kw):
-    return dict(dict(seq_len=SEQ, batch=1, docs=DOCS, flavor="debugmodel_gqa", vocab_size=BYTE_VOCAB,
-                     strategy="ring", balance="doc_zigzag", ac="none", ulysses=1), **kw)
+    return dict(
+        dict(
+            seq_len=SEQ,
+            batch=1,
+            docs=DOCS,
+            flavor="debugmodel_gqa",
+            vocab_size=BYTE_VOCAB,
+            strategy="ring",
+            balance="doc_zigzag",
+            ac="none",
+            ulysses=1,
+        ),
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])
@@ -61,7 +73,6 @@ def test_saved_and_comm_bytes_per_strategy(dist_pools, strategy, ulysses):
 def _composition_comm(rank, world, combo: dict) -> int:
     """CP bytes this rank sent in one forward + backward of the tiny model on ``combo``'s mesh."""
     from tests.test_composition import ROWS, SEED, make_batch
-
     from titan_cp.attention import cp_rank
     from titan_cp.attention.comm import count_comm
     from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
@@ -69,14 +80,30 @@ def _composition_comm(rank, world, combo: dict) -> int:
     from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, cp_mesh
     from titan_cp.step import Microbatch, forward_backward
 
-    pd = ParallelDims(dp_replicate=combo.get("dp_replicate", 1), dp_shard=combo.get("dp_shard", 1), cp=combo["cp"],
-                      tp=combo.get("tp", 1), pp=combo.get("pp", 1), world_size=world, cp_ulysses=combo.get("ulysses"))
+    pd = ParallelDims(
+        dp_replicate=combo.get("dp_replicate", 1),
+        dp_shard=combo.get("dp_shard", 1),
+        cp=combo["cp"],
+        tp=combo.get("tp", 1),
+        pp=combo.get("pp", 1),
+        world_size=world,
+        cp_ulysses=combo.get("ulysses"),
+    )
     pd.build_mesh("cpu")
-    options = ParallelizeOptions(cp_strategy=combo["strategy"], cp_balance=combo.get("balance", "doc_zigzag"),
-                                 ac_mode=combo.get("ac", "none"))
+    options = ParallelizeOptions(
+        cp_strategy=combo["strategy"], cp_balance=combo.get("balance", "doc_zigzag"), ac_mode=combo.get("ac", "none")
+    )
     loss_fn = GlobalTokenLoss()
-    built = build_parallel_model(model_args("tiny", n_layers=combo.get("n_layers", 2)), pd, options, "cpu", seed=SEED,
-                                 loss_fn=loss_fn, pp_microbatches=2, pp_schedule=combo.get("schedule", "1F1B"))
+    built = build_parallel_model(
+        model_args("tiny", n_layers=combo.get("n_layers", 2)),
+        pd,
+        options,
+        "cpu",
+        seed=SEED,
+        loss_fn=loss_fn,
+        pp_microbatches=2,
+        pp_schedule=combo.get("schedule", "1F1B"),
+    )
     full = make_batch(0)
     loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
     dp = pd.get_mesh("dp")
@@ -103,16 +130,26 @@ COMPOSITIONS = {
 
 @pytest.mark.parametrize("name", list(COMPOSITIONS))
 def test_comm_bytes_on_composition_meshes(dist_pools, name):
-    from tests.test_composition import ROWS, SEQ as CSEQ
+    from tests.test_composition import ROWS
+    from tests.test_composition import SEQ as CSEQ
 
     combo = COMPOSITIONS[name]
     world = 4
     sent = dist_pools.run(world, _composition_comm, combo)
     args = model_args("tiny", n_layers=combo.get("n_layers", 2))
     rows = ROWS // (combo.get("dp_shard", 1) * combo.get("dp_replicate", 1))
-    want = P.cp_bytes_per_rank(args, CSEQ, rows, combo["strategy"], combo["cp"], combo.get("tp", 1),
-                               combo.get("ulysses", 1), args.n_layers // combo.get("pp", 1), combo.get("ac", "none"),
-                               torch.float32)
+    want = P.cp_bytes_per_rank(
+        args,
+        CSEQ,
+        rows,
+        combo["strategy"],
+        combo["cp"],
+        combo.get("tp", 1),
+        combo.get("ulysses", 1),
+        args.n_layers // combo.get("pp", 1),
+        combo.get("ac", "none"),
+        torch.float32,
+    )
     assert max(sent) == want, (name, sent, want)
 
 
@@ -133,13 +170,41 @@ def test_published_table_fits_and_order():
 
 def test_cli_prints_plans_and_launch_line(capsys, tmp_path):
     png = tmp_path / "plan.png"
-    rc = P.main(["--ngpu", "4", "--gpu", "cpu", "--model.flavor", "debugmodel_gqa", "--training.seq_len", "4096",
-                 "--training.local_batch_size", "1", "--plot", str(png)])
+    rc = P.main(
+        [
+            "--ngpu",
+            "4",
+            "--gpu",
+            "cpu",
+            "--model.flavor",
+            "debugmodel_gqa",
+            "--training.seq_len",
+            "4096",
+            "--training.local_batch_size",
+            "1",
+            "--plot",
+            str(png),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     recs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    keys = {"strategy", "dp_shard", "dp_replicate", "cp", "tp", "pp", "seq_len", "memory_bytes_per_rank", "fits",
-            "comm_bytes_per_rank", "step_seconds", "tokens_per_second_per_gpu", "mfu", "recommended"}
+    keys = {
+        "strategy",
+        "dp_shard",
+        "dp_replicate",
+        "cp",
+        "tp",
+        "pp",
+        "seq_len",
+        "memory_bytes_per_rank",
+        "fits",
+        "comm_bytes_per_rank",
+        "step_seconds",
+        "tokens_per_second_per_gpu",
+        "mfu",
+        "recommended",
+    }
     assert recs and all(keys <= r.keys() for r in recs)
     assert recs[0]["recommended"] and not any(r["recommended"] for r in recs[1:])
     assert {r["strategy"] for r in recs} >= {"none", "ring", "allgather", "ulysses", "hybrid"}
@@ -151,13 +216,19 @@ def test_cli_prints_plans_and_launch_line(capsys, tmp_path):
         assert sum(parts.values()) == r["memory_bytes_per_rank"]
 
 
-@pytest.mark.parametrize("argv,key", [
-    (["--ngpu", "8", "--parallelism.context_parallel_degree", "3"], "parallelism."),
-    (["--ngpu", "8", "--gpu", "tpu"], "--gpu"),
-    (["--ngpu", "8", "--training.seq_len", "1001", "--parallelism.context_parallel_degree", "2"], "training.seq_len"),
-    (["--ngpu", "8", "--nnodes", "3"], "--nnodes"),
-    (["--ngpu", "8", "--doc-mix", "novels"], "--doc-mix"),
-])
+@pytest.mark.parametrize(
+    "argv,key",
+    [
+        (["--ngpu", "8", "--parallelism.context_parallel_degree", "3"], "parallelism."),
+        (["--ngpu", "8", "--gpu", "tpu"], "--gpu"),
+        (
+            ["--ngpu", "8", "--training.seq_len", "1001", "--parallelism.context_parallel_degree", "2"],
+            "training.seq_len",
+        ),
+        (["--ngpu", "8", "--nnodes", "3"], "--nnodes"),
+        (["--ngpu", "8", "--doc-mix", "novels"], "--doc-mix"),
+    ],
+)
 def test_bad_input_names_the_key(capsys, argv, key):
     assert P.main(argv + ["--model.flavor", "debugmodel_gqa"]) == 2
     out, err = capsys.readouterr()
@@ -165,8 +236,18 @@ def test_bad_input_names_the_key(capsys, argv, key):
 
 
 def test_nnodes_puts_the_ring_across_nodes():
-    cfg = load_config(["--model.flavor", "8B", "--training.seq_len", "262144", "--training.local_batch_size", "1",
-                       "--activation_checkpoint.mode", "full"])
+    cfg = load_config(
+        [
+            "--model.flavor",
+            "8B",
+            "--training.seq_len",
+            "262144",
+            "--training.local_batch_size",
+            "1",
+            "--activation_checkpoint.mode",
+            "full",
+        ]
+    )
     recs = P.plan(cfg, 16, "h100", nnodes=2)
     r = next(r for r in recs if r["cp"] == 16 and r["strategy"] == "ring")
     assert r["comm_detail"]["cp"]["link"] == "inter" and r["comm_bytes_per_rank"]["inter"] > 0

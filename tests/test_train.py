@@ -19,27 +19,43 @@ from titan_cp.checkpoint import saved_steps
 from titan_cp.train import main
 
 BASE = [
-    "--job.config_file", "train_configs/debug_cp.toml",
-    "--model.flavor", "tiny",
-    "--training.seq_len", "256",
-    "--training.local_batch_size", "2",
-    "--training.global_batch_size", "4",
-    "--training.steps", "8",
-    "--lr_scheduler.warmup_steps", "2",
-    "--validation.enable", "false",
-    "--metrics.log_freq", "100",
-    "--checkpoint.interval", "4",
-    "--checkpoint.keep_latest_k", "0",
+    "--job.config_file",
+    "train_configs/debug_cp.toml",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "256",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "4",
+    "--training.steps",
+    "8",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--validation.enable",
+    "false",
+    "--metrics.log_freq",
+    "100",
+    "--checkpoint.interval",
+    "4",
+    "--checkpoint.keep_latest_k",
+    "0",
 ]
 
 
 def _mesh_args(cp=1, dp=1, tp=1, pp=1, strategy="ring"):
     return [
-        "--parallelism.context_parallel_degree", str(cp),
-        "--parallelism.data_parallel_shard_degree", str(dp),
-        "--parallelism.tensor_parallel_degree", str(tp),
-        "--parallelism.pipeline_parallel_degree", str(pp),
-        "--parallelism.context_parallel_strategy", strategy,
+        "--parallelism.context_parallel_degree",
+        str(cp),
+        "--parallelism.data_parallel_shard_degree",
+        str(dp),
+        "--parallelism.tensor_parallel_degree",
+        str(tp),
+        "--parallelism.pipeline_parallel_degree",
+        str(pp),
+        "--parallelism.context_parallel_strategy",
+        strategy,
     ]
 
 
@@ -117,7 +133,11 @@ def _train_crashing_at_save(rank, world, argv, crash_step):
 
 
 def test_crash_during_save_keeps_the_previous_checkpoint(dist_pools, tmp_path):
-    argv = BASE + _mesh_args(cp=2) + ["--job.dump_folder", str(tmp_path), "--checkpoint.interval", "2", "--training.steps", "4"]
+    argv = (
+        BASE
+        + _mesh_args(cp=2)
+        + ["--job.dump_folder", str(tmp_path), "--checkpoint.interval", "2", "--training.steps", "4"]
+    )
     with pytest.raises(Exception, match="simulated crash while saving"):
         dist_pools.run(2, _train_crashing_at_save, argv, 4, timeout=600)
     folder = tmp_path / "checkpoint"
@@ -140,10 +160,28 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_cpu_debug_configs_train_with_falling_loss(dist_pools, tmp_path, name):
     argv = [
-        "--job.config_file", f"train_configs/{name}", "--model.flavor", "tiny", "--training.seq_len", "512",
-        "--training.steps", "12", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
-        "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "false", "--validation.freq", "6",
-        "--validation.steps", "1", "--metrics.log_freq", "100",
+        "--job.config_file",
+        f"train_configs/{name}",
+        "--model.flavor",
+        "tiny",
+        "--training.seq_len",
+        "512",
+        "--training.steps",
+        "12",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--optimizer.lr",
+        "3e-3",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--checkpoint.enable",
+        "false",
+        "--validation.freq",
+        "6",
+        "--validation.steps",
+        "1",
+        "--metrics.log_freq",
+        "100",
     ]
     losses = dist_pools.run(CONFIGS[name], _train, argv, timeout=600)[0]
     assert len(losses) == 12
@@ -158,8 +196,20 @@ def _validation(rank, world, argv):
 def test_validation_under_cp_equals_a_single_process(dist_pools, tmp_path):
     """Held-out loss and recall by distance, computed on cp shards, match the 1-rank run."""
     # rows long enough that some answers share a row with their fact (only those are scored)
-    argv = BASE + ["--training.steps", "2", "--validation.enable", "true", "--validation.freq", "2",
-                   "--validation.steps", "2", "--checkpoint.enable", "false", "--training.seq_len", "2048"]
+    argv = BASE + [
+        "--training.steps",
+        "2",
+        "--validation.enable",
+        "true",
+        "--validation.freq",
+        "2",
+        "--validation.steps",
+        "2",
+        "--checkpoint.enable",
+        "false",
+        "--training.seq_len",
+        "2048",
+    ]
     single = dist_pools.run(1, _validation, argv + _mesh_args(cp=1) + ["--job.dump_folder", str(tmp_path / "a")])[0][-1]
     cp = dist_pools.run(4, _validation, argv + _mesh_args(cp=4) + ["--job.dump_folder", str(tmp_path / "b")])[0][-1]
     assert "val_loss" in single and "recall" in single
@@ -176,11 +226,26 @@ def test_chat_mixture_with_best_fit_packing_under_cp_equals_a_single_process(dis
     """Trajectories (loss on assistant turns) mixed with the recall corpus, packed best-fit with
     padding documents: the CP 2 run trains on the same tokens with the same loss as one process,
     and logs the tokens drawn per source."""
-    argv = ["--job.config_file", "train_configs/debug_chat_mix.toml", "--training.seq_len", "2048",
-            "--training.steps", "3", "--training.packing_lookahead", "8", "--validation.enable", "false",
-            "--metrics.log_freq", "100"]
-    single = dist_pools.run(1, _records, argv + ["--parallelism.context_parallel_degree", "1",
-                                                 "--job.dump_folder", str(tmp_path / "a")], timeout=600)[0]
+    argv = [
+        "--job.config_file",
+        "train_configs/debug_chat_mix.toml",
+        "--training.seq_len",
+        "2048",
+        "--training.steps",
+        "3",
+        "--training.packing_lookahead",
+        "8",
+        "--validation.enable",
+        "false",
+        "--metrics.log_freq",
+        "100",
+    ]
+    single = dist_pools.run(
+        1,
+        _records,
+        argv + ["--parallelism.context_parallel_degree", "1", "--job.dump_folder", str(tmp_path / "a")],
+        timeout=600,
+    )[0]
     cp = dist_pools.run(2, _records, argv + ["--job.dump_folder", str(tmp_path / "b")], timeout=600)[0]
     assert [r["loss"] for r in cp] == pytest.approx([r["loss"] for r in single], rel=1e-4)
     for key in ("global_valid_tokens", "padding_tokens", "tokens_drawn/trajectories", "tokens_drawn/recall"):

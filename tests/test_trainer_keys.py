@@ -43,8 +43,10 @@ def test_selective_ac_option_as_torchtitan(option, wrapped):
     apply_ac(model, mode, every=every)
     kinds = [type(block).__name__ == "CheckpointWrapper" for block in model.layers.values()]
     assert kinds == wrapped
-    op_level = [getattr(block, "checkpoint_fn", None) is not None and "context_fn" in str(block.checkpoint_fn)
-                for block in model.layers.values()]
+    op_level = [
+        getattr(block, "checkpoint_fn", None) is not None and "context_fn" in str(block.checkpoint_fn)
+        for block in model.layers.values()
+    ]
     assert all(op_level) == (option == "op")
 
 
@@ -97,26 +99,63 @@ def _run(rank, world, argv):
 
 
 BASE = [
-    "--job.config_file", "train_configs/debug_cp.toml", "--model.flavor", "tiny", "--training.seq_len", "256",
-    "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "1", "--validation.enable", "false",
-    "--metrics.log_freq", "100", "--parallelism.context_parallel_degree", "2", "--checkpoint.enable",
-    "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0", "--comm.train_timeout_seconds", "77",
+    "--job.config_file",
+    "train_configs/debug_cp.toml",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "256",
+    "--training.local_batch_size",
+    "2",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--validation.enable",
+    "false",
+    "--metrics.log_freq",
+    "100",
+    "--parallelism.context_parallel_degree",
+    "2",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--comm.train_timeout_seconds",
+    "77",
 ]
 
 
 def test_async_model_only_saves_exclude_profiling_and_train_timeout(dist_pools, tmp_path):
-    argv = BASE + ["--job.dump_folder", str(tmp_path), "--training.steps", "4", "--checkpoint.async_mode", "async",
-                   "--profiling.enable_profiling", "--profiling.profile_freq", "3"]
+    argv = BASE + [
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "4",
+        "--checkpoint.async_mode",
+        "async",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "3",
+    ]
     (steps, timeouts), _ = dist_pools.run(2, _run, argv, timeout=600)
     assert steps == [1, 2, 3, 4] and timeouts == [77]
     folder = tmp_path / "checkpoint"
     assert saved_steps(folder) == [2, 4] and not list(folder.glob("*.tmp"))
     assert not ckpt_module._model_only(folder / "step-2") and ckpt_module._model_only(folder / "step-4")
     assert sorted(p.name for p in (tmp_path / "profile_traces" / "iteration_3").iterdir()) == [
-        "rank0_trace.json", "rank1_trace.json"]
+        "rank0_trace.json",
+        "rank1_trace.json",
+    ]
     # resume: the newest whole state is step 2 (step 4 holds the model alone); the data restarts
-    argv = BASE + ["--job.dump_folder", str(tmp_path), "--training.steps", "5",
-                   "--checkpoint.exclude_from_loading", "dataloader", "--metrics.save_jsonl_file="]
+    argv = BASE + [
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "5",
+        "--checkpoint.exclude_from_loading",
+        "dataloader",
+        "--metrics.save_jsonl_file=",
+    ]
     (steps, _), _ = dist_pools.run(2, _run, argv, timeout=600)
     assert steps == [3, 4, 5]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4  # the second run wrote none
@@ -128,9 +167,23 @@ def test_whole_set_validation_steps(tmp_path):
     from titan_cp.train import _whole_set_steps
 
     (tmp_path / "val.jsonl").write_text("".join(json.dumps({"text": "x" * n}) + "\n" for n in (300, 500, 700)))
-    cfg = load_config(["--validation.enable", "--validation.dataset", "text", "--validation.dataset_path",
-                       str(tmp_path / "val.jsonl"), "--training.seq_len", "256", "--training.local_batch_size", "2",
-                       "--lr_scheduler.warmup_steps", "1", "--training.steps", "2"])
+    cfg = load_config(
+        [
+            "--validation.enable",
+            "--validation.dataset",
+            "text",
+            "--validation.dataset_path",
+            str(tmp_path / "val.jsonl"),
+            "--training.seq_len",
+            "256",
+            "--training.local_batch_size",
+            "2",
+            "--lr_scheduler.warmup_steps",
+            "1",
+            "--training.steps",
+            "2",
+        ]
+    )
     loader = build_dataloader(cfg, build_tokenizer(cfg), 0, 1, "validation")
     tokens = sum(len(loader.packer.source.document(i).tokens) for i in range(3))
     assert _whole_set_steps(loader) == -(-tokens // 512) >= 3

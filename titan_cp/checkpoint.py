@@ -64,8 +64,16 @@ class Checkpointer:
     (the LR schedulers, the data loader, the train state).
     """
 
-    def __init__(self, folder: str | Path, model_parts, optimizers, stateful: dict, keep_latest_k: int = 0,
-                 async_mode: str = "disabled", exclude_from_loading: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        folder: str | Path,
+        model_parts,
+        optimizers,
+        stateful: dict,
+        keep_latest_k: int = 0,
+        async_mode: str = "disabled",
+        exclude_from_loading: tuple[str, ...] = (),
+    ):
         self.folder = Path(folder)
         self.model_parts, self.optimizers, self.stateful = model_parts, optimizers, stateful
         self.keep_latest_k = keep_latest_k
@@ -154,8 +162,11 @@ class Checkpointer:
         path = self.folder / f"step-{step}"
         model_only = _model_only(path)
         if model_only:
-            logger.warning("checkpoint %s holds only the model (checkpoint.last_save_model_only): loading the "
-                           "model; optimizer, schedule, data position and step start afresh", path)
+            logger.warning(
+                "checkpoint %s holds only the model (checkpoint.last_save_model_only): loading the "
+                "model; optimizer, schedule, data position and step start afresh",
+                path,
+            )
         self._load_path(path, model_only=model_only, exclude=self.exclude_from_loading)
         return step
 
@@ -165,9 +176,14 @@ class Checkpointer:
         if not Path(path).is_dir():
             raise ValueError(f"checkpoint.initial_load_path = {str(path)!r} is not a checkpoint folder")
         if not (Path(path) / ".metadata").is_file():
-            hint = ("; it holds *.safetensors: set checkpoint.initial_load_in_hf = true"
-                    if any(Path(path).glob("*.safetensors")) else "")
-            raise ValueError(f"checkpoint.initial_load_path = {str(path)!r} is not a DCP checkpoint (no .metadata){hint}")
+            hint = (
+                "; it holds *.safetensors: set checkpoint.initial_load_in_hf = true"
+                if any(Path(path).glob("*.safetensors"))
+                else ""
+            )
+            raise ValueError(
+                f"checkpoint.initial_load_path = {str(path)!r} is not a DCP checkpoint (no .metadata){hint}"
+            )
         if _torchtitan_layout(Path(path)):
             return self._load_torchtitan_model(Path(path), model_only)
         self._load_path(Path(path), model_only=model_only or _model_only(Path(path)))
@@ -176,16 +192,20 @@ class Checkpointer:
         """A DCP checkpoint written by torchtitan: the model's parameters at the top level under
         the same names (``tok_embeddings.weight``, ``layers.0.attention.wq.weight`` ...)."""
         if not model_only:
-            raise ValueError(f"checkpoint.initial_load_path = {str(path)!r} is a torchtitan checkpoint; titan_cp "
-                             "loads its model weights only: set checkpoint.initial_load_model_only = true")
+            raise ValueError(
+                f"checkpoint.initial_load_path = {str(path)!r} is a torchtitan checkpoint; titan_cp "
+                "loads its model weights only: set checkpoint.initial_load_model_only = true"
+            )
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         state = self._model_state()
         for name, t in state.items():  # check everything before loading anything
             if name not in saved:
                 raise ValueError(f"checkpoint.initial_load_path = {str(path)!r} has no {name}")
             if tuple(saved[name].size) != tuple(t.shape):
-                raise ValueError(f"checkpoint.initial_load_path = {str(path)!r}: {name} has shape "
-                                 f"{tuple(saved[name].size)}, but the model's has shape {tuple(t.shape)}")
+                raise ValueError(
+                    f"checkpoint.initial_load_path = {str(path)!r}: {name} has shape "
+                    f"{tuple(saved[name].size)}, but the model's has shape {tuple(t.shape)}"
+                )
         dcp.load(state, checkpoint_id=str(path))
         for part in self.model_parts:
             set_model_state_dict(part, state, options=StateDictOptions(strict=False))

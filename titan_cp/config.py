@@ -329,9 +329,14 @@ class Parallelism:
     (``cp_ring``) has ``context_parallel_degree / context_parallel_ulysses_degree`` ranks."""
 
     def validate(self) -> None:
-        for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
-                    "context_parallel_degree", "context_parallel_ulysses_degree",
-                    "pipeline_parallel_microbatch_size"):
+        for key in (
+            "data_parallel_replicate_degree",
+            "tensor_parallel_degree",
+            "pipeline_parallel_degree",
+            "context_parallel_degree",
+            "context_parallel_ulysses_degree",
+            "pipeline_parallel_microbatch_size",
+        ):
             _positive(f"parallelism.{key}", getattr(self, key))
         _positive_or_auto("parallelism.data_parallel_shard_degree", self.data_parallel_shard_degree)
         if self.context_parallel_strategy == "hybrid":
@@ -359,11 +364,16 @@ class Parallelism:
         tp, uly = self.tensor_parallel_degree, self.ulysses_degree()
         for what, count in (("heads", n_heads), ("KV heads", n_kv_heads)):
             if count % tp:
-                raise ValueError(f"parallelism.tensor_parallel_degree ({tp}) must divide the {what} of "
-                                 f"model.flavor = {flavor!r} ({count})")
+                raise ValueError(
+                    f"parallelism.tensor_parallel_degree ({tp}) must divide the {what} of "
+                    f"model.flavor = {flavor!r} ({count})"
+                )
         q, kv = n_heads // tp, n_kv_heads // tp
-        key = ("parallelism.context_parallel_degree" if self.context_parallel_strategy == "ulysses"
-               else "parallelism.context_parallel_ulysses_degree")
+        key = (
+            "parallelism.context_parallel_degree"
+            if self.context_parallel_strategy == "ulysses"
+            else "parallelism.context_parallel_ulysses_degree"
+        )
         if uly > 1 and (q % uly or (kv % uly and uly % kv)):
             raise ValueError(
                 f"{key} ({uly}) must divide the query heads per tensor-parallel rank of model.flavor = {flavor!r} "
@@ -420,7 +430,8 @@ class Checkpoint:
     fine-tuning); it cannot be resumed, so the resumable saves before it are kept."""
 
     exclude_from_loading: list[Literal["model", "optimizer", "lr_scheduler", "dataloader", "train_state"]] = field(
-        default_factory=list)
+        default_factory=list
+    )
     """State to leave out when resuming from ``folder``, e.g. ``optimizer,lr_scheduler,dataloader``
     (left as built: fresh optimizer moments, schedule from step 0, data from the start)."""
 
@@ -434,11 +445,14 @@ class Checkpoint:
         _at_least("checkpoint.keep_latest_k", self.keep_latest_k, 0)
         _at_least("checkpoint.load_step", self.load_step, -1)
         if self.initial_load_in_hf and not self.initial_load_path:
-            raise ValueError("checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_path (a Hugging Face "
-                             "checkpoint folder)")
+            raise ValueError(
+                "checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_path (a Hugging Face "
+                "checkpoint folder)"
+            )
         if self.initial_load_in_hf and not self.initial_load_model_only:
-            raise ValueError("checkpoint.initial_load_in_hf = true loads weights only: set "
-                             "checkpoint.initial_load_model_only = true")
+            raise ValueError(
+                "checkpoint.initial_load_in_hf = true loads weights only: set checkpoint.initial_load_model_only = true"
+            )
 
 
 @dataclass
@@ -509,10 +523,14 @@ class Validation:
         _positive_or_auto("validation.local_batch_size", self.local_batch_size)
         _positive_or_auto("validation.seq_len", self.seq_len)
         if not self.recall_buckets or any(b <= a for a, b in zip([0] + self.recall_buckets, self.recall_buckets)):
-            raise ValueError(f"validation.recall_buckets must be increasing positive integers, got {self.recall_buckets}")
+            raise ValueError(
+                f"validation.recall_buckets must be increasing positive integers, got {self.recall_buckets}"
+            )
         if self.enable and self.steps == -1 and self.dataset == "synthetic_recall":
-            raise ValueError("validation.steps = -1 validates on the whole validation set, but validation.dataset = "
-                             "'synthetic_recall' is endless: set validation.steps to a positive number")
+            raise ValueError(
+                "validation.steps = -1 validates on the whole validation set, but validation.dataset = "
+                "'synthetic_recall' is endless: set validation.steps to a positive number"
+            )
 
 
 @dataclass
@@ -599,13 +617,19 @@ class JobConfig:
         m, s, t, p, v = self.model, self.lr_scheduler, self.training, self.parallelism, self.validation
         if s.warmup_steps > t.steps:
             if os.environ.get("RANK", "0") == "0":  # once per job, not once per process
-                warnings.warn(f"lr_scheduler.warmup_steps ({s.warmup_steps}) is longer than training.steps ({t.steps}): "
-                              f"warming up over {t.steps} steps", UserWarning, stacklevel=3)
+                warnings.warn(
+                    f"lr_scheduler.warmup_steps ({s.warmup_steps}) is longer than training.steps ({t.steps}): "
+                    f"warming up over {t.steps} steps",
+                    UserWarning,
+                    stacklevel=3,
+                )
             s.warmup_steps = t.steps
         _check_mixture(t, v)
         if t.chat_template == "tokenizer" and not m.hf_assets_path:
-            raise ValueError("training.chat_template = 'tokenizer' needs model.hf_assets_path (a tokenizer_config.json "
-                             "with a chat_template); the byte tokenizer has none")
+            raise ValueError(
+                "training.chat_template = 'tokenizer' needs model.hf_assets_path (a tokenizer_config.json "
+                "with a chat_template); the byte tokenizer has none"
+            )
         args = _flavors()[m.flavor]
         p.check_model(m.flavor, args.n_heads, args.n_kv_heads or args.n_heads, args.n_layers)
         if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
@@ -626,19 +650,27 @@ class JobConfig:
         if m.hf_assets_path:
             path = Path(m.hf_assets_path)
             if not (path / "tokenizer.json").is_file() and not (path.is_file() and path.suffix == ".json"):
-                raise ValueError(f"model.hf_assets_path = {m.hf_assets_path!r} holds no tokenizer.json; point it at "
-                                 "a local folder with one, or leave it unset for the built-in byte tokenizer")
-        sources = [] if t.dataset == "mixture" else [(t.dataset, t.dataset_path, "training.dataset", "training.dataset_path")]
-        sources += [(s.kind, s.path, f"training.mixture[{i}].kind", f"training.mixture[{i}].path")
-                    for i, s in enumerate(t.mixture)]
+                raise ValueError(
+                    f"model.hf_assets_path = {m.hf_assets_path!r} holds no tokenizer.json; point it at "
+                    "a local folder with one, or leave it unset for the built-in byte tokenizer"
+                )
+        sources = (
+            [] if t.dataset == "mixture" else [(t.dataset, t.dataset_path, "training.dataset", "training.dataset_path")]
+        )
+        sources += [
+            (s.kind, s.path, f"training.mixture[{i}].kind", f"training.mixture[{i}].path")
+            for i, s in enumerate(t.mixture)
+        ]
         if v.enable:
             sources.append((v.dataset, v.dataset_path, "validation.dataset", "validation.dataset_path"))
         for kind, path, kind_key, path_key in sources:
             if kind == "synthetic_recall":
                 continue
             if not path:
-                raise ValueError(f"{kind_key} = {kind!r} is not built in (built in: 'synthetic_recall'); set "
-                                 f"{path_key} to a local copy: titan_cp never downloads data")
+                raise ValueError(
+                    f"{kind_key} = {kind!r} is not built in (built in: 'synthetic_recall'); set "
+                    f"{path_key} to a local copy: titan_cp never downloads data"
+                )
             if not Path(path).exists():
                 raise ValueError(f"{path_key} = {path!r} does not exist")
         if not c.enable:  # nothing to resume: initial_load_path is used
@@ -648,8 +680,10 @@ class JobConfig:
         folder = Path(self.job.dump_folder) / c.folder
         steps = sorted(int(d.name[5:]) for d in folder.glob("step-*") if d.is_dir() and d.name[5:].isdigit())
         if c.load_step != -1 and c.load_step not in steps:
-            raise ValueError(f"checkpoint.load_step = {c.load_step}, but {folder} holds "
-                             f"{'steps ' + str(steps) if steps else 'no checkpoint'}")
+            raise ValueError(
+                f"checkpoint.load_step = {c.load_step}, but {folder} holds "
+                f"{'steps ' + str(steps) if steps else 'no checkpoint'}"
+            )
         if not steps and c.initial_load_path and not Path(c.initial_load_path).exists():
             raise ValueError(f"checkpoint.initial_load_path = {c.initial_load_path!r} does not exist")
 
@@ -720,8 +754,10 @@ def _check_mixture(t: Training, v: Validation) -> None:
     if t.dataset == "mixture" and not t.mixture:
         raise ValueError("training.dataset = 'mixture' needs sources: add [[training.mixture]] tables")
     if t.dataset == "mixture" and t.dataset_path:
-        raise ValueError("training.dataset_path is not read for training.dataset = 'mixture' (each source has its "
-                         "own path in training.mixture): unset it")
+        raise ValueError(
+            "training.dataset_path is not read for training.dataset = 'mixture' (each source has its "
+            "own path in training.mixture): unset it"
+        )
     if t.mixture and t.dataset != "mixture":
         raise ValueError(
             f"training.mixture lists sources but training.dataset = {t.dataset!r}: set training.dataset = "
@@ -732,13 +768,19 @@ def _check_mixture(t: Training, v: Validation) -> None:
     names = [m.name for m in t.mixture]
     for i, m in enumerate(t.mixture):
         if not m.name or names.count(m.name) > 1:
-            raise ValueError(f"training.mixture[{i}].name = {m.name!r}: names must be non-empty and unique, got {names}")
+            raise ValueError(
+                f"training.mixture[{i}].name = {m.name!r}: names must be non-empty and unique, got {names}"
+            )
         if m.kind == "mixture":
-            raise ValueError(f"training.mixture[{i}].kind = 'mixture' ({m.name!r}): a mixture cannot hold another mixture")
+            raise ValueError(
+                f"training.mixture[{i}].kind = 'mixture' ({m.name!r}): a mixture cannot hold another mixture"
+            )
         if not m.weight >= 0:
             raise ValueError(f"training.mixture[{i}].weight ({m.name!r}) must be >= 0, got {m.weight}")
     if t.mixture and sum(m.weight for m in t.mixture) <= 0:
-        raise ValueError(f"training.mixture weights sum to zero ({[m.weight for m in t.mixture]}): give one a positive weight")
+        raise ValueError(
+            f"training.mixture weights sum to zero ({[m.weight for m in t.mixture]}): give one a positive weight"
+        )
 
 
 def _check_seq_len(key: str, seq_len: int, p: Parallelism) -> None:
@@ -773,40 +815,75 @@ _TORCHTITAN_ONLY: dict[str, tuple[str, ...]] = {
     "training": ("enable_cpu_offload", "dtype", "gc_freq", "gc_debug", "mixed_precision_reduce"),
     "training.dataloader": ("num_workers", "persistent_workers", "pin_memory", "prefetch_factor"),
     "parallelism": (
-        "enable_compiled_autograd", "enable_async_tensor_parallel", "disable_sequence_parallel",
-        "pipeline_parallel_split_points", "module_fqns_per_model_part",
-        "pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers",
-        "pipeline_parallel_schedule_csv", "pipeline_parallel_expert_parallel_overlap",
-        "context_parallel_rotate_method", "expert_parallel_degree", "expert_tensor_parallel_degree",
-        "expert_parallel_comm_backend", "disable_loss_parallel", "pipeline_parallel_layers_per_stage",
+        "enable_compiled_autograd",
+        "enable_async_tensor_parallel",
+        "disable_sequence_parallel",
+        "pipeline_parallel_split_points",
+        "module_fqns_per_model_part",
+        "pipeline_parallel_first_stage_less_layers",
+        "pipeline_parallel_last_stage_less_layers",
+        "pipeline_parallel_schedule_csv",
+        "pipeline_parallel_expert_parallel_overlap",
+        "context_parallel_rotate_method",
+        "expert_parallel_degree",
+        "expert_tensor_parallel_degree",
+        "expert_parallel_comm_backend",
+        "disable_loss_parallel",
+        "pipeline_parallel_layers_per_stage",
     ),
     "checkpoint": (
-        "enable_ft_dataloader_checkpoints", "initial_load_in_hf_quantized", "export_dtype",
-        "create_seed_checkpoint", "load_only", "model_weights_only",
+        "enable_ft_dataloader_checkpoints",
+        "initial_load_in_hf_quantized",
+        "export_dtype",
+        "create_seed_checkpoint",
+        "load_only",
+        "model_weights_only",
         "enable_first_step_checkpoint",
     ),
     "activation_checkpoint": (
-        "per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop", "memory_budget",
-        "visualize_memory_budget_pareto", "preserve_rng_state", "determinism_check", "debug",
+        "per_op_sac_force_recompute_mm_shapes_by_fqns",
+        "early_stop",
+        "memory_budget",
+        "visualize_memory_budget_pareto",
+        "preserve_rng_state",
+        "determinism_check",
+        "debug",
     ),
     "comm": ("trace_buf_size", "save_traces_folder", "save_traces_file_prefix", "mode"),
     "validation.dataloader": ("num_workers", "persistent_workers", "pin_memory", "prefetch_factor"),
     "float8": (
-        "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp",
-        "force_recompute_fp8_weight_in_bwd", "recipe_name", "filter_fqns", "emulate", "moe_fqns_prototype",
+        "enable_fsdp_float8_all_gather",
+        "precompute_float8_dynamic_scale_for_fsdp",
+        "force_recompute_fp8_weight_in_bwd",
+        "recipe_name",
+        "filter_fqns",
+        "emulate",
+        "moe_fqns_prototype",
     ),
     "mx": ("mxfp8_dim1_cast_kernel_choice", "recipe_name", "filter_fqns"),
     "quantize.linear.float8": (
-        "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp",
-        "force_recompute_fp8_weight_in_bwd", "recipe_name", "filter_fqns", "emulate",
+        "enable_fsdp_float8_all_gather",
+        "precompute_float8_dynamic_scale_for_fsdp",
+        "force_recompute_fp8_weight_in_bwd",
+        "recipe_name",
+        "filter_fqns",
+        "emulate",
     ),
     "quantize.linear.mx": ("mxfp8_dim1_cast_kernel_choice", "recipe_name", "filter_fqns"),
     "quantize.grouped_mm.float8": ("fqns",),
     "quantize.grouped_mm.mx": ("recipe_name", "fqns"),
     "memory_estimation": ("enable", "enabled", "disable_fake_mode"),
     "fault_tolerance": (
-        "enable", "process_group", "process_group_timeout_ms", "replica_id", "group_size",
-        "min_replica_size", "semi_sync_method", "sync_steps", "should_quantize", "fragment_sync_delay",
+        "enable",
+        "process_group",
+        "process_group_timeout_ms",
+        "replica_id",
+        "group_size",
+        "min_replica_size",
+        "semi_sync_method",
+        "sync_steps",
+        "should_quantize",
+        "fragment_sync_delay",
         "fragment_update_alpha",
     ),
     "experimental": ("custom_import", "custom_args_module"),
@@ -1046,5 +1123,7 @@ def usage() -> str:
         for f in dataclasses.fields(getattr(defaults, section.name)):
             hint = _known_keys()[f"{section.name}.{f.name}"]
             kind = typing.get_args(hint) if typing.get_origin(hint) is Literal else getattr(hint, "__name__", hint)
-            lines.append(f"  --{section.name}.{f.name} ({kind}, default {getattr(getattr(defaults, section.name), f.name)!r})")
+            lines.append(
+                f"  --{section.name}.{f.name} ({kind}, default {getattr(getattr(defaults, section.name), f.name)!r})"
+            )
     return "\n".join(lines)

@@ -29,10 +29,12 @@ dense ``S x S`` matrix.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
+
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device`` without synchronising the host with a CUDA stream (pinned, non-blocking)."""
@@ -338,7 +340,9 @@ class SequenceLayout:
         dim = _check_dim(dim, first)
         for r, t in enumerate(locals_):
             if t.shape[dim] != self.local_len:
-                raise ValueError(f"rank {r}'s tensor has {t.shape[dim]} tokens along dim {dim}; expected {self.local_len}")
+                raise ValueError(
+                    f"rank {r}'s tensor has {t.shape[dim]} tokens along dim {dim}; expected {self.local_len}"
+                )
         stacked = torch.cat(list(locals_), dim=dim)
         return self.to_natural(stacked, dim)
 
@@ -406,7 +410,9 @@ class SequenceLayout:
 
     def __repr__(self) -> str:
         docs = "None" if self.doc_lens is None else f"<{len(self.doc_lens)} rows>"
-        return f"SequenceLayout(seq_len={self.seq_len}, cp_size={self.cp_size}, balance={self.balance!r}, doc_lens={docs})"
+        return (
+            f"SequenceLayout(seq_len={self.seq_len}, cp_size={self.cp_size}, balance={self.balance!r}, doc_lens={docs})"
+        )
 
 
 _CACHE_SIZE = 16  # layouts (with their plans and device indices) kept: a step's microbatches
@@ -438,7 +444,9 @@ def doc_lens_key(doc_lens) -> tuple[tuple[int, ...], ...] | None:
         return key
     for b, row in enumerate(doc_lens):
         if not isinstance(row, (list, tuple)):
-            raise ValueError(f"doc_lens must hold one list of document lengths per batch row (e.g. [[3, 5]]); row {b} is {row!r}")
+            raise ValueError(
+                f"doc_lens must hold one list of document lengths per batch row (e.g. [[3, 5]]); row {b} is {row!r}"
+            )
     return tuple(tuple(row) for row in doc_lens)
 
 

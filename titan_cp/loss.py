@@ -47,7 +47,9 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
     logits: (batch, seq, vocab) (a vocab-sharded DTensor under loss parallel); labels: (batch, seq).
     """
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def _chunk_lse_and_target(z_nV: Tensor, labels_n: Tensor, vocab_start: int, group) -> tuple[Tensor, Tensor]:
@@ -128,7 +130,9 @@ def chunked_cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor, chunk_t
     group, vocab_start = None, 0
     if isinstance(weight, DTensor):
         if weight.device_mesh.ndim != 1 or not weight.placements[0].is_shard(0):
-            raise ValueError(f"vocabulary-parallel loss needs the output weight Shard(0) on a 1-D mesh, got {weight.placements}")
+            raise ValueError(
+                f"vocabulary-parallel loss needs the output weight Shard(0) on a 1-D mesh, got {weight.placements}"
+            )
         _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
         group, vocab_start = weight.device_mesh.get_group(), offset[0]
         weight = weight.to_local()
@@ -147,7 +151,9 @@ def chunked_cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor, chunk_t
 
 
 @torch.no_grad()
-def chunked_evaluate(h: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
+def chunked_evaluate(
+    h: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int | None = None
+) -> tuple[Tensor, Tensor]:
     """``(sum of token CE over tokens with a label, argmax predictions (...))`` without the whole logits.
 
     Arguments as :func:`chunked_cross_entropy_sum` (no gradient). Under tensor parallelism each
@@ -178,7 +184,9 @@ def chunked_evaluate(h: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: in
             if group is not None:  # (value, row) of every tp rank, ranks in vocabulary order
                 n = dist.get_world_size(group)
                 both = torch.empty(n, 2, e - s, dtype=torch.float64, device=z.device)
-                dist.all_gather_into_tensor(both.view(2 * n, e - s), torch.stack((best.double(), index.double())), group=group)
+                dist.all_gather_into_tensor(
+                    both.view(2 * n, e - s), torch.stack((best.double(), index.double())), group=group
+                )
                 winner = both[:, 0].argmax(0)  # first (lowest rows) of equal maxima
                 index = both[:, 1].gather(0, winner[None]).squeeze(0).long()
             pred[s:e] = index

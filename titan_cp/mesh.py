@@ -76,9 +76,7 @@ class ParallelDims:
         for axis in ("pp", "dp_replicate", "cp", "tp"):
             degree = getattr(self, axis)
             if degree == -1:
-                raise ValueError(
-                    f"{_KEYS[axis]} is -1, but only {_KEYS['dp_shard']} may be -1 (the ranks left over)"
-                )
+                raise ValueError(f"{_KEYS[axis]} is -1, but only {_KEYS['dp_shard']} may be -1 (the ranks left over)")
             if degree < 1:
                 raise ValueError(f"{_KEYS[axis]} must be positive, got {degree}")
         others = self.pp * self.dp_replicate * self.cp * self.tp
@@ -232,7 +230,5 @@ class ParallelDims:
     def hybrid_cp_mesh(self) -> DeviceMesh:
         """The 2-D ``("cp_ring", "cp_ulysses")`` sub-mesh of hybrid CP."""
         if not self.hybrid_cp:
-            raise ValueError(
-                "the cp axis is split only for parallelism.context_parallel_strategy = 'hybrid'"
-            )
+            raise ValueError("the cp axis is split only for parallelism.context_parallel_strategy = 'hybrid'")
         return self.get_mesh("world")["cp_ring", "cp_ulysses"]

@@ -138,9 +138,16 @@ class MetricsLogger:
             extra += "".join(f"  {k} {record[k]}" for k in record if k.startswith("tokens_drawn/"))
             logger.info(
                 "step %d  loss %.4f  grad_norm %.3f  lr %.2e  tokens/s %.0f  mfu%s %.1f%%  memory %.2f GiB  eta %.0fs%s",
-                record["step"], record["loss"], record["grad_norm"], record["lr"], record["tokens_per_second"],
-                " (est.)" if record.get("mfu_is_estimate") else "", 100 * record["mfu"],
-                record["memory_bytes"] / 2**30, record["eta_seconds"], extra,
+                record["step"],
+                record["loss"],
+                record["grad_norm"],
+                record["lr"],
+                record["tokens_per_second"],
+                " (est.)" if record.get("mfu_is_estimate") else "",
+                100 * record["mfu"],
+                record["memory_bytes"] / 2**30,
+                record["eta_seconds"],
+                extra,
             )
 
     def close(self) -> None:

@@ -18,8 +18,9 @@ import torch.distributed as dist
 _OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 
 
-def build_optimizers(parts, name: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                     implementation: str) -> list[torch.optim.Optimizer]:
+def build_optimizers(
+    parts, name: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, implementation: str
+) -> list[torch.optim.Optimizer]:
     """One optimizer per model part. ``implementation``: ``fused`` (one kernel for every
     parameter), ``foreach`` (multi-tensor ops) or ``for-loop`` (one parameter at a time).
     ``Adam`` adds ``weight_decay`` to the gradient (L2); ``AdamW`` decays the weights (decoupled)."""

@@ -17,8 +17,9 @@ with values that do not depend on the mesh (``titan_cp.model.init``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -113,8 +114,13 @@ def build_parallel_model(
 
     if parallel_dims.pp_enabled:
         schedule, parts, first, last = pipeline_llama(
-            model, parallel_dims.get_mesh("pp"), pp_microbatches, pp_schedule, loss_fn,
-            device=device, parallelize_fn=prepare,
+            model,
+            parallel_dims.get_mesh("pp"),
+            pp_microbatches,
+            pp_schedule,
+            loss_fn,
+            device=device,
+            parallelize_fn=prepare,
         )
         return ModelParts(parts, schedule, first, last)
     prepare(model)

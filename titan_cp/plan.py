@@ -105,8 +105,16 @@ GPUS: dict[str, Device] = {
     "h100": Device("h100", 989e12, 80 * GB, 450 * GB, 50 * GB, 0.30, 0.30),
     "h200": Device("h200", 989e12, 141 * GB, 450 * GB, 50 * GB, 0.30, 0.30),
     "a100": Device("a100", 312e12, 80 * GB, 300 * GB, 25 * GB, 0.30, 0.30),
-    "cpu": Device("cpu", 0.1e12, float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), 5 * GB, 1.25 * GB,
-                  1.0, 1.0, gpus_per_node=1),
+    "cpu": Device(
+        "cpu",
+        0.1e12,
+        float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        5 * GB,
+        1.25 * GB,
+        1.0,
+        1.0,
+        gpus_per_node=1,
+    ),
 }
 HEADROOM = 0.10  # fits: total <= (1 - HEADROOM) x memory (allocator fragmentation, CUDA context, NCCL)
 
@@ -125,9 +133,18 @@ def device(gpu: str, hbm_gb: float | None = None, nnodes: int = 1, ngpu: int = 8
 # ---------------------------------------------------------------------------- memory
 
 
-def saved_bytes_per_token(args: ModelArgs, strategy: str = "ring", cp: int = 1, tp: int = 1, layers: int | None = None,
-                          ac: str = "none", act_bytes: int = 4, ulysses: int = 1, first: bool = True,
-                          last: bool = True) -> float:
+def saved_bytes_per_token(
+    args: ModelArgs,
+    strategy: str = "ring",
+    cp: int = 1,
+    tp: int = 1,
+    layers: int | None = None,
+    ac: str = "none",
+    act_bytes: int = 4,
+    ulysses: int = 1,
+    first: bool = True,
+    last: bool = True,
+) -> float:
     """Bytes saved for backward per local token (see the module docstring); ``layers`` blocks
     (default all), on the first/last pipeline stage. Excludes ``doc_lens`` (:func:`saved_bytes`)."""
     a, d, e = act_bytes, args.dim, args.head_dim
@@ -173,9 +190,19 @@ def stage_params(args: ModelArgs, tp: int = 1, pp: int = 1) -> tuple[int, int]:
     return layers * _layer_params(args, tp) + ends, layers
 
 
-def step_peak_bytes(args: ModelArgs, local_tokens: int, docs_per_row: int, rows: int = 1, ac: str = "none",
-                    act_bytes: int = 4, strategy: str = "ring", cp: int = 1, tp: int = 1, ulysses: int = 1,
-                    grad_shards: int = 1) -> dict:
+def step_peak_bytes(
+    args: ModelArgs,
+    local_tokens: int,
+    docs_per_row: int,
+    rows: int = 1,
+    ac: str = "none",
+    act_bytes: int = 4,
+    strategy: str = "ring",
+    cp: int = 1,
+    tp: int = 1,
+    ulysses: int = 1,
+    grad_shards: int = 1,
+) -> dict:
     """Peak bytes above the step's start of one forward + backward (what ``bench_memory`` measures:
     parameters already allocated; gradients fp32 / ``grad_shards``, here with no FSDP buffers).
 
@@ -192,7 +219,8 @@ def step_peak_bytes(args: ModelArgs, local_tokens: int, docs_per_row: int, rows:
     chunk = min(tokens, max(1, LOSS_CHUNK_BYTES // (4 * args.vocab_size // tp)))
     loss = chunk * (args.vocab_size // tp) * 4 * 2
     block = saved_bytes_per_token(args, layers=1, first=False, last=False, **{**kw, "ac": "none"}) - 2 * 4 * (
-        args.head_dim // 2)
+        args.head_dim // 2
+    )
     if ac == "full":
         inputs_left = saved - (args.n_layers - 1) * act_bytes * args.dim * tokens  # block 0's input and the rest
         peak = inputs_left + all_grads - emb_grad + block * tokens
@@ -219,15 +247,22 @@ class Candidate:
 
     @property
     def degrees(self) -> dict:
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
-                "tp": self.tp}
+        return {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "cp": self.cp,
+            "tp": self.tp,
+        }
 
 
 def _divisors(n: int) -> list[int]:
     return [i for i in range(1, n + 1) if n % i == 0]
 
 
-def candidates(args: ModelArgs, seq_len: int, ngpu: int, nnodes: int, balance: str, local_batch: int) -> list[Candidate]:
+def candidates(
+    args: ModelArgs, seq_len: int, ngpu: int, nnodes: int, balance: str, local_batch: int
+) -> list[Candidate]:
     """Every mesh and CP strategy the model, ``seq_len`` and ``ngpu`` allow."""
     out = []
     chunks = 2 if balance == "zigzag" else 1
@@ -279,8 +314,18 @@ def _link(axis_span: int, dev: Device) -> str:
     return "intra" if axis_span <= dev.gpus_per_node else "inter"
 
 
-def cp_bytes_per_rank(args: ModelArgs, seq_len: int, rows: int, strategy: str, cp: int, tp: int = 1, ulysses: int = 1,
-                      layers: int | None = None, ac: str = "none", dtype: torch.dtype = torch.bfloat16) -> int:
+def cp_bytes_per_rank(
+    args: ModelArgs,
+    seq_len: int,
+    rows: int,
+    strategy: str,
+    cp: int,
+    tp: int = 1,
+    ulysses: int = 1,
+    layers: int | None = None,
+    ac: str = "none",
+    dtype: torch.dtype = torch.bfloat16,
+) -> int:
     """Bytes one rank hands to CP communication in one forward + backward (+ the forward again under
     full AC), from the strategies' own ``*_min_bytes`` on the local shapes."""
     if cp == 1:
@@ -295,8 +340,18 @@ def cp_bytes_per_rank(args: ModelArgs, seq_len: int, rows: int, strategy: str, c
     return per * layers
 
 
-def evaluate(c: Candidate, args: ModelArgs, seq_len: int, doc_rows: list[list[int]], dev: Device, ac: str,
-             balance: str, act_bytes: int = 2, matmul_speedup: float = 1.0, accum: int = 1) -> dict:
+def evaluate(
+    c: Candidate,
+    args: ModelArgs,
+    seq_len: int,
+    doc_rows: list[list[int]],
+    dev: Device,
+    ac: str,
+    balance: str,
+    act_bytes: int = 2,
+    matmul_speedup: float = 1.0,
+    accum: int = 1,
+) -> dict:
     """Memory, communication and time of one candidate (see the module docstring)."""
     rows = len(doc_rows)
     ngpu = c.pp * c.dp_replicate * c.dp_shard * c.cp * c.tp
@@ -305,16 +360,41 @@ def evaluate(c: Candidate, args: ModelArgs, seq_len: int, doc_rows: list[list[in
     params, layers = stage_params(args, c.tp, c.pp)
     # ---- memory
     mb_in_flight = min(c.pp, rows) if c.pp > 1 else 1
-    act = saved_bytes(args, local, max(len(r) for r in doc_rows), rows, strategy=c.strategy, cp=c.cp, tp=c.tp,
-                      layers=layers, ac=ac, act_bytes=act_bytes, ulysses=c.ulysses, first=True, last=c.pp == 1)
+    act = saved_bytes(
+        args,
+        local,
+        max(len(r) for r in doc_rows),
+        rows,
+        strategy=c.strategy,
+        cp=c.cp,
+        tp=c.tp,
+        layers=layers,
+        ac=ac,
+        act_bytes=act_bytes,
+        ulysses=c.ulysses,
+        first=True,
+        last=c.pp == 1,
+    )
     act *= mb_in_flight if c.pp > 1 else 1
-    block = saved_bytes_per_token(args, c.strategy, c.cp, c.tp, 1, "none", act_bytes, c.ulysses, False, False) * local * rows
+    block = (
+        saved_bytes_per_token(args, c.strategy, c.cp, c.tp, 1, "none", act_bytes, c.ulysses, False, False)
+        * local
+        * rows
+    )
     vocab = args.vocab_size // c.tp
     chunk = min(local * rows, max(1, LOSS_CHUNK_BYTES // (4 * vocab)))
     layer = _layer_params(args, c.tp)
     kvb = 2 * (args.kv_heads // c.tp) * args.head_dim * local * rows * act_bytes
-    cp_buf = {"ring": 2 * kvb + 2 * kvb * 4 // act_bytes, "allgather": 0,
-              "ulysses": 3 * kvb, "hybrid": 2 * kvb * c.ulysses + 2 * kvb * 4 // act_bytes}[c.strategy] if c.cp > 1 else 0
+    cp_buf = (
+        {
+            "ring": 2 * kvb + 2 * kvb * 4 // act_bytes,
+            "allgather": 0,
+            "ulysses": 3 * kvb,
+            "hybrid": 2 * kvb * c.ulysses + 2 * kvb * 4 // act_bytes,
+        }[c.strategy]
+        if c.cp > 1
+        else 0
+    )
     mem = {
         "params": 4 * params // fsdp,
         "gradients": 4 * params // fsdp,
@@ -333,7 +413,8 @@ def evaluate(c: Candidate, args: ModelArgs, seq_len: int, doc_rows: list[list[in
     if ac == "full":
         dense, attn = dense * 4 / 3, attn * 4 / 3
     compute = dense / (dev.peak_flops * dev.matmul_efficiency * matmul_speedup) + attn / (
-        dev.peak_flops * dev.attention_efficiency)
+        dev.peak_flops * dev.attention_efficiency
+    )
     # ---- communication (bytes sent per rank, per link kind)
     comm = {"intra": 0, "inter": 0}
     detail = {}
@@ -341,8 +422,18 @@ def evaluate(c: Candidate, args: ModelArgs, seq_len: int, doc_rows: list[list[in
     span_cp = c.cp * c.tp
     span_fsdp = c.dp_shard * c.cp * c.tp
     span_rep = span_fsdp * c.dp_replicate
-    cp_total = cp_bytes_per_rank(args, seq_len, rows, c.strategy, c.cp, c.tp, c.ulysses, layers, ac,
-                                 torch.bfloat16 if act_bytes == 2 else torch.float32)
+    cp_total = cp_bytes_per_rank(
+        args,
+        seq_len,
+        rows,
+        c.strategy,
+        c.cp,
+        c.tp,
+        c.ulysses,
+        layers,
+        ac,
+        torch.bfloat16 if act_bytes == 2 else torch.float32,
+    )
     exposed = 0.0
     ring_ratio = None
     if c.cp > 1:
@@ -364,8 +455,11 @@ def evaluate(c: Candidate, args: ModelArgs, seq_len: int, doc_rows: list[list[in
                 step_compute = attn / (dev.peak_flops * dev.attention_efficiency) / layers / ring_size
                 fwd_c, bwd_c = step_compute / (4 if ac == "full" else 3), step_compute * 2 / (4 if ac == "full" else 3)
                 if c.strategy == "hybrid":  # the ring moves the Ulysses group's union: u x the tokens, its K/V heads
-                    kv_h = 1 if kv_head_map(args.n_heads // c.tp, args.kv_heads // c.tp, c.ulysses) else (
-                        args.kv_heads // c.tp // c.ulysses)
+                    kv_h = (
+                        1
+                        if kv_head_map(args.n_heads // c.tp, args.kv_heads // c.tp, c.ulysses)
+                        else (args.kv_heads // c.tp // c.ulysses)
+                    )
                     kv_step = 2 * kv_h * args.head_dim * local * c.ulysses * rows * act_bytes
                 else:
                     kv_step = kvb
@@ -403,17 +497,26 @@ def evaluate(c: Candidate, args: ModelArgs, seq_len: int, doc_rows: list[list[in
     global_tokens = seq_len * rows * c.dp_shard * c.dp_replicate * accum
     flops = args.training_flops(seq_len * rows, pairs_total) * c.dp_shard * c.dp_replicate * accum
     return {
-        "strategy": c.strategy if c.cp > 1 else "none", "dp_shard": c.dp_shard, "dp_replicate": c.dp_replicate,
-        "cp": c.cp, "tp": c.tp, "pp": c.pp, "ulysses_degree": c.ulysses if c.strategy in ("hybrid", "ulysses") else 1,
-        "seq_len": seq_len, "local_tokens": tokens_rank,
-        "memory_bytes_per_rank": int(total), "memory_parts": {k: int(v) for k, v in mem.items()},
+        "strategy": c.strategy if c.cp > 1 else "none",
+        "dp_shard": c.dp_shard,
+        "dp_replicate": c.dp_replicate,
+        "cp": c.cp,
+        "tp": c.tp,
+        "pp": c.pp,
+        "ulysses_degree": c.ulysses if c.strategy in ("hybrid", "ulysses") else 1,
+        "seq_len": seq_len,
+        "local_tokens": tokens_rank,
+        "memory_bytes_per_rank": int(total),
+        "memory_parts": {k: int(v) for k, v in mem.items()},
         "fits": bool(total <= (1 - HEADROOM) * dev.memory_bytes),
         "headroom_bytes": int((1 - HEADROOM) * dev.memory_bytes - total),
         "comm_bytes_per_rank": {"intra": int(comm["intra"]), "inter": int(comm["inter"])},
         "comm_detail": {k: {"bytes": int(v), "link": link} for k, (v, link) in detail.items()},
         "ring_compute_over_transfer": None if ring_ratio is None else round(ring_ratio, 3),
-        "compute_seconds": compute * accum, "exposed_comm_seconds": exposed * accum,
-        "step_seconds": step, "model_flops": int(flops),
+        "compute_seconds": compute * accum,
+        "exposed_comm_seconds": exposed * accum,
+        "step_seconds": step,
+        "model_flops": int(flops),
         "tokens_per_second_per_gpu": global_tokens / step / ngpu,
         "mfu": flops / step / ngpu / dev.peak_flops,
     }
@@ -424,7 +527,12 @@ def evaluate(c: Candidate, args: ModelArgs, seq_len: int, doc_rows: list[list[in
 # torchtitan's December 2024 H100 benchmark (benchmarks/llama3_h100_202412_torchtitan.md), Table 2:
 # Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP x CP, local batch 1, full AC, torch.compile + float8:
 # (seq_len, cp, tokens/s per GPU, memory GiB).
-TORCHTITAN_8B_H100_CP = ((32768, 1, 3890, 83.9), (65536, 2, 2540, 84.2), (131072, 4, 1071, 84.0), (262144, 8, 548, 84.5))
+TORCHTITAN_8B_H100_CP = (
+    (32768, 1, 3890, 83.9),
+    (65536, 2, 2540, 84.2),
+    (131072, 4, 1071, 84.0),
+    (262144, 8, 548, 84.5),
+)
 
 
 def published_comparison(matmul_speedup: float = 1.0, strategy: str = "ring") -> list[dict]:
@@ -433,22 +541,58 @@ def published_comparison(matmul_speedup: float = 1.0, strategy: str = "ring") ->
 
     out = []
     for seq, cp, tps, gib in TORCHTITAN_8B_H100_CP:
-        cfg = load_config(["--model.flavor", "8B", "--training.seq_len", str(seq), "--training.local_batch_size", "1",
-                           "--activation_checkpoint.mode", "full", "--parallelism.context_parallel_degree", str(cp)])
+        cfg = load_config(
+            [
+                "--model.flavor",
+                "8B",
+                "--training.seq_len",
+                str(seq),
+                "--training.local_batch_size",
+                "1",
+                "--activation_checkpoint.mode",
+                "full",
+                "--parallelism.context_parallel_degree",
+                str(cp),
+            ]
+        )
         recs = plan(cfg, 8, "h100", hbm_gb=96, matmul_speedup=matmul_speedup)
-        r = next(r for r in recs if r["cp"] == cp and r["tp"] == r["pp"] == 1 and r["dp_shard"] == 8 // cp
-                 and r["strategy"] in (strategy, "none"))
-        out.append({"seq_len": seq, "cp": cp, "dp_shard": 8 // cp, "published_tokens_per_second_per_gpu": tps,
-                    "published_memory_gib": gib, "tokens_per_second_per_gpu": r["tokens_per_second_per_gpu"],
-                    "memory_gib": r["memory_bytes_per_rank"] / 2**30, "fits": r["fits"], "mfu": r["mfu"]})
+        r = next(
+            r
+            for r in recs
+            if r["cp"] == cp
+            and r["tp"] == r["pp"] == 1
+            and r["dp_shard"] == 8 // cp
+            and r["strategy"] in (strategy, "none")
+        )
+        out.append(
+            {
+                "seq_len": seq,
+                "cp": cp,
+                "dp_shard": 8 // cp,
+                "published_tokens_per_second_per_gpu": tps,
+                "published_memory_gib": gib,
+                "tokens_per_second_per_gpu": r["tokens_per_second_per_gpu"],
+                "memory_gib": r["memory_bytes_per_rank"] / 2**30,
+                "fits": r["fits"],
+                "mfu": r["mfu"],
+            }
+        )
     return out
 
 
 # ---------------------------------------------------------------------------- the command
 
 
-def plan(job_config, ngpu: int, gpu: str = "h100", nnodes: int = 1, doc_mix: str = "causal", hbm_gb: float | None = None,
-         matmul_speedup: float = 1.0, seed: int = 0) -> list[dict]:
+def plan(
+    job_config,
+    ngpu: int,
+    gpu: str = "h100",
+    nnodes: int = 1,
+    doc_mix: str = "causal",
+    hbm_gb: float | None = None,
+    matmul_speedup: float = 1.0,
+    seed: int = 0,
+) -> list[dict]:
     """Every candidate's record, the recommended one first (``recommended`` true), then by tokens/s."""
     from titan_cp.mesh import ParallelDims
     from titan_cp.model import model_args
@@ -467,27 +611,42 @@ def plan(job_config, ngpu: int, gpu: str = "h100", nnodes: int = 1, doc_mix: str
         raise ValueError(f"training.seq_len ({t.seq_len}) is odd: no zigzag layout divides it")
     rows = make_rows(doc_mix, t.seq_len, t.local_batch_size, seed)
     ac = job_config.activation_checkpoint.mode
-    ac = "full" if ac == "full" or (ac == "selective" and job_config.activation_checkpoint.selective_ac_option == "1") else ac
+    ac = (
+        "full"
+        if ac == "full" or (ac == "selective" and job_config.activation_checkpoint.selective_ac_option == "1")
+        else ac
+    )
     if ac not in ("none", "full"):
         ac = "full"  # selective: bounded above by none and below by full; planned as full (conservative in time)
     act_bytes = 4 if (t.mixed_precision_param == "float32" or gpu == "cpu") else 2
     accum = max(1, t.gradient_accumulation_steps)
     cands = candidates(args, t.seq_len, ngpu, nnodes, balance, t.local_batch_size)
     if not cands:
-        raise ValueError(f"training.seq_len ({t.seq_len}) is divided by no cp degree of {ngpu} GPUs "
-                         f"for parallelism.context_parallel_load_balancer = {balance!r}")
-    configured = {"pp": p.pipeline_parallel_degree, "dp_replicate": p.data_parallel_replicate_degree,
-                  "cp": p.context_parallel_degree, "tp": p.tensor_parallel_degree}
+        raise ValueError(
+            f"training.seq_len ({t.seq_len}) is divided by no cp degree of {ngpu} GPUs "
+            f"for parallelism.context_parallel_load_balancer = {balance!r}"
+        )
+    configured = {
+        "pp": p.pipeline_parallel_degree,
+        "dp_replicate": p.data_parallel_replicate_degree,
+        "cp": p.context_parallel_degree,
+        "tp": p.tensor_parallel_degree,
+    }
     records = []
     for c in cands:
         r = evaluate(c, args, t.seq_len, rows, dev, ac, balance, act_bytes, matmul_speedup, accum)
         r["configured"] = all(getattr(c, k) == v for k, v in configured.items()) and (
-            c.strategy == p.context_parallel_strategy or c.cp == 1)
+            c.strategy == p.context_parallel_strategy or c.cp == 1
+        )
         r.update(gpu=gpu, ngpu=ngpu, nnodes=nnodes, doc_mix=doc_mix, ac=ac, flavor=m.flavor, balance=balance)
         records.append(r)
     records.sort(key=lambda r: (-r["fits"], -r["tokens_per_second_per_gpu"], r["memory_bytes_per_rank"]))
     # among the plans that fit within 2% of the fastest, the one with the most headroom (2 GB steps), then speed
-    near = [r for r in records if r["fits"] and r["tokens_per_second_per_gpu"] >= 0.98 * records[0]["tokens_per_second_per_gpu"]]
+    near = [
+        r
+        for r in records
+        if r["fits"] and r["tokens_per_second_per_gpu"] >= 0.98 * records[0]["tokens_per_second_per_gpu"]
+    ]
     if near:
         first = min(near, key=lambda r: (r["memory_bytes_per_rank"] // (2 * GB), -r["tokens_per_second_per_gpu"]))
         records.remove(first)
@@ -501,8 +660,10 @@ def plan(job_config, ngpu: int, gpu: str = "h100", nnodes: int = 1, doc_mix: str
 
 
 def _reason(r: dict, dev: Device) -> str:
-    why = (f"least memory within 2% of the fastest that fits: {r['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, "
-           f"{r['memory_bytes_per_rank'] / GB:.1f} of {dev.memory_bytes / GB:.0f} GB")
+    why = (
+        f"least memory within 2% of the fastest that fits: {r['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, "
+        f"{r['memory_bytes_per_rank'] / GB:.1f} of {dev.memory_bytes / GB:.0f} GB"
+    )
     if r["ring_compute_over_transfer"] is not None:
         hidden = "hides" if r["ring_compute_over_transfer"] >= 1 else "cannot hide"
         why += f"; the ring {hidden} its K/V transfer (compute/transfer {r['ring_compute_over_transfer']:.1f}x)"
@@ -513,10 +674,14 @@ def _reason(r: dict, dev: Device) -> str:
 
 def overrides(r: dict) -> list[str]:
     """The TOML keys of a record (``[parallelism]`` lines)."""
-    lines = ["[parallelism]",
-             f"data_parallel_replicate_degree = {r['dp_replicate']}", f"data_parallel_shard_degree = {r['dp_shard']}",
-             f"context_parallel_degree = {r['cp']}", f"tensor_parallel_degree = {r['tp']}",
-             f"pipeline_parallel_degree = {r['pp']}"]
+    lines = [
+        "[parallelism]",
+        f"data_parallel_replicate_degree = {r['dp_replicate']}",
+        f"data_parallel_shard_degree = {r['dp_shard']}",
+        f"context_parallel_degree = {r['cp']}",
+        f"tensor_parallel_degree = {r['tp']}",
+        f"pipeline_parallel_degree = {r['pp']}",
+    ]
     if r["cp"] > 1:
         lines.append(f'context_parallel_strategy = "{r["strategy"]}"')
     if r["strategy"] == "hybrid":
@@ -527,27 +692,33 @@ def overrides(r: dict) -> list[str]:
 def launch_lines(r: dict, config_file: str | None) -> list[str]:
     per_node = r["ngpu"] // r["nnodes"]
     cfg = f"--job.config_file {config_file or 'X.toml'}"
-    keys = (f"--parallelism.data_parallel_replicate_degree {r['dp_replicate']} "
-            f"--parallelism.data_parallel_shard_degree {r['dp_shard']} --parallelism.context_parallel_degree {r['cp']} "
-            f"--parallelism.tensor_parallel_degree {r['tp']} --parallelism.pipeline_parallel_degree {r['pp']}")
+    keys = (
+        f"--parallelism.data_parallel_replicate_degree {r['dp_replicate']} "
+        f"--parallelism.data_parallel_shard_degree {r['dp_shard']} --parallelism.context_parallel_degree {r['cp']} "
+        f"--parallelism.tensor_parallel_degree {r['tp']} --parallelism.pipeline_parallel_degree {r['pp']}"
+    )
     if r["cp"] > 1:
         keys += f" --parallelism.context_parallel_strategy {r['strategy']}"
     if r["strategy"] == "hybrid":
         keys += f" --parallelism.context_parallel_ulysses_degree {r['ulysses_degree']}"
     if r["nnodes"] == 1:
         return [f"torchrun --standalone --nproc-per-node {per_node} -m titan_cp.train {cfg} {keys}"]
-    return [f"torchrun --nnodes {r['nnodes']} --nproc-per-node {per_node} --rdzv-backend c10d "
-            f"--rdzv-endpoint $HEAD_NODE:29500 --rdzv-id $JOB_ID -m titan_cp.train {cfg} {keys}"]
+    return [
+        f"torchrun --nnodes {r['nnodes']} --nproc-per-node {per_node} --rdzv-backend c10d "
+        f"--rdzv-endpoint $HEAD_NODE:29500 --rdzv-id $JOB_ID -m titan_cp.train {cfg} {keys}"
+    ]
 
 
 def _row(r: dict) -> str:
     mesh = f"pp{r['pp']} rep{r['dp_replicate']} fsdp{r['dp_shard']} cp{r['cp']} tp{r['tp']}"
     strat = r["strategy"] + (f"(u{r['ulysses_degree']})" if r["strategy"] == "hybrid" else "")
     ratio = r["ring_compute_over_transfer"]
-    return (f"{'*' if r['recommended'] else ' '} {mesh:<30} {strat:<12} {r['memory_bytes_per_rank'] / GB:8.1f} "
-            f"{'yes' if r['fits'] else 'no':>4} {r['comm_bytes_per_rank']['intra'] / GB:8.2f} "
-            f"{r['comm_bytes_per_rank']['inter'] / GB:8.2f} {'-' if ratio is None else f'{ratio:.1f}':>6} "
-            f"{r['step_seconds']:8.3f} {r['tokens_per_second_per_gpu']:10,.0f} {100 * r['mfu']:5.1f}")
+    return (
+        f"{'*' if r['recommended'] else ' '} {mesh:<30} {strat:<12} {r['memory_bytes_per_rank'] / GB:8.1f} "
+        f"{'yes' if r['fits'] else 'no':>4} {r['comm_bytes_per_rank']['intra'] / GB:8.2f} "
+        f"{r['comm_bytes_per_rank']['inter'] / GB:8.2f} {'-' if ratio is None else f'{ratio:.1f}':>6} "
+        f"{r['step_seconds']:8.3f} {r['tokens_per_second_per_gpu']:10,.0f} {100 * r['mfu']:5.1f}"
+    )
 
 
 def plot(records: list[dict], path: str) -> None:
@@ -562,7 +733,9 @@ def plot(records: list[dict], path: str) -> None:
         color = "C2" if r["recommended"] else ("C0" if r["fits"] else "C3")
         ax.scatter(r["memory_bytes_per_rank"] / GB, r["tokens_per_second_per_gpu"], color=color, s=18)
     best = records[0]
-    ax.annotate(f"cp{best['cp']} {best['strategy']}", (best["memory_bytes_per_rank"] / GB, best["tokens_per_second_per_gpu"]))
+    ax.annotate(
+        f"cp{best['cp']} {best['strategy']}", (best["memory_bytes_per_rank"] / GB, best["tokens_per_second_per_gpu"])
+    )
     ax.set_xlabel("memory per rank (GB)")
     ax.set_ylabel("predicted tokens/s per GPU")
     ax.set_title(f"{best['flavor']} seq {best['seq_len']} on {best['ngpu']} {best['gpu']} (red: does not fit)")
@@ -576,8 +749,11 @@ def main(argv: list[str] | None = None) -> int:
     from titan_cp.config import load_config
     from titan_cp.testing.docs import MIXES
 
-    p = argparse.ArgumentParser(prog="python -m titan_cp.plan", description=__doc__.split("\n\n")[0],
-                                epilog="Any --section.key value is a config override, as in the trainer.")
+    p = argparse.ArgumentParser(
+        prog="python -m titan_cp.plan",
+        description=__doc__.split("\n\n")[0],
+        epilog="Any --section.key value is a config override, as in the trainer.",
+    )
     p.add_argument("--ngpu", type=int, required=True, help="GPUs in all")
     p.add_argument("--gpu", default="h100", help=f"one of {sorted(GPUS)}")
     p.add_argument("--nnodes", type=int, default=1)
@@ -599,8 +775,10 @@ def main(argv: list[str] | None = None) -> int:
     shown = records[: args.top] if args.top else records
     for r in shown:
         print(json.dumps(r))
-    print(f"\n  {'mesh':<30} {'strategy':<12} {'mem GB':>8} {'fits':>4} {'intra GB':>8} {'inter GB':>8} "
-          f"{'c/t':>6} {'step s':>8} {'tok/s/GPU':>10} {'MFU%':>5}")
+    print(
+        f"\n  {'mesh':<30} {'strategy':<12} {'mem GB':>8} {'fits':>4} {'intra GB':>8} {'inter GB':>8} "
+        f"{'c/t':>6} {'step s':>8} {'tok/s/GPU':>10} {'MFU%':>5}"
+    )
     for r in shown:
         print(_row(r))
     best = records[0]
@@ -611,8 +789,12 @@ def main(argv: list[str] | None = None) -> int:
         for line in launch_lines(best, config_file):
             print(line)
         if best["nnodes"] == 1:
-            print(launch_lines({**best, "nnodes": 2, "ngpu": 2 * best["ngpu"]}, config_file)[0].replace(
-                "--nnodes 2", "--nnodes N") + "   # several nodes (set the degrees for N nodes)")
+            print(
+                launch_lines({**best, "nnodes": 2, "ngpu": 2 * best["ngpu"]}, config_file)[0].replace(
+                    "--nnodes 2", "--nnodes N"
+                )
+                + "   # several nodes (set the degrees for N nodes)"
+            )
     if args.plot:
         plot(records, args.plot)
     return 0

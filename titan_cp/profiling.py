@@ -34,8 +34,11 @@ class Profiler:
                 self.snapshots = Path(dump_folder) / cfg.save_memory_snapshot_folder
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
             elif rank == 0:
-                logger.warning("profiling.enable_memory_snapshot: memory snapshots record the CUDA allocator; "
-                               "this run is on %s, so none are taken", device.type)
+                logger.warning(
+                    "profiling.enable_memory_snapshot: memory snapshots record the CUDA allocator; "
+                    "this run is on %s, so none are taken",
+                    device.type,
+                )
 
     @contextlib.contextmanager
     def step(self, step: int):
@@ -45,7 +48,11 @@ class Profiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) if self.traces is not None else contextlib.nullcontext() as prof:
+        with (
+            torch.profiler.profile(activities=activities)
+            if self.traces is not None
+            else contextlib.nullcontext() as prof
+        ):
             yield
         if self.traces is not None:
             folder = self.traces / f"iteration_{step}"

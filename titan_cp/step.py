@@ -43,7 +43,10 @@ class Microbatch:
         if cp_size == 1:
             return self
         return Microbatch(
-            *(shard_tokens(t, self.doc_lens, cp_size, cp_rank, balance) for t in (self.tokens, self.labels, self.positions)),
+            *(
+                shard_tokens(t, self.doc_lens, cp_size, cp_rank, balance)
+                for t in (self.tokens, self.labels, self.positions)
+            ),
             doc_lens=self.doc_lens,
         )
 
@@ -53,7 +56,9 @@ class Microbatch:
         return Microbatch(*(t.to(device) for t in (self.tokens, self.labels, self.positions)), doc_lens=self.doc_lens)
 
 
-def forward_backward(model_parts, local: Microbatch, loss_fn: GlobalTokenLoss, schedule=None, has_first=True, has_last=True) -> torch.Tensor:
+def forward_backward(
+    model_parts, local: Microbatch, loss_fn: GlobalTokenLoss, schedule=None, has_first=True, has_last=True
+) -> torch.Tensor:
     """Run one (cp-sharded) microbatch; return this rank's loss contribution (0 where no last stage).
 
     Without a pipeline ``model_parts`` is ``[model]``. With one, ``schedule.step`` splits the

@@ -36,9 +36,9 @@ from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
 from titan_cp.metrics import MFU, MetricsLogger, device_memory_bytes, recall_counts, recall_metrics, visible_pairs
 from titan_cp.model import build_model
-from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, cp_mesh
 from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda
 from titan_cp.parallel.ac import ac_mode_and_every
+from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, cp_mesh
 from titan_cp.profiling import Profiler
 from titan_cp.step import Microbatch, forward_backward, shard_tokens
 
@@ -103,7 +103,9 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg)
         self.loader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "train")
         self.val_loader = (
-            build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "validation") if cfg.validation.enable else None
+            build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "validation")
+            if cfg.validation.enable
+            else None
         )
         if self.val_loader is not None:  # every validation reads the same rows, from the start of the set
             self.val_start = self.val_loader.state_dict()
@@ -125,29 +127,45 @@ class Trainer:
         )
         # FSDP computes in mp's dtype itself; without it (one device, TP or PP alone) autocast does, as torchtitan
         sharded = self.dims.fsdp_enabled or self.dims.dp_replicate_enabled
-        self.amp = torch.autocast(self.device.type, dtype=mp) if mp is not None and not sharded else contextlib.nullcontext()
+        self.amp = (
+            torch.autocast(self.device.type, dtype=mp) if mp is not None and not sharded else contextlib.nullcontext()
+        )
         if mp is not None and not sharded:
-            logger.info("training.mixed_precision_param = %s: autocast (no FSDP to cast the parameters)", t.mixed_precision_param)
+            logger.info(
+                "training.mixed_precision_param = %s: autocast (no FSDP to cast the parameters)",
+                t.mixed_precision_param,
+            )
         # built on meta, parallelized, then each rank allocates and initialises only its shards (seeded: same on every mesh)
         built = build_parallel_model(
-            self.model_args, self.dims, options, self.device, seed=t.seed, loss_fn=self.loss_fn,
+            self.model_args,
+            self.dims,
+            options,
+            self.device,
+            seed=t.seed,
+            loss_fn=self.loss_fn,
             pp_microbatches=t.local_batch_size // p.pipeline_parallel_microbatch_size,
             pp_schedule=p.pipeline_parallel_schedule,
         )
         self.parts, self.schedule, self.first, self.last = built.parts, built.schedule, built.has_first, built.has_last
         o = cfg.optimizer
-        self.optimizers = build_optimizers(self.parts, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay,
-                                           o.implementation)
+        self.optimizers = build_optimizers(
+            self.parts, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, o.implementation
+        )
         s = cfg.lr_scheduler
         self.schedulers = LRSchedulers(
-            self.optimizers, lr_lambda(s.warmup_steps, t.steps, s.decay_ratio, s.decay_type, s.min_lr_factor))
+            self.optimizers, lr_lambda(s.warmup_steps, t.steps, s.decay_ratio, s.decay_type, s.min_lr_factor)
+        )
         self.state = TrainState()
         self.dump = Path(cfg.job.dump_folder)
         c = cfg.checkpoint
         self.checkpointer = Checkpointer(
-            self.dump / c.folder, self.parts, self.optimizers,
+            self.dump / c.folder,
+            self.parts,
+            self.optimizers,
             {"lr_scheduler": self.schedulers, "dataloader": self.loader, "train_state": self.state},
-            keep_latest_k=c.keep_latest_k, async_mode=c.async_mode, exclude_from_loading=tuple(c.exclude_from_loading),
+            keep_latest_k=c.keep_latest_k,
+            async_mode=c.async_mode,
+            exclude_from_loading=tuple(c.exclude_from_loading),
         )
         resumed = c.enable and self.checkpointer.load(c.load_step) is not None
         if not resumed and c.initial_load_path:  # into the sharded, initialised model
@@ -176,7 +194,9 @@ class Trainer:
         local = torch.zeros((), device=self.device)
         for batch in step_data.microbatches:
             with self.amp:
-                local = local + forward_backward(self.parts, self._microbatch(batch), self.loss_fn, self.schedule, self.first, self.last)
+                local = local + forward_backward(
+                    self.parts, self._microbatch(batch), self.loss_fn, self.schedule, self.first, self.last
+                )
         pp_group = self.dims.get_mesh("pp").get_group() if self.dims.pp_enabled else None
         grad_norm = clip_grad_norm_(self.parts, self.cfg.training.max_norm, pp_group)
         for opt in self.optimizers:
@@ -203,11 +223,17 @@ class Trainer:
         for _ in range(self.val_steps):
             for batch in next(self.val_loader).microbatches:
                 mb = self._microbatch(batch)
-                distance = shard_tokens(batch.recall_distance.to(self.device), mb.doc_lens, self.dims.cp, self.cp_rank,
-                                        self.cfg.parallelism.context_parallel_load_balancer)
+                distance = shard_tokens(
+                    batch.recall_distance.to(self.device),
+                    mb.doc_lens,
+                    self.dims.cp,
+                    self.cp_rank,
+                    self.cfg.parallelism.context_parallel_load_balancer,
+                )
                 with self.amp:  # chunked: the (tokens x vocab) logits are never whole
-                    ce_sum, predicted = self.parts[0](mb.tokens, positions=mb.positions, doc_lens=mb.doc_lens,
-                                                      labels=mb.labels, predict=True)
+                    ce_sum, predicted = self.parts[0](
+                        mb.tokens, positions=mb.positions, doc_lens=mb.doc_lens, labels=mb.labels, predict=True
+                    )
                 if self.tp_rank == 0:  # the results are replicated over tp: count them once
                     loss_sum += ce_sum
                     tokens += (mb.labels != IGNORE_INDEX).sum()
@@ -239,15 +265,22 @@ class Trainer:
                 raise FloatingPointError(f"loss is {loss} at step {step}")
             tps = tokens_per_step / dt
             # this dp rank's rows, times the dp degree: the step's model FLOPs over all ranks
-            pairs = sum(visible_pairs(b.doc_lens, t.seq_len, self.dims.cp, p.context_parallel_load_balancer)
-                        for b in step_data.microbatches)
+            pairs = sum(
+                visible_pairs(b.doc_lens, t.seq_len, self.dims.cp, p.context_parallel_load_balancer)
+                for b in step_data.microbatches
+            )
             tokens = sum(b.tokens.numel() for b in step_data.microbatches)
             flops = self.model_args.training_flops(tokens, pairs) * self.dp_degree
             record = {
-                "step": step, "loss": loss, "grad_norm": grad_norm, "lr": self.schedulers.get_last_lr()[0],
-                "tokens_per_second": tps, "global_valid_tokens": step_data.global_valid_tokens,
+                "step": step,
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "lr": self.schedulers.get_last_lr()[0],
+                "tokens_per_second": tps,
+                "global_valid_tokens": step_data.global_valid_tokens,
                 "padding_tokens": step_data.padding_tokens,
-                "mfu": self.mfu(flops, dt), "mfu_is_estimate": self.mfu.is_estimate,
+                "mfu": self.mfu(flops, dt),
+                "mfu_is_estimate": self.mfu.is_estimate,
                 "memory_bytes": device_memory_bytes(self.device),
                 "eta_seconds": (time.perf_counter() - start) / (step - first_step) * (t.steps - step),
             }

@@ -41,7 +41,15 @@ def backward(ctx: CPContext, dout, q, k, v, out, saved):
     lse, kv = saved
     batch = q.shape[0]
     dq, dk, dv = plan_backward(
-        token_major(dout), token_major(q), kv[:, 0], kv[:, 1], token_major(out), lse, batch, _plan(ctx), ctx.kernel,
+        token_major(dout),
+        token_major(q),
+        kv[:, 0],
+        kv[:, 1],
+        token_major(out),
+        lse,
+        batch,
+        _plan(ctx),
+        ctx.kernel,
         ctx.scale,
     )
     dkv = ctx.layout.natural_to_stacked(torch.stack([dk, dv], dim=1), batch)  # (N, B*S, 2, K, E): chunk j is rank j's

@@ -53,9 +53,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
-        raise ValueError(
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, seq and head_dim"
-        )
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, seq and head_dim")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
     if not (q.dtype == k.dtype == v.dtype):
@@ -86,7 +84,9 @@ def _scale(scale, head_dim: int) -> float:
 def _check_mesh(mesh, strategy: str, layout: SequenceLayout, q: Tensor, k: Tensor) -> None:
     want = 2 if strategy == "hybrid" else 1
     if mesh.ndim != want:
-        raise ValueError(f"strategy {strategy!r} needs a {want}-D cp mesh, got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}")
+        raise ValueError(
+            f"strategy {strategy!r} needs a {want}-D cp mesh, got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}"
+        )
     if mesh.size() != layout.cp_size:
         raise ValueError(f"the cp mesh has {mesh.size()} ranks but the layout was built for cp_size {layout.cp_size}")
     if strategy == "ulysses":
@@ -123,7 +123,9 @@ def register_spec(mesh, strategy: str, balance: str, kernel: str | None) -> int:
     return _SPEC_IDS[key]
 
 
-def _context(handle: int, q: Tensor, k_heads: int, doc_lens, causal: bool, scale: float, fake: bool = False) -> tuple[CPContext, ModuleType]:
+def _context(
+    handle: int, q: Tensor, k_heads: int, doc_lens, causal: bool, scale: float, fake: bool = False
+) -> tuple[CPContext, ModuleType]:
     spec = _SPECS[handle]
     cp = 1 if spec.mesh is None else spec.mesh.size()
     module = ring if spec.mesh is None else _STRATEGIES[spec.strategy]
@@ -149,7 +151,9 @@ def _fresh(x: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("titan_cp::cp_attention", mutates_args=())
-def _cp_attention_op(q: Tensor, k: Tensor, v: Tensor, doc_lens: Tensor | None, handle: int, causal: bool, scale: float) -> list[Tensor]:
+def _cp_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, doc_lens: Tensor | None, handle: int, causal: bool, scale: float
+) -> list[Tensor]:
     ctx, module = _context(handle, q, k.shape[1], doc_lens, causal, scale)
     with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
         out, saved = module.forward(ctx, q, k, v)
@@ -164,8 +168,17 @@ def _(q, k, v, doc_lens, handle, causal, scale):
 
 @torch.library.custom_op("titan_cp::cp_attention_backward", mutates_args=())
 def _cp_attention_backward_op(
-    dout: Tensor, q: Tensor | None, k: Tensor | None, v: Tensor | None, out: Tensor | None, saved: list[Tensor],
-    doc_lens: Tensor | None, handle: int, causal: bool, scale: float, kv_heads: int,
+    dout: Tensor,
+    q: Tensor | None,
+    k: Tensor | None,
+    v: Tensor | None,
+    out: Tensor | None,
+    saved: list[Tensor],
+    doc_lens: Tensor | None,
+    handle: int,
+    causal: bool,
+    scale: float,
+    kv_heads: int,
 ) -> list[Tensor]:
     ctx, module = _context(handle, dout, kv_heads, doc_lens, causal, scale)
     with torch.autocast(dout.device.type, enabled=False):
@@ -194,8 +207,17 @@ def _backward(ctx, grads):
     kept = {name: saved.pop(0) for name in ctx.kept}
     dout = grads[0]
     dq, dk, dv = _cp_attention_backward_op(
-        dout, kept.get("q"), kept.get("k"), kept.get("v"), kept.get("out"), saved, ctx.doc_lens, ctx.handle,
-        ctx.causal, ctx.scale, ctx.kv_heads,
+        dout,
+        kept.get("q"),
+        kept.get("k"),
+        kept.get("v"),
+        kept.get("out"),
+        saved,
+        ctx.doc_lens,
+        ctx.handle,
+        ctx.causal,
+        ctx.scale,
+        ctx.kv_heads,
     )
     return dq, dk, dv, None, None, None, None
 
@@ -270,13 +292,16 @@ def local_attention(
     """
     _check_qkv(q, k, v)
     if doc_lens is None or isinstance(doc_lens, Tensor):  # the model's path: straight to the op, traceable
-        return attend(q, k, v, register_spec(None, "ring", "contiguous", kernel), doc_lens, causal,
-                      _scale(scale, q.shape[-1]))
+        return attend(
+            q, k, v, register_spec(None, "ring", "contiguous", kernel), doc_lens, causal, _scale(scale, q.shape[-1])
+        )
     layout = get_layout(q.shape[2], 1, "contiguous", doc_lens)
     return cp_attention(q, k, v, None, layout, causal=causal, scale=scale, kernel=kernel)
 
 
-def min_bytes_per_rank(strategy: str, q: Tensor, k: Tensor, world: int, ulysses_size: int = 1, backward: bool = True) -> int:
+def min_bytes_per_rank(
+    strategy: str, q: Tensor, k: Tensor, world: int, ulysses_size: int = 1, backward: bool = True
+) -> int:
     """The strategy's own minimum bytes sent per rank for one forward (+ backward) on these local shapes."""
     if strategy != "hybrid":
         return MIN_BYTES[strategy](q, k, world, backward)

@@ -25,7 +25,7 @@ of device-resident index tensors. Then, for one key buffer:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -122,7 +122,10 @@ class Plan:
             seg = Segments(
                 cu_q=to_device(torch.tensor(host_q, dtype=torch.int32), device),
                 cu_k=to_device(torch.tensor(host_k, dtype=torch.int32), device),
-                max_q=max(lq), max_k=max(lk), host_q=host_q, host_k=host_k,
+                max_q=max(lq),
+                max_k=max(lk),
+                host_q=host_q,
+                host_k=host_k,
             )
             calls.append(VarlenCall(causal, seg, to_device(q_rows, device), to_device(k_rows, device)))
             dests.append(q_rows)
@@ -193,7 +196,9 @@ def new_accumulators(q_t: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------- forward / backward
-def block_forward(q_t, k_t, v_t, batch: int, plan: Plan, kernel: AttentionKernel, scale: float, out_acc, lse_acc) -> None:
+def block_forward(
+    q_t, k_t, v_t, batch: int, plan: Plan, kernel: AttentionKernel, scale: float, out_acc, lse_acc
+) -> None:
     """Fold attention of ``q_t`` on ``(k_t, v_t)`` under ``plan`` into the fp32 accumulators, in place.
 
     Token-major shapes (module docstring); ``batch`` rows in each buffer.
@@ -205,8 +210,12 @@ def block_forward(q_t, k_t, v_t, batch: int, plan: Plan, kernel: AttentionKernel
         outs, lses = [], []
         for call in idx.calls:
             out, lse = kernel.varlen_forward(
-                q_t.index_select(0, call.q_rows), k_t.index_select(0, call.k_rows), v_t.index_select(0, call.k_rows),
-                call.segments, call.causal, scale,
+                q_t.index_select(0, call.q_rows),
+                k_t.index_select(0, call.k_rows),
+                v_t.index_select(0, call.k_rows),
+                call.segments,
+                call.causal,
+                scale,
             )
             outs.append(out)
             lses.append(lse)
@@ -218,7 +227,9 @@ def block_forward(q_t, k_t, v_t, batch: int, plan: Plan, kernel: AttentionKernel
     for rs, tiles in idx.slices:
         o, s = [], []
         for t in tiles:
-            out, lse = kernel.forward(q[rs, :, t.q0 : t.q1], k[rs, :, t.k0 : t.k1], v[rs, :, t.k0 : t.k1], t.causal, scale)
+            out, lse = kernel.forward(
+                q[rs, :, t.q0 : t.q1], k[rs, :, t.k0 : t.k1], v[rs, :, t.k0 : t.k1], t.causal, scale
+            )
             o.append(out)
             s.append(lse)
         out, lse = (o[0], s[0]) if len(o) == 1 else (torch.cat(o, dim=2), torch.cat(s, dim=2))
@@ -228,8 +239,21 @@ def block_forward(q_t, k_t, v_t, batch: int, plan: Plan, kernel: AttentionKernel
     merge_segments_(out_acc, lse_acc, out, lse, idx.tile_q_dest)
 
 
-def block_backward(dout_t, q_t, k_t, v_t, out_t, lse, batch: int, plan: Plan, kernel: AttentionKernel, scale: float,
-                   dq_acc, dk_acc, dv_acc) -> None:
+def block_backward(
+    dout_t,
+    q_t,
+    k_t,
+    v_t,
+    out_t,
+    lse,
+    batch: int,
+    plan: Plan,
+    kernel: AttentionKernel,
+    scale: float,
+    dq_acc,
+    dk_acc,
+    dv_acc,
+) -> None:
     """Add this key buffer's share of the gradients to the fp32 token-major ``dq_acc, dk_acc, dv_acc``, in place.
 
     ``out_t`` and ``lse`` ``(H, B*Sq)`` are the final merged results for ``q_t`` (``out_t`` in the input dtype).
@@ -241,8 +265,15 @@ def block_backward(dout_t, q_t, k_t, v_t, out_t, lse, batch: int, plan: Plan, ke
         for call in idx.calls:
             qr, kr = call.q_rows, call.k_rows
             dq, dk, dv = kernel.varlen_backward(
-                dout_t.index_select(0, qr), q_t.index_select(0, qr), k_t.index_select(0, kr), v_t.index_select(0, kr),
-                out_t.index_select(0, qr), lse.index_select(1, qr), call.segments, call.causal, scale,
+                dout_t.index_select(0, qr),
+                q_t.index_select(0, qr),
+                k_t.index_select(0, kr),
+                v_t.index_select(0, kr),
+                out_t.index_select(0, qr),
+                lse.index_select(1, qr),
+                call.segments,
+                call.causal,
+                scale,
             )
             dq_acc.index_add_(0, qr, dq.to(dq_acc.dtype))
             dk_acc.index_add_(0, kr, dk.to(dk_acc.dtype))
@@ -256,14 +287,25 @@ def block_backward(dout_t, q_t, k_t, v_t, out_t, lse, batch: int, plan: Plan, ke
         for t in tiles:
             qs, ks = slice(t.q0, t.q1), slice(t.k0, t.k1)
             dq, dk, dv = kernel.backward(
-                dout[rs, :, qs], q[rs, :, qs], k[rs, :, ks], v[rs, :, ks], out[rs, :, qs], lse_b[rs, :, qs], t.causal, scale
+                dout[rs, :, qs],
+                q[rs, :, qs],
+                k[rs, :, ks],
+                v[rs, :, ks],
+                out[rs, :, qs],
+                lse_b[rs, :, qs],
+                t.causal,
+                scale,
             )
             gq.append(dq)
             gk.append(dk)
             gv.append(dv)
         for grads, acc in ((gq, dqs), (gk, dks), (gv, dvs)):
             acc.append(token_major(grads[0] if len(grads) == 1 else torch.cat(grads, dim=2)))
-    for grads, acc, dest in ((dqs, dq_acc, idx.tile_q_dest), (dks, dk_acc, idx.tile_k_dest), (dvs, dv_acc, idx.tile_k_dest)):
+    for grads, acc, dest in (
+        (dqs, dq_acc, idx.tile_q_dest),
+        (dks, dk_acc, idx.tile_k_dest),
+        (dvs, dv_acc, idx.tile_k_dest),
+    ):
         acc.index_add_(0, dest, (grads[0] if len(grads) == 1 else torch.cat(grads)).to(acc.dtype))
 
 

@@ -82,7 +82,9 @@ def backward(ctx: CPContext, dout, q, k, v, out, saved):
         dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, b, ring_group, plans, ctx.kernel, ctx.scale
     )
     dq = gather_heads(_concat_to_stacked(dq_h, b, u), uly_group)
-    dkv = kv_from_heads(_concat_to_stacked(torch.stack([dk_h, dv_h], dim=2), b, u), ctx.q_heads, ctx.kv_heads, u, uly_group)
+    dkv = kv_from_heads(
+        _concat_to_stacked(torch.stack([dk_h, dv_h], dim=2), b, u), ctx.q_heads, ctx.kv_heads, u, uly_group
+    )
     return head_major(dq, b), head_major(dkv[:, :, 0], b), head_major(dkv[:, :, 1], b)
 
 
@@ -91,4 +93,9 @@ def saved_like(ctx: CPContext, q, k, v):
     u = ctx.mesh.size(hybrid_dims(ctx.mesh)[1])
     kv_heads = 1 if kv_head_map(h, k.shape[1], u) is not None else k.shape[1] // u
     q_h = q.new_empty((b * s * u, h // u, e))
-    return q_h, k.new_empty((b * s * u, kv_heads, 2, e)), torch.empty_like(q_h), q.new_empty((h // u, b * s * u), dtype=torch.float32)
+    return (
+        q_h,
+        k.new_empty((b * s * u, kv_heads, 2, e)),
+        torch.empty_like(q_h),
+        q.new_empty((h // u, b * s * u), dtype=torch.float32),
+    )

@@ -48,8 +48,8 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -68,15 +68,16 @@ def _offsets(lens: Sequence[int]) -> list[int]:
 @dataclass(frozen=True)
 class Segments:
     """Segment i is q[cu_q[i]:cu_q[i+1]] against k[cu_k[i]:cu_k[i+1]] of token-major packed buffers."""
-    cu_q: torch.Tensor      # (n+1,) int32 on the tensors' device
-    cu_k: torch.Tensor      # (n+1,) int32
+
+    cu_q: torch.Tensor  # (n+1,) int32 on the tensors' device
+    cu_k: torch.Tensor  # (n+1,) int32
     max_q: int
     max_k: int
-    host_q: tuple[int, ...] # the same offsets on the host, for kernels that loop (never read a device tensor)
+    host_q: tuple[int, ...]  # the same offsets on the host, for kernels that loop (never read a device tensor)
     host_k: tuple[int, ...]
 
     @classmethod
-    def from_offsets(cls, host_q: Sequence[int], host_k: Sequence[int], device) -> "Segments":
+    def from_offsets(cls, host_q: Sequence[int], host_k: Sequence[int], device) -> Segments:
         """Segments from cumulative offsets held on the host (``[0, ..., total]``, ``n+1`` each).
 
         One host-to-device copy for both offset tensors. Every segment with queries must
@@ -89,7 +90,7 @@ class Segments:
         return cls(both[0], both[1], widths(host_q), widths(host_k), host_q, host_k)
 
     @classmethod
-    def from_lengths(cls, q_lens: Sequence[int], k_lens: Sequence[int], device) -> "Segments":
+    def from_lengths(cls, q_lens: Sequence[int], k_lens: Sequence[int], device) -> Segments:
         """Segments from per-segment lengths (host integers)."""
         return cls.from_offsets(_offsets(q_lens), _offsets(k_lens), device)
 
@@ -245,8 +246,10 @@ class CPUVarlenKernel(CPUFlashKernel):
         cq, ck = torch.tensor(seg.host_q), torch.tensor(seg.host_k)
         lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
         small = (lq * lk <= self.SMALL) & (lq > 0)
-        big = [(seg.host_q[i], seg.host_q[i + 1], seg.host_k[i], seg.host_k[i + 1])
-               for i in torch.nonzero(~small & (lq > 0)).flatten().tolist()]
+        big = [
+            (seg.host_q[i], seg.host_q[i + 1], seg.host_k[i], seg.host_k[i + 1])
+            for i in torch.nonzero(~small & (lq > 0)).flatten().tolist()
+        ]
         pq = (2 ** torch.ceil(torch.log2(lq.clamp(min=1).double()))).long()
         pk = (2 ** torch.ceil(torch.log2(lk.clamp(min=1).double()))).long()
         buckets = []
@@ -265,8 +268,20 @@ class CPUVarlenKernel(CPUFlashKernel):
                 visible = q_valid[:, :, None] & k_valid[:, None, :]  # padding rows and keys see nothing
                 visible = (visible & tri if causal else visible).unsqueeze(1)
                 q_sel, k_sel = torch.nonzero(q_valid.flatten()).flatten(), torch.nonzero(k_valid.flatten()).flatten()
-                buckets.append((len(chunk), nq, nk, q_idx.flatten(), k_idx.flatten(), visible,
-                                q_sel, q_idx.flatten()[q_sel], k_sel, k_idx.flatten()[k_sel]))
+                buckets.append(
+                    (
+                        len(chunk),
+                        nq,
+                        nk,
+                        q_idx.flatten(),
+                        k_idx.flatten(),
+                        visible,
+                        q_sel,
+                        q_idx.flatten()[q_sel],
+                        k_sel,
+                        k_idx.flatten()[k_sel],
+                    )
+                )
         if len(self._plans) >= 256:
             self._plans.pop(next(iter(self._plans)))
         self._plans[key] = (big, buckets)
@@ -290,7 +305,7 @@ class CPUVarlenKernel(CPUFlashKernel):
         groups = q.shape[1] // k.shape[1]
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
-        for m, nq, nk, q_idx, k_idx, visible, q_sel, q_rows, k_sel, k_rows in buckets:
+        for m, _nq, _nk, q_idx, k_idx, visible, q_sel, q_rows, _k_sel, _k_rows in buckets:
             s = torch.matmul(self._gather(q, q_idx, m), self._gather(k, k_idx, m, groups).transpose(-1, -2))
             s = s.mul_(scale).masked_fill_(~visible, float("-inf"))
             mx = torch.logsumexp(s, dim=-1)  # (m, H, nq); -inf on padding rows
@@ -298,7 +313,9 @@ class CPUVarlenKernel(CPUFlashKernel):
             self._scatter(out, q_rows, q_sel, torch.matmul(p, self._gather(v, k_idx, m, groups)))
             lse.index_copy_(1, q_rows, mx.transpose(1, 2).reshape(-1, mx.shape[1]).index_select(0, q_sel).t())
         for a, b, c, d in big:
-            o, mx = CPUFlashKernel.forward(self, *(x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])), causal, scale)
+            o, mx = CPUFlashKernel.forward(
+                self, *(x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])), causal, scale
+            )
             out[a:b] = o[0].transpose(0, 1)
             lse[:, a:b] = mx[0]
         return out, lse
@@ -383,8 +400,21 @@ class CUDAFlashKernel(AttentionKernel):
         qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in (q, k, v, out, dout))
         rng = self._rng_state(q.device)
         dq, dk, dv = _ATEN._flash_attention_backward(
-            dot, qt, kt, vt, ot, lse.contiguous(), None, None, qt.shape[1], kt.shape[1], 0.0, causal,
-            rng, rng, scale=scale,
+            dot,
+            qt,
+            kt,
+            vt,
+            ot,
+            lse.contiguous(),
+            None,
+            None,
+            qt.shape[1],
+            kt.shape[1],
+            0.0,
+            causal,
+            rng,
+            rng,
+            scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
@@ -408,8 +438,21 @@ class CUDAFlashKernel(AttentionKernel):
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         rng = self._rng_state(q.device)
         return _ATEN._flash_attention_backward(
-            dout, q, k, v, out, lse.contiguous(), seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, 0.0, causal,
-            rng, rng, scale=scale,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse.contiguous(),
+            seg.cu_q,
+            seg.cu_k,
+            seg.max_q,
+            seg.max_k,
+            0.0,
+            causal,
+            rng,
+            rng,
+            scale=scale,
         )
 
 
@@ -481,8 +524,14 @@ class FlashAttnKernel(AttentionKernel):
         self._vbwd_params = inspect.signature(self._vbwd).parameters
 
     # keyword arguments some flash-attn versions take and others do not: set where present
-    _OPTIONAL = {"softcap": 0.0, "alibi_slopes": None, "return_softmax": False, "block_table": None,
-                 "deterministic": False, "rng_state": None}
+    _OPTIONAL = {
+        "softcap": 0.0,
+        "alibi_slopes": None,
+        "return_softmax": False,
+        "block_table": None,
+        "deterministic": False,
+        "rng_state": None,
+    }
 
     @classmethod
     def _kwargs(cls, params, causal: bool, scale: float, **extra) -> dict:

@@ -26,7 +26,9 @@ from __future__ import annotations
 import torch
 
 
-def merge_segments_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dest: torch.Tensor) -> None:
+def merge_segments_(
+    out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dest: torch.Tensor
+) -> None:
     """Fold packed partial results into token-major fp32 accumulators, in place.
 
     Shapes: ``out_acc (N, heads, head_dim)`` fp32, ``lse_acc (heads, N)`` fp32;

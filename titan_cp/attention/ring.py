@@ -22,12 +22,18 @@ is a whole Ulysses group, and its buffer the concatenation of the group members'
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from titan_cp.attention.block import (
-    Plan, block_backward, block_forward, head_major, make_plan, new_accumulators, token_major,
+    Plan,
+    block_backward,
+    block_forward,
+    head_major,
+    make_plan,
+    new_accumulators,
+    token_major,
 )
 from titan_cp.attention.comm import RingComm
 from titan_cp.attention.context import CPContext
@@ -101,15 +107,26 @@ def _group(ctx: CPContext):
 
 def forward(ctx: CPContext, q, k, v):
     b = q.shape[0]
-    out_t, lse = ring_forward(token_major(q), token_major(k), token_major(v), b, _group(ctx), _plans(ctx), ctx.kernel, ctx.scale)
+    out_t, lse = ring_forward(
+        token_major(q), token_major(k), token_major(v), b, _group(ctx), _plans(ctx), ctx.kernel, ctx.scale
+    )
     return head_major(out_t, b), (lse,)
 
 
 def backward(ctx: CPContext, dout, q, k, v, out, saved):
     b = q.shape[0]
     grads = ring_backward(
-        token_major(dout), token_major(q), token_major(k), token_major(v), token_major(out), saved[0], b, _group(ctx),
-        _plans(ctx), ctx.kernel, ctx.scale,
+        token_major(dout),
+        token_major(q),
+        token_major(k),
+        token_major(v),
+        token_major(out),
+        saved[0],
+        b,
+        _group(ctx),
+        _plans(ctx),
+        ctx.kernel,
+        ctx.scale,
     )
     return tuple(head_major(g, b) for g in grads)
 

@@ -22,7 +22,6 @@ they replace), so the backward moves only ``dout`` in and the gradients out.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from titan_cp.attention.block import head_major, make_plan, plan_backward, plan_forward, token_major
 from titan_cp.attention.comm import all_to_all
@@ -38,9 +37,7 @@ def kv_head_map(q_heads: int, kv_heads: int, n: int) -> list[int] | None:
     if kv_heads % n == 0:
         return None
     if n % kv_heads:
-        raise ValueError(
-            f"ulysses needs the K/V heads ({kv_heads}) to divide, or be divisible by, its cp size ({n})"
-        )
+        raise ValueError(f"ulysses needs the K/V heads ({kv_heads}) to divide, or be divisible by, its cp size ({n})")
     group = q_heads // kv_heads
     return [(j * q_heads // n) // group for j in range(n)]
 
@@ -102,7 +99,9 @@ def backward(ctx: CPContext, dout, q, k, v, out, saved):
         dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, batch, _plan(ctx), ctx.kernel, ctx.scale
     )
     dq = gather_heads(layout.natural_to_stacked(dq_h, batch), group)
-    dkv = kv_from_heads(layout.natural_to_stacked(torch.stack([dk_h, dv_h], dim=2), batch), ctx.q_heads, ctx.kv_heads, n, group)
+    dkv = kv_from_heads(
+        layout.natural_to_stacked(torch.stack([dk_h, dv_h], dim=2), batch), ctx.q_heads, ctx.kv_heads, n, group
+    )
     return head_major(dq, batch), head_major(dkv[:, :, 0], batch), head_major(dkv[:, :, 1], batch)
 
 
@@ -111,7 +110,12 @@ def saved_like(ctx: CPContext, q, k, v):
     n = ctx.cp_size
     kv_heads = 1 if kv_head_map(h, k.shape[1], n) is not None else k.shape[1] // n
     q_h = q.new_empty((b * s * n, h // n, e))
-    return q_h, k.new_empty((b * s * n, kv_heads, 2, e)), torch.empty_like(q_h), q.new_empty((h // n, b * s * n), dtype=torch.float32)
+    return (
+        q_h,
+        k.new_empty((b * s * n, kv_heads, 2, e)),
+        torch.empty_like(q_h),
+        q.new_empty((h // n, b * s * n), dtype=torch.float32),
+    )
 
 
 def ulysses_min_bytes(q: torch.Tensor, k: torch.Tensor, world: int, backward: bool = True) -> int:

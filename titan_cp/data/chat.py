@@ -32,8 +32,8 @@ file, the line number and the key. Blank lines are not records and are passed ov
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from titan_cp.data.document import Document
 from titan_cp.data.tokenizer import Tokenizer
@@ -76,11 +76,16 @@ def compile_template(template: str):
     return env.from_string(template)
 
 
-def render_template_chat(messages: Sequence[dict], tokenizer, template, loss_roles: Sequence[str] = ("assistant",)) -> Document:
+def render_template_chat(
+    messages: Sequence[dict], tokenizer, template, loss_roles: Sequence[str] = ("assistant",)
+) -> Document:
     """Tokens and loss mask of one conversation under a compiled tokenizer chat template (see the
     module docstring); ``tokenizer`` needs ``encode_with_offsets`` and ``token`` (:class:`HFTokenizer`)."""
-    names = dict(bos_token=tokenizer.token(tokenizer.bos_id), eos_token=tokenizer.token(tokenizer.eos_id),
-                 add_generation_prompt=False)
+    names = dict(
+        bos_token=tokenizer.token(tokenizer.bos_id),
+        eos_token=tokenizer.token(tokenizer.eos_id),
+        add_generation_prompt=False,
+    )
     spans, before = [], ""
     for k, message in enumerate(messages):
         upto = template.render(messages=list(messages[: k + 1]), **names)
@@ -93,8 +98,10 @@ def render_template_chat(messages: Sequence[dict], tokenizer, template, loss_rol
             probe = template.render(messages=[*messages[:k], {**message, "content": _MARK}], **names)
             start = probe.find(_MARK, len(before))
             if start < 0 or probe[:start] != upto[:start]:
-                raise ValueError(f"messages[{k}]: cannot find where the tokenizer's chat template puts the content; "
-                                 "set training.chat_template = 'chatml'")
+                raise ValueError(
+                    f"messages[{k}]: cannot find where the tokenizer's chat template puts the content; "
+                    "set training.chat_template = 'chatml'"
+                )
             spans.append((start, len(upto)))
         before = upto
     ids, offsets = tokenizer.encode_with_offsets(before)
@@ -122,7 +129,9 @@ def check_record(record: object, where: str) -> None:
         if message["role"] not in ROLES:
             raise ValueError(f"{where}: messages[{k}].role = {message['role']!r} is not one of {list(ROLES)}")
         if not isinstance(message["content"], str):
-            raise ValueError(f"{where}: messages[{k}].content must be a string, got {type(message['content']).__name__}")
+            raise ValueError(
+                f"{where}: messages[{k}].content must be a string, got {type(message['content']).__name__}"
+            )
 
 
 class ChatJsonl:
@@ -134,8 +143,13 @@ class ChatJsonl:
     ``None`` for the built-in template, or the Jinja source of a tokenizer's chat template.
     """
 
-    def __init__(self, path: str | Path, tokenizer: Tokenizer, loss_roles: Sequence[str] = ("assistant",),
-                 chat_template: str | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer: Tokenizer,
+        loss_roles: Sequence[str] = ("assistant",),
+        chat_template: str | None = None,
+    ):
         unknown = [r for r in loss_roles if r not in ROLES]
         if unknown:
             raise ValueError(f"training.loss_roles: unknown roles {unknown}; roles are {list(ROLES)}")

@@ -25,8 +25,16 @@ if TYPE_CHECKING:
 
 Split = Literal["train", "validation"]
 
-__all__ = ["ChatJsonl", "Document", "DocumentSource", "HFDiskDataset", "Mixture", "SyntheticRecall", "TextFiles",
-           "build_dataset"]
+__all__ = [
+    "ChatJsonl",
+    "Document",
+    "DocumentSource",
+    "HFDiskDataset",
+    "Mixture",
+    "SyntheticRecall",
+    "TextFiles",
+    "build_dataset",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,8 +193,7 @@ class HFDiskDataset:
             import datasets
         except ImportError as e:
             raise ImportError(
-                "reading a Hugging Face dataset needs the optional 'datasets' package: "
-                "pip install 'titan_cp[data]'"
+                "reading a Hugging Face dataset needs the optional 'datasets' package: pip install 'titan_cp[data]'"
             ) from e
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
@@ -226,10 +233,20 @@ def build_dataset(job_config: JobConfig, tokenizer: Tokenizer, split: Split = "t
         if split != "train":
             raise ValueError("validation.dataset = 'mixture' is not supported: name one source for validation")
         if not t.mixture:
-            raise ValueError("training.dataset = 'mixture' needs sources in training.mixture ([[training.mixture]] tables)")
+            raise ValueError(
+                "training.dataset = 'mixture' needs sources in training.mixture ([[training.mixture]] tables)"
+            )
         return Mixture(
-            [(m.name, _source(m.kind, m.path, f"training.mixture[{m.name!r}]", "kind", "path", job_config, tokenizer,
-                              split), m.weight) for m in t.mixture],
+            [
+                (
+                    m.name,
+                    _source(
+                        m.kind, m.path, f"training.mixture[{m.name!r}]", "kind", "path", job_config, tokenizer, split
+                    ),
+                    m.weight,
+                )
+                for m in t.mixture
+            ],
             seed=t.seed,
         )
     if split == "train" and t.mixture:
@@ -240,8 +257,16 @@ def build_dataset(job_config: JobConfig, tokenizer: Tokenizer, split: Split = "t
     return _source(cfg.dataset, cfg.dataset_path, section, "dataset", "dataset_path", job_config, tokenizer, split)
 
 
-def _source(name: str, path: str | None, section: str, name_key: str, path_key: str, job_config: JobConfig,
-            tokenizer: Tokenizer, split: Split) -> DocumentSource:
+def _source(
+    name: str,
+    path: str | None,
+    section: str,
+    name_key: str,
+    path_key: str,
+    job_config: JobConfig,
+    tokenizer: Tokenizer,
+    split: Split,
+) -> DocumentSource:
     """One source of kind ``name`` at ``path``; errors name ``{section}.{name_key}`` / ``{section}.{path_key}``."""
     if name == "synthetic_recall":
         return SyntheticRecall(tokenizer, seed=job_config.training.seed, split=split)

@@ -24,8 +24,9 @@ the rows that come next.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -155,9 +156,7 @@ class PackedDataLoader:
             self.source_tokens[name] = self.source_tokens.get(name, 0) + n
         self.next_row += self.global_batch_size
         B = self.local_batch_size
-        microbatches = [
-            Batch.collate(rows[i : i + B], list(mine[i : i + B])) for i in range(0, per_rank, B)
-        ]
+        microbatches = [Batch.collate(rows[i : i + B], list(mine[i : i + B])) for i in range(0, per_rank, B)]
         return Step(microbatches, valid, first, padding, sources)
 
     def state_dict(self) -> dict:
@@ -204,8 +203,9 @@ def build_dataloader(
     if split == "train":
         global_batch_size, _ = job_config.resolve_batch_sizes(dp_degree)
         names = tuple(m.name for m in t.mixture) if t.dataset == "mixture" else ()
-        return PackedDataLoader(source, t.seq_len, global_batch_size, t.local_batch_size, dp_rank, dp_degree,
-                                source_names=names, **packing)
+        return PackedDataLoader(
+            source, t.seq_len, global_batch_size, t.local_batch_size, dp_rank, dp_degree, source_names=names, **packing
+        )
     seq_len = t.seq_len if v.seq_len == -1 else v.seq_len
     local = t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
     return PackedDataLoader(source, seq_len, local * dp_degree, local, dp_rank, dp_degree, **packing)

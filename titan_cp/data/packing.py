@@ -129,8 +129,17 @@ def build_row(pieces: list[Piece], seq_len: int, pad_id: int = 0) -> PackedRow:
     labels[:-1] = tokens[1:]
     if any(doc is None or doc.loss_mask is not None for _, doc, _, _ in pieces):
         target = torch.tensor(
-            [m for _, doc, a, b in pieces
-             for m in ([False] * (b - a) if doc is None else [True] * (b - a) if doc.loss_mask is None else doc.loss_mask[a:b])],
+            [
+                m
+                for _, doc, a, b in pieces
+                for m in (
+                    [False] * (b - a)
+                    if doc is None
+                    else [True] * (b - a)
+                    if doc.loss_mask is None
+                    else doc.loss_mask[a:b]
+                )
+            ],
             dtype=torch.bool,
         )
         labels[:-1][~target[1:]] = IGNORE_INDEX
@@ -300,8 +309,9 @@ class BestFitPacker(_RowPacker):
             self._buffer[i] = (i, doc(i), a, b)
 
 
-def make_packer(source: DocumentSource, seq_len: int, packing: str = "stream", lookahead: int = 512,
-                pad_id: int = 0) -> Packer | BestFitPacker:
+def make_packer(
+    source: DocumentSource, seq_len: int, packing: str = "stream", lookahead: int = 512, pad_id: int = 0
+) -> Packer | BestFitPacker:
     """The packer named by ``training.packing``."""
     if packing == "stream":
         return Packer(source, seq_len)

@@ -7,8 +7,9 @@ Both expose ``vocab_size``, ``bos_id``, ``eos_id``, ``pad_id``, ``encode(text, b
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from titan_cp.config import JobConfig

@@ -19,21 +19,53 @@ from titan_cp.model.llama import ModelArgs, RoPEScaling, Transformer
 FLAVORS: dict[str, ModelArgs] = {
     # titan_cp's own. A few thousand parameters per layer: unit and multi-process tests on CPU.
     # 4 heads and 2 KV heads divide a TP degree of 2; dim 64 gives head_dim 16.
-    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
-                      max_seq_len=4096),
+    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=4096),
     # titan_cp's own: torchtitan's debug model shape with GQA (4 KV heads) and plain RoPE, so
     # CPU runs exercise grouped-query K/V exchange.
-    "debugmodel_gqa": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, vocab_size=2048,
-                                multiple_of=256, max_seq_len=8192),
+    "debugmodel_gqa": ModelArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=4, vocab_size=2048, multiple_of=256, max_seq_len=8192
+    ),
     # torchtitan's: MHA (16 KV heads) with Llama 3.1 RoPE scaling, as torchtitan's default args.
-    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, multiple_of=256,
-                            rope_theta=500000, rope_scaling=RoPEScaling(), max_seq_len=131072),
-    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                    multiple_of=1024, rope_theta=500000, rope_scaling=RoPEScaling()),
-    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                     multiple_of=4096, rope_theta=500000, rope_scaling=RoPEScaling()),
-    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
-                      multiple_of=4096, rope_theta=500000, rope_scaling=RoPEScaling()),
+    "debugmodel": ModelArgs(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        vocab_size=2048,
+        multiple_of=256,
+        rope_theta=500000,
+        rope_scaling=RoPEScaling(),
+        max_seq_len=131072,
+    ),
+    "8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_theta=500000,
+        rope_scaling=RoPEScaling(),
+    ),
+    "70B": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_theta=500000,
+        rope_scaling=RoPEScaling(),
+    ),
+    "405B": ModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_theta=500000,
+        rope_scaling=RoPEScaling(),
+    ),
 }
 
 

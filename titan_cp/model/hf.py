@@ -157,7 +157,9 @@ def hf_config(model_args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict
         "max_position_embeddings": a.max_seq_len,
         "rms_norm_eps": a.norm_eps,
         "rope_theta": a.rope_theta,
-        "rope_scaling": None if s is None else {
+        "rope_scaling": None
+        if s is None
+        else {
             "rope_type": "llama3",
             "factor": s.scaling_factor,
             "low_freq_factor": s.low_freq_factor,
@@ -243,7 +245,9 @@ def _hf_folder(path: str | Path, key: str) -> Path:
         raise ValueError(f"{key} = {str(path)!r} holds no *.safetensors files (a Hugging Face checkpoint folder)")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        missing = sorted({f for f in json.loads(index.read_text())["weight_map"].values() if not (folder / f).is_file()})
+        missing = sorted(
+            {f for f in json.loads(index.read_text())["weight_map"].values() if not (folder / f).is_file()}
+        )
         if missing:
             raise ValueError(f"{key} = {str(path)!r}: {index.name} names files that are missing: {missing}")
     return folder
@@ -322,7 +326,9 @@ def load_hf(model_parts, path: str | Path, model_args: ModelArgs, key: str = "ch
     direct = {plan[name]: t for name, t in state.items() if _qk_heads(name, model_args) is None}
     dcp.load(direct, storage_reader=dcp.HuggingFaceStorageReader(str(folder)), no_dist=True)
     for layer in range(model_args.n_layers):
-        names = [n for n in (f"layers.{layer}.attention.wq.weight", f"layers.{layer}.attention.wk.weight") if n in state]
+        names = [
+            n for n in (f"layers.{layer}.attention.wq.weight", f"layers.{layer}.attention.wk.weight") if n in state
+        ]
         if not names:
             continue  # another pipeline stage's layer
         full = {plan[n]: torch.empty(state[n].shape, dtype=state[n].dtype, device=state[n].device) for n in names}
@@ -387,8 +393,10 @@ def save_hf(model_parts, path: str | Path, model_args: ModelArgs, max_file_bytes
             out[hf_key(name)] = _permute_to_hf(t, heads).contiguous()
     dtype = next(iter(state.values())).dtype
     writer = dcp.HuggingFaceStorageWriter(
-        str(tmp), fqn_to_index_mapping=_file_index(model_args, max_file_bytes, dtype),
-        save_distributed=True, enable_consolidation=True,
+        str(tmp),
+        fqn_to_index_mapping=_file_index(model_args, max_file_bytes, dtype),
+        save_distributed=True,
+        enable_consolidation=True,
     )
     dcp.save(out, storage_writer=writer)
     dist.barrier()  # rank 0 consolidated

@@ -19,7 +19,7 @@ checkpointing's and ``torch.compile``'s prefixes removed).
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn

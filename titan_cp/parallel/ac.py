@@ -33,9 +33,15 @@ def _save_ops() -> set:
     """Ops whose outputs are saved under op-level selective checkpointing."""
     aten = torch.ops.aten
     names = [
-        "mm", "addmm", "bmm", "baddbmm", "linear",
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "linear",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
         "_scaled_dot_product_attention_math",
     ]
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
@@ -58,8 +64,9 @@ def ac_mode_and_every(mode: str, selective_ac_option: str) -> tuple[str, int]:
     if selective_ac_option == "op":
         return "op", 1
     if not (selective_ac_option.isdigit() and int(selective_ac_option) > 0):
-        raise ValueError(f"activation_checkpoint.selective_ac_option must be a positive integer or 'op', "
-                         f"got {selective_ac_option!r}")
+        raise ValueError(
+            f"activation_checkpoint.selective_ac_option must be a positive integer or 'op', got {selective_ac_option!r}"
+        )
     return "selective", int(selective_ac_option)
 
 

@@ -50,16 +50,14 @@ class ContextParallel(ParallelStyle):
         kernel: local kernel name, ``None`` for the fastest on the device.
     """
 
-    def __init__(self, strategy: str = "ring", balance: str = "doc_zigzag", causal: bool = True, kernel: str | None = None):
+    def __init__(
+        self, strategy: str = "ring", balance: str = "doc_zigzag", causal: bool = True, kernel: str | None = None
+    ):
         super().__init__()
         if strategy not in STRATEGIES:
-            raise ValueError(
-                f"parallelism.context_parallel_strategy must be one of {STRATEGIES}, got {strategy!r}"
-            )
+            raise ValueError(f"parallelism.context_parallel_strategy must be one of {STRATEGIES}, got {strategy!r}")
         if balance not in BALANCES:
-            raise ValueError(
-                f"parallelism.context_parallel_load_balancer must be one of {BALANCES}, got {balance!r}"
-            )
+            raise ValueError(f"parallelism.context_parallel_load_balancer must be one of {BALANCES}, got {balance!r}")
         self.strategy, self.balance, self.causal, self.kernel = strategy, balance, causal, kernel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -83,7 +81,9 @@ class ContextParallel(ParallelStyle):
         if as_dtensor:
             for name, t in (("q", q), ("k", k), ("v", v)):
                 if not isinstance(t, DTensor) or any(p != Shard(SEQ_DIM) for p in t.placements):
-                    raise ValueError(f"ContextParallel takes {name} as a DTensor placed Shard({SEQ_DIM}) on the cp mesh")
+                    raise ValueError(
+                        f"ContextParallel takes {name} as a DTensor placed Shard({SEQ_DIM}) on the cp mesh"
+                    )
             q, k, v = q.to_local(), k.to_local(), v.to_local()
         _check_qkv(q, k, v)
         if doc_lens is not None and not isinstance(doc_lens, torch.Tensor):  # rows as lists: once, eagerly
@@ -97,7 +97,13 @@ class ContextParallel(ParallelStyle):
         return f"ContextParallel(strategy={self.strategy!r}, balance={self.balance!r}, causal={self.causal})"
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, strategy: str = "ring", balance: str = "doc_zigzag", kernel: str | None = None) -> None:
+def apply_cp(
+    model: nn.Module,
+    cp_mesh: DeviceMesh,
+    strategy: str = "ring",
+    balance: str = "doc_zigzag",
+    kernel: str | None = None,
+) -> None:
     """Make every transformer block's attention core context-parallel over ``cp_mesh``."""
     parallelize_module(
         model,

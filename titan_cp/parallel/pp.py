@@ -27,7 +27,7 @@ batch's (no division by the number of microbatches).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -66,9 +66,7 @@ def apply_tp(
     args = model.args
     for name, count in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads)):
         if count % tp != 0:
-            raise ValueError(
-                f"{name}={count} is not divisible by parallelism.tensor_parallel_degree={tp}"
-            )
+            raise ValueError(f"{name}={count} is not divisible by parallelism.tensor_parallel_degree={tp}")
     seq = Shard(1) if sequence_parallel else Replicate()
 
     root_plan = {}

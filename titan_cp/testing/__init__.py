@@ -6,6 +6,16 @@ from titan_cp.testing.docs import MIXES, fill_row, lognormal_doc_lens, make_rows
 from titan_cp.testing.pool import DistPool, PoolCache, RankError
 
 __all__ = [
-    "MIXES", "DistPool", "PoolCache", "RankError", "cp_mesh", "doc_lens_tensor", "fill_row", "labels_and_positions",
-    "lognormal_doc_lens", "make_rows", "packed_batch", "proportional_doc_lens",
+    "MIXES",
+    "DistPool",
+    "PoolCache",
+    "RankError",
+    "cp_mesh",
+    "doc_lens_tensor",
+    "fill_row",
+    "labels_and_positions",
+    "lognormal_doc_lens",
+    "make_rows",
+    "packed_batch",
+    "proportional_doc_lens",
 ]

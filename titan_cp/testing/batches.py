@@ -7,7 +7,7 @@ the next token of its document (``IGNORE_INDEX`` on a document's last token).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

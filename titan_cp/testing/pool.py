@@ -27,7 +27,8 @@ import multiprocessing as mp
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _CTX = mp.get_context("spawn")
 
@@ -83,7 +84,9 @@ def _worker(rank: int, world_size: int, port: int, conn, collective_timeout_s: f
 class DistPool:
     """``world_size`` live gloo ranks that run test functions on request."""
 
-    def __init__(self, world_size: int, collective_timeout_s: float = 120.0, start_timeout_s: float = 120.0, threads: int = 1):
+    def __init__(
+        self, world_size: int, collective_timeout_s: float = 120.0, start_timeout_s: float = 120.0, threads: int = 1
+    ):
         self.world_size = world_size
         port = _free_port()
         self._conns = []
@@ -143,7 +146,9 @@ class DistPool:
             raise RankError(f"rank {rank} raised:\n{tb}")
         return replies  # type: ignore[return-value]
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, grace: float = 10.0, **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, grace: float = 10.0, **kwargs: Any
+    ) -> list[Any]:
         """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the results by rank."""
         if not self.alive:
             raise RuntimeError("this DistPool was closed after an earlier failure")

@@ -57,9 +57,10 @@ Mixes (each row a fresh draw filling exactly ``seq_len``, deterministic from the
 
 Mixes: :mod:`titan_cp.testing.docs`.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -86,9 +87,27 @@ PROTOTYPES = ("greedy_doc",)
 ALL_BALANCES = BALANCES + TORCH_BALANCES + PROTOTYPES
 PTRR_BLOCK = 128  # flex_attention's default sparse block size
 
-__all__ = ["ALL_BALANCES", "BALANCE_MIXES", "MIXES", "TORCH_BALANCES", "causal_doc_total", "doc_structure",
-           "greedy_doc_positions", "layout_work", "make_rows", "measure", "pair_matrix", "ptrr_block_mask",
-           "rank_pairs", "ring_steps", "ring_tiles", "row_measure", "run", "runs_of", "torch_positions"]
+__all__ = [
+    "ALL_BALANCES",
+    "BALANCE_MIXES",
+    "MIXES",
+    "TORCH_BALANCES",
+    "causal_doc_total",
+    "doc_structure",
+    "greedy_doc_positions",
+    "layout_work",
+    "make_rows",
+    "measure",
+    "pair_matrix",
+    "ptrr_block_mask",
+    "rank_pairs",
+    "ring_steps",
+    "ring_tiles",
+    "row_measure",
+    "run",
+    "runs_of",
+    "torch_positions",
+]
 
 
 # ---------------------------------------------------------------------------- exact pair counter
@@ -140,8 +159,9 @@ def runs_of(positions: torch.Tensor, doc_start: torch.Tensor, real: torch.Tensor
     lengths = torch.diff(first, append=torch.tensor([positions.numel()]))
     return tuple(
         Run(local=i, start=p, length=n, doc=d)
-        for i, p, n, d, k in zip(first.tolist(), positions[first].tolist(), lengths.tolist(),
-                                 doc[first].tolist(), keep[first].tolist())
+        for i, p, n, d, k in zip(
+            first.tolist(), positions[first].tolist(), lengths.tolist(), doc[first].tolist(), keep[first].tolist()
+        )
         if k
     )
 
@@ -371,9 +391,15 @@ def ratios(work: torch.Tensor, steps: torch.Tensor) -> tuple[float, float]:
 
 def measure(mix: str, cp: int, balance: str, rows: list[list[int]], greedy_alpha: float = 0.02) -> dict:
     """One JSON record: worst row and whole-batch ratios of ``balance`` on the rows of ``mix``."""
-    rec = {"mix": mix, "cp": cp, "balance": balance,
-           "source": "torch" if balance in TORCH_BALANCES else "titan_cp" if balance in BALANCES else "prototype",
-           "seq_len": sum(rows[0]), "rows": len(rows), "docs_per_row": round(sum(map(len, rows)) / len(rows), 1)}
+    rec = {
+        "mix": mix,
+        "cp": cp,
+        "balance": balance,
+        "source": "torch" if balance in TORCH_BALANCES else "titan_cp" if balance in BALANCES else "prototype",
+        "seq_len": sum(rows[0]),
+        "rows": len(rows),
+        "docs_per_row": round(sum(map(len, rows)) / len(rows), 1),
+    }
     try:
         got = [row_measure(balance, lens, cp, greedy_alpha) for lens in rows]
     except ValueError as e:
@@ -393,8 +419,15 @@ def measure(mix: str, cp: int, balance: str, rows: list[list[int]], greedy_alpha
     return rec
 
 
-def run(mixes: Sequence[str], cps: Sequence[int], balances: Sequence[str], seq_len: int, rows: int, seed: int,
-        greedy_alpha: float = 0.02):
+def run(
+    mixes: Sequence[str],
+    cps: Sequence[int],
+    balances: Sequence[str],
+    seq_len: int,
+    rows: int,
+    seed: int,
+    greedy_alpha: float = 0.02,
+):
     """Yield one record per (mix, cp, balance)."""
     for mix in mixes:
         docs = make_rows(mix, seq_len, rows, seed)

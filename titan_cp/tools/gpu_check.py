@@ -41,9 +41,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -52,7 +52,6 @@ from titan_cp.attention.kernels import (
     Segments,
     check_kernel,
     flash_attn_available,
-    get_kernel,
 )
 from titan_cp.testing.docs import lognormal_doc_lens
 
@@ -85,16 +84,49 @@ class Sizes:
 
 
 FULL = Sizes(
-    batch=2, seq=1024, heads=8, kv_heads=2, head_dim=128, doc_lens=(300, 1, 77, 500, 146),
-    ring_seq=131072, ring_heads=32, ring_kv_heads=8, ring_head_dim=128, cp=8, doc_means=(1024, 4096), repeats=3,
-    train_steps=30, train_args=(),
+    batch=2,
+    seq=1024,
+    heads=8,
+    kv_heads=2,
+    head_dim=128,
+    doc_lens=(300, 1, 77, 500, 146),
+    ring_seq=131072,
+    ring_heads=32,
+    ring_kv_heads=8,
+    ring_head_dim=128,
+    cp=8,
+    doc_means=(1024, 4096),
+    repeats=3,
+    train_steps=30,
+    train_args=(),
 )
 SMALL = Sizes(
-    batch=2, seq=64, heads=4, kv_heads=2, head_dim=16, doc_lens=(20, 1, 7, 36),
-    ring_seq=256, ring_heads=4, ring_kv_heads=2, ring_head_dim=16, cp=4, doc_means=(32,), repeats=1,
+    batch=2,
+    seq=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    doc_lens=(20, 1, 7, 36),
+    ring_seq=256,
+    ring_heads=4,
+    ring_kv_heads=2,
+    ring_head_dim=16,
+    cp=4,
+    doc_means=(32,),
+    repeats=1,
     train_steps=3,
-    train_args=("--model.flavor", "tiny", "--training.seq_len", "256", "--training.local_batch_size", "1",
-                "--training.global_batch_size", "2", "--lr_scheduler.warmup_steps", "1"),
+    train_args=(
+        "--model.flavor",
+        "tiny",
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        "1",
+        "--training.global_batch_size",
+        "2",
+        "--lr_scheduler.warmup_steps",
+        "1",
+    ),
 )
 
 RING_BARS = {"causal": 0.90, "docs_1024": 0.85}
@@ -141,6 +173,7 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------- section: kernels
 def _visible(q_lens, k_lens, causal: bool, device) -> torch.Tensor:
     """``(total_q, total_k)`` bool: segment ``i``'s queries see segment ``i``'s keys (top-left causal)."""
+
     def ids_and_pos(lens):
         lens_t = torch.tensor(lens, device=device)
         ids = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t)
@@ -176,8 +209,11 @@ def _segment_sdpa(q, k, v, dout, q_lens, k_lens, causal, scale):
     outs = []
     for (a, b), (c, d) in zip(zip(_cum(q_lens), _cum(q_lens)[1:]), zip(_cum(k_lens), _cum(k_lens)[1:])):
         seg = (x.transpose(0, 1)[None] for x in (qs[a:b], ks[c:d], vs[c:d]))
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            *seg, is_causal=causal, scale=scale, enable_gqa=True)[0].transpose(0, 1))
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(*seg, is_causal=causal, scale=scale, enable_gqa=True)[
+                0
+            ].transpose(0, 1)
+        )
     out = torch.cat(outs)
     grads = torch.autograd.grad(out, (qs, ks, vs), dout)
     return (out.detach(), None, *grads)
@@ -236,11 +272,22 @@ def check_kernels(device: torch.device, sizes: Sizes, dtype=torch.bfloat16) -> l
         base = _segment_sdpa(q, k, v, dout, case["q_lens"], case["k_lens"], case["causal"], scale)
         base_err = [_max_err(x, r) for x, r in zip(base[:1] + base[2:], ref[:1] + ref[2:])]
         for name in names:
-            rec = dict(section="kernels", kernel=name, case=case["name"], api=case["api"], causal=case["causal"],
-                       dtype=str(dtype).replace("torch.", ""), heads=h, kv_heads=kh, head_dim=e)
+            rec = dict(
+                section="kernels",
+                kernel=name,
+                case=case["name"],
+                api=case["api"],
+                causal=case["causal"],
+                dtype=str(dtype).replace("torch.", ""),
+                heads=h,
+                kv_heads=kh,
+                head_dim=e,
+            )
             try:
                 kern = check_kernel(name, device, dtype, e)
-                got = _run_kernel(kern, case["api"], q, k, v, dout, case["q_lens"], case["k_lens"], case["causal"], scale)
+                got = _run_kernel(
+                    kern, case["api"], q, k, v, dout, case["q_lens"], case["k_lens"], case["causal"], scale
+                )
                 _sync(device)
                 errs = {}
                 ok = tuple(got[0].shape) == tuple(q.shape) and tuple(got[1].shape) == (h, nq)
@@ -304,8 +351,9 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
         for i in range(n):
             src = (r - i) % n
             plan = block.make_plan(layout, (r,), (src,), causal)
-            block.block_backward(dos[r], qs[r], ks[src], vs[src], outs[r], lses[r], b, plan, kernel, scale,
-                                 dq[r], dk[src], dv[src])
+            block.block_backward(
+                dos[r], qs[r], ks[src], vs[src], outs[r], lses[r], b, plan, kernel, scale, dq[r], dk[src], dv[src]
+            )
     return out, (unshard(dq, q.dtype), unshard(dk, k.dtype), unshard(dv, v.dtype))
 
 
@@ -343,8 +391,18 @@ def check_ring(device: torch.device, sizes: Sizes, kernel_name: str | None = Non
     k, v = (torch.randn(1, s, kh, e, generator=g).to(device, dtype).transpose(1, 2) for _ in range(2))
     records = []
     for case in ring_cases(sizes):
-        rec = dict(section="ring", case=case["name"], kernel=kern.name, seq=s, cp=n, heads=h, kv_heads=kh, head_dim=e,
-                   balance=case["balance"], dtype=str(dtype).replace("torch.", ""))
+        rec = dict(
+            section="ring",
+            case=case["name"],
+            kernel=kern.name,
+            seq=s,
+            cp=n,
+            heads=h,
+            kv_heads=kh,
+            head_dim=e,
+            balance=case["balance"],
+            dtype=str(dtype).replace("torch.", ""),
+        )
         if case["doc_lens"] is not None:
             rec.update(doc_mean=case["doc_mean"], documents=len(case["doc_lens"]))
         try:
@@ -352,31 +410,41 @@ def check_ring(device: torch.device, sizes: Sizes, kernel_name: str | None = Non
             layout = SequenceLayout(s, n, case["balance"], doc_rows)
             lens = case["doc_lens"]
 
-            def call_f():
+            def call_f(lens=lens):
                 return _one_call(kern, q, k, v, None, lens, True, scale)
 
-            def call_fb():
+            def call_fb(lens=lens):
                 return _one_call(kern, q, k, v, dout, lens, True, scale)
 
-            def ring_f():
+            def ring_f(layout=layout):
                 return simulated_ring(q, k, v, layout, kern, True, scale)
 
-            def ring_fb():
+            def ring_fb(layout=layout):
                 return simulated_ring(q, k, v, layout, kern, True, scale, dout)
 
-            t = {key: timed(fn, device, sizes.repeats) for key, fn in
-                 (("call_fwd", call_f), ("ring_fwd", ring_f), ("call_fwd_bwd", call_fb), ("ring_fwd_bwd", ring_fb))}
+            t = {
+                key: timed(fn, device, sizes.repeats)
+                for key, fn in (
+                    ("call_fwd", call_f),
+                    ("ring_fwd", ring_f),
+                    ("call_fwd_bwd", call_fb),
+                    ("ring_fwd_bwd", ring_fb),
+                )
+            }
             one = call_f()
             ring_out = ring_f()
             one = one if lens is None else one.transpose(0, 1)[None]
             diff = _max_err(ring_out, one)
-            eff = {"fwd": t["call_fwd"]["min"] / t["ring_fwd"]["min"],
-                   "fwd_bwd": t["call_fwd_bwd"]["min"] / t["ring_fwd_bwd"]["min"]}
+            eff = {
+                "fwd": t["call_fwd"]["min"] / t["ring_fwd"]["min"],
+                "fwd_bwd": t["call_fwd_bwd"]["min"] / t["ring_fwd_bwd"]["min"],
+            }
             bar = RING_BARS.get(case["name"])
             rec.update(
                 seconds={key: val["min"] for key, val in t.items()},
                 seconds_median={key: val["median"] for key, val in t.items()},
-                efficiency=eff, bar=bar,
+                efficiency=eff,
+                bar=bar,
                 meets_bar=None if bar is None else bool(eff["fwd_bwd"] >= bar),
                 max_abs_diff_vs_one_call=diff,
                 # bf16 outputs of the two routes differ by rounding of the fp32 merge only
@@ -396,11 +464,30 @@ def check_train(device: torch.device, sizes: Sizes, timeout: float = 170.0) -> d
     rec = dict(section="train", steps=sizes.train_steps, flavor="debugmodel_gqa")
     with tempfile.TemporaryDirectory(prefix="gpu_check_train_") as tmp:
         argv = [
-            sys.executable, "-m", "titan_cp.train", "--job.config_file", str(REPO / "train_configs" / "debug_cp.toml"),
-            "--parallelism.context_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "1",
-            "--training.steps", str(sizes.train_steps), "--training.mixed_precision_param", "bfloat16",
-            "--training.deterministic", "false", "--validation.enable", "false", "--checkpoint.enable", "false",
-            "--metrics.log_freq", "1", "--job.dump_folder", tmp, *sizes.train_args,
+            sys.executable,
+            "-m",
+            "titan_cp.train",
+            "--job.config_file",
+            str(REPO / "train_configs" / "debug_cp.toml"),
+            "--parallelism.context_parallel_degree",
+            "1",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--training.steps",
+            str(sizes.train_steps),
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--training.deterministic",
+            "false",
+            "--validation.enable",
+            "false",
+            "--checkpoint.enable",
+            "false",
+            "--metrics.log_freq",
+            "1",
+            "--job.dump_folder",
+            tmp,
+            *sizes.train_args,
         ]
         if "--model.flavor" in sizes.train_args:
             rec["flavor"] = sizes.train_args[sizes.train_args.index("--model.flavor") + 1]
@@ -419,10 +506,12 @@ def check_train(device: torch.device, sizes: Sizes, timeout: float = 170.0) -> d
         if proc.returncode != 0 or not rows:
             rec.update(status="error", returncode=proc.returncode, error=(proc.stderr or proc.stdout)[-3000:])
             return rec
-        warm = rows[min(5, len(rows) - 1):] if len(rows) > 1 else rows
+        warm = rows[min(5, len(rows) - 1) :] if len(rows) > 1 else rows
         losses = [r["loss"] for r in rows]
         rec.update(
-            steps_logged=len(rows), first_loss=losses[0], last_loss=losses[-1],
+            steps_logged=len(rows),
+            first_loss=losses[0],
+            last_loss=losses[-1],
             tokens_per_second=statistics.median(r["tokens_per_second"] for r in warm),
             mfu=statistics.median(r["mfu"] for r in warm),
             memory_gib=max(r.get("memory_bytes", 0) for r in rows) / 2**30,
@@ -435,12 +524,21 @@ def check_train(device: torch.device, sizes: Sizes, timeout: float = 170.0) -> d
 def environment(device: torch.device) -> dict:
     """Versions, the device, and the schemas of the ATen flash ops the ``cuda_flash`` kernel calls."""
     aten = torch.ops.aten
-    rec = dict(section="env", torch=torch.__version__, device=str(device),
-               flash_attn_schemas={op: str(getattr(aten, op).default._schema)
-                                   for op in ("_flash_attention_forward", "_flash_attention_backward")})
+    rec = dict(
+        section="env",
+        torch=torch.__version__,
+        device=str(device),
+        flash_attn_schemas={
+            op: str(getattr(aten, op).default._schema)
+            for op in ("_flash_attention_forward", "_flash_attention_backward")
+        },
+    )
     if device.type == "cuda":
-        rec.update(device_name=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
-                   capability=".".join(map(str, torch.cuda.get_device_capability(device))))
+        rec.update(
+            device_name=torch.cuda.get_device_name(device),
+            cuda=torch.version.cuda,
+            capability=".".join(map(str, torch.cuda.get_device_capability(device))),
+        )
     if flash_attn_available():
         import flash_attn  # noqa: PLC0415 - optional
 
@@ -453,15 +551,23 @@ def print_json(record: dict) -> None:
     print(json.dumps(record, default=str), flush=True)
 
 
-def run(device: str = "cuda", small: bool = False, sections=SECTIONS, emit: Callable[[dict], None] = print_json,
-        ring_kernel: str | None = None) -> dict:
+def run(
+    device: str = "cuda",
+    small: bool = False,
+    sections=SECTIONS,
+    emit: Callable[[dict], None] = print_json,
+    ring_kernel: str | None = None,
+) -> dict:
     """Run the check; ``emit`` gets every record, the summary last (and is returned).
 
     Without a CUDA device when ``device == "cuda"``, emits one record saying so and returns it.
     """
     if device == "cuda" and not torch.cuda.is_available():
-        rec = dict(summary=True, status="skipped", reason="no CUDA device: nothing to check (use --device cpu --small "
-                                                           "to exercise the logic on CPU)")
+        rec = dict(
+            summary=True,
+            status="skipped",
+            reason="no CUDA device: nothing to check (use --device cpu --small to exercise the logic on CPU)",
+        )
         emit(rec)
         return rec
     unknown = set(sections) - set(SECTIONS)
@@ -487,21 +593,43 @@ def run(device: str = "cuda", small: bool = False, sections=SECTIONS, emit: Call
             emit(rec)
         records += out
         timing[section] = time.perf_counter() - ts
-    failures = [{k: r.get(k) for k in ("section", "kernel", "case", "status")} for r in records
-                if r.get("status") not in (None, "ok")]
+    failures = [
+        {k: r.get(k) for k in ("section", "kernel", "case", "status")}
+        for r in records
+        if r.get("status") not in (None, "ok")
+    ]
     below = [r["case"] for r in records if r.get("section") == "ring" and r.get("meets_bar") is False]
     train = next((r for r in records if r.get("section") == "train"), {})
     summary = dict(
-        summary=True, device=records[0].get("device_name", str(dev)), torch=torch.__version__,
-        status="ok" if not failures else "fail", failures=failures,
-        ring_efficiency={r["case"]: r["efficiency"] for r in records if r.get("section") == "ring" and "efficiency" in r},
+        summary=True,
+        device=records[0].get("device_name", str(dev)),
+        torch=torch.__version__,
+        status="ok" if not failures else "fail",
+        failures=failures,
+        ring_efficiency={
+            r["case"]: r["efficiency"] for r in records if r.get("section") == "ring" and "efficiency" in r
+        },
         ring_below_bar=below,
         train={k: train.get(k) for k in ("tokens_per_second", "mfu", "last_loss")} if train else None,
-        section_seconds=timing, seconds=time.perf_counter() - t0, sizes=asdict(sizes) if small else "full",
+        section_seconds=timing,
+        seconds=time.perf_counter() - t0,
+        sizes=asdict(sizes) if small else "full",
     )
     emit(summary)
     return summary
 
 
-__all__ = ["FULL", "SECTIONS", "SMALL", "Sizes", "check_kernels", "check_ring", "check_train", "lognormal_doc_lens",
-           "print_json", "run", "simulated_ring", "timed"]
+__all__ = [
+    "FULL",
+    "SECTIONS",
+    "SMALL",
+    "Sizes",
+    "check_kernels",
+    "check_ring",
+    "check_train",
+    "lognormal_doc_lens",
+    "print_json",
+    "run",
+    "simulated_ring",
+    "timed",
+]

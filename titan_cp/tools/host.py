@@ -61,8 +61,16 @@ def counting_kernel(name: str, native_varlen: bool | None = None) -> CountingKer
     return kernel
 
 
-def host_layer(rank: int, world: int, seq_len: int, doc_lens: list[int], strategy: str = "ring",
-               kernel: str = "cpu_varlen", native_varlen: bool | None = None, iters: int = 3) -> dict:
+def host_layer(
+    rank: int,
+    world: int,
+    seq_len: int,
+    doc_lens: list[int],
+    strategy: str = "ring",
+    kernel: str = "cpu_varlen",
+    native_varlen: bool | None = None,
+    iters: int = 3,
+) -> dict:
     """Main-thread CPU time of one layer's forward + backward on this rank, layout built inside (fastest of ``iters``).
 
     Runs inside a gloo process of :class:`titan_cp.spawn.DistPool`. Returns ``host_ms``,
@@ -91,6 +99,11 @@ def host_layer(rank: int, world: int, seq_len: int, doc_lens: list[int], strateg
         best = min(best, time.thread_time() - t0)
         calls = Counter(counted.calls)
     steps = world if strategy == "ring" else 1
-    tiles = sum(p.num_tiles for p in ring_plans(layout, rank, world, lambda r: (r,), True)) if strategy == "ring" else None
-    return {"host_ms": best * 1e3, "tiles": tiles,
-            "kernel_calls_per_step": calls["varlen_forward" if counted.native_varlen else "forward"] / steps}
+    tiles = (
+        sum(p.num_tiles for p in ring_plans(layout, rank, world, lambda r: (r,), True)) if strategy == "ring" else None
+    )
+    return {
+        "host_ms": best * 1e3,
+        "tiles": tiles,
+        "kernel_calls_per_step": calls["varlen_forward" if counted.native_varlen else "forward"] / steps,
+    }

@@ -21,8 +21,8 @@ import contextlib
 import gc
 import re
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -125,7 +125,9 @@ def measure_loss_memory(
 
     def step() -> float:
         if unchunked:
-            loss = torch.nn.functional.cross_entropy((h @ w.t()).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+            loss = torch.nn.functional.cross_entropy(
+                (h @ w.t()).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
         else:
             loss = chunked_cross_entropy_sum(h, w, labels, chunk)
         loss.backward()
@@ -145,10 +147,20 @@ def measure_loss_memory(
         peak, consistent = torch.cuda.max_memory_allocated(device) - base, True
     logits = tokens * vocab * 4
     return {
-        "case": "loss", "tokens": tokens, "vocab": vocab, "dim": dim, "dtype": str(dtype).replace("torch.", ""),
-        "device": device, "method": "unchunked" if unchunked else "chunked", "chunk_tokens": None if unchunked else chunk,
-        "peak_bytes": peak, "fp32_logits_bytes": logits, "peak_fraction": round(peak / logits, 4),
-        "grad_bytes": (h.numel() + w.numel()) * h.element_size(), "loss": loss, "alloc_trace_consistent": consistent,
+        "case": "loss",
+        "tokens": tokens,
+        "vocab": vocab,
+        "dim": dim,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": device,
+        "method": "unchunked" if unchunked else "chunked",
+        "chunk_tokens": None if unchunked else chunk,
+        "peak_bytes": peak,
+        "fp32_logits_bytes": logits,
+        "peak_fraction": round(peak / logits, 4),
+        "grad_bytes": (h.numel() + w.numel()) * h.element_size(),
+        "loss": loss,
+        "alloc_trace_consistent": consistent,
     }
 
 
@@ -390,11 +402,17 @@ def non_shrinking(base: dict, mine: dict, cp: int, threshold: float = 0.9, top: 
         bc = mine.get(module, {"bytes": 0, "tensors": {}})
         scaling = b1["bytes"] / (cp * bc["bytes"]) if bc["bytes"] else float("inf")
         if scaling < threshold:
-            rows.append({
-                "module": module, "bytes_cp1": b1["bytes"], "bytes": bc["bytes"],
-                "excess_bytes": bc["bytes"] - b1["bytes"] // cp, "scaling": round(scaling, 4),
-                "tensors_cp1": b1["tensors"], "tensors": bc["tensors"],
-            })
+            rows.append(
+                {
+                    "module": module,
+                    "bytes_cp1": b1["bytes"],
+                    "bytes": bc["bytes"],
+                    "excess_bytes": bc["bytes"] - b1["bytes"] // cp,
+                    "scaling": round(scaling, 4),
+                    "tensors_cp1": b1["tensors"],
+                    "tensors": bc["tensors"],
+                }
+            )
     rows.sort(key=lambda r: -r["excess_bytes"])
     return rows[:top]
 
@@ -421,14 +439,21 @@ def summarize(results: dict[int, list[dict]], seq_len: int, top: int = 8) -> lis
     for cp in sorted(results):
         saved, peak, peak_ng = top_of(cp, "saved_bytes"), top_of(cp, "peak_bytes"), top_of(cp, "peak_bytes_no_grads")
         row = {
-            "cp": cp, "seq_len": seq_len, "local_tokens": worst[cp]["local_tokens"],
-            "saved_bytes_per_rank": saved, "peak_bytes_per_rank": peak,
-            "scaling": round(s1 / (cp * saved), 4), "peak_scaling": round(p1 / (cp * peak), 4),
-            "peak_bytes_no_grads_per_rank": peak_ng, "peak_scaling_no_grads": round(n1 / (cp * peak_ng), 4),
+            "cp": cp,
+            "seq_len": seq_len,
+            "local_tokens": worst[cp]["local_tokens"],
+            "saved_bytes_per_rank": saved,
+            "peak_bytes_per_rank": peak,
+            "scaling": round(s1 / (cp * saved), 4),
+            "peak_scaling": round(p1 / (cp * peak), 4),
+            "peak_bytes_no_grads_per_rank": peak_ng,
+            "peak_scaling_no_grads": round(n1 / (cp * peak_ng), 4),
             "saved_bytes_min_rank": min(r["saved_bytes"] for r in results[cp]),
             "saved_param_bytes": top_of(cp, "saved_param_bytes"),
-            "grad_bytes": top_of(cp, "grad_bytes"), "param_bytes": top_of(cp, "param_bytes"),
-            "end_bytes": top_of(cp, "end_bytes"), "bytes_sent_per_rank": top_of(cp, "bytes_sent"),
+            "grad_bytes": top_of(cp, "grad_bytes"),
+            "param_bytes": top_of(cp, "param_bytes"),
+            "end_bytes": top_of(cp, "end_bytes"),
+            "bytes_sent_per_rank": top_of(cp, "bytes_sent"),
             "alloc_trace_consistent": all(r["alloc_trace_consistent"] for r in results[cp]),
         }
         if cp > 1:
