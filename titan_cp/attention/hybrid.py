@@ -21,7 +21,7 @@ import torch
 from titan_cp.attention.block import head_major, token_major
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.ring import ring_backward, ring_forward, ring_plans
-from titan_cp.attention.ulysses import gather_heads, kv_from_heads, kv_head_map, kv_to_heads, scatter_heads
+from titan_cp.attention.ulysses import gather_heads, head_shards_like, kv_from_heads, kv_to_heads, scatter_heads
 
 KEEPS = ()
 
@@ -89,13 +89,4 @@ def backward(ctx: CPContext, dout, q, k, v, out, saved):
 
 
 def saved_like(ctx: CPContext, q, k, v):
-    b, h, s, e = q.shape
-    u = ctx.mesh.size(hybrid_dims(ctx.mesh)[1])
-    kv_heads = 1 if kv_head_map(h, k.shape[1], u) is not None else k.shape[1] // u
-    q_h = q.new_empty((b * s * u, h // u, e))
-    return (
-        q_h,
-        k.new_empty((b * s * u, kv_heads, 2, e)),
-        torch.empty_like(q_h),
-        q.new_empty((h // u, b * s * u), dtype=torch.float32),
-    )
+    return head_shards_like(q, k, ctx.mesh.size(hybrid_dims(ctx.mesh)[1]))

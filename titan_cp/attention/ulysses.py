@@ -106,8 +106,12 @@ def backward(ctx: CPContext, dout, q, k, v, out, saved):
 
 
 def saved_like(ctx: CPContext, q, k, v):
+    return head_shards_like(q, k, ctx.cp_size)
+
+
+def head_shards_like(q, k, n: int):
+    """Empty ``(q_h, kv_h, out_h, lse_h)`` as an all-to-all over ``n`` ranks leaves them (the fake op's outputs)."""
     b, h, s, e = q.shape
-    n = ctx.cp_size
     kv_heads = 1 if kv_head_map(h, k.shape[1], n) is not None else k.shape[1] // n
     q_h = q.new_empty((b * s * n, h // n, e))
     return (
