@@ -76,8 +76,8 @@ def _reference(n_layers: int):
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _compare(rank, world, combo: dict):
-    ref_losses, ref_grads, ref_params = _reference(combo.get("n_layers", 2))
+def build_combo(world: int, combo: dict):
+    """``(parallel dims, options, the built model, its GlobalTokenLoss)`` of the tiny model on ``combo``'s mesh."""
     pd = ParallelDims(
         dp_replicate=combo.get("dp_replicate", 1),
         dp_shard=combo.get("dp_shard", 1),
@@ -102,20 +102,29 @@ def _compare(rank, world, combo: dict):
         pp_microbatches=2,
         pp_schedule=combo.get("schedule", "1F1B"),
     )
+    return pd, options, built, loss_fn
+
+
+def local_microbatch(pd: ParallelDims, options: ParallelizeOptions, full: Microbatch) -> Microbatch:
+    """This rank's rows (by its dp rank) of ``full``, sharded for its cp rank."""
+    dp = pd.get_mesh("dp")
+    rows = slice(dp.get_local_rank() * ROWS // dp.size(), (dp.get_local_rank() + 1) * ROWS // dp.size())
+    mine = Microbatch(full.tokens[rows], full.labels[rows], full.positions[rows], full.doc_lens[rows])
+    c_rank = cp_rank(cp_mesh(pd), options.cp_strategy) if pd.cp_enabled else 0
+    return mine.shard(pd.cp, c_rank, options.cp_balance)
+
+
+def _compare(rank, world, combo: dict):
+    ref_losses, ref_grads, ref_params = _reference(combo.get("n_layers", 2))
+    pd, options, built, loss_fn = build_combo(world, combo)
     parts, schedule, first, last = built.parts, built.schedule, built.has_first, built.has_last
     opt = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=LR)
-    c_rank = cp_rank(cp_mesh(pd), combo["strategy"]) if pd.cp_enabled else 0
-    dp_mesh = pd.get_mesh("dp")
-    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     tp_rank = pd.get_mesh("tp").get_local_rank()
     losses, grad_errs = [], {}
     for step in range(STEPS):
         full = make_batch(step)
         loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
-        rows = slice(dp_rank * ROWS // dp_size, (dp_rank + 1) * ROWS // dp_size)
-        mine = Microbatch(full.tokens[rows], full.labels[rows], full.positions[rows], full.doc_lens[rows])
-        local = mine.shard(pd.cp, c_rank, options.cp_balance)
-        loss = forward_backward(parts, local, loss_fn, schedule, first, last)
+        loss = forward_backward(parts, local_microbatch(pd, options, full), loss_fn, schedule, first, last)
         counted = loss if (last and tp_rank == 0) else torch.zeros(())
         dist.all_reduce(counted)  # every dp x cp rank's share, once per tp group, from the last stage
         losses.append(counted.item())

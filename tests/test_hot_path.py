@@ -15,39 +15,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.dist_utils import cp_mesh, make_inputs
 from titan_cp import SequenceLayout
-from titan_cp.attention import api, cp_rank, register_kernel
-from titan_cp.attention.kernels import CPUFlashKernel
+from titan_cp.attention import api, cp_rank
+from titan_cp.tools.host import counting_kernel
 
 SEQ = 4096
 
 
-class CountingVarlenKernel(CPUFlashKernel):
-    """A native-varlen kernel (segments looped on the CPU kernel) that counts its calls and
-    marks the operations it dispatches itself, so they are not counted as host work around it."""
-
-    name = "counting_varlen"
-    native_varlen = True
-    calls = {"forward": 0, "backward": 0}
-    inside = False
-
-    def varlen_forward(self, *args, **kwargs):
-        CountingVarlenKernel.calls["forward"] += 1
-        CountingVarlenKernel.inside = True
-        try:
-            return super().varlen_forward(*args, **kwargs)
-        finally:
-            CountingVarlenKernel.inside = False
-
-    def varlen_backward(self, *args, **kwargs):
-        CountingVarlenKernel.calls["backward"] += 1
-        CountingVarlenKernel.inside = True
-        try:
-            return super().varlen_backward(*args, **kwargs)
-        finally:
-            CountingVarlenKernel.inside = False
-
-
-register_kernel("counting_varlen", CountingVarlenKernel)
+# a native-varlen kernel (segments looped on the CPU kernel) that counts its calls
+KERNEL = counting_kernel("cpu_flash", native_varlen=True)
 
 
 class OpCounter(TorchDispatchMode):
@@ -58,7 +33,7 @@ class OpCounter(TorchDispatchMode):
         self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not CountingVarlenKernel.inside:
+        if not KERNEL.inside:  # the kernel's own operations are not work around it
             self.ops += 1
         return func(*args, **(kwargs or {}))
 
@@ -85,15 +60,15 @@ def _count(rank, world, strategy, ulysses, n_docs):
     r = cp_rank(mesh, strategy)
     layout = SequenceLayout(SEQ, world, "doc_zigzag", [_docs(n_docs)])
     q, k, v, dout = (layout.shard(x, 2, r) for x in make_inputs(0, 1, 4, 2, SEQ, 8))
-    handle = api.register_spec(mesh, strategy, layout.balance, "counting_varlen")
+    handle = api.register_spec(mesh, strategy, layout.balance, KERNEL.name)
     ctx, module = api._context(handle, q, k.shape[1], layout.doc_lens_tensor(), True, 0.35)
-    CountingVarlenKernel.calls.update(forward=0, backward=0)
     layout.memo(("warm",), lambda: module.forward(ctx, q, k, v))  # plans and device indices: once per microbatch
-    CountingVarlenKernel.calls.update(forward=0, backward=0)
+    KERNEL.calls.clear()
     with OpCounter() as counter:
         out, saved = module.forward(ctx, q, k, v)
         module.backward(ctx, dout, q, k, v, out, saved)
-    return dict(CountingVarlenKernel.calls), counter.ops, _steps(strategy, mesh)
+    calls = {"forward": KERNEL.calls["varlen_forward"], "backward": KERNEL.calls["varlen_backward"]}
+    return calls, counter.ops, _steps(strategy, mesh)
 
 
 STRATEGY_MESHES = [("ring", 4, 1), ("allgather", 4, 1), ("ulysses", 2, 1), ("hybrid", 4, 2)]

@@ -20,6 +20,7 @@ from titan_cp.model import ModelArgs, Transformer, build_model, model_args
 from titan_cp.model import init as init_module
 from titan_cp.model.init import block_seed, clean_name, seeded_fill_
 from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, materialize
+from titan_cp.testing.trainer import tiny_run_args
 
 SEED = 1234
 SMALL_BLOCK = 1000  # values per seeded block in these tests: many blocks per parameter, cut by shards
@@ -158,28 +159,7 @@ def test_construction_allocates_only_shards(dist_pools):
 
 # ----------------------------------------------------------------- trainer, first steps
 
-TRAIN_ARGV = [
-    "--job.config_file",
-    "train_configs/debug_cp.toml",
-    "--model.flavor",
-    "tiny",
-    "--training.seq_len",
-    "256",
-    "--training.local_batch_size",
-    "2",
-    "--training.global_batch_size",
-    "4",
-    "--training.steps",
-    "3",
-    "--lr_scheduler.warmup_steps",
-    "1",
-    "--validation.enable",
-    "false",
-    "--metrics.log_freq",
-    "100",
-    "--checkpoint.enable",
-    "false",
-]
+TRAIN_ARGV = tiny_run_args(steps=3, warmup_steps=1, global_batch_size=4) + ["--checkpoint.enable", "false"]
 
 
 def _train_losses(rank, world, argv):

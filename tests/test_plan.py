@@ -72,44 +72,15 @@ def test_saved_and_comm_bytes_per_strategy(dist_pools, strategy, ulysses):
 
 def _composition_comm(rank, world, combo: dict) -> int:
     """CP bytes this rank sent in one forward + backward of the tiny model on ``combo``'s mesh."""
-    from tests.test_composition import ROWS, SEED, make_batch
-    from titan_cp.attention import cp_rank
+    from tests.test_composition import build_combo, local_microbatch, make_batch
     from titan_cp.attention.comm import count_comm
-    from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
-    from titan_cp.mesh import ParallelDims
-    from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, cp_mesh
-    from titan_cp.step import Microbatch, forward_backward
+    from titan_cp.loss import IGNORE_INDEX
+    from titan_cp.step import forward_backward
 
-    pd = ParallelDims(
-        dp_replicate=combo.get("dp_replicate", 1),
-        dp_shard=combo.get("dp_shard", 1),
-        cp=combo["cp"],
-        tp=combo.get("tp", 1),
-        pp=combo.get("pp", 1),
-        world_size=world,
-        cp_ulysses=combo.get("ulysses"),
-    )
-    pd.build_mesh("cpu")
-    options = ParallelizeOptions(
-        cp_strategy=combo["strategy"], cp_balance=combo.get("balance", "doc_zigzag"), ac_mode=combo.get("ac", "none")
-    )
-    loss_fn = GlobalTokenLoss()
-    built = build_parallel_model(
-        model_args("tiny", n_layers=combo.get("n_layers", 2)),
-        pd,
-        options,
-        "cpu",
-        seed=SEED,
-        loss_fn=loss_fn,
-        pp_microbatches=2,
-        pp_schedule=combo.get("schedule", "1F1B"),
-    )
+    pd, options, built, loss_fn = build_combo(world, combo)
     full = make_batch(0)
     loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
-    dp = pd.get_mesh("dp")
-    rows = slice(dp.get_local_rank() * ROWS // dp.size(), (dp.get_local_rank() + 1) * ROWS // dp.size())
-    mine = Microbatch(full.tokens[rows], full.labels[rows], full.positions[rows], full.doc_lens[rows])
-    local = mine.shard(pd.cp, cp_rank(cp_mesh(pd), combo["strategy"]), options.cp_balance)
+    local = local_microbatch(pd, options, full)
     # the first step also runs the pipeline's shape inference (a forward, and on the last stage
     # a backward, of one microbatch): count a steady-state step
     forward_backward(built.parts, local, loss_fn, built.schedule, built.has_first, built.has_last)

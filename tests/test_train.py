@@ -16,27 +16,10 @@ import pytest
 
 from titan_cp import checkpoint as ckpt_module
 from titan_cp.checkpoint import saved_steps
+from titan_cp.testing.trainer import tiny_run_args
 from titan_cp.train import main
 
-BASE = [
-    "--job.config_file",
-    "train_configs/debug_cp.toml",
-    "--model.flavor",
-    "tiny",
-    "--training.seq_len",
-    "256",
-    "--training.local_batch_size",
-    "2",
-    "--training.global_batch_size",
-    "4",
-    "--training.steps",
-    "8",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--validation.enable",
-    "false",
-    "--metrics.log_freq",
-    "100",
+BASE = tiny_run_args(steps=8, warmup_steps=2, global_batch_size=4) + [
     "--checkpoint.interval",
     "4",
     "--checkpoint.keep_latest_k",

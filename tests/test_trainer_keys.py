@@ -16,6 +16,7 @@ from titan_cp.metrics import MFU, visible_pairs
 from titan_cp.model import build_model
 from titan_cp.optim import LRSchedulers, build_optimizers, lr_lambda
 from titan_cp.parallel.ac import ac_mode_and_every, apply_ac
+from titan_cp.testing.trainer import tiny_run_args
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,21 +99,7 @@ def _run(rank, world, argv):
         ParallelDims.set_timeout = real
 
 
-BASE = [
-    "--job.config_file",
-    "train_configs/debug_cp.toml",
-    "--model.flavor",
-    "tiny",
-    "--training.seq_len",
-    "256",
-    "--training.local_batch_size",
-    "2",
-    "--lr_scheduler.warmup_steps",
-    "1",
-    "--validation.enable",
-    "false",
-    "--metrics.log_freq",
-    "100",
+BASE = tiny_run_args() + [
     "--parallelism.context_parallel_degree",
     "2",
     "--checkpoint.enable",

@@ -245,11 +245,6 @@ class SequenceLayout:
         """True when every row uses the same permutation (so any dim may be the batch)."""
         return len(set(self._row_keys)) == 1 or self.balance != "doc_zigzag"
 
-    @property
-    def uniform_rows(self) -> bool:
-        """True when every row has the same documents (masks can be shared by the batch)."""
-        return len(set(self._row_keys)) == 1
-
     def row_groups(self) -> list[tuple[int, ...]]:
         """Batch rows grouped by identical document structure: masks are planned once per group."""
         if self.doc_lens is None:
@@ -366,13 +361,6 @@ class SequenceLayout:
         if inverse.dim() == 1:
             return concat.index_select(dim, inverse)
         return self._per_row(concat, dim, inverse, gather=True)
-
-    def to_concat(self, natural: torch.Tensor, dim: int) -> torch.Tensor:
-        """Inverse of :meth:`to_natural`."""
-        index = self.concat_index(natural.device)
-        if index.dim() == 1:
-            return natural.index_select(dim, index)
-        return self._per_row(natural, dim, index, gather=True)
 
     def _natural_index(self, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """For each natural token-major row ``b*S + p``: the (rank, ``b*S_local + j``) holding it."""

@@ -117,15 +117,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return dh_ND, dw, None, None, None, None
 
 
-def chunked_cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int | None = None) -> Tensor:
-    """``sum over tokens with a label of CE(h @ weight.T, label)``, fp32, computed chunk by chunk.
+def _local_operands(h: Tensor, weight: Tensor, chunk_tokens: int | None, grad: bool):
+    """``(h, weight, chunk_tokens, vocab_start, tp group)``: plain local tensors in the autocast dtype.
 
-    h: ``(..., D)`` last hidden states (after the final norm); weight: ``(V, D)`` the output
-    projection; labels: ``(...)`` int64, ``IGNORE_INDEX`` where no loss. chunk_tokens: tokens
-    per chunk (default: ``LOSS_CHUNK_BYTES`` of fp32 logits). Under autocast the matmuls run
-    in the autocast dtype, as ``F.linear`` would. Tensor parallel: ``weight`` a DTensor
-    ``Shard(0)`` on a 1-D mesh and ``h`` a DTensor replicated on it (or a plain tensor equal on
-    every rank); the result is then the same plain tensor on every rank of the mesh.
+    A vocabulary-sharded ``weight`` (DTensor ``Shard(0)`` on a 1-D tp mesh) gives this rank's rows,
+    where they start and the tp group; ``h``'s gradient is then a partial sum over the shards.
     """
     group, vocab_start = None, 0
     if isinstance(weight, DTensor):
@@ -136,14 +132,29 @@ def chunked_cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor, chunk_t
         _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
         group, vocab_start = weight.device_mesh.get_group(), offset[0]
         weight = weight.to_local()
-        if isinstance(h, DTensor):  # its gradient is a partial sum over the vocabulary shards
-            h = h.to_local(grad_placements=[Partial()])
+        if isinstance(h, DTensor):
+            h = h.to_local(grad_placements=[Partial()]) if grad else h.to_local()
     device_type = h.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         h, weight = h.to(dtype), weight.to(dtype)
     if chunk_tokens is None:
         chunk_tokens = max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
+    return h, weight, chunk_tokens, vocab_start, group
+
+
+def chunked_cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int | None = None) -> Tensor:
+    """``sum over tokens with a label of CE(h @ weight.T, label)``, fp32, computed chunk by chunk.
+
+    h: ``(..., D)`` last hidden states (after the final norm); weight: ``(V, D)`` the output
+    projection; labels: ``(...)`` int64, ``IGNORE_INDEX`` where no loss. chunk_tokens: tokens
+    per chunk (default: ``LOSS_CHUNK_BYTES`` of fp32 logits). Under autocast the matmuls run
+    in the autocast dtype, as ``F.linear`` would. Tensor parallel: ``weight`` a DTensor
+    ``Shard(0)`` on a 1-D mesh and ``h`` a DTensor replicated on it (or a plain tensor equal on
+    every rank); the result is then the same plain tensor on every rank of the mesh.
+    """
+    h, weight, chunk_tokens, vocab_start, group = _local_operands(h, weight, chunk_tokens, grad=True)
+    device_type = h.device.type
     with torch.autocast(device_type, enabled=False):
         return _ChunkedCrossEntropy.apply(
             h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), chunk_tokens, vocab_start, group
@@ -160,18 +171,8 @@ def chunked_evaluate(
     rank's best vocabulary row and its logit are gathered over the tp ranks, chunk by chunk,
     and the largest wins (the lowest vocabulary index on a tie, as ``argmax``).
     """
-    group, vocab_start = None, 0
-    if isinstance(weight, DTensor):
-        _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
-        group, vocab_start = weight.device_mesh.get_group(), offset[0]
-        weight = weight.to_local()
-        h = h.to_local() if isinstance(h, DTensor) else h
+    h, weight, chunk_tokens, vocab_start, group = _local_operands(h, weight, chunk_tokens, grad=False)
     device_type = h.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        h, weight = h.to(dtype), weight.to(dtype)
-    if chunk_tokens is None:
-        chunk_tokens = max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
     h_ND, labels_N = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     pred = torch.empty(labels_N.shape, dtype=torch.int64, device=h.device)
     total = torch.zeros((), dtype=torch.float32, device=h.device)

@@ -20,34 +20,47 @@ from titan_cp.attention.kernels import AttentionKernel, get_kernel, register_ker
 
 
 class CountingKernel(AttentionKernel):
-    """Wraps a registered kernel and counts its calls by entry point (``forward``, ``varlen_forward``, ...)."""
+    """Wraps a registered kernel and counts its calls by entry point (``forward``, ``varlen_forward``, ...).
+
+    ``inside`` is true while one of its calls runs, so that a dispatch counter can tell the
+    kernel's own operations from the work around it.
+    """
 
     def __init__(self, inner: AttentionKernel, native_varlen: bool | None = None):
         self.inner = inner
         self.name = f"counted_{inner.name}"
         self.native_varlen = inner.native_varlen if native_varlen is None else native_varlen
         self.calls: Counter = Counter()
+        self._depth = 0
 
     def __getattr__(self, attr):  # device/dtype/head_dim limits of the wrapped kernel
         return getattr(self.inner, attr)
 
+    @property
+    def inside(self) -> bool:
+        return self._depth > 0
+
+    def _call(self, entry: str, impl, *args, **kwargs):
+        self.calls[entry] += 1
+        self._depth += 1
+        try:
+            return impl(*args, **kwargs)
+        finally:
+            self._depth -= 1
+
     def forward(self, *args, **kwargs):
-        self.calls["forward"] += 1
-        return self.inner.forward(*args, **kwargs)
+        return self._call("forward", self.inner.forward, *args, **kwargs)
 
     def backward(self, *args, **kwargs):
-        self.calls["backward"] += 1
-        return self.inner.backward(*args, **kwargs)
+        return self._call("backward", self.inner.backward, *args, **kwargs)
 
     def varlen_forward(self, *args, **kwargs):
-        self.calls["varlen_forward"] += 1
         impl = self.inner.varlen_forward if self.inner.native_varlen else super().varlen_forward
-        return impl(*args, **kwargs)
+        return self._call("varlen_forward", impl, *args, **kwargs)
 
     def varlen_backward(self, *args, **kwargs):
-        self.calls["varlen_backward"] += 1
         impl = self.inner.varlen_backward if self.inner.native_varlen else super().varlen_backward
-        return impl(*args, **kwargs)
+        return self._call("varlen_backward", impl, *args, **kwargs)
 
 
 def counting_kernel(name: str, native_varlen: bool | None = None) -> CountingKernel:
