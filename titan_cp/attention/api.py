@@ -44,7 +44,7 @@ MIN_BYTES = {"ring": ring_min_bytes, "allgather": allgather_min_bytes, "ulysses"
 
 
 # ---------------------------------------------------------------------------- checks
-def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
@@ -258,7 +258,7 @@ def cp_attention(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown cp attention strategy {strategy!r}; choose one of {STRATEGIES}")
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     _check_layout(q, layout)
     scale = _scale(scale, q.shape[-1])
     check_kernel(kernel, q.device, q.dtype, q.shape[-1])
@@ -290,7 +290,7 @@ def local_attention(
     ``doc_lens``: ``None``, one list of document lengths per batch row, or a zero-padded
     ``(batch, max_docs)`` integer tensor on the host. GQA K/V are taken as they are.
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     if doc_lens is None or isinstance(doc_lens, Tensor):  # the model's path: straight to the op, traceable
         return attend(
             q, k, v, register_spec(None, "ring", "contiguous", kernel), doc_lens, causal, _scale(scale, q.shape[-1])

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titan_cp.attention import STRATEGIES
-from titan_cp.attention.api import _check_qkv, attend, register_spec
+from titan_cp.attention.api import check_qkv, attend, register_spec
 from titan_cp.layout import BALANCES, get_layout
 
 SEQ_DIM = 2
@@ -85,7 +85,7 @@ class ContextParallel(ParallelStyle):
                         f"ContextParallel takes {name} as a DTensor placed Shard({SEQ_DIM}) on the cp mesh"
                     )
             q, k, v = q.to_local(), k.to_local(), v.to_local()
-        _check_qkv(q, k, v)
+        check_qkv(q, k, v)
         if doc_lens is not None and not isinstance(doc_lens, torch.Tensor):  # rows as lists: once, eagerly
             doc_lens = get_layout(q.shape[SEQ_DIM] * mesh.size(), mesh.size(), self.balance, doc_lens).doc_lens_tensor()
         out = attend(q, k, v, handle, doc_lens, self.causal, q.shape[-1] ** -0.5)
