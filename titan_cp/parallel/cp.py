@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titan_cp.attention import STRATEGIES
-from titan_cp.attention.api import check_qkv, attend, register_spec
+from titan_cp.attention.api import attend, check_qkv, register_spec
 from titan_cp.layout import BALANCES, get_layout
 
 SEQ_DIM = 2
