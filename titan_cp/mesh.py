@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from titan_cp.attention.strategy import get_strategy
+
 if TYPE_CHECKING:
     from titan_cp.config import JobConfig
 
@@ -108,11 +110,11 @@ class ParallelDims:
     def from_config(cls, job_config: JobConfig, world_size: int) -> ParallelDims:
         """Degrees from ``[parallelism]``; the cp axis is split when the strategy is ``hybrid``."""
         p = job_config.parallelism
-        hybrid = p.context_parallel_strategy == "hybrid"
+        split = get_strategy(p.context_parallel_strategy).mesh_ndim == 2
         return cls(
             **job_config.parallel_degrees(),
             world_size=world_size,
-            cp_ulysses=p.context_parallel_ulysses_degree if hybrid else None,
+            cp_ulysses=p.context_parallel_ulysses_degree if split else None,
         )
 
     # ---- degrees ----------------------------------------------------------------------------

@@ -2,16 +2,20 @@
 
 from titan_cp.attention.api import STRATEGIES, cp_attention, cp_rank, local_attention, min_bytes_per_rank
 from titan_cp.attention.kernels import AttentionKernel, Segments, check_kernel, get_kernel, register_kernel
+from titan_cp.attention.strategy import Strategy, get_strategy, register_strategy
 
 __all__ = [
     "STRATEGIES",
     "AttentionKernel",
     "Segments",
+    "Strategy",
     "check_kernel",
     "cp_attention",
     "cp_rank",
     "get_kernel",
+    "get_strategy",
     "local_attention",
     "min_bytes_per_rank",
     "register_kernel",
+    "register_strategy",
 ]

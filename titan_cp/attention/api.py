@@ -23,24 +23,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from titan_cp.attention import allgather, hybrid, ring, ulysses
-from titan_cp.attention.allgather import allgather_min_bytes
+from titan_cp.attention.allgather import ALLGATHER
 from titan_cp.attention.context import CPContext
-from titan_cp.attention.hybrid import hybrid_rank
+from titan_cp.attention.hybrid import HYBRID
 from titan_cp.attention.kernels import check_kernel
-from titan_cp.attention.ring import ring_min_bytes
-from titan_cp.attention.ulysses import kv_head_map, ulysses_min_bytes
+from titan_cp.attention.ring import RING
+from titan_cp.attention.strategy import Strategy, get_strategy
+from titan_cp.attention.ulysses import ULYSSES
 from titan_cp.layout import SequenceLayout, get_layout
 
-_STRATEGIES: dict[str, ModuleType] = {"ring": ring, "allgather": allgather, "ulysses": ulysses, "hybrid": hybrid}
-STRATEGIES: tuple[str, ...] = tuple(_STRATEGIES)
-
-MIN_BYTES = {"ring": ring_min_bytes, "allgather": allgather_min_bytes, "ulysses": ulysses_min_bytes}
+STRATEGIES: tuple[str, ...] = tuple(s.name for s in (RING, ALLGATHER, ULYSSES, HYBRID))
 
 
 # ---------------------------------------------------------------------------- checks
@@ -81,20 +77,6 @@ def _scale(scale, head_dim: int) -> float:
     return scale
 
 
-def _check_mesh(mesh, strategy: str, layout: SequenceLayout, q: Tensor, k: Tensor) -> None:
-    want = 2 if strategy == "hybrid" else 1
-    if mesh.ndim != want:
-        raise ValueError(
-            f"strategy {strategy!r} needs a {want}-D cp mesh, got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}"
-        )
-    if mesh.size() != layout.cp_size:
-        raise ValueError(f"the cp mesh has {mesh.size()} ranks but the layout was built for cp_size {layout.cp_size}")
-    if strategy == "ulysses":
-        kv_head_map(q.shape[1], k.shape[1], mesh.size())
-    elif strategy == "hybrid":
-        kv_head_map(q.shape[1], k.shape[1], mesh.size(hybrid.hybrid_dims(mesh)[1]))
-
-
 # ---------------------------------------------------------------------------- the custom op
 @dataclass(frozen=True)
 class CPSpec:
@@ -123,15 +105,19 @@ def register_spec(mesh, strategy: str, balance: str, kernel: str | None) -> int:
     return _SPEC_IDS[key]
 
 
+def _strategy(spec: CPSpec) -> Strategy:
+    """One device runs the ring's one step: plain local attention."""
+    return RING if spec.mesh is None else get_strategy(spec.strategy)
+
+
 def _context(
     handle: int, q: Tensor, k_heads: int, doc_lens, causal: bool, scale: float, fake: bool = False
-) -> tuple[CPContext, ModuleType]:
+) -> tuple[CPContext, Strategy]:
     spec = _SPECS[handle]
     cp = 1 if spec.mesh is None else spec.mesh.size()
-    module = ring if spec.mesh is None else _STRATEGIES[spec.strategy]
     layout = None if fake else get_layout(q.shape[2] * cp, cp, spec.balance, doc_lens)
     kernel = None if fake else check_kernel(spec.kernel, q.device, q.dtype, q.shape[-1])
-    return CPContext(spec.mesh, layout, causal, scale, kernel, q.shape[1], k_heads), module
+    return CPContext(spec.mesh, layout, causal, scale, kernel, q.shape[1], k_heads), _strategy(spec)
 
 
 def _bshe_like(x: Tensor) -> Tensor:
@@ -140,30 +126,42 @@ def _bshe_like(x: Tensor) -> Tensor:
     return x.new_empty((b, s, h, e)).transpose(1, 2)
 
 
-def _fresh(x: Tensor) -> Tensor:
-    """``x`` in storage of its own, token-major: op outputs neither alias each other nor differ
-    in strides from the fake implementation's (a copy only where a strategy's result shares storage)."""
-    if (x._base is None or x._base.numel() == x.numel()) and x.transpose(1, 2).is_contiguous():
-        return x
-    y = _bshe_like(x)
-    y.copy_(x)
-    return y
+def _owned(outputs: list[Tensor], inputs: tuple, layouts: int) -> list[Tensor]:
+    """``outputs`` in storage of their own: a custom op's outputs may alias neither its inputs nor
+    each other (PyTorch checks it under any ``TorchDispatchMode``). The first ``layouts`` outputs
+    (``(B, H, S, E)`` attention tensors) are also made token-major, the strides of the fake
+    implementation's. A copy is made only where a strategy's result shares storage or strides differ.
+    """
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor)}
+    for t in inputs:
+        if isinstance(t, (list, tuple)):
+            seen.update(x.untyped_storage().data_ptr() for x in t)
+    owned = []
+    for i, x in enumerate(outputs):
+        ptr = x.untyped_storage().data_ptr()
+        if ptr in seen or (i < layouts and not x.transpose(1, 2).is_contiguous()):
+            y = _bshe_like(x) if i < layouts else torch.empty_like(x)
+            y.copy_(x)
+            x, ptr = y, y.untyped_storage().data_ptr()
+        seen.add(ptr)
+        owned.append(x)
+    return owned
 
 
 @torch.library.custom_op("titan_cp::cp_attention", mutates_args=())
 def _cp_attention_op(
     q: Tensor, k: Tensor, v: Tensor, doc_lens: Tensor | None, handle: int, causal: bool, scale: float
 ) -> list[Tensor]:
-    ctx, module = _context(handle, q, k.shape[1], doc_lens, causal, scale)
+    ctx, strategy = _context(handle, q, k.shape[1], doc_lens, causal, scale)
     with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
-        out, saved = module.forward(ctx, q, k, v)
-    return [_fresh(out), *saved]
+        out, saved = strategy.forward(ctx, q, k, v)
+    return _owned([out, *saved], (q, k, v, doc_lens), layouts=1)
 
 
 @_cp_attention_op.register_fake
 def _(q, k, v, doc_lens, handle, causal, scale):
-    ctx, module = _context(handle, q, k.shape[1], doc_lens, causal, scale, fake=True)
-    return [_bshe_like(q), *module.saved_like(ctx, q, k, v)]
+    ctx, strategy = _context(handle, q, k.shape[1], doc_lens, causal, scale, fake=True)
+    return [_bshe_like(q), *strategy.saved_like(ctx, q, k, v)]
 
 
 @torch.library.custom_op("titan_cp::cp_attention_backward", mutates_args=())
@@ -180,10 +178,10 @@ def _cp_attention_backward_op(
     scale: float,
     kv_heads: int,
 ) -> list[Tensor]:
-    ctx, module = _context(handle, dout, kv_heads, doc_lens, causal, scale)
+    ctx, strategy = _context(handle, dout, kv_heads, doc_lens, causal, scale)
     with torch.autocast(dout.device.type, enabled=False):
-        dq, dk, dv = module.backward(ctx, dout, q, k, v, out, saved)
-    return [_fresh(dq), _fresh(dk), _fresh(dv)]
+        dq, dk, dv = strategy.backward(ctx, dout, q, k, v, out, saved)
+    return _owned([dq, dk, dv], (dout, q, k, v, out, saved, doc_lens), layouts=3)
 
 
 @_cp_attention_backward_op.register_fake
@@ -195,7 +193,7 @@ def _(dout, q, k, v, out, saved, doc_lens, handle, causal, scale, kv_heads):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, doc_lens, handle, causal, scale = inputs
-    keeps = (ring if _SPECS[handle].mesh is None else _STRATEGIES[_SPECS[handle].strategy]).KEEPS
+    keeps = _strategy(_SPECS[handle]).keeps
     kept = [t if name in keeps else None for name, t in (("q", q), ("k", k), ("v", v), ("out", output[0]))]
     ctx.kept = [name for name, t in zip(("q", "k", "v", "out"), kept) if t is not None]
     ctx.save_for_backward(*(t for t in kept if t is not None), *output[1:])
@@ -256,8 +254,7 @@ def cp_attention(
         kernel: local kernel name (``"cpu_varlen"``, ``"cpu_flash"``, ``"cuda_flash"``, ``"flash_attn"``, ``"math"``,
             or one added with ``register_kernel``); ``None`` picks the fastest for the device and dtype.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown cp attention strategy {strategy!r}; choose one of {STRATEGIES}")
+    strat = get_strategy(strategy)
     check_qkv(q, k, v)
     _check_layout(q, layout)
     scale = _scale(scale, q.shape[-1])
@@ -266,14 +263,14 @@ def cp_attention(
         if layout.cp_size != 1:
             raise ValueError(f"mesh is None but the layout spreads the sequence over {layout.cp_size} ranks")
     else:
-        _check_mesh(mesh, strategy, layout, q, k)
+        strat.check_mesh(mesh, layout.cp_size, q.shape[1], k.shape[1])
     handle = register_spec(mesh, strategy, layout.balance, kernel)
     return attend(q, k, v, handle, layout.doc_lens_tensor(), causal, scale)
 
 
 def cp_rank(mesh, strategy: str = "ring") -> int:
     """This process's rank in the layout for ``mesh`` (the flattened ring x ulysses index for hybrid)."""
-    return hybrid_rank(mesh) if strategy == "hybrid" else mesh.get_local_rank()
+    return get_strategy(strategy).layout_rank(mesh)
 
 
 def local_attention(
@@ -303,13 +300,4 @@ def min_bytes_per_rank(
     strategy: str, q: Tensor, k: Tensor, world: int, ulysses_size: int = 1, backward: bool = True
 ) -> int:
     """The strategy's own minimum bytes sent per rank for one forward (+ backward) on these local shapes."""
-    if strategy != "hybrid":
-        return MIN_BYTES[strategy](q, k, world, backward)
-    ring_size = world // ulysses_size
-    uly = ulysses_min_bytes(q, k, ulysses_size, backward)
-    # after the all-to-all each ring rank holds U times the tokens for 1/U of the heads
-    heads = kv_head_map(q.shape[1], k.shape[1], ulysses_size)
-    kv_heads = 1 if heads is not None else k.shape[1] // ulysses_size
-    b, _, s, d = k.shape
-    k_ring = torch.empty(b, kv_heads, s * ulysses_size, d, dtype=k.dtype, device="meta")
-    return uly + ring_min_bytes(q, k_ring, ring_size, backward)
+    return get_strategy(strategy).min_bytes(q, k, world, ulysses_size, backward)

@@ -20,10 +20,18 @@ import torch
 
 from titan_cp.attention.block import head_major, token_major
 from titan_cp.attention.context import CPContext
-from titan_cp.attention.ring import ring_backward, ring_forward, ring_plans
-from titan_cp.attention.ulysses import gather_heads, head_shards_like, kv_from_heads, kv_to_heads, scatter_heads
-
-KEEPS = ()
+from titan_cp.attention.ring import RING, kv_block_bytes, ring_backward, ring_forward, ring_plans
+from titan_cp.attention.strategy import Strategy, kv_heads_per_shard, register_strategy
+from titan_cp.attention.ulysses import (
+    ULYSSES,
+    gather_heads,
+    head_index,
+    head_shard_saved_bytes,
+    head_shards_like,
+    kv_from_heads,
+    kv_to_heads,
+    scatter_heads,
+)
 
 
 def hybrid_dims(mesh) -> tuple[int, int]:
@@ -63,30 +71,78 @@ def _axes(ctx: CPContext):
     return ctx.mesh.get_group(ring_dim), ctx.mesh.get_group(uly_dim), uly_size, plans
 
 
-def forward(ctx: CPContext, q, k, v):
-    b = q.shape[0]
-    ring_group, uly_group, u, plans = _axes(ctx)
-    q_h = _stacked_to_concat(scatter_heads(token_major(q), u, uly_group), b)  # (B*U*S, H/U, E)
-    kv_h = _stacked_to_concat(kv_to_heads(token_major(k), token_major(v), ctx.q_heads, u, uly_group), b)
-    out_h, lse_h = ring_forward(q_h, kv_h[:, :, 0], kv_h[:, :, 1], b, ring_group, plans, ctx.kernel, ctx.scale)
-    out = gather_heads(_concat_to_stacked(out_h, b, u), uly_group)
-    return head_major(out, b), (q_h, kv_h, out_h, lse_h)
+class Hybrid(Strategy):
+    """Ulysses inside each group of the ``cp_ulysses`` axis, the ring across ``cp_ring`` (module docstring)."""
+
+    name = "hybrid"
+    mesh_ndim = 2
+
+    def ulysses_size(self, cp: int, ulysses_degree: int = 1) -> int:
+        return ulysses_degree
+
+    def ring_size(self, cp: int, ulysses_degree: int = 1) -> int:
+        return cp // ulysses_degree
+
+    def takes_ulysses_degree(self) -> bool:
+        return True
+
+    def check_degrees(self, cp: int, ulysses_degree: int = 1) -> None:
+        if ulysses_degree < 1 or cp % ulysses_degree:
+            raise ValueError(f"the hybrid strategy's ulysses degree ({ulysses_degree}) must divide its cp size ({cp})")
+
+    def mesh_dims(self, cp: int, ulysses_degree: int = 1) -> tuple[tuple[str, int], ...]:
+        return (("cp_ring", cp // ulysses_degree), ("cp_ulysses", ulysses_degree))
+
+    def layout_rank(self, mesh) -> int:
+        return hybrid_rank(mesh)
+
+    def mesh_ulysses_degree(self, mesh) -> int:
+        return mesh.size(hybrid_dims(mesh)[1])
+
+    def forward(self, ctx: CPContext, q, k, v):
+        b = q.shape[0]
+        ring_group, uly_group, u, plans = _axes(ctx)
+        heads = head_index(ctx.layout, ctx.q_heads, ctx.kv_heads, u, q.device)
+        q_h = _stacked_to_concat(scatter_heads(token_major(q), u, uly_group), b)  # (B*U*S, H/U, E)
+        kv_h = _stacked_to_concat(kv_to_heads(token_major(k), token_major(v), heads, u, uly_group), b)
+        out_h, lse_h = ring_forward(q_h, kv_h[:, :, 0], kv_h[:, :, 1], b, ring_group, plans, ctx.kernel, ctx.scale)
+        out = gather_heads(_concat_to_stacked(out_h, b, u), uly_group)
+        return head_major(out, b), (q_h, kv_h, out_h, lse_h)
+
+    def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
+        q_h, kv_h, out_h, lse_h = saved
+        b = dout.shape[0]
+        ring_group, uly_group, u, plans = _axes(ctx)
+        heads = head_index(ctx.layout, ctx.q_heads, ctx.kv_heads, u, dout.device)
+        dout_h = _stacked_to_concat(scatter_heads(token_major(dout), u, uly_group), b)
+        dq_h, dk_h, dv_h = ring_backward(
+            dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, b, ring_group, plans, ctx.kernel, ctx.scale
+        )
+        dq = gather_heads(_concat_to_stacked(dq_h, b, u), uly_group)
+        dkv = kv_from_heads(_concat_to_stacked(torch.stack([dk_h, dv_h], dim=2), b, u), heads, ctx.kv_heads, uly_group)
+        return head_major(dq, b), head_major(dkv[:, :, 0], b), head_major(dkv[:, :, 1], b)
+
+    def saved_like(self, ctx: CPContext, q, k, v):
+        return head_shards_like(q, k, self.mesh_ulysses_degree(ctx.mesh))
+
+    def min_bytes(self, q, k, cp: int, ulysses_degree: int = 1, backward: bool = True) -> int:
+        """The Ulysses all-to-alls inside the group, then the ring among groups on the group's union:
+        ``U`` times the tokens at the K/V heads of one head shard."""
+        u = ulysses_degree
+        uly = ULYSSES.min_bytes(q, k, u, backward=backward)
+        b, _, s, d = k.shape
+        k_ring = torch.empty(b, kv_heads_per_shard(q.shape[1], k.shape[1], u), s * u, d, dtype=k.dtype, device="meta")
+        return uly + RING.min_bytes(q, k_ring, cp // u, backward=backward)
+
+    def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1) -> float:
+        return head_shard_saved_bytes(act_bytes, q_heads, kv_heads, head_dim, ulysses_degree)
+
+    def buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1) -> int:
+        """The ring's two K/V blocks and two fp32 dK/dV accumulators, on the group's union."""
+        if cp == 1:
+            return 0
+        kvb = kv_block_bytes(act_bytes, kv_heads, head_dim, local_tokens)
+        return 2 * kvb * ulysses_degree + 2 * kvb * 4 // act_bytes
 
 
-def backward(ctx: CPContext, dout, q, k, v, out, saved):
-    q_h, kv_h, out_h, lse_h = saved
-    b = dout.shape[0]
-    ring_group, uly_group, u, plans = _axes(ctx)
-    dout_h = _stacked_to_concat(scatter_heads(token_major(dout), u, uly_group), b)
-    dq_h, dk_h, dv_h = ring_backward(
-        dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, b, ring_group, plans, ctx.kernel, ctx.scale
-    )
-    dq = gather_heads(_concat_to_stacked(dq_h, b, u), uly_group)
-    dkv = kv_from_heads(
-        _concat_to_stacked(torch.stack([dk_h, dv_h], dim=2), b, u), ctx.q_heads, ctx.kv_heads, u, uly_group
-    )
-    return head_major(dq, b), head_major(dkv[:, :, 0], b), head_major(dkv[:, :, 1], b)
-
-
-def saved_like(ctx: CPContext, q, k, v):
-    return head_shards_like(q, k, ctx.mesh.size(hybrid_dims(ctx.mesh)[1]))
+HYBRID = register_strategy(Hybrid())

@@ -37,9 +37,8 @@ from titan_cp.attention.block import (
 )
 from titan_cp.attention.comm import RingComm
 from titan_cp.attention.context import CPContext
+from titan_cp.attention.strategy import Strategy, register_strategy
 from titan_cp.layout import SequenceLayout
-
-KEEPS = ("q", "k", "v", "out")
 
 
 def ring_plans(
@@ -105,42 +104,68 @@ def _group(ctx: CPContext):
     return ctx.group if ctx.layout.cp_size > 1 else None
 
 
-def forward(ctx: CPContext, q, k, v):
-    b = q.shape[0]
-    out_t, lse = ring_forward(
-        token_major(q), token_major(k), token_major(v), b, _group(ctx), _plans(ctx), ctx.kernel, ctx.scale
-    )
-    return head_major(out_t, b), (lse,)
+def kv_block_bytes(act_bytes: int, kv_heads: int, head_dim: int, tokens: int) -> int:
+    """Bytes of one K/V block (K and V of ``tokens`` tokens): what one ring step moves."""
+    return 2 * kv_heads * head_dim * tokens * act_bytes
 
 
-def backward(ctx: CPContext, dout, q, k, v, out, saved):
-    b = q.shape[0]
-    grads = ring_backward(
-        token_major(dout),
-        token_major(q),
-        token_major(k),
-        token_major(v),
-        token_major(out),
-        saved[0],
-        b,
-        _group(ctx),
-        _plans(ctx),
-        ctx.kernel,
-        ctx.scale,
-    )
-    return tuple(head_major(g, b) for g in grads)
+class Ring(Strategy):
+    """K/V blocks travel around the cp ring (module docstring); also the one-device path."""
+
+    name = "ring"
+    keeps = ("q", "k", "v", "out")
+
+    def ring_size(self, cp: int, ulysses_degree: int = 1) -> int:
+        return cp
+
+    def forward(self, ctx: CPContext, q, k, v):
+        b = q.shape[0]
+        out_t, lse = ring_forward(
+            token_major(q), token_major(k), token_major(v), b, _group(ctx), _plans(ctx), ctx.kernel, ctx.scale
+        )
+        return head_major(out_t, b), (lse,)
+
+    def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
+        b = q.shape[0]
+        grads = ring_backward(
+            token_major(dout),
+            token_major(q),
+            token_major(k),
+            token_major(v),
+            token_major(out),
+            saved[0],
+            b,
+            _group(ctx),
+            _plans(ctx),
+            ctx.kernel,
+            ctx.scale,
+        )
+        return tuple(head_major(g, b) for g in grads)
+
+    def saved_like(self, ctx: CPContext, q, k, v):
+        b, h, s, _ = q.shape
+        return (q.new_empty((h, b * s), dtype=torch.float32),)
+
+    def min_bytes(self, q, k, cp: int, ulysses_degree: int = 1, backward: bool = True) -> int:
+        """Every K/V block must visit the N-1 other ranks (forward, and again in the backward)
+        and its fp32 gradient must come home."""
+        kv = 2 * k.numel() * k.element_size()
+        total = (cp - 1) * kv
+        if backward:
+            total += (cp - 1) * kv + (cp - 1) * 2 * k.numel() * 4
+        return total
+
+    def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1) -> float:
+        """q, out, k, v as stored locally and the fp32 lse."""
+        a, h, e = act_bytes, q_heads, head_dim
+        return 2 * a * h * e + 2 * a * kv_heads * e + 4 * h
+
+    def buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1) -> int:
+        """Two K/V blocks (the one read, the one arriving) and two fp32 dK/dV accumulators."""
+        if cp == 1:
+            return 0
+        kvb = kv_block_bytes(act_bytes, kv_heads, head_dim, local_tokens)
+        return 2 * kvb + 2 * kvb * 4 // act_bytes
 
 
-def saved_like(ctx: CPContext, q, k, v):
-    b, h, s, _ = q.shape
-    return (q.new_empty((h, b * s), dtype=torch.float32),)
-
-
-def ring_min_bytes(q: torch.Tensor, k: torch.Tensor, world: int, backward: bool = True) -> int:
-    """The ring's own minimum traffic per rank: every K/V block must visit the N-1 other
-    ranks (forward and again in the backward) and its fp32 gradient must come home."""
-    kv = 2 * k.numel() * k.element_size()
-    total = (world - 1) * kv
-    if backward:
-        total += (world - 1) * kv + (world - 1) * 2 * k.numel() * 4
-    return total
+RING = register_strategy(Ring())

@@ -26,20 +26,8 @@ import torch
 from titan_cp.attention.block import head_major, make_plan, plan_backward, plan_forward, token_major
 from titan_cp.attention.comm import all_to_all
 from titan_cp.attention.context import CPContext
-
-KEEPS = ()
-
-
-def kv_head_map(q_heads: int, kv_heads: int, n: int) -> list[int] | None:
-    """The K/V head each of ``n`` head groups needs, or ``None`` when ``kv_heads`` splits evenly."""
-    if q_heads % n:
-        raise ValueError(f"ulysses needs the query heads ({q_heads}) to be divisible by its cp size ({n})")
-    if kv_heads % n == 0:
-        return None
-    if n % kv_heads:
-        raise ValueError(f"ulysses needs the K/V heads ({kv_heads}) to divide, or be divisible by, its cp size ({n})")
-    group = q_heads // kv_heads
-    return [(j * q_heads // n) // group for j in range(n)]
+from titan_cp.attention.strategy import Strategy, kv_head_map, kv_heads_per_shard, register_strategy
+from titan_cp.layout import SequenceLayout, to_device
 
 
 def scatter_heads(x_t: torch.Tensor, n: int, group) -> torch.Tensor:
@@ -56,79 +44,116 @@ def gather_heads(x: torch.Tensor, group) -> torch.Tensor:
     return y.transpose(0, 1).reshape(t, n * y.shape[2], *y.shape[3:])
 
 
-def kv_to_heads(k_t, v_t, q_heads: int, n: int, group) -> torch.Tensor:
-    """``(N, T, K', 2, E)``: every rank's tokens of the K/V heads my query heads use (K' = max(1, K/N))."""
+def head_index(layout: SequenceLayout, q_heads: int, kv_heads: int, n: int, device) -> torch.Tensor | None:
+    """The K/V head each of ``n`` destinations needs, on ``device`` (``None`` when K/V heads split
+    evenly): built once per microbatch with the layout's plans, so no layer copies it to the device."""
+    heads = kv_head_map(q_heads, kv_heads, n)
+    if heads is None:
+        return None
+    key = ("ulysses_heads", q_heads, kv_heads, n, torch.device(device))
+    return layout.memo(key, lambda: to_device(torch.tensor(heads), torch.device(device)))
+
+
+def kv_to_heads(k_t, v_t, heads: torch.Tensor | None, n: int, group) -> torch.Tensor:
+    """``(N, T, K', 2, E)``: every rank's tokens of the K/V heads my query heads use (K' = max(1, K/N)).
+
+    ``heads``: :func:`head_index` (``None`` when the K/V heads split evenly over the ``n`` ranks).
+    """
     kv = torch.stack([k_t, v_t], dim=2)  # (T, K, 2, E): a head carries its K and V
-    heads = kv_head_map(q_heads, k_t.shape[1], n)
     if heads is not None:
-        kv = kv.index_select(1, torch.tensor(heads, device=kv.device))  # one head per destination
+        kv = kv.index_select(1, heads)  # one head per destination
     return scatter_heads(kv, n, group)
 
 
-def kv_from_heads(dkv_h: torch.Tensor, q_heads: int, kv_heads: int, n: int, group) -> torch.Tensor:
+def kv_from_heads(dkv_h: torch.Tensor, heads: torch.Tensor | None, kv_heads: int, group) -> torch.Tensor:
     """Dual of :func:`kv_to_heads`: ``(N, T, K', 2, E)`` gradients bound for each rank -> mine ``(T, K, 2, E)``."""
-    heads = kv_head_map(q_heads, kv_heads, n)
     dkv = gather_heads(dkv_h, group)  # (T, N*K', 2, E)
     if heads is None:
         return dkv
     out = dkv.new_zeros((dkv.shape[0], kv_heads) + tuple(dkv.shape[2:]))
-    return out.index_add_(1, torch.tensor(heads, device=dkv.device), dkv)  # replicas' gradients summed
+    return out.index_add_(1, heads, dkv)  # replicas' gradients summed
 
 
 def _plan(ctx: CPContext):
     return make_plan(ctx.layout, None, None, ctx.causal)
 
 
-def forward(ctx: CPContext, q, k, v):
-    batch, group, n, layout = q.shape[0], ctx.group, ctx.layout.cp_size, ctx.layout
-    # natural token order: each document is one run, one causal tile
-    q_h = layout.stacked_to_natural(scatter_heads(token_major(q), n, group), batch)  # (B*S_full, H/N, E)
-    kv_h = layout.stacked_to_natural(kv_to_heads(token_major(k), token_major(v), q.shape[1], n, group), batch)
-    k_h, v_h = kv_h[:, :, 0], kv_h[:, :, 1]
-    out_h, lse_h = plan_forward(q_h, k_h, v_h, batch, _plan(ctx), ctx.kernel, ctx.scale)
-    out = gather_heads(layout.natural_to_stacked(out_h, batch), group)  # (B*S, H, E)
-    return head_major(out, batch), (q_h, kv_h, out_h, lse_h)
-
-
-def backward(ctx: CPContext, dout, q, k, v, out, saved):
-    q_h, kv_h, out_h, lse_h = saved
-    layout, group, n = ctx.layout, ctx.group, ctx.layout.cp_size
-    batch = dout.shape[0]
-    dout_h = layout.stacked_to_natural(scatter_heads(token_major(dout), n, group), batch)
-    dq_h, dk_h, dv_h = plan_backward(
-        dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, batch, _plan(ctx), ctx.kernel, ctx.scale
-    )
-    dq = gather_heads(layout.natural_to_stacked(dq_h, batch), group)
-    dkv = kv_from_heads(
-        layout.natural_to_stacked(torch.stack([dk_h, dv_h], dim=2), batch), ctx.q_heads, ctx.kv_heads, n, group
-    )
-    return head_major(dq, batch), head_major(dkv[:, :, 0], batch), head_major(dkv[:, :, 1], batch)
-
-
-def saved_like(ctx: CPContext, q, k, v):
-    return head_shards_like(q, k, ctx.cp_size)
-
-
 def head_shards_like(q, k, n: int):
     """Empty ``(q_h, kv_h, out_h, lse_h)`` as an all-to-all over ``n`` ranks leaves them (the fake op's outputs)."""
     b, h, s, e = q.shape
-    kv_heads = 1 if kv_head_map(h, k.shape[1], n) is not None else k.shape[1] // n
     q_h = q.new_empty((b * s * n, h // n, e))
     return (
         q_h,
-        k.new_empty((b * s * n, kv_heads, 2, e)),
+        k.new_empty((b * s * n, kv_heads_per_shard(h, k.shape[1], n), 2, e)),
         torch.empty_like(q_h),
         q.new_empty((h // n, b * s * n), dtype=torch.float32),
     )
 
 
-def ulysses_min_bytes(q: torch.Tensor, k: torch.Tensor, world: int, backward: bool = True) -> int:
-    """All-to-all traffic: (N-1)/N of q, of the K/V each rank must ship, and of the output; the
-    backward moves the same amounts the other way."""
-    if world == 1:
-        return 0
-    kv_heads = max(k.shape[1], world) if kv_head_map(q.shape[1], k.shape[1], world) else k.shape[1]
-    kv = 2 * kv_heads * k[:, :1].numel() * k.element_size()
-    qb = q.numel() * q.element_size()
-    fwd = (2 * qb + kv) * (world - 1) // world
-    return fwd * (2 if backward else 1)
+def head_shard_saved_bytes(act_bytes: int, q_heads: int, kv_heads: int, head_dim: int, n: int) -> float:
+    """Bytes per local token of the head shards Ulysses keeps: q_h and out_h (the bytes of q and out),
+    K/V at the heads each shard needs for ``n`` times the tokens, the lse; and ``wo``'s input, since
+    the op keeps no ``out``."""
+    a, h, e = act_bytes, q_heads, head_dim
+    return 2 * a * h * e + 2 * a * kv_heads_per_shard(h, kv_heads, n) * n * e + 4 * h + a * h * e
+
+
+class Ulysses(Strategy):
+    """All-to-all from sequence shards to head shards and back (module docstring)."""
+
+    name = "ulysses"
+
+    def ulysses_size(self, cp: int, ulysses_degree: int = 1) -> int:
+        return cp
+
+    def forward(self, ctx: CPContext, q, k, v):
+        batch, group, n, layout = q.shape[0], ctx.group, ctx.layout.cp_size, ctx.layout
+        heads = head_index(layout, ctx.q_heads, ctx.kv_heads, n, q.device)
+        # natural token order: each document is one run, one causal tile
+        q_h = layout.stacked_to_natural(scatter_heads(token_major(q), n, group), batch)  # (B*S_full, H/N, E)
+        kv_h = layout.stacked_to_natural(kv_to_heads(token_major(k), token_major(v), heads, n, group), batch)
+        k_h, v_h = kv_h[:, :, 0], kv_h[:, :, 1]
+        out_h, lse_h = plan_forward(q_h, k_h, v_h, batch, _plan(ctx), ctx.kernel, ctx.scale)
+        out = gather_heads(layout.natural_to_stacked(out_h, batch), group)  # (B*S, H, E)
+        return head_major(out, batch), (q_h, kv_h, out_h, lse_h)
+
+    def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
+        q_h, kv_h, out_h, lse_h = saved
+        layout, group, n = ctx.layout, ctx.group, ctx.layout.cp_size
+        batch = dout.shape[0]
+        heads = head_index(layout, ctx.q_heads, ctx.kv_heads, n, dout.device)
+        dout_h = layout.stacked_to_natural(scatter_heads(token_major(dout), n, group), batch)
+        dq_h, dk_h, dv_h = plan_backward(
+            dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, batch, _plan(ctx), ctx.kernel, ctx.scale
+        )
+        dq = gather_heads(layout.natural_to_stacked(dq_h, batch), group)
+        dkv = kv_from_heads(
+            layout.natural_to_stacked(torch.stack([dk_h, dv_h], dim=2), batch), heads, ctx.kv_heads, group
+        )
+        return head_major(dq, batch), head_major(dkv[:, :, 0], batch), head_major(dkv[:, :, 1], batch)
+
+    def saved_like(self, ctx: CPContext, q, k, v):
+        return head_shards_like(q, k, ctx.cp_size)
+
+    def min_bytes(self, q, k, cp: int, ulysses_degree: int = 1, backward: bool = True) -> int:
+        """All-to-all traffic: (N-1)/N of q, of the K/V each rank must ship, and of the output; the
+        backward moves the same amounts the other way."""
+        if cp == 1:
+            return 0
+        kv_heads = max(k.shape[1], cp) if kv_head_map(q.shape[1], k.shape[1], cp) else k.shape[1]
+        kv = 2 * kv_heads * k[:, :1].numel() * k.element_size()
+        qb = q.numel() * q.element_size()
+        fwd = (2 * qb + kv) * (cp - 1) // cp
+        return fwd * (2 if backward else 1)
+
+    def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1) -> float:
+        return head_shard_saved_bytes(act_bytes, q_heads, kv_heads, head_dim, cp)
+
+    def buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1) -> int:
+        """The all-to-all's send and receive copies of the local K/V, and the stacked pair."""
+        if cp == 1:
+            return 0
+        return 3 * 2 * kv_heads * head_dim * local_tokens * act_bytes
+
+
+ULYSSES = register_strategy(Ulysses())

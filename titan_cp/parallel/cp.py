@@ -32,8 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from titan_cp.attention import STRATEGIES
 from titan_cp.attention.api import attend, check_qkv, register_spec
+from titan_cp.attention.strategy import get_strategy
 from titan_cp.layout import BALANCES, get_layout
 
 SEQ_DIM = 2
@@ -54,14 +54,13 @@ class ContextParallel(ParallelStyle):
         self, strategy: str = "ring", balance: str = "doc_zigzag", causal: bool = True, kernel: str | None = None
     ):
         super().__init__()
-        if strategy not in STRATEGIES:
-            raise ValueError(f"parallelism.context_parallel_strategy must be one of {STRATEGIES}, got {strategy!r}")
+        self._strategy = get_strategy(strategy)
         if balance not in BALANCES:
-            raise ValueError(f"parallelism.context_parallel_load_balancer must be one of {BALANCES}, got {balance!r}")
+            raise ValueError(f"ContextParallel balance must be one of {BALANCES}, got {balance!r}")
         self.strategy, self.balance, self.causal, self.kernel = strategy, balance, causal, kernel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        want = 2 if self.strategy == "hybrid" else 1
+        want = self._strategy.mesh_ndim
         if device_mesh.ndim != want:
             raise ValueError(
                 f"ContextParallel(strategy={self.strategy!r}) needs a {want}-D cp mesh, got "

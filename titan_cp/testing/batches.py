@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from titan_cp.attention.strategy import get_strategy
 from titan_cp.loss import IGNORE_INDEX
 from titan_cp.step import Microbatch
 
@@ -55,6 +56,5 @@ def cp_mesh(strategy: str, world: int, ulysses: int = 1, device_type: str = "cpu
     ``hybrid`` the 2-D ``("cp_ring", "cp_ulysses")`` with ``ulysses`` inner ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if strategy == "hybrid":
-        return init_device_mesh(device_type, (world // ulysses, ulysses), mesh_dim_names=("cp_ring", "cp_ulysses"))
-    return init_device_mesh(device_type, (world,), mesh_dim_names=("cp",))
+    dims = get_strategy(strategy).mesh_dims(world, ulysses)
+    return init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims))

@@ -1,0 +1,181 @@
+"""What a CP strategy is: one object per kind, answering everything the package asks of it.
+
+The attention op, ``ContextParallel``, the mesh, the config checks, the planner and the
+benchmarks never compare a strategy's name; they ask its :class:`Strategy`::
+
+    s = get_strategy("hybrid")
+    s.mesh_ndim                               2: a (cp_ring, cp_ulysses) sub-mesh
+    s.ulysses_size(cp=8, ulysses_degree=2)    2 ranks split the heads by all-to-all
+    s.ring_size(cp=8, ulysses_degree=2)       4 ring steps
+    s.check_heads(32, 8, cp=8, ulysses_degree=2)
+    s.forward(ctx, q, k, v) / s.backward(...) / s.saved_like(...)   the op itself
+    s.min_bytes(q, k, cp, ulysses_degree)     bytes per rank, forward (+ backward)
+    s.saved_bytes_per_token(...)              what the op keeps for backward, per local token
+    s.buffer_bytes(...)                       receive buffers alive during the op
+
+Shapes as in :mod:`titan_cp.attention.context`: ``q, out, dout (B, H, S_local, E)``,
+``k, v (B, K, S_local, E)``; ``saved`` is what the backward needs beyond them. The
+``keeps`` tuple names the inputs and outputs among ``("q", "k", "v", "out")`` that the
+backward reads (the others arrive as ``None`` and are not kept alive).
+
+A fifth strategy is one subclass and one :func:`register_strategy` call.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+
+def kv_head_map(q_heads: int, kv_heads: int, n: int) -> list[int] | None:
+    """The K/V head each of ``n`` head groups needs, or ``None`` when ``kv_heads`` splits evenly.
+
+    K/V heads either divide by ``n`` (each group gets its own slice) or divide ``n``, in which
+    case each group gets exactly the one K/V head its query heads use: heads are replicated
+    only as much as needed, never expanded to the query head count.
+    """
+    if q_heads % n:
+        raise ValueError(f"ulysses needs the query heads ({q_heads}) to be divisible by its cp size ({n})")
+    if kv_heads % n == 0:
+        return None
+    if n % kv_heads:
+        raise ValueError(f"ulysses needs the K/V heads ({kv_heads}) to divide, or be divisible by, its cp size ({n})")
+    group = q_heads // kv_heads
+    return [(j * q_heads // n) // group for j in range(n)]
+
+
+def kv_heads_per_shard(q_heads: int, kv_heads: int, n: int) -> int:
+    """K/V heads each of ``n`` head shards holds: ``kv_heads / n``, or 1 when ``n`` exceeds them."""
+    return 1 if kv_head_map(q_heads, kv_heads, n) is not None else kv_heads // n
+
+
+class Strategy:
+    """One CP strategy. Subclasses set :attr:`name` and implement the op and its costs."""
+
+    name: ClassVar[str]
+    mesh_ndim: ClassVar[int] = 1
+    keeps: ClassVar[tuple[str, ...]] = ()
+
+    # ------------------------------------------------------------------ sizes
+    def ulysses_size(self, cp: int, ulysses_degree: int = 1) -> int:
+        """Ranks that split the heads by all-to-all (1: none)."""
+        return 1
+
+    def ring_size(self, cp: int, ulysses_degree: int = 1) -> int:
+        """Steps of the K/V ring (1: no ring)."""
+        return 1
+
+    def takes_ulysses_degree(self) -> bool:
+        """Whether the strategy reads a separate Ulysses degree (only hybrid does)."""
+        return False
+
+    def check_degrees(self, cp: int, ulysses_degree: int = 1) -> None:
+        """``ValueError`` when ``ulysses_degree`` does not fit ``cp`` for this strategy."""
+        if ulysses_degree != 1:
+            raise ValueError(
+                f"a ulysses degree ({ulysses_degree}) is only used by the 'hybrid' strategy, not {self.name!r}"
+            )
+
+    def check_heads(self, q_heads: int, kv_heads: int, cp: int, ulysses_degree: int = 1) -> None:
+        """``ValueError`` when the (local) head counts cannot be split as the strategy needs."""
+        u = self.ulysses_size(cp, ulysses_degree)
+        if u > 1:
+            kv_head_map(q_heads, kv_heads, u)
+
+    def attention_kv_heads(self, q_heads: int, kv_heads: int, cp: int, ulysses_degree: int = 1) -> int:
+        """K/V heads of the buffers the local kernel attends with (after any all-to-all)."""
+        u = self.ulysses_size(cp, ulysses_degree)
+        return kv_heads if u == 1 else kv_heads_per_shard(q_heads, kv_heads, u)
+
+    # ------------------------------------------------------------------ mesh
+    def mesh_dims(self, cp: int, ulysses_degree: int = 1) -> tuple[tuple[str, int], ...]:
+        """Names and sizes of the cp sub-mesh the strategy runs on."""
+        return (("cp", cp),)
+
+    def layout_rank(self, mesh) -> int:
+        """This process's rank in the sequence layout."""
+        return mesh.get_local_rank()
+
+    def check_mesh(self, mesh, cp_size: int, q_heads: int, kv_heads: int) -> None:
+        """``ValueError`` when ``mesh`` cannot run this strategy on ``cp_size`` ranks with these heads."""
+        if mesh.ndim != self.mesh_ndim:
+            raise ValueError(
+                f"strategy {self.name!r} needs a {self.mesh_ndim}-D cp mesh, got a {mesh.ndim}-D mesh "
+                f"{mesh.mesh_dim_names}"
+            )
+        if mesh.size() != cp_size:
+            raise ValueError(f"the cp mesh has {mesh.size()} ranks but the layout was built for cp_size {cp_size}")
+        self.check_heads(q_heads, kv_heads, mesh.size(), self.mesh_ulysses_degree(mesh))
+
+    def mesh_ulysses_degree(self, mesh) -> int:
+        """The Ulysses degree a cp mesh gives this strategy."""
+        return 1
+
+    # ------------------------------------------------------------------ the op
+    def forward(self, ctx, q, k, v) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``(out, saved)`` for this rank's shards."""
+        raise NotImplementedError
+
+    def backward(self, ctx, dout, q, k, v, out, saved) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)``; only the inputs named in :attr:`keeps` are given (others ``None``)."""
+        raise NotImplementedError
+
+    def saved_like(self, ctx, q, k, v) -> tuple[torch.Tensor, ...]:
+        """Empty tensors shaped like ``saved`` (the fake op's outputs)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ costs, per rank
+    def min_bytes(self, q, k, cp: int, ulysses_degree: int = 1, backward: bool = True) -> int:
+        """Bytes this rank must send for one forward (+ backward) on local shapes ``q, k``."""
+        raise NotImplementedError
+
+    def saved_bytes_per_token(
+        self, act_bytes: int, q_heads: int, kv_heads: int, head_dim: int, cp: int, ulysses_degree: int = 1
+    ) -> float:
+        """Bytes the op keeps for backward per local token: its kept inputs/outputs and ``saved``.
+
+        When the op does not keep ``out``, the output projection saves its input instead; that
+        is counted here too, so every strategy's figure covers the same tensors.
+        """
+        raise NotImplementedError
+
+    def buffer_bytes(
+        self,
+        act_bytes: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        local_tokens: int,
+        cp: int,
+        ulysses_degree: int = 1,
+    ) -> int:
+        """Receive buffers alive while the op runs (beyond what it saves), for ``local_tokens`` tokens."""
+        return 0
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+_REGISTRY: dict[str, Strategy] = {}
+
+
+def register_strategy(strategy: Strategy) -> Strategy:
+    """Make ``strategy`` selectable by its name."""
+    _REGISTRY[strategy.name] = strategy
+    return strategy
+
+
+def strategy_names() -> tuple[str, ...]:
+    """The registered strategies' names, in registration order."""
+    import titan_cp.attention  # noqa: F401 - registers the built-in strategies
+
+    return tuple(_REGISTRY)
+
+
+def get_strategy(name: str) -> Strategy:
+    """The strategy called ``name``; ``ValueError`` naming the choices for an unknown one."""
+    names = strategy_names()
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown cp attention strategy {name!r}; choose one of {names}")
+    return _REGISTRY[name]
