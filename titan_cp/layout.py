@@ -47,6 +47,12 @@ Balance = Literal["contiguous", "zigzag", "doc_zigzag"]
 BALANCES: tuple[str, ...] = ("contiguous", "zigzag", "doc_zigzag")
 
 
+def seq_len_multiple(balance: str, cp_size: int) -> int:
+    """What ``seq_len`` must be a multiple of for ``balance`` over ``cp_size`` ranks: ``2 * cp_size``
+    for ``zigzag`` (two chunks per rank), ``cp_size`` otherwise (equal shards)."""
+    return 2 * cp_size if balance == "zigzag" else cp_size
+
+
 @dataclass(frozen=True)
 class Run:
     """``length`` tokens at local offset ``local`` holding global positions ``[start, start+length)`` of document ``doc``."""
@@ -196,7 +202,7 @@ class SequenceLayout:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
         if balance not in BALANCES:
             raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
-        divisor = 2 * cp_size if balance == "zigzag" else cp_size
+        divisor = seq_len_multiple(balance, cp_size)
         if seq_len % divisor:
             raise ValueError(
                 f"seq_len {seq_len} is not divisible by {divisor}, as the {balance!r} layout needs for cp_size {cp_size}"
