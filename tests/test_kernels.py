@@ -1,13 +1,13 @@
 """Local kernels against the plain math kernel, and the tile backward fed the *global*
 ``out``/``lse`` (the identity every strategy's backward relies on)."""
 
-from types import SimpleNamespace
+import functools
 
 import pytest
 import torch
 
+from tests.flash_attn_standins import standin
 from titan_cp.attention import get_kernel
-from titan_cp.attention import kernels as kernels_module
 from titan_cp.attention.kernels import (
     CUDAFlashKernel,
     FlashAttnKernel,
@@ -16,6 +16,9 @@ from titan_cp.attention.kernels import (
     check_kernel,
     flash_attn_available,
 )
+from titan_cp.attention.kernels import base as kernels_module
+from titan_cp.attention.kernels import cuda_flash as cuda_flash_module
+from titan_cp.attention.kernels import flashattn as flashattn_module
 
 SCALE = 0.25
 
@@ -157,7 +160,7 @@ def test_cuda_flash_kernel_calls_and_shapes_on_meta_tensors(monkeypatch):
     their own head count, the dense backward passes None as cumulative lengths (a defined
     tensor would select the variable-length route), lse (B, H, S) dense and (H, total_q) varlen."""
     rec = _RecordingAten()
-    monkeypatch.setattr(kernels_module, "_ATEN", rec)
+    monkeypatch.setattr(cuda_flash_module, "_ATEN", rec)
     kern = CUDAFlashKernel()
     meta = dict(device="meta", dtype=torch.bfloat16)
     q, k = torch.empty(2, 8, 40, 64, **meta), torch.empty(2, 2, 40, 64, **meta)
@@ -185,65 +188,8 @@ def test_cuda_flash_kernel_calls_and_shapes_on_meta_tensors(monkeypatch):
 
 
 def _fake_flash_attn(generation: str):
-    """Fake flash-attn private functions (bf16 on CPU, math inside) with the result tuples of
-    two generations: "2.6" returns (out, q, k, v, out_padded, lse, S_dmask, rng_state),
-    "2.7" returns (out, lse, S_dmask, rng_state). Signatures follow each generation's keywords."""
-    ref = MathKernel()
-
-    def result(out, lse, q, k, v):
-        rng = torch.zeros(2, dtype=torch.int64)
-        s_dmask = torch.empty(0, dtype=q.dtype)
-        if generation == "2.6":
-            return out, q, k, v, out, lse, s_dmask, rng
-        return out, lse, s_dmask, rng
-
-    def fwd(
-        q,
-        k,
-        v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size_left=-1,
-        window_size_right=-1,
-        softcap=0.0,
-        alibi_slopes=None,
-        return_softmax=False,
-    ):
-        o, lse = ref.forward(*(x.transpose(1, 2) for x in (q, k, v)), causal, softmax_scale)
-        return result(o.transpose(1, 2), lse, q, k, v)
-
-    def vfwd(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size_left=-1,
-        window_size_right=-1,
-        softcap=0.0,
-        alibi_slopes=None,
-        return_softmax=False,
-        block_table=None,
-    ):
-        seg = Segments.from_offsets(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), "cpu")
-        o, lse = AttentionKernelLoop().varlen_forward(q, k, v, seg, causal, softmax_scale)
-        return result(o, lse, q, k, v)
-
-    def bwd(*args, **kwargs):
-        raise AssertionError("not called here")
-
-    return SimpleNamespace(
-        _flash_attn_forward=fwd,
-        _flash_attn_backward=bwd,
-        _flash_attn_varlen_forward=vfwd,
-        _flash_attn_varlen_backward=bwd,
-    )
+    """flash-attn's private functions of ``generation`` ("2.6": Python functions; "2.7": custom ops), math inside."""
+    return standin(generation)
 
 
 @pytest.mark.parametrize("generation", ["2.6", "2.7"])
@@ -267,12 +213,13 @@ def test_flash_attn_out_and_lse_whichever_tuple_the_release_returns(generation):
 
 
 def test_flash_attn_release_with_a_padded_varlen_lse_is_refused():
-    fai = _fake_flash_attn("2.7")
+    fai = _fake_flash_attn("2.6")
     real = fai._flash_attn_varlen_forward
 
+    @functools.wraps(real)  # the installed function's parameters
     def padded(*args, **kwargs):
-        out, lse, *rest = real(*args, **kwargs)
-        return (out, torch.zeros(3, lse.shape[0], 17), *rest)
+        out, q, k, v, out_padded, lse, *rest = real(*args, **kwargs)  # 2.6's tuple, lse padded
+        return (out, q, k, v, out_padded, torch.zeros(3, lse.shape[0], 17), *rest)
 
     fai._flash_attn_varlen_forward = padded
     qp, kp, vp, _ = _packed([5, 17, 1], [5, 17, 1], dtype=torch.bfloat16)
@@ -280,6 +227,82 @@ def test_flash_attn_release_with_a_padded_varlen_lse_is_refused():
         FlashAttnKernel(fai).varlen_forward(
             qp, kp, vp, Segments.from_lengths([5, 17, 1], [5, 17, 1], "cpu"), True, SCALE
         )
+
+
+@pytest.mark.parametrize("generation", ["2.6", "2.7"])
+def test_flash_attn_forward_and_backward_with_either_generation(generation):
+    """flash-attn 2.7 registers its private functions as custom ops (signature ``(*args, **kwargs)``, the
+    window, softcap, alibi slopes and deterministic required): the kernel reads their names from the op
+    schema, so the dense and variable-length forward and backward run and equal the math kernel."""
+    kern = FlashAttnKernel(_fake_flash_attn(generation))
+    ref = MathKernel()
+    for causal, sk in ((True, 40), (False, 24)):
+        q, k, v, dout = _qkv(torch.bfloat16, sk=sk)
+        out, lse = kern.forward(q, k, v, causal, SCALE)
+        want = ref.forward(q, k, v, causal, SCALE)
+        torch.testing.assert_close(out, want[0])
+        torch.testing.assert_close(lse, want[1])
+        for got, w in zip(
+            kern.backward(dout, q, k, v, out, lse, causal, SCALE), ref.backward(dout, q, k, v, out, lse, causal, SCALE)
+        ):
+            assert got.shape == w.shape
+            torch.testing.assert_close(got, w)
+    lens_q, lens_k = [5, 17, 1], [9, 3, 30]
+    qp, kp, vp, dp = _packed(lens_q, lens_k, dtype=torch.bfloat16)
+    seg = Segments.from_lengths(lens_q, lens_k, "cpu")
+    out, lse = kern.varlen_forward(qp, kp, vp, seg, False, SCALE)
+    loop = AttentionKernelLoop()
+    want = loop.varlen_forward(qp, kp, vp, seg, False, SCALE)
+    torch.testing.assert_close(out, want[0])
+    got = kern.varlen_backward(dp, qp, kp, vp, out, lse, seg, False, SCALE)
+    for g, w in zip(got, loop.varlen_backward(dp, qp, kp, vp, out, lse, seg, False, SCALE)):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w)
+
+
+def test_flash_attn_release_requiring_an_unknown_argument_is_refused_when_built():
+    fai = _fake_flash_attn("2.6")
+
+    def fwd(q, k, v, dropout_p, softmax_scale, causal, sink_tokens):
+        raise AssertionError("never called")
+
+    fai._flash_attn_forward = fwd
+    with pytest.raises(ValueError, match=r"fwd requires \['sink_tokens'\], which this kernel does not know"):
+        FlashAttnKernel(fai)
+
+
+def test_a_flash_attn_install_that_fails_to_import_makes_the_kernel_unavailable(monkeypatch):
+    """A wheel built for another torch: the import raises; the kernel is unavailable with the reason,
+    nothing crashes (the GPU self-check records the reason and goes on)."""
+    from titan_cp.tools import gpu_check
+
+    monkeypatch.delitem(kernels_module._INSTANCES, "flash_attn", raising=False)
+    real_spec, real_import = flashattn_module.importlib.util.find_spec, flashattn_module.importlib.import_module
+    monkeypatch.setattr(
+        flashattn_module.importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "flash_attn" else real_spec(name, *a),
+    )
+
+    def broken(name, *a):
+        if name.startswith("flash_attn"):
+            raise ImportError("flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice")
+        return real_import(name, *a)
+
+    monkeypatch.setattr(flashattn_module.importlib, "import_module", broken)
+    flashattn_module._import_problem.cache_clear()
+    try:
+        assert not flash_attn_available()
+        with pytest.raises(
+            ValueError,
+            match=r"'flash_attn' needs the flash-attn package, which is installed but fails to import \(ImportError: .*undefined symbol",
+        ):
+            check_kernel("flash_attn", torch.device("cuda"), torch.bfloat16, 64)
+        env = gpu_check.environment(torch.device("cpu"))
+        assert "undefined symbol" in env["flash_attn_unavailable"]
+        assert "flash_attn" not in kernels_module._fitting("cuda", torch.bfloat16, 64)
+    finally:
+        flashattn_module._import_problem.cache_clear()
 
 
 def test_flash_attn_keyword_arguments_follow_the_installed_signature():
@@ -343,9 +366,9 @@ def test_cpu_kernel_on_cuda_tensors():
 
 def test_flash_attn_not_installed(monkeypatch):
     monkeypatch.delitem(kernels_module._INSTANCES, "flash_attn", raising=False)
-    real = kernels_module.importlib.util.find_spec
+    real = flashattn_module.importlib.util.find_spec
     monkeypatch.setattr(
-        kernels_module.importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a)
+        flashattn_module.importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a)
     )
     with pytest.raises(ValueError, match=r"'flash_attn' needs the flash-attn package, which is not installed"):
         check_kernel("flash_attn", torch.device("cuda"), torch.bfloat16, 64)

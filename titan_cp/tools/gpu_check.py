@@ -52,6 +52,7 @@ from titan_cp.attention.kernels import (
     Segments,
     check_kernel,
     flash_attn_available,
+    flash_attn_problem,
 )
 from titan_cp.testing.docs import lognormal_doc_lens
 
@@ -539,10 +540,13 @@ def environment(device: torch.device) -> dict:
             cuda=torch.version.cuda,
             capability=".".join(map(str, torch.cuda.get_device_capability(device))),
         )
-    if flash_attn_available():
-        import flash_attn  # noqa: PLC0415 - optional
+    problem = flash_attn_problem()
+    if problem is None:
+        import flash_attn  # noqa: PLC0415 - optional; imports (flash_attn_problem tried it)
 
         rec["flash_attn"] = getattr(flash_attn, "__version__", "unknown")
+    else:
+        rec["flash_attn_unavailable"] = problem
     return rec
 
 

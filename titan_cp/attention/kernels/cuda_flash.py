@@ -1,0 +1,116 @@
+"""``cuda_flash``: ATen's CUDA flash attention, dense and variable-length, GQA native (the CUDA default)."""
+
+from __future__ import annotations
+
+import torch
+
+from titan_cp.attention.kernels.base import HALF, AttentionKernel, Segments
+
+_ATEN = torch.ops.aten
+
+
+class CUDAFlashKernel(AttentionKernel):
+    """ATen's CUDA flash attention, ``aten._flash_attention_forward/_backward`` (fp16/bf16).
+
+    No package beyond PyTorch. K/V stay at their own head count (the kernel takes GQA
+    natively and returns dK/dV summed over each group). Both forms go through the same two
+    ops; only positional arguments and ``scale`` are passed, common to every release since
+    torch 2.7 (which renamed ``philox_seed, philox_offset`` to ``rng_state, unused``, same
+    positions; later releases added keyword-only arguments such as ``block_table``)::
+
+        _flash_attention_forward(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                                 is_causal, return_debug_mask, *, scale)
+            -> (out, lse, rng_state, unused, debug_attn_mask)
+        _flash_attention_backward(dout, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k,
+                                  dropout_p, is_causal, rng_state, unused, *, scale) -> (dq, dk, dv)
+
+        dense   cum_seq = None      q (B, S, H, D), lse (B, H, S)
+        varlen  cum_seq int32 (n+1) q (total_q, H, D), lse (H, total_q)
+
+    The backward takes the variable-length route exactly when ``cum_seq_q`` is a defined
+    tensor, so the dense backward passes ``None``. With ``dropout_p = 0`` the kernel never
+    reads ``rng_state``; an empty placeholder is passed. The kernel aligns a causal mask
+    bottom-right; the tiles make every causal call square, where that is top-left too.
+    """
+
+    name = "cuda_flash"
+    native_varlen = True
+    devices = ("cuda",)
+    dtypes = HALF
+    max_head_dim = 256
+    head_dim_multiple = 8
+
+    def __init__(self):
+        self._rng: dict[torch.device, torch.Tensor] = {}
+
+    def _rng_state(self, device: torch.device) -> torch.Tensor:
+        """A placeholder for the philox state, which the kernel reads only when dropout_p > 0."""
+        if device not in self._rng:
+            self._rng[device] = torch.zeros(2, dtype=torch.int64, device=device)
+        return self._rng[device]
+
+    def forward(self, q, k, v, causal, scale):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, S, H, D) views
+        res = _ATEN._flash_attention_forward(
+            qt, kt, vt, None, None, qt.shape[1], kt.shape[1], 0.0, causal, False, scale=scale
+        )
+        return res[0].transpose(1, 2), res[1]
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in (q, k, v, out, dout))
+        rng = self._rng_state(q.device)
+        dq, dk, dv = _ATEN._flash_attention_backward(
+            dot,
+            qt,
+            kt,
+            vt,
+            ot,
+            lse.contiguous(),
+            None,
+            None,
+            qt.shape[1],
+            kt.shape[1],
+            0.0,
+            causal,
+            rng,
+            rng,
+            scale=scale,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    def varlen_forward(self, q, k, v, seg: Segments, causal, scale):
+        if len(seg) == 0:
+            return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        res = _ATEN._flash_attention_forward(
+            q, k, v, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, 0.0, causal, False, scale=scale
+        )
+        out, lse = res[0], res[1]
+        if tuple(lse.shape) != (q.shape[1], q.shape[0]):
+            raise RuntimeError(
+                f"torch {torch.__version__}: aten._flash_attention_forward returned a log-sum-exp of shape "
+                f"{tuple(lse.shape)} for {len(seg)} segments, expected (q_heads, total_q) = "
+                f"{(q.shape[1], q.shape[0])}; choose another kernel (kernel='flash_attn' or 'math')"
+            )
+        return out, lse
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seg: Segments, causal, scale):
+        if len(seg) == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        rng = self._rng_state(q.device)
+        return _ATEN._flash_attention_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse.contiguous(),
+            seg.cu_q,
+            seg.cu_k,
+            seg.max_q,
+            seg.max_k,
+            0.0,
+            causal,
+            rng,
+            rng,
+            scale=scale,
+        )
