@@ -288,6 +288,30 @@ def test_ac_keeps_gradients_and_saves_memory(mode, every):
         apply_ac(tiny(), "sometimes")
 
 
+def test_op_level_ac_runs_cp_attention_once_per_layer(monkeypatch):
+    """Under op-level selective checkpointing the CP attention op is saved, not recomputed: its
+    forward (kernels and communication) runs once per layer per step, as without checkpointing."""
+    from titan_cp.attention.ring import Ring
+
+    calls = []
+    real = Ring.forward
+
+    def counting(self, ctx, q, k, v):
+        calls.append(q.shape)
+        return real(self, ctx, q, k, v)
+
+    monkeypatch.setattr(Ring, "forward", counting)
+    tokens, labels, positions, doc_lens = packed_inputs(2)
+    ref = tiny(n_layers=3)
+    model = copy.deepcopy(ref)
+    apply_ac(model, "op")
+    loss, _ = reference_grads(model, tokens, labels, positions, doc_lens, labels.numel())
+    assert len(calls) == 3
+    ref_loss, ref_grads = reference_grads(ref, tokens, labels, positions, doc_lens, labels.numel())
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
+    assert assert_grads_equal(model, ref_grads, atol=1e-6, rtol=0) == set(ref_grads)
+
+
 @pytest.mark.parametrize("with_docs", [False, True])
 def test_compile_per_block_keeps_gradients(with_docs):
     torch._dynamo.reset()

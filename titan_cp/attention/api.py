@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from titan_cp.attention.allgather import ALLGATHER
 from titan_cp.attention.context import CPContext
@@ -221,6 +222,32 @@ def _backward(ctx, grads):
 
 
 _cp_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------- FLOPs
+def local_head_pairs(handle: int, q: Tensor, doc_lens, causal: bool) -> int:
+    """Visible (query, key) pairs times heads that this rank's kernels compute in one CP attention call."""
+    spec = _SPECS[handle]
+    strategy = _strategy(spec)
+    cp = 1 if spec.mesh is None else spec.mesh.size()
+    layout = get_layout(q.shape[2] * cp, cp, spec.balance, doc_lens)
+    rank = 0 if spec.mesh is None else strategy.layout_rank(spec.mesh)
+    u = 1 if spec.mesh is None else strategy.mesh_ulysses_degree(spec.mesh)
+    return strategy.local_head_pairs(layout, rank, causal, q.shape[0], q.shape[1], u)
+
+
+@register_flop_formula(torch.ops.titan_cp.cp_attention, get_raw=True)
+def _cp_attention_flops(q, k, v, doc_lens, handle, causal, scale, *args, out_val=None, **kwargs) -> int:
+    """``QK^T`` and ``PV`` over the visible pairs only: ``2 * 2 * head_dim`` per pair and head
+    (masked-out and empty tiles are never computed, so they are not counted)."""
+    return 4 * q.shape[-1] * local_head_pairs(handle, q, doc_lens, causal)
+
+
+@register_flop_formula(torch.ops.titan_cp.cp_attention_backward, get_raw=True)
+def _cp_attention_backward_flops(dout, q, k, v, out, saved, doc_lens, handle, causal, *args, out_val=None, **kw) -> int:
+    """Twice the forward (``dQ, dK, dV`` and ``dP``: four products per pair), the convention of
+    PyTorch's SDPA backward formula (the recomputation of ``P`` is not counted)."""
+    return 8 * dout.shape[-1] * local_head_pairs(handle, dout, doc_lens, causal)
 
 
 # ---------------------------------------------------------------------------- public functions

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_cp.attention.block import head_major, token_major
+from titan_cp.attention.block import head_major, make_plan, token_major
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.ring import RING, kv_block_bytes, ring_backward, ring_forward, ring_plans
 from titan_cp.attention.strategy import Strategy, kv_heads_per_shard, register_strategy
@@ -124,6 +124,12 @@ class Hybrid(Strategy):
 
     def saved_like(self, ctx: CPContext, q, k, v):
         return head_shards_like(q, k, self.mesh_ulysses_degree(ctx.mesh))
+
+    def local_head_pairs(self, layout, rank, causal, batch, q_heads, ulysses_degree=1) -> int:
+        """The Ulysses group's queries against every key, for 1/U of the heads."""
+        u = ulysses_degree
+        members = tuple(range(rank // u * u, rank // u * u + u))
+        return make_plan(layout, members, None, causal).pairs(batch) * q_heads // u
 
     def min_bytes(self, q, k, cp: int, ulysses_degree: int = 1, backward: bool = True) -> int:
         """The Ulysses all-to-alls inside the group, then the ring among groups on the group's union:

@@ -140,6 +140,14 @@ class Strategy:
         """
         raise NotImplementedError
 
+    def local_head_pairs(self, layout, rank: int, causal: bool, batch: int, q_heads: int, ulysses_degree: int = 1) -> int:
+        """Visible (query, key) pairs this rank's kernels compute, summed over the heads they run
+        (``q_heads``: local query heads before any exchange). Summed over the cp ranks it is the
+        whole layer's pairs times the heads: the work is split, never repeated."""
+        from titan_cp.attention.block import make_plan  # noqa: PLC0415 - the engine imports this module
+
+        return make_plan(layout, (rank,), None, causal).pairs(batch) * q_heads
+
     def buffer_bytes(
         self,
         act_bytes: int,

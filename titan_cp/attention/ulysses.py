@@ -135,6 +135,10 @@ class Ulysses(Strategy):
     def saved_like(self, ctx: CPContext, q, k, v):
         return head_shards_like(q, k, ctx.cp_size)
 
+    def local_head_pairs(self, layout, rank, causal, batch, q_heads, ulysses_degree=1) -> int:
+        """The whole row's pairs for 1/N of the heads."""
+        return make_plan(layout, None, None, causal).pairs(batch) * q_heads // layout.cp_size
+
     def min_bytes(self, q, k, cp: int, ulysses_degree: int = 1, backward: bool = True) -> int:
         """All-to-all traffic: (N-1)/N of q, of the K/V each rank must ship, and of the output; the
         backward moves the same amounts the other way."""

@@ -5,8 +5,9 @@
                (0, k, 2k, ...) fully checkpointed, the others not at all; ``every=1`` is
                every block.
   "op"         op-level (torchtitan's ``selective_ac_option = "op"``): each block saves the
-               outputs of matmuls and attention kernels (the expensive ops) and recomputes
-               the cheap elementwise ones (norms, RoPE, SiLU, products), via
+               outputs of matmuls and attention kernels (the expensive ops; CP attention,
+               ``titan_cp::cp_attention``, among them, so its communication runs once) and
+               recomputes the cheap elementwise ones (norms, RoPE, SiLU, products), via
                ``create_selective_checkpoint_contexts``.
 
 ``ac_mode_and_every(mode, selective_ac_option)`` maps the ``[activation_checkpoint]`` keys
@@ -46,6 +47,11 @@ def _save_ops() -> set:
     ]
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
     ops.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    # CP attention: recomputing it would run its kernels and its communication (ring steps,
+    # all-gathers, all-to-alls) again; its outputs are what the backward reads anyway
+    import titan_cp.attention.api  # noqa: F401, PLC0415 - registers the op
+
+    ops.add(torch.ops.titan_cp.cp_attention.default)
     return ops
 
 
