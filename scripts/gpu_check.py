@@ -5,7 +5,10 @@ call, and a short bf16 training run; JSON lines, a summary line last.
     python scripts/gpu_check.py --device cpu --small   # the same logic on CPU at toy sizes
 
 Without a CUDA device (and without --device cpu) it prints one line saying so and exits 0.
-The exit status is 1 when a check failed. See titan_cp/tools/gpu_check.py for what is checked.
+The summary's status is ``ok``, ``below_bar`` (everything correct, a ring efficiency under its
+bar), ``error`` (a check could not run) or ``fail`` (a result is wrong); the exit status is 1 for
+the last two. The environment line says which torch it runs on. See
+titan_cp/tools/gpu_check.py for what is checked.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from titan_cp.tools.gpu_check import SECTIONS, print_json, run  # noqa: E402
+from titan_cp.tools.gpu_check import SECTIONS, exit_code, print_json, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     summary = run(args.device, args.small, [s for s in args.sections.split(",") if s], print_json, args.ring_kernel)
-    return 1 if summary.get("status") == "fail" else 0
+    return exit_code(summary)
 
 
 if __name__ == "__main__":

@@ -72,3 +72,40 @@ def test_cli_without_a_gpu_says_so_and_exits_0(monkeypatch, capsys):
 def test_unknown_section():
     with pytest.raises(ValueError, match="unknown gpu_check sections"):
         gpu_check.run("cpu", small=True, sections=["kernels", "nope"], emit=lambda r: None)
+
+
+def _records(*statuses, meets_bar=True):
+    env = {"section": "env", "device": "cpu"}
+    ring = {"section": "ring", "case": "docs_1024", "status": "ok", "efficiency": {"fwd_bwd": 0.5}}
+    ring["meets_bar"] = meets_bar
+    return [env, ring] + [
+        {"section": "kernels", "kernel": "k", "case": f"c{i}", "status": s} for i, s in enumerate(statuses)
+    ]
+
+
+@pytest.mark.parametrize(
+    "statuses,meets_bar,want,code",
+    [
+        (("ok", "ok"), True, "ok", 0),
+        (("ok", "ok"), False, "below_bar", 0),
+        (("ok", "error"), False, "error", 1),
+        (("error", "fail"), True, "fail", 1),
+    ],
+)
+def test_summary_tells_a_missed_bar_from_an_error_and_a_failure(statuses, meets_bar, want, code):
+    """A ring efficiency under its bar is reported as such, distinct from a check that could not run
+    (error) and from a wrong result (fail); the command exits non-zero for the last two."""
+    summary = gpu_check.summarize(_records(*statuses, meets_bar=meets_bar), torch.device("cpu"), {}, 1.0, None)
+    assert summary["status"] == want and gpu_check.exit_code(summary) == code
+    assert summary["ring_below_bar"] == ([] if meets_bar else ["docs_1024"])
+    assert [f["status"] for f in summary["failures"]] == [s for s in statuses if s != "ok"]
+    assert summary["torch"] == torch.__version__
+
+
+def test_cli_exits_1_when_a_check_fails(monkeypatch, capsys):
+    fail = gpu_check.summarize(_records("fail"), torch.device("cpu"), {}, 1.0, None)
+    monkeypatch.setattr(gpu_check, "run", lambda *a, **k: fail)
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--device", "cpu"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    assert exit_.value.code == 1

@@ -140,7 +140,9 @@ class Strategy:
         """
         raise NotImplementedError
 
-    def local_head_pairs(self, layout, rank: int, causal: bool, batch: int, q_heads: int, ulysses_degree: int = 1) -> int:
+    def local_head_pairs(
+        self, layout, rank: int, causal: bool, batch: int, q_heads: int, ulysses_degree: int = 1
+    ) -> int:
         """Visible (query, key) pairs this rank's kernels compute, summed over the heads they run
         (``q_heads``: local query heads before any exchange). Summed over the cp ranks it is the
         whole layer's pairs times the heads: the work is split, never repeated."""
