@@ -1,0 +1,106 @@
+"""The CUDA call path at full size without a GPU: ring, all-gather, Ulysses and hybrid through the
+``cuda_flash`` kernel on fake CUDA tensors (``titan_cp.tools.fake_cuda``), forward and backward,
+131072 tokens, CP 8, Llama 3 8B heads (32 query, 8 KV, head_dim 128), bf16, causal and packed.
+
+Checked: ATen's schema accepts every call (the real op runs, on its fake kernel), the flash
+kernel's preconditions hold, the log-sum-exp comes back as the engine expects, nothing in the
+layer synchronises with the host or copies to the device blocking, at most one kernel call per
+causal flag per ring step, and the bytes sent equal the strategy's minimum. No arithmetic runs.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from titan_cp.attention.kernels.cuda_flash import CUDAFlashKernel
+from titan_cp.attention.strategy import get_strategy
+from titan_cp.tools.fake_cuda import HostSyncError, simulate
+
+SEQ, CP, HEADS, KV_HEADS, DIM = 131072, 8, 32, 8, 128
+STRATEGIES = [("ring", 1), ("allgather", 1), ("ulysses", 1), ("hybrid", 2)]
+
+
+def lognormal_docs(seq: int, mean: int, seed: int = 0) -> list[int]:
+    """Document lengths of a log-normal mix with mean about ``mean``, filling ``seq`` tokens."""
+    rng, out, left = random.Random(seed), [], seq
+    sigma = 1.0
+    mu = torch.log(torch.tensor(float(mean))).item() - sigma**2 / 2
+    while left:
+        n = min(left, max(1, int(rng.lognormvariate(mu, sigma))))
+        out.append(n)
+        left -= n
+    return out
+
+
+DOCS = [lognormal_docs(SEQ, 1024)]
+
+
+def _min_bytes(strategy: str, ulysses: int) -> int:
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    q = torch.empty(1, HEADS, SEQ // CP, DIM, **meta)
+    k = torch.empty(1, KV_HEADS, SEQ // CP, DIM, **meta)
+    return get_strategy(strategy).min_bytes(q, k, CP, ulysses)
+
+
+@pytest.mark.parametrize("docs", [None, DOCS], ids=["causal", "documents"])
+@pytest.mark.parametrize("strategy,ulysses", STRATEGIES)
+def test_cuda_flash_calls_at_full_size(strategy, ulysses, docs):
+    balance = "zigzag" if docs is None else "doc_zigzag"
+    traces = simulate(strategy, SEQ, CP, HEADS, KV_HEADS, DIM, docs, balance, ulysses)
+    assert [t.rank for t in traces] == list(range(CP))
+    for t in traces:
+        assert t.violations == [], t.violations
+        assert t.calls and all(c.varlen for c in t.calls)
+        assert 0 < t.calls_per_step("forward") <= 2 and 0 < t.calls_per_step("backward") <= 2
+        assert t.bytes_sent == _min_bytes(strategy, ulysses)
+
+
+class _Int64Lengths(CUDAFlashKernel):
+    """Breaks a precondition on purpose: int64 cumulative lengths."""
+
+    def varlen_forward(self, q, k, v, seg, causal, scale):
+        return super().varlen_forward(q, k, v, type(seg)(seg.cu_q.long(), *list(vars(seg).values())[1:]), causal, scale)
+
+
+class _NonContiguousHeadDim(CUDAFlashKernel):
+    """Breaks a precondition on purpose: q strided in its last dim."""
+
+    def varlen_forward(self, q, k, v, seg, causal, scale):
+        q = torch.empty(q.shape[0], q.shape[1], 2 * q.shape[2], dtype=q.dtype, device=q.device)[:, :, ::2]
+        return super().varlen_forward(q, k, v, seg, causal, scale)
+
+
+class _ReadsOnTheHost(CUDAFlashKernel):
+    def varlen_forward(self, q, k, v, seg, causal, scale):
+        if seg.cu_q[-1].item() > 0:  # a device-to-host read
+            pass
+        return super().varlen_forward(q, k, v, seg, causal, scale)
+
+
+class _CopiesBlocking(CUDAFlashKernel):
+    def varlen_forward(self, q, k, v, seg, causal, scale):
+        torch.tensor(seg.host_q, dtype=torch.int32).to(q.device)  # a blocking host-to-device copy
+        return super().varlen_forward(q, k, v, seg, causal, scale)
+
+
+@pytest.mark.parametrize(
+    "kernel,message",
+    [
+        (_Int64Lengths, "cum_seq_q must be a contiguous 1-D int32 tensor"),
+        (_NonContiguousHeadDim, "q is not contiguous in its last dim"),
+    ],
+)
+def test_a_broken_precondition_is_reported(kernel, message):
+    traces = simulate("ring", 4096, 2, 4, 2, 64, [[1000, 3096]], kernel=kernel())
+    assert any(message in v for t in traces for v in t.violations), traces[0].violations
+
+
+@pytest.mark.parametrize(
+    "kernel,message", [(_ReadsOnTheHost, "reads a device value"), (_CopiesBlocking, "blocking host-to-device copy")]
+)
+def test_a_host_sync_in_the_layer_is_caught(kernel, message):
+    with pytest.raises(HostSyncError, match=message):
+        simulate("ring", 4096, 2, 4, 2, 64, [[1000, 3096]], kernel=kernel())

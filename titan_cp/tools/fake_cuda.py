@@ -1,0 +1,423 @@
+"""Every rank of a CP group on fake CUDA tensors, in one process: the CUDA path checked without a GPU.
+
+Under ``FakeTensorMode`` a tensor carries its shape, dtype, strides and device but no data, and
+no arithmetic runs; one attention layer at full size (131072 tokens, CP 8, Llama 3 8B heads, bf16)
+runs through the engine and ATen's CUDA flash kernel in seconds on a CPU-only build. Four shims
+make that possible (:func:`fake_cuda`):
+
+- **host to device**: ``titan_cp.layout.to_device`` (the one place host index tensors reach the
+  device) returns a fake CUDA tensor of the host tensor's shape and dtype;
+- **host-side planning** (the layout, the mask plans and their index tensors, built once per
+  microbatch) runs on real CPU tensors, the fake mode suspended while it does;
+- **CUDA tensor methods** a CPU-only build refuses even on fake tensors (Python indexing such as
+  ``x[0]`` and ``x[rank, slot] = y``, ``copy_``, ``contiguous``, ``.to("cuda")``) go through the ATen
+  ops they stand for (so a host-to-device copy is seen, and a blocking one caught);
+- **communication**: ``titan_cp.attention.comm``'s ``torch.distributed`` calls move nothing (the
+  receive buffers stay as allocated: with no arithmetic their contents are never read); the bytes
+  are counted by ``count_comm`` as on a real run.
+
+:func:`simulate` runs one layer's forward and backward of a strategy for every rank in turn, a
+warm-up first (the first layer of a microbatch builds the plans), then the traced layer, and
+returns a :class:`RankTrace` per rank:
+
+- every call of ATen's flash ops, checked against the kernel's preconditions (dtype, last-dim
+  contiguity, head_dim, int32 contiguous cumulative lengths on the device, Python-int maximum
+  lengths, the log-sum-exp's shape and dtype): each broken one is listed in ``violations``;
+- a host synchronisation (``.item()``, ``.tolist()``, ``bool()``, ``nonzero`` of a device
+  tensor) or a blocking host-to-device copy in either layer raises :class:`HostSyncError`;
+- kernel calls per ring step, and the bytes sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import titan_cp.layout as layout_module
+from titan_cp.attention import comm
+from titan_cp.attention.context import CPContext
+from titan_cp.attention.kernels import cuda_flash
+from titan_cp.attention.kernels.cuda_flash import CUDAFlashKernel
+from titan_cp.attention.strategy import get_strategy
+from titan_cp.layout import SequenceLayout
+
+CUDA = torch.device("cuda", 0)
+_ATEN = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------- a fake mesh and transport
+@dataclass(frozen=True)
+class FakeGroup:
+    """One process group of the simulated mesh, seen from one rank."""
+
+    rank: int
+    size: int
+
+
+class FakeMesh:
+    """The cp (sub-)mesh of one simulated rank: the ``DeviceMesh`` calls the strategies make."""
+
+    def __init__(self, dims: Sequence[tuple[str, int]], coords: Sequence[int]):
+        self.mesh_dim_names = tuple(name for name, _ in dims)
+        self._sizes = tuple(n for _, n in dims)
+        self._coords = tuple(coords)
+        self.ndim = len(dims)
+
+    def size(self, dim: int | None = None) -> int:
+        return math.prod(self._sizes) if dim is None else self._sizes[dim]
+
+    def get_local_rank(self, dim: int | None = None) -> int:
+        assert dim is not None or self.ndim == 1, "a 2-D mesh needs the dim"
+        return self._coords[0 if dim is None else dim]
+
+    def get_group(self, dim: int | None = None) -> FakeGroup:
+        d = 0 if dim is None else dim
+        return FakeGroup(self._coords[d], self._sizes[d])
+
+
+def fake_meshes(strategy: str, cp: int, ulysses_degree: int = 1) -> list[FakeMesh]:
+    """The cp mesh of every rank, ordered by the rank's place in the layout."""
+    s = get_strategy(strategy)
+    dims = s.mesh_dims(cp, ulysses_degree)
+    meshes = []
+    for flat in range(cp):
+        coords, rest = [], flat
+        for _, n in reversed(dims):
+            coords.append(rest % n)
+            rest //= n
+        meshes.append(FakeMesh(dims, tuple(reversed(coords))))
+    return sorted(meshes, key=s.layout_rank)
+
+
+class _Work:
+    def wait(self) -> None:
+        pass
+
+
+class _P2POp:
+    def __init__(self, op, tensor, group=None, group_peer=None, tag=0):
+        self.op, self.tensor, self.group, self.group_peer, self.tag = op, tensor, group, group_peer, tag
+
+
+def _nothing(*args, **kwargs) -> _Work:
+    return _Work()
+
+
+FAKE_DIST = SimpleNamespace(
+    get_rank=lambda group: group.rank,
+    get_world_size=lambda group: group.size,
+    P2POp=_P2POp,
+    isend="isend",
+    irecv="irecv",
+    batch_isend_irecv=lambda ops: [_Work() for _ in ops],
+    all_gather_into_tensor=_nothing,
+    reduce_scatter_tensor=_nothing,
+    all_to_all_single=_nothing,
+)
+
+
+# ---------------------------------------------------------------------------- the flash kernel, checked
+@dataclass
+class FlashCall:
+    """One ATen flash call: which op, and the shapes it saw."""
+
+    op: str
+    varlen: bool
+    causal: bool
+    q_shape: tuple[int, ...]
+    k_shape: tuple[int, ...]
+    segments: int
+
+
+def _check_qkv(name: str, tensors: dict[str, torch.Tensor], problems: list[str]) -> None:
+    q = tensors["q"]
+    for key, t in tensors.items():
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            problems.append(f"{name}: {key} is {t.dtype}, the flash kernel takes float16/bfloat16")
+        if t.dtype != q.dtype:
+            problems.append(f"{name}: {key} is {t.dtype} but q is {q.dtype}")
+        if t.device.type != "cuda":
+            problems.append(f"{name}: {key} is on {t.device}, not on the GPU")
+        if t.stride(-1) != 1:
+            problems.append(f"{name}: {key} is not contiguous in its last dim (stride {t.stride(-1)})")
+    e = q.shape[-1]
+    if e % 8 or e > 256:
+        problems.append(f"{name}: head_dim {e} is not a multiple of 8 at most 256")
+    k = tensors["k"]
+    if k.shape[-1] != e or q.shape[-2] % k.shape[-2]:
+        problems.append(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} do not agree in head_dim and GQA")
+
+
+def _check_lengths(name: str, cu_q, cu_k, max_q, max_k, q: torch.Tensor, problems: list[str]) -> int:
+    """Cumulative lengths and maxima of a variable-length call; the number of segments."""
+    for key, cu in (("cum_seq_q", cu_q), ("cum_seq_k", cu_k)):
+        if not isinstance(cu, torch.Tensor):
+            problems.append(f"{name}: {key} is {type(cu).__name__}, not a tensor")
+            continue
+        if cu.dtype != torch.int32 or cu.dim() != 1 or not cu.is_contiguous():
+            problems.append(f"{name}: {key} must be a contiguous 1-D int32 tensor, got {cu.dtype} {tuple(cu.shape)}")
+        if cu.device != q.device:
+            problems.append(f"{name}: {key} is on {cu.device}, q on {q.device}")
+    for key, m in (("max_q", max_q), ("max_k", max_k)):
+        if type(m) is not int or m < 1:
+            problems.append(f"{name}: {key} must be a positive Python int, got {m!r}")
+    if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor) and cu_q.shape != cu_k.shape:
+        problems.append(f"{name}: cum_seq_q {tuple(cu_q.shape)} and cum_seq_k {tuple(cu_k.shape)} differ")
+    if q.dim() != 3:
+        problems.append(f"{name}: a variable-length q must be (total_q, heads, head_dim), got {tuple(q.shape)}")
+    return cu_q.shape[0] - 1 if isinstance(cu_q, torch.Tensor) else 0
+
+
+class CheckedAten:
+    """Stands in for ``torch.ops.aten`` in the ``cuda_flash`` kernel: checks and records every flash
+    call, then runs ATen's own op (its schema checks the argument types; its fake kernel the shapes)."""
+
+    def __init__(self):
+        self.calls: list[FlashCall] = []
+        self.violations: list[str] = []
+
+    def __getattr__(self, name):
+        op = getattr(_ATEN, name)
+        check = {"_flash_attention_forward": self._forward, "_flash_attention_backward": self._backward}.get(name)
+        if check is None:
+            return op
+        return lambda *args, **kwargs: check(op, *args, **kwargs)
+
+    def _forward(self, op, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug_mask, **kw):
+        problems = []
+        _check_qkv("forward", {"q": q, "k": k, "v": v}, problems)
+        varlen = cu_q is not None
+        n = _check_lengths("forward", cu_q, cu_k, max_q, max_k, q, problems) if varlen else q.shape[0]
+        res = op(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug_mask, **kw)
+        want = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+        lse = res[1]
+        if tuple(lse.shape) != want or lse.dtype != torch.float32:
+            problems.append(f"forward: lse is {lse.dtype} {tuple(lse.shape)}, the engine expects float32 {want}")
+        self.calls.append(FlashCall("forward", varlen, causal, tuple(q.shape), tuple(k.shape), n))
+        self.violations += problems
+        return res
+
+    def _backward(self, op, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, *rest, **kw):
+        problems = []
+        _check_qkv("backward", {"q": q, "k": k, "v": v, "out": out, "dout": dout}, problems)
+        varlen = cu_q is not None
+        n = _check_lengths("backward", cu_q, cu_k, max_q, max_k, q, problems) if varlen else q.shape[0]
+        want = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+        if tuple(lse.shape) != want or lse.dtype != torch.float32 or not lse.is_contiguous():
+            problems.append(f"backward: lse must be a contiguous float32 {want}, got {lse.dtype} {tuple(lse.shape)}")
+        if dout.shape != q.shape or out.shape != q.shape:
+            problems.append(f"backward: dout {tuple(dout.shape)} / out {tuple(out.shape)} differ from q")
+        self.calls.append(FlashCall("backward", varlen, causal, tuple(q.shape), tuple(k.shape), n))
+        self.violations += problems
+        return op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, *rest, **kw)
+
+
+# ---------------------------------------------------------------------------- host syncs
+_SYNC_OPS = {_ATEN._local_scalar_dense.default, _ATEN.is_nonzero.default, _ATEN.nonzero.default, _ATEN.item.default}
+
+
+class HostSyncError(RuntimeError):
+    """The layer read a device value on the host, or copied host data to the device blocking."""
+
+
+class SyncDetector(TorchDispatchMode):
+    """Raises :class:`HostSyncError` where a device value is read on the host (``.item()``,
+    ``.tolist()``, ``bool()``, ``nonzero`` of a CUDA tensor) or host data is copied to the device
+    blocking. Reading host tensors on the host (the layout's planning) is not a synchronisation."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SYNC_OPS and args[0].device.type == "cuda":
+            raise HostSyncError(f"{func} reads a device value on the host inside the layer")
+        if func is _ATEN._to_copy.default and not kwargs.get("non_blocking", False):
+            src, dst = args[0].device, torch.device(kwargs.get("device") or args[0].device)
+            if src.type == "cpu" and dst.type == "cuda":
+                raise HostSyncError(f"a blocking host-to-device copy of {tuple(args[0].shape)} inside the layer")
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- the shims
+def _basic_or_advanced(x: torch.Tensor, idx):
+    """``x[idx]`` through explicit ops: a CPU-only build refuses Python indexing of a CUDA tensor,
+    even a fake one. Supports ints, slices and ``None``, or all-tensor (advanced) indices."""
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if all(isinstance(i, torch.Tensor) for i in idx):
+        return _ATEN.index.Tensor(x, list(idx))
+    dim = 0
+    for i in idx:
+        if isinstance(i, bool) or not isinstance(i, (int, slice, type(None))):
+            raise NotImplementedError(f"fake_cuda indexing with {type(i).__name__} mixed with other indices")
+        if isinstance(i, int):
+            x = x.select(dim, i)
+        elif isinstance(i, slice):
+            x = _ATEN.slice.Tensor(x, dim, i.start, i.stop, i.step or 1)
+            dim += 1
+        else:
+            x = x.unsqueeze(dim)
+            dim += 1
+    return x
+
+
+def _is_fake_cuda(x) -> bool:
+    return isinstance(x, FakeTensor) and x.device.type == "cuda"
+
+
+@contextlib.contextmanager
+def _cuda_methods():
+    """The ``Tensor`` methods a CPU-only build refuses on CUDA tensors, even fake ones (their Python
+    binding guards the device), through the ATen ops they stand for: indexing (``x[0]``,
+    ``x[rank, slot] = y``), ``copy_``, ``contiguous`` and ``to`` a CUDA device."""
+    real_get, real_set = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+    real_copy, real_contiguous, real_to = torch.Tensor.copy_, torch.Tensor.contiguous, torch.Tensor.to
+
+    def get(self, idx):
+        return _basic_or_advanced(self, idx) if _is_fake_cuda(self) else real_get(self, idx)
+
+    def put(self, idx, value):
+        if not _is_fake_cuda(self):
+            return real_set(self, idx, value)
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if all(isinstance(i, torch.Tensor) for i in idx):
+            _ATEN.index_put_(self, list(idx), value)
+        else:
+            _basic_or_advanced(self, idx).copy_(value)
+
+    def copy(self, src, non_blocking=False):
+        return (
+            _ATEN.copy_.default(self, src, non_blocking) if _is_fake_cuda(self) else real_copy(self, src, non_blocking)
+        )
+
+    def contiguous(self, memory_format=torch.contiguous_format):
+        if not _is_fake_cuda(self) or self.is_contiguous(memory_format=memory_format):
+            return real_contiguous(self, memory_format=memory_format)
+        return _ATEN.clone.default(self, memory_format=memory_format)
+
+    def to(self, *args, **kwargs):
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is None or device.type != "cuda" or (self.device == device and dtype in (None, self.dtype)):
+            return real_to(self, *args, **kwargs)
+        return _ATEN._to_copy.default(self, dtype=dtype or self.dtype, device=device, non_blocking=non_blocking)
+
+    torch.Tensor.__getitem__, torch.Tensor.__setitem__ = get, put
+    torch.Tensor.copy_, torch.Tensor.contiguous, torch.Tensor.to = copy, contiguous, to
+    try:
+        yield
+    finally:
+        torch.Tensor.__getitem__, torch.Tensor.__setitem__ = real_get, real_set
+        torch.Tensor.copy_, torch.Tensor.contiguous, torch.Tensor.to = real_copy, real_contiguous, real_to
+
+
+@contextlib.contextmanager
+def fake_cuda():
+    """A ``FakeTensorMode`` in which the CUDA path runs on a CPU-only build (module docstring); yields
+    ``(mode, aten)`` with ``aten`` the :class:`CheckedAten` the ``cuda_flash`` kernel calls."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    real_to_device, real_memo, real_dist, real_aten = (
+        layout_module.to_device,
+        SequenceLayout.memo,
+        comm.dist,
+        cuda_flash._ATEN,
+    )
+    from titan_cp.attention.block import Plan
+
+    real_index = Plan.index
+
+    def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if torch.device(device).type != "cuda":
+            return real_to_device(t, device)
+        return mode.fake_tensor_converter.from_meta_and_device(mode, t.to("meta"), torch.device(device))
+
+    def memo(self, key, build):
+        with unset_fake_temporarily():
+            return real_memo(self, key, build)
+
+    def index(self, batch, device):
+        with unset_fake_temporarily():
+            return real_index(self, batch, device)
+
+    users = [m for m in list(sys.modules.values()) if getattr(m, "to_device", None) is real_to_device]
+    aten = CheckedAten()
+    try:
+        for m in users:
+            m.to_device = to_device
+        SequenceLayout.memo, Plan.index, comm.dist, cuda_flash._ATEN = memo, index, FAKE_DIST, aten
+        with _cuda_methods(), mode:
+            yield mode, aten
+    finally:
+        for m in users:
+            m.to_device = real_to_device
+        SequenceLayout.memo, Plan.index, comm.dist, cuda_flash._ATEN = real_memo, real_index, real_dist, real_aten
+
+
+# ---------------------------------------------------------------------------- one layer, every rank
+@dataclass
+class RankTrace:
+    """What one rank's traced layer did."""
+
+    rank: int
+    steps: int
+    calls: list[FlashCall] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+    bytes_sent: int = 0
+
+    def calls_per_step(self, op: str) -> float:
+        return sum(c.op == op for c in self.calls) / self.steps
+
+
+def _inputs(batch: int, local: int, heads: int, kv_heads: int, head_dim: int, dtype) -> tuple:
+    """Fake ``(B, H, S, E)`` views of token-major ``(B, S, H, E)`` storage, as the model hands them over."""
+
+    def make(h):
+        return torch.empty(batch, local, h, head_dim, dtype=dtype, device=CUDA).transpose(1, 2)
+
+    return make(heads), make(kv_heads), make(kv_heads), make(heads)
+
+
+def simulate(
+    strategy: str,
+    seq_len: int,
+    cp: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    doc_lens=None,
+    balance: str = "doc_zigzag",
+    ulysses_degree: int = 1,
+    causal: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+    kernel: CUDAFlashKernel | None = None,
+) -> list[RankTrace]:
+    """One layer's forward + backward of ``strategy`` for each of the ``cp`` ranks (module docstring).
+
+    ``doc_lens``: one list of document lengths per batch row (``None``: one causal document).
+    A host synchronisation raises :class:`HostSyncError`.
+    """
+    s = get_strategy(strategy)
+    batch = 1 if doc_lens is None else len(doc_lens)
+    layout = layout_module.get_layout(seq_len, cp, balance, doc_lens)
+    kernel = kernel or CUDAFlashKernel()
+    traces = []
+    with fake_cuda() as (_, aten):
+        for mesh in fake_meshes(strategy, cp, ulysses_degree):
+            rank = s.layout_rank(mesh)
+            ctx = CPContext(mesh, layout, causal, head_dim**-0.5, kernel, heads, kv_heads)
+            q, k, v, dout = _inputs(batch, seq_len // cp, heads, kv_heads, head_dim, dtype)
+            with SyncDetector():  # warm-up: the first layer builds plans and indices
+                out, saved = s.forward(ctx, q, k, v)
+                s.backward(ctx, dout, q, k, v, out, saved)
+            aten.calls.clear()
+            with comm.count_comm() as sent, SyncDetector():
+                out, saved = s.forward(ctx, q, k, v)
+                s.backward(ctx, dout, q, k, v, out, saved)
+            steps = s.ring_size(cp, ulysses_degree)
+            traces.append(RankTrace(rank, steps, list(aten.calls), list(aten.violations), sent.bytes_sent))
+            aten.violations.clear()
+    return traces
