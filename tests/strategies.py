@@ -16,6 +16,6 @@ def doc_row(draw, seq_len: int) -> list[int]:
 def layout_shape(draw, max_cp: int, max_chunks: int) -> tuple[int, str, int]:
     """``(cp, balance, seq_len)`` with a ``seq_len`` every balance of that name accepts."""
     cp = draw(st.integers(1, max_cp))
-    balance = draw(st.sampled_from(["contiguous", "zigzag", "doc_zigzag"]))
+    balance = draw(st.sampled_from(["contiguous", "zigzag", "doc_zigzag", "doc_local"]))
     mult = 2 * cp if balance == "zigzag" else cp
     return cp, balance, mult * draw(st.integers(1, max_chunks))

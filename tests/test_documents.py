@@ -18,7 +18,7 @@ from titan_cp.attention import cp_rank
 
 SEQ = 48
 TOL = 5e-5
-BALANCES = ("contiguous", "zigzag", "doc_zigzag")
+BALANCES = ("contiguous", "zigzag", "doc_zigzag", "doc_local")
 HEADS = {1: (4, 2), 2: (4, 2), 3: (6, 3), 4: (8, 2)}  # (q heads, kv heads) that every strategy takes
 
 

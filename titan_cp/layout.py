@@ -12,6 +12,8 @@ Balances (N = ``cp_size``, S = ``seq_len``)::
     zigzag       split S into 2N chunks; rank r holds chunks r and 2N-1-r  needs S % 2N == 0
     doc_zigzag   every document is split into 2N pieces as evenly as it     needs S % N == 0
                  allows; rank r holds pieces r and 2N-1-r of each document
+    doc_local    documents stay whole on one rank where the balance allows; needs S % N == 0
+                 only long ones are split as doc_zigzag splits them
 
 Under causal attention the work of a chunk grows with its position, so pairing chunk
 ``r`` with chunk ``2N-1-r`` gives every rank the same work. With packed documents the
@@ -21,6 +23,12 @@ A document of length ``L = 2N*q + e`` gives ``q`` tokens to each of its 2N piece
 extra token to ``e`` of them. The extras are dealt round-robin over the 2N piece slots,
 continuing across documents, so every rank ends up with exactly ``S/N`` tokens and no
 document needs padding, whatever its length (1 token, fewer than 2N, longer than a shard).
+
+``doc_zigzag`` balances every row exactly, but at a price on a GPU: every document is cut
+into 2N pieces, so every rank needs every other rank's K/V and the kernel sees small tiles.
+``doc_local`` (:mod:`titan_cp.doc_local`) keeps documents whole on one rank wherever the
+causal balance allows and splits only what it needs, so most K/V are needed by their own
+rank only (the strategies send only what another rank can see).
 
 Vocabulary: a *run* is a maximal stretch of a rank's local buffer whose tokens are
 consecutive global positions of one document; masks are computed on runs, never on a
@@ -35,6 +43,8 @@ from typing import Literal
 
 import torch
 
+from titan_cp.doc_local import doc_local_pieces
+
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device`` without synchronising the host with a CUDA stream (pinned, non-blocking)."""
@@ -43,8 +53,9 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-Balance = Literal["contiguous", "zigzag", "doc_zigzag"]
-BALANCES: tuple[str, ...] = ("contiguous", "zigzag", "doc_zigzag")
+Balance = Literal["contiguous", "zigzag", "doc_zigzag", "doc_local"]
+BALANCES: tuple[str, ...] = ("contiguous", "zigzag", "doc_zigzag", "doc_local")
+DOCUMENT_BALANCES = ("doc_zigzag", "doc_local")  # the permutation follows each row's documents
 
 
 def seq_len_multiple(balance: str, cp_size: int) -> int:
@@ -150,6 +161,9 @@ def _row_index(seq_len: int, cp_size: int, balance: str, doc_lens: Sequence[int]
     if balance == "zigzag":
         c = seq_len // (2 * n)
         return [_spans([r * c, (2 * n - 1 - r) * c], [c, c]) for r in range(n)]
+    if balance == "doc_local":
+        held = doc_local_pieces(doc_lens if doc_lens is not None else (seq_len,), n)
+        return [_spans([a for a, _ in p], [b for _, b in p]) for p in held]
     pieces = _pieces(doc_lens if doc_lens is not None else (seq_len,), n)
     index = []
     for r in range(n):
@@ -185,13 +199,13 @@ class SequenceLayout:
     Args:
         seq_len: tokens per row, before sharding.
         cp_size: ranks on the ``cp`` mesh axis.
-        balance: ``"contiguous"``, ``"zigzag"`` or ``"doc_zigzag"`` (see the module docstring).
+        balance: ``"contiguous"``, ``"zigzag"``, ``"doc_zigzag"`` or ``"doc_local"`` (module docstring).
         doc_lens: ``None`` (each row is one document), or the packed-document structure:
             one list of document lengths per batch row, each summing to ``seq_len``, or a
             ``(batch, max_docs)`` integer tensor zero-padded on the right.
 
     Per-token tensors are sharded along ``dim`` with :meth:`shard`; when rows have
-    different document structures under ``doc_zigzag`` each row has its own permutation,
+    different document structures under ``doc_zigzag`` or ``doc_local`` each row has its own permutation,
     and the batch must then be dim 0 of the tensor.
     """
 
@@ -249,7 +263,7 @@ class SequenceLayout:
     @property
     def row_independent(self) -> bool:
         """True when every row uses the same permutation (so any dim may be the batch)."""
-        return len(set(self._row_keys)) == 1 or self.balance != "doc_zigzag"
+        return len(set(self._row_keys)) == 1 or self.balance not in DOCUMENT_BALANCES
 
     def row_groups(self) -> list[tuple[int, ...]]:
         """Batch rows grouped by identical document structure: masks are planned once per group."""

@@ -1,0 +1,133 @@
+"""The ``doc_local`` balance: packed documents stay whole on one rank wherever the balance allows.
+
+``doc_zigzag`` balances a row exactly by cutting *every* document into 2N pieces, so every rank
+needs every other rank's K/V and the kernel sees small tiles. ``doc_local`` keeps most documents
+whole, so most K/V are needed by their own rank only (the strategies send only what another rank
+can see), and splits only what the balance needs. Every rank holds exactly ``C = S/N`` tokens;
+the causal work of a piece of ``m`` tokens at offset ``o`` in its document is
+``m*o + m(m+1)/2`` (its queries see the document's earlier keys), and ``share`` is the row's work
+over N. Deterministic from ``doc_lens`` alone, so every rank computes the same layout::
+
+    1. big documents (work > beta * share), heaviest first, are split head-tail over the m ranks
+       with the least work and room for them: 2m pieces, the k-th of those ranks takes pieces
+       k and 2m-1-k (equal work and tokens on each), m = max(2, work / (beta * share), L / C)
+       rounded up, at most N;
+    2. the other documents, longest first, go whole to the rank with the most work still to
+       take per token of room, (share - work_r) / room_r, among those with room for them;
+    3. a document that fits nowhere whole is cut into contiguous parts over the ranks with
+       room, in the same order (its later parts see the earlier ones' keys).
+
+``beta`` is the first of :data:`BETAS` (fewest documents split first) whose result keeps every
+rank's work within :data:`BALANCE` of the mean; the last, 0, splits every document over all
+ranks as ``doc_zigzag`` does. One document longer than a rank is split over all ranks: on one
+document the layout is ``zigzag`` and sends what it sends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+BALANCE = 1.02  # most causal work of a rank over the mean, where reachable
+BETAS = (float("inf"), 2.0, 1.0, 0.5, 0.25, 0.12, 0.06, 0.03, 0.0)
+
+
+def work(length: int, offset: int = 0) -> int:
+    """Visible causal pairs of ``length`` consecutive queries at ``offset`` in their document."""
+    return length * offset + length * (length + 1) // 2
+
+
+class _Fill:
+    """An assignment in progress: the pieces, room and causal work of each rank."""
+
+    def __init__(self, doc_lens: Sequence[int], n: int):
+        self.n, self.capacity = n, sum(doc_lens) // n
+        self.room, self.work = [self.capacity] * n, [0] * n
+        self.share = sum(work(length) for length in doc_lens) / n
+        self.pieces: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+
+    def give(self, r: int, start: int, length: int, offset: int) -> None:
+        """Rank ``r`` takes global positions ``[start, start + length)``, at ``offset`` in their document."""
+        self.pieces[r].append((start, length))
+        self.room[r] -= length
+        self.work[r] += work(length, offset)
+
+    def hungriest(self, ranks) -> int:
+        """The rank with the most work still to take per token of room (ties: the lowest rank)."""
+        return max(ranks, key=lambda r: ((self.share - self.work[r]) / self.room[r], -r))
+
+    def cut_into_room(self, start: int, offset: int, length: int) -> None:
+        """Positions ``[start, start + length)`` (``offset`` in their document) as contiguous parts, hungriest first."""
+        while length:
+            r = self.hungriest([r for r in range(self.n) if self.room[r]])
+            m = min(length, self.room[r])
+            self.give(r, start, m, offset)
+            start, offset, length = start + m, offset + m, length - m
+
+    def imbalance(self) -> float:
+        mean = sum(self.work) / self.n
+        return max(self.work) / mean if mean else 1.0
+
+
+def _zigzag_pieces(length: int, m: int) -> list[tuple[int, int, int]]:
+    """``(slot, offset, size)`` of a document cut into 2m head-tail pieces, extra tokens to the first."""
+    base, extra = divmod(length, 2 * m)
+    out, offset = [], 0
+    for slot in range(2 * m):
+        size = base + (slot < extra)
+        if size:
+            out.append((slot, offset, size))
+        offset += size
+    return out
+
+
+def _split_over_ranks(fill: _Fill, start: int, length: int, beta: float) -> None:
+    """Step 1 for one document: head-tail over the least-loaded ranks with room."""
+    n = fill.n
+    m = n if beta == 0 else min(n, max(2, math.ceil(work(length) / (beta * fill.share)), -(-length // fill.capacity)))
+    ranks = sorted((r for r in range(n) if fill.room[r] >= -(-length // m)), key=lambda r: (fill.work[r], r))
+    while len(ranks) < m and m < n:
+        m += 1
+        ranks = sorted((r for r in range(n) if fill.room[r] >= -(-length // m)), key=lambda r: (fill.work[r], r))
+    ranks = ranks[:m] if len(ranks) >= m else sorted(range(n), key=lambda r: (-fill.room[r], r))[:m]
+    for slot, offset, size in _zigzag_pieces(length, m):
+        r = ranks[min(slot, 2 * m - 1 - slot)]
+        take = min(size, fill.room[r])
+        if take:
+            fill.give(r, start + offset, take, offset)
+        if take < size:  # no room left there: the rest where there is
+            fill.cut_into_room(start + offset + take, offset + take, size - take)
+
+
+def _fill(doc_lens: Sequence[int], n: int, beta: float) -> _Fill:
+    fill = _Fill(doc_lens, n)
+    starts = [0]
+    for length in doc_lens[:-1]:
+        starts.append(starts[-1] + length)
+    order = sorted(range(len(doc_lens)), key=lambda d: (-doc_lens[d], d))
+    big = {d for d in order if beta == 0 or work(doc_lens[d]) > beta * fill.share}
+    for d in (d for d in order if d in big):
+        _split_over_ranks(fill, starts[d], doc_lens[d], beta)
+    leftovers = []
+    for d in (d for d in order if d not in big):
+        fits = [r for r in range(n) if fill.room[r] >= doc_lens[d]]
+        if fits:
+            fill.give(fill.hungriest(fits), starts[d], doc_lens[d], 0)
+        else:
+            leftovers.append(d)
+    for d in leftovers:
+        fill.cut_into_room(starts[d], 0, doc_lens[d])
+    assert not any(fill.room), fill.room
+    return fill
+
+
+def doc_local_pieces(doc_lens: Sequence[int], cp_size: int) -> list[list[tuple[int, int]]]:
+    """The ``(start, length)`` pieces of global positions each rank holds, sorted (module docstring)."""
+    best = None
+    for beta in BETAS:
+        fill = _fill(list(doc_lens), cp_size, beta)
+        if best is None or fill.imbalance() < best.imbalance():
+            best = fill
+        if fill.imbalance() <= BALANCE:
+            break
+    return [sorted(p) for p in best.pieces]
