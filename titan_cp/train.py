@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(usage())
         raise SystemExit(0 if argv else 2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    cfg = load_config(argv)
+    cfg = load_config(argv, warn_adjustments=os.environ.get("RANK", "0") == "0")  # once per job, not per process
     cfg.check_files()  # before any process group starts
     return Trainer(cfg).train()
 
