@@ -17,13 +17,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from titan_cp.tools.balance import ALL_BALANCES, BALANCE_MIXES, MIXES, run  # noqa: E402
+from titan_cp.tools.balance import ALL_BALANCES, BALANCE_MIXES, MIXES, run
 
 
 def plot(records: list[dict], path: str) -> None:

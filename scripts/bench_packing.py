@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from titan_cp.data.lengths import MIXES, LengthSource, measure_packing  # noqa: E402
-from titan_cp.data.packing import make_packer  # noqa: E402
+from titan_cp.data.lengths import MIXES, LengthSource, measure_packing
+from titan_cp.data.packing import make_packer
 
 
 def main(argv: list[str] | None = None) -> None:
