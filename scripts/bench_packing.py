@@ -20,13 +20,13 @@ import argparse
 import json
 import time
 
-from titan_cp.data.lengths import MIXES, LengthSource, measure_packing
+from titan_cp.data.lengths import DOC_LENGTH_MIXES, LengthSource, measure_packing
 from titan_cp.data.packing import make_packer
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
+    parser.add_argument("--mixes", nargs="+", default=list(DOC_LENGTH_MIXES), choices=list(DOC_LENGTH_MIXES))
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[32768, 131072])
     parser.add_argument("--packings", nargs="+", default=["stream", "best_fit"], choices=["stream", "best_fit"])
     parser.add_argument("--lookahead", nargs="+", type=int, default=[512], help="best_fit buffer sizes (pieces)")
