@@ -32,19 +32,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from titan_cp import SequenceLayout, cp_attention  # noqa: E402
-from titan_cp.attention import STRATEGIES, cp_rank, min_bytes_per_rank  # noqa: E402
-from titan_cp.attention.comm import count_comm  # noqa: E402
-from titan_cp.testing import DistPool, cp_mesh, lognormal_doc_lens  # noqa: E402
-from titan_cp.tools.host import host_layer  # noqa: E402
+from titan_cp import SequenceLayout, cp_attention
+from titan_cp.attention import STRATEGIES, cp_rank, min_bytes_per_rank
+from titan_cp.attention.comm import count_comm
+from titan_cp.testing import DistPool, cp_mesh, lognormal_doc_lens
+from titan_cp.tools.host import host_layer
 
 
 def _run(rank, world, args: dict, case: str, strategy: str):

@@ -17,13 +17,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from titan_cp.tools.balance import ALL_BALANCES, BALANCE_MIXES, MIXES, run  # noqa: E402
+from titan_cp.tools.balance import ALL_BALANCES, BALANCE_MIXES, ROW_MIXES, run
 
 
 def plot(records: list[dict], path: str) -> None:
@@ -74,7 +71,7 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=131072)
     p.add_argument("--cps", type=int, nargs="+", default=[2, 4, 8, 16])
     p.add_argument("--rows", type=int, default=3, help="rows (independent draws) per mix")
-    p.add_argument("--mixes", nargs="+", default=list(BALANCE_MIXES), choices=list(MIXES))
+    p.add_argument("--mixes", nargs="+", default=list(BALANCE_MIXES), choices=list(ROW_MIXES))
     p.add_argument("--balances", nargs="+", default=list(ALL_BALANCES), choices=list(ALL_BALANCES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

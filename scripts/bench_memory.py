@@ -76,14 +76,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from titan_cp.tools.memory import BYTE_VOCAB, measure_cp, measure_loss_memory, summarize  # noqa: E402
+from titan_cp.tools.memory import BYTE_VOCAB, measure_cp, measure_loss_memory, summarize
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from titan_cp.data.lengths import MIXES, LengthSource, measure_packing  # noqa: E402
-from titan_cp.data.packing import make_packer  # noqa: E402
+from titan_cp.data.lengths import DOC_LENGTH_MIXES, LengthSource, measure_packing
+from titan_cp.data.packing import make_packer
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
+    parser.add_argument("--mixes", nargs="+", default=list(DOC_LENGTH_MIXES), choices=list(DOC_LENGTH_MIXES))
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[32768, 131072])
     parser.add_argument("--packings", nargs="+", default=["stream", "best_fit"], choices=["stream", "best_fit"])
     parser.add_argument("--lookahead", nargs="+", type=int, default=[512], help="best_fit buffer sizes (pieces)")

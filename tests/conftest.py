@@ -1,6 +1,6 @@
 import pytest
 
-from titan_cp.spawn import PoolCache
+from titan_cp.testing.pool import PoolCache
 
 
 @pytest.fixture(scope="session")

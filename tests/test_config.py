@@ -471,7 +471,7 @@ def _attributes_read(trees) -> set[str]:
 
 
 # JobConfig methods that hand values to the run (not validation), e.g. the mesh degrees.
-CONFIG_READERS = {"parallel_degrees", "resolve_batch_sizes", "ulysses_degree"}
+CONFIG_READERS = {"parallel_degrees", "resolve_batch_sizes"}
 
 
 # Fields read generically rather than by attribute name, with the reader.
@@ -482,18 +482,22 @@ READ_GENERICALLY = {
 
 def test_every_config_field_is_read_outside_config_py():
     """A key that nothing reads is a bug: each field name must be read as an attribute somewhere in
-    titan_cp/ other than config.py (validation does not count)."""
+    titan_cp/ outside the config package (validation does not count)."""
     import ast
     import dataclasses
 
     from titan_cp import config
 
-    trees = [ast.parse(p.read_text()) for p in (REPO / "titan_cp").rglob("*.py") if p.name != "config.py"]
-    trees += [
+    package = REPO / "titan_cp" / "config"
+    trees = [ast.parse(p.read_text()) for p in (REPO / "titan_cp").rglob("*.py") if package not in p.parents]
+    readers = [
         node
-        for node in ast.walk(ast.parse((REPO / "titan_cp" / "config.py").read_text()))
+        for p in package.rglob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
         if isinstance(node, ast.FunctionDef) and node.name in CONFIG_READERS
     ]
+    assert {node.name for node in readers} == CONFIG_READERS
+    trees += readers
     read = _attributes_read(trees)
     unread = [
         f"{section.name}.{f.name}"
@@ -675,3 +679,58 @@ def test_empty_jsonl_file_disables_it(tmp_path):
     )
     logger.close()
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# the package's own shape: bounds beside the fields, keys given, validation apart from adjustment
+
+
+def _bounded_keys(bound):
+    from titan_cp.config.job import known_keys
+    from titan_cp.config.values import split_hint
+
+    return [key for key, hint in known_keys().items() if bound in split_hint(hint)[1]]
+
+
+def test_bound_errors_name_the_key_the_field_sits_at():
+    """Every field declared ``Annotated[int, Positive]`` (or ``PositiveOrAuto``) refuses 0 (or -2)
+    with an error naming its own section and field, for configs built in code too."""
+    from titan_cp.config.values import Positive, PositiveOrAuto
+
+    positive, auto = _bounded_keys(Positive), _bounded_keys(PositiveOrAuto)
+    assert {"training.steps", "optimizer.lr", "parallelism.context_parallel_degree"} <= set(positive)
+    assert {"training.global_batch_size", "validation.steps"} <= set(auto)
+    for keys, bad, words in ((positive, 0, "must be positive"), (auto, -2, r"must be positive or -1 \(automatic\)")):
+        for key in keys:
+            cfg = JobConfig.from_values({key: bad})
+            with pytest.raises(ValueError, match=rf"^{key} {words}, got -?[0-9.]+"):
+                cfg.validate()
+
+
+def test_given_keys_are_those_of_the_toml_and_the_command_line(tmp_path):
+    path = write(tmp_path, "[training]\nbatch_size = 4\nsteps = 7\n[lr_scheduler]\nwarmup_steps = 2\n")
+    with pytest.warns(UserWarning, match="renamed"):
+        cfg = load_config(["--job.config_file", path, "--optimizer.lr", "1e-3"])
+    for key in ("training.local_batch_size", "training.steps", "optimizer.lr", "job.config_file"):
+        assert cfg.is_given(key), key
+    assert not cfg.is_given("training.mixed_precision_param") and not cfg.is_given("training.batch_size")
+    assert JobConfig().given_keys == frozenset()
+
+
+def test_validation_changes_nothing_and_reconcile_adjusts(monkeypatch):
+    from titan_cp.config import Training
+
+    cfg = JobConfig(training=Training(steps=5))
+    cfg.validate()
+    assert cfg.lr_scheduler.warmup_steps == 200  # validation is pure
+    notes = cfg.reconcile()
+    assert cfg.lr_scheduler.warmup_steps == 5
+    assert notes == ["lr_scheduler.warmup_steps (200) is longer than training.steps (5): warming up over 5 steps"]
+    assert cfg.reconcile() == []
+    # whether to warn is the caller's: no environment variable is read
+    monkeypatch.setenv("RANK", "3")
+    with pytest.warns(UserWarning, match="lr_scheduler.warmup_steps"):
+        load_config(["--training.steps", "5"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(["--training.steps", "5"], warn_adjustments=False).lr_scheduler.warmup_steps == 5

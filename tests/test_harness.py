@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_cp.spawn import DistPool, RankError
+from titan_cp.testing.pool import DistPool, RankError
 
 
 def _sum_ranks(rank, world_size):

@@ -1,9 +1,9 @@
-"""Recall accuracy by distance bucket, and the LR schedule."""
+"""Recall accuracy by distance bucket, the per-step record, and the LR schedule."""
 
 import pytest
 import torch
 
-from titan_cp.metrics import recall_counts, recall_metrics
+from titan_cp.metrics import StepMetrics, recall_counts, recall_metrics, visible_pairs
 from titan_cp.optim import lr_lambda
 
 
@@ -24,3 +24,32 @@ def test_lr_warms_up_then_decays_to_the_floor(decay):
     assert values[:4] == pytest.approx([0.2, 0.4, 0.6, 0.8])
     assert values[4] <= 1.0 and all(a >= b for a, b in zip(values[4:], values[5:]))
     assert values[-1] == pytest.approx(0.1)
+
+
+def test_step_record_tokens_per_second_mfu_and_eta(monkeypatch):
+    """Two microbatches of one 8-token row (documents 3 + 5, then 8) on dp rank 0 of 2: tokens/s
+    over every rank's rows, MFU from the model FLOPs of the visible pairs times the dp degree,
+    ETA from the mean step time so far."""
+    from types import SimpleNamespace
+
+    from titan_cp import metrics
+    from titan_cp.model import model_args
+
+    args = model_args("tiny", vocab_size=256)
+    batch = lambda lens: SimpleNamespace(doc_lens=[lens], tokens=torch.zeros(1, 8))  # noqa: E731
+    step_data = SimpleNamespace(microbatches=[batch([3, 5]), batch([8])], global_valid_tokens=30, padding_tokens=2)
+    step = StepMetrics(torch.device("cpu"), 4, args, 2, tokens_per_step=32, seq_len=8, cp=2, balance="doc_zigzag")
+    step.mfu.peak = 1e30  # an estimate the run never exceeds
+    clock = iter([100.0, 104.0])  # start(), then the record: 4 s for 2 steps
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    step.start(first_step=3, last_step=10)
+    r = step.record(5, 2.5, 0.7, 1e-3, step_data, seconds=0.5, sources={"chat": 9})
+    pairs = visible_pairs([[3, 5]], 8) + visible_pairs([[8]], 8)
+    flops = args.training_flops(16, pairs) * 2
+    assert r["tokens_per_second"] == 64 and r["mfu"] == pytest.approx(flops / 0.5 / 4 / 1e30)
+    assert r["eta_seconds"] == pytest.approx(4 / 2 * 5) and r["tokens_drawn/chat"] == 9
+    assert list(r)[:11] == [
+        "step", "loss", "grad_norm", "lr", "tokens_per_second", "global_valid_tokens", "padding_tokens",
+        "mfu", "mfu_is_estimate", "memory_bytes", "eta_seconds",
+    ]  # fmt: skip
+    assert (r["step"], r["loss"], r["grad_norm"], r["lr"], r["global_valid_tokens"]) == (5, 2.5, 0.7, 1e-3, 30)

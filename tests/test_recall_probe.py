@@ -1,20 +1,16 @@
-"""scripts/recall_probe.py: its documents ask exactly the planted facts, the shared packer marks
-their answers, and a short run reports the fields its summary promises."""
+"""titan_cp.tools.recall_probe (what scripts/recall_probe.py prints): its documents ask exactly the
+planted facts, the shared packer marks their answers, and a short run reports the fields its
+summary promises."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import recall_probe as rp  # noqa: E402
-
-from titan_cp.data.packing import IGNORE_INDEX  # noqa: E402
+from titan_cp.data.packing import IGNORE_INDEX, Packer
+from titan_cp.tools import recall_probe as rp
 
 
 @pytest.mark.parametrize("facts,gap", [(1, 0), (8, 16), (12, 100)])
@@ -38,7 +34,7 @@ def test_document_answers_are_the_planted_values(facts, gap):
 
 def test_packed_rows_mark_exactly_the_answers():
     S = 300
-    packer = rp.Packer(rp.ProbeDocuments(facts=5, gap=40), S)
+    packer = Packer(rp.ProbeDocuments(facts=5, gap=40), S)
     for _ in range(4):
         row = packer.next_row()
         tokens, labels, marked = row.tokens, row.labels, row.recall_distance > 0
@@ -59,8 +55,8 @@ def test_packed_rows_mark_exactly_the_answers():
 
 def test_short_run_reports_and_summary():
     lines = []
-    args = rp.parse_args(["--steps", "6", "--every", "2", "--seq-len", "256", "--gap", "8"])
-    records = rp.run(args, emit=lines.append)
+    settings = rp.ProbeSettings(steps=6, every=2, seq_len=256, gap=8)
+    records = rp.run(settings, emit=lines.append)
     parsed = [json.loads(line) for line in lines]
     assert [r["step"] for r in parsed[:-1]] == [2, 4, 6] and parsed[:-1] == records
     for r in records:
@@ -82,8 +78,10 @@ def test_steps_to_recall_pools_answers():
     assert rp.steps_to_recall([rec(20, 0.5, 999)], 0.1) is None  # too few answers to judge
 
 
-def test_bad_arguments_exit():
-    with pytest.raises(SystemExit):
-        rp.parse_args(["--facts", "13"])
-    with pytest.raises(SystemExit):
-        rp.parse_args(["--gap", "-1"])
+def test_bad_settings_name_the_setting():
+    with pytest.raises(ValueError, match="facts must be in 1..12"):
+        rp.ProbeSettings(facts=13)
+    with pytest.raises(ValueError, match="gap must be >= 0"):
+        rp.ProbeSettings(gap=-1)
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        rp.ProbeSettings(every=0)

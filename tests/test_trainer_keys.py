@@ -174,3 +174,83 @@ def test_whole_set_validation_steps(tmp_path):
     loader = build_dataloader(cfg, build_tokenizer(cfg), 0, 1, "validation")
     tokens = sum(len(loader.packer.source.document(i).tokens) for i in range(3))
     assert _whole_set_steps(loader) == -(-tokens // 512) >= 3
+
+
+# --------------------------------------------------------------- compute precision on a CPU
+
+
+PRECISION_KEY = "training.mixed_precision_param"
+
+
+@pytest.mark.parametrize(
+    "argv, device, want, level",
+    [
+        ([], "cpu", "float32", "INFO"),  # left at its default bf16: fp32 on a CPU, said once
+        ([f"--{PRECISION_KEY}", "bfloat16"], "cpu", "bfloat16", "WARNING"),  # set on purpose: kept, warned
+        ([f"--{PRECISION_KEY}", "float32"], "cpu", "float32", None),
+        ([], "cuda", "bfloat16", None),
+        ([f"--{PRECISION_KEY}", "bfloat16"], "cuda", "bfloat16", None),
+    ],
+)
+def test_cpu_computes_in_fp32_unless_bf16_was_asked_for(caplog, argv, device, want, level):
+    from titan_cp.config import load_config
+    from titan_cp.train import compute_precision
+
+    cfg = load_config(["--lr_scheduler.warmup_steps", "1", *argv])
+    with caplog.at_level("INFO", logger="titan_cp"):
+        assert compute_precision(cfg, device, announce=False) == want
+        assert not caplog.records
+        assert compute_precision(cfg, device, announce=True) == want
+    if level is None:
+        assert not caplog.records
+    else:
+        (record,) = caplog.records
+        assert record.levelname == level and PRECISION_KEY in record.getMessage()
+
+
+def _trainer_precision(rank, world, argv):
+    """The trainer's compute dtype (its autocast's: one rank, no FSDP) and its log lines about the
+    key on a CPU."""
+    import logging
+
+    from titan_cp.config import load_config
+    from titan_cp.train import Trainer
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append((record.levelname, record.getMessage()))
+    log = logging.getLogger("titan_cp")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        trainer = Trainer(load_config(argv))
+        trainer.metrics.close()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    dtype = trainer.amp.fast_dtype if isinstance(trainer.amp, torch.autocast) else torch.float32
+    return dtype, [(lvl, line) for lvl, line in lines if PRECISION_KEY in line and "on CPU" in line]
+
+
+def test_trainer_on_cpu_chooses_fp32_when_the_key_is_unset(dist_pools, tmp_path):
+    """A TOML without ``training.mixed_precision_param`` (as torchtitan's) trains in fp32 on a CPU
+    and says so once; the same TOML with bf16 on the command line keeps bf16 and warns."""
+    text = (REPO / "train_configs" / "debug_cp.toml").read_text()
+    assert f'{PRECISION_KEY.split(".")[1]} = "float32"' in text
+    toml = tmp_path / "no_precision.toml"
+    toml.write_text("\n".join(line for line in text.splitlines() if not line.startswith("mixed_precision_param")))
+    argv = tiny_run_args() + [
+        "--job.config_file",
+        str(toml),
+        "--parallelism.context_parallel_degree",
+        "1",
+        "--checkpoint.enable",
+        "false",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
+    ((dtype, lines),) = dist_pools.run(1, _trainer_precision, argv, timeout=600)
+    assert dtype == torch.float32 and [lvl for lvl, _ in lines] == ["INFO"]
+    ((dtype, lines),) = dist_pools.run(1, _trainer_precision, argv + [f"--{PRECISION_KEY}", "bfloat16"], timeout=600)
+    assert dtype == torch.bfloat16 and [lvl for lvl, _ in lines] == ["WARNING"]

@@ -62,6 +62,59 @@ class MFU:
         return per_rank / self.peak
 
 
+class StepMetrics:
+    """The per-step record the trainer logs: loss, grad norm, lr, tokens/s, token counts, MFU,
+    memory, ETA (in that order, then the running tokens drawn per mixture source).
+
+    ``tokens/s = tokens_per_step / seconds`` (every rank's rows); MFU from the step's model FLOPs
+    over all ranks: this dp rank's microbatches' FLOPs (``model_args.training_flops`` with the
+    visible pairs of the layout the step used) times ``dp_degree``, over ``seconds * peak *
+    ranks``; ETA: the mean time per step since :meth:`start` times the steps left.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        ranks: int,
+        model_args,
+        dp_degree: int,
+        tokens_per_step: int,
+        seq_len: int,
+        cp: int,
+        balance: str,
+    ):
+        self.device, self.model_args, self.dp_degree = device, model_args, dp_degree
+        self.tokens_per_step, self.seq_len, self.cp, self.balance = tokens_per_step, seq_len, cp, balance
+        self.mfu = MFU(device, ranks)
+        self.start(0, 0)
+
+    def start(self, first_step: int, last_step: int) -> None:
+        """Training runs from after ``first_step`` to ``last_step``, starting now (for the ETA)."""
+        self._t0, self._first, self._last = time.perf_counter(), first_step, last_step
+
+    def record(self, step: int, loss: float, grad_norm: float, lr: float, step_data, seconds: float, sources) -> dict:
+        """The record of optimizer step ``step`` that took ``seconds``; ``step_data``: its
+        :class:`titan_cp.data.Step`; ``sources``: the running tokens drawn per mixture source."""
+        batches = step_data.microbatches
+        pairs = sum(visible_pairs(b.doc_lens, self.seq_len, self.cp, self.balance) for b in batches)
+        flops = self.model_args.training_flops(sum(b.tokens.numel() for b in batches), pairs) * self.dp_degree
+        record = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_second": self.tokens_per_step / seconds,
+            "global_valid_tokens": step_data.global_valid_tokens,
+            "padding_tokens": step_data.padding_tokens,
+            "mfu": self.mfu(flops, seconds),
+            "mfu_is_estimate": self.mfu.is_estimate,
+            "memory_bytes": device_memory_bytes(self.device),
+            "eta_seconds": (time.perf_counter() - self._t0) / (step - self._first) * (self._last - step),
+        }
+        record.update({f"tokens_drawn/{name}": n for name, n in sources.items()})
+        return record
+
+
 def visible_pairs(doc_lens: list[list[int]], seq_len: int, cp: int = 1, balance: str = "contiguous") -> int:
     """Visible causal (query, key) pairs per head of packed rows (``doc_lens``: the document
     lengths of each row): ``sum over documents of n (n + 1) / 2``, as the attention plan of the

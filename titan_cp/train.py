@@ -34,7 +34,7 @@ from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
-from titan_cp.metrics import MFU, MetricsLogger, device_memory_bytes, recall_counts, recall_metrics, visible_pairs
+from titan_cp.metrics import MetricsLogger, StepMetrics, recall_counts, recall_metrics
 from titan_cp.model import build_model
 from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda
 from titan_cp.parallel.ac import ac_mode_and_every
@@ -42,7 +42,7 @@ from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, cp_me
 from titan_cp.profiling import Profiler
 from titan_cp.step import Microbatch, forward_backward, shard_tokens
 
-__all__ = ["Trainer", "clip_grad_norm_", "lr_lambda", "main"]
+__all__ = ["Trainer", "compute_precision", "main"]
 
 logger = logging.getLogger("titan_cp")
 
@@ -79,27 +79,87 @@ def _init_distributed(cfg: JobConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def compute_precision(cfg: JobConfig, device_type: str, announce: bool) -> str:
+    """The compute precision, ``"bfloat16"`` or ``"float32"``: ``training.mixed_precision_param``,
+    except on a CPU when the key was left at its default bf16: float32 there, since PyTorch's CPU
+    bf16 matmul is a generic kernel about 3x slower than fp32's. A bf16 set explicitly is kept
+    (with a warning). ``announce``: log the choice (on one rank: once per job)."""
+    key, precision = "training.mixed_precision_param", cfg.training.mixed_precision_param
+    if device_type != "cpu" or precision != "bfloat16":
+        return precision
+    if cfg.is_given(key):
+        if announce:
+            logger.warning(
+                "%s = 'bfloat16' on CPU: PyTorch's bf16 matmul there is a generic kernel, about 3x slower than "
+                "float32's; set %s = 'float32' unless bf16 numerics are the point",
+                key,
+                key,
+            )
+        return precision
+    if announce:
+        logger.info(
+            "%s is not set: computing in float32 on CPU, where its default bfloat16 is about 3x slower "
+            "(PyTorch's CPU bf16 matmul is a generic kernel); set %s = 'bfloat16' to keep bf16",
+            key,
+            key,
+        )
+    return "float32"
+
+
 class Trainer:
-    """Everything a run holds; ``train()`` runs it to ``training.steps``."""
+    """Everything a run holds; ``train()`` runs it to ``training.steps``.
+
+    Built in order: the process group and mesh, the data (tokenizer, loaders), the model
+    (built on meta, parallelized, initialised shard by shard), the optimizers and LR schedule,
+    the checkpointer (resuming or loading initial weights), the metrics.
+    """
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
-        t, p = cfg.training, cfg.parallelism
         self.device = _init_distributed(cfg)
-        torch.manual_seed(t.seed)
-        if t.deterministic:
+        self.rank0 = dist.get_rank() == 0
+        torch.manual_seed(cfg.training.seed)
+        if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.dims = ParallelDims.from_config(cfg, dist.get_world_size())
+        self._build_mesh()
+        if self.rank0:
+            logger.info("job: %s (%s)", cfg.job.description, cfg.job.config_file or "no config file")
+            if cfg.job.print_config:
+                logger.info("config:\n%s", json.dumps(cfg.to_dict(), indent=2))
+        self._build_data()
+        self._build_model()
+        self._build_optimizers()
+        self.state = TrainState()
+        self.dump = Path(cfg.job.dump_folder)
+        self._build_checkpointer()
+        self.metrics = MetricsLogger(self.dump, cfg, enabled=self.rank0)
+        self.profiler = Profiler(cfg.profiling, self.dump, dist.get_rank(), self.device)
+        dist.barrier()  # ranks sharing a machine measure together, each seeing its share of it
+        p = cfg.parallelism
+        self.step_metrics = StepMetrics(
+            self.device,
+            dist.get_world_size(),
+            self.model_args,
+            self.dp_degree,
+            self.loader.global_batch_size * cfg.training.seq_len,
+            cfg.training.seq_len,
+            self.dims.cp,
+            p.context_parallel_load_balancer,
+        )
+
+    def _build_mesh(self) -> None:
+        """The named mesh, and this process's dp, cp and tp ranks."""
+        p = self.cfg.parallelism
+        self.dims = ParallelDims.from_config(self.cfg, dist.get_world_size())
         self.dims.build_mesh(self.device.type)
         dp = self.dims.get_mesh("dp")
         self.dp_rank, self.dp_degree = dp.get_local_rank(), dp.size()
         self.cp_rank = cp_rank(cp_mesh(self.dims), p.context_parallel_strategy) if self.dims.cp_enabled else 0
         self.tp_rank = self.dims.get_mesh("tp").get_local_rank()
 
-        if dist.get_rank() == 0:
-            logger.info("job: %s (%s)", cfg.job.description, cfg.job.config_file or "no config file")
-            if cfg.job.print_config:
-                logger.info("config:\n%s", json.dumps(cfg.to_dict(), indent=2))
+    def _build_data(self) -> None:
+        """The tokenizer, this dp rank's training loader and, with validation, its validation loader."""
+        cfg = self.cfg
         self.tokenizer = build_tokenizer(cfg)
         self.loader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "train")
         self.val_loader = (
@@ -110,11 +170,17 @@ class Trainer:
         if self.val_loader is not None:  # every validation reads the same rows, from the start of the set
             self.val_start = self.val_loader.state_dict()
             self.val_steps = cfg.validation.steps if cfg.validation.steps != -1 else _whole_set_steps(self.val_loader)
-        if cfg.compile.enable and "loss" in cfg.compile.components and dist.get_rank() == 0:
+
+    def _build_model(self) -> None:
+        """The model parts of this rank (pipeline stages, or the one model), parallelized and
+        initialised; the loss; the compute precision (FSDP's, or autocast's without FSDP)."""
+        cfg, t, p = self.cfg, self.cfg.training, self.cfg.parallelism
+        if cfg.compile.enable and "loss" in cfg.compile.components and self.rank0:
             logger.info("compile.components: 'loss' is not compiled by titan_cp (only 'model' is)")
         self.loss_fn = GlobalTokenLoss()
         self.model_args = build_model(cfg.model.flavor, vocab_size=self.tokenizer.vocab_size).args  # on meta: no memory
-        mp = {"bfloat16": torch.bfloat16, "float32": None}[t.mixed_precision_param]
+        precision = compute_precision(cfg, self.device.type, announce=self.rank0)
+        mp = {"bfloat16": torch.bfloat16, "float32": None}[precision]
         ac = cfg.activation_checkpoint
         options = ParallelizeOptions(
             cp_strategy=p.context_parallel_strategy,
@@ -131,10 +197,7 @@ class Trainer:
             torch.autocast(self.device.type, dtype=mp) if mp is not None and not sharded else contextlib.nullcontext()
         )
         if mp is not None and not sharded:
-            logger.info(
-                "training.mixed_precision_param = %s: autocast (no FSDP to cast the parameters)",
-                t.mixed_precision_param,
-            )
+            logger.info("training.mixed_precision_param = %s: autocast (no FSDP to cast the parameters)", precision)
         # built on meta, parallelized, then each rank allocates and initialises only its shards (seeded: same on every mesh)
         built = build_parallel_model(
             self.model_args,
@@ -147,17 +210,21 @@ class Trainer:
             pp_schedule=p.pipeline_parallel_schedule,
         )
         self.parts, self.schedule, self.first, self.last = built.parts, built.schedule, built.has_first, built.has_last
-        o = cfg.optimizer
+
+    def _build_optimizers(self) -> None:
+        """One optimizer per model part, and their LR schedule."""
+        o, s, t = self.cfg.optimizer, self.cfg.lr_scheduler, self.cfg.training
         self.optimizers = build_optimizers(
             self.parts, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, o.implementation
         )
-        s = cfg.lr_scheduler
         self.schedulers = LRSchedulers(
             self.optimizers, lr_lambda(s.warmup_steps, t.steps, s.decay_ratio, s.decay_type, s.min_lr_factor)
         )
-        self.state = TrainState()
-        self.dump = Path(cfg.job.dump_folder)
-        c = cfg.checkpoint
+
+    def _build_checkpointer(self) -> None:
+        """The checkpointer; resumes from ``checkpoint.folder``, or loads ``initial_load_path`` when
+        there is nothing to resume."""
+        c = self.cfg.checkpoint
         self.checkpointer = Checkpointer(
             self.dump / c.folder,
             self.parts,
@@ -173,10 +240,6 @@ class Trainer:
                 self.checkpointer.load_hf(c.initial_load_path, self.model_args)
             else:
                 self.checkpointer.load_model(c.initial_load_path, c.initial_load_model_only)
-        self.metrics = MetricsLogger(self.dump, cfg, enabled=dist.get_rank() == 0)
-        self.profiler = Profiler(cfg.profiling, self.dump, dist.get_rank(), self.device)
-        dist.barrier()  # ranks sharing a machine measure together, each seeing its share of it
-        self.mfu = MFU(self.device, dist.get_world_size())
 
     # ------------------------------------------------------------------ steps
     def _microbatch(self, batch) -> Microbatch:
@@ -248,10 +311,8 @@ class Trainer:
     def train(self) -> list[dict]:
         cfg, t = self.cfg, self.cfg.training
         history = []
-        tokens_per_step = self.loader.global_batch_size * t.seq_len
-        start = time.perf_counter()
         first_step = self.state.step
-        p = cfg.parallelism
+        self.step_metrics.start(first_step, t.steps)
         while self.state.step < t.steps:
             step_data = next(self.loader)
             t0 = time.perf_counter()
@@ -263,29 +324,8 @@ class Trainer:
                 self.dims.set_timeout(cfg.comm.train_timeout_seconds)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {step}")
-            tps = tokens_per_step / dt
-            # this dp rank's rows, times the dp degree: the step's model FLOPs over all ranks
-            pairs = sum(
-                visible_pairs(b.doc_lens, t.seq_len, self.dims.cp, p.context_parallel_load_balancer)
-                for b in step_data.microbatches
-            )
-            tokens = sum(b.tokens.numel() for b in step_data.microbatches)
-            flops = self.model_args.training_flops(tokens, pairs) * self.dp_degree
-            record = {
-                "step": step,
-                "loss": loss,
-                "grad_norm": grad_norm,
-                "lr": self.schedulers.get_last_lr()[0],
-                "tokens_per_second": tps,
-                "global_valid_tokens": step_data.global_valid_tokens,
-                "padding_tokens": step_data.padding_tokens,
-                "mfu": self.mfu(flops, dt),
-                "mfu_is_estimate": self.mfu.is_estimate,
-                "memory_bytes": device_memory_bytes(self.device),
-                "eta_seconds": (time.perf_counter() - start) / (step - first_step) * (t.steps - step),
-            }
-            # running totals of the tokens each mixture source has put into rows
-            record.update({f"tokens_drawn/{name}": n for name, n in self.loader.source_tokens.items()})
+            lr = self.schedulers.get_last_lr()[0]
+            record = self.step_metrics.record(step, loss, grad_norm, lr, step_data, dt, self.loader.source_tokens)
             if self.val_loader is not None and step % cfg.validation.freq == 0:
                 record.update(self.validate())
             history.append(record)
@@ -320,7 +360,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(usage())
         raise SystemExit(0 if argv else 2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    cfg = load_config(argv)
+    cfg = load_config(argv, warn_adjustments=os.environ.get("RANK", "0") == "0")  # once per job, not per process
     cfg.check_files()  # before any process group starts
     return Trainer(cfg).train()
 

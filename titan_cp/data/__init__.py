@@ -2,14 +2,8 @@
 document boundaries and loss masks, and DP-aware loading."""
 
 from titan_cp.data.chat import ChatJsonl, render_chat
-from titan_cp.data.datasets import (
-    Document,
-    DocumentSource,
-    HFDiskDataset,
-    SyntheticRecall,
-    TextFiles,
-    build_dataset,
-)
+from titan_cp.data.datasets import HFDiskDataset, SyntheticRecall, TextFiles, build_dataset
+from titan_cp.data.document import Document, DocumentSource
 from titan_cp.data.loader import Batch, PackedDataLoader, Step, build_dataloader
 from titan_cp.data.mixture import Mixture
 from titan_cp.data.packing import IGNORE_INDEX, BestFitPacker, PackedRow, Packer, RowSummary, make_packer

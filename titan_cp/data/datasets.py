@@ -26,11 +26,7 @@ if TYPE_CHECKING:
 Split = Literal["train", "validation"]
 
 __all__ = [
-    "ChatJsonl",
-    "Document",
-    "DocumentSource",
     "HFDiskDataset",
-    "Mixture",
     "SyntheticRecall",
     "TextFiles",
     "build_dataset",

@@ -1,6 +1,7 @@
 """Document-length mixes and packing quality, for ``scripts/bench_packing.py`` and the tests.
 
-Mixes (document ``i``'s length depends only on ``(mix, seed, i)``):
+Mixes of one document's length per draw (:data:`DOC_LENGTH_MIXES`; document ``i``'s length
+depends only on ``(mix, seed, i)``):
 
     lognormal_2k   log-normal, mean 2048 tokens, sigma 1
     lognormal_8k   log-normal, mean 8192 tokens, sigma 1
@@ -27,7 +28,7 @@ def _lognormal(rng: random.Random, mean: float, sigma: float = 1.0) -> int:
     return max(2, round(rng.lognormvariate(math.log(mean) - sigma**2 / 2, sigma)))
 
 
-MIXES = {
+DOC_LENGTH_MIXES = {
     "lognormal_2k": lambda rng: _lognormal(rng, 2048),
     "lognormal_8k": lambda rng: _lognormal(rng, 8192),
     "agent": lambda rng: rng.randint(65536, 196608) if rng.random() < 0.02 else _lognormal(rng, 1024),
@@ -38,12 +39,12 @@ class LengthSource:
     """A ``DocumentSource`` of documents of ``mix``'s lengths (every token 0: only lengths matter)."""
 
     def __init__(self, mix: str, seed: int = 0):
-        if mix not in MIXES:
-            raise ValueError(f"unknown mix {mix!r}; mixes are {sorted(MIXES)}")
+        if mix not in DOC_LENGTH_MIXES:
+            raise ValueError(f"unknown mix {mix!r}; mixes are {sorted(DOC_LENGTH_MIXES)}")
         self.mix, self.seed = mix, seed
 
     def length(self, index: int) -> int:
-        return MIXES[self.mix](random.Random(f"{self.mix}/{self.seed}/{index}"))
+        return DOC_LENGTH_MIXES[self.mix](random.Random(f"{self.mix}/{self.seed}/{index}"))
 
     def document(self, index: int) -> Document:
         return Document([0] * self.length(index))

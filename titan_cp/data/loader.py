@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from titan_cp.data.datasets import DocumentSource, Split, build_dataset
+from titan_cp.data.datasets import Split, build_dataset
+from titan_cp.data.document import DocumentSource
 from titan_cp.data.packing import PackedRow, make_packer
 from titan_cp.data.tokenizer import Tokenizer
 

@@ -5,7 +5,7 @@ the one place that draws lengths until the row is full (the last document is cut
 the mixes only say how one length is drawn. Each row is deterministic given
 ``(mix, seed, row)``.
 
-Mixes (:data:`MIXES`, as ``scripts/bench_balance.py`` and the planner's ``--doc-mix`` name them):
+Mixes of whole rows (:data:`ROW_MIXES`, as ``scripts/bench_balance.py`` and the planner's ``--doc-mix`` name them):
 
     causal               one document filling the row (plain causal attention)
     uniform_short        lengths uniform in [128, 2048]
@@ -20,8 +20,10 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def fill_row(draw: Callable[[], float], seq_len: int) -> list[int]:
@@ -80,7 +82,7 @@ def _code_repo(rng: np.random.Generator, seq_len: int) -> list[int]:
     return fill_row(file_tokens, seq_len)
 
 
-MIXES: dict[str, Callable[[np.random.Generator, int], list[int]]] = {
+ROW_MIXES: dict[str, Callable[[np.random.Generator, int], list[int]]] = {
     "uniform_short": _uniform_short,
     "lognormal_long_tail": _lognormal_long_tail,
     "one_huge": _one_huge,
@@ -92,7 +94,9 @@ BALANCE_MIXES = ("uniform_short", "lognormal_long_tail", "one_huge", "code_repo"
 
 def make_rows(mix: str, seq_len: int, rows: int, seed: int = 0) -> list[list[int]]:
     """``rows`` document-length lists of ``mix``, each summing to ``seq_len``."""
-    if mix not in MIXES:
-        raise ValueError(f"unknown document mix {mix!r}; choose one of {sorted(MIXES)}")
-    mix_id = list(MIXES).index(mix)
-    return [MIXES[mix](np.random.default_rng([seed, mix_id, row]), seq_len) for row in range(rows)]
+    import numpy as np  # noqa: PLC0415 - numpy is optional: only drawing mixed rows needs it
+
+    if mix not in ROW_MIXES:
+        raise ValueError(f"unknown document mix {mix!r}; choose one of {sorted(ROW_MIXES)}")
+    mix_id = list(ROW_MIXES).index(mix)
+    return [ROW_MIXES[mix](np.random.default_rng([seed, mix_id, row]), seq_len) for row in range(rows)]

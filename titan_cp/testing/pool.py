@@ -1,7 +1,5 @@
 """Run a function on N gloo processes on this CPU, and fail (never hang) when it goes wrong.
 
-(``titan_cp.spawn`` re-exports this module for older imports.)
-
 Used by the distributed tests and the benchmarks (``torchrun`` is the launcher for training).
 
 A :class:`DistPool` keeps ``world_size`` worker processes alive, each with a gloo process

@@ -74,7 +74,7 @@ from titan_cp.attention.block import make_plan
 from titan_cp.attention.masks import plan_tiles, visible_pairs
 from titan_cp.attention.ring import ring_plans
 from titan_cp.layout import BALANCES, Run, Runs, SequenceLayout
-from titan_cp.testing.docs import BALANCE_MIXES, MIXES, make_rows
+from titan_cp.testing.docs import BALANCE_MIXES, ROW_MIXES, make_rows
 
 TORCH_BALANCES = (
     "torch_head_tail",
@@ -90,7 +90,7 @@ PTRR_BLOCK = 128  # flex_attention's default sparse block size
 __all__ = [
     "ALL_BALANCES",
     "BALANCE_MIXES",
-    "MIXES",
+    "ROW_MIXES",
     "TORCH_BALANCES",
     "causal_doc_total",
     "doc_structure",

@@ -86,7 +86,7 @@ def host_layer(
 ) -> dict:
     """Main-thread CPU time of one layer's forward + backward on this rank, layout built inside (fastest of ``iters``).
 
-    Runs inside a gloo process of :class:`titan_cp.spawn.DistPool`. Returns ``host_ms``,
+    Runs inside a gloo process of :class:`titan_cp.testing.pool.DistPool`. Returns ``host_ms``,
     ``tiles`` (this rank's mask tiles over all steps) and ``kernel_calls_per_step``.
     """
     import torch.distributed as dist  # noqa: PLC0415
@@ -94,6 +94,7 @@ def host_layer(
 
     from titan_cp import SequenceLayout, cp_attention  # noqa: PLC0415
     from titan_cp.attention.ring import ring_plans  # noqa: PLC0415
+    from titan_cp.attention.strategy import get_strategy  # noqa: PLC0415
 
     torch.set_num_threads(1)
     counted = counting_kernel(kernel, native_varlen)
@@ -111,10 +112,9 @@ def host_layer(
         out.backward(dout)
         best = min(best, time.thread_time() - t0)
         calls = Counter(counted.calls)
-    steps = world if strategy == "ring" else 1
-    tiles = (
-        sum(p.num_tiles for p in ring_plans(layout, rank, world, lambda r: (r,), True)) if strategy == "ring" else None
-    )
+    steps = get_strategy(strategy).ring_size(world)
+    ring = steps == world  # every rank's K/V visits every rank: the ring's plans are this rank's tiles
+    tiles = sum(p.num_tiles for p in ring_plans(layout, rank, world, lambda r: (r,), True)) if ring else None
     return {
         "host_ms": best * 1e3,
         "tiles": tiles,
