@@ -747,7 +747,7 @@ def plot(records: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from titan_cp.config import load_config
-    from titan_cp.testing.docs import MIXES
+    from titan_cp.testing.docs import ROW_MIXES as MIXES
 
     p = argparse.ArgumentParser(
         prog="python -m titan_cp.plan",
