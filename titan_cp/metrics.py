@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from titan_cp.attention.block import make_plan
+from titan_cp.attention.plans import make_plan
 from titan_cp.layout import get_layout
 
 logger = logging.getLogger("titan_cp")
@@ -119,7 +119,7 @@ def visible_pairs(doc_lens: list[list[int]], seq_len: int, cp: int = 1, balance:
     """Visible causal (query, key) pairs per head of packed rows (``doc_lens``: the document
     lengths of each row): ``sum over documents of n (n + 1) / 2``, as the attention plan of the
     whole rows counts them. ``cp``/``balance`` name the layout the step used, to reuse it."""
-    return make_plan(get_layout(seq_len, cp, balance, doc_lens), None, None, causal=True).pairs(len(doc_lens))
+    return make_plan(get_layout(seq_len, cp, balance, doc_lens), None, None, True).pairs(len(doc_lens))
 
 
 def device_memory_bytes(device: torch.device) -> int:

@@ -63,7 +63,7 @@ from functools import lru_cache
 import torch
 
 from titan_cp.attention.api import min_bytes_per_rank
-from titan_cp.attention.block import make_plan
+from titan_cp.attention.plans import make_plan
 from titan_cp.attention.ulysses import kv_head_map
 from titan_cp.layout import get_layout
 from titan_cp.loss import LOSS_CHUNK_BYTES

@@ -117,8 +117,9 @@ class Strategy:
         """``(out, saved)`` for this rank's shards."""
         raise NotImplementedError
 
-    def backward(self, ctx, dout, q, k, v, out, saved) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)``; only the inputs named in :attr:`keeps` are given (others ``None``)."""
+    def backward(self, ctx, dout, q, k, v, out, saved) -> tuple:
+        """``(dq, dk, dv, dsinks)`` (``dsinks`` ``None`` without sinks: else this rank's share, ``(q_heads,)``
+        fp32); only the inputs named in :attr:`keeps` are given (others ``None``)."""
         raise NotImplementedError
 
     def saved_like(self, ctx, q, k, v) -> tuple[torch.Tensor, ...]:
@@ -126,8 +127,13 @@ class Strategy:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ costs, per rank
-    def min_bytes(self, q, k, cp: int, ulysses_degree: int = 1, backward: bool = True) -> int:
-        """Bytes this rank must send for one forward (+ backward) on local shapes ``q, k``."""
+    def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=None) -> int:
+        """Bytes this rank sends for one forward (+ backward) on local shapes ``q, k``.
+
+        With ``layout`` (and ``mask``, causal by default) the bytes of what the ranks actually need
+        of each other under that layout, for ``rank`` (``None``: the rank sending most); without, the
+        dense case (every rank needs every other rank's K/V).
+        """
         raise NotImplementedError
 
     def saved_bytes_per_token(
@@ -140,15 +146,14 @@ class Strategy:
         """
         raise NotImplementedError
 
-    def local_head_pairs(
-        self, layout, rank: int, causal: bool, batch: int, q_heads: int, ulysses_degree: int = 1
-    ) -> int:
-        """Visible (query, key) pairs this rank's kernels compute, summed over the heads they run
-        (``q_heads``: local query heads before any exchange). Summed over the cp ranks it is the
-        whole layer's pairs times the heads: the work is split, never repeated."""
-        from titan_cp.attention.block import make_plan  # noqa: PLC0415 - the engine imports this module
+    def local_head_pairs(self, layout, rank: int, mask, batch: int, q_heads: int, ulysses_degree: int = 1) -> int:
+        """Visible (query, key) pairs this rank's kernels compute under ``mask`` (a
+        :class:`~titan_cp.attention.plans.Mask`), summed over the heads they run (``q_heads``: local
+        query heads before any exchange). Summed over the cp ranks it is the whole layer's pairs
+        times the heads: the work is split, never repeated."""
+        from titan_cp.attention.plans import make_plan  # noqa: PLC0415 - the engine imports this module
 
-        return make_plan(layout, (rank,), None, causal).pairs(batch) * q_heads
+        return make_plan(layout, (rank,), None, mask).pairs(batch) * q_heads
 
     def buffer_bytes(
         self,

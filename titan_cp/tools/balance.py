@@ -70,8 +70,8 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
     _PTRRLoadBalancer,
 )
 
-from titan_cp.attention.block import make_plan
 from titan_cp.attention.masks import plan_tiles, visible_pairs
+from titan_cp.attention.plans import Mask, make_plan
 from titan_cp.attention.ring import ring_plans
 from titan_cp.layout import BALANCES, Run, Runs, SequenceLayout
 from titan_cp.testing.docs import BALANCE_MIXES, ROW_MIXES, make_rows
@@ -200,7 +200,7 @@ def layout_work(layout: SequenceLayout) -> tuple[torch.Tensor, torch.Tensor, tor
     tiles = torch.zeros(n, dtype=torch.long)
     for r in range(n):
         work[r] = make_plan(layout, (r,), None, True).pairs()
-        for s, plan in enumerate(ring_plans(layout, r, n, lambda i: (i,), True)):
+        for s, plan in enumerate(ring_plans(layout, r, n, lambda i: (i,), Mask())):
             steps[s, r] = plan.pairs()
             tiles[r] += plan.num_tiles
     return work, steps, tiles
