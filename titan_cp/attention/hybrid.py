@@ -21,7 +21,7 @@ import torch
 from titan_cp.attention.block import head_major, token_major
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.ring import RING, kv_block_bytes, ring_backward, ring_forward, ring_plans
-from titan_cp.attention.strategy import Strategy, kv_heads_per_shard, register_strategy
+from titan_cp.attention.strategy import AxisBytes, Strategy, kv_heads_per_shard, register_strategy
 from titan_cp.attention.ulysses import (
     ULYSSES,
     gather_heads,
@@ -128,11 +128,16 @@ class Hybrid(Strategy):
     def min_bytes(self, q, k, cp: int, ulysses_degree: int = 1, backward: bool = True) -> int:
         """The Ulysses all-to-alls inside the group, then the ring among groups on the group's union:
         ``U`` times the tokens at the K/V heads of one head shard."""
+        return sum(a.nbytes for a in self.min_bytes_by_axis(q, k, cp, ulysses_degree, backward))
+
+    def min_bytes_by_axis(self, q, k, cp: int, ulysses_degree: int = 1, backward: bool = True) -> tuple[AxisBytes, ...]:
+        """The ring among groups on ``cp_ring``, the all-to-alls inside a group on ``cp_ulysses``."""
         u = ulysses_degree
         uly = ULYSSES.min_bytes(q, k, u, backward=backward)
         b, _, s, d = k.shape
         k_ring = torch.empty(b, kv_heads_per_shard(q.shape[1], k.shape[1], u), s * u, d, dtype=k.dtype, device="meta")
-        return uly + RING.min_bytes(q, k_ring, cp // u, backward=backward)
+        ring = RING.min_bytes(q, k_ring, cp // u, backward=backward)
+        return AxisBytes("cp_ring", cp // u, ring, cp // u > 1), AxisBytes("cp_ulysses", u, uly, False)
 
     def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1) -> float:
         return head_shard_saved_bytes(act_bytes, q_heads, kv_heads, head_dim, ulysses_degree)
