@@ -49,9 +49,10 @@ class RingImpl:
     expand_kv: K/V travel at the query head count (GQA expanded before attention).
     gather_kv: K/V are all-gathered once per pass (waited on before the second step) instead
         of being passed on step by step; dK/dV still travel one step at a time.
-    merge_fwd, merge_bwd: HBM bytes per element of a ``(B, H, S_local, E)`` query-shaped tensor
-        that one forward / backward step reads and writes outside the kernel (merging the
-        output, accumulating dq, dk, dv), and ``kv_bwd`` per element of the K/V travelling.
+    merge_fwd, merge_bwd: HBM bytes read and written outside the kernel per element of a
+        ``(B, H, S_local, E)`` query-shaped tensor in one forward / backward step (merging the
+        output; accumulating dq); kv_fwd, kv_bwd: the same per element of K (V alike, counted
+        in) as the K/V travel (copies to send; accumulating dK, dV).
     """
 
     name: str
@@ -59,24 +60,27 @@ class RingImpl:
     gather_kv: bool = False
     merge_fwd: float = 10.0
     merge_bwd: float = 10.0
+    kv_fwd: float = 0.0
     kv_bwd: float = 20.0
 
 
 # titan_cp's ring: per step one vectorised log-sum-exp merge of the block into fp32 accumulators
 # (read acc 4 + write 4 + read the block's output 2); the backward scatter-adds dq into fp32
-# (10) and dK, dV into fp32 accumulators (10 each per K/V element); K/V at their own heads.
+# (10) and dK, dV into fp32 accumulators (10 each per K element); K/V at their own heads.
 TITAN_CP_RING = RingImpl("titan_cp")
 
 # torch's 2024 context parallel (torch.distributed.tensor.experimental._attention, as
 # torchtitan's December 2024 benchmark ran it): SDPA per ring step (step 0 causal on the two
 # local zigzag chunks, then the non-causal halves), K/V expanded to the query heads by the
 # model (repeat_kv) before SDPA, K/V all-gathered (rotate method "allgather"), dK/dV in fp32
-# passed on by all_to_all every step. Bytes per element from its code: forward step -- cat of
-# K and V to send (8), out.to(fp32) (6), out - block_out (12), sigmoid(.) * (.) (8),
-# out - (.) (12), the partial update's cat on half the steps (4); backward step -- cat of K, V
-# (8), grad_k/grad_v += (20; with the partial update's cat on half the steps 23), cat of
-# grad_k, grad_v to send (16), grad_q += (10; 11.5 with its partial update).
-TORCH_2024_RING = RingImpl("torch 2024 CP", expand_kv=True, gather_kv=True, merge_fwd=50.0, merge_bwd=34.5, kv_bwd=24.0)
+# passed on by all_to_all every step. Bytes per element from its code, forward step:
+# out.to(fp32) 6, out - block_out 12, sigmoid(.) * (.) 8, out - (.) 12, the partial update's
+# cat on half the steps 4 (42); per K element: cat of K and V to send 8. Backward step:
+# grad_q += 10, 13 with the partial update (11.5); per K element: cat of K and V 8, grad_k and
+# grad_v += 20, 26 with the partial update (23), cat of grad_k and grad_v to send 16 (47).
+TORCH_2024_RING = RingImpl(
+    "torch 2024 CP", expand_kv=True, gather_kv=True, merge_fwd=42.0, merge_bwd=11.5, kv_fwd=8.0, kv_bwd=47.0
+)
 
 
 @dataclass(frozen=True)
@@ -281,22 +285,27 @@ def _q_k_meta(s: Setting) -> tuple[torch.Tensor, torch.Tensor]:
     return q, torch.empty(s.rows, k, local, s.w.args.head_dim, dtype=dtype, device="meta")
 
 
+def _heads(s: Setting) -> tuple[int, int]:
+    """``(query heads, K/V heads)`` of one kernel call (per Ulysses shard; K/V as the ring moves them)."""
+    h, k, _ = s.m.heads
+    c = s.c
+    kv = c.attention.attention_kv_heads(h, k, c.cp, c.ulysses)
+    q = h // c.ulysses_size
+    return q, q if s.stack.ring.expand_kv else kv
+
+
 def _ring_steps(s: Setting, work: AttentionWork) -> tuple[list[float], list[float]]:
     """Compute seconds of each ring step of one layer and microbatch, forward and backward:
     the kernel calls at the measured rates and the step's merge traffic at HBM bandwidth."""
-    h, k, _ = s.m.heads
-    u, e, impl = s.c.ulysses_size, s.w.args.head_dim, s.stack.ring
-    heads = h // u
-    fwd, bwd = [], []
+    impl, e = s.stack.ring, s.w.args.head_dim
+    heads, kv_heads = _heads(s)
+    tokens = s.tokens * s.c.ulysses_size  # a Ulysses group attends the union of its members' shards
     merges = len(work.steps) > 1
-    q_elems = s.tokens * u * heads * e
-    kv_elems = (
-        s.tokens * u * (heads if impl.expand_kv else s.c.attention.attention_kv_heads(h, k, s.c.cp, s.c.ulysses)) * e
-    )
+    q_elems, kv_elems = tokens * heads * e, tokens * kv_heads * e
+    fwd, bwd = [], []
     for step, pairs in enumerate(work.steps):
-        pairs_mb = pairs / s.microbatches
-        kf, kb = s.dev.attention.seconds(pairs_mb * heads * e, work.kernel_len, step == 0)
-        mf = impl.merge_fwd * q_elems / s.dev.hbm_bandwidth if merges else 0.0
+        kf, kb = s.dev.attention.seconds(pairs / s.microbatches * heads * e, work.kernel_len, step == 0)
+        mf = (impl.merge_fwd * q_elems + impl.kv_fwd * kv_elems) / s.dev.hbm_bandwidth if merges else 0.0
         mb = (impl.merge_bwd * q_elems + impl.kv_bwd * kv_elems) / s.dev.hbm_bandwidth if merges else 0.0
         fwd.append(kf + mf)
         bwd.append(kb + mb)
@@ -307,22 +316,21 @@ def _ring_exposure(
     s: Setting, ring: AxisBytes, fwd_bytes: int, link: str, fwd: list[float], bwd: list[float]
 ) -> tuple[RingExposure, float]:
     """The per-step hiding condition of one layer's ring (see :class:`RingImpl`) and the bytes it sends."""
-    steps = ring.size - 1
+    steps, passes = ring.size - 1, s.forward_passes
     block = fwd_bytes / steps  # one K/V block at the heads the strategy sends
-    dkv = (ring.nbytes - fwd_bytes) / steps - block
-    if s.stack.ring.gather_kv:  # K/V at the query heads, gathered once per pass; fp32 dK/dV step by step
-        h, k, _ = s.m.heads
-        block, dkv = block * h / k, block * h / k * FP32 / s.w.act_bytes
+    dkv = (ring.nbytes - fwd_bytes) / steps - block  # its gradient, fp32
+    _, kv_heads = _heads(s)
+    if s.stack.ring.expand_kv:  # at the query heads instead
+        own = s.c.attention.attention_kv_heads(*s.m.heads[:2], s.c.cp, s.c.ulysses)
+        block, dkv = block * kv_heads / own, dkv * kv_heads / own
+    if s.stack.ring.gather_kv:  # gathered once per pass, waited on before the second step; dK/dV step by step
         gather, t_dkv = s.dev.seconds(steps * block, link), s.dev.seconds(dkv, link)
-        exposure = RingExposure(
-            tuple(fwd), tuple(bwd), (gather,) + (0.0,) * steps, (gather,) + (t_dkv,) * steps, t_dkv, s.forward_passes
-        )
-    else:  # the next block (forward; backward: with the dK/dV riding one step behind) during each step
+        wait_fwd, wait_bwd, tail = (gather,) + (0.0,) * steps, (gather,) + (t_dkv,) * steps, t_dkv
+    else:  # the next block during each step (backward: with the dK/dV riding one step behind)
         t_fwd, t_bwd = s.dev.seconds(block, link), s.dev.seconds(block + dkv, link)
-        exposure = RingExposure(
-            tuple(fwd), tuple(bwd), (t_fwd,) * steps + (0.0,), (t_bwd,) * steps + (0.0,), 0.0, s.forward_passes
-        )
-    return exposure, steps * (block * (s.forward_passes + 1) + dkv)
+        wait_fwd, wait_bwd, tail = (t_fwd,) * steps + (0.0,), (t_bwd,) * steps + (0.0,), 0.0
+    exposure = RingExposure(tuple(fwd), tuple(bwd), wait_fwd, wait_bwd, tail, passes)
+    return exposure, steps * (block * (passes + 1) + dkv)
 
 
 def attention_cost(s: Setting) -> tuple[float, dict[str, Transfer], RingExposure | None]:
