@@ -32,7 +32,6 @@ from titan_cp.plan.memory import (
     Stage,
     saved_bytes,
     saved_bytes_per_token,
-    stage_params,
     step_peak,
     step_peak_bytes,
 )
@@ -77,7 +76,6 @@ __all__ = [
     "record",
     "saved_bytes",
     "saved_bytes_per_token",
-    "stage_params",
     "step_peak",
     "step_peak_bytes",
 ]

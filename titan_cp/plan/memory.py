@@ -195,13 +195,6 @@ def stage_param_count(args: ModelArgs, tp: int, stage: Stage) -> int:
     return stage.layers * layer_params(args, tp) + emb * stage.first + (emb + args.dim) * stage.last
 
 
-def stage_params(args: ModelArgs, tp: int = 1, pp: int = 1) -> tuple[int, int]:
-    """``(params, layers)`` of the largest pipeline stage, TP-sharded."""
-    stages = pipeline_stages(args, pp)
-    params = max(stage_param_count(args, tp, s) for s in stages)
-    return params, max(s.layers for s in stages)
-
-
 # ---------------------------------------------------------------------------- one step's peak
 
 
