@@ -259,8 +259,9 @@ MESH = dict(flavor="debugmodel_gqa", n_layers=4, vocab_size=2048, seq_len=512, b
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_memory_on_a_tp_mesh(dist_pools, ac):
     """Sequence parallelism shards the norms' tensors and the block inputs over tp; the linears keep
-    their gathered inputs. Saved bytes exact, the peak within 10%."""
-    got = measure_mesh(dict(MESH, tp=2, ac=ac), dist_pools.run)
+    their gathered inputs. Saved bytes exact, the peak within 10% (of the least of 3 steps: an
+    asynchronous collective's buffers may outlive their use by a varying margin, see measure_mesh)."""
+    got = measure_mesh(dict(MESH, tp=2, ac=ac, repeats=3), dist_pools.run)
     args = model_args(MESH["flavor"], n_layers=MESH["n_layers"], vocab_size=MESH["vocab_size"])
     want = P.step_peak(P.RankModel(args, tp=2, act_bytes=4, ac=ac), P.Stage(args.n_layers), 512, 4)
     assert all(r["saved_bytes"] == want.saved for r in got), (ac, [r["saved_bytes"] for r in got], want.saved)
