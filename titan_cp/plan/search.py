@@ -4,7 +4,7 @@ memory to spare, in 2 GB steps, then the fastest)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from titan_cp.attention.strategy import get_strategy, strategy_names
 from titan_cp.data.row_mixes import make_rows
@@ -147,7 +147,7 @@ class PlanResult:
     estimates: tuple[Estimate, ...]
     context: Context
     reason: str
-    recommended: bool = field(default=False)
+    recommended: bool = False
 
     @property
     def best(self) -> Estimate:
