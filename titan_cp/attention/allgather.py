@@ -1,20 +1,22 @@
-"""All-gather attention (the Llama 3 recipe): gather the K/V other ranks can see, attend the local queries.
+"""All-gather attention (the Llama 3 recipe): every rank gets the K/V it can see, attends its local queries.
 
-Each rank contributes ``E_j``, the rows of its K/V that some query of another rank can see
-(from the layout and the mask, known to every rank); the gather is padded to the largest
-``E_j``. K/V travel at their own head count (GQA is never expanded before the collective). The
-key buffer is the rank's own K/V followed by everyone's gathered rows, and one plan (the local
+Each rank ``j`` exports ``E_j``, the rows of its K/V that some query of another rank can see
+(from the layout and the mask, known to every rank, so no size is exchanged), and one
+collective hands every rank every other rank's exported rows (an all-to-all with uneven
+sizes: what an all-gather of the ``E_j`` gives, without padding). K/V travel at their own head
+count (GQA is never expanded before the collective). The key buffer is the rank's own K/V
+followed by the received rows, the collective writing straight into it; one plan (the local
 queries on the whole row) reads it::
 
-    forward    gathered = all_gather(kv_local[E_r])                (N-1) * max_j |E_j| rows out of each rank
-               out_r    = attn(q_r, [kv_local, gathered])
-    backward   dkv_local[E_r] += reduce_scatter(dgathered)       the dual collective, fp32
-               dkv_local      += dattn_kv of the own part, dq_r = dattn_q(q_r, keys)
+    keys       = [kv_local, gather_j!=r kv_j[E_j]]             (N-1) * |E_r| rows out of each rank
+    forward    out_r = attn(q_r, keys)
+    backward   dkv_local[E_r] += the dual collective of dkeys[received]  (fp32, each peer's share)
+               dkv_local      += dkeys[own part];  dq_r = dattn_q(q_r, keys)
 
 Without documents every rank needs nearly everything and this is the classic all-gather; under
-``doc_local`` a document whole on one rank is never gathered; with a sliding window only the
-rows another rank's window reaches. The gathered buffer is kept for the backward (instead of
-the whole row's K/V), so the backward moves only the gradients.
+``doc_local`` a document whole on one rank is never sent; with a sliding window only the rows
+another rank's window reaches. The key buffer is kept for the backward (instead of the whole
+row's K/V), so the backward moves only the gradients.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_cp.attention.comm import all_gather, reduce_scatter
+from titan_cp.attention.comm import all_to_all_uneven
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.fold import Fold, fold_backward, fold_forward, make_fold, new_accumulators
 from titan_cp.attention.merge import apply_sinks_, sinks_grad
@@ -40,17 +42,25 @@ def exported_rows(layout: SequenceLayout, rank: int, mask: Mask, batch: int) -> 
 
 @dataclass(frozen=True)
 class Gather:
-    """One rank's all-gather, planned once per microbatch.
+    """One rank's exchange, planned once per microbatch.
 
-    ``width``: rows each rank contributes (the largest ``E_j``; 0: nothing to gather);
-    ``send``: device rows of my buffer to send, padded to ``width``; ``mine``: how many are real.
+    ``send``: device rows of my buffer sent to each other rank, in rank order (``E_r`` repeated);
+    ``send_splits``/``recv_splits``: rows to and from each rank (0 to and from myself);
+    ``mine``: device rows ``E_r``, each peer's gradients of them arriving in the same order;
+    ``active``: whether any rank exports anything (the collective runs on every rank, or on none).
     """
 
-    width: int
-    send: torch.Tensor | None
-    mine: int
+    send: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    mine: torch.Tensor
     index: PlanIndex
     fold: Fold
+    active: bool
+
+    @property
+    def received(self) -> int:
+        return sum(self.recv_splits)
 
 
 def gather_plan(layout: SequenceLayout, rank: int, mask: Mask, batch: int, device: torch.device) -> Gather:
@@ -59,20 +69,22 @@ def gather_plan(layout: SequenceLayout, rank: int, mask: Mask, batch: int, devic
     def build() -> Gather:
         n, local = layout.cp_size, batch * layout.local_len
         exported = [exported_rows(layout, j, mask, batch) for j in range(n)]
-        width = max(len(e) for e in exported)
         key_map = torch.full((batch * layout.seq_len,), -1, dtype=torch.int64)  # natural row -> key buffer row
+        key_map[_natural_rows(layout, rank, batch)] = torch.arange(local)
+        offset = local
         for j in range(n):
-            natural = _natural_rows(layout, j, batch)  # natural row of each of rank j's buffer rows
-            if j == rank:
-                key_map[natural] = torch.arange(local)
-            else:
-                key_map[natural[exported[j]]] = local + j * width + torch.arange(len(exported[j]))
+            if j != rank:
+                key_map[_natural_rows(layout, j, batch)[exported[j]]] = offset + torch.arange(len(exported[j]))
+                offset += len(exported[j])
         plan = make_plan(layout, (rank,), None, mask)
         index = plan.index(batch, device, (("gathered", rank), key_map))
         fold = make_fold(plan.q_dest(batch), torch.zeros(local, dtype=torch.bool), device)
         mine = exported[rank]
-        send = torch.cat([mine, torch.zeros(width - len(mine), dtype=torch.int64)]) if width else None
-        return Gather(width, None if send is None else to_device(send, device), len(mine), index, fold)
+        send_splits = [0 if j == rank else len(mine) for j in range(n)]
+        recv_splits = [0 if j == rank else len(exported[j]) for j in range(n)]
+        send = mine.repeat(n - 1)
+        active = any(len(e) for e in exported)
+        return Gather(to_device(send, device), send_splits, recv_splits, to_device(mine, device), index, fold, active)
 
     return layout.memo(("gather", rank, mask, batch, torch.device(device)), build)
 
@@ -93,10 +105,12 @@ class AllGather(Strategy):
     def forward(self, ctx: CPContext, q, k, v):
         batch = q.shape[0]
         g = gather_plan(ctx.layout, ctx.rank, ctx.mask, batch, q.device)
-        keys = torch.stack([token_major(k), token_major(v)], dim=1)  # (B*S, 2, K, E)
-        if g.width:
-            gathered = all_gather(keys.index_select(0, g.send), ctx.group)  # (N, width, 2, K, E)
-            keys = torch.cat([keys, gathered.flatten(0, 1)])
+        k_t, v_t = token_major(k), token_major(v)
+        keys = k_t.new_empty((k_t.shape[0] + g.received, 2) + tuple(k_t.shape[1:]))  # (B*S + received, 2, K, E)
+        torch.stack([k_t, v_t], dim=1, out=keys[: k_t.shape[0]])
+        if g.active:
+            kv = keys[: k_t.shape[0]]
+            all_to_all_uneven(kv.index_select(0, g.send), g.send_splits, g.recv_splits, ctx.group, keys[k_t.shape[0] :])
         q_t = token_major(q)
         out_acc, lse = new_accumulators(q_t)
         fold_forward(q_t, keys[:, 0], keys[:, 1], g.index, g.fold, ctx.kernel, ctx.scale, out_acc, lse)
@@ -127,9 +141,10 @@ class AllGather(Strategy):
         )
         local = q_t.shape[0]
         dkv = dkeys[:local]
-        if g.width:
-            home = reduce_scatter(dkeys[local:].view(ctx.cp_size, g.width, *dkeys.shape[1:]), ctx.group)
-            dkv.index_add_(0, g.send[: g.mine], home[: g.mine])
+        if g.active:
+            home = dkeys.new_empty((len(g.send),) + tuple(dkeys.shape[1:]))
+            all_to_all_uneven(dkeys[local:], g.recv_splits, g.send_splits, ctx.group, home)
+            dkv.index_add_(0, g.send, home)
         dsinks = None if ctx.sinks is None else sinks_grad(dout_t, out_t, lse, ctx.sinks)
         dk, dv = (head_major(dkv[:, i].to(keys.dtype), batch) for i in (0, 1))
         return head_major(dq.to(q.dtype), batch), dk, dv, dsinks
@@ -141,16 +156,21 @@ class AllGather(Strategy):
         return q.new_empty((h, b * s), dtype=torch.float32), k.new_empty((rows, 2, k.shape[1], e))
 
     def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=CAUSAL) -> int:
-        """Every rank's exported rows (padded to the largest) reach the N-1 others; in the backward their
-        fp32 gradients come back once. Without a layout every row is exported."""
+        """A rank's exported rows reach the N-1 others; in the backward it sends each peer the fp32
+        gradients of the rows it received from it. Without a layout every row is exported."""
         b, kv_heads, s, e = k.shape
-        width = s * b if layout is None else max(len(exported_rows(layout, j, mask, b)) for j in range(cp))
         row = 2 * kv_heads * e
-        total = (cp - 1) * width * row * k.element_size()
-        return total + ((cp - 1) * width * row * 4 if backward else 0)
+        exported = [s * b] * cp if layout is None else [len(exported_rows(layout, j, mask, b)) for j in range(cp)]
+
+        def sent(r: int) -> int:
+            fwd = (cp - 1) * exported[r] * row * k.element_size()
+            return fwd + ((sum(exported) - exported[r]) * row * 4 if backward else 0)
+
+        return max(sent(r) for r in (range(cp) if rank is None else (rank,)))
 
     def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1) -> float:
-        """Local q, out and lse, and the local and gathered K/V (at most ``cp`` tokens per local token)."""
+        """Local q, out and lse, and the key buffer: at most ``cp`` tokens' K/V per local token (all of them
+        when every row is seen by another rank; fewer under ``doc_local`` or a window)."""
         a, h, e = act_bytes, q_heads, head_dim
         return 2 * a * h * e + 4 * h + cp * 2 * a * kv_heads * e
 

@@ -100,11 +100,13 @@ class PeerComm:
         return Exchange(dist.batch_isend_irecv(ops), recv)
 
 
-def all_gather(x: torch.Tensor, group) -> torch.Tensor:
-    """``(N, *x.shape)``: every rank's ``x``, stacked by rank. Backward: :func:`reduce_scatter`."""
+def all_gather(x: torch.Tensor, group, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(N, *x.shape)``: every rank's ``x``, stacked by rank (into ``out`` if given, a contiguous tensor
+    of that shape). Backward: :func:`reduce_scatter`."""
     n = dist.get_world_size(group)
     x = x.contiguous()
-    out = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     _count((n - 1) * _nbytes(x))
     dist.all_gather_into_tensor(out.view(n * x.shape[0], *x.shape[1:]) if x.dim() else out, x, group=group)
     return out
@@ -130,4 +132,14 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty_like(x)
     _count(_nbytes(x) * (n - 1) // n)
     dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def all_to_all_uneven(x: torch.Tensor, send: list[int], recv: list[int], group, out: torch.Tensor) -> torch.Tensor:
+    """``x`` holds ``send[j]`` rows (dim 0) for each rank ``j`` in order; ``out`` receives ``recv[j]`` rows
+    from each rank ``j`` in order (sizes known on both sides). Self-dual, with the sizes swapped."""
+    me = dist.get_rank(group)
+    row = _nbytes(x[:1]) if x.shape[0] else 0
+    _count(row * (sum(send) - send[me]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
     return out

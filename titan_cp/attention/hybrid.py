@@ -30,7 +30,7 @@ from titan_cp.attention.ring import (
     ring_forward,
     ring_steps,
 )
-from titan_cp.attention.strategy import Strategy, kv_heads_per_shard, register_strategy
+from titan_cp.attention.strategy import AxisBytes, Strategy, kv_heads_per_shard, register_strategy
 from titan_cp.attention.ulysses import (
     ULYSSES,
     gather_heads,
@@ -150,15 +150,24 @@ class Hybrid(Strategy):
     def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=CAUSAL) -> int:
         """The Ulysses all-to-alls inside the group, then the ring among groups on the groups' unions
         (``U`` times the tokens, at the K/V heads of one head shard), only the rows another group needs."""
+        axes = self.min_bytes_by_axis(q, k, cp, ulysses_degree, backward, layout, rank, mask)
+        return sum(a.nbytes for a in axes)
+
+    def min_bytes_by_axis(
+        self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=CAUSAL
+    ) -> tuple[AxisBytes, ...]:
+        """The ring among groups on ``cp_ring``, the all-to-alls inside a group on ``cp_ulysses``."""
         u = ulysses_degree
         uly = ULYSSES.min_bytes(q, k, u, backward=backward)
         b, _, s, d = k.shape
         k_ring = torch.empty(b, kv_heads_per_shard(q.shape[1], k.shape[1], u), s * u, d, dtype=k.dtype, device="meta")
         if layout is None:
-            return uly + RING.min_bytes(q, k_ring, cp // u, backward=backward)
-        groups = range(cp // u) if rank is None else (rank // u,)
-        sent, recv = max(exchanged_rows(layout, g, cp // u, _members(u), mask, b) for g in groups)
-        return uly + ring_bytes(k_ring, sent, recv, backward)
+            ring = RING.min_bytes(q, k_ring, cp // u, backward=backward)
+        else:
+            groups = range(cp // u) if rank is None else (rank // u,)
+            sent, recv = max(exchanged_rows(layout, g, cp // u, _members(u), mask, b) for g in groups)
+            ring = ring_bytes(k_ring, sent, recv, backward)
+        return AxisBytes("cp_ring", cp // u, ring, cp // u > 1), AxisBytes("cp_ulysses", u, uly, False)
 
     def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1) -> float:
         return head_shard_saved_bytes(act_bytes, q_heads, kv_heads, head_dim, ulysses_degree)

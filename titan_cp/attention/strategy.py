@@ -10,6 +10,7 @@ benchmarks never compare a strategy's name; they ask its :class:`Strategy`::
     s.check_heads(32, 8, cp=8, ulysses_degree=2)
     s.forward(ctx, q, k, v) / s.backward(...) / s.saved_like(...)   the op itself
     s.min_bytes(q, k, cp, ulysses_degree)     bytes per rank, forward (+ backward)
+    s.min_bytes_by_axis(q, k, cp, ...)        the same per axis of the cp sub-mesh (the planner's links)
     s.saved_bytes_per_token(...)              what the op keeps for backward, per local token
     s.buffer_bytes(...)                       receive buffers alive during the op
 
@@ -23,6 +24,7 @@ A fifth strategy is one subclass and one :func:`register_strategy` call.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -48,6 +50,20 @@ def kv_head_map(q_heads: int, kv_heads: int, n: int) -> list[int] | None:
 def kv_heads_per_shard(q_heads: int, kv_heads: int, n: int) -> int:
     """K/V heads each of ``n`` head shards holds: ``kv_heads / n``, or 1 when ``n`` exceeds them."""
     return 1 if kv_head_map(q_heads, kv_heads, n) is not None else kv_heads // n
+
+
+@dataclass(frozen=True)
+class AxisBytes:
+    """Bytes one rank sends on one axis of a strategy's cp sub-mesh (see :meth:`Strategy.min_bytes_by_axis`).
+
+    ``ring``: sent as ``size - 1`` ring steps per pass, each overlapping a step of attention;
+    otherwise in collectives the attention waits for.
+    """
+
+    axis: str
+    size: int
+    nbytes: int
+    ring: bool
 
 
 class Strategy:
@@ -135,6 +151,16 @@ class Strategy:
         dense case (every rank needs every other rank's K/V).
         """
         raise NotImplementedError
+
+    def min_bytes_by_axis(
+        self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=None
+    ) -> tuple[AxisBytes, ...]:
+        """:meth:`min_bytes` split over the axes of :meth:`mesh_dims` (outermost first)."""
+        ((axis, size),) = self.mesh_dims(cp, ulysses_degree)
+        ring = self.ring_size(cp, ulysses_degree) > 1
+        kwargs = {} if mask is None else {"mask": mask}
+        nbytes = self.min_bytes(q, k, cp, ulysses_degree, backward, layout, rank, **kwargs)
+        return (AxisBytes(axis, size, nbytes, ring),)
 
     def saved_bytes_per_token(
         self, act_bytes: int, q_heads: int, kv_heads: int, head_dim: int, cp: int, ulysses_degree: int = 1

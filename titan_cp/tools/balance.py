@@ -55,7 +55,7 @@ Mixes (each row a fresh draw filling exactly ``seq_len``, deterministic from the
     code_repo            source-file token counts: log-normal body (median 350, sigma 1.2)
                          with a 8% Pareto tail (alpha 1.1, from 2000 tokens), files packed in order
 
-Mixes: :mod:`titan_cp.testing.docs`.
+Mixes: :mod:`titan_cp.data.row_mixes`.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
 from titan_cp.attention.masks import plan_tiles, visible_pairs
 from titan_cp.attention.plans import Mask, make_plan
 from titan_cp.attention.ring import ring_plans
+from titan_cp.data.row_mixes import BALANCE_MIXES, ROW_MIXES, make_rows
 from titan_cp.layout import BALANCES, Run, Runs, SequenceLayout
-from titan_cp.testing.docs import BALANCE_MIXES, ROW_MIXES, make_rows
 
 TORCH_BALANCES = (
     "torch_head_tail",

@@ -54,7 +54,7 @@ from titan_cp.attention.kernels import (
     flash_attn_available,
     flash_attn_problem,
 )
-from titan_cp.testing.docs import lognormal_doc_lens
+from titan_cp.data.row_mixes import lognormal_doc_lens
 
 SECTIONS = ("kernels", "ring", "train")
 REPO = Path(__file__).resolve().parents[2]
