@@ -68,6 +68,12 @@ def _bad_inputs(rank, world):
         ),
         (lambda: cp_attention(q, k, k, mesh, layout, kernel="nope"), "unknown attention kernel 'nope'"),
         (lambda: cp_attention(q.long(), k.long(), k.long(), mesh, layout), "floating-point"),
+        (lambda: cp_attention(q, k, k, mesh, layout, scale="0.1"), "scale must be a positive finite number"),
+        (lambda: cp_attention(q.numpy(), k, k, mesh, layout), "q must be a torch.Tensor"),
+        (lambda: SequenceLayout(64, True), "cp_size must be a positive integer, got True"),
+        (lambda: SequenceLayout(True, 1), "seq_len must be a positive integer, got True"),
+        (lambda: cp_attention(q, k, k, mesh, layout, window=0), "window must be a positive integer"),
+        (lambda: cp_attention(q, k, k, mesh, layout, sinks=torch.zeros(2)), r"sinks must be a \(4,\) tensor"),
     ]
     import re
 

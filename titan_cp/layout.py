@@ -210,9 +210,9 @@ class SequenceLayout:
     """
 
     def __init__(self, seq_len: int, cp_size: int, balance: Balance = "zigzag", doc_lens=None):
-        if not isinstance(cp_size, int) or cp_size < 1:
+        if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
             raise ValueError(f"cp_size must be a positive integer, got {cp_size!r}")
-        if not isinstance(seq_len, int) or seq_len < 1:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
         if balance not in BALANCES:
             raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")

@@ -44,6 +44,8 @@ STRATEGIES: tuple[str, ...] = tuple(s.name for s in (RING, ALLGATHER, ULYSSES, H
 # ---------------------------------------------------------------------------- checks
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor (batch, heads, seq, head_dim), got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
         if 0 in t.shape:
@@ -73,6 +75,8 @@ def _check_layout(q: Tensor, layout: SequenceLayout) -> None:
 def _scale(scale, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a positive finite number (default 1/sqrt(head_dim)), got {scale!r}")
     scale = float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite number (default 1/sqrt(head_dim)), got {scale}")
