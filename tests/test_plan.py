@@ -82,17 +82,16 @@ def test_saved_and_comm_bytes_per_strategy(dist_pools, strategy, ulysses):
 
 
 def _unsent_kv_bytes(strategy: str, seq: int, docs, rank: int, ac: str) -> int:
-    """All-gather keeps the K/V it received, not the whole row's: the rows no other rank exported to
-    this one are not kept (the planner's per-token figure is the dense case). Under full AC only the
-    recomputed block's are alive at once, and they are not among the saved bytes."""
+    """All-gather keeps the K/V it received, not the whole row's: the rows of other ranks this one's
+    queries cannot see are not kept (the planner's per-token figure is the dense case). Under full AC
+    only the recomputed block's are alive at once, and they are not among the saved bytes."""
     if strategy != "allgather" or ac == "full":
         return 0
-    from titan_cp.attention.allgather import exported_rows
-    from titan_cp.attention.plans import CAUSAL
+    from titan_cp.attention.plans import CAUSAL, make_plan
     from titan_cp.layout import get_layout
 
     layout = get_layout(seq, 4, "doc_zigzag", docs)
-    received = sum(len(exported_rows(layout, j, CAUSAL, 1)) for j in range(4) if j != rank)
+    received = sum(len(make_plan(layout, (rank,), (j,), CAUSAL).key_rows(1)) for j in range(4) if j != rank)
     missing = 3 * layout.local_len - received  # rows of the three other shards not received
     return DEBUG.n_layers * missing * 2 * DEBUG.kv_heads * DEBUG.head_dim * 4
 

@@ -65,14 +65,40 @@ class HostCall(NamedTuple):
     host_k: tuple[int, ...]
 
 
+class Rows(NamedTuple):
+    """Rows of a token-major buffer: the span ``[start, stop)`` in order (read as a view, no copy) or,
+    where they are not one, the device index tensor ``index`` (read with one gather)."""
+
+    start: int
+    stop: int
+    index: torch.Tensor | None
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, device: torch.device) -> Rows:
+        """``rows`` (host int64) as a span when they are consecutive and ascending, else on ``device``."""
+        n = len(rows)
+        if n and int(rows[-1]) - int(rows[0]) == n - 1 and bool((rows[1:] > rows[:-1]).all()):
+            return cls(int(rows[0]), int(rows[0]) + n, None)
+        return cls(0, n, to_device(rows, device))
+
+    def __len__(self) -> int:
+        return self.stop - self.start if self.index is None else len(self.index)
+
+    def take(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """These rows of ``x`` along ``dim``."""
+        return (
+            x.narrow(dim, self.start, self.stop - self.start) if self.index is None else x.index_select(dim, self.index)
+        )
+
+
 @dataclass(frozen=True)
 class VarlenCall:
     """One variable-length kernel call on the device."""
 
     causal: bool
     segments: Segments
-    q_rows: torch.Tensor  # (total_q,) int64: rows of the token-major query buffer, packed order
-    k_rows: torch.Tensor  # (total_k,) int64: rows of the key buffer held
+    q_rows: Rows  # (total_q,) rows of the token-major query buffer, packed order
+    k_rows: Rows  # (total_k,) rows of the key buffer held
 
 
 @dataclass(frozen=True)
@@ -80,7 +106,6 @@ class PlanIndex:
     """A plan's index tensors for one batch size on one device (built once, reused by every layer)."""
 
     calls: tuple[VarlenCall, ...]  # one per causal flag present
-    q_dest: torch.Tensor  # (sum of total_q,) int64: accumulator row of each packed output row
 
 
 def _rows(tiles_rows: Sequence[tuple[int, int, int, bool]]) -> torch.Tensor:
@@ -163,6 +188,12 @@ class MaskPlan:
         calls = self.host_calls(batch)
         return torch.cat([c.q_rows for c in calls]) if calls else torch.zeros(0, dtype=torch.int64)
 
+    def k_dest(self, batch: int, key_map: torch.Tensor | None = None) -> torch.Tensor:
+        """The key buffer row of every packed key row, calls in order (host, int64; through ``key_map``)."""
+        calls = self.host_calls(batch)
+        rows = torch.cat([c.k_rows for c in calls]) if calls else torch.zeros(0, dtype=torch.int64)
+        return rows if key_map is None else key_map[rows]
+
     def index(self, batch: int, device: torch.device, key_map: tuple | None = None) -> PlanIndex:
         """Device-resident index tensors for ``batch`` rows (cached).
 
@@ -185,8 +216,8 @@ class MaskPlan:
                 host_q=c.host_q,
                 host_k=c.host_k,
             )
-            calls.append(VarlenCall(c.causal, seg, to_device(c.q_rows, device), to_device(k_rows, device)))
-        return PlanIndex(tuple(calls), to_device(self.q_dest(batch), device))
+            calls.append(VarlenCall(c.causal, seg, Rows.of(c.q_rows, device), Rows.of(k_rows, device)))
+        return PlanIndex(tuple(calls))
 
 
 def _unique(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -25,15 +25,26 @@ Ulysses group, and its buffer the concatenation of the group members' shards.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from titan_cp.attention.comm import NOTHING, PeerComm
 from titan_cp.attention.context import CPContext
-from titan_cp.attention.fold import Fold, fold_backward, fold_forward, make_fold, new_accumulators
-from titan_cp.attention.merge import apply_sinks_, sinks_grad
-from titan_cp.attention.plans import CAUSAL, Mask, MaskPlan, PlanIndex, head_major, make_plan, token_major
+from titan_cp.attention.fold import (
+    Folds,
+    Grads,
+    KeyFold,
+    Part,
+    Results,
+    attend_backward,
+    fold_forward,
+    make_folds,
+    make_key_folds,
+)
+from titan_cp.attention.fused import add_rows
+from titan_cp.attention.merge import sinks_grad
+from titan_cp.attention.plans import CAUSAL, Mask, MaskPlan, PlanIndex, Rows, head_major, make_plan, token_major
 from titan_cp.attention.strategy import Strategy, register_strategy
 from titan_cp.layout import SequenceLayout, to_device
 
@@ -42,18 +53,32 @@ from titan_cp.layout import SequenceLayout, to_device
 class RingStep:
     """Step ``s`` of one rank's ring: my queries on what I need of ring rank ``src``'s K/V.
 
-    ``recv``: rows of ``src``'s buffer received (0: nothing, the step is skipped); ``send``: device rows
-    of my buffer that ``dst`` needs (``None``: nothing to send), ``send_all`` when that is all of it.
+    ``recv``: rows of ``src``'s buffer received (0: nothing, the step is skipped), ``grads``: where the
+    packed keys' gradients go in the fp32 buffer of those rows sent back; ``send``: the rows of my buffer
+    ``dst`` needs (``None``: nothing to send), ``home``: their accumulator slots (their gradients return).
     """
 
     src: int
     dst: int
     plan: MaskPlan
     index: PlanIndex
-    fold: Fold
     recv: int
-    send: torch.Tensor | None
-    send_all: bool
+    grads: Part | None
+    send: Rows | None
+    home: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """One rank's ring, planned once per microbatch: its steps, where the results and the own K/V's
+    gradients go (:mod:`titan_cp.attention.fold`)."""
+
+    steps: tuple[RingStep, ...]
+    folds: Folds
+    keys: KeyFold
+
+    def __len__(self) -> int:
+        return len(self.steps)
 
 
 def ring_plans(layout: SequenceLayout, ring_rank: int, ring_size: int, members, mask: Mask) -> list[MaskPlan]:
@@ -69,6 +94,20 @@ def _key_map(rows: torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
+def _step(layout, mine, src: int, dst: int, s: int, members, mask, batch, device, size):
+    """Step ``s``'s plan, its device index and what it exchanges (host rows sent, for the key folds)."""
+    plan = make_plan(layout, mine, tuple(members(src)), mask)
+    if s == 0:
+        return RingStep(src, dst, plan, plan.index(batch, device), 0, None, None, None), None
+    need = plan.key_rows(batch)
+    key_map = (("recv", s), _key_map(need, size))
+    index = plan.index(batch, device, key_map)
+    grads = make_key_folds([plan.k_dest(batch, key_map[1])], 0, [], device).steps[0][1]
+    rows = make_plan(layout, tuple(members(dst)), mine, mask).key_rows(batch)
+    send = Rows.of(rows, device) if len(rows) else None
+    return RingStep(src, dst, plan, index, len(need), grads, send, None), rows
+
+
 def ring_steps(
     layout: SequenceLayout,
     ring_rank: int,
@@ -77,100 +116,99 @@ def ring_steps(
     mask: Mask,
     batch: int,
     device: torch.device,
-) -> list[RingStep]:
-    """Every step of ring rank ``ring_rank``'s ring (cached on the layout: once per microbatch)."""
+) -> RingPlan:
+    """Ring rank ``ring_rank``'s :class:`RingPlan` (cached on the layout: once per microbatch)."""
 
-    def build() -> list[RingStep]:
+    def build() -> RingPlan:
         mine = tuple(members(ring_rank))
         size = batch * layout.local_len * len(mine)
-        seen = torch.zeros(size, dtype=torch.bool)
-        steps = []
+        steps, sent = [], []
         for s in range(ring_size):
             src, dst = (ring_rank - s) % ring_size, (ring_rank + s) % ring_size
-            plan = make_plan(layout, mine, tuple(members(src)), mask)
-            if s == 0:
-                index, recv, send, send_all = plan.index(batch, device), 0, None, False
-            else:
-                need = plan.key_rows(batch)
-                index = plan.index(batch, device, (("recv", s), _key_map(need, size)))
-                rows = make_plan(layout, tuple(members(dst)), mine, mask).key_rows(batch)
-                recv, send_all = len(need), len(rows) == size
-                send = to_device(rows, device) if len(rows) else None
-            fold = make_fold(plan.q_dest(batch), seen, device)
-            steps.append(RingStep(src, dst, plan, index, fold, recv, send, send_all))
-        return steps
+            step, rows = _step(layout, mine, src, dst, s, members, mask, batch, device, size)
+            steps.append(step)
+            sent.append(rows)
+        folds = make_folds([st.plan.q_dest(batch) for st in steps], size, device)
+        keys = make_key_folds([steps[0].plan.k_dest(batch)], size, [r for r in sent if r is not None], device)
+        steps = [
+            st if rows is None or not len(rows) else replace(st, home=to_device(keys.slots_of(rows), device))
+            for st, rows in zip(steps, sent)
+        ]
+        return RingPlan(tuple(steps), folds, keys)
 
     return layout.memo(("ring_steps", ring_rank, ring_size, tuple(members(ring_rank)), mask, batch, device), build)
 
 
-def _post_kv(comm: PeerComm | None, kv: torch.Tensor, steps: list[RingStep], s: int):
+def _post_kv(comm: PeerComm | None, kv: torch.Tensor, ring: RingPlan, s: int):
     """Post step ``s``'s K/V exchange (``kv (2, B*S, K, E)``): my rows ``dst`` needs out, ``src``'s in."""
-    if s >= len(steps):
+    if s >= len(ring):
         return NOTHING
-    step = steps[s]
-    send = None if step.send is None else (kv if step.send_all else kv.index_select(1, step.send))
+    step = ring.steps[s]
+    send = None if step.send is None else step.send.take(kv, 1)
     recv = kv.new_empty((2, step.recv) + tuple(kv.shape[2:])) if step.recv else None
     return comm.exchange(send, step.dst, recv, step.src, tag=0)
 
 
-def ring_forward(q_t, k_t, v_t, group, steps: list[RingStep], kernel, scale: float, sinks=None):
+def ring_forward(q_t, k_t, v_t, group, ring: RingPlan, kernel, scale: float, sinks=None):
     """``(out_t, lse)``: ``(B*S, H, E)`` output in q's dtype and ``(H, B*S)`` fp32 lse (sinks folded in).
 
-    Token-major ``q_t (B*S, H, E)``, ``k_t, v_t (B*S, K, E)``; ``steps`` from :func:`ring_steps`.
+    Token-major ``q_t (B*S, H, E)``, ``k_t, v_t (B*S, K, E)``; ``ring`` from :func:`ring_steps`.
     """
-    comm = PeerComm(group) if len(steps) > 1 else None
+    comm = PeerComm(group) if len(ring) > 1 else None
     kv = torch.stack([k_t, v_t])  # one message per step: (2, B*S, K, E)
-    out_acc, lse = new_accumulators(q_t)
-    pending = _post_kv(comm, kv, steps, 1)
-    fold_forward(q_t, k_t, v_t, steps[0].index, steps[0].fold, kernel, scale, out_acc, lse)
-    for s in range(1, len(steps)):
+    results = Results(q_t, ring.folds)
+    pending = _post_kv(comm, kv, ring, 1)
+    fold_forward(q_t, k_t, v_t, ring.steps[0].index, kernel, scale, results, 0)
+    for s in range(1, len(ring)):
         buf = pending.wait()
-        pending = _post_kv(comm, kv, steps, s + 1)
+        pending = _post_kv(comm, kv, ring, s + 1)
         if buf is not None:
-            fold_forward(q_t, buf[0], buf[1], steps[s].index, steps[s].fold, kernel, scale, out_acc, lse)
-    if sinks is not None:
-        apply_sinks_(out_acc, lse, sinks)
-    return out_acc.to(q_t.dtype), lse
+            fold_forward(q_t, buf[0], buf[1], ring.steps[s].index, kernel, scale, results, s)
+    return results.finish(sinks)
 
 
-def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, steps: list[RingStep], kernel, scale: float):
+def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kernel, scale: float):
     """``(dq_t, dk_t, dv_t)`` token-major in the input dtype; ``out_t, lse`` as :func:`ring_forward` returned them."""
-    comm = PeerComm(group) if len(steps) > 1 else None
+    comm = PeerComm(group) if len(ring) > 1 else None
     kv = torch.stack([k_t, v_t])
-    dq = torch.zeros(q_t.shape, dtype=torch.float32, device=q_t.device)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    pending = _post_kv(comm, kv, steps, 1)
-    fold_backward(dout_t, q_t, k_t, v_t, out_t, lse, steps[0].index, kernel, scale, dq, dkv[0], dkv[1])
+    dq = Grads(q_t, ring.folds.multi, ring.folds.slots)
+    dk, dv = (Grads(x, ring.keys.multi, ring.keys.slots) for x in (k_t, v_t))
+    pending = _post_kv(comm, kv, ring, 1)
+    packed = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, ring.steps[0].index, kernel, scale)
+    dq.add(ring.folds.grad[0], packed[0])
+    dk.add(ring.keys.steps[0], packed[1])
+    dv.add(ring.keys.steps[0], packed[2])
     returning = None  # (exchange, step): dK/dV of my rows on their way home from that step's dst
-    for s in range(1, len(steps)):
-        step = steps[s]
+    for s in range(1, len(ring)):
+        step = ring.steps[s]
         buf = pending.wait()
-        pending = _post_kv(comm, kv, steps, s + 1)
+        pending = _post_kv(comm, kv, ring, s + 1)
         grad = None
         if buf is not None:
+            packed = attend_backward(dout_t, q_t, buf[0], buf[1], out_t, lse, step.index, kernel, scale)
+            dq.add(ring.folds.grad[s], packed[0])
             grad = torch.zeros(buf.shape, dtype=torch.float32, device=buf.device)
-            fold_backward(dout_t, q_t, buf[0], buf[1], out_t, lse, step.index, kernel, scale, dq, grad[0], grad[1])
-        _add_home(dkv, returning)
-        recv = dkv.new_empty((2, len(step.send)) + tuple(dkv.shape[2:])) if step.send is not None else None
+            for i in (0, 1):
+                add_rows(grad[i], step.grads.dst, step.grads.take(packed[1 + i]))
+        _add_home(dk, dv, returning)
+        recv = kv.new_empty((2, len(step.send)) + tuple(kv.shape[2:]), dtype=torch.float32) if step.send else None
         returning = (comm.exchange(grad, step.src, recv, step.dst, tag=1), step)
-    _add_home(dkv, returning)
-    return dq.to(q_t.dtype), dkv[0].to(k_t.dtype), dkv[1].to(v_t.dtype)
+    _add_home(dk, dv, returning)
+    return dq.finish(), dk.finish(), dv.finish()
 
 
-def _add_home(dkv: torch.Tensor, returning) -> None:
-    """Add the gradients of my rows that a peer computed (``(exchange, step)``) into ``dkv``."""
+def _add_home(dk: Grads, dv: Grads, returning) -> None:
+    """Add the gradients of my rows that a peer computed (``(exchange, step)``) into their slots."""
     if returning is None:
         return
     exchange, step = returning
     grad = exchange.wait()
     if grad is not None:
-        if step.send_all:
-            dkv.add_(grad)
-        else:
-            dkv.index_add_(1, step.send, grad)
+        add_rows(dk.acc, step.home, grad[0])
+        add_rows(dv.acc, step.home, grad[1])
 
 
-def _steps(ctx: CPContext, batch: int, device) -> list[RingStep]:
+def _steps(ctx: CPContext, batch: int, device) -> RingPlan:
     return ring_steps(ctx.layout, ctx.rank, ctx.layout.cp_size, lambda r: (r,), ctx.mask, batch, device)
 
 
@@ -196,13 +234,13 @@ def exchanged_rows(
     return sent, recv
 
 
-def ring_bytes(k, sent: int, recv: int, backward: bool) -> int:
-    """Bytes a ring rank sends: its K/V rows (forward, and again in the backward), and the fp32
-    gradients of the rows it received."""
+def ring_bytes(k, sent: int, recv: int, backward: bool, resend: bool = True) -> int:
+    """Bytes a rank sends: its K/V rows (forward, and again in the backward when they are not kept:
+    ``resend``), and the fp32 gradients of the rows it received."""
     row = 2 * k.shape[1] * k.shape[3]  # K and V elements of one token
     total = sent * row * k.element_size()
     if backward:
-        total += sent * row * k.element_size() + recv * row * 4
+        total += sent * row * k.element_size() * resend + recv * row * 4
     return total
 
 

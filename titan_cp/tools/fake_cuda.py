@@ -25,7 +25,10 @@ returns a :class:`RankTrace` per rank:
   lengths, the log-sum-exp's shape and dtype): each broken one is listed in ``violations``;
 - a host synchronisation (``.item()``, ``.tolist()``, ``bool()``, ``nonzero`` of a device
   tensor) or a blocking host-to-device copy in either layer raises :class:`HostSyncError`;
-- kernel calls per ring step, and the bytes sent.
+- kernel calls per ring step, the bytes sent, the kernel's segments (for its work), and the
+  operations outside the kernel with the HBM bytes they read and write (:class:`TrafficMeter`: an
+  index operation counted by the rows it touches, views and allocations free), from which
+  :mod:`titan_cp.tools.gpu_model` predicts GPU time.
 """
 
 from __future__ import annotations
@@ -363,6 +366,103 @@ def fake_cuda():
         )
 
 
+# ---------------------------------------------------------------------------- counting
+class MeteredFlash(CUDAFlashKernel):
+    """The ``cuda_flash`` kernel, recording every variable-length call's segments (host offsets) and
+    marking its own operations (``inside``) so that a traffic meter can leave them out."""
+
+    def __init__(self, inner: CUDAFlashKernel | None = None):
+        super().__init__()
+        self.inner = inner or CUDAFlashKernel()
+        self.segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...]]] = []
+        self.inside = False
+
+    def _run(self, op: str, fn, seg, causal, *args):
+        self.segments.append((op, causal, seg.host_q, seg.host_k))
+        self.inside = True
+        try:
+            return fn(*args)
+        finally:
+            self.inside = False
+
+    def varlen_forward(self, q, k, v, seg, causal, scale):
+        return self._run("forward", self.inner.varlen_forward, seg, causal, q, k, v, seg, causal, scale)
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seg, causal, scale):
+        fn = self.inner.varlen_backward
+        return self._run("backward", fn, seg, causal, dout, q, k, v, out, lse, seg, causal, scale)
+
+
+_VIEWS = {
+    "view", "_unsafe_view", "transpose", "t", "permute", "expand", "select", "slice", "unsqueeze", "squeeze",
+    "alias", "as_strided", "detach", "unbind", "split", "split_with_sizes", "chunk", "narrow", "_reshape_alias",
+    "empty", "empty_like", "new_empty", "empty_strided", "lift_fresh", "reshape",
+}  # fmt: skip
+
+
+def _nbytes(x) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+def _rows_of(x: torch.Tensor, dim: int, n: int) -> int:
+    """Bytes of ``n`` slices of ``x`` along ``dim``."""
+    return n * (_nbytes(x) // max(1, x.shape[dim])) if x.dim() else _nbytes(x)
+
+
+def _fused_bytes(name: str, args) -> int:
+    """Bytes of the engine's fused row updates (:mod:`titan_cp.attention.fused`): each row it touches read
+    and written once, its inputs read once."""
+    if name == "merge_rows":
+        out_acc, lse_acc, out, lse, rows, local = args
+        touched = _rows_of(out_acc, 0, rows.numel()) + _rows_of(lse_acc, 1, rows.numel())
+        return 2 * touched + _nbytes(out) + _nbytes(lse) + _nbytes(rows) + _nbytes(local)
+    acc_or_dst, index, src = args
+    touched = _rows_of(acc_or_dst, 0, index.numel())
+    return _nbytes(src) + _nbytes(index) + touched * (2 if name == "add_rows" else 1)
+
+
+def op_bytes(func, args, kwargs, out) -> int:
+    """HBM bytes an operation reads and writes, an index operation counted by the rows it touches."""
+    name = func.__name__.split(".")[0].rstrip("_")
+    if func.namespace == "titan_cp" and name in ("merge_rows", "add_rows", "write_rows"):
+        return _fused_bytes(name, args)
+    outs = [t for t in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(t, torch.Tensor)]
+    if not outs:  # queries (a device, a size) move no data
+        return 0
+    if name in _VIEWS and not (name == "reshape" and outs and outs[0]._base is None):
+        return 0
+    if name == "index_select":
+        x, dim, idx = args[:3]
+        return _rows_of(x, dim, idx.numel()) + _nbytes(idx) + sum(map(_nbytes, outs))
+    if name in ("index_add", "index_copy"):
+        acc, dim, idx, src = args[:4]
+        touched = _rows_of(acc, dim, idx.numel())
+        return _nbytes(src) + _nbytes(idx) + touched * (2 if name == "index_add" else 1)
+    if name == "index_put":
+        return 2 * _nbytes(args[2]) + sum(_nbytes(i) for i in args[1] if i is not None)
+    if name in ("zeros", "full", "fill", "zero", "new_zeros", "zeros_like", "full_like", "new_full"):
+        return sum(map(_nbytes, outs))
+    inputs = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+    return sum(map(_nbytes, inputs)) + sum(map(_nbytes, outs))
+
+
+class TrafficMeter(TorchDispatchMode):
+    """Counts the operations outside the kernel and the HBM bytes they read and write (:func:`op_bytes`)."""
+
+    def __init__(self, kernel: MeteredFlash):
+        super().__init__()
+        self.kernel, self.ops, self.bytes = kernel, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.kernel.inside:
+            nbytes = op_bytes(func, args, kwargs, out)
+            self.bytes += nbytes
+            self.ops += nbytes > 0
+        return out
+
+
 # ---------------------------------------------------------------------------- one layer, every rank
 @dataclass
 class RankTrace:
@@ -373,6 +473,9 @@ class RankTrace:
     calls: list[FlashCall] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     bytes_sent: int = 0
+    segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    outside_ops: int = 0  # operations outside the kernel that move data (views and allocations excluded)
+    outside_bytes: int = 0  # HBM bytes they read and write
 
     def calls_per_step(self, op: str) -> float:
         return sum(c.op == op for c in self.calls) / self.steps
@@ -400,30 +503,40 @@ def simulate(
     causal: bool = True,
     dtype: torch.dtype = torch.bfloat16,
     kernel: CUDAFlashKernel | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
 ) -> list[RankTrace]:
     """One layer's forward + backward of ``strategy`` for each of the ``cp`` ranks (module docstring).
 
-    ``doc_lens``: one list of document lengths per batch row (``None``: one causal document).
-    A host synchronisation raises :class:`HostSyncError`.
+    ``doc_lens``: one list of document lengths per batch row (``None``: one causal document);
+    ``window``, ``chunk``: the layer's mask. A host synchronisation raises :class:`HostSyncError`.
     """
     s = get_strategy(strategy)
     batch = 1 if doc_lens is None else len(doc_lens)
     layout = layout_module.get_layout(seq_len, cp, balance, doc_lens)
-    kernel = kernel or CUDAFlashKernel()
+    meter = MeteredFlash(kernel)
+    mask = Mask(causal, window, chunk)
     traces = []
     with fake_cuda() as (_, aten):
         for mesh in fake_meshes(strategy, cp, ulysses_degree):
-            rank = s.layout_rank(mesh)
-            ctx = CPContext(mesh, layout, Mask(causal), head_dim**-0.5, kernel, heads, kv_heads)
+            ctx = CPContext(mesh, layout, mask, head_dim**-0.5, meter, heads, kv_heads)
             q, k, v, dout = _inputs(batch, seq_len // cp, heads, kv_heads, head_dim, dtype)
             with SyncDetector():  # warm-up: the first layer builds plans and indices
                 out, saved = s.forward(ctx, q, k, v)
                 s.backward(ctx, dout, q, k, v, out, saved)
             aten.calls.clear()
-            with comm.count_comm() as sent, SyncDetector():
+            meter.segments.clear()
+            traffic = TrafficMeter(meter)
+            with comm.count_comm() as sent, SyncDetector(), traffic:
                 out, saved = s.forward(ctx, q, k, v)
                 s.backward(ctx, dout, q, k, v, out, saved)
-            steps = s.ring_size(cp, ulysses_degree)
-            traces.append(RankTrace(rank, steps, list(aten.calls), list(aten.violations), sent.bytes_sent))
+            trace = RankTrace(s.layout_rank(mesh), s.ring_size(cp, ulysses_degree), list(aten.calls))
+            trace.violations, trace.bytes_sent, trace.segments = (
+                list(aten.violations),
+                sent.bytes_sent,
+                list(meter.segments),
+            )
+            trace.outside_ops, trace.outside_bytes = traffic.ops, traffic.bytes
+            traces.append(trace)
             aten.violations.clear()
     return traces

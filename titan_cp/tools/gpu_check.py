@@ -315,19 +315,19 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
     q: ``(B, H, S, E)``; k, v: ``(B, K, S, E)``; dout like q; the whole sequence in natural
     order. Rank ``r`` holds shard ``r`` of ``layout``; at ring step ``i`` it receives what it needs
     of the K/V shard of rank ``src = (r - i) mod N`` (the rows ``src`` gathers to send it) and folds
-    them into its fp32 accumulators with the engine's
-    :func:`~titan_cp.attention.fold.fold_forward` (backward: the gradients of those rows go home to
-    ``src``'s accumulators, as the ring sends them). Nothing is communicated: the time is the sum
-    over ranks of what each rank computes.
+    them into its results with the engine's :func:`~titan_cp.attention.fold.fold_forward`
+    (backward: the gradients of those rows go home to ``src``'s accumulators, as the ring sends
+    them). Nothing is communicated: the time is the sum over ranks of what each rank computes.
 
     Returns ``out (B, H, S, E)`` in natural order, and with ``dout`` also ``(dq, dk, dv)``.
     """
-    from titan_cp.attention.fold import fold_backward, fold_forward, new_accumulators  # noqa: PLC0415 - the engine
+    from titan_cp.attention import fold  # noqa: PLC0415 - the engine
+    from titan_cp.attention.fused import add_rows  # noqa: PLC0415
     from titan_cp.attention.plans import Mask, head_major, token_major  # noqa: PLC0415
     from titan_cp.attention.ring import ring_steps  # noqa: PLC0415
 
     n, b = layout.cp_size, q.shape[0]
-    steps = [ring_steps(layout, r, n, lambda i: (i,), Mask(causal), b, q.device) for r in range(n)]
+    rings = [ring_steps(layout, r, n, lambda i: (i,), Mask(causal), b, q.device) for r in range(n)]
 
     def shards(x):
         return [token_major(layout.shard(x, 2, r)) for r in range(n)]
@@ -337,58 +337,47 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
 
     def received(kv, r, i):
         """What rank r holds at step i: the rows of its source's K/V it needs (None: nothing)."""
-        src = (r - i) % n
         if i == 0:
             return kv[r]
-        sent = steps[src][i]
-        if sent.send is None:
-            return None
-        return kv[src] if sent.send_all else kv[src].index_select(1, sent.send)
+        sent = rings[(r - i) % n].steps[i]
+        return None if sent.send is None else sent.send.take(kv[(r - i) % n], 1)
 
     qs = shards(q)
     kv = [torch.stack(pair) for pair in zip(shards(k), shards(v))]
     outs, lses = [], []
     for r in range(n):
-        out_acc, lse_acc = new_accumulators(qs[r])
+        results = fold.Results(qs[r], rings[r].folds)
         for i in range(n):
             buf = received(kv, r, i)
             if buf is not None:
-                fold_forward(
-                    qs[r], buf[0], buf[1], steps[r][i].index, steps[r][i].fold, kernel, scale, out_acc, lse_acc
-                )
-        outs.append(out_acc.to(q.dtype))
-        lses.append(lse_acc)
+                fold.fold_forward(qs[r], buf[0], buf[1], rings[r].steps[i].index, kernel, scale, results, i)
+        out_r, lse_r = results.finish()
+        outs.append(out_r)
+        lses.append(lse_r)
     out = unshard(outs, q.dtype)
     if dout is None:
         return out
     dos = shards(dout)
-    dq = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in qs]
-    dkv = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in kv]
+    dq = [fold.Grads(qs[r], rings[r].folds.multi, rings[r].folds.slots) for r in range(n)]
+    dkv = [[fold.Grads(kv[r][j], rings[r].keys.multi, rings[r].keys.slots) for j in (0, 1)] for r in range(n)]
     for r in range(n):
         for i in range(n):
-            buf = received(kv, r, i)
+            buf, step = received(kv, r, i), rings[r].steps[i]
             if buf is None:
                 continue
-            grad = dkv[r] if i == 0 else torch.zeros(buf.shape, dtype=torch.float32, device=buf.device)
-            fold_backward(
-                dos[r],
-                qs[r],
-                buf[0],
-                buf[1],
-                outs[r],
-                lses[r],
-                steps[r][i].index,
-                kernel,
-                scale,
-                dq[r],
-                grad[0],
-                grad[1],
-            )
-            if i:
-                src, sent = (r - i) % n, steps[(r - i) % n][i]
-                dkv[src].add_(grad) if sent.send_all else dkv[src].index_add_(1, sent.send, grad)
-    grads = unshard(dq, q.dtype), unshard([g[0] for g in dkv], k.dtype), unshard([g[1] for g in dkv], v.dtype)
-    return out, grads
+            packed = fold.attend_backward(dos[r], qs[r], buf[0], buf[1], outs[r], lses[r], step.index, kernel, scale)
+            dq[r].add(rings[r].folds.grad[i], packed[0])
+            for j in (0, 1):
+                if i == 0:
+                    dkv[r][j].add(rings[r].keys.steps[0], packed[1 + j])
+                else:  # the gradients of the rows received, home to their owner's slots
+                    grad = torch.zeros(buf[j].shape, dtype=torch.float32, device=buf.device)
+                    add_rows(grad, step.grads.dst, step.grads.take(packed[1 + j]))
+                    src = (r - i) % n
+                    add_rows(dkv[src][j].acc, rings[src].steps[i].home, grad)
+    grads = [unshard([g.finish() for g in dq], q.dtype)]
+    grads += [unshard([dkv[r][j].finish() for r in range(n)], x.dtype) for j, x in ((0, k), (1, v))]
+    return out, tuple(grads)
 
 
 def _one_call(kernel: AttentionKernel, q, k, v, dout, doc_lens, causal, scale):
