@@ -1,0 +1,386 @@
+"""Hugging Face decoders under titan_cp (``titan_cp.integrations.transformers``).
+
+The oracle runs every packed document *on its own* through the same model with
+``transformers``' eager attention, on one process: logits, the loss (summed token cross-entropy
+over the step's loss-bearing tokens) and every parameter's gradient. The CP runs see the same
+packed rows split over the cp ranks by a layout; their logits are gathered and unpermuted,
+their losses and gradients summed over the ranks.
+
+Families: tiny random configs built by ``transformers`` itself (2 layers, hidden 32-48): Llama
+(GQA), Qwen2 (q/k/v biases), Qwen3 (q/k norms, tied embeddings), Mistral (MQA, 12 heads, so
+Ulysses splits heads over 3 ranks too) and Gemma (tied embeddings, scaled embeddings).
+Rows hold a one-token document and documents longer than a shard.
+
+Tolerance, fp32: the CP runs add the same numbers in another order (log-sum-exp merges of tiles,
+gradients summed over ranks), ~1e-6 relative; we assert 1e-4 of each tensor's largest entry.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra")
+
+from tests.dist_utils import get_mesh  # noqa: E402
+from titan_cp.attention.strategy import get_strategy  # noqa: E402
+from titan_cp.integrations.transformers import (  # noqa: E402
+    CausalLM,
+    apply_ac,
+    apply_cp,
+    apply_fsdp,
+    shard_batch,
+    unshard,
+)
+from titan_cp.layout import BALANCES  # noqa: E402
+from titan_cp.loss import IGNORE_INDEX  # noqa: E402
+
+TOL = 1e-4
+VOCAB, SEQ = 96, 24
+ROWS = ([1, 13, 3, 7], [5, 1, 18])  # a one-token document; 13 and 18 are longer than a CP 4 shard (6)
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, max_position_embeddings=64)
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)),
+    "mistral": (
+        "MistralConfig",
+        dict(hidden_size=48, num_attention_heads=12, num_key_value_heads=1, sliding_window=None),
+    ),
+    "gemma": ("GemmaConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)),
+}
+STRATEGIES = ("ring", "allgather", "ulysses")
+
+
+def hf_model(family: str, seed: int = 0, attn: str = "eager"):
+    """A random model of ``family``; every weight drawn distinct (norms around 1), so that a swapped
+    or missed parameter cannot pass."""
+    name, fields = FAMILIES[family]
+    config = getattr(transformers, name)(**{**COMMON, **fields})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(0.1 * torch.randn_like(p) + (1.0 if "norm" in n and family != "gemma" else 0.0))
+    return model
+
+
+def packed_batch(rows=ROWS, seed: int = 1) -> dict:
+    """HF-style packed rows: ``position_ids`` restart at 0 at each document; labels unshifted, -100 on
+    each document's first token (as ``DataCollatorWithFlattening`` separates them) and on a prompt."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (len(rows), sum(rows[0])), generator=g)
+    labels = ids.clone()
+    positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in rows])
+    labels[positions == 0] = IGNORE_INDEX
+    labels[0, 2:5] = IGNORE_INDEX  # a prompt: no loss on it
+    return {"input_ids": ids, "labels": labels, "position_ids": positions}
+
+
+def reference(model, batch: dict, rows=ROWS):
+    """Each document on its own through ``model`` (eager attention): the rows' logits ``(B, S, V)``,
+    the loss (summed CE / loss-bearing tokens) and every parameter's gradient, by name."""
+    model.zero_grad(set_to_none=True)
+    logits, total, count = [], 0.0, 0
+    for b, row in enumerate(rows):
+        pieces, start = [], 0
+        for n in row:
+            ids, labels = batch["input_ids"][b, start : start + n], batch["labels"][b, start : start + n]
+            out = model(input_ids=ids[None], use_cache=False).logits[0]
+            pieces.append(out)
+            target = labels[1:]
+            total = total + torch.nn.functional.cross_entropy(
+                out[:-1], target, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            count += int((target != IGNORE_INDEX).sum())
+            start += n
+        logits.append(torch.cat(pieces))
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return torch.stack(logits).detach(), loss.detach(), grads
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def _grads(model, group) -> dict:
+    """Every parameter's gradient, whole: summed over ``group`` (cp ranks hold different tokens), or
+    gathered from FSDP's shards (FSDP already summed them)."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if isinstance(g, DTensor):
+            g = g.full_tensor()
+        elif group is not None:
+            g = g.clone()
+            dist.all_reduce(g, group=group)
+        out[name] = g
+    return out
+
+
+def _grad_err(got: dict, want: dict) -> float:
+    assert set(got) == set(want)
+    return max(rel_err(got[n], want[n]) for n in want)
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(family: str):
+    if family not in _REFERENCES:
+        _REFERENCES[family] = reference(hf_model(family), packed_batch())
+    return _REFERENCES[family]
+
+
+def _case(family: str, strategy: str, balance: str, cp_mesh) -> dict:
+    """Errors of one CP run against the per-document reference: HF's own loss path
+    (``model(**local).loss``) and titan_cp's chunked loss (:class:`CausalLM`)."""
+    want_logits, want_loss, want_grads = _reference(family)
+    model = apply_cp(hf_model(family, attn="titan_cp"), cp_mesh, strategy=strategy, balance=balance)
+    group = None if cp_mesh is None else cp_mesh.get_group()
+    local = shard_batch(packed_batch(), cp_mesh, balance=balance)
+    out = model(**local)
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    if group is not None:
+        dist.all_reduce(loss, group=group)
+    errors = {
+        "logits": rel_err(unshard(out.logits, local, cp_mesh), want_logits),
+        "loss": rel_err(loss, want_loss),
+        "grads": _grad_err(_grads(model, group), want_grads),
+    }
+    model.zero_grad(set_to_none=True)
+    lm = CausalLM(model)
+    chunked = lm(local["input_ids"], local["position_ids"], local["cp_doc_lens"], local["shift_labels"])
+    chunked = chunked / local["num_items_in_batch"]
+    chunked.backward()
+    chunked = chunked.detach().clone()
+    if group is not None:
+        dist.all_reduce(chunked, group=group)
+    errors["chunked_loss"] = rel_err(chunked, want_loss)
+    errors["chunked_grads"] = _grad_err(_grads(lm, group), want_grads)
+    return errors
+
+
+def _exactness(rank, world, shapes):
+    """Every family x strategy on each ``(dp, cp)`` mesh shape (dp groups repeat the same case);
+    the balances take turns so that each appears on every mesh with more than one cp rank."""
+    results = {}
+    for dp, cp in shapes:
+        cp_mesh = get_mesh((dp, cp), ("dp", "cp"))["cp"] if cp > 1 else None
+        for i, family in enumerate(FAMILIES):
+            heads = FAMILIES[family][1]
+            for j, strategy in enumerate(STRATEGIES if cp > 1 else STRATEGIES[:1]):  # one device: no strategy
+                try:
+                    get_strategy(strategy).check_heads(heads["num_attention_heads"], heads["num_key_value_heads"], cp)
+                except ValueError:
+                    continue  # these heads do not split over cp ranks (Ulysses); apply_cp refuses them
+                balance = BALANCES[(i + j) % len(BALANCES)]
+                results[(cp, family, strategy, balance)] = _case(family, strategy, balance, cp_mesh)
+    return results
+
+
+@pytest.mark.parametrize("world,shapes", [(4, ((4, 1), (2, 2), (1, 4))), (3, ((1, 3),))], ids=["cp1_2_4", "cp3"])
+def test_logits_loss_and_gradients_equal_each_document_run_alone(dist_pools, world, shapes):
+    results = dist_pools.run(world, _exactness, shapes, timeout=900)[0]
+    cps = {key[0] for key in results}
+    assert cps == {cp for _, cp in shapes}
+    assert {key[1] for key in results} == set(FAMILIES)
+    assert all({key[3] for key in results if key[0] == cp} == set(BALANCES) for cp in cps - {1})
+    if 3 in cps:
+        assert (3, "mistral", "ulysses", BALANCES[(3 + 2) % 4]) in results  # 12 heads split over 3 ranks
+    bad = {key: errs for key, errs in results.items() if max(errs.values()) > TOL}
+    assert not bad, bad
+
+
+# ---- FSDP 2 x CP 2 --------------------------------------------------------------------------------
+
+_FLAT: dict = {}
+
+
+def _dp_cp_meshes():
+    mesh = get_mesh((2, 2), ("dp", "cp"))
+    if "dp_cp" not in _FLAT:
+        _FLAT["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp")
+    return mesh["dp"], mesh["cp"], _FLAT["dp_cp"]
+
+
+def _clean(name: str) -> str:
+    return name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+
+
+def _fsdp_cp(rank, world, cases):
+    """FSDP 2 x CP 2: dp rank d trains row d of the two-row batch; the summed loss and the (FSDP-summed)
+    gradients against one process running every document of both rows on its own."""
+    dp_mesh, cp_mesh, fsdp_mesh = _dp_cp_meshes()
+    d = dp_mesh.get_local_rank()
+    results = {}
+    for family, chunked, ac in cases:
+        _, want_loss, want_grads = _reference(family)
+        model = apply_cp(hf_model(family, attn="titan_cp"), cp_mesh, strategy="ring", balance="doc_zigzag")
+        target = CausalLM(model) if chunked else model
+        apply_ac(target, ac)
+        apply_fsdp(target, fsdp_mesh)
+        rows = {k: v[d : d + 1] for k, v in packed_batch().items()}
+        local = shard_batch(rows, cp_mesh, balance="doc_zigzag", dp_mesh=dp_mesh)
+        if chunked:
+            loss = target(local["input_ids"], local["position_ids"], local["cp_doc_lens"], local["shift_labels"])
+            loss = loss / local["num_items_in_batch"]
+        else:
+            loss = target(**local).loss
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        grads = {_clean(n): g for n, g in _grads(target, None).items()}
+        results[(family, chunked, ac)] = {"loss": rel_err(total, want_loss), "grads": _grad_err(grads, want_grads)}
+    return results
+
+
+def test_fsdp2_x_cp2_loss_and_gradients_equal_one_process(dist_pools):
+    cases = [("qwen3", False, "none"), ("qwen3", True, "full"), ("llama", True, "op"), ("gemma", False, "full")]
+    results = dist_pools.run(4, _fsdp_cp, cases, timeout=600)
+    for r in results:
+        assert set(r) == set(cases)
+        bad = {key: errs for key, errs in r.items() if max(errs.values()) > TOL}
+        assert not bad, bad
+
+
+# ---- what titan_cp refuses ------------------------------------------------------------------------
+
+TINY = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+REFUSED = {
+    "Gemma2Config": (dict(num_key_value_heads=1, head_dim=8), ["'sliding_attention' (config.layer_types; config.sliding_window = 4096)", "config.attn_logit_softcapping = 50.0"]),
+    "GptOssConfig": (dict(num_key_value_heads=1, head_dim=8, num_local_experts=2, num_experts_per_tok=1), ["'sliding_attention' (config.layer_types", "sinks (GptOssAttention.sinks"]),
+    "MistralConfig": (dict(num_key_value_heads=1), ["'sliding_attention' (config.sliding_window = 4096)"]),
+    "Qwen3Config": (dict(num_key_value_heads=1, use_sliding_window=True, max_window_layers=1, sliding_window=16), ["'sliding_attention' (config.layer_types; config.sliding_window = 16)"]),
+    "Llama4TextConfig": (dict(num_key_value_heads=1, head_dim=8, intermediate_size_mlp=32, attention_chunk_size=16, num_local_experts=2), ["'chunked_attention' (config.layer_types; config.attention_chunk_size = 16)"]),
+    "LlamaConfig": (dict(attention_dropout=0.1), ["attention dropout (config.attention_dropout = 0.1"]),
+}  # fmt: skip
+
+
+def _meta_model(config_name: str, **fields):
+    config = getattr(transformers, config_name)(**fields)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("config_name", list(REFUSED))
+def test_attention_titan_cp_does_not_run_is_refused_naming_layer_type_and_field(config_name):
+    fields, phrases = REFUSED[config_name]
+    model = _meta_model(config_name, **TINY, **fields)
+    with pytest.raises(ValueError, match="does not run yet") as e:
+        apply_cp(model, None)
+    for phrase in phrases:
+        assert phrase in str(e.value)
+    assert model.config._attn_implementation != "titan_cp"  # refused before anything changed
+
+
+def test_model_without_attention_interface_is_refused():
+    model = _meta_model("BloomConfig", vocab_size=32, hidden_size=16, n_layer=1, n_head=2)
+    with pytest.raises(ValueError, match="BloomForCausalLM .* does not call attention through transformers' Attention"):
+        apply_cp(model, None)
+
+
+def test_attention_without_apply_cp_and_with_another_balance_are_errors():
+    model = hf_model("llama", attn="titan_cp")
+    local = shard_batch(packed_batch(), None, balance="doc_zigzag")
+    with pytest.raises(ValueError, match="no CP mesh is bound to it: call .*apply_cp"):
+        model(**local)
+    apply_cp(model, None, balance="contiguous")
+    with pytest.raises(
+        ValueError, match=r"shard_batch\(balance='doc_zigzag'\) but apply_cp bound balance='contiguous'"
+    ):
+        model(**local)
+
+
+# ---- shard_batch on one device --------------------------------------------------------------------
+
+
+def test_shard_batch_reads_flattening_collators_positions_and_cu_seq_lens_alike():
+    docs = [[5, 9, 2], [7], [3, 3, 8, 1, 4, 6]]
+    features = [{"input_ids": d} for d in docs]
+    by_positions = transformers.DataCollatorWithFlattening(return_tensors="pt")(features)
+    by_cu = transformers.DataCollatorWithFlattening(
+        return_tensors="pt", return_position_ids=False, return_flash_attn_kwargs=True
+    )(features)
+    assert "position_ids" not in by_cu and "cu_seq_lens_q" in by_cu
+    a, b = shard_batch(by_positions, None), shard_batch(by_cu, None)
+    assert a["cp_doc_lens"].tolist() == b["cp_doc_lens"].tolist() == [[3, 1, 6]]
+    for key in ("input_ids", "position_ids", "shift_labels"):
+        assert torch.equal(a[key], b[key]), key
+    assert a["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1, 2, 3, 4, 5]]
+    # next token inside each document; nothing after a document's last token (nor after a 1-token one)
+    assert a["shift_labels"].tolist() == [[9, 2, -100, -100, 3, 8, 1, 4, 6, -100]]
+    assert int(a["num_items_in_batch"]) == 7 and a["labels"] is a["shift_labels"] and a["use_cache"] is False
+    plain = shard_batch({"input_ids": by_positions["input_ids"], "shift_labels": a["shift_labels"]}, None)
+    assert plain["cp_doc_lens"].tolist() == [[10]]  # no documents given: one per row
+    assert torch.equal(plain["shift_labels"][:, :-1], a["shift_labels"][:, :-1])
+
+
+def test_shard_batch_pads_with_a_document_of_its_own():
+    batch = packed_batch(rows=([4, 3],))  # 7 tokens; zigzag needs a multiple of 2 even on one device
+    with pytest.raises(ValueError, match=r"input_ids has 7 tokens per row, .* pad_token_id=\.\.\."):
+        shard_batch(batch, None, balance="zigzag")
+    local = shard_batch(batch, None, balance="zigzag", pad_token_id=0)
+    assert local["cp_doc_lens"].tolist() == [[4, 3, 1]]
+    assert local["input_ids"][0, -1] == 0 and local["shift_labels"][0, -1] == IGNORE_INDEX
+    assert local["position_ids"][0].tolist() == [0, 1, 2, 3, 0, 1, 2, 0]
+
+
+BAD_BATCHES = {
+    "positions not restarting at 0": (
+        lambda b: b.update(position_ids=b["position_ids"] + 3),
+        r"position_ids row 0 starts at 3, not 0",
+    ),
+    "positions decreasing inside a document": (
+        lambda b: b["position_ids"][1, 9].fill_(1),
+        r"position_ids row 1 goes from 2 to 1 at token 9: inside a packed document positions count up by one",
+    ),
+    "labels already shifted": (
+        lambda b: b.update(labels=torch.cat([b["input_ids"][:, 1:], torch.full((2, 1), IGNORE_INDEX)], 1)),
+        r"labels look already shifted .* pass labels unshifted .* or pass the shifted ones as shift_labels",
+    ),
+    "labels and shift_labels": (
+        lambda b: b.update(shift_labels=b["labels"]),
+        r"both labels and shift_labels: give labels \(unshifted.* or shift_labels \(already shifted\), not both",
+    ),
+    "padding mask": (
+        lambda b: b.update(attention_mask=torch.ones(2, SEQ, dtype=torch.long).index_fill_(1, torch.tensor([0]), 0)),
+        r"attention_mask has padding \(zeros\)",
+    ),
+    "an unknown key": (lambda b: b.update(pixel_values=torch.zeros(1)), r"does not know how to shard .*'pixel_values'"),
+    "cu_seq_lens across rows": (
+        lambda b: (b.pop("position_ids"), b.update(cu_seq_lens=torch.tensor([0, 20, 48]))),
+        r"cu_seq_lens has a document across a row boundary \(no boundary at token 24\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BATCHES))
+def test_bad_batches_are_value_errors_naming_the_argument(case):
+    change, message = BAD_BATCHES[case]
+    batch = packed_batch()
+    change(batch)
+    with pytest.raises(ValueError, match=message):
+        shard_batch(batch, None)
+
+
+def _sequence_cp_does_not_divide(rank, world):
+    _, cp_mesh, _ = _dp_cp_meshes()
+    batch = {k: v[:, :23] for k, v in packed_batch().items()}  # the last document cut to 6 tokens
+    try:
+        shard_batch(batch, cp_mesh)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_sequence_cp_does_not_divide_is_a_value_error(dist_pools):
+    for message in dist_pools.run(4, _sequence_cp_does_not_divide):
+        assert message is not None and "input_ids has 23 tokens per row" in message
+        assert "cannot split over cp size 2" in message and "pad_token_id" in message
