@@ -17,6 +17,8 @@ gradients summed over ranks), ~1e-6 relative; we assert 1e-4 of each tensor's la
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,6 +31,7 @@ from titan_cp.attention.strategy import get_strategy  # noqa: E402
 from titan_cp.integrations.transformers import (  # noqa: E402
     CausalLM,
     apply_ac,
+    apply_compile,
     apply_cp,
     apply_fsdp,
     shard_batch,
@@ -105,6 +108,7 @@ def reference(model, batch: dict, rows=ROWS):
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach(), want.detach()
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
@@ -142,7 +146,7 @@ def _case(family: str, strategy: str, balance: str, cp_mesh) -> dict:
     (``model(**local).loss``) and titan_cp's chunked loss (:class:`CausalLM`)."""
     want_logits, want_loss, want_grads = _reference(family)
     model = apply_cp(hf_model(family, attn="titan_cp"), cp_mesh, strategy=strategy, balance=balance)
-    group = None if cp_mesh is None else cp_mesh.get_group()
+    group = None if cp_mesh is None else (cp_mesh if cp_mesh.ndim == 1 else cp_mesh._flatten()).get_group()
     local = shard_batch(packed_batch(), cp_mesh, balance=balance)
     out = model(**local)
     out.loss.backward()
@@ -168,12 +172,15 @@ def _case(family: str, strategy: str, balance: str, cp_mesh) -> dict:
 
 
 def _exactness(rank, world, shapes):
-    """Every family x strategy on each ``(dp, cp)`` mesh shape (dp groups repeat the same case);
+    """Every family x strategy on each ``(dp, cp)`` mesh shape (the dp groups share out the families);
     the balances take turns so that each appears on every mesh with more than one cp rank."""
     results = {}
     for dp, cp in shapes:
-        cp_mesh = get_mesh((dp, cp), ("dp", "cp"))["cp"] if cp > 1 else None
+        mesh = get_mesh((dp, cp), ("dp", "cp"))
+        cp_mesh, group = (mesh["cp"] if cp > 1 else None), mesh["dp"].get_local_rank()
         for i, family in enumerate(FAMILIES):
+            if i % dp != group:
+                continue
             heads = FAMILIES[family][1]
             for j, strategy in enumerate(STRATEGIES if cp > 1 else STRATEGIES[:1]):  # one device: no strategy
                 try:
@@ -185,17 +192,41 @@ def _exactness(rank, world, shapes):
     return results
 
 
-@pytest.mark.parametrize("world,shapes", [(4, ((4, 1), (2, 2), (1, 4))), (3, ((1, 3),))], ids=["cp1_2_4", "cp3"])
-def test_logits_loss_and_gradients_equal_each_document_run_alone(dist_pools, world, shapes):
-    results = dist_pools.run(world, _exactness, shapes, timeout=900)[0]
-    cps = {key[0] for key in results}
-    assert cps == {cp for _, cp in shapes}
+def _check_exactness(results: dict, cps: set[int]) -> None:
+    assert {key[0] for key in results} == cps
     assert {key[1] for key in results} == set(FAMILIES)
     assert all({key[3] for key in results if key[0] == cp} == set(BALANCES) for cp in cps - {1})
-    if 3 in cps:
-        assert (3, "mistral", "ulysses", BALANCES[(3 + 2) % 4]) in results  # 12 heads split over 3 ranks
     bad = {key: errs for key, errs in results.items() if max(errs.values()) > TOL}
     assert not bad, bad
+
+
+def _hybrid(rank, world):
+    """Hybrid CP 4: Ulysses over 2 ranks inside a ring of 2, on a 2-D (cp_ring, cp_ulysses) mesh."""
+    return _case("mistral", "hybrid", "doc_zigzag", get_mesh((2, 2), ("cp_ring", "cp_ulysses")))
+
+
+def test_logits_loss_and_gradients_equal_each_document_run_alone_cp1_2_4(dist_pools):
+    results = {}
+    for r in dist_pools.run(4, _exactness, ((4, 1), (2, 2), (1, 4)), timeout=900):
+        results.update(r)
+    _check_exactness(results, {1, 2, 4})
+    for errors in dist_pools.run(4, _hybrid):
+        assert max(errors.values()) <= TOL, errors
+
+
+def test_compiled_checkpointed_layers_keep_loss_and_gradients():
+    """``torch.compile`` (fullgraph: the CP op is one node) over op-level checkpointed decoder layers."""
+    _, want_loss, want_grads = reference(hf_model("qwen3"), packed_batch())
+    lm = CausalLM(apply_cp(hf_model("qwen3", attn="titan_cp"), None))
+    apply_ac(lm, "op")
+    apply_compile(lm, backend="aot_eager")
+    assert all(type(layer).__name__ == "OptimizedModule" for layer in lm.model.layers)
+    local = shard_batch(packed_batch(), None)
+    loss = lm(local["input_ids"], local["position_ids"], local["cp_doc_lens"], local["shift_labels"])
+    loss = loss / local["num_items_in_batch"]
+    loss.backward()
+    assert rel_err(loss.detach(), want_loss) <= TOL
+    assert _grad_err({_clean(n): p.grad for n, p in lm.named_parameters()}, want_grads) <= TOL
 
 
 # ---- FSDP 2 x CP 2 --------------------------------------------------------------------------------
@@ -384,3 +415,203 @@ def test_sequence_cp_does_not_divide_is_a_value_error(dist_pools):
     for message in dist_pools.run(4, _sequence_cp_does_not_divide):
         assert message is not None and "input_ids has 23 tokens per row" in message
         assert "cannot split over cp size 2" in message and "pad_token_id" in message
+
+
+# ---- the trainer on a Hugging Face folder ---------------------------------------------------------
+
+
+def _train(rank, world, argv):
+    from titan_cp.train import main  # noqa: PLC0415
+
+    return [r["loss"] for r in main(argv)]
+
+
+class _Preempted(Exception):
+    pass
+
+
+def _train_until(rank, world, argv, stop_after_save):
+    """Train, and die right after the checkpoint of step ``stop_after_save`` (a preempted job)."""
+    from titan_cp import checkpoint as ckpt_module  # noqa: PLC0415
+    from titan_cp.train import main  # noqa: PLC0415
+
+    real = ckpt_module.Checkpointer.save
+
+    def save(self, step, model_only=False):
+        path = real(self, step, model_only=model_only)
+        if step == stop_after_save:
+            raise _Preempted(step)
+        return path
+
+    ckpt_module.Checkpointer.save = save
+    try:
+        main(argv)
+    except _Preempted:
+        pass
+    finally:
+        ckpt_module.Checkpointer.save = real
+
+
+def _trainer_argv(folder, dump, cp: int, dp: int = 1, steps: int = 4, *extra) -> list[str]:
+    return [
+        "--job.config_file", "train_configs/hf/qwen3_cp.toml",
+        "--model.hf_assets_path", str(folder),
+        "--checkpoint.initial_load_path", str(folder),
+        "--job.dump_folder", str(dump),
+        "--training.seq_len", "1024",
+        "--training.global_batch_size", "2",
+        "--training.steps", str(steps),
+        "--training.mixed_precision_param", "float32",
+        "--optimizer.lr", "3e-3",
+        "--lr_scheduler.warmup_steps", "2",
+        "--lr_scheduler.decay_ratio", "0",  # constant after warmup: 2-step and 4-step runs share their first steps
+        "--checkpoint.interval", "2",
+        "--checkpoint.keep_latest_k", "0",
+        "--checkpoint.last_save_in_hf", "false",
+        "--metrics.log_freq", "100",
+        "--parallelism.context_parallel_degree", str(cp),
+        "--parallelism.data_parallel_shard_degree", str(dp),
+        *extra,
+    ]  # fmt: skip
+
+
+def _dcp_model(folder, step_dir):
+    """The HF model of ``folder`` with the weights of the trainer's DCP checkpoint ``step_dir`` (one process)."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager")
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}  # the parameters' storage: loaded in place
+    dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    return model.eval()
+
+
+def test_trainer_trains_a_hugging_face_folder_on_any_mesh_and_exports_it(dist_pools, tmp_path):
+    from titan_cp.testing.hf import tiny_qwen3_folder  # noqa: PLC0415
+
+    folder = tiny_qwen3_folder(tmp_path / "qwen3")
+    straight = dist_pools.run(
+        2,
+        _train,
+        _trainer_argv(folder, tmp_path / "straight", 2, 1, 4, "--checkpoint.last_save_in_hf", "true"),
+        timeout=600,
+    )[0]
+    one = dist_pools.run(
+        1, _train, _trainer_argv(folder, tmp_path / "one", 1, 1, 2, "--checkpoint.enable", "false"), timeout=600
+    )[0]
+    fsdp = dist_pools.run(
+        4,
+        _train,
+        _trainer_argv(
+            folder, tmp_path / "fsdp", 2, 2, 2, "--checkpoint.enable", "false", "--activation_checkpoint.mode", "none"
+        ),
+        timeout=600,
+    )[0]
+    assert straight[1] < straight[0] - 1e-3  # it trains
+    assert one == pytest.approx(straight[:2], rel=1e-5)
+    assert fsdp == pytest.approx(straight[:2], rel=1e-5)
+    run = tmp_path / "run"
+    dist_pools.run(2, _train_until, _trainer_argv(folder, run, 2, 1, 4), 2, timeout=600)
+    tail = dist_pools.run(4, _train, _trainer_argv(folder, run, 2, 2, 4), timeout=600)[
+        0
+    ]  # resumes at step 2 on FSDP 2 x CP 2
+    assert tail == pytest.approx(straight[2:], rel=1e-4)
+    exported = tmp_path / "straight" / "checkpoint" / "step-4-hf"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(exported), attn_implementation="eager").eval()
+    trained = _dcp_model(folder, tmp_path / "straight" / "checkpoint" / "step-4")
+    ids = torch.randint(0, loaded.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = loaded(input_ids=ids).logits, trained(input_ids=ids).logits
+        initial = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()(input_ids=ids).logits
+    assert rel_err(got, want) < 1e-6
+    assert rel_err(initial, want) > 1e-3  # the export is the trained model, not the one it started from
+    assert transformers.AutoTokenizer.from_pretrained(str(exported)).decode(
+        [5, 6]
+    ) == transformers.AutoTokenizer.from_pretrained(str(folder)).decode([5, 6])
+
+
+def test_logits_loss_and_gradients_equal_each_document_run_alone_cp3(dist_pools):
+    """Last in the file: the only test on 3 ranks (the pools of 1, 2 and 4 ranks stay alive before it)."""
+    results = {}
+    for r in dist_pools.run(3, _exactness, ((1, 3),), timeout=900):
+        results.update(r)
+    _check_exactness(results, {3})
+    assert (3, "mistral", "ulysses", BALANCES[(3 + 2) % 4]) in results  # 12 heads split over 3 ranks
+
+
+# ---- the trainer's config -------------------------------------------------------------------------
+
+
+def _hf_job(folder, *extra):
+    from titan_cp.config import load_config  # noqa: PLC0415
+
+    argv = ["--job.config_file", "train_configs/hf/qwen3_cp.toml", "--model.hf_assets_path", str(folder)]
+    return load_config([*argv, "--checkpoint.initial_load_path", str(folder), *extra], warn_adjustments=False)
+
+
+def test_trainer_config_errors_name_the_key(tmp_path):
+    from titan_cp.testing.hf import byte_tokenizer, tiny_qwen3_folder  # noqa: PLC0415
+
+    no_config = tmp_path / "tokenizer_only"
+    byte_tokenizer(no_config)
+    with pytest.raises(ValueError, match=r"model.hf_assets_path = .*tokenizer_only' holds no config.json"):
+        _hf_job(no_config).check_files()
+    folder = tiny_qwen3_folder(tmp_path / "qwen3")
+    _hf_job(folder).check_files()  # the TOML as it is loads and passes every check
+    for extra, message in [
+        (["--parallelism.tensor_parallel_degree", "2"], r"parallelism.tensor_parallel_degree = 2: model.name = 'hf'"),
+        (["--parallelism.pipeline_parallel_degree", "2"], r"parallelism.pipeline_parallel_degree = 2: model.name"),
+        (["--model.flavor", "tiny"], r"model.flavor = 'tiny' shapes titan_cp's Llama; .* remove model.flavor"),
+        (
+            ["--checkpoint.initial_load_in_hf", "false"],
+            r"set checkpoint.initial_load_path .* and checkpoint.initial_load_in_hf = true",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            _hf_job(folder, *extra)
+    with pytest.raises(ValueError, match=r"context_parallel_degree: the model's heads \(config.json: 4 query, 2 KV\)"):
+        _hf_job(
+            folder, "--parallelism.context_parallel_strategy", "ulysses", "--parallelism.context_parallel_degree", "8"
+        ).check_files()
+    config = json.loads((folder / "config.json").read_text())
+    config.update(sliding_window=64, use_sliding_window=True, layer_types=["full_attention", "sliding_attention"])
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"model.hf_assets_path = .*layers of type 'sliding_attention' \(config.layer_types"
+    ):
+        _hf_job(folder).check_files()
+
+
+# ---- the README's loop ----------------------------------------------------------------------------
+
+
+def _readme_loop() -> str:
+    from pathlib import Path  # noqa: PLC0415
+
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    block = text.split("<!-- hf-loop -->\n```python\n", 1)[1].split("```", 1)[0]
+    return block
+
+
+def _run_readme_loop(rank, world, code, folder):
+    import contextlib  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    os.environ.update(MODEL=str(folder), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {"__name__": "__main__"})
+    return out.getvalue().splitlines()
+
+
+def test_the_readme_loop_runs_fsdp2_x_cp2(dist_pools, tmp_path):
+    from titan_cp.testing.hf import tiny_qwen3_folder  # noqa: PLC0415
+
+    code = _readme_loop()
+    assert 25 <= len(code.strip().splitlines()) <= 40
+    folder = tiny_qwen3_folder(tmp_path / "qwen3")
+    lines = dist_pools.run(4, _run_readme_loop, code, folder, timeout=600)
+    assert all(r == lines[0] for r in lines)  # every rank prints the same global loss
+    losses = [float(line.split()[-1]) for line in lines[0]]
+    assert [line.split()[1] for line in lines[0]] == ["0", "1", "2"]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[2] < losses[0]

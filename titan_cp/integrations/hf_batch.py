@@ -210,6 +210,7 @@ def shard_batch(
     dp_mesh=None,
     num_items_in_batch: int | None = None,
     pad_token_id: int | None = None,
+    device=None,
 ) -> dict:
     """This cp rank's shard of an HF-style batch of packed rows, for ``model(**local)`` (module docstring).
 
@@ -226,14 +227,16 @@ def shard_batch(
             (gradient accumulation); ``None``: counted here, summed over ``dp_mesh``.
         pad_token_id: when ``S`` does not split evenly over the cp ranks, append a padding document
             of this token (no loss on it); ``None``: such a length is a ``ValueError``.
+        device: where the local tensors go (default: ``input_ids``' device); ``cp_doc_lens`` stays
+            on the host, where the attention reads it without synchronising the device.
 
     Returns ``input_ids``, ``position_ids`` (in-document positions), ``labels`` = ``shift_labels``
     (shifted, local), ``num_items_in_batch`` (0-dim int64), ``cp_doc_lens`` (the ``(B, max_docs)``
     host tensor every layer's attention reads), ``cp_balance`` and ``use_cache=False``; per-token
-    tensors ``(B, S_padded / cp)`` on ``input_ids``' device. Without labels, no loss keys.
+    tensors ``(B, S_padded / cp)`` on ``device``. Without labels, no loss keys.
     """
     _check_keys(batch)
-    device = torch.as_tensor(batch["input_ids"]).device
+    device = torch.as_tensor(batch["input_ids"]).device if device is None else torch.device(device)
     ids = _host(batch, "input_ids")
     if ids.dim() != 2 or ids.dtype.is_floating_point:
         raise ValueError(f"input_ids must be (batch, seq_len) integers, got {ids.dtype} of shape {tuple(ids.shape)}")
