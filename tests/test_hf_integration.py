@@ -423,7 +423,11 @@ def test_sequence_cp_does_not_divide_is_a_value_error(dist_pools):
 def _train(rank, world, argv):
     from titan_cp.train import main  # noqa: PLC0415
 
-    return [r["loss"] for r in main(argv)]
+    return main(argv)
+
+
+def _losses(records) -> list[float]:
+    return [r["loss"] for r in records]
 
 
 class _Preempted(Exception):
@@ -485,35 +489,61 @@ def _dcp_model(folder, step_dir):
     return model.eval()
 
 
+def _built_like_the_trainer(rank, world, folder):
+    """The trainer's HF model (meta, AC, FSDP over the world, shards allocated, buffers restored,
+    weights loaded): its logits and loss against ``from_pretrained``'s, each document on its own."""
+    from titan_cp.integrations import hf_trainer  # noqa: PLC0415
+    from titan_cp.mesh import ParallelDims  # noqa: PLC0415
+    from titan_cp.parallelize import ParallelizeOptions  # noqa: PLC0415
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, world_size=world)
+    dims.build_mesh("cpu")
+    model, _ = hf_trainer.build_parallel_model(folder, dims, ParallelizeOptions(ac_mode="full"), "cpu")
+    hf_trainer.load_weights(model, folder)
+    reference_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), attn_implementation="eager", dtype=torch.float32
+    )
+    want_logits, want_loss, _ = reference(reference_model, packed_batch())
+    local = shard_batch(packed_batch(), None)
+    with torch.no_grad():
+        logits = model(local["input_ids"], local["position_ids"], local["cp_doc_lens"])
+        loss = model(local["input_ids"], local["position_ids"], local["cp_doc_lens"], local["shift_labels"])
+    return rel_err(logits, want_logits), rel_err(loss / local["num_items_in_batch"], want_loss)
+
+
+def test_the_trainers_model_is_the_folders_model(dist_pools, tmp_path):
+    """Built on meta with FSDP (world 2) and without (world 1, where allocating unties the tied
+    embedding and titan_cp ties it again), from an fp32 and a bf16 folder."""
+    from titan_cp.testing.hf import tiny_qwen3_folder  # noqa: PLC0415
+
+    for dtype in (torch.float32, torch.bfloat16):
+        folder = tiny_qwen3_folder(tmp_path / str(dtype), dtype=dtype)
+        for world in (1, 2):
+            for errors in dist_pools.run(world, _built_like_the_trainer, folder):
+                assert max(errors) <= TOL, (dtype, world, errors)
+
+
 def test_trainer_trains_a_hugging_face_folder_on_any_mesh_and_exports_it(dist_pools, tmp_path):
     from titan_cp.testing.hf import tiny_qwen3_folder  # noqa: PLC0415
 
     folder = tiny_qwen3_folder(tmp_path / "qwen3")
-    straight = dist_pools.run(
-        2,
-        _train,
-        _trainer_argv(folder, tmp_path / "straight", 2, 1, 4, "--checkpoint.last_save_in_hf", "true"),
-        timeout=600,
-    )[0]
-    one = dist_pools.run(
-        1, _train, _trainer_argv(folder, tmp_path / "one", 1, 1, 2, "--checkpoint.enable", "false"), timeout=600
-    )[0]
-    fsdp = dist_pools.run(
-        4,
-        _train,
-        _trainer_argv(
-            folder, tmp_path / "fsdp", 2, 2, 2, "--checkpoint.enable", "false", "--activation_checkpoint.mode", "none"
-        ),
-        timeout=600,
-    )[0]
+
+    def run(world, dump, cp, dp, steps, *extra):
+        return dist_pools.run(world, _train, _trainer_argv(folder, dump, cp, dp, steps, *extra), timeout=600)[0]
+
+    straight = _losses(run(2, tmp_path / "straight", 2, 1, 4, "--checkpoint.last_save_in_hf", "true"))
+    validated = ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "1"]
+    one = run(1, tmp_path / "one", 1, 1, 2, "--checkpoint.enable", "false", *validated)
+    fsdp = _losses(
+        run(4, tmp_path / "fsdp", 2, 2, 2, "--checkpoint.enable", "false", "--activation_checkpoint.mode", "none")
+    )
     assert straight[1] < straight[0] - 1e-3  # it trains
-    assert one == pytest.approx(straight[:2], rel=1e-5)
+    assert _losses(one) == pytest.approx(straight[:2], rel=1e-5)
     assert fsdp == pytest.approx(straight[:2], rel=1e-5)
-    run = tmp_path / "run"
-    dist_pools.run(2, _train_until, _trainer_argv(folder, run, 2, 1, 4), 2, timeout=600)
-    tail = dist_pools.run(4, _train, _trainer_argv(folder, run, 2, 2, 4), timeout=600)[
-        0
-    ]  # resumes at step 2 on FSDP 2 x CP 2
+    assert 0 < one[1]["val_loss"] < 2 * one[0]["loss"]  # validation (chunked, argmax predictions) ran
+    resumed = tmp_path / "run"
+    dist_pools.run(2, _train_until, _trainer_argv(folder, resumed, 2, 1, 4), 2, timeout=600)
+    tail = _losses(run(4, resumed, 2, 2, 4))  # resumes at step 2 on FSDP 2 x CP 2
     assert tail == pytest.approx(straight[2:], rel=1e-4)
     exported = tmp_path / "straight" / "checkpoint" / "step-4-hf"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(exported), attn_implementation="eager").eval()
@@ -524,9 +554,12 @@ def test_trainer_trains_a_hugging_face_folder_on_any_mesh_and_exports_it(dist_po
         initial = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()(input_ids=ids).logits
     assert rel_err(got, want) < 1e-6
     assert rel_err(initial, want) > 1e-3  # the export is the trained model, not the one it started from
-    assert transformers.AutoTokenizer.from_pretrained(str(exported)).decode(
-        [5, 6]
-    ) == transformers.AutoTokenizer.from_pretrained(str(folder)).decode([5, 6])
+    text = "keys and values go round the ring"
+    exported_tokenizer = transformers.AutoTokenizer.from_pretrained(str(exported))  # the tokenizer files came along
+    assert (
+        exported_tokenizer(text)["input_ids"]
+        == transformers.AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"]
+    )
 
 
 def test_logits_loss_and_gradients_equal_each_document_run_alone_cp3(dist_pools):
@@ -549,8 +582,11 @@ def _hf_job(folder, *extra):
 
 
 def test_trainer_config_errors_name_the_key(tmp_path):
+    from titan_cp.config import load_config  # noqa: PLC0415
     from titan_cp.testing.hf import byte_tokenizer, tiny_qwen3_folder  # noqa: PLC0415
 
+    with pytest.raises(ValueError, match=r"model.name = 'hf' needs model.hf_assets_path"):
+        load_config(["--model.name", "hf"], warn_adjustments=False)
     no_config = tmp_path / "tokenizer_only"
     byte_tokenizer(no_config)
     with pytest.raises(ValueError, match=r"model.hf_assets_path = .*tokenizer_only' holds no config.json"):

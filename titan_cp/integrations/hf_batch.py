@@ -176,10 +176,14 @@ def _shifted_labels(batch, ids: Tensor, rows: list[list[int]]) -> Tensor | None:
     return shifted
 
 
-def _global_count(n: int, dp_mesh, device: torch.device) -> int:
+def _global_count(n: int, dp_mesh) -> int:
+    """``n`` summed over the ranks of ``dp_mesh`` (a ``DeviceMesh`` of any shape, or a process group)."""
     if dp_mesh is None:
         return n
-    group = dp_mesh.get_group() if hasattr(dp_mesh, "get_group") else dp_mesh
+    if hasattr(dp_mesh, "get_group"):
+        group = (dp_mesh if dp_mesh.ndim == 1 else dp_mesh._flatten()).get_group()
+    else:
+        group = dp_mesh
     on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     t = torch.tensor(n, dtype=torch.int64, device=on)
     dist.all_reduce(t, group=group)
@@ -263,8 +267,10 @@ def shard_batch(
 
     out = {"input_ids": local(ids), "position_ids": local(_doc_positions(rows))}
     if shifted is not None:
-        n = _global_count(int((shifted != IGNORE_INDEX).sum()), dp_mesh, device)
-        n = n if num_items_in_batch is None else int(num_items_in_batch)
+        if num_items_in_batch is None:
+            n = _global_count(int((shifted != IGNORE_INDEX).sum()), dp_mesh)
+        else:
+            n = int(num_items_in_batch)
         if n <= 0:
             raise ValueError("the step has no loss-bearing token (every label is -100, over all dp ranks)")
         out["labels"] = out["shift_labels"] = local(shifted)

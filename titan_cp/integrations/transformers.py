@@ -20,6 +20,11 @@ How it plugs in, without patching any model class:
 - :func:`apply_cp` binds the mesh, strategy, balance and kernel to each attention module (one
   handle per model); :func:`shard_batch` shards a batch by the same layout.
 
+With the mask function registered, ``transformers`` still looks once per forward (not per layer)
+at the local ``position_ids`` for packed rows (``find_packed_sequence_indices``, one small host
+read); registering it is what turns a padding ``attention_mask`` into an error instead of a mask
+that would be silently dropped.
+
 RoPE needs nothing: each token's position arrives in ``position_ids`` (sharded with the tokens),
 and ``transformers`` rotates q and k before calling the attention.
 
@@ -101,7 +106,7 @@ def _check_call(module: nn.Module, binding: CPBinding | None, query, key, attent
         raise ValueError(f"{where}: titan_cp attention runs without a KV cache; pass use_cache=False")
     for name, what in (("sliding_window", "a sliding window"), ("softcap", "logit soft-capping"), ("s_aux", "sinks")):
         if kwargs.get(name) is not None:
-            raise ValueError(f"{where} asks for {what} ({name}={kwargs[name]!r}), which titan_cp does not run yet")
+            raise ValueError(f"{where} asks for {what} (the {name} argument), which titan_cp does not run yet")
     if dropout and module.training:
         raise ValueError(f"{where}: attention dropout {dropout} is not supported; set config.attention_dropout = 0.0")
     balance = kwargs.get("cp_balance")
@@ -178,16 +183,18 @@ def apply_cp(model: nn.Module, cp_mesh, strategy: str = "ring", balance: str = "
     kv_heads = getattr(c, "num_key_value_heads", None) or q_heads
     if cp_mesh is not None:
         strat.check_mesh(cp_mesh, cp_mesh.size(), q_heads, kv_heads)
+    modules = attention_modules(hf)
+    for module in modules:
+        if not module.is_causal:
+            raise ValueError(
+                f"{type(module).__name__} is not causal (is_causal = False): titan_cp runs causal decoders"
+            )
     hf.set_attn_implementation(ATTN_IMPLEMENTATION)
     if hf.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(f"{type(hf).__name__} does not let transformers set its attention implementation")
     binding = CPBinding(
         register_spec(cp_mesh, strategy, balance, kernel), strategy, balance, 1 if cp_mesh is None else cp_mesh.size()
     )
-    for module in attention_modules(hf):
-        if not module.is_causal:
-            raise ValueError(
-                f"{type(module).__name__} is not causal (is_causal = False): titan_cp runs causal decoders"
-            )
+    for module in modules:
         setattr(module, BINDING, binding)
     return model

@@ -28,8 +28,8 @@ def byte_tokenizer(path: str | Path, vocab_size: int = 300):
 
 
 def tiny_qwen3_folder(path: str | Path, seed: int = 0, tied: bool = True, dtype=torch.float32) -> Path:
-    """A random tiny ``Qwen3ForCausalLM`` (q/k norms; tied embeddings by default) with a byte-level
-    tokenizer, written with ``save_pretrained`` to ``path``."""
+    """A random tiny ``Qwen3ForCausalLM`` (q/k norms; tied embeddings by default; weights ~ N(0, 0.2),
+    norms ~ 1 + N(0, 0.2)) with a byte-level tokenizer, written with ``save_pretrained`` to ``path``."""
     import transformers  # noqa: PLC0415
 
     path = Path(path)
@@ -46,6 +46,9 @@ def tiny_qwen3_folder(path: str | Path, seed: int = 0, tied: bool = True, dtype=
         tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(config).to(dtype)
-    model.save_pretrained(str(path))
+    model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():  # weights large enough that attention is far from uniform: positions and masks show
+        for name, p in model.named_parameters():
+            p.copy_(0.2 * torch.randn_like(p) + (1.0 if "norm" in name else 0.0))
+    model.to(dtype).save_pretrained(str(path))
     return path
