@@ -39,7 +39,8 @@ import torch
 from titan_cp import SequenceLayout, cp_attention
 from titan_cp.attention import STRATEGIES, cp_rank, min_bytes_per_rank
 from titan_cp.attention.comm import count_comm
-from titan_cp.testing import DistPool, cp_mesh, lognormal_doc_lens
+from titan_cp.data.row_mixes import lognormal_doc_lens
+from titan_cp.testing import DistPool, cp_mesh
 from titan_cp.tools.host import host_layer
 
 

@@ -5,7 +5,7 @@ of each CP rank (``max_over_mean``), the synchronous ring's critical path
 (``ring_critical_over_ideal``), their whole-batch versions and the most kernel calls of one
 rank (``max_tiles``). What is counted and how, and the balances compared (titan_cp's layouts,
 torch's load balancers, the ``greedy_doc`` prototype): :mod:`titan_cp.tools.balance`. Mixes:
-:mod:`titan_cp.testing.docs`.
+:mod:`titan_cp.data.row_mixes`.
 
     python scripts/bench_balance.py                               # 131072 tokens, cp 2 4 8 16, 3 rows/mix
     python scripts/bench_balance.py --seq-len 32768 --cps 2 4 --rows 1 --plot balance.png

@@ -28,8 +28,8 @@ def plot(rows: list[dict], out: Path, title: str | None = None) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_recall) = plt.subplots(1, 2, figsize=(11, 4))
-    steps = [r["step"] for r in rows]
-    ax_loss.plot(steps, [r["loss"] for r in rows], label="train loss", lw=1)
+    trained = [r for r in rows if "loss" in r]  # a skipped step (no loss-bearing token) has no loss
+    ax_loss.plot([r["step"] for r in trained], [r["loss"] for r in trained], label="train loss", lw=1)
     val = [r for r in rows if "val_loss" in r]
     if val:
         ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")

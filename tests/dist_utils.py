@@ -62,20 +62,35 @@ def run_case(case: dict, world: int, dtype=torch.float32):
         case.get("seed", 0), case["batch"], case["heads"], case["kv_heads"], case["seq"], case.get("dim", 8), dtype
     )
 
+    masks = {key: case.get(key) for key in ("window", "chunk")}
+    sinks = None
+    if case.get("sinks"):
+        sinks = torch.randn(case["heads"], generator=torch.Generator().manual_seed(case.get("seed", 0) + 7))
     qf, kf, vf = (x.float().requires_grad_() for x in (q, k, v))
-    ref = reference_attention(qf, kf, vf, case.get("doc_lens"), case["causal"])
-    ref_grads = torch.autograd.grad(ref, (qf, kf, vf), dout.float())
+    ref_sinks = None if sinks is None else sinks.clone().requires_grad_()
+    ref = reference_attention(qf, kf, vf, case.get("doc_lens"), case["causal"], sinks=ref_sinks, **masks)
+    inputs = (qf, kf, vf) if sinks is None else (qf, kf, vf, ref_sinks)
+    ref_grads = torch.autograd.grad(ref, inputs, dout.float())
 
     ql, kl, vl = (layout.shard(x, 2, rank).detach().requires_grad_() for x in (q, k, v))
-    out = cp_attention(ql, kl, vl, mesh, layout, strategy=strategy, causal=case["causal"], kernel=case.get("kernel"))
-    grads = torch.autograd.grad(out, (ql, kl, vl), layout.shard(dout, 2, rank))
-    expected = [layout.shard(t, 2, rank) for t in (ref,) + tuple(ref_grads)]
-    got = [t.float() for t in (out,) + tuple(grads)]
+    cp_sinks = None if sinks is None else sinks.clone().to(dtype).requires_grad_()
+    out = cp_attention(
+        ql, kl, vl, mesh, layout, strategy, case["causal"], kernel=case.get("kernel"), sinks=cp_sinks, **masks
+    )
+    local = (ql, kl, vl) if sinks is None else (ql, kl, vl, cp_sinks)
+    grads = torch.autograd.grad(out, local, layout.shard(dout, 2, rank))
+    expected = [layout.shard(t, 2, rank) for t in (ref,) + tuple(ref_grads[:3])]
+    got = [t.float() for t in (out,) + tuple(grads[:3])]
+    if sinks is not None:  # each rank's share of the sinks' gradient, summed over the cp ranks
+        total = grads[3].float().clone()
+        dist.all_reduce(total)
+        expected.append(ref_grads[3].float())
+        got.append(total)
     return expected, got
 
 
 def max_errors(expected, got) -> dict[str, float]:
-    return {name: (e - g).abs().max().item() for name, e, g in zip(("out", "dq", "dk", "dv"), expected, got)}
+    return {name: (e - g).abs().max().item() for name, e, g in zip(("out", "dq", "dk", "dv", "dsinks"), expected, got)}
 
 
 def barrier() -> None:

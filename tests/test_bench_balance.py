@@ -95,7 +95,7 @@ def test_document_helpers_import_without_numpy():
     code = (
         "import sys; sys.modules['numpy'] = None\n"
         "import titan_cp.config, titan_cp.train, titan_cp.testing\n"
-        "from titan_cp.testing.docs import ROW_MIXES, lognormal_doc_lens, proportional_doc_lens\n"
+        "from titan_cp.data.row_mixes import ROW_MIXES, lognormal_doc_lens, proportional_doc_lens\n"
         "assert sum(lognormal_doc_lens(4096, 512)) == 4096 and sum(proportional_doc_lens(100, 3)) == 100\n"
         "print(sorted(ROW_MIXES))"
     )

@@ -59,8 +59,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _reference(n_layers: int):
-    model = build_model("tiny", n_layers=n_layers)
+def _reference(n_layers: int, flavor: str = "tiny"):
+    model = build_model(flavor, n_layers=n_layers)
     materialize(model, "cpu", SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     loss_fn = GlobalTokenLoss()
@@ -93,7 +93,7 @@ def build_combo(world: int, combo: dict):
     )
     loss_fn = GlobalTokenLoss()
     built = build_parallel_model(
-        model_args("tiny", n_layers=combo.get("n_layers", 2)),
+        model_args(combo.get("flavor", "tiny"), n_layers=combo.get("n_layers", 2)),
         pd,
         options,
         "cpu",
@@ -115,7 +115,7 @@ def local_microbatch(pd: ParallelDims, options: ParallelizeOptions, full: Microb
 
 
 def _compare(rank, world, combo: dict):
-    ref_losses, ref_grads, ref_params = _reference(combo.get("n_layers", 2))
+    ref_losses, ref_grads, ref_params = _reference(combo.get("n_layers", 2), combo.get("flavor", "tiny"))
     pd, options, built, loss_fn = build_combo(world, combo)
     parts, schedule, first, last = built.parts, built.schedule, built.has_first, built.has_last
     opt = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=LR)
@@ -154,6 +154,9 @@ COMBOS = {
     "hybrid_cp4": (4, dict(cp=4, ulysses=2, strategy="hybrid")),
     "hsdp2_cp2_ring_ac": (4, dict(dp_replicate=2, cp=2, strategy="ring", ac="full")),
     "fsdp2_tp2_cp2_ulysses": (8, dict(dp_shard=2, tp=2, cp=2, strategy="ulysses")),
+    # sliding-window layers and attention sinks (sharded over tp like the heads), doc_local
+    "cp2_doc_local_window_sinks": (2, dict(cp=2, strategy="ring", balance="doc_local", flavor="tiny_swa")),
+    "fsdp2_tp2_cp2_window_sinks": (8, dict(dp_shard=2, tp=2, cp=2, strategy="allgather", flavor="tiny_swa")),
 }
 
 

@@ -216,7 +216,10 @@ def test_cli_forms():
         (["--parallelism.context_parallel_strategy", "rng"], "did you mean 'ring'"),
         (["--training.steps"], "--training.steps needs a value"),
         (["--training.steps", "ten"], "training.steps must be an integer"),
-        (["--checkpoint.enable", "maybe"], "expected --section.key"),
+        (
+            ["--checkpoint.enable", "maybe"],
+            "--checkpoint.enable must be true or false (or given alone, meaning true), got 'maybe'",
+        ),
         (["training.steps", "3"], "expected --section.key"),
     ],
 )

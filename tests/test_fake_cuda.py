@@ -17,6 +17,7 @@ import torch
 
 from titan_cp.attention.kernels.cuda_flash import CUDAFlashKernel
 from titan_cp.attention.strategy import get_strategy
+from titan_cp.layout import get_layout
 from titan_cp.tools.fake_cuda import HostSyncError, simulate
 
 SEQ, CP, HEADS, KV_HEADS, DIM = 131072, 8, 32, 8, 128
@@ -38,11 +39,11 @@ def lognormal_docs(seq: int, mean: int, seed: int = 0) -> list[int]:
 DOCS = [lognormal_docs(SEQ, 1024)]
 
 
-def _min_bytes(strategy: str, ulysses: int) -> int:
+def _min_bytes(strategy: str, ulysses: int, layout, rank: int) -> int:
     meta = dict(dtype=torch.bfloat16, device="meta")
     q = torch.empty(1, HEADS, SEQ // CP, DIM, **meta)
     k = torch.empty(1, KV_HEADS, SEQ // CP, DIM, **meta)
-    return get_strategy(strategy).min_bytes(q, k, CP, ulysses)
+    return get_strategy(strategy).min_bytes(q, k, CP, ulysses, layout=layout, rank=rank)
 
 
 @pytest.mark.parametrize("docs", [None, DOCS], ids=["causal", "documents"])
@@ -55,7 +56,7 @@ def test_cuda_flash_calls_at_full_size(strategy, ulysses, docs):
         assert t.violations == [], t.violations
         assert t.calls and all(c.varlen for c in t.calls)
         assert 0 < t.calls_per_step("forward") <= 2 and 0 < t.calls_per_step("backward") <= 2
-        assert t.bytes_sent == _min_bytes(strategy, ulysses)
+        assert t.bytes_sent == _min_bytes(strategy, ulysses, get_layout(SEQ, CP, balance, docs), t.rank)
 
 
 class _Int64Lengths(CUDAFlashKernel):

@@ -1,9 +1,11 @@
-"""Recall accuracy by distance bucket, the per-step record, and the LR schedule."""
+"""Recall accuracy by distance bucket, the per-step record, the metrics file on resume, and the LR schedule."""
+
+import json
 
 import pytest
 import torch
 
-from titan_cp.metrics import StepMetrics, recall_counts, recall_metrics, visible_pairs
+from titan_cp.metrics import StepMetrics, keep_steps_up_to, recall_counts, recall_metrics, visible_pairs
 from titan_cp.optim import lr_lambda
 
 
@@ -53,3 +55,15 @@ def test_step_record_tokens_per_second_mfu_and_eta(monkeypatch):
         "mfu", "mfu_is_estimate", "memory_bytes", "eta_seconds",
     ]  # fmt: skip
     assert (r["step"], r["loss"], r["grad_norm"], r["lr"], r["global_valid_tokens"]) == (5, 2.5, 0.7, 1e-3, 30)
+
+
+def test_metrics_file_keeps_the_steps_up_to_the_resumed_one(tmp_path):
+    """A run that crashed after step 6 (its last line torn) resumes at step 4: the file keeps steps
+    1-4, so the resumed run's 5, 6, ... appear once."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 7)) + '{"step": 7, "lo')
+    assert keep_steps_up_to(path, 4) == 3
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+    assert keep_steps_up_to(path, 4) == 0 and not (tmp_path / "metrics.jsonl.tmp").exists()
+    assert keep_steps_up_to(path, 0) == 4 and path.read_text() == ""  # a fresh start in the same folder
+    assert keep_steps_up_to(tmp_path / "none.jsonl", 3) == 0 and not (tmp_path / "none.jsonl").exists()

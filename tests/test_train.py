@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 
 from titan_cp import checkpoint as ckpt_module
+from titan_cp import metrics as metrics_module
 from titan_cp.checkpoint import saved_steps
+from titan_cp.config import load_config
+from titan_cp.data import build_dataloader, build_tokenizer
 from titan_cp.testing.trainer import tiny_run_args
 from titan_cp.train import main
 
@@ -240,3 +243,62 @@ def test_chat_mixture_with_best_fit_packing_under_cp_equals_a_single_process(dis
     assert last["tokens_drawn/trajectories"] + last["tokens_drawn/recall"] + padding == 3 * 2 * 2048
     logged = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1]["tokens_drawn/recall"] == last["tokens_drawn/recall"]
+
+
+def _train_until_logged(rank, world, argv, crash_after):
+    """Train, and die right after step ``crash_after`` is logged (before its checkpoint, if any)."""
+    real = metrics_module.MetricsLogger.log
+
+    def log(self, record, console=True):
+        real(self, record, console)
+        if record["step"] == crash_after:
+            raise Preempted(crash_after)
+
+    metrics_module.MetricsLogger.log = log
+    try:
+        main(argv)
+    except Preempted:
+        pass
+    finally:
+        metrics_module.MetricsLogger.log = real
+
+
+def test_steps_without_loss_bearing_tokens_are_skipped_and_a_resume_lists_each_step_once(dist_pools, tmp_path):
+    """Chat records without a loss-bearing turn (no assistant turn, a user turn longer than a row)
+    mixed with records that have one, on CP 2: steps whose rows hold no target are skipped and
+    counted, the others train with the loader's exact global count; a run that crashed after
+    step 8 resumes from step 4, and metrics.jsonl then lists steps 1 to 12 once each."""
+    data = tmp_path / "data"
+    data.mkdir()
+    prompt = [{"role": "user", "content": "question: " + "words " * 100}]  # 600+ tokens: over two rows of 256
+    (data / "prompts.jsonl").write_text("".join(json.dumps({"messages": prompt}) + "\n" for _ in range(8)))
+    answer = [{"role": "user", "content": "q?"}, {"role": "assistant", "content": "an answer"}]
+    (data / "answers.jsonl").write_text("".join(json.dumps({"messages": answer}) + "\n" for _ in range(8)))
+    run = tmp_path / "run"
+    argv = tiny_run_args(steps=12) + [
+        "--parallelism.context_parallel_degree", "2",
+        "--training.dataset", "mixture",
+        "--training.mixture", f"prompts:chat:{data / 'prompts.jsonl'}:1,answers:chat:{data / 'answers.jsonl'}:1",
+        "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0",
+        "--job.dump_folder", str(run),
+    ]  # fmt: skip
+    cfg = load_config(argv)
+    loader = build_dataloader(cfg, build_tokenizer(cfg), 0, 1)  # cp 2 on 2 ranks: one dp rank
+    expected = [next(loader).global_valid_tokens for _ in range(12)]
+    skipped = [n == 0 for n in expected]
+    # skipped steps up to the checkpoint (the count must survive the resume), after it, after the crash
+    assert any(skipped[:4]) and not all(skipped[4:8]) and any(skipped[4:8]) and any(skipped[8:])
+    dist_pools.run(2, _train_until_logged, argv, 8, timeout=600)
+    head = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in head] == list(range(1, 9)) and saved_steps(run / "checkpoint") == [4]
+    tail = dist_pools.run(2, _records, argv, timeout=600)[0]
+    assert [r["step"] for r in tail] == list(range(5, 13))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))  # the crashed run's steps 5-8 once, as rerun
+    assert rows[4:] == [json.loads(json.dumps(r)) for r in tail]
+    assert [r["global_valid_tokens"] for r in rows] == expected
+    assert [r.get("skipped", False) for r in rows] == skipped
+    assert [r["skipped_steps"] for r in rows] == [sum(skipped[: i + 1]) for i in range(12)]  # kept over the resume
+    assert all(("loss" in r) != r.get("skipped", False) for r in rows)
+    assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in rows if "loss" in r)
+    assert rows[7]["loss"] == pytest.approx(head[7]["loss"], rel=1e-6)  # step 8 again, from the checkpoint

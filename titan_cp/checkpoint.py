@@ -22,6 +22,14 @@ or :meth:`Checkpointer.close` is called.
 A model-only save (``checkpoint.last_save_model_only``) holds the ``model`` alone; resuming
 with ``checkpoint.load_step = -1`` takes the newest save that holds the whole state, and a
 model-only step named by ``load_step`` loads the model alone.
+
+A checkpoint to resume that cannot be read (its ``.metadata`` missing or damaged, a file it
+lists missing or shorter than the metadata says, or DCP failing to read it) is a
+:class:`~titan_cp.errors.UserError` naming it, and how to resume from an older step
+(``checkpoint.load_step``): a resume never silently starts from scratch.
+:func:`check_resume` finds all of that but a damaged payload from the metadata alone, before
+any process group starts. Leftover ``step-N.tmp`` folders (saves that never finished) are
+removed when the next run starts, and after every save.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -43,17 +52,101 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titan_cp.errors import UserError
 from titan_cp.model import hf
 
 logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_INITIAL_FIX = "point it at a checkpoint that is whole"
 
 
 def saved_steps(folder: Path) -> list[int]:
     """Steps with a complete checkpoint in ``folder``, ascending."""
     if not folder.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in folder.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name)))
+    try:
+        entries = list(folder.iterdir())
+    except OSError as e:
+        raise UserError(f"checkpoint folder {folder} cannot be read: {e.strerror}") from None
+    return sorted(int(m.group(1)) for p in entries if p.is_dir() and (m := _STEP_DIR.match(p.name)))
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
+def _resume_fix(path: Path) -> str:
+    """How to resume without the damaged checkpoint ``path`` of a ``step-N`` folder."""
+    older = [s for s in saved_steps(path.parent) if s < _step_of(path)]
+    if older:
+        return f"resume from an older step with --checkpoint.load_step {older[-1]} (saved steps: {older})"
+    return "no older step is saved: move it away (or set --checkpoint.enable false) to start from scratch"
+
+
+def _cause(e: BaseException) -> str:
+    """``Type: first sentence`` of an exception; of a DCP ``CheckpointException``, its first rank's."""
+    ranks = ""
+    if isinstance(e, CheckpointException) and e.failures:
+        ranks = f" on ranks {sorted(e.failures)}"
+        e = next(iter(e.failures.values()))[0]
+    first = (str(e).strip().splitlines() or [""])[0].split(". ")[0]  # the first sentence: libraries go on
+    first = first if len(first) <= 120 else first[:117] + "..."
+    return f"{type(e).__name__}{': ' + first if first else ''}{ranks}"
+
+
+def read_metadata(path: Path, what: str, fix: str):
+    """The DCP ``Metadata`` of the checkpoint folder ``path``; a ``UserError`` naming ``what``
+    (e.g. ``checkpoint step-4``) and ``fix`` when it is missing or cannot be read."""
+    if not (path / ".metadata").is_file():
+        raise UserError(f"{what} is not a complete DCP checkpoint (no {path / '.metadata'}); {fix}")
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - whatever a damaged pickle raises, the file is what is wrong
+        raise UserError(f"{what}: {path / '.metadata'} cannot be read ({_cause(e)}); {fix}") from e
+
+
+def verify_files(path: Path, metadata, what: str, fix: str) -> None:
+    """Every file the DCP ``metadata`` of ``path`` lists exists and is as long as it says."""
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        file = path / name
+        if not file.is_file():
+            raise UserError(f"{what}: {file} is missing (the checkpoint lists it); {fix}")
+        have = file.stat().st_size
+        if have < size:
+            raise UserError(f"{what}: {file} is truncated ({have} bytes, the checkpoint lists {size}); {fix}")
+
+
+def resume_path(folder: Path, step: int = -1) -> Path | None:
+    """The checkpoint a resume from ``folder`` loads: ``step-<step>``, or for ``-1`` the newest one
+    holding the whole state (else the newest model-only one); ``None`` when ``step`` is -1 and
+    there is none. A requested step that is not there, or a newest one that cannot be read, is a
+    ``UserError``."""
+    steps = saved_steps(folder)
+    if step != -1 and step not in steps:
+        held = f"steps {steps}" if steps else "no checkpoint"
+        raise UserError(f"checkpoint.load_step = {step}, but {folder} holds {held}")
+    if not steps:
+        return None
+    if step != -1:
+        return folder / f"step-{step}"
+    for s in reversed(steps):
+        if not _model_only(folder / f"step-{s}"):
+            return folder / f"step-{s}"
+    return folder / f"step-{steps[-1]}"
+
+
+def check_resume(folder: Path, step: int = -1) -> int | None:
+    """The step a resume from ``folder`` would load (``None``: none), after checking its metadata
+    and files (:func:`verify_files`). Reads only: no process group needed, nothing written."""
+    path = resume_path(folder, step)
+    if path is None:
+        return None
+    what, fix = f"checkpoint {path}", _resume_fix(path)
+    verify_files(path, read_metadata(path, what, fix), what, fix)
+    return _step_of(path)
 
 
 class Checkpointer:
@@ -146,29 +239,35 @@ class Checkpointer:
             for step in saved_steps(self.folder)[: -self.keep_latest_k]:
                 shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
 
+    def remove_leftovers(self) -> None:
+        """Remove the ``step-N.tmp`` folders of saves that never finished (rank 0)."""
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        for p in sorted(self.folder.glob("step-*.tmp")):
+            logger.info("removing %s: a save that did not finish", p)
+            shutil.rmtree(p, ignore_errors=True)
+
     def load(self, step: int = -1) -> int | None:
         """Load ``step`` (``-1``: the newest complete one holding the whole state, else the newest
         model-only one); return it, or ``None`` if ``step`` is -1 and there is none. A requested
-        step that is not there is a ``ValueError``: a resume never silently starts from scratch."""
-        steps = saved_steps(self.folder)
-        if step != -1 and step not in steps:
-            held = f"steps {steps}" if steps else "no checkpoint"
-            raise ValueError(f"checkpoint.load_step = {step}, but {self.folder} holds {held}")
-        if not steps:
+        step that is not there, or a checkpoint that cannot be read, is a ``UserError``: a resume
+        never silently starts from scratch. Leftovers of unfinished saves are removed first."""
+        self.remove_leftovers()
+        path = resume_path(self.folder, step)
+        if path is None:
             return None
-        if step == -1:
-            full = [s for s in steps if not _model_only(self.folder / f"step-{s}")]
-            step = full[-1] if full else steps[-1]
-        path = self.folder / f"step-{step}"
-        model_only = _model_only(path)
+        what, fix = f"checkpoint {path}", _resume_fix(path)
+        metadata = read_metadata(path, what, fix)
+        verify_files(path, metadata, what, fix)
+        model_only = _model_only(path, metadata)
         if model_only:
             logger.warning(
                 "checkpoint %s holds only the model (checkpoint.last_save_model_only): loading the "
                 "model; optimizer, schedule, data position and step start afresh",
                 path,
             )
-        self._load_path(path, model_only=model_only, exclude=self.exclude_from_loading)
-        return step
+        self._load_path(path, metadata, model_only, self.exclude_from_loading, what=what, fix=fix)
+        return _step_of(path)
 
     def load_model(self, path: str | Path, model_only: bool = True) -> None:
         """Start from ``checkpoint.initial_load_path``: the model, or everything it holds when
@@ -184,11 +283,15 @@ class Checkpointer:
             raise ValueError(
                 f"checkpoint.initial_load_path = {str(path)!r} is not a DCP checkpoint (no .metadata){hint}"
             )
-        if _torchtitan_layout(Path(path)):
-            return self._load_torchtitan_model(Path(path), model_only)
-        self._load_path(Path(path), model_only=model_only or _model_only(Path(path)))
+        what, fix = f"checkpoint.initial_load_path = {str(path)!r}", _INITIAL_FIX
+        metadata = read_metadata(Path(path), what, fix)
+        verify_files(Path(path), metadata, what, fix)
+        if _torchtitan_layout(metadata):
+            return self._load_torchtitan_model(Path(path), model_only, metadata)
+        model_only = model_only or _model_only(Path(path), metadata)
+        self._load_path(Path(path), metadata, model_only, what=what, fix=fix)
 
-    def _load_torchtitan_model(self, path: Path, model_only: bool) -> None:
+    def _load_torchtitan_model(self, path: Path, model_only: bool, metadata) -> None:
         """A DCP checkpoint written by torchtitan: the model's parameters at the top level under
         the same names (``tok_embeddings.weight``, ``layers.0.attention.wq.weight`` ...)."""
         if not model_only:
@@ -196,7 +299,8 @@ class Checkpointer:
                 f"checkpoint.initial_load_path = {str(path)!r} is a torchtitan checkpoint; titan_cp "
                 "loads its model weights only: set checkpoint.initial_load_model_only = true"
             )
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        what = f"checkpoint.initial_load_path = {str(path)!r}"
+        saved = metadata.state_dict_metadata
         state = self._model_state()
         for name, t in state.items():  # check everything before loading anything
             if name not in saved:
@@ -206,7 +310,7 @@ class Checkpointer:
                     f"checkpoint.initial_load_path = {str(path)!r}: {name} has shape "
                     f"{tuple(saved[name].size)}, but the model's has shape {tuple(t.shape)}"
                 )
-        dcp.load(state, checkpoint_id=str(path))
+        _dcp_load(state, path, what, _INITIAL_FIX)
         for part in self.model_parts:
             set_model_state_dict(part, state, options=StateDictOptions(strict=False))
         logger.info("loaded torchtitan model weights %s", path)
@@ -222,9 +326,16 @@ class Checkpointer:
         (``checkpoint.last_save_in_hf``; ``titan_cp.model.hf.save_hf``)."""
         return hf.save_hf(self.model_parts, self.folder / f"step-{step}-hf", model_args)
 
-    def _load_path(self, path: Path, model_only: bool, exclude: set[str] = frozenset()) -> None:
+    def _load_path(
+        self, path: Path, metadata, model_only: bool, exclude: set[str] = frozenset(), *, what: str, fix: str
+    ) -> None:
+        """Load the checkpoint ``path`` (its DCP ``metadata`` read) into the model and, unless
+        ``model_only``, the rest of the state but ``exclude``; ``what``/``fix``: for errors."""
         state = {k: v for k, v in self._state(model_only).items() if k not in exclude}
-        dcp.load(state, checkpoint_id=str(path))
+        if "train_state" in state:  # train state added since the checkpoint was written keeps its value
+            saved = metadata.state_dict_metadata
+            state["train_state"] = {k: v for k, v in state["train_state"].items() if f"train_state.{k}" in saved}
+        _dcp_load(state, path, what, fix)
         if "model" in state:
             for part in self.model_parts:
                 set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
@@ -238,14 +349,24 @@ class Checkpointer:
         logger.info("loaded checkpoint %s%s", path, left_out)
 
 
-def _torchtitan_layout(path: Path) -> bool:
-    """Whether the DCP checkpoint at ``path`` is torchtitan's: model keys at the top level,
+def _dcp_load(state: dict, path: Path, what: str, fix: str) -> None:
+    """``dcp.load`` of ``state`` from ``path``; a failure to read it is a ``UserError`` naming ``what``."""
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+        raise UserError(f"{what} cannot be loaded ({_cause(e)}); {fix}") from e
+
+
+def _torchtitan_layout(metadata) -> bool:
+    """Whether the DCP checkpoint of ``metadata`` is torchtitan's: model keys at the top level,
     where titan_cp nests them under ``model.``."""
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    keys = metadata.state_dict_metadata
     return "tok_embeddings.weight" in keys or any(k.startswith("layers.") for k in keys)
 
 
-def _model_only(path: Path) -> bool:
-    """Whether the DCP checkpoint at ``path`` holds the model alone (no optimizer state)."""
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return not any(k.startswith("optimizer") for k in keys)
+def _model_only(path: Path, metadata=None) -> bool:
+    """Whether the DCP checkpoint at ``path`` (of ``metadata``; read when not given, ``path`` then
+    a ``step-N`` folder) holds the model alone (no optimizer state)."""
+    if metadata is None:
+        metadata = read_metadata(path, f"checkpoint {path}", _resume_fix(path))
+    return not any(k.startswith("optimizer") for k in metadata.state_dict_metadata)

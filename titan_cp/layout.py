@@ -143,7 +143,7 @@ def _pieces(doc_lens: Sequence[int], cp_size: int) -> list[list[tuple[int, int]]
     return pieces
 
 
-def _spans(starts, lengths) -> torch.Tensor:
+def spans(starts, lengths) -> torch.Tensor:
     """``cat(arange(s, s + n) for s, n)`` as one int64 tensor, without a Python loop over positions."""
     s = torch.as_tensor(starts, dtype=torch.int64)
     n = torch.as_tensor(lengths, dtype=torch.int64)
@@ -160,17 +160,17 @@ def _row_index(seq_len: int, cp_size: int, balance: str, doc_lens: Sequence[int]
         return [torch.arange(r * s, (r + 1) * s) for r in range(n)]
     if balance == "zigzag":
         c = seq_len // (2 * n)
-        return [_spans([r * c, (2 * n - 1 - r) * c], [c, c]) for r in range(n)]
+        return [spans([r * c, (2 * n - 1 - r) * c], [c, c]) for r in range(n)]
     if balance == "doc_local":
         held = doc_local_pieces(doc_lens if doc_lens is not None else (seq_len,), n)
-        return [_spans([a for a, _ in p], [b for _, b in p]) for p in held]
+        return [spans([a for a, _ in p], [b for _, b in p]) for p in held]
     pieces = _pieces(doc_lens if doc_lens is not None else (seq_len,), n)
     index = []
     for r in range(n):
         head, tail = pieces[r], pieces[2 * n - 1 - r]
         # document-major order: each document's head piece, then its tail piece
         merged = sorted(head + tail) if r != 2 * n - 1 - r else head
-        index.append(_spans([a for a, _ in merged], [b for _, b in merged]))
+        index.append(spans([a for a, _ in merged], [b for _, b in merged]))
     return index
 
 
@@ -210,9 +210,9 @@ class SequenceLayout:
     """
 
     def __init__(self, seq_len: int, cp_size: int, balance: Balance = "zigzag", doc_lens=None):
-        if not isinstance(cp_size, int) or cp_size < 1:
+        if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
             raise ValueError(f"cp_size must be a positive integer, got {cp_size!r}")
-        if not isinstance(seq_len, int) or seq_len < 1:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
         if balance not in BALANCES:
             raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
@@ -277,20 +277,30 @@ class SequenceLayout:
     def _key(self, row: int | None) -> int:
         return 0 if row is None or self.doc_lens is None else self._row_keys[row]
 
-    def runs(self, ranks: Sequence[int] | None, row: int | None = None) -> Runs:
+    def runs(self, ranks: Sequence[int] | None, row: int | None = None, chunk: int | None = None) -> Runs:
         """Runs of the buffer that concatenates the local shards of ``ranks`` in order.
 
         ``ranks=None`` means the whole row in natural order (the documents themselves).
+        ``chunk``: the documents cut into pieces of ``chunk`` positions from each document's
+        start (chunked attention sees only its own piece); a run's ``doc`` is then its piece.
         """
-        cache_key = (None if ranks is None else tuple(ranks), self._key(row))
+        cache_key = (None if ranks is None else tuple(ranks), self._key(row), chunk)
         if cache_key not in self._runs_cache:
-            ranks, key = cache_key
+            ranks, key, chunk = cache_key
             if ranks is None:
                 positions = torch.arange(self.seq_len)
             else:
                 positions = torch.cat([self._index[key][r] for r in ranks])
-            self._runs_cache[cache_key] = _runs(positions, self._doc_of[key])
+            self._runs_cache[cache_key] = _runs(positions, self._mask_docs(key, chunk))
         return self._runs_cache[cache_key]
+
+    def _mask_docs(self, key: int, chunk: int | None) -> torch.Tensor:
+        """The mask's document id of every position: the document, or its ``chunk``-sized piece."""
+        doc_of = self._doc_of[key]
+        if chunk is None:
+            return doc_of
+        offset = torch.arange(self.seq_len) - self._doc_start[key][doc_of]
+        return doc_of * (self.seq_len // chunk + 1) + offset // chunk
 
     # ------------------------------------------------------------------ tensors
     def index(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:

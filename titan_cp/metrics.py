@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from titan_cp.attention.block import make_plan
+from titan_cp.attention.plans import make_plan
 from titan_cp.layout import get_layout
 
 logger = logging.getLogger("titan_cp")
@@ -114,12 +114,26 @@ class StepMetrics:
         record.update({f"tokens_drawn/{name}": n for name, n in sources.items()})
         return record
 
+    def skipped_record(self, step: int, lr: float, step_data, sources) -> dict:
+        """The record of step ``step``, skipped for want of loss-bearing tokens: no loss, grad norm,
+        throughput or MFU; ``skipped: true``, its token counts and the ETA."""
+        record = {
+            "step": step,
+            "skipped": True,
+            "lr": lr,
+            "global_valid_tokens": step_data.global_valid_tokens,
+            "padding_tokens": step_data.padding_tokens,
+            "eta_seconds": (time.perf_counter() - self._t0) / (step - self._first) * (self._last - step),
+        }
+        record.update({f"tokens_drawn/{name}": n for name, n in sources.items()})
+        return record
+
 
 def visible_pairs(doc_lens: list[list[int]], seq_len: int, cp: int = 1, balance: str = "contiguous") -> int:
     """Visible causal (query, key) pairs per head of packed rows (``doc_lens``: the document
     lengths of each row): ``sum over documents of n (n + 1) / 2``, as the attention plan of the
     whole rows counts them. ``cp``/``balance`` name the layout the step used, to reuse it."""
-    return make_plan(get_layout(seq_len, cp, balance, doc_lens), None, None, causal=True).pairs(len(doc_lens))
+    return make_plan(get_layout(seq_len, cp, balance, doc_lens), None, None, True).pairs(len(doc_lens))
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -157,10 +171,38 @@ def recall_metrics(counts: torch.Tensor, buckets: list[int]) -> dict[str, float]
     return out
 
 
-class MetricsLogger:
-    """Writes metrics on rank 0: console every ``log_freq`` steps, every step to JSON lines."""
+def keep_steps_up_to(path: Path, step: int) -> int:
+    """Rewrite the JSON-lines metrics file ``path`` keeping the records of steps ``<= step`` (those a
+    run resumed at ``step`` does not write again); a torn or unreadable line is dropped too.
+    Atomic (written aside, then renamed). Returns the number of lines dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_bytes().splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+            keep = record["step"] <= step and line.endswith(b"\n")
+        except (ValueError, TypeError, KeyError):
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped += bool(line.strip())
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(b"".join(kept))
+        tmp.replace(path)
+    return dropped
 
-    def __init__(self, dump_folder: Path, cfg, enabled: bool):
+
+class MetricsLogger:
+    """Writes metrics on rank 0: console every ``log_freq`` steps, every step to JSON lines.
+
+    ``resumed_step``: the step the run starts after (0 from scratch); records of later steps
+    already in the JSON-lines file (written by a run that crashed after that checkpoint) are
+    removed, so the file lists each step once."""
+
+    def __init__(self, dump_folder: Path, cfg, enabled: bool, resumed_step: int = 0):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
@@ -168,7 +210,11 @@ class MetricsLogger:
             return
         dump_folder.mkdir(parents=True, exist_ok=True)
         if cfg.metrics.save_jsonl_file:
-            self._jsonl = open(dump_folder / cfg.metrics.save_jsonl_file, "a", buffering=1)
+            path = dump_folder / cfg.metrics.save_jsonl_file
+            dropped = keep_steps_up_to(path, resumed_step)
+            if dropped:
+                logger.info("%s: removed %d records after step %d (the run resumes there)", path, dropped, resumed_step)
+            self._jsonl = open(path, "a", buffering=1)
         if cfg.metrics.enable_tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional
@@ -186,7 +232,7 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, record["step"])
-        if console:
+        if console and "loss" in record:  # a skipped step was announced as a warning
             extra = "".join(f"  {k} {record[k]:.3f}" for k in record if k.startswith(("val_loss", "recall")))
             extra += "".join(f"  {k} {record[k]}" for k in record if k.startswith("tokens_drawn/"))
             logger.info(

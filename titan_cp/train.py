@@ -32,6 +32,7 @@ from titan_cp.attention import cp_rank
 from titan_cp.checkpoint import Checkpointer
 from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
+from titan_cp.errors import run_cli
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
 from titan_cp.metrics import MetricsLogger, StepMetrics, recall_counts, recall_metrics
@@ -48,14 +49,18 @@ logger = logging.getLogger("titan_cp")
 
 
 class TrainState:
+    """The step done last, and how many of the steps so far were skipped (no loss-bearing token)."""
+
     def __init__(self) -> None:
         self.step = 0
+        self.skipped_steps = 0
 
     def state_dict(self) -> dict:
-        return {"step": self.step}
+        return {"step": self.step, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+        self.skipped_steps = int(state.get("skipped_steps", self.skipped_steps))  # older checkpoints lack it
 
 
 def _init_distributed(cfg: JobConfig) -> torch.device:
@@ -132,7 +137,7 @@ class Trainer:
         self.state = TrainState()
         self.dump = Path(cfg.job.dump_folder)
         self._build_checkpointer()
-        self.metrics = MetricsLogger(self.dump, cfg, enabled=self.rank0)
+        self.metrics = MetricsLogger(self.dump, cfg, enabled=self.rank0, resumed_step=self.state.step)
         self.profiler = Profiler(cfg.profiling, self.dump, dist.get_rank(), self.device)
         dist.barrier()  # ranks sharing a machine measure together, each seeing its share of it
         p = cfg.parallelism
@@ -264,6 +269,8 @@ class Trainer:
         return counted.item()
 
     def train_step(self, step_data) -> tuple[float, float]:
+        """Forward, backward and update on one step's rows; ``(loss, grad norm)``. The step must
+        hold loss-bearing tokens (``step_data.global_valid_tokens > 0``)."""
         self.loss_fn.global_valid_tokens = step_data.global_valid_tokens
         local = torch.zeros((), device=self.device)
         for batch in step_data.microbatches:
@@ -327,16 +334,21 @@ class Trainer:
         while self.state.step < t.steps:
             step_data = next(self.loader)
             t0 = time.perf_counter()
+            skip = step_data.global_valid_tokens == 0  # the same on every rank: the loader counts globally
             with self.profiler.step(self.state.step + 1):
-                loss, grad_norm = self.train_step(step_data)
+                loss, grad_norm = (None, None) if skip else self.train_step(step_data)
             self.state.step += 1
             step, dt = self.state.step, time.perf_counter() - t0
             if step == first_step + 1:  # initialisation and the first step may take long; the rest may not
                 self.dims.set_timeout(cfg.comm.train_timeout_seconds)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {step}")
             lr = self.schedulers.get_last_lr()[0]
-            record = self.step_metrics.record(step, loss, grad_norm, lr, step_data, dt, self.loader.source_tokens)
+            if skip:
+                record = self._skipped(step, lr, step_data)
+            else:
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss is {loss} at step {step}")
+                record = self.step_metrics.record(step, loss, grad_norm, lr, step_data, dt, self.loader.source_tokens)
+            record["skipped_steps"] = self.state.skipped_steps
             if self.val_loader is not None and step % cfg.validation.freq == 0:
                 record.update(self.validate())
             history.append(record)
@@ -354,6 +366,21 @@ class Trainer:
             self.checkpointer.save_hf(self.state.step, self.model_args)
         self.metrics.close()
         return history
+
+    def _skipped(self, step: int, lr: float, step_data) -> dict:
+        """Count, announce and describe step ``step``, whose rows hold no loss-bearing token (e.g.
+        chat records without a turn of ``training.loss_roles``, or a user turn longer than a row):
+        no update, no schedule step; its rows are consumed (the data position advances)."""
+        self.state.skipped_steps += 1
+        if self.rank0:
+            logger.warning(
+                "step %d skipped: its %d rows hold no loss-bearing token (e.g. chat records without a turn of "
+                "training.loss_roles); no update (%d skipped so far)",
+                step,
+                self.loader.global_batch_size,
+                self.state.skipped_steps,
+            )
+        return self.step_metrics.skipped_record(step, lr, step_data, self.loader.source_tokens)
 
 
 def _hf_trainer():
@@ -375,7 +402,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """Run a training job; returns the per-step metrics (as written to ``metrics.jsonl``).
 
     With no arguments, or ``--help``/``-h``, prints the usage and every key instead (exit status 2
-    and 0): a run is never started from the defaults alone by accident."""
+    and 0): a run is never started from the defaults alone by accident. Bad input raises
+    ``ValueError`` naming the key or file; ``python -m titan_cp.train`` turns that into one line
+    and exit status 2 (:func:`titan_cp.errors.run_cli`)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or any(a in ("--help", "-h") for a in argv):
         print(usage())
@@ -387,6 +416,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    run_cli(main)

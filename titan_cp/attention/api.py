@@ -32,6 +32,7 @@ from titan_cp.attention.allgather import ALLGATHER
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.hybrid import HYBRID
 from titan_cp.attention.kernels import check_kernel
+from titan_cp.attention.plans import Mask
 from titan_cp.attention.ring import RING
 from titan_cp.attention.strategy import Strategy, get_strategy
 from titan_cp.attention.ulysses import ULYSSES
@@ -43,6 +44,8 @@ STRATEGIES: tuple[str, ...] = tuple(s.name for s in (RING, ALLGATHER, ULYSSES, H
 # ---------------------------------------------------------------------------- checks
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor (batch, heads, seq, head_dim), got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
         if 0 in t.shape:
@@ -72,6 +75,8 @@ def _check_layout(q: Tensor, layout: SequenceLayout) -> None:
 def _scale(scale, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a positive finite number (default 1/sqrt(head_dim)), got {scale!r}")
     scale = float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite number (default 1/sqrt(head_dim)), got {scale}")
@@ -111,14 +116,19 @@ def _strategy(spec: CPSpec) -> Strategy:
     return RING if spec.mesh is None else get_strategy(spec.strategy)
 
 
+def _mask(causal: bool, window: int, chunk: int) -> Mask:
+    """The op's integers (0: none) as a :class:`Mask`."""
+    return Mask(bool(causal), window or None, chunk or None)
+
+
 def _context(
-    handle: int, q: Tensor, k_heads: int, doc_lens, causal: bool, scale: float, fake: bool = False
+    handle: int, q: Tensor, k_heads: int, doc_lens, mask: Mask, scale: float, sinks=None, fake: bool = False
 ) -> tuple[CPContext, Strategy]:
     spec = _SPECS[handle]
     cp = 1 if spec.mesh is None else spec.mesh.size()
     layout = None if fake else get_layout(q.shape[2] * cp, cp, spec.balance, doc_lens)
     kernel = None if fake else check_kernel(spec.kernel, q.device, q.dtype, q.shape[-1])
-    return CPContext(spec.mesh, layout, causal, scale, kernel, q.shape[1], k_heads), _strategy(spec)
+    return CPContext(spec.mesh, layout, mask, scale, kernel, q.shape[1], k_heads, sinks), _strategy(spec)
 
 
 def _bshe_like(x: Tensor) -> Tensor:
@@ -151,17 +161,26 @@ def _owned(outputs: list[Tensor], inputs: tuple, layouts: int) -> list[Tensor]:
 
 @torch.library.custom_op("titan_cp::cp_attention", mutates_args=())
 def _cp_attention_op(
-    q: Tensor, k: Tensor, v: Tensor, doc_lens: Tensor | None, handle: int, causal: bool, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    doc_lens: Tensor | None,
+    sinks: Tensor | None,
+    handle: int,
+    causal: bool,
+    window: int,
+    chunk: int,
+    scale: float,
 ) -> list[Tensor]:
-    ctx, strategy = _context(handle, q, k.shape[1], doc_lens, causal, scale)
+    ctx, strategy = _context(handle, q, k.shape[1], doc_lens, _mask(causal, window, chunk), scale, sinks)
     with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
         out, saved = strategy.forward(ctx, q, k, v)
-    return _owned([out, *saved], (q, k, v, doc_lens), layouts=1)
+    return _owned([out, *saved], (q, k, v, doc_lens, sinks), layouts=1)
 
 
 @_cp_attention_op.register_fake
-def _(q, k, v, doc_lens, handle, causal, scale):
-    ctx, strategy = _context(handle, q, k.shape[1], doc_lens, causal, scale, fake=True)
+def _(q, k, v, doc_lens, sinks, handle, causal, window, chunk, scale):
+    ctx, strategy = _context(handle, q, k.shape[1], doc_lens, _mask(causal, window, chunk), scale, sinks, fake=True)
     return [_bshe_like(q), *strategy.saved_like(ctx, q, k, v)]
 
 
@@ -174,58 +193,65 @@ def _cp_attention_backward_op(
     out: Tensor | None,
     saved: list[Tensor],
     doc_lens: Tensor | None,
+    sinks: Tensor | None,
     handle: int,
     causal: bool,
+    window: int,
+    chunk: int,
     scale: float,
     kv_heads: int,
 ) -> list[Tensor]:
-    ctx, strategy = _context(handle, dout, kv_heads, doc_lens, causal, scale)
+    ctx, strategy = _context(handle, dout, kv_heads, doc_lens, _mask(causal, window, chunk), scale, sinks)
     with torch.autocast(dout.device.type, enabled=False):
-        dq, dk, dv = strategy.backward(ctx, dout, q, k, v, out, saved)
-    return _owned([dq, dk, dv], (dout, q, k, v, out, saved, doc_lens), layouts=3)
+        dq, dk, dv, dsinks = strategy.backward(ctx, dout, q, k, v, out, saved)
+    grads = [dq, dk, dv] + ([] if dsinks is None else [dsinks.to(sinks.dtype)])
+    return _owned(grads, (dout, q, k, v, out, saved, doc_lens, sinks), layouts=3)
 
 
 @_cp_attention_backward_op.register_fake
-def _(dout, q, k, v, out, saved, doc_lens, handle, causal, scale, kv_heads):
+def _(dout, q, k, v, out, saved, doc_lens, sinks, handle, causal, window, chunk, scale, kv_heads):
     b, _, s, e = dout.shape
     kv = dout.new_empty((b, s, kv_heads, e)).transpose(1, 2)
-    return [_bshe_like(dout), kv, torch.empty_like(kv)]
+    return [_bshe_like(dout), kv, torch.empty_like(kv)] + ([] if sinks is None else [torch.empty_like(sinks)])
+
+
+_ARGS = ("doc_lens", "sinks", "handle", "causal", "window", "chunk", "scale")
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, doc_lens, handle, causal, scale = inputs
-    keeps = _strategy(_SPECS[handle]).keeps
+    q, k, v, *rest = inputs
+    keeps = _strategy(_SPECS[rest[_ARGS.index("handle")]]).keeps
     kept = [t if name in keeps else None for name, t in (("q", q), ("k", k), ("v", v), ("out", output[0]))]
     ctx.kept = [name for name, t in zip(("q", "k", "v", "out"), kept) if t is not None]
     ctx.save_for_backward(*(t for t in kept if t is not None), *output[1:])
-    ctx.doc_lens, ctx.handle, ctx.causal, ctx.scale, ctx.kv_heads = doc_lens, handle, causal, scale, k.shape[1]
+    ctx.args, ctx.kv_heads = rest, k.shape[1]
 
 
 def _backward(ctx, grads):
     saved = list(ctx.saved_tensors)
     kept = {name: saved.pop(0) for name in ctx.kept}
-    dout = grads[0]
-    dq, dk, dv = _cp_attention_backward_op(
-        dout,
+    doc_lens, sinks, *settings = ctx.args
+    grads = _cp_attention_backward_op(
+        grads[0],
         kept.get("q"),
         kept.get("k"),
         kept.get("v"),
         kept.get("out"),
         saved,
-        ctx.doc_lens,
-        ctx.handle,
-        ctx.causal,
-        ctx.scale,
+        doc_lens,
+        sinks,
+        *settings,
         ctx.kv_heads,
     )
-    return dq, dk, dv, None, None, None, None
+    dsinks = grads[3] if sinks is not None else None
+    return grads[0], grads[1], grads[2], None, dsinks, None, None, None, None, None
 
 
 _cp_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------- FLOPs
-def local_head_pairs(handle: int, q: Tensor, doc_lens, causal: bool) -> int:
+def local_head_pairs(handle: int, q: Tensor, doc_lens, mask: Mask) -> int:
     """Visible (query, key) pairs times heads that this rank's kernels compute in one CP attention call."""
     spec = _SPECS[handle]
     strategy = _strategy(spec)
@@ -233,27 +259,57 @@ def local_head_pairs(handle: int, q: Tensor, doc_lens, causal: bool) -> int:
     layout = get_layout(q.shape[2] * cp, cp, spec.balance, doc_lens)
     rank = 0 if spec.mesh is None else strategy.layout_rank(spec.mesh)
     u = 1 if spec.mesh is None else strategy.mesh_ulysses_degree(spec.mesh)
-    return strategy.local_head_pairs(layout, rank, causal, q.shape[0], q.shape[1], u)
+    return strategy.local_head_pairs(layout, rank, mask, q.shape[0], q.shape[1], u)
 
 
 @register_flop_formula(torch.ops.titan_cp.cp_attention, get_raw=True)
-def _cp_attention_flops(q, k, v, doc_lens, handle, causal, scale, *args, out_val=None, **kwargs) -> int:
+def _cp_attention_flops(q, k, v, doc_lens, sinks, handle, causal, window, chunk, scale, *a, out_val=None, **kw) -> int:
     """``QK^T`` and ``PV`` over the visible pairs only: ``2 * 2 * head_dim`` per pair and head
     (masked-out and empty tiles are never computed, so they are not counted)."""
-    return 4 * q.shape[-1] * local_head_pairs(handle, q, doc_lens, causal)
+    return 4 * q.shape[-1] * local_head_pairs(handle, q, doc_lens, _mask(causal, window, chunk))
 
 
 @register_flop_formula(torch.ops.titan_cp.cp_attention_backward, get_raw=True)
-def _cp_attention_backward_flops(dout, q, k, v, out, saved, doc_lens, handle, causal, *args, out_val=None, **kw) -> int:
+def _cp_attention_backward_flops(
+    dout, q, k, v, out, saved, doc_lens, sinks, handle, causal, window, chunk, *a, out_val=None, **kw
+) -> int:
     """Twice the forward (``dQ, dK, dV`` and ``dP``: four products per pair), the convention of
     PyTorch's SDPA backward formula (the recomputation of ``P`` is not counted)."""
-    return 8 * dout.shape[-1] * local_head_pairs(handle, dout, doc_lens, causal)
+    return 8 * dout.shape[-1] * local_head_pairs(handle, dout, doc_lens, _mask(causal, window, chunk))
 
 
 # ---------------------------------------------------------------------------- public functions
-def attend(q: Tensor, k: Tensor, v: Tensor, handle: int, doc_lens: Tensor | None, causal: bool, scale: float) -> Tensor:
+def check_mask(causal: bool, window, chunk, sinks, q_heads: int) -> Mask:
+    """The :class:`Mask` of ``causal``, ``window`` and ``chunk``, checked, with ``sinks`` (``ValueError``
+    naming the argument)."""
+    for name, value in (("window", window), ("chunk", chunk)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer (None: no {name}), got {value!r}")
+    if window is not None and not causal:
+        raise ValueError("window is a causal sliding window: it needs causal=True")
+    if sinks is not None:
+        if not isinstance(sinks, Tensor) or sinks.dim() != 1 or sinks.shape[0] != q_heads:
+            shape = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+            raise ValueError(f"sinks must be a ({q_heads},) tensor: one logit per query head, got {shape}")
+        if not sinks.dtype.is_floating_point:
+            raise ValueError(f"sinks must be floating point, got {sinks.dtype}")
+    return Mask(bool(causal), window, chunk)
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    handle: int,
+    doc_lens: Tensor | None,
+    causal: bool,
+    scale: float,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
     """The op itself, for callers that checked their inputs (``ContextParallel``): traceable by ``torch.compile``."""
-    return _cp_attention_op(q, k, v, doc_lens, handle, causal, scale)[0]
+    return _cp_attention_op(q, k, v, doc_lens, sinks, handle, causal, window or 0, chunk or 0, scale)[0]
 
 
 def cp_attention(
@@ -266,6 +322,9 @@ def cp_attention(
     causal: bool = True,
     scale: float | None = None,
     kernel: str | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact attention for this rank's query shard, with the K/V of every rank of ``mesh``.
 
@@ -280,10 +339,17 @@ def cp_attention(
         scale: softmax scale, ``1/sqrt(head_dim)`` by default; a positive finite number.
         kernel: local kernel name (``"cpu_varlen"``, ``"cpu_flash"``, ``"cuda_flash"``, ``"flash_attn"``, ``"math"``,
             or one added with ``register_kernel``); ``None`` picks the fastest for the device and dtype.
+        window: sliding window (causal): a query sees the keys at most ``window - 1`` positions back
+            in its document (Mistral, Gemma, gpt-oss); ``None``: no window.
+        chunk: chunked attention (Llama 4): a query sees only the keys of its own ``chunk``-sized
+            piece of its document, counted from the document's start; ``None``: no chunks.
+        sinks: ``(q_heads,)`` learned per-head logits that join every query's softmax denominator
+            (gpt-oss), differentiable; ``None``: no sinks.
     """
     strat = get_strategy(strategy)
     check_qkv(q, k, v)
     _check_layout(q, layout)
+    mask = check_mask(causal, window, chunk, sinks, q.shape[1])
     scale = _scale(scale, q.shape[-1])
     check_kernel(kernel, q.device, q.dtype, q.shape[-1])
     if mesh is None:
@@ -292,7 +358,7 @@ def cp_attention(
     else:
         strat.check_mesh(mesh, layout.cp_size, q.shape[1], k.shape[1])
     handle = register_spec(mesh, strategy, layout.balance, kernel)
-    return attend(q, k, v, handle, layout.doc_lens_tensor(), causal, scale)
+    return attend(q, k, v, handle, layout.doc_lens_tensor(), mask.causal, scale, mask.window, mask.chunk, sinks)
 
 
 def cp_rank(mesh, strategy: str = "ring") -> int:
@@ -308,23 +374,39 @@ def local_attention(
     causal: bool = True,
     scale: float | None = None,
     kernel: str | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """Exact single-device attention with causal and packed-document masks.
+    """Exact single-device attention with causal, packed-document, window, chunk and sink masks.
 
     ``doc_lens``: ``None``, one list of document lengths per batch row, or a zero-padded
-    ``(batch, max_docs)`` integer tensor on the host. GQA K/V are taken as they are.
+    ``(batch, max_docs)`` integer tensor on the host. GQA K/V are taken as they are; the other
+    arguments as for :func:`cp_attention`.
     """
     check_qkv(q, k, v)
+    mask = check_mask(causal, window, chunk, sinks, q.shape[1])
     if doc_lens is None or isinstance(doc_lens, Tensor):  # the model's path: straight to the op, traceable
-        return attend(
-            q, k, v, register_spec(None, "ring", "contiguous", kernel), doc_lens, causal, _scale(scale, q.shape[-1])
-        )
+        handle = register_spec(None, "ring", "contiguous", kernel)
+        return attend(q, k, v, handle, doc_lens, mask.causal, _scale(scale, q.shape[-1]), window, chunk, sinks)
     layout = get_layout(q.shape[2], 1, "contiguous", doc_lens)
-    return cp_attention(q, k, v, None, layout, causal=causal, scale=scale, kernel=kernel)
+    return cp_attention(
+        q, k, v, None, layout, causal=causal, scale=scale, kernel=kernel, window=window, chunk=chunk, sinks=sinks
+    )
 
 
 def min_bytes_per_rank(
-    strategy: str, q: Tensor, k: Tensor, world: int, ulysses_size: int = 1, backward: bool = True
+    strategy: str,
+    q: Tensor,
+    k: Tensor,
+    world: int,
+    ulysses_size: int = 1,
+    backward: bool = True,
+    layout: SequenceLayout | None = None,
+    rank: int | None = None,
+    mask: Mask | None = None,
 ) -> int:
-    """The strategy's own minimum bytes sent per rank for one forward (+ backward) on these local shapes."""
-    return get_strategy(strategy).min_bytes(q, k, world, ulysses_size, backward)
+    """The bytes a rank sends for one forward (+ backward) on these local shapes: with ``layout``, what the
+    ranks need of each other under it (``rank``; ``None``: the rank sending most), else the dense case."""
+    kwargs = {} if mask is None else {"mask": mask}
+    return get_strategy(strategy).min_bytes(q, k, world, ulysses_size, backward, layout, rank, **kwargs)

@@ -1,4 +1,4 @@
-"""Communication for the strategies: the ring exchange and three collectives.
+"""Communication for the strategies: point-to-point exchanges and three collectives.
 
 The strategies write their backward by hand (the attention is one custom op, see
 :mod:`titan_cp.attention.api`), each collective's backward being its *dual*::
@@ -54,51 +54,59 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Exchange:
-    """One in-flight ring step: a send to the next rank and a receive from the previous one."""
+    """One in-flight exchange: a send to one peer and a receive from another (either may be absent)."""
 
-    def __init__(self, reqs, recv: torch.Tensor):
+    def __init__(self, reqs, recv: torch.Tensor | None):
         self._reqs, self._recv = reqs, recv
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> torch.Tensor | None:
+        """The received buffer (``None`` when nothing was to be received), once the transfers are done."""
         for req in self._reqs:
             req.wait()
         self._reqs = []
         return self._recv
 
 
-class RingComm:
-    """Point-to-point transport to the ring neighbours of this rank in ``group``.
+NOTHING = Exchange([], None)
 
-    ``send_recv(t)`` posts ``isend(t -> next)`` and ``irecv(prev -> buffer)`` together and
-    returns at once; computation proceeds while the transfer is in flight, and
-    ``Exchange.wait()`` hands over the received buffer (double buffering: the buffer in
-    use and the one arriving are different tensors). ``tag`` keeps two concurrent
-    streams (K/V and their gradients) apart.
+
+class PeerComm:
+    """Point-to-point transport between the ranks of ``group``.
+
+    ``exchange(send, dst, recv, src)`` posts ``isend(send -> dst)`` and ``irecv(src -> recv)``
+    (an empty buffer of the expected shape) together and returns at once; computation proceeds while the
+    transfer is in flight, and ``Exchange.wait()`` hands over the received buffer (double
+    buffering: the buffer in use and the one arriving are different tensors). Either side may be
+    absent (``send=None``, ``recv=None``): what to send and receive is known on both ends
+    from the layout, so no size is ever exchanged. ``tag`` keeps two concurrent streams (K/V and
+    their gradients) apart; every rank posts its operations in the same order, as NCCL requires.
     """
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.next = (self.rank + 1) % self.world
-        self.prev = (self.rank - 1) % self.world
 
-    def send_recv(self, send: torch.Tensor, tag: int = 0) -> Exchange:
-        send = send.contiguous()
-        recv = torch.empty_like(send)
-        ops = [
-            dist.P2POp(dist.isend, send, group=self.group, group_peer=self.next, tag=tag),
-            dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.prev, tag=tag),
-        ]
-        _count(_nbytes(send))
+    def exchange(self, send, dst: int, recv, src: int, tag: int = 0) -> Exchange:
+        ops = []
+        if send is not None:
+            send = send.contiguous()
+            ops.append(dist.P2POp(dist.isend, send, group=self.group, group_peer=dst, tag=tag))
+            _count(_nbytes(send))
+        if recv is not None:
+            ops.append(dist.P2POp(dist.irecv, recv, group=self.group, group_peer=src, tag=tag))
+        if not ops:
+            return NOTHING
         return Exchange(dist.batch_isend_irecv(ops), recv)
 
 
-def all_gather(x: torch.Tensor, group) -> torch.Tensor:
-    """``(N, *x.shape)``: every rank's ``x``, stacked by rank. Backward: :func:`reduce_scatter`."""
+def all_gather(x: torch.Tensor, group, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(N, *x.shape)``: every rank's ``x``, stacked by rank (into ``out`` if given, a contiguous tensor
+    of that shape). Backward: :func:`reduce_scatter`."""
     n = dist.get_world_size(group)
     x = x.contiguous()
-    out = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     _count((n - 1) * _nbytes(x))
     dist.all_gather_into_tensor(out.view(n * x.shape[0], *x.shape[1:]) if x.dim() else out, x, group=group)
     return out
@@ -124,4 +132,14 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty_like(x)
     _count(_nbytes(x) * (n - 1) // n)
     dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def all_to_all_uneven(x: torch.Tensor, send: list[int], recv: list[int], group, out: torch.Tensor) -> torch.Tensor:
+    """``x`` holds ``send[j]`` rows (dim 0) for each rank ``j`` in order; ``out`` receives ``recv[j]`` rows
+    from each rank ``j`` in order (sizes known on both sides). Self-dual, with the sizes swapped."""
+    me = dist.get_rank(group)
+    row = _nbytes(x[:1]) if x.shape[0] else 0
+    _count(row * (sum(send) - send[me]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
     return out

@@ -1,11 +1,11 @@
 """What a strategy needs besides ``q, k, v``: one small object instead of a long argument list.
 
-Every strategy module has the same shape::
+Every strategy (:mod:`titan_cp.attention.strategy`) has the same shape::
 
     forward(ctx, q, k, v)                       -> (out, saved)
-    backward(ctx, dout, q, k, v, out, saved)     -> (dq, dk, dv)
+    backward(ctx, dout, q, k, v, out, saved)     -> (dq, dk, dv, dsinks or None)
     saved_like(ctx, q, k, v)                     -> empty tensors shaped like ``saved``
-    KEEPS: the inputs/outputs among ("q", "k", "v", "out") its backward reads (others arrive as None)
+    keeps: the inputs/outputs among ("q", "k", "v", "out") its backward reads (others arrive as None)
 
 ``q, out, dout`` are ``(batch, q_heads, seq_local, head_dim)``, ``k, v`` ``(batch, kv_heads,
 seq_local, head_dim)``; ``saved`` is what the backward needs beyond them (the log-sum-exp,
@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from titan_cp.attention.kernels import AttentionKernel
+from titan_cp.attention.plans import Mask
 from titan_cp.layout import SequenceLayout
 
 
@@ -27,16 +30,23 @@ class CPContext:
 
     mesh: the cp ``DeviceMesh`` (1-D; 2-D ``(ring, ulysses)`` for hybrid), ``None`` on one device.
     layout: the sequence layout the shards were taken with.
+    mask: causal, window and chunk (:class:`~titan_cp.attention.plans.Mask`).
     q_heads, kv_heads: the local head counts of q and k/v (the backward may see neither tensor).
+    sinks: ``(q_heads,)`` per-head sink logits, or ``None``.
     """
 
     mesh: object
     layout: SequenceLayout
-    causal: bool
+    mask: Mask
     scale: float
     kernel: AttentionKernel
     q_heads: int
     kv_heads: int
+    sinks: torch.Tensor | None = None
+
+    @property
+    def causal(self) -> bool:
+        return self.mask.causal
 
     @property
     def cp_size(self) -> int:

@@ -18,16 +18,27 @@ from __future__ import annotations
 
 import torch
 
-from titan_cp.attention.block import head_major, make_plan, token_major
 from titan_cp.attention.context import CPContext
-from titan_cp.attention.ring import RING, kv_block_bytes, ring_backward, ring_forward, ring_plans
-from titan_cp.attention.strategy import Strategy, kv_heads_per_shard, register_strategy
+from titan_cp.attention.merge import sinks_grad
+from titan_cp.attention.plans import CAUSAL, head_major, make_plan, token_major
+from titan_cp.attention.ring import (
+    RING,
+    exchanged_rows,
+    kv_block_bytes,
+    ring_backward,
+    ring_bytes,
+    ring_forward,
+    ring_steps,
+)
+from titan_cp.attention.strategy import AxisBytes, Strategy, kv_heads_per_shard, register_strategy
 from titan_cp.attention.ulysses import (
     ULYSSES,
     gather_heads,
     head_index,
     head_shard_saved_bytes,
     head_shards_like,
+    head_slice,
+    head_slice_grad,
     kv_from_heads,
     kv_to_heads,
     scatter_heads,
@@ -59,16 +70,17 @@ def _concat_to_stacked(x: torch.Tensor, batch: int, u: int) -> torch.Tensor:
     return x.reshape(batch, u, n // batch, *x.shape[1:]).transpose(0, 1).reshape(u, n, *x.shape[1:])
 
 
-def _axes(ctx: CPContext):
+def _axes(ctx: CPContext, batch: int, device):
     ring_dim, uly_dim = hybrid_dims(ctx.mesh)
     ring_size, uly_size = ctx.mesh.size(ring_dim), ctx.mesh.size(uly_dim)
     ring_rank = ctx.mesh.get_local_rank(ring_dim)
-    members = lambda g: tuple(range(g * uly_size, (g + 1) * uly_size))  # noqa: E731
-    plans = ctx.layout.memo(
-        ("hybrid_plans", ring_rank, ring_size, ctx.causal),
-        lambda: ring_plans(ctx.layout, ring_rank, ring_size, members, ctx.causal),
-    )
-    return ctx.mesh.get_group(ring_dim), ctx.mesh.get_group(uly_dim), uly_size, plans
+    steps = ring_steps(ctx.layout, ring_rank, ring_size, _members(uly_size), ctx.mask, batch, device)
+    return ctx.mesh.get_group(ring_dim), ctx.mesh.get_group(uly_dim), uly_size, ctx.mesh.get_local_rank(uly_dim), steps
+
+
+def _members(u: int):
+    """The cp ranks of ring rank ``g``'s Ulysses group, in layout order."""
+    return lambda g: tuple(range(g * u, (g + 1) * u))
 
 
 class Hybrid(Strategy):
@@ -101,44 +113,61 @@ class Hybrid(Strategy):
 
     def forward(self, ctx: CPContext, q, k, v):
         b = q.shape[0]
-        ring_group, uly_group, u, plans = _axes(ctx)
+        ring_group, uly_group, u, part, steps = _axes(ctx, b, q.device)
         heads = head_index(ctx.layout, ctx.q_heads, ctx.kv_heads, u, q.device)
         q_h = _stacked_to_concat(scatter_heads(token_major(q), u, uly_group), b)  # (B*U*S, H/U, E)
         kv_h = _stacked_to_concat(kv_to_heads(token_major(k), token_major(v), heads, u, uly_group), b)
-        out_h, lse_h = ring_forward(q_h, kv_h[:, :, 0], kv_h[:, :, 1], b, ring_group, plans, ctx.kernel, ctx.scale)
+        sinks = head_slice(ctx.sinks, part, u)
+        out_h, lse_h = ring_forward(q_h, kv_h[:, :, 0], kv_h[:, :, 1], ring_group, steps, ctx.kernel, ctx.scale, sinks)
         out = gather_heads(_concat_to_stacked(out_h, b, u), uly_group)
         return head_major(out, b), (q_h, kv_h, out_h, lse_h)
 
     def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
         q_h, kv_h, out_h, lse_h = saved
         b = dout.shape[0]
-        ring_group, uly_group, u, plans = _axes(ctx)
+        ring_group, uly_group, u, part, steps = _axes(ctx, b, dout.device)
         heads = head_index(ctx.layout, ctx.q_heads, ctx.kv_heads, u, dout.device)
         dout_h = _stacked_to_concat(scatter_heads(token_major(dout), u, uly_group), b)
         dq_h, dk_h, dv_h = ring_backward(
-            dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, b, ring_group, plans, ctx.kernel, ctx.scale
+            dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, ring_group, steps, ctx.kernel, ctx.scale
         )
         dq = gather_heads(_concat_to_stacked(dq_h, b, u), uly_group)
         dkv = kv_from_heads(_concat_to_stacked(torch.stack([dk_h, dv_h], dim=2), b, u), heads, ctx.kv_heads, uly_group)
-        return head_major(dq, b), head_major(dkv[:, :, 0], b), head_major(dkv[:, :, 1], b)
+        dsinks = None
+        if ctx.sinks is not None:
+            grad = sinks_grad(dout_h, out_h, lse_h, head_slice(ctx.sinks, part, u))
+            dsinks = head_slice_grad(grad, ctx.sinks, part, u)
+        return head_major(dq, b), head_major(dkv[:, :, 0], b), head_major(dkv[:, :, 1], b), dsinks
 
     def saved_like(self, ctx: CPContext, q, k, v):
         return head_shards_like(q, k, self.mesh_ulysses_degree(ctx.mesh))
 
-    def local_head_pairs(self, layout, rank, causal, batch, q_heads, ulysses_degree=1) -> int:
+    def local_head_pairs(self, layout, rank, mask, batch, q_heads, ulysses_degree=1) -> int:
         """The Ulysses group's queries against every key, for 1/U of the heads."""
         u = ulysses_degree
-        members = tuple(range(rank // u * u, rank // u * u + u))
-        return make_plan(layout, members, None, causal).pairs(batch) * q_heads // u
+        return make_plan(layout, _members(u)(rank // u), None, mask).pairs(batch) * q_heads // u
 
-    def min_bytes(self, q, k, cp: int, ulysses_degree: int = 1, backward: bool = True) -> int:
-        """The Ulysses all-to-alls inside the group, then the ring among groups on the group's union:
-        ``U`` times the tokens at the K/V heads of one head shard."""
+    def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=CAUSAL) -> int:
+        """The Ulysses all-to-alls inside the group, then the ring among groups on the groups' unions
+        (``U`` times the tokens, at the K/V heads of one head shard), only the rows another group needs."""
+        axes = self.min_bytes_by_axis(q, k, cp, ulysses_degree, backward, layout, rank, mask)
+        return sum(a.nbytes for a in axes)
+
+    def min_bytes_by_axis(
+        self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=CAUSAL
+    ) -> tuple[AxisBytes, ...]:
+        """The ring among groups on ``cp_ring``, the all-to-alls inside a group on ``cp_ulysses``."""
         u = ulysses_degree
         uly = ULYSSES.min_bytes(q, k, u, backward=backward)
         b, _, s, d = k.shape
         k_ring = torch.empty(b, kv_heads_per_shard(q.shape[1], k.shape[1], u), s * u, d, dtype=k.dtype, device="meta")
-        return uly + RING.min_bytes(q, k_ring, cp // u, backward=backward)
+        if layout is None:
+            ring = RING.min_bytes(q, k_ring, cp // u, backward=backward)
+        else:
+            groups = range(cp // u) if rank is None else (rank // u,)
+            sent, recv = max(exchanged_rows(layout, g, cp // u, _members(u), mask, b) for g in groups)
+            ring = ring_bytes(k_ring, sent, recv, backward)
+        return AxisBytes("cp_ring", cp // u, ring, cp // u > 1), AxisBytes("cp_ulysses", u, uly, False)
 
     def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1) -> float:
         return head_shard_saved_bytes(act_bytes, q_heads, kv_heads, head_dim, ulysses_degree)

@@ -1,10 +1,11 @@
-"""Attention masks as tiles: causal and packed-document masks without a dense ``S x S`` matrix.
+"""Attention masks as tiles: causal, packed-document and sliding-window masks without a dense ``S x S`` matrix.
 
 The query buffer and the key buffer are each described by *runs* (see
 :mod:`titan_cp.layout`): stretches of consecutive global positions inside one document.
 A query at global position ``i`` of document ``d`` sees a key at position ``j`` of document
-``e`` iff ``d == e`` and (``j <= i`` when causal). For one query run against one key run
-of the same document, the visible set splits into at most three rectangles::
+``e`` iff ``d == e`` and, when causal, ``j <= i``, and, with a window ``w``, ``j > i - w``
+(at most ``w - 1`` positions back). For one query run against one key run of the same
+document, without a window, the visible set splits into at most three rectangles::
 
         keys:   [ks ........ qs ..... ke)        q run = [qs, qe), k run = [ks, ke)
                +-------------+---------+
@@ -13,11 +14,18 @@ of the same document, the visible set splits into at most three rectangles::
       qe       |    rows)    |  full'  |              spans overlap, top-left causal
                +-------------+---------+        full': rows past the overlap see all of it
 
+A window adds a lower edge ``j > i - w``: where the edge slides, the rows see an *upper*
+triangle (``j >= i`` on a square, the diagonal included), and where both edges slide (a row
+sees exactly its last ``w`` keys) the band is cut into blocks of ``w`` rows, each a causal
+square and the upper square of the ``w - 1`` keys before it. So every tile is a full
+rectangle, a causal square or an upper square; an upper square is a causal square with its
+rows and keys in reverse order, which is how the kernels run it (:mod:`.block`).
+
 Every causal tile is square and aligned on its diagonal, so kernels that align causal
 masks top-left (PyTorch's) and bottom-right (flash-attn) agree. Query/key pairs in
-different documents, and keys after the query, produce no tile at all: empty blocks are
-skipped, never computed and masked. Full tiles of one query range whose key ranges touch
-are coalesced into one kernel call.
+different documents, and keys after the query or out of the window, produce no tile at
+all: empty blocks are skipped, never computed and masked. Full tiles of one query range
+whose key ranges touch are coalesced into one kernel call.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ from titan_cp.layout import Runs
 class Tile:
     """One kernel call: query rows ``[q0, q1)`` against key rows ``[k0, k1)`` of the local buffers.
 
-    ``causal`` tiles are square (``q1 - q0 == k1 - k0``) with the diagonal at the top-left.
+    ``causal`` tiles are square (``q1 - q0 == k1 - k0``): row ``i`` sees keys ``j <= i``, or with
+    ``upper`` keys ``j >= i`` (the diagonal included both ways).
     """
 
     q0: int
@@ -40,6 +49,7 @@ class Tile:
     k0: int
     k1: int
     causal: bool
+    upper: bool = False
 
     @property
     def pairs(self) -> int:
@@ -67,31 +77,77 @@ def _coalesce(full: list[tuple[int, int, int, int]]) -> list[Tile]:
     return [Tile(q0, q1, k0, k1, False) for q0, q1, k0, k1 in out]
 
 
+def _breaks(qs: int, qe: int, ks: int, ke: int, window: int | None) -> list[int]:
+    """Query positions in ``[qs, qe)`` where the visible key interval changes shape."""
+    cuts = {qs, qe, ks, ke}
+    if window is not None:
+        cuts |= {ks + window - 1, ke + window - 1}
+    return sorted(p for p in cuts if qs <= p <= qe)
+
+
+def _band(pa: int, pb: int, window: int, tiles: list[tuple[str, int, int, int, int]]) -> None:
+    """Rows ``[pa, pb)`` that each see exactly their last ``window`` keys (global positions)."""
+    for a in range(pa, pb, window):
+        n = min(window, pb - a)
+        tiles.append(("causal", a, a + n, a, a + n))
+        m = min(n, window - 1)  # row i of the block sees keys [a - window + 1 + i, a)
+        if m:
+            tiles.append(("upper", a, a + m, a - window + 1, a - window + 1 + m))
+        if m < window - 1:  # a short last block: its rows see the rest of those keys whole
+            tiles.append(("full", a, a + n, a - window + 1 + m, a))
+
+
+def run_pair_tiles(qs: int, qe: int, ks: int, ke: int, causal: bool, window: int | None):
+    """``(kind, q0, q1, k0, k1)`` in global positions: the visible pairs of query positions
+    ``[qs, qe)`` on key positions ``[ks, ke)`` of one document, exactly once."""
+    if not causal:
+        return [("full", qs, qe, ks, ke)]
+    tiles: list[tuple[str, int, int, int, int]] = []
+    cuts = _breaks(qs, qe, ks, ke, window)
+    for pa, pb in zip(cuts, cuts[1:]):
+        if pa == pb:
+            continue
+        lo_slides = window is not None and pa >= ks + window - 1  # lo(P) = P - window + 1
+        hi_slides = pa < ke  # hi(P) = P, else ke - 1
+        lo = pa - window + 1 if lo_slides else ks
+        if pa < ks or (window is not None and pa >= ke + window - 1):
+            continue  # these rows see no key of the run
+        if hi_slides and lo_slides:
+            _band(pa, pb, window, tiles)
+        elif hi_slides:  # keys [ks, P]: the keys before the rows, then the causal square
+            if ks < pa:
+                tiles.append(("full", pa, pb, ks, pa))
+            tiles.append(("causal", pa, pb, pa, pb))
+        elif lo_slides:  # keys [P - window + 1, ke): an upper square, then the keys every row sees
+            top = min(pb - window + 1, ke)
+            if lo < top:
+                tiles.append(("upper", pa, pa + top - lo, lo, top))
+            if top < ke:
+                tiles.append(("full", pa, pb, top, ke))
+        else:
+            tiles.append(("full", pa, pb, ks, ke))
+    return tiles
+
+
 @functools.lru_cache(maxsize=4096)
-def plan_tiles(q_runs: Runs, k_runs: Runs, causal: bool) -> tuple[Tile, ...]:
-    """The tiles that compute exact (document-)masked attention of a query buffer on a key buffer."""
+def plan_tiles(q_runs: Runs, k_runs: Runs, causal: bool, window: int | None = None) -> tuple[Tile, ...]:
+    """The tiles that compute exact (document-, window-)masked attention of a query buffer on a key buffer."""
     by_doc: dict[int, list] = {}
     for kr in k_runs:
         by_doc.setdefault(kr.doc, []).append(kr)
     full: list[tuple[int, int, int, int]] = []
-    diag: list[Tile] = []
+    squares: list[Tile] = []
     for qr in q_runs:
         qs, qe = qr.start, qr.start + qr.length
         for kr in by_doc.get(qr.doc, ()):
             ks, ke = kr.start, kr.start + kr.length
-            if not causal:
-                full.append((qr.local, qr.local + qr.length, kr.local, kr.local + kr.length))
-                continue
-            a, b = ks, min(ke, qs)  # keys before the query run: visible to every row
-            if a < b:
-                full.append((qr.local, qr.local + qr.length, kr.local + a - ks, kr.local + b - ks))
-            a, b = max(ks, qs), min(ke, qe)  # keys inside the query run's span
-            if a < b:
-                q0, k0 = qr.local + a - qs, kr.local + a - ks
-                diag.append(Tile(q0, q0 + b - a, k0, k0 + b - a, True))
-                if b < qe:  # rows after the overlap see all of it
-                    full.append((qr.local + b - qs, qr.local + qr.length, k0, k0 + b - a))
-    return tuple(diag + _coalesce(full))
+            for kind, q0, q1, k0, k1 in run_pair_tiles(qs, qe, ks, ke, causal, window):
+                local = (qr.local + q0 - qs, qr.local + q1 - qs, kr.local + k0 - ks, kr.local + k1 - ks)
+                if kind == "full":
+                    full.append(local)
+                else:
+                    squares.append(Tile(*local, causal=True, upper=kind == "upper"))
+    return tuple(squares + _coalesce(full))
 
 
 def visible_pairs(tiles: tuple[Tile, ...]) -> int:

@@ -1,103 +1,177 @@
-"""Ring attention: K/V travel around the ring while each rank attends its own queries.
+"""Ring attention: each rank attends its own queries while the K/V it needs arrive, one peer per step.
 
-Step ``s`` of ``N``: rank ``r`` holds the K/V of rank ``r - s`` and folds their attention
-into its fp32 accumulators (log-sum-exp merge); meanwhile the same K/V are already on
-their way to rank ``r + 1`` (double buffering: the buffer being read and the one being
-received are different tensors), so the transfer hides behind the computation::
+Step ``s`` of ``N``: rank ``r`` holds what it needs of the K/V of rank ``r - s`` (its own at step
+0), received directly from that rank, and folds its attention into fp32 accumulators
+(log-sum-exp merge); meanwhile the next step's K/V are already on their way (double buffering:
+the buffer being read and the one arriving are different tensors), so the transfer hides behind
+the computation::
 
-    forward    out_r  = merge_s  attn(q_r, kv_{r-s})             kv: N-1 sends of the local K/V
-    backward   dq_r   = sum_s    dattn_q(q_r, kv_{r-s})           kv: N-1 sends again
-               dkv_j  = sum_r    dattn_kv(q_r, kv_j)              dkv: N-1 sends (fp32)
+    forward    out_r = merge_s attn(q_r, kv_{r-s}[need(r, r-s)])    and sends kv_r[need(r+s, r)] to r+s
+    backward   dq_r  = sum_s dattn_q(q_r, kv_{r-s}[need(r, r-s)])    the same K/V sent again
+               dkv_r[need(r+s, r)] += dattn_kv from rank r+s         each gradient goes straight home (fp32)
 
-The backward is the forward's ring run again with the gradient of each K/V block riding
-one step behind it: rank ``r`` adds its share to the accumulator of block ``r - s`` it just
-received and passes it on; after the last step every accumulator has visited all ranks
-and arrives home. With the zigzag layouts every step carries the same causal work on
-every rank; a step whose mask plan is empty (nothing visible) computes nothing.
+``need(i, j)``: the rows of rank ``j``'s K/V that some query of rank ``i`` can see, from the
+layout and the mask (every rank computes every ``need``, so no size is ever exchanged). Only
+those rows travel: without documents under ``zigzag`` a rank needs all of a later rank's K/V and
+half of an earlier one's; under ``doc_local`` a document whole on one rank never leaves it; with
+a sliding window only the rows a neighbour's window reaches. A step with nothing to receive
+computes nothing, one with nothing to send sends nothing.
 
-Saves only the local q, k, v, out and lse: remote K/V are sent round again in the backward.
-One rank (``N = 1``) is plain local attention. For the hybrid strategy a "rank" of this ring
-is a whole Ulysses group, and its buffer the concatenation of the group members' shards.
+Saves only the local q, k, v, out and lse: remote K/V are sent again in the backward. One rank
+(``N = 1``) is plain local attention. For the hybrid strategy a "rank" of this ring is a whole
+Ulysses group, and its buffer the concatenation of the group members' shards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from titan_cp.attention.block import (
-    Plan,
-    block_backward,
-    block_forward,
-    head_major,
-    make_plan,
-    new_accumulators,
-    token_major,
-)
-from titan_cp.attention.comm import RingComm
+from titan_cp.attention.comm import NOTHING, PeerComm
 from titan_cp.attention.context import CPContext
+from titan_cp.attention.fold import Fold, fold_backward, fold_forward, make_fold, new_accumulators
+from titan_cp.attention.merge import apply_sinks_, sinks_grad
+from titan_cp.attention.plans import CAUSAL, Mask, MaskPlan, PlanIndex, head_major, make_plan, token_major
 from titan_cp.attention.strategy import Strategy, register_strategy
-from titan_cp.layout import SequenceLayout
+from titan_cp.layout import SequenceLayout, to_device
 
 
-def ring_plans(
-    layout: SequenceLayout, ring_rank: int, ring_size: int, members: Callable[[int], Sequence[int]], causal: bool
-) -> list[Plan]:
-    """Mask plan of each ring step: my queries against the K/V of ring rank ``ring_rank - step``."""
-    mine = tuple(members(ring_rank))
-    return [
-        make_plan(layout, mine, tuple(members((ring_rank - step) % ring_size)), causal) for step in range(ring_size)
-    ]
+@dataclass(frozen=True)
+class RingStep:
+    """Step ``s`` of one rank's ring: my queries on what I need of ring rank ``src``'s K/V.
 
-
-def ring_forward(q_t, k_t, v_t, batch: int, group, plans: list[Plan], kernel, scale: float):
-    """``(out_t, lse)``: ``(B*S, H, E)`` output in q's dtype and ``(H, B*S)`` fp32 lse.
-
-    Token-major ``q_t (B*S, H, E)``, ``k_t, v_t (B*S, K, E)``; ``plans[s]`` is step ``s``'s mask plan.
+    ``recv``: rows of ``src``'s buffer received (0: nothing, the step is skipped); ``send``: device rows
+    of my buffer that ``dst`` needs (``None``: nothing to send), ``send_all`` when that is all of it.
     """
-    n = len(plans)
-    comm = RingComm(group) if n > 1 else None
+
+    src: int
+    dst: int
+    plan: MaskPlan
+    index: PlanIndex
+    fold: Fold
+    recv: int
+    send: torch.Tensor | None
+    send_all: bool
+
+
+def ring_plans(layout: SequenceLayout, ring_rank: int, ring_size: int, members, mask: Mask) -> list[MaskPlan]:
+    """Mask plan of each ring step: my queries against the K/V of ring rank ``ring_rank - step`` (full numbering)."""
+    mine = tuple(members(ring_rank))
+    return [make_plan(layout, mine, tuple(members((ring_rank - s) % ring_size)), mask) for s in range(ring_size)]
+
+
+def _key_map(rows: torch.Tensor, size: int) -> torch.Tensor:
+    """For each row of a full buffer of ``size`` rows, its place among ``rows`` (-1 where not held)."""
+    out = torch.full((size,), -1, dtype=torch.int64)
+    out[rows] = torch.arange(len(rows))
+    return out
+
+
+def ring_steps(
+    layout: SequenceLayout,
+    ring_rank: int,
+    ring_size: int,
+    members: Callable[[int], Sequence[int]],
+    mask: Mask,
+    batch: int,
+    device: torch.device,
+) -> list[RingStep]:
+    """Every step of ring rank ``ring_rank``'s ring (cached on the layout: once per microbatch)."""
+
+    def build() -> list[RingStep]:
+        mine = tuple(members(ring_rank))
+        size = batch * layout.local_len * len(mine)
+        seen = torch.zeros(size, dtype=torch.bool)
+        steps = []
+        for s in range(ring_size):
+            src, dst = (ring_rank - s) % ring_size, (ring_rank + s) % ring_size
+            plan = make_plan(layout, mine, tuple(members(src)), mask)
+            if s == 0:
+                index, recv, send, send_all = plan.index(batch, device), 0, None, False
+            else:
+                need = plan.key_rows(batch)
+                index = plan.index(batch, device, (("recv", s), _key_map(need, size)))
+                rows = make_plan(layout, tuple(members(dst)), mine, mask).key_rows(batch)
+                recv, send_all = len(need), len(rows) == size
+                send = to_device(rows, device) if len(rows) else None
+            fold = make_fold(plan.q_dest(batch), seen, device)
+            steps.append(RingStep(src, dst, plan, index, fold, recv, send, send_all))
+        return steps
+
+    return layout.memo(("ring_steps", ring_rank, ring_size, tuple(members(ring_rank)), mask, batch, device), build)
+
+
+def _post_kv(comm: PeerComm | None, kv: torch.Tensor, steps: list[RingStep], s: int):
+    """Post step ``s``'s K/V exchange (``kv (2, B*S, K, E)``): my rows ``dst`` needs out, ``src``'s in."""
+    if s >= len(steps):
+        return NOTHING
+    step = steps[s]
+    send = None if step.send is None else (kv if step.send_all else kv.index_select(1, step.send))
+    recv = kv.new_empty((2, step.recv) + tuple(kv.shape[2:])) if step.recv else None
+    return comm.exchange(send, step.dst, recv, step.src, tag=0)
+
+
+def ring_forward(q_t, k_t, v_t, group, steps: list[RingStep], kernel, scale: float, sinks=None):
+    """``(out_t, lse)``: ``(B*S, H, E)`` output in q's dtype and ``(H, B*S)`` fp32 lse (sinks folded in).
+
+    Token-major ``q_t (B*S, H, E)``, ``k_t, v_t (B*S, K, E)``; ``steps`` from :func:`ring_steps`.
+    """
+    comm = PeerComm(group) if len(steps) > 1 else None
     kv = torch.stack([k_t, v_t])  # one message per step: (2, B*S, K, E)
     out_acc, lse = new_accumulators(q_t)
-    for step, plan in enumerate(plans):
-        inflight = comm.send_recv(kv, tag=0) if step + 1 < n else None
-        block_forward(q_t, kv[0], kv[1], batch, plan, kernel, scale, out_acc, lse)
-        if inflight is not None:
-            kv = inflight.wait()
+    pending = _post_kv(comm, kv, steps, 1)
+    fold_forward(q_t, k_t, v_t, steps[0].index, steps[0].fold, kernel, scale, out_acc, lse)
+    for s in range(1, len(steps)):
+        buf = pending.wait()
+        pending = _post_kv(comm, kv, steps, s + 1)
+        if buf is not None:
+            fold_forward(q_t, buf[0], buf[1], steps[s].index, steps[s].fold, kernel, scale, out_acc, lse)
+    if sinks is not None:
+        apply_sinks_(out_acc, lse, sinks)
     return out_acc.to(q_t.dtype), lse
 
 
-def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, batch: int, group, plans: list[Plan], kernel, scale: float):
-    """``(dq_t, dk_t, dv_t)`` token-major in the input dtype; ``lse`` as :func:`ring_forward` returned it."""
-    n = len(plans)
-    comm = RingComm(group) if n > 1 else None
+def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, steps: list[RingStep], kernel, scale: float):
+    """``(dq_t, dk_t, dv_t)`` token-major in the input dtype; ``out_t, lse`` as :func:`ring_forward` returned them."""
+    comm = PeerComm(group) if len(steps) > 1 else None
     kv = torch.stack([k_t, v_t])
     dq = torch.zeros(q_t.shape, dtype=torch.float32, device=q_t.device)
-    own = None  # gradient of my own K/V computed by me (step 0)
-    travelling = None  # in-flight exchange of accumulated dK/dV
-    for step, plan in enumerate(plans):
-        inflight = comm.send_recv(kv, tag=0) if step + 1 < n else None
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        block_backward(dout_t, q_t, kv[0], kv[1], out_t, lse, batch, plan, kernel, scale, dq, dkv[0], dkv[1])
-        if step == 0:
-            own = dkv
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    pending = _post_kv(comm, kv, steps, 1)
+    fold_backward(dout_t, q_t, k_t, v_t, out_t, lse, steps[0].index, kernel, scale, dq, dkv[0], dkv[1])
+    returning = None  # (exchange, step): dK/dV of my rows on their way home from that step's dst
+    for s in range(1, len(steps)):
+        step = steps[s]
+        buf = pending.wait()
+        pending = _post_kv(comm, kv, steps, s + 1)
+        grad = None
+        if buf is not None:
+            grad = torch.zeros(buf.shape, dtype=torch.float32, device=buf.device)
+            fold_backward(dout_t, q_t, buf[0], buf[1], out_t, lse, step.index, kernel, scale, dq, grad[0], grad[1])
+        _add_home(dkv, returning)
+        recv = dkv.new_empty((2, len(step.send)) + tuple(dkv.shape[2:])) if step.send is not None else None
+        returning = (comm.exchange(grad, step.src, recv, step.dst, tag=1), step)
+    _add_home(dkv, returning)
+    return dq.to(q_t.dtype), dkv[0].to(k_t.dtype), dkv[1].to(v_t.dtype)
+
+
+def _add_home(dkv: torch.Tensor, returning) -> None:
+    """Add the gradients of my rows that a peer computed (``(exchange, step)``) into ``dkv``."""
+    if returning is None:
+        return
+    exchange, step = returning
+    grad = exchange.wait()
+    if grad is not None:
+        if step.send_all:
+            dkv.add_(grad)
         else:
-            if travelling is not None:
-                dkv += travelling.wait()  # what the ranks before me added for this block
-            travelling = comm.send_recv(dkv, tag=1)
-        if inflight is not None:
-            kv = inflight.wait()
-    if travelling is not None:
-        own += travelling.wait()  # my block's accumulator, home after visiting every rank
-    own = own.to(k_t.dtype)
-    return dq.to(q_t.dtype), own[0], own[1]
+            dkv.index_add_(1, step.send, grad)
 
 
-def _plans(ctx: CPContext) -> list[Plan]:
-    n = ctx.layout.cp_size
-    key = ("ring_plans", ctx.rank, ctx.causal)
-    return ctx.layout.memo(key, lambda: ring_plans(ctx.layout, ctx.rank, n, lambda r: (r,), ctx.causal))
+def _steps(ctx: CPContext, batch: int, device) -> list[RingStep]:
+    return ring_steps(ctx.layout, ctx.rank, ctx.layout.cp_size, lambda r: (r,), ctx.mask, batch, device)
 
 
 def _group(ctx: CPContext):
@@ -105,12 +179,35 @@ def _group(ctx: CPContext):
 
 
 def kv_block_bytes(act_bytes: int, kv_heads: int, head_dim: int, tokens: int) -> int:
-    """Bytes of one K/V block (K and V of ``tokens`` tokens): what one ring step moves."""
+    """Bytes of one K/V block (K and V of ``tokens`` tokens)."""
     return 2 * kv_heads * head_dim * tokens * act_bytes
 
 
+def exchanged_rows(
+    layout: SequenceLayout, ring_rank: int, ring_size: int, members, mask: Mask, batch: int
+) -> tuple[int, int]:
+    """``(rows sent, rows received)`` of K/V by ring rank ``ring_rank`` over one pass of the ring (host only)."""
+    mine = tuple(members(ring_rank))
+    sent = recv = 0
+    for s in range(1, ring_size):
+        src, dst = (ring_rank - s) % ring_size, (ring_rank + s) % ring_size
+        recv += len(make_plan(layout, mine, tuple(members(src)), mask).key_rows(batch))
+        sent += len(make_plan(layout, tuple(members(dst)), mine, mask).key_rows(batch))
+    return sent, recv
+
+
+def ring_bytes(k, sent: int, recv: int, backward: bool) -> int:
+    """Bytes a ring rank sends: its K/V rows (forward, and again in the backward), and the fp32
+    gradients of the rows it received."""
+    row = 2 * k.shape[1] * k.shape[3]  # K and V elements of one token
+    total = sent * row * k.element_size()
+    if backward:
+        total += sent * row * k.element_size() + recv * row * 4
+    return total
+
+
 class Ring(Strategy):
-    """K/V blocks travel around the cp ring (module docstring); also the one-device path."""
+    """K/V rows travel to the ranks that need them, one peer per step (module docstring); also the one-device path."""
 
     name = "ring"
     keeps = ("q", "k", "v", "out")
@@ -120,40 +217,44 @@ class Ring(Strategy):
 
     def forward(self, ctx: CPContext, q, k, v):
         b = q.shape[0]
+        steps = _steps(ctx, b, q.device)
         out_t, lse = ring_forward(
-            token_major(q), token_major(k), token_major(v), b, _group(ctx), _plans(ctx), ctx.kernel, ctx.scale
+            token_major(q), token_major(k), token_major(v), _group(ctx), steps, ctx.kernel, ctx.scale, ctx.sinks
         )
         return head_major(out_t, b), (lse,)
 
     def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
         b = q.shape[0]
+        dout_t, out_t, lse = token_major(dout), token_major(out), saved[0]
+        steps = _steps(ctx, b, q.device)
         grads = ring_backward(
-            token_major(dout),
+            dout_t,
             token_major(q),
             token_major(k),
             token_major(v),
-            token_major(out),
-            saved[0],
-            b,
+            out_t,
+            lse,
             _group(ctx),
-            _plans(ctx),
+            steps,
             ctx.kernel,
             ctx.scale,
         )
-        return tuple(head_major(g, b) for g in grads)
+        dsinks = None if ctx.sinks is None else sinks_grad(dout_t, out_t, lse, ctx.sinks)
+        return (*(head_major(g, b) for g in grads), dsinks)
 
     def saved_like(self, ctx: CPContext, q, k, v):
         b, h, s, _ = q.shape
         return (q.new_empty((h, b * s), dtype=torch.float32),)
 
-    def min_bytes(self, q, k, cp: int, ulysses_degree: int = 1, backward: bool = True) -> int:
-        """Every K/V block must visit the N-1 other ranks (forward, and again in the backward)
-        and its fp32 gradient must come home."""
-        kv = 2 * k.numel() * k.element_size()
-        total = (cp - 1) * kv
-        if backward:
-            total += (cp - 1) * kv + (cp - 1) * 2 * k.numel() * 4
-        return total
+    def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=CAUSAL) -> int:
+        """K/V rows sent to the ranks that need them, and the gradients of the rows received sent home
+        (:func:`ring_bytes`). Without a layout every rank needs all of every other rank's K/V."""
+        if layout is None:
+            sent = recv = (cp - 1) * k.shape[0] * k.shape[2]
+        else:
+            ranks = range(cp) if rank is None else (rank,)
+            sent, recv = max(exchanged_rows(layout, r, cp, lambda i: (i,), mask, k.shape[0]) for r in ranks)
+        return ring_bytes(k, sent, recv, backward)
 
     def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1) -> float:
         """q, out, k, v as stored locally and the fp32 lse."""
@@ -161,7 +262,7 @@ class Ring(Strategy):
         return 2 * a * h * e + 2 * a * kv_heads * e + 4 * h
 
     def buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1) -> int:
-        """Two K/V blocks (the one read, the one arriving) and two fp32 dK/dV accumulators."""
+        """At most two K/V blocks (the one read, the one arriving) and two fp32 dK/dV blocks."""
         if cp == 1:
             return 0
         kvb = kv_block_bytes(act_bytes, kv_heads, head_dim, local_tokens)

@@ -10,6 +10,7 @@ benchmarks never compare a strategy's name; they ask its :class:`Strategy`::
     s.check_heads(32, 8, cp=8, ulysses_degree=2)
     s.forward(ctx, q, k, v) / s.backward(...) / s.saved_like(...)   the op itself
     s.min_bytes(q, k, cp, ulysses_degree)     bytes per rank, forward (+ backward)
+    s.min_bytes_by_axis(q, k, cp, ...)        the same per axis of the cp sub-mesh (the planner's links)
     s.saved_bytes_per_token(...)              what the op keeps for backward, per local token
     s.buffer_bytes(...)                       receive buffers alive during the op
 
@@ -23,6 +24,7 @@ A fifth strategy is one subclass and one :func:`register_strategy` call.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -48,6 +50,20 @@ def kv_head_map(q_heads: int, kv_heads: int, n: int) -> list[int] | None:
 def kv_heads_per_shard(q_heads: int, kv_heads: int, n: int) -> int:
     """K/V heads each of ``n`` head shards holds: ``kv_heads / n``, or 1 when ``n`` exceeds them."""
     return 1 if kv_head_map(q_heads, kv_heads, n) is not None else kv_heads // n
+
+
+@dataclass(frozen=True)
+class AxisBytes:
+    """Bytes one rank sends on one axis of a strategy's cp sub-mesh (see :meth:`Strategy.min_bytes_by_axis`).
+
+    ``ring``: sent as ``size - 1`` ring steps per pass, each overlapping a step of attention;
+    otherwise in collectives the attention waits for.
+    """
+
+    axis: str
+    size: int
+    nbytes: int
+    ring: bool
 
 
 class Strategy:
@@ -117,8 +133,9 @@ class Strategy:
         """``(out, saved)`` for this rank's shards."""
         raise NotImplementedError
 
-    def backward(self, ctx, dout, q, k, v, out, saved) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)``; only the inputs named in :attr:`keeps` are given (others ``None``)."""
+    def backward(self, ctx, dout, q, k, v, out, saved) -> tuple:
+        """``(dq, dk, dv, dsinks)`` (``dsinks`` ``None`` without sinks: else this rank's share, ``(q_heads,)``
+        fp32); only the inputs named in :attr:`keeps` are given (others ``None``)."""
         raise NotImplementedError
 
     def saved_like(self, ctx, q, k, v) -> tuple[torch.Tensor, ...]:
@@ -126,9 +143,24 @@ class Strategy:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ costs, per rank
-    def min_bytes(self, q, k, cp: int, ulysses_degree: int = 1, backward: bool = True) -> int:
-        """Bytes this rank must send for one forward (+ backward) on local shapes ``q, k``."""
+    def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=None) -> int:
+        """Bytes this rank sends for one forward (+ backward) on local shapes ``q, k``.
+
+        With ``layout`` (and ``mask``, causal by default) the bytes of what the ranks actually need
+        of each other under that layout, for ``rank`` (``None``: the rank sending most); without, the
+        dense case (every rank needs every other rank's K/V).
+        """
         raise NotImplementedError
+
+    def min_bytes_by_axis(
+        self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=None
+    ) -> tuple[AxisBytes, ...]:
+        """:meth:`min_bytes` split over the axes of :meth:`mesh_dims` (outermost first)."""
+        ((axis, size),) = self.mesh_dims(cp, ulysses_degree)
+        ring = self.ring_size(cp, ulysses_degree) > 1
+        kwargs = {} if mask is None else {"mask": mask}
+        nbytes = self.min_bytes(q, k, cp, ulysses_degree, backward, layout, rank, **kwargs)
+        return (AxisBytes(axis, size, nbytes, ring),)
 
     def saved_bytes_per_token(
         self, act_bytes: int, q_heads: int, kv_heads: int, head_dim: int, cp: int, ulysses_degree: int = 1
@@ -140,15 +172,14 @@ class Strategy:
         """
         raise NotImplementedError
 
-    def local_head_pairs(
-        self, layout, rank: int, causal: bool, batch: int, q_heads: int, ulysses_degree: int = 1
-    ) -> int:
-        """Visible (query, key) pairs this rank's kernels compute, summed over the heads they run
-        (``q_heads``: local query heads before any exchange). Summed over the cp ranks it is the
-        whole layer's pairs times the heads: the work is split, never repeated."""
-        from titan_cp.attention.block import make_plan  # noqa: PLC0415 - the engine imports this module
+    def local_head_pairs(self, layout, rank: int, mask, batch: int, q_heads: int, ulysses_degree: int = 1) -> int:
+        """Visible (query, key) pairs this rank's kernels compute under ``mask`` (a
+        :class:`~titan_cp.attention.plans.Mask`), summed over the heads they run (``q_heads``: local
+        query heads before any exchange). Summed over the cp ranks it is the whole layer's pairs
+        times the heads: the work is split, never repeated."""
+        from titan_cp.attention.plans import make_plan  # noqa: PLC0415 - the engine imports this module
 
-        return make_plan(layout, (rank,), None, causal).pairs(batch) * q_heads
+        return make_plan(layout, (rank,), None, mask).pairs(batch) * q_heads
 
     def buffer_bytes(
         self,

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from titan_cp.attention.block import head_major, make_plan, plan_backward, plan_forward, token_major
 from titan_cp.attention.comm import all_to_all
 from titan_cp.attention.context import CPContext
+from titan_cp.attention.fold import plan_backward, plan_forward
+from titan_cp.attention.merge import sinks_grad
+from titan_cp.attention.plans import head_major, make_plan, token_major
 from titan_cp.attention.strategy import Strategy, kv_head_map, kv_heads_per_shard, register_strategy
 from titan_cp.layout import SequenceLayout, to_device
 
@@ -75,7 +77,24 @@ def kv_from_heads(dkv_h: torch.Tensor, heads: torch.Tensor | None, kv_heads: int
 
 
 def _plan(ctx: CPContext):
-    return make_plan(ctx.layout, None, None, ctx.causal)
+    return make_plan(ctx.layout, None, None, ctx.mask)
+
+
+def head_slice(sinks: torch.Tensor | None, part: int, parts: int) -> torch.Tensor | None:
+    """The sink logits of head group ``part`` of ``parts`` (the heads :func:`scatter_heads` sends there)."""
+    if sinks is None:
+        return None
+    n = sinks.shape[0] // parts
+    return sinks[part * n : (part + 1) * n]
+
+
+def head_slice_grad(grad: torch.Tensor, sinks: torch.Tensor, part: int, parts: int) -> torch.Tensor:
+    """``grad`` of head group ``part``'s sinks placed in a zero gradient of all the sinks: summed over the
+    ranks (as FSDP sums every gradient over cp), the groups make up the whole."""
+    full = torch.zeros(sinks.shape, dtype=torch.float32, device=grad.device)
+    n = sinks.shape[0] // parts
+    full[part * n : (part + 1) * n] = grad
+    return full
 
 
 def head_shards_like(q, k, n: int):
@@ -113,7 +132,8 @@ class Ulysses(Strategy):
         q_h = layout.stacked_to_natural(scatter_heads(token_major(q), n, group), batch)  # (B*S_full, H/N, E)
         kv_h = layout.stacked_to_natural(kv_to_heads(token_major(k), token_major(v), heads, n, group), batch)
         k_h, v_h = kv_h[:, :, 0], kv_h[:, :, 1]
-        out_h, lse_h = plan_forward(q_h, k_h, v_h, batch, _plan(ctx), ctx.kernel, ctx.scale)
+        sinks = head_slice(ctx.sinks, ctx.rank, n)
+        out_h, lse_h = plan_forward(q_h, k_h, v_h, batch, _plan(ctx), ctx.kernel, ctx.scale, sinks)
         out = gather_heads(layout.natural_to_stacked(out_h, batch), group)  # (B*S, H, E)
         return head_major(out, batch), (q_h, kv_h, out_h, lse_h)
 
@@ -130,18 +150,22 @@ class Ulysses(Strategy):
         dkv = kv_from_heads(
             layout.natural_to_stacked(torch.stack([dk_h, dv_h], dim=2), batch), heads, ctx.kv_heads, group
         )
-        return head_major(dq, batch), head_major(dkv[:, :, 0], batch), head_major(dkv[:, :, 1], batch)
+        dsinks = None
+        if ctx.sinks is not None:
+            grad = sinks_grad(dout_h, out_h, lse_h, head_slice(ctx.sinks, ctx.rank, n))
+            dsinks = head_slice_grad(grad, ctx.sinks, ctx.rank, n)
+        return head_major(dq, batch), head_major(dkv[:, :, 0], batch), head_major(dkv[:, :, 1], batch), dsinks
 
     def saved_like(self, ctx: CPContext, q, k, v):
         return head_shards_like(q, k, ctx.cp_size)
 
-    def local_head_pairs(self, layout, rank, causal, batch, q_heads, ulysses_degree=1) -> int:
+    def local_head_pairs(self, layout, rank, mask, batch, q_heads, ulysses_degree=1) -> int:
         """The whole row's pairs for 1/N of the heads."""
-        return make_plan(layout, None, None, causal).pairs(batch) * q_heads // layout.cp_size
+        return make_plan(layout, None, None, mask).pairs(batch) * q_heads // layout.cp_size
 
-    def min_bytes(self, q, k, cp: int, ulysses_degree: int = 1, backward: bool = True) -> int:
+    def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=None) -> int:
         """All-to-all traffic: (N-1)/N of q, of the K/V each rank must ship, and of the output; the
-        backward moves the same amounts the other way."""
+        backward moves the same amounts the other way. The layout does not change it (heads move, not rows)."""
         if cp == 1:
             return 0
         kv_heads = max(k.shape[1], cp) if kv_head_map(q.shape[1], k.shape[1], cp) else k.shape[1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from titan_cp.config.sections import (
     Validation,
     flavors,
 )
-from titan_cp.config.training import Training
+from titan_cp.config.training import Training, check_microbatch_tokens
 from titan_cp.config.values import Section
 from titan_cp.layout import seq_len_multiple
 
@@ -161,27 +162,36 @@ class JobConfig:
         _check_seq_len("training.seq_len", t.seq_len, p)
         if v.seq_len != -1:
             _check_seq_len("validation.seq_len", v.seq_len, p)
+        if v.enable:
+            check_microbatch_tokens("validation", *self.validation_rows())
         if -1 not in self.parallel_degrees().values():
             self.resolve_batch_sizes(p.data_parallel_replicate_degree * p.data_parallel_shard_degree)
         return notes
 
+    def validation_rows(self) -> tuple[int, int]:
+        """``(rows per data-parallel rank, seq_len)`` of a validation microbatch (-1s resolved)."""
+        t, v = self.training, self.validation
+        return (t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size), (
+            t.seq_len if v.seq_len == -1 else v.seq_len
+        )
+
     def check_files(self) -> None:
-        """What the files on disk can tell before any process starts: the tokenizer, each dataset's
-        path, the checkpoint to resume or start from. Raises ``ValueError`` naming the key."""
-        m = self.model
-        if m.hf_assets_path:
-            path = Path(m.hf_assets_path)
-            if not (path / "tokenizer.json").is_file() and not (path.is_file() and path.suffix == ".json"):
-                raise ValueError(
-                    f"model.hf_assets_path = {m.hf_assets_path!r} holds no tokenizer.json; point it at "
-                    "a local folder with one, or leave it unset for the built-in byte tokenizer"
-                )
-        if m.name == "hf":
+        """What the files on disk and this machine can tell before any process starts: the output
+        folder can be written, the tokenizer is JSON, each dataset's path exists, the checkpoint to
+        resume (its files whole) or to start from, a microbatch fits the host memory. Raises
+        ``ValueError`` naming the key (and the file). Writes nothing."""
+        from titan_cp.data.tokenizer import check_tokenizer_files  # noqa: PLC0415 - the data package imports torch
+
+        _check_dump_folder(self.job.dump_folder)
+        if self.model.hf_assets_path:
+            check_tokenizer_files(self.model.hf_assets_path)
+        if self.model.name == "hf":
             from titan_cp.integrations.hf_trainer import check_job  # noqa: PLC0415 - needs transformers
 
             check_job(self)
         _check_dataset_paths(self.training, self.validation)
         _check_checkpoint_paths(self.checkpoint, Path(self.job.dump_folder))
+        _check_host_memory(self)
 
 
 @functools.cache
@@ -260,17 +270,63 @@ def _check_dataset_paths(t: Training, v: Validation) -> None:
 
 
 def _check_checkpoint_paths(c: Checkpoint, dump_folder: Path) -> None:
-    """The step to resume exists; the weights to start from exist when nothing is resumed."""
-    if not c.enable:  # nothing to resume: initial_load_path is used
-        if c.initial_load_path and not Path(c.initial_load_path).exists():
-            raise ValueError(f"checkpoint.initial_load_path = {c.initial_load_path!r} does not exist")
+    """The checkpoint to resume exists and is whole (:func:`titan_cp.checkpoint.check_resume`); the
+    weights to start from exist, and are whole, when nothing is resumed."""
+    from titan_cp import checkpoint  # noqa: PLC0415 - torch's checkpoint reader, needed here only
+    from titan_cp.model import hf  # noqa: PLC0415 - as above
+
+    resumed = checkpoint.check_resume(dump_folder / c.folder, c.load_step) if c.enable else None
+    if resumed is not None or not c.initial_load_path:
         return
-    folder = dump_folder / c.folder
-    steps = sorted(int(d.name[5:]) for d in folder.glob("step-*") if d.is_dir() and d.name[5:].isdigit())
-    if c.load_step != -1 and c.load_step not in steps:
+    path, key = Path(c.initial_load_path), "checkpoint.initial_load_path"
+    if not path.exists():
+        raise ValueError(f"{key} = {c.initial_load_path!r} does not exist")
+    if c.initial_load_in_hf:
+        hf.check_hf_folder(path, key)
+    elif (path / ".metadata").is_file():
+        what = f"{key} = {c.initial_load_path!r}"
+        fix = "point it at a checkpoint that is whole"
+        checkpoint.verify_files(path, checkpoint.read_metadata(path, what, fix), what, fix)
+
+
+def _check_dump_folder(dump_folder: str) -> None:
+    """``job.dump_folder`` is a folder this process can write in, or can be made in one."""
+    path = Path(dump_folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing == path and not path.is_dir():
+        raise ValueError(f"job.dump_folder = {dump_folder!r} is a file, not a folder; choose a folder")
+    if not existing.is_dir():
+        raise ValueError(f"job.dump_folder = {dump_folder!r} cannot be made: {str(existing)!r} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        made = "" if existing == path else " (where it would be made)"
         raise ValueError(
-            f"checkpoint.load_step = {c.load_step}, but {folder} holds "
-            f"{'steps ' + str(steps) if steps else 'no checkpoint'}"
+            f"job.dump_folder = {dump_folder!r}: cannot write in {str(existing)!r}{made}; choose a folder you can write"
         )
-    if not steps and c.initial_load_path and not Path(c.initial_load_path).exists():
-        raise ValueError(f"checkpoint.initial_load_path = {c.initial_load_path!r} does not exist")
+
+
+_HOST_BYTES_PER_TOKEN = 32  # the loader's tokens, labels, positions and recall distances, int64 each
+
+
+def _check_host_memory(cfg: JobConfig) -> None:
+    """One microbatch of rows fits this machine's memory, for every rank on it (``LOCAL_WORLD_SIZE``):
+    the loader alone holds ``rows * seq_len * 32`` bytes of int64 per-token tensors (a lower bound)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no such query on this system: nothing to compare with
+        return
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    t = cfg.training
+    for section, (rows, seq_len) in (
+        ("training", (t.local_batch_size, t.seq_len)),
+        ("validation", cfg.validation_rows()),
+    ):
+        if section == "validation" and not cfg.validation.enable:
+            continue
+        need = rows * seq_len * _HOST_BYTES_PER_TOKEN * local_ranks
+        if need > total:
+            raise ValueError(
+                f"{section}.seq_len = {seq_len} with {section}.local_batch_size = {rows}: one microbatch needs at "
+                f"least {need / 2**30:.1f} GiB of host memory on {local_ranks} rank(s) ({_HOST_BYTES_PER_TOKEN} "
+                f"bytes per token), this machine has {total / 2**30:.1f} GiB; lower {section}.seq_len or "
+                f"{section}.local_batch_size"
+            )

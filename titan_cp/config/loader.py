@@ -47,7 +47,8 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str | None]]:
         is_bool = _base(known.get(name)) is bool
         takes_word = i < len(argv) and not argv[i].startswith("--")
         if is_bool and takes_word and argv[i].lower() not in BOOL_WORDS:
-            takes_word = False  # a bare flag followed by something else
+            # no argument is positional: a word after a flag is its value, a wrong one
+            raise ValueError(f"--{name} must be true or false (or given alone, meaning true), got {argv[i]!r}")
         if takes_word:
             out.append((name, argv[i]))
             i += 1
@@ -68,14 +69,25 @@ def flatten_toml(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def read_toml(path: str) -> dict[str, Any]:
-    """The flattened table of the TOML file ``path``; ``ValueError`` naming ``job.config_file``."""
+    """The flattened table of the TOML file ``path``; ``ValueError`` naming ``job.config_file``
+    for a file that is missing, a folder, unreadable, not UTF-8 text or not valid TOML."""
+    where = f"job.config_file = {path!r}"
     try:
         with open(path, "rb") as f:
             return flatten_toml(tomllib.load(f))
     except FileNotFoundError:
-        raise ValueError(f"job.config_file = {path!r} does not exist") from None
+        raise ValueError(f"{where} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"{where} is a folder; give the TOML file (e.g. train_configs/debug_cp.toml)") from None
+    except OSError as e:
+        raise ValueError(f"{where} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{where} is not a text file (byte {e.object[e.start]:#04x} at offset {e.start} is not UTF-8); "
+            "give the TOML file"
+        ) from None
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"job.config_file = {path!r} is not valid TOML: {e}") from None
+        raise ValueError(f"{where} is not valid TOML: {e}") from None
 
 
 @dataclass
@@ -167,6 +179,7 @@ def usage() -> str:
         "",
         "Precedence: command line > TOML > defaults. Booleans: --section.flag / --section.no_flag;",
         "lists comma-separated; 'none' unsets an optional value. Presets: train_configs/*.toml.",
+        "Bad input is one line and exit status 2; --debug (or TITAN_CP_DEBUG=1) shows its traceback.",
     ]
     for name, cls in section_types().items():
         lines.append(f"\n[{name}]")

@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+from titan_cp.config.training import SEQ_LEN_BOUND
 from titan_cp.config.values import AtLeast, IncreasingPositive, InRange, OneOf, Positive, PositiveOrAuto, Section
 
 
@@ -252,8 +253,8 @@ class Validation(Section, name="validation"):
     local_batch_size: Annotated[int, PositiveOrAuto] = -1
     """Rows per data-parallel rank. -1: ``training.local_batch_size``."""
 
-    seq_len: Annotated[int, PositiveOrAuto] = -1
-    """Tokens per row. -1: ``training.seq_len``."""
+    seq_len: Annotated[int, PositiveOrAuto, SEQ_LEN_BOUND] = -1
+    """Tokens per row. -1: ``training.seq_len``. At most 2**24, as ``training.seq_len``."""
 
     freq: Annotated[int, Positive] = 10
     """Validate every this many training steps."""

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from titan_cp.config.values import AtLeast, NonEmpty, Positive, PositiveOrAuto, Section
+from titan_cp.config.values import AtLeast, AtMost, NonEmpty, Positive, PositiveOrAuto, Section, did_you_mean
 
 NO_LOSS = "chat records would carry no loss; list at least one role"
+MIXTURE_KINDS = ("synthetic_recall", "text", "chat", "hf")
+MAX_SEQ_LEN = 2**24
+"""The longest row: RoPE turns positions into float32 angles (``titan_cp.model.llama.rope_cos_sin``),
+and float32 holds every integer position exactly only up to 2**24 (16M tokens)."""
+SEQ_LEN_BOUND = AtMost(MAX_SEQ_LEN, "RoPE computes with float32 positions, exact only up to 2**24")
+MAX_MICROBATCH_TOKENS = 2**31 - 1
+"""Tokens of one microbatch (rows x seq_len): the attention indexes them with int32 cumulative
+lengths (``cu_seqlens`` of the variable-length kernels)."""
 
 
 @dataclass
@@ -19,7 +28,8 @@ class MixtureSource:
     """Name of the source, unique in the mixture; its drawn tokens are logged as ``tokens_drawn/<name>``."""
 
     kind: str
-    """Dataset kind, as ``training.dataset``: ``synthetic_recall``, ``text``, ``chat``, ``hf``, ...."""
+    """Dataset kind: ``synthetic_recall``, ``text``, ``chat`` or ``hf``, read as ``training.dataset``
+    of that name reads it."""
 
     path: str | None = None
     """Local file or folder of the source (not needed for ``synthetic_recall``)."""
@@ -82,8 +92,9 @@ class Training(Section, name="training"):
     """Microbatches per optimizer step on each data-parallel rank.
     -1: derived, ``global_batch_size / (local_batch_size * dp degree)`` (1 if both are -1)."""
 
-    seq_len: Annotated[int, Positive] = 2048
-    """Tokens per row (the full sequence, before context-parallel sharding)."""
+    seq_len: Annotated[int, Positive, SEQ_LEN_BOUND] = 2048
+    """Tokens per row (the full sequence, before context-parallel sharding); at most 2**24
+    (:data:`MAX_SEQ_LEN`), and ``local_batch_size * seq_len`` at most 2**31 - 1."""
 
     max_norm: Annotated[float, Positive] = 1.0
     """Gradient clipping max norm."""
@@ -106,8 +117,9 @@ class Training(Section, name="training"):
     with a warning."""
 
     def check(self) -> None:
-        """``dataset = "mixture"`` exactly when ``mixture`` lists sources; names unique, kinds not
-        nested, weights >= 0 with a positive sum."""
+        """A microbatch's tokens fit int32; ``dataset = "mixture"`` exactly when ``mixture`` lists
+        sources; names unique, kinds known (not nested), weights >= 0 with a positive, finite sum."""
+        check_microbatch_tokens("training", self.local_batch_size, self.seq_len)
         mixture = self.mixture
         if self.dataset == "mixture" and not mixture:
             raise ValueError("training.dataset = 'mixture' needs sources: add [[training.mixture]] tables")
@@ -131,9 +143,27 @@ class Training(Section, name="training"):
                 raise ValueError(
                     f"training.mixture[{i}].kind = 'mixture' ({m.name!r}): a mixture cannot hold another mixture"
                 )
+            if m.kind not in MIXTURE_KINDS:
+                raise ValueError(
+                    f"training.mixture[{i}].kind = {m.kind!r} ({m.name!r}) is not a dataset kind: choose one of "
+                    f"{list(MIXTURE_KINDS)}{did_you_mean(m.kind, MIXTURE_KINDS)}"
+                )
             if not m.weight >= 0:
                 raise ValueError(f"training.mixture[{i}].weight ({m.name!r}) must be >= 0, got {m.weight}")
-        if mixture and sum(m.weight for m in mixture) <= 0:
+        weights = [m.weight for m in mixture]
+        if mixture and sum(weights) <= 0:
+            raise ValueError(f"training.mixture weights sum to zero ({weights}): give one a positive weight")
+        if not math.isfinite(sum(weights)):
             raise ValueError(
-                f"training.mixture weights sum to zero ({[m.weight for m in mixture]}): give one a positive weight"
+                f"training.mixture weights sum to {sum(weights)} ({weights}): scale them down (only their ratios matter)"
             )
+
+
+def check_microbatch_tokens(section: str, local_batch_size: int, seq_len: int) -> None:
+    """``{section}.local_batch_size * {section}.seq_len`` must be at most :data:`MAX_MICROBATCH_TOKENS`."""
+    if local_batch_size * seq_len > MAX_MICROBATCH_TOKENS:
+        raise ValueError(
+            f"{section}.local_batch_size x {section}.seq_len = {local_batch_size} x {seq_len} tokens per microbatch "
+            f"must be at most {MAX_MICROBATCH_TOKENS} (the attention indexes a microbatch's tokens with int32): "
+            f"lower one of them"
+        )

@@ -73,6 +73,18 @@ class AtLeast(Bound):
 
 
 @dataclass(frozen=True)
+class AtMost(Bound):
+    """``<= high``; ``why``: what sets the limit."""
+
+    high: int
+    why: str
+
+    def check(self, key: str, value: Any, optional: bool) -> None:
+        if value > self.high:
+            raise ValueError(f"{key} must be at most {self.high} ({self.why}), got {value}")
+
+
+@dataclass(frozen=True)
 class InRange(Bound):
     """``low <= value <= high``, or ``< high`` with ``high_open``."""
 

@@ -24,19 +24,24 @@ extend a conversation's rendering as messages are added, as chat templates do), 
 content start from rendering it with a marker in place of its content.
 
 Roles are ``system``, ``user``, ``assistant``, ``tool``; ``content`` is a string. A file is checked
-whole when the source is built: a line that is not JSON, a record without ``messages``, an unknown
-role, a missing or non-string ``content``, or an empty conversation is a ``ValueError`` naming the
-file, the line number and the key. Blank lines are not records and are passed over.
+whole when the source is built: a line that is not UTF-8 or not JSON (or nested too deeply to
+parse), a record without ``messages``, an unknown role, a missing or non-string ``content``, or an
+empty conversation is a ``ValueError`` naming the file, the line number and the key. A line read
+again later (records are not kept in memory) is checked again, so a file changed during the run
+fails the same way. Blank lines are not records and are passed over.
+
+A record without a turn of ``loss_roles`` (or whose loss turns a row boundary leaves out) is
+context only: a step whose rows hold no loss-bearing token at all is skipped by the trainer.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from titan_cp.data.document import Document
 from titan_cp.data.tokenizer import Tokenizer
+from titan_cp.files import parse_json_line
 
 ROLES = ("system", "user", "assistant", "tool")
 TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
@@ -164,11 +169,7 @@ class ChatJsonl:
                 for line_no, line in enumerate(fh, start=1):
                     if line.strip():
                         where = f"{f}, line {line_no}"
-                        try:
-                            record = json.loads(line)
-                        except json.JSONDecodeError as e:
-                            raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-                        check_record(record, where)
+                        check_record(parse_json_line(line, where), where)
                         self._index.append((f, offset, line_no))
                     offset += len(line)
         if not self._index:
@@ -180,10 +181,13 @@ class ChatJsonl:
         return len(self._index)
 
     def messages(self, index: int) -> list[dict]:
-        file, offset, _ = self._index[index % len(self._index)]
+        file, offset, line_no = self._index[index % len(self._index)]
+        where = f"{file}, line {line_no} (read again: did the file change after the run started?)"
         with open(file, "rb") as fh:
             fh.seek(offset)
-            return json.loads(fh.readline())["messages"]
+            record = parse_json_line(fh.readline(), where)
+        check_record(record, where)
+        return record["messages"]
 
     def document(self, index: int) -> Document:
         if self._template is None:

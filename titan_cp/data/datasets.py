@@ -9,7 +9,6 @@ endless, deterministic stream.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from pathlib import Path
@@ -19,6 +18,7 @@ from titan_cp.data.chat import ChatJsonl
 from titan_cp.data.document import Document, DocumentSource
 from titan_cp.data.mixture import Mixture
 from titan_cp.data.tokenizer import Tokenizer
+from titan_cp.files import check_text_file, parse_json_line, read_text
 
 if TYPE_CHECKING:
     from titan_cp.config import JobConfig
@@ -139,7 +139,10 @@ class TextFiles:
     lines) one document per non-empty line, text under ``text_key``.
 
     ``path`` is a file or a folder (searched recursively, files in sorted order). Documents are
-    indexed once at construction (file, byte offset) and read on demand.
+    indexed once at construction (file, byte offset, line) and read on demand. Construction
+    checks every JSON line (JSON, an object whose ``text_key`` is a string) and the start of every
+    text file (UTF-8, no NUL byte); what is read later is checked again. Errors are ``ValueError``
+    naming the file and the line (or byte offset).
     """
 
     _SUFFIXES = (".txt", ".md", ".jsonl", ".json")
@@ -148,33 +151,44 @@ class TextFiles:
         path = Path(path)
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in self._SUFFIXES)
         self.tokenizer, self.text_key = tokenizer, text_key
-        self._index: list[tuple[Path, int]] = []  # (file, byte offset of the JSON line, or -1)
+        self._index: list[tuple[Path, int, int]] = []  # (file, byte offset of the JSON line or -1, line number)
         for f in files:
-            if f.suffix in (".jsonl", ".json"):
-                with open(f, "rb") as fh:
-                    offset = 0
-                    for line in fh:
-                        if line.strip():
-                            self._index.append((f, offset))
-                        offset += len(line)
-            else:
-                self._index.append((f, -1))
+            if f.suffix not in (".jsonl", ".json"):
+                check_text_file(f)
+                self._index.append((f, -1, 0))
+                continue
+            with open(f, "rb") as fh:
+                offset = 0
+                for line_no, line in enumerate(fh, start=1):
+                    if line.strip():
+                        self._record_text(parse_json_line(line, f"{f}, line {line_no}"), f"{f}, line {line_no}")
+                        self._index.append((f, offset, line_no))
+                    offset += len(line)
         if not self._index:
             raise ValueError(f"no documents ({'/'.join(self._SUFFIXES)}) under {str(path)!r}")
 
     def __len__(self) -> int:
         return len(self._index)
 
+    def _record_text(self, record: object, where: str) -> str:
+        """The text of one JSON-lines record, or a ``ValueError`` prefixed by ``where``."""
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: a record must be a JSON object with {self.text_key!r}, got {record!r:.60}")
+        if self.text_key not in record:
+            raise ValueError(f"{where}: no {self.text_key!r} key (keys: {sorted(record)[:10]})")
+        text = record[self.text_key]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: {self.text_key!r} must be a string, got {type(text).__name__} {text!r:.60}")
+        return text
+
     def text(self, index: int) -> str:
-        file, offset = self._index[index % len(self._index)]
+        file, offset, line_no = self._index[index % len(self._index)]
         if offset < 0:
-            return file.read_text(encoding="utf-8")
+            return read_text(file)
+        where = f"{file}, line {line_no} (read again: did the file change after the run started?)"
         with open(file, "rb") as fh:
             fh.seek(offset)
-            record = json.loads(fh.readline())
-        if self.text_key not in record:
-            raise ValueError(f"{file}: JSON line at byte {offset} has no {self.text_key!r} key")
-        return record[self.text_key]
+            return self._record_text(parse_json_line(fh.readline(), where), where)
 
     def document(self, index: int) -> Document:
         return Document(self.tokenizer.encode(self.text(index), bos=True, eos=True))
@@ -198,13 +212,16 @@ class HFDiskDataset:
             ds = ds[split]
         if text_key not in ds.column_names:
             raise ValueError(f"{str(path)!r} has columns {ds.column_names}, not {text_key!r}")
-        self._ds, self.tokenizer, self.text_key = ds, tokenizer, text_key
+        self._ds, self.tokenizer, self.text_key, self.path = ds, tokenizer, text_key, str(path)
 
     def __len__(self) -> int:
         return len(self._ds)
 
     def document(self, index: int) -> Document:
-        text = self._ds[index % len(self._ds)][self.text_key]
+        row = index % len(self._ds)
+        text = self._ds[row][self.text_key]
+        if not isinstance(text, str):
+            raise ValueError(f"{self.path}, row {row}: {self.text_key!r} must be a string, got {text!r:.60}")
         return Document(self.tokenizer.encode(text, bos=True, eos=True))
 
 

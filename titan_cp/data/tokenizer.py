@@ -6,10 +6,12 @@ Both expose ``vocab_size``, ``bos_id``, ``eos_id``, ``pad_id``, ``encode(text, b
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+from titan_cp.errors import UserError
+from titan_cp.files import read_json
 
 if TYPE_CHECKING:
     from titan_cp.config import JobConfig
@@ -68,7 +70,12 @@ class HFTokenizer:
             ) from e
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
-        self._tok = _Tokenizer.from_file(str(file))
+        read_json(file)  # a file that is not JSON is named here, not by the tokenizers library
+        try:
+            self._tok = _Tokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for what it cannot read
+            raise UserError(f"{file}: not a tokenizer the 'tokenizers' package can read ({e})") from None
+        self.file = file
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         special = _special_tokens(file.parent / "tokenizer_config.json")
         self.bos_id = self._find(special.get("bos_token"), self._BOS_NAMES, "BOS")
@@ -82,7 +89,7 @@ class HFTokenizer:
             token_id = self._tok.token_to_id(name)
             if token_id is not None:
                 return token_id
-        raise ValueError(f"tokenizer.json has no {what} token (tried {[configured, *names]})")
+        raise ValueError(f"{self.file} has no {what} token (tried {[configured, *names]})")
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -104,7 +111,7 @@ def _special_tokens(config_file: Path) -> dict[str, str]:
     """``{"bos_token": "<s>", ...}`` from a ``tokenizer_config.json`` (values may be dicts)."""
     if not config_file.is_file():
         return {}
-    config = json.loads(config_file.read_text())
+    config = _config_object(config_file)
     out = {}
     for key in ("bos_token", "eos_token", "pad_token"):
         value = config.get(key)
@@ -119,10 +126,41 @@ def _chat_template(config_file: Path) -> str | None:
     """The ``chat_template`` of a ``tokenizer_config.json`` (a named list: its ``default`` entry)."""
     if not config_file.is_file():
         return None
-    template = json.loads(config_file.read_text()).get("chat_template")
+    template = _config_object(config_file).get("chat_template")
     if isinstance(template, list):
         template = {t.get("name"): t.get("template") for t in template}.get("default")
     return template if isinstance(template, str) else None
+
+
+def _config_object(config_file: Path) -> dict:
+    """The JSON object of a ``tokenizer_config.json``; a ``UserError`` naming it otherwise."""
+    config = read_json(config_file)
+    if not isinstance(config, dict):
+        raise UserError(f"{config_file}: a tokenizer config must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _tokenizer_file(path: str) -> Path:
+    """The ``tokenizer.json`` of ``model.hf_assets_path = path`` (the folder holding it, or the file)."""
+    p = Path(path)
+    if (p / "tokenizer.json").is_file():
+        return p / "tokenizer.json"
+    if p.is_file() and p.name.endswith(".json"):
+        return p
+    raise ValueError(
+        f"model.hf_assets_path = {path!r} holds no tokenizer.json; point it at a local folder "
+        "with one, or leave it unset for the built-in byte tokenizer"
+    )
+
+
+def check_tokenizer_files(path: str) -> None:
+    """What ``model.hf_assets_path = path`` holds can be read: its ``tokenizer.json`` (and the
+    ``tokenizer_config.json`` beside it, if any) are JSON. Errors name the key and the file."""
+    file = _tokenizer_file(path)
+    read_json(file, f"model.hf_assets_path = {path!r}: {file}")
+    config = file.parent / "tokenizer_config.json"
+    if config.is_file():
+        read_json(config, f"model.hf_assets_path = {path!r}: {config}")
 
 
 def build_tokenizer(job_config: JobConfig) -> Tokenizer:
@@ -130,10 +168,4 @@ def build_tokenizer(job_config: JobConfig) -> Tokenizer:
     path = job_config.model.hf_assets_path
     if not path:
         return ByteTokenizer()
-    p = Path(path)
-    if not (p / "tokenizer.json").is_file() and not (p.is_file() and p.name.endswith(".json")):
-        raise ValueError(
-            f"model.hf_assets_path = {path!r} holds no tokenizer.json; point it at a local folder "
-            "with one, or leave it unset for the built-in byte tokenizer"
-        )
-    return HFTokenizer(p)
+    return HFTokenizer(_tokenizer_file(path))

@@ -25,6 +25,33 @@ FLAVORS: dict[str, ModelArgs] = {
     "debugmodel_gqa": ModelArgs(
         dim=256, n_layers=6, n_heads=16, n_kv_heads=4, vocab_size=2048, multiple_of=256, max_seq_len=8192
     ),
+    # titan_cp's own: tiny with sliding-window layers (every other one, window 5) and attention sinks.
+    "tiny_swa": ModelArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=256,
+        multiple_of=32,
+        max_seq_len=4096,
+        attention_pattern="WF",
+        window=5,
+        sinks=True,
+    ),
+    # titan_cp's own: debugmodel_gqa with Gemma 3's pattern (five 512-token sliding-window layers,
+    # then one global) and gpt-oss's per-head sinks.
+    "debugmodel_swa": ModelArgs(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=4,
+        vocab_size=2048,
+        multiple_of=256,
+        max_seq_len=8192,
+        attention_pattern="WWWWWF",
+        window=512,
+        sinks=True,
+    ),
     # torchtitan's: MHA (16 KV heads) with Llama 3.1 RoPE scaling, as torchtitan's default args.
     "debugmodel": ModelArgs(
         dim=256,

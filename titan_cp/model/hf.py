@@ -41,11 +41,22 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
+from titan_cp.files import parse_json_line, read_json
 from titan_cp.model.llama import ModelArgs, RoPEScaling, Transformer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_hf_config", "from_hf", "hf_config", "hf_key", "load_hf", "save_hf", "to_hf"]
+__all__ = [
+    "check_hf_config",
+    "check_hf_folder",
+    "check_safetensors",
+    "from_hf",
+    "hf_config",
+    "hf_key",
+    "load_hf",
+    "save_hf",
+    "to_hf",
+]
 
 _TO_HF = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -235,22 +246,62 @@ def _expected_shapes(model_args: ModelArgs) -> dict[str, torch.Size]:
     return {name: p.shape for name, p in model.named_parameters()}
 
 
+def check_safetensors(file: Path, where: str) -> None:
+    """The ``.safetensors`` file ``file`` is whole: an 8-byte header length, a JSON header of that
+    length, and every tensor's ``data_offsets`` within the file. Reads the header only; a
+    ``ValueError`` prefixed by ``where`` names the file and what is wrong."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or 8 + n > size:
+            raise ValueError(f"{where}: {file} is truncated or not a .safetensors file ({size} bytes, no whole header)")
+        header = parse_json_line(f.read(n), f"{where}: {file} header")
+    if not isinstance(header, dict):
+        raise ValueError(f"{where}: {file} is not a .safetensors file (its header is not a JSON object)")
+    try:
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise ValueError(f"{where}: {file} is not a .safetensors file (a tensor without data_offsets)") from None
+    if 8 + n + end > size:
+        raise ValueError(f"{where}: {file} is truncated ({size} bytes; its tensors end at byte {8 + n + end})")
+
+
 def _hf_folder(path: str | Path, key: str) -> Path:
+    """The Hugging Face checkpoint folder of ``key = path``, checked: it holds ``*.safetensors``
+    files, whole, and every file its index names; its JSON files are JSON."""
     folder = Path(path)
+    where = f"{key} = {str(path)!r}"
     if not folder.exists():
-        raise ValueError(f"{key} = {str(path)!r}: no such file or directory")
+        raise ValueError(f"{where}: no such file or directory")
     if not folder.is_dir():
-        raise ValueError(f"{key} = {str(path)!r} is a file; give the folder that holds the *.safetensors files")
+        raise ValueError(f"{where} is a file; give the folder that holds the *.safetensors files")
     if not any(folder.glob("*.safetensors")):
-        raise ValueError(f"{key} = {str(path)!r} holds no *.safetensors files (a Hugging Face checkpoint folder)")
+        raise ValueError(f"{where} holds no *.safetensors files (a Hugging Face checkpoint folder)")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        missing = sorted(
-            {f for f in json.loads(index.read_text())["weight_map"].values() if not (folder / f).is_file()}
-        )
+        weight_map = read_json(index, f"{where}: {index}")
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{where}: {index} has no weight_map object")
+        missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
         if missing:
-            raise ValueError(f"{key} = {str(path)!r}: {index.name} names files that are missing: {missing}")
+            raise ValueError(f"{where}: {index.name} names files that are missing: {missing}")
+    for file in sorted(folder.glob("*.safetensors")):
+        check_safetensors(file, where)
+    _read_config(folder, where)
     return folder
+
+
+def _read_config(folder: Path, where: str) -> dict:
+    """``config.json`` of ``folder`` as a dict; empty when there is none."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return {}
+    config = read_json(path, f"{where}: {path}")
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: {path} must hold a JSON object, got {type(config).__name__}")
+    return config
 
 
 def _plan(folder: Path, model_args: ModelArgs, key: str) -> dict[str, str]:
@@ -261,8 +312,7 @@ def _plan(folder: Path, model_args: ModelArgs, key: str) -> dict[str, str]:
         for k, m in dcp.HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata.items()
         if not _HF_IGNORED.match(k)
     }
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = _read_config(folder, f"{key} = {str(folder)!r}")
     plan = {}
     for name, shape in _expected_shapes(model_args).items():
         source = hf_key(name)
@@ -306,6 +356,13 @@ def _model_state(model_parts) -> dict[str, torch.Tensor]:
     for part in model_parts:
         state.update(get_model_state_dict(part))
     return state
+
+
+def check_hf_folder(path: str | Path, key: str = "checkpoint.initial_load_path") -> None:
+    """What :func:`load_hf` checks of the folder before reading any weight, from the files alone
+    (no model, no process group): ``*.safetensors`` present and whole, the index's files present,
+    ``config.json`` and the index JSON. A ``ValueError`` names ``key``, the file and the fault."""
+    _hf_folder(path, key)
 
 
 @torch.no_grad()

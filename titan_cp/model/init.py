@@ -104,6 +104,10 @@ class ParamInit:
     def ones_(param: Tensor) -> None:
         (param.to_local() if isinstance(param, DTensor) else param).fill_(1.0)
 
+    @staticmethod
+    def zeros_(param: Tensor) -> None:
+        (param.to_local() if isinstance(param, DTensor) else param).zero_()
+
 
 def draw_seed() -> int:
     """A seed drawn from torch's global generator: ``init_weights()`` is deterministic given ``torch.manual_seed``."""

@@ -55,6 +55,26 @@ class ModelArgs:
     rope_scaling: RoPEScaling | None = None  # None: plain RoPE; RoPEScaling(): Llama 3.1
     max_seq_len: int = 131072  # informational (planner, configs); RoPE itself has no table
     depth_init: bool = True  # output projections' init std shrinks with layer depth
+    # per-layer attention kinds, one letter a layer, the pattern repeated over the layers: "F" full
+    # causal, "W" sliding window of ``window`` keys, "C" chunked into ``chunk``-token pieces of each
+    # document. Gemma 3: "WWWWWF" (window 1024); gpt-oss: "WF" (window 128, with sinks); Llama 4: "CCCF".
+    attention_pattern: str = "F"
+    window: int | None = None
+    chunk: int | None = None
+    sinks: bool = False  # a learned sink logit per query head in every layer's softmax (gpt-oss)
+
+    def __post_init__(self):
+        kinds = set(self.attention_pattern)
+        if not self.attention_pattern or kinds - {"F", "W", "C"}:
+            raise ValueError(f"attention_pattern takes the letters F, W and C, got {self.attention_pattern!r}")
+        for letter, field_, value in (("W", "window", self.window), ("C", "chunk", self.chunk)):
+            if letter in kinds and (value is None or value < 1):
+                raise ValueError(f"attention_pattern {self.attention_pattern!r} has {letter} layers: set {field_} >= 1")
+
+    def layer_mask(self, layer_id: int) -> tuple[int | None, int | None]:
+        """``(window, chunk)`` of layer ``layer_id`` (``None``: not windowed / not chunked)."""
+        kind = self.attention_pattern[layer_id % len(self.attention_pattern)]
+        return (self.window if kind == "W" else None), (self.chunk if kind == "C" else None)
 
     @property
     def kv_heads(self) -> int:
@@ -150,26 +170,43 @@ class InnerAttention(nn.Module):
     ``forward(q, k, v, doc_lens) -> out`` with q ``(B, H, S, E)``, k and v ``(B, K, S, E)``
     (grouped-query heads not expanded), ``doc_lens`` ``(B, max_docs)`` int64 zero-padded
     document lengths per row (None: one causal document per row); returns ``(B, H, S, E)``.
+    ``window`` and ``chunk`` are the layer's mask (see ``ModelArgs.attention_pattern``); ``sinks``,
+    where the model has them, a learned ``(H,)`` logit per head in the softmax denominator.
     """
 
+    def __init__(self, window: int | None = None, chunk: int | None = None, heads: int | None = None):
+        super().__init__()
+        self.window, self.chunk = window, chunk
+        self.sinks = nn.Parameter(torch.empty(heads)) if heads else None
+
+    def local_sinks(self) -> Tensor | None:
+        """The sinks of this rank's heads (a tensor-parallel DTensor's local shard)."""
+        sinks = self.sinks
+        return sinks.to_local() if sinks is not None and hasattr(sinks, "to_local") else sinks
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, doc_lens: Tensor | None) -> Tensor:
-        return local_attention(q, k, v, doc_lens=doc_lens, causal=True, scale=None)
+        return local_attention(
+            q, k, v, doc_lens=doc_lens, causal=True, window=self.window, chunk=self.chunk, sinks=self.local_sinks()
+        )
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.inner_attention = InnerAttention()
+        window, chunk = args.layer_mask(layer_id)
+        self.inner_attention = InnerAttention(window, chunk, args.n_heads if args.sinks else None)
 
     def init_weights(self, init: ParamInit, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
             init.trunc_normal_(linear.weight, std=0.02)
         init.trunc_normal_(self.wo.weight, std=init_std)
+        if self.inner_attention.sinks is not None:
+            init.zeros_(self.inner_attention.sinks)
 
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, doc_lens: Tensor | None) -> Tensor:
         B, S, _ = x_BSD.shape
@@ -206,7 +243,7 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = Attention(args, layer_id)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)

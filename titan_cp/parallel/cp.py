@@ -9,7 +9,8 @@
     )
 
 The style takes over the forward of the attention core, ``inner_attention(q, k, v, doc_lens)``
-(q ``(B, H, S_local, E)``, k/v ``(B, K, S_local, E)``): everything around it (projections,
+(q ``(B, H, S_local, E)``, k/v ``(B, K, S_local, E)``), keeping the module's mask (``window``,
+``chunk``) and sinks (``local_sinks()``) where it has them: everything around it (projections,
 RoPE, norms, MLP) is token-wise and runs on the local shard unchanged. Inputs may be plain
 local shards or DTensors placed ``Shard(2)`` on the cp mesh; the output is of the same kind.
 As a DTensor, the "global" sequence is the layout's rank-concatenated order (the shards
@@ -69,13 +70,13 @@ class ContextParallel(ParallelStyle):
         handle = register_spec(device_mesh, self.strategy, self.balance, self.kernel)
 
         def forward(q, k, v, doc_lens=None):
-            return self._attend(device_mesh, handle, q, k, v, doc_lens)
+            return self._attend(device_mesh, handle, q, k, v, doc_lens, module)
 
         module.forward = forward
         module.cp_style = self
         return module
 
-    def _attend(self, mesh: DeviceMesh, handle: int, q, k, v, doc_lens):
+    def _attend(self, mesh: DeviceMesh, handle: int, q, k, v, doc_lens, module=None):
         as_dtensor = isinstance(q, DTensor)
         if as_dtensor:
             for name, t in (("q", q), ("k", k), ("v", v)):
@@ -87,7 +88,9 @@ class ContextParallel(ParallelStyle):
         check_qkv(q, k, v)
         if doc_lens is not None and not isinstance(doc_lens, torch.Tensor):  # rows as lists: once, eagerly
             doc_lens = get_layout(q.shape[SEQ_DIM] * mesh.size(), mesh.size(), self.balance, doc_lens).doc_lens_tensor()
-        out = attend(q, k, v, handle, doc_lens, self.causal, q.shape[-1] ** -0.5)
+        window, chunk = getattr(module, "window", None), getattr(module, "chunk", None)
+        sinks = module.local_sinks() if hasattr(module, "local_sinks") else None
+        out = attend(q, k, v, handle, doc_lens, self.causal, q.shape[-1] ** -0.5, window, chunk, sinks)
         if as_dtensor:
             out = DTensor.from_local(out, mesh, [Shard(SEQ_DIM)] * mesh.ndim, run_check=False)
         return out

@@ -19,8 +19,9 @@ or gathered.
 
 from __future__ import annotations
 
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -103,3 +104,6 @@ def apply_tp(
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
+        inner = block.attention.inner_attention
+        if getattr(inner, "sinks", None) is not None:  # one logit per head: split like wq's heads
+            inner.sinks = nn.Parameter(distribute_tensor(inner.sinks, tp_mesh, [Shard(0)]))

@@ -55,7 +55,7 @@ Mixes (each row a fresh draw filling exactly ``seq_len``, deterministic from the
     code_repo            source-file token counts: log-normal body (median 350, sigma 1.2)
                          with a 8% Pareto tail (alpha 1.1, from 2000 tokens), files packed in order
 
-Mixes: :mod:`titan_cp.testing.docs`.
+Mixes: :mod:`titan_cp.data.row_mixes`.
 """
 
 from __future__ import annotations
@@ -70,11 +70,11 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
     _PTRRLoadBalancer,
 )
 
-from titan_cp.attention.block import make_plan
 from titan_cp.attention.masks import plan_tiles, visible_pairs
+from titan_cp.attention.plans import Mask, make_plan
 from titan_cp.attention.ring import ring_plans
+from titan_cp.data.row_mixes import BALANCE_MIXES, ROW_MIXES, make_rows
 from titan_cp.layout import BALANCES, Run, Runs, SequenceLayout
-from titan_cp.testing.docs import BALANCE_MIXES, ROW_MIXES, make_rows
 
 TORCH_BALANCES = (
     "torch_head_tail",
@@ -200,7 +200,7 @@ def layout_work(layout: SequenceLayout) -> tuple[torch.Tensor, torch.Tensor, tor
     tiles = torch.zeros(n, dtype=torch.long)
     for r in range(n):
         work[r] = make_plan(layout, (r,), None, True).pairs()
-        for s, plan in enumerate(ring_plans(layout, r, n, lambda i: (i,), True)):
+        for s, plan in enumerate(ring_plans(layout, r, n, lambda i: (i,), Mask())):
             steps[s, r] = plan.pairs()
             tiles[r] += plan.num_tiles
     return work, steps, tiles

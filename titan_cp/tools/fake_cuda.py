@@ -46,6 +46,7 @@ from titan_cp.attention import comm
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.kernels import cuda_flash
 from titan_cp.attention.kernels.cuda_flash import CUDAFlashKernel
+from titan_cp.attention.plans import Mask
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.layout import SequenceLayout
 
@@ -326,9 +327,9 @@ def fake_cuda():
         comm.dist,
         cuda_flash._ATEN,
     )
-    from titan_cp.attention.block import Plan
+    from titan_cp.attention.plans import MaskPlan
 
-    real_index = Plan.index
+    real_plan_memo = MaskPlan._memo
 
     def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         if torch.device(device).type != "cuda":
@@ -339,22 +340,27 @@ def fake_cuda():
         with unset_fake_temporarily():
             return real_memo(self, key, build)
 
-    def index(self, batch, device):
+    def plan_memo(self, key, build):
         with unset_fake_temporarily():
-            return real_index(self, batch, device)
+            return real_plan_memo(self, key, build)
 
     users = [m for m in list(sys.modules.values()) if getattr(m, "to_device", None) is real_to_device]
     aten = CheckedAten()
     try:
         for m in users:
             m.to_device = to_device
-        SequenceLayout.memo, Plan.index, comm.dist, cuda_flash._ATEN = memo, index, FAKE_DIST, aten
+        SequenceLayout.memo, MaskPlan._memo, comm.dist, cuda_flash._ATEN = memo, plan_memo, FAKE_DIST, aten
         with _cuda_methods(), mode:
             yield mode, aten
     finally:
         for m in users:
             m.to_device = real_to_device
-        SequenceLayout.memo, Plan.index, comm.dist, cuda_flash._ATEN = real_memo, real_index, real_dist, real_aten
+        SequenceLayout.memo, MaskPlan._memo, comm.dist, cuda_flash._ATEN = (
+            real_memo,
+            real_plan_memo,
+            real_dist,
+            real_aten,
+        )
 
 
 # ---------------------------------------------------------------------------- one layer, every rank
@@ -408,7 +414,7 @@ def simulate(
     with fake_cuda() as (_, aten):
         for mesh in fake_meshes(strategy, cp, ulysses_degree):
             rank = s.layout_rank(mesh)
-            ctx = CPContext(mesh, layout, causal, head_dim**-0.5, kernel, heads, kv_heads)
+            ctx = CPContext(mesh, layout, Mask(causal), head_dim**-0.5, kernel, heads, kv_heads)
             q, k, v, dout = _inputs(batch, seq_len // cp, heads, kv_heads, head_dim, dtype)
             with SyncDetector():  # warm-up: the first layer builds plans and indices
                 out, saved = s.forward(ctx, q, k, v)

@@ -54,7 +54,7 @@ from titan_cp.attention.kernels import (
     flash_attn_available,
     flash_attn_problem,
 )
-from titan_cp.testing.docs import lognormal_doc_lens
+from titan_cp.data.row_mixes import lognormal_doc_lens
 
 SECTIONS = ("kernels", "ring", "train")
 REPO = Path(__file__).resolve().parents[2]
@@ -313,32 +313,49 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
     """Every rank's ring steps of one attention layer, run one after another in this process.
 
     q: ``(B, H, S, E)``; k, v: ``(B, K, S, E)``; dout like q; the whole sequence in natural
-    order. Rank ``r`` holds shard ``r`` of ``layout``; at ring step ``i`` it holds the K/V
-    shard of rank ``(r - i) mod N`` and folds it into its fp32 accumulators with the
-    engine's :func:`~titan_cp.attention.block.block_forward` (backward: the gradients of that
-    shard go to the accumulators of its owner, as the ring carries dK/dV home). Nothing is
-    communicated: the time is the sum over ranks of what each rank computes.
+    order. Rank ``r`` holds shard ``r`` of ``layout``; at ring step ``i`` it receives what it needs
+    of the K/V shard of rank ``src = (r - i) mod N`` (the rows ``src`` gathers to send it) and folds
+    them into its fp32 accumulators with the engine's
+    :func:`~titan_cp.attention.fold.fold_forward` (backward: the gradients of those rows go home to
+    ``src``'s accumulators, as the ring sends them). Nothing is communicated: the time is the sum
+    over ranks of what each rank computes.
 
     Returns ``out (B, H, S, E)`` in natural order, and with ``dout`` also ``(dq, dk, dv)``.
     """
-    from titan_cp.attention import block  # noqa: PLC0415 - the engine; adapt here when it changes
+    from titan_cp.attention.fold import fold_backward, fold_forward, new_accumulators  # noqa: PLC0415 - the engine
+    from titan_cp.attention.plans import Mask, head_major, token_major  # noqa: PLC0415
+    from titan_cp.attention.ring import ring_steps  # noqa: PLC0415
 
     n, b = layout.cp_size, q.shape[0]
+    steps = [ring_steps(layout, r, n, lambda i: (i,), Mask(causal), b, q.device) for r in range(n)]
 
     def shards(x):
-        return [block.token_major(layout.shard(x, 2, r)) for r in range(n)]
+        return [token_major(layout.shard(x, 2, r)) for r in range(n)]
 
     def unshard(parts, dtype):
-        return layout.unshard([block.head_major(p.to(dtype), b) for p in parts], dim=2)
+        return layout.unshard([head_major(p.to(dtype), b) for p in parts], dim=2)
 
-    qs, ks, vs = shards(q), shards(k), shards(v)
+    def received(kv, r, i):
+        """What rank r holds at step i: the rows of its source's K/V it needs (None: nothing)."""
+        src = (r - i) % n
+        if i == 0:
+            return kv[r]
+        sent = steps[src][i]
+        if sent.send is None:
+            return None
+        return kv[src] if sent.send_all else kv[src].index_select(1, sent.send)
+
+    qs = shards(q)
+    kv = [torch.stack(pair) for pair in zip(shards(k), shards(v))]
     outs, lses = [], []
     for r in range(n):
-        out_acc, lse_acc = block.new_accumulators(qs[r])
+        out_acc, lse_acc = new_accumulators(qs[r])
         for i in range(n):
-            src = (r - i) % n
-            plan = block.make_plan(layout, (r,), (src,), causal)
-            block.block_forward(qs[r], ks[src], vs[src], b, plan, kernel, scale, out_acc, lse_acc)
+            buf = received(kv, r, i)
+            if buf is not None:
+                fold_forward(
+                    qs[r], buf[0], buf[1], steps[r][i].index, steps[r][i].fold, kernel, scale, out_acc, lse_acc
+                )
         outs.append(out_acc.to(q.dtype))
         lses.append(lse_acc)
     out = unshard(outs, q.dtype)
@@ -346,16 +363,32 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
         return out
     dos = shards(dout)
     dq = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in qs]
-    dk = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in ks]
-    dv = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in vs]
+    dkv = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in kv]
     for r in range(n):
         for i in range(n):
-            src = (r - i) % n
-            plan = block.make_plan(layout, (r,), (src,), causal)
-            block.block_backward(
-                dos[r], qs[r], ks[src], vs[src], outs[r], lses[r], b, plan, kernel, scale, dq[r], dk[src], dv[src]
+            buf = received(kv, r, i)
+            if buf is None:
+                continue
+            grad = dkv[r] if i == 0 else torch.zeros(buf.shape, dtype=torch.float32, device=buf.device)
+            fold_backward(
+                dos[r],
+                qs[r],
+                buf[0],
+                buf[1],
+                outs[r],
+                lses[r],
+                steps[r][i].index,
+                kernel,
+                scale,
+                dq[r],
+                grad[0],
+                grad[1],
             )
-    return out, (unshard(dq, q.dtype), unshard(dk, k.dtype), unshard(dv, v.dtype))
+            if i:
+                src, sent = (r - i) % n, steps[(r - i) % n][i]
+                dkv[src].add_(grad) if sent.send_all else dkv[src].index_add_(1, sent.send, grad)
+    grads = unshard(dq, q.dtype), unshard([g[0] for g in dkv], k.dtype), unshard([g[1] for g in dkv], v.dtype)
+    return out, grads
 
 
 def _one_call(kernel: AttentionKernel, q, k, v, dout, doc_lens, causal, scale):

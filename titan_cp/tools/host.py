@@ -93,6 +93,7 @@ def host_layer(
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
 
     from titan_cp import SequenceLayout, cp_attention  # noqa: PLC0415
+    from titan_cp.attention.plans import Mask  # noqa: PLC0415
     from titan_cp.attention.ring import ring_plans  # noqa: PLC0415
     from titan_cp.attention.strategy import get_strategy  # noqa: PLC0415
 
@@ -114,7 +115,7 @@ def host_layer(
         calls = Counter(counted.calls)
     steps = get_strategy(strategy).ring_size(world)
     ring = steps == world  # every rank's K/V visits every rank: the ring's plans are this rank's tiles
-    tiles = sum(p.num_tiles for p in ring_plans(layout, rank, world, lambda r: (r,), True)) if ring else None
+    tiles = sum(p.num_tiles for p in ring_plans(layout, rank, world, lambda r: (r,), Mask())) if ring else None
     return {
         "host_ms": best * 1e3,
         "tiles": tiles,

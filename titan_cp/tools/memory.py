@@ -4,9 +4,10 @@ and the peak of one training step or of the loss alone.
 ``SavedTensorCounter`` counts every tensor autograd saves (a ``saved_tensors_hooks`` pack hook,
 storages deduplicated, parameters apart); ``measure_step`` runs one forward + loss + backward
 under it and under ``allocator_trace``; ``measure_cp`` does that on a pool of gloo ranks per
-CP degree and ``summarize`` turns the per-rank results into ``scripts/bench_memory.py``'s rows
-(see that script for what each number means). The planner (``titan_cp.plan``) predicts the
-same ``saved_bytes`` exactly and the peak within 10% (``tests/test_plan.py``).
+CP degree, ``measure_mesh`` on a TP / PP / FSDP mesh, and ``summarize`` turns the per-rank
+results into ``scripts/bench_memory.py``'s rows (see that script for what each number means).
+The planner (``titan_cp.plan``) predicts the same ``saved_bytes`` exactly and the peak within
+10% (``tests/test_plan.py``).
 
 ``allocator_trace`` reads every allocation and free of PyTorch's CPU allocator, with the
 allocator's own running total, from ``torch.profiler`` (``profile_memory=True``); on CUDA
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from titan_cp.loss import IGNORE_INDEX, LOSS_CHUNK_BYTES, GlobalTokenLoss, chunked_cross_entropy_sum
 from titan_cp.step import Microbatch
@@ -167,7 +169,8 @@ def measure_loss_memory(
 def make_batch(seq_len: int, batch: int = 1, docs: int = 4, vocab_size: int = BYTE_VOCAB, seed: int = 0) -> Microbatch:
     """``batch`` identical-structure rows of ``docs`` packed documents (lengths proportional to
     ``docs, docs-1, ..., 1``), random tokens (see :func:`titan_cp.testing.packed_batch`)."""
-    from titan_cp.testing import packed_batch, proportional_doc_lens
+    from titan_cp.data.row_mixes import proportional_doc_lens
+    from titan_cp.testing import packed_batch
 
     return packed_batch([proportional_doc_lens(seq_len, docs)] * batch, vocab_size, seed)
 
@@ -176,7 +179,13 @@ def make_batch(seq_len: int, batch: int = 1, docs: int = 4, vocab_size: int = BY
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
-    """(data pointer, nbytes) of the untyped storage under ``t``: equal for all views of one buffer."""
+    """(data pointer, nbytes) of the untyped storage under ``t``: equal for all views of one buffer.
+
+    A wrapper subclass (tensor parallelism saves ``DTensor``s, whose local shard may itself be a
+    collective's ``AsyncCollectiveTensor``) is keyed by the storage of the tensor it wraps."""
+    while is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        t = getattr(t, inner[0])
     s = t.untyped_storage()
     return s.data_ptr(), s.nbytes()
 
@@ -392,6 +401,76 @@ def measure_cp(cp: int, cfg: dict, runner: Callable | None = None) -> list[dict]
         return pool.run(_rank_fn, cfg, timeout=1200)
     finally:
         pool.close()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _mesh_rank_fn(rank: int, world: int, cfg: dict) -> dict:
+    """One rank of a TP / PP / FSDP mesh (``cfg``: ``tp``, ``pp``, ``dp_shard``, ``microbatches``,
+    ``ac``, ``flavor``, ``n_layers``, ``vocab_size``, ``seq_len``, ``batch``, ``docs``): the model
+    built as the trainer builds it, one warm-up step (the pipeline's shape inference), then
+    ``repeats`` steps measured (default 1). ``peak_bytes`` is the least of their peaks: gloo runs
+    collectives on its own threads, so the buffers of an asynchronous collective may outlive
+    their last use by a varying margin (under TP with full AC, up to +25% at the debug model's
+    sizes). ``saved_bytes`` is exact only without a pipeline (microbatches reuse addresses)."""
+    from titan_cp.mesh import ParallelDims
+    from titan_cp.model import model_args
+    from titan_cp.parallelize import ParallelizeOptions, build_parallel_model
+    from titan_cp.step import forward_backward
+
+    pd = ParallelDims(
+        dp_replicate=1,
+        dp_shard=cfg.get("dp_shard", 1),
+        cp=1,
+        tp=cfg.get("tp", 1),
+        pp=cfg.get("pp", 1),
+        world_size=world,
+    )
+    pd.build_mesh("cpu")
+    loss_fn = GlobalTokenLoss()
+    args = model_args(cfg["flavor"], n_layers=cfg["n_layers"], vocab_size=cfg["vocab_size"])
+    built = build_parallel_model(
+        args, pd, ParallelizeOptions(ac_mode=cfg.get("ac", "none")), "cpu", 0, loss_fn, cfg.get("microbatches", 1)
+    )
+    full = make_batch(cfg["seq_len"], cfg["batch"], cfg["docs"], cfg["vocab_size"])
+    loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
+    params = [p for part in built.parts for p in part.parameters()]
+
+    def step() -> None:
+        forward_backward(built.parts, full, loss_fn, built.schedule, built.has_first, built.has_last)
+
+    step()
+    peaks = []
+    for _ in range(cfg.get("repeats", 1)):
+        for p in params:
+            p.grad = None
+        gc.collect()
+        counter = SavedTensorCounter([_local(p) for p in params])
+        handles = [h for part in built.parts for h in counter.watch_checkpoints(part)]
+        with allocator_trace() as trace:
+            with counter:
+                step()
+        for h in handles:
+            h.remove()
+        peaks.append(trace.peak)
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    return {
+        "saved_bytes": counter.saved_bytes,
+        "peak_bytes": min(peaks),
+        "peak_bytes_each": peaks,
+        "grad_bytes": sum(g.numel() * g.element_size() for g in grads),
+        "first": built.has_first,
+        "last": built.has_last,
+    }
+
+
+def measure_mesh(cfg: dict, runner: Callable) -> list[dict]:
+    """Per-rank results of one step on a ``tp x pp x dp_shard`` mesh of gloo ranks (see :func:`_mesh_rank_fn`);
+    ``runner(world, fn, *args)`` runs it (e.g. ``PoolCache.run``)."""
+    world = cfg.get("tp", 1) * cfg.get("pp", 1) * cfg.get("dp_shard", 1)
+    return runner(world, _mesh_rank_fn, cfg)
 
 
 def non_shrinking(base: dict, mine: dict, cp: int, threshold: float = 0.9, top: int = 8) -> list[dict]:

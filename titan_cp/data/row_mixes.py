@@ -5,7 +5,7 @@ the one place that draws lengths until the row is full (the last document is cut
 the mixes only say how one length is drawn. Each row is deterministic given
 ``(mix, seed, row)``.
 
-Mixes of whole rows (:data:`ROW_MIXES`, as ``scripts/bench_balance.py`` and the planner's ``--doc-mix`` name them):
+Mixes (:data:`ROW_MIXES`, as the planner's ``--doc-mix`` and ``scripts/bench_balance.py`` name them):
 
     causal               one document filling the row (plain causal attention)
     uniform_short        lengths uniform in [128, 2048]
@@ -13,6 +13,9 @@ Mixes of whole rows (:data:`ROW_MIXES`, as ``scripts/bench_balance.py`` and the 
     one_huge             one document of 50-80% of the row at a random place, the rest uniform [64, 1024]
     code_repo            source-file token counts: log-normal body (median 350, sigma 1.2)
                          with an 8% Pareto tail (alpha 1.1, from 2000 tokens), files packed in order
+
+The random mixes draw with numpy's ``default_rng([seed, mix, row])``; numpy is imported only
+when a row draws (``causal`` draws nothing), so the planner runs without it.
 """
 
 from __future__ import annotations
@@ -20,10 +23,6 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import numpy as np
 
 
 def fill_row(draw: Callable[[], float], seq_len: int) -> list[int]:
@@ -54,26 +53,42 @@ def proportional_doc_lens(seq_len: int, docs: int) -> list[int]:
     return lens
 
 
-def _causal(rng: np.random.Generator, seq_len: int) -> list[int]:
+class _RowDraws:
+    """numpy's ``default_rng(key)`` for one row, made on first use (a mix that draws nothing needs no numpy)."""
+
+    def __init__(self, key: list[int], mix: str):
+        self._key, self._mix, self._rng = key, mix, None
+
+    def __getattr__(self, name: str):
+        if self._rng is None:
+            try:
+                import numpy as np
+            except ImportError as e:
+                raise ValueError(f"document mix {self._mix!r} draws with numpy, which is not installed") from e
+            self._rng = np.random.default_rng(self._key)
+        return getattr(self._rng, name)
+
+
+def _causal(rng, seq_len: int) -> list[int]:
     return [seq_len]
 
 
-def _uniform_short(rng: np.random.Generator, seq_len: int) -> list[int]:
+def _uniform_short(rng, seq_len: int) -> list[int]:
     return fill_row(lambda: rng.integers(128, 2049), seq_len)
 
 
-def _lognormal_long_tail(rng: np.random.Generator, seq_len: int) -> list[int]:
+def _lognormal_long_tail(rng, seq_len: int) -> list[int]:
     return fill_row(lambda: rng.lognormal(math.log(4096), 1.5), seq_len)
 
 
-def _one_huge(rng: np.random.Generator, seq_len: int) -> list[int]:
+def _one_huge(rng, seq_len: int) -> list[int]:
     huge = int(seq_len * rng.uniform(0.5, 0.8))
     small = fill_row(lambda: rng.integers(64, 1025), seq_len - huge)
     small.insert(int(rng.integers(0, len(small) + 1)), huge)
     return small
 
 
-def _code_repo(rng: np.random.Generator, seq_len: int) -> list[int]:
+def _code_repo(rng, seq_len: int) -> list[int]:
     def file_tokens() -> float:
         if rng.random() < 0.08:
             return 2000 * (1 + rng.pareto(1.1))
@@ -82,7 +97,7 @@ def _code_repo(rng: np.random.Generator, seq_len: int) -> list[int]:
     return fill_row(file_tokens, seq_len)
 
 
-ROW_MIXES: dict[str, Callable[[np.random.Generator, int], list[int]]] = {
+ROW_MIXES: dict[str, Callable[..., list[int]]] = {
     "uniform_short": _uniform_short,
     "lognormal_long_tail": _lognormal_long_tail,
     "one_huge": _one_huge,
@@ -94,9 +109,7 @@ BALANCE_MIXES = ("uniform_short", "lognormal_long_tail", "one_huge", "code_repo"
 
 def make_rows(mix: str, seq_len: int, rows: int, seed: int = 0) -> list[list[int]]:
     """``rows`` document-length lists of ``mix``, each summing to ``seq_len``."""
-    import numpy as np  # noqa: PLC0415 - numpy is optional: only drawing mixed rows needs it
-
     if mix not in ROW_MIXES:
         raise ValueError(f"unknown document mix {mix!r}; choose one of {sorted(ROW_MIXES)}")
     mix_id = list(ROW_MIXES).index(mix)
-    return [ROW_MIXES[mix](np.random.default_rng([seed, mix_id, row]), seq_len) for row in range(rows)]
+    return [ROW_MIXES[mix](_RowDraws([seed, mix_id, row], mix), seq_len) for row in range(rows)]

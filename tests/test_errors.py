@@ -1,0 +1,129 @@
+"""The commands' one error path (titan_cp.errors): bad input is one line and exit status 2 from
+rank 0, the other ranks quiet; failures keep their traceback (exit 1); --debug or
+TITAN_CP_DEBUG=1 shows a user error's traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from titan_cp import errors
+from titan_cp.errors import UserError, error_exit, is_user_error, run_cli
+from titan_cp.train import main
+
+REPO = Path(__file__).resolve().parents[1]
+MISSPELT = ["--job.config_file", "train_configs/debug_cp.toml", "--training.stepz", "3"]
+HINT = "error: unknown config key 'training.stepz' (on the command line); did you mean 'training.steps'"
+
+
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", errors.DEBUG_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+def exit_of(fn, *args) -> int:
+    with pytest.raises(SystemExit) as info:
+        fn(*args)
+    return info.value.code
+
+
+def test_bad_input_is_one_line_and_exit_status_2_with_nothing_started(capsys, tmp_path):
+    dump = tmp_path / "out"
+    assert exit_of(run_cli, main, MISSPELT + ["--job.dump_folder", str(dump)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [err.strip()] and err.startswith(HINT)
+    assert not dist.is_initialized() and not dump.exists()
+
+
+def test_other_ranks_wait_for_the_launcher_then_report_quietly(capsys, monkeypatch):
+    """Rank 1 says nothing while rank 0 reports (the launcher stops it first); if it is still
+    running after the grace period (the error was its own), it says so, naming its rank."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    waited = []
+    monkeypatch.setattr(errors.time, "sleep", lambda s: waited.append((s, capsys.readouterr().err)))
+    assert exit_of(run_cli, main, MISSPELT) == 2
+    assert waited == [(errors.PEER_GRACE_SECONDS, "")]  # nothing printed before the wait
+    assert capsys.readouterr().err.startswith("error (rank 1): unknown config key 'training.stepz'")
+
+
+def test_debug_flag_or_environment_shows_the_traceback(capsys, monkeypatch):
+    assert exit_of(run_cli, main, [*MISSPELT, "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last)") and "loader.py" in err and "training.stepz" in err
+    monkeypatch.setenv(errors.DEBUG_ENV, "1")
+    assert exit_of(run_cli, main, MISSPELT) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def raise_in_library(argv):
+    return json.loads("{not json")
+
+
+def raise_from_a_builtin(argv):
+    return int("ten")
+
+
+def raise_a_bug(argv):
+    raise KeyError("internal")
+
+
+@pytest.mark.parametrize(
+    "fn, exc", [(raise_in_library, ValueError), (raise_from_a_builtin, ValueError), (raise_a_bug, KeyError)]
+)
+def test_failures_keep_their_traceback(fn, exc, capsys):
+    """A ``ValueError`` from a library or a builtin is not the package's word on bad input: it
+    propagates (Python prints the traceback, exit status 1), as any other exception does."""
+    with pytest.raises(exc) as info:
+        run_cli(fn, [])
+    assert not is_user_error(info.value)
+    assert capsys.readouterr().err == ""
+
+
+def test_what_counts_as_a_user_error():
+    with pytest.raises(ValueError) as raised:
+        main(MISSPELT)  # a ValueError raised by the config loader
+    assert is_user_error(raised.value)
+    assert is_user_error(UserError("from anywhere"))
+    assert not is_user_error(ValueError("never raised: no traceback"))
+
+
+def test_exit_status_of_a_main_that_returns_one_and_of_an_interrupt(capsys):
+    assert exit_of(run_cli, lambda argv: 3, []) == 3
+    assert exit_of(run_cli, lambda argv: [{"step": 1}], []) == 0
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    assert exit_of(run_cli, interrupted, []) == errors.EXIT_INTERRUPTED
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_error_exit_as_a_context_manager(capsys):
+    with pytest.raises(SystemExit) as info, error_exit():
+        raise UserError("--top must be >= 0, got -3")
+    assert info.value.code == 2 and capsys.readouterr().err == "error: --top must be >= 0, got -3\n"
+
+
+def test_the_trainer_command_line(tmp_path):
+    """``python -m titan_cp.train`` as a user runs it: one line on stderr, exit status 2."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop(errors.DEBUG_ENV, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "titan_cp.train", *MISSPELT, "--job.dump_folder", str(tmp_path / "out")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [done.stderr.strip()] and done.stderr.startswith(HINT)
+    assert not (tmp_path / "out").exists()

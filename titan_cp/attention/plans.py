@@ -1,0 +1,231 @@
+"""Mask plans: the tiles of a query buffer on a key buffer, planned once per microbatch on the
+host, and their index tensors on the device.
+
+A *buffer* is the concatenation of the local shards of some cp ranks (``ranks``, a tuple), or
+the whole row in natural order (``None``). Buffers are token-major over the batch: row
+``b * n + j`` is token ``j`` of batch row ``b`` of an ``n``-token buffer, the layout the model's
+``(B, H, S, E)`` views flatten to (:func:`token_major`)::
+
+    q, out, dout:  (B*Sq, H, E)       k, v: (B*Sk, K, E)       lse: (H, B*Sq) fp32
+
+:func:`make_plan` gives a :class:`MaskPlan` (cached on the layout, so every layer of a
+microbatch reuses it); :meth:`MaskPlan.index` turns it, once per device, into a
+:class:`PlanIndex` of device-resident index tensors: one variable-length kernel call per causal
+flag, the packed rows to gather for it, and the accumulator row of each packed output row. An
+*upper* tile (keys ``j >= i``, at a window's edge) joins the causal call with its rows and keys
+gathered in reverse order, where it is a causal square.
+
+A key buffer may arrive *compact*: only the rows some query of the plan reads
+(:meth:`MaskPlan.key_rows`), as the strategies send them; ``index(..., key_map=...)`` numbers
+the key rows in the buffer actually held instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from titan_cp.attention.kernels import Segments
+from titan_cp.attention.masks import Tile, plan_tiles
+from titan_cp.layout import SequenceLayout, spans, to_device
+
+
+@dataclass(frozen=True)
+class Mask:
+    """What a query may see beyond its document: ``causal`` (keys at or before it), ``window``
+    (keys at most ``window - 1`` positions back), ``chunk`` (keys in its own ``chunk``-sized
+    piece of the document)."""
+
+    causal: bool = True
+    window: int | None = None
+    chunk: int | None = None
+
+
+CAUSAL = Mask()  # plain causal attention: the default
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """The tiles of the batch rows ``rows`` (``None``: every row), which share one document structure."""
+
+    rows: tuple[int, ...] | None
+    tiles: tuple[Tile, ...]
+
+
+class HostCall(NamedTuple):
+    """One variable-length call planned on the host: packed rows of each buffer and segment offsets."""
+
+    causal: bool
+    q_rows: torch.Tensor  # (total_q,) int64 rows of the query buffer, packed order
+    k_rows: torch.Tensor  # (total_k,) int64 rows of the key buffer (full numbering)
+    host_q: tuple[int, ...]
+    host_k: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """One variable-length kernel call on the device."""
+
+    causal: bool
+    segments: Segments
+    q_rows: torch.Tensor  # (total_q,) int64: rows of the token-major query buffer, packed order
+    k_rows: torch.Tensor  # (total_k,) int64: rows of the key buffer held
+
+
+@dataclass(frozen=True)
+class PlanIndex:
+    """A plan's index tensors for one batch size on one device (built once, reused by every layer)."""
+
+    calls: tuple[VarlenCall, ...]  # one per causal flag present
+    q_dest: torch.Tensor  # (sum of total_q,) int64: accumulator row of each packed output row
+
+
+def _rows(tiles_rows: Sequence[tuple[int, int, int, bool]]) -> torch.Tensor:
+    """Rows ``[a, a + n)`` of each ``(a, n, _, reverse)`` in order, reversed where asked, as one int64 tensor."""
+    starts = torch.tensor([a for a, _, _, _ in tiles_rows], dtype=torch.int64)
+    lengths = torch.tensor([n for _, n, _, _ in tiles_rows], dtype=torch.int64)
+    rows = spans(starts, lengths)
+    rev = torch.tensor([r for _, _, _, r in tiles_rows], dtype=torch.bool)
+    if rev.any():  # an upper tile: rows a + n - 1 ... a
+        seg = torch.repeat_interleave(torch.arange(len(tiles_rows)), lengths)
+        flip = rev[seg]
+        rows[flip] = (2 * starts[seg] + lengths[seg] - 1)[flip] - rows[flip]
+    return rows
+
+
+def _offsets(lens: list[int]) -> tuple[int, ...]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return tuple(out)
+
+
+class MaskPlan:
+    """Mask plan of a query buffer of ``q_len`` tokens per row on a key buffer of ``k_len``.
+
+    ``groups``: the tiles of each group of rows with one document structure. An empty plan
+    (nothing visible) is falsy and costs nothing.
+    """
+
+    def __init__(self, groups: tuple[RowTiles, ...], q_len: int, k_len: int):
+        self.groups, self.q_len, self.k_len = groups, q_len, k_len
+        self._cache: dict[tuple, object] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def num_tiles(self) -> int:
+        """Tiles over the row groups (a group of rows shares its tiles)."""
+        return sum(len(g.tiles) for g in self.groups)
+
+    def pairs(self, batch: int = 1) -> int:
+        """Visible (query, key) pairs per head, summed over the batch."""
+        return sum((batch if g.rows is None else len(g.rows)) * sum(t.pairs for t in g.tiles) for g in self.groups)
+
+    def _memo(self, key, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def host_calls(self, batch: int) -> tuple[HostCall, ...]:
+        """The packed calls for ``batch`` rows, on the host (cached)."""
+        return self._memo(("host", batch), lambda: self._host_calls(batch))
+
+    def _host_calls(self, batch: int) -> tuple[HostCall, ...]:
+        sq, sk = self.q_len, self.k_len
+        items = [(b, t) for g in self.groups for b in (range(batch) if g.rows is None else g.rows) for t in g.tiles]
+        calls = []
+        for causal in (True, False):
+            these = [(b, t) for b, t in items if t.causal == causal]
+            if not these:
+                continue
+            lq = [t.q1 - t.q0 for _, t in these]
+            lk = [t.k1 - t.k0 for _, t in these]
+            q_rows = _rows([(b * sq + t.q0, t.q1 - t.q0, 0, t.upper) for b, t in these])
+            k_rows = _rows([(b * sk + t.k0, t.k1 - t.k0, 0, t.upper) for b, t in these])
+            calls.append(HostCall(causal, q_rows, k_rows, _offsets(lq), _offsets(lk)))
+        return tuple(calls)
+
+    def key_rows(self, batch: int) -> torch.Tensor:
+        """Sorted rows of the key buffer that some query of the plan sees (host, int64)."""
+        return self._memo(("keys", batch), lambda: _unique([c.k_rows for c in self.host_calls(batch)]))
+
+    def query_rows(self, batch: int) -> torch.Tensor:
+        """Sorted rows of the query buffer that see some key of the plan (host, int64)."""
+        return self._memo(("queries", batch), lambda: _unique([c.q_rows for c in self.host_calls(batch)]))
+
+    def q_dest(self, batch: int) -> torch.Tensor:
+        """The query row of every packed output row, calls in order (host, int64)."""
+        calls = self.host_calls(batch)
+        return torch.cat([c.q_rows for c in calls]) if calls else torch.zeros(0, dtype=torch.int64)
+
+    def index(self, batch: int, device: torch.device, key_map: tuple | None = None) -> PlanIndex:
+        """Device-resident index tensors for ``batch`` rows (cached).
+
+        ``key_map``: ``(name, host int64 tensor)`` giving, for each row of the full key buffer,
+        its row in the buffer actually held (the name keys the cache); ``None``: the full buffer.
+        """
+        key = ("index", batch, torch.device(device), None if key_map is None else key_map[0])
+        return self._memo(key, lambda: self._index(batch, torch.device(device), key_map))
+
+    def _index(self, batch: int, device: torch.device, key_map) -> PlanIndex:
+        calls = []
+        for c in self.host_calls(batch):
+            k_rows = c.k_rows if key_map is None else key_map[1][c.k_rows]
+            assert bool((k_rows >= 0).all()), "the plan reads a key row the buffer does not hold"
+            seg = Segments(
+                cu_q=to_device(torch.tensor(c.host_q, dtype=torch.int32), device),
+                cu_k=to_device(torch.tensor(c.host_k, dtype=torch.int32), device),
+                max_q=max(b - a for a, b in zip(c.host_q, c.host_q[1:])),
+                max_k=max(b - a for a, b in zip(c.host_k, c.host_k[1:])),
+                host_q=c.host_q,
+                host_k=c.host_k,
+            )
+            calls.append(VarlenCall(c.causal, seg, to_device(c.q_rows, device), to_device(k_rows, device)))
+        return PlanIndex(tuple(calls), to_device(self.q_dest(batch), device))
+
+
+def _unique(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def make_plan(layout: SequenceLayout, q_ranks, k_ranks, mask: Mask | bool) -> MaskPlan:
+    """Tiles for the query buffer ``cat(shards of q_ranks)`` on the key buffer ``cat(shards of k_ranks)``.
+
+    ``None`` for either side means the whole row in natural order; ``mask`` a :class:`Mask` (or
+    ``causal`` alone). Cached on the layout, so every layer of a microbatch reuses one plan (and
+    its device indices).
+    """
+    mask = mask if isinstance(mask, Mask) else Mask(causal=bool(mask))
+    q_ranks = None if q_ranks is None else tuple(q_ranks)
+    k_ranks = None if k_ranks is None else tuple(k_ranks)
+
+    def build() -> MaskPlan:
+        groups = []
+        for rows in layout.row_groups():
+            row = rows[0] if rows else None
+            q_runs, k_runs = layout.runs(q_ranks, row, mask.chunk), layout.runs(k_ranks, row, mask.chunk)
+            tiles = plan_tiles(q_runs, k_runs, mask.causal, mask.window)
+            if tiles:
+                groups.append(RowTiles(rows or None, tiles))
+        n = lambda ranks: layout.seq_len if ranks is None else layout.local_len * len(ranks)  # noqa: E731
+        return MaskPlan(tuple(groups), n(q_ranks), n(k_ranks))
+
+    return layout.memo(("plan", q_ranks, k_ranks, mask), build)
+
+
+# ---------------------------------------------------------------------------- buffers
+def token_major(x: torch.Tensor) -> torch.Tensor:
+    """``(B, H, S, E)`` -> ``(B*S, H, E)``; a view when ``x`` is a transposed ``(B, S, H, E)`` tensor."""
+    b, h, s, e = x.shape
+    return x.transpose(1, 2).reshape(b * s, h, e)
+
+
+def head_major(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """Inverse of :func:`token_major`: ``(B*S, H, E)`` -> ``(B, H, S, E)`` view."""
+    n, h, e = x.shape
+    return x.view(batch, n // batch, h, e).transpose(1, 2)

@@ -1,0 +1,207 @@
+"""``python -m titan_cp.plan``: parse the arguments, plan, print JSON lines, a table, the TOML and torchrun lines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from titan_cp.attention.strategy import get_strategy
+from titan_cp.data.row_mixes import ROW_MIXES
+from titan_cp.plan.devices import GB, GPUS, INTER, INTRA, device
+from titan_cp.plan.search import Estimate, PlanResult, plan
+
+USAGE = """The planner: which mesh and CP strategy to run, before spending a GPU-hour.
+
+    python -m titan_cp.plan --job.config_file X.toml --ngpu 8 [--gpu h100|h200|a100|cpu]
+        [--nnodes 1] [--doc-mix NAME] [--hbm-gb G] [--matmul-speedup F] [--plot out.png]
+        [--section.key value ...]          # any config key, as in the trainer
+"""
+
+
+def _takes_ulysses(e: Estimate) -> bool:
+    return e.candidate.cp > 1 and e.candidate.attention.takes_ulysses_degree()
+
+
+def record(e: Estimate, result: PlanResult) -> dict:
+    """The JSON line of ``e`` (the keys the planner has always printed)."""
+    c, cost, ctx = e.candidate, e.cost, result.context
+    comm = {INTRA: 0, INTER: 0}
+    detail = {}
+    for name, t in cost.transfers.items():
+        nbytes = cost.bytes_per_step(t)
+        comm[t.link] += nbytes
+        detail[name] = {"bytes": int(nbytes), "link": t.link}
+    ratio = cost.ring.ratio if cost.ring is not None else None
+    out = {
+        "strategy": c.strategy if c.cp > 1 else "none",
+        **{k: v for k, v in c.degrees.items() if k != "pp"},
+        "pp": c.pp,
+        "ulysses_degree": c.ulysses_size,
+        "seq_len": e.workload.seq_len,
+        "local_tokens": e.workload.seq_len // c.cp * len(e.workload.rows),
+        "memory_bytes_per_rank": int(e.memory.total),
+        "memory_parts": {k: int(v) for k, v in e.memory.parts.items()},
+        "fits": bool(e.fits),
+        "headroom_bytes": e.headroom_bytes,
+        "comm_bytes_per_rank": {k: int(v) for k, v in comm.items()},
+        "comm_detail": detail,
+        "ring_compute_over_transfer": None if ratio is None else round(ratio, 3),
+        "compute_seconds": cost.compute_seconds,
+        "exposed_comm_seconds": cost.exposed_seconds,
+        "step_seconds": cost.step,
+        "model_flops": int(e.model_flops),
+        "tokens_per_second_per_gpu": e.tokens_per_second_per_gpu,
+        "mfu": e.mfu,
+        "configured": result.is_configured(e),
+        "gpu": ctx.gpu,
+        "ngpu": ctx.ngpu,
+        "nnodes": ctx.nnodes,
+        "doc_mix": ctx.doc_mix,
+        "ac": ctx.ac,
+        "flavor": ctx.flavor,
+        "balance": ctx.balance,
+        "recommended": bool(e is result.best and result.recommended),
+    }
+    if e is result.best:
+        out["reason"] = result.reason
+    return out
+
+
+def overrides(e: Estimate) -> list[str]:
+    """The ``[parallelism]`` TOML lines of ``e``."""
+    c = e.candidate
+    lines = ["[parallelism]"]
+    lines += [
+        f"data_parallel_replicate_degree = {c.dp_replicate}",
+        f"data_parallel_shard_degree = {c.dp_shard}",
+        f"context_parallel_degree = {c.cp}",
+        f"tensor_parallel_degree = {c.tp}",
+        f"pipeline_parallel_degree = {c.pp}",
+    ]
+    if c.cp > 1:
+        lines.append(f'context_parallel_strategy = "{c.strategy}"')
+    if _takes_ulysses(e):
+        lines.append(f"context_parallel_ulysses_degree = {c.ulysses}")
+    return lines
+
+
+def launch_lines(e: Estimate, ngpu: int, nnodes: int, config_file: str | None) -> list[str]:
+    """The ``torchrun`` line that runs ``e`` on ``nnodes`` nodes of ``ngpu // nnodes`` GPUs."""
+    c = e.candidate
+    cfg = f"--job.config_file {config_file or 'X.toml'}"
+    keys = (
+        f"--parallelism.data_parallel_replicate_degree {c.dp_replicate} "
+        f"--parallelism.data_parallel_shard_degree {c.dp_shard} --parallelism.context_parallel_degree {c.cp} "
+        f"--parallelism.tensor_parallel_degree {c.tp} --parallelism.pipeline_parallel_degree {c.pp}"
+    )
+    if c.cp > 1:
+        keys += f" --parallelism.context_parallel_strategy {c.strategy}"
+    if _takes_ulysses(e):
+        keys += f" --parallelism.context_parallel_ulysses_degree {c.ulysses}"
+    per_node = ngpu // nnodes
+    if nnodes == 1:
+        return [f"torchrun --standalone --nproc-per-node {per_node} -m titan_cp.train {cfg} {keys}"]
+    return [
+        f"torchrun --nnodes {nnodes} --nproc-per-node {per_node} --rdzv-backend c10d "
+        f"--rdzv-endpoint $HEAD_NODE:29500 --rdzv-id $JOB_ID -m titan_cp.train {cfg} {keys}"
+    ]
+
+
+def row(r: dict) -> str:
+    """One table row of a record."""
+    mesh = f"pp{r['pp']} rep{r['dp_replicate']} fsdp{r['dp_shard']} cp{r['cp']} tp{r['tp']}"
+    takes = r["cp"] > 1 and get_strategy(r["strategy"]).takes_ulysses_degree()
+    strat = r["strategy"] + (f"(u{r['ulysses_degree']})" if takes else "")
+    ratio = r["ring_compute_over_transfer"]
+    return (
+        f"{'*' if r['recommended'] else ' '} {mesh:<30} {strat:<12} {r['memory_bytes_per_rank'] / GB:8.1f} "
+        f"{'yes' if r['fits'] else 'no':>4} {r['comm_bytes_per_rank'][INTRA] / GB:8.2f} "
+        f"{r['comm_bytes_per_rank'][INTER] / GB:8.2f} {'-' if ratio is None else f'{ratio:.1f}':>6} "
+        f"{r['step_seconds']:8.3f} {r['tokens_per_second_per_gpu']:10,.0f} {100 * r['mfu']:5.1f}"
+    )
+
+
+HEADER = (
+    f"  {'mesh':<30} {'strategy':<12} {'mem GB':>8} {'fits':>4} {'intra GB':>8} {'inter GB':>8} "
+    f"{'c/t':>6} {'step s':>8} {'tok/s/GPU':>10} {'MFU%':>5}"
+)
+
+
+def plot(records: list[dict], path: str) -> None:
+    """Memory per rank and predicted tokens/s per GPU of every candidate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in records:
+        color = "C2" if r["recommended"] else ("C0" if r["fits"] else "C3")
+        ax.scatter(r["memory_bytes_per_rank"] / GB, r["tokens_per_second_per_gpu"], color=color, s=18)
+    best = records[0]
+    ax.annotate(
+        f"cp{best['cp']} {best['strategy']}", (best["memory_bytes_per_rank"] / GB, best["tokens_per_second_per_gpu"])
+    )
+    ax.set_xlabel("memory per rank (GB)")
+    ax.set_ylabel("predicted tokens/s per GPU")
+    ax.set_title(f"{best['flavor']} seq {best['seq_len']} on {best['ngpu']} {best['gpu']} (red: does not fit)")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m titan_cp.plan",
+        description=USAGE.split("\n\n")[0],
+        epilog="Any --section.key value is a config override, as in the trainer.",
+    )
+    p.add_argument("--ngpu", type=int, required=True, help="GPUs in all")
+    p.add_argument("--gpu", default="h100", help=f"one of {sorted(GPUS)}")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--doc-mix", default="causal", help=f"document mix of the rows: {sorted(ROW_MIXES)}")
+    p.add_argument("--hbm-gb", type=float, default=None, help="memory per GPU, GB (default: the GPU's)")
+    p.add_argument("--matmul-speedup", type=float, default=1.0, help="e.g. 1.48 for float8 + compile (see Stack)")
+    p.add_argument("--plot", metavar="PNG")
+    p.add_argument("--top", type=int, default=0, help="print only the best N rows (0: all)")
+    return p
+
+
+def _print_launch(result: PlanResult, config_file: str | None) -> None:
+    best, ctx = result.best, result.context
+    print("\n".join(["", *overrides(best), ""]))
+    for line in launch_lines(best, ctx.ngpu, ctx.nnodes, config_file):
+        print(line)
+    if ctx.nnodes == 1:
+        several = launch_lines(best, 2 * ctx.ngpu, 2, config_file)[0].replace("--nnodes 2", "--nnodes N")
+        print(several + "   # several nodes (set the degrees for N nodes)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from titan_cp.config import load_config
+
+    args, rest = parser().parse_known_args(argv)
+    try:
+        if args.doc_mix not in ROW_MIXES:
+            raise ValueError(f"--doc-mix {args.doc_mix!r} is unknown; choose one of {sorted(ROW_MIXES)}")
+        device(args.gpu)
+        job_config = load_config(rest)
+        result = plan(job_config, args.ngpu, args.gpu, args.nnodes, args.doc_mix, args.hbm_gb, args.matmul_speedup)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    records = [record(e, result) for e in result.estimates]
+    shown = records[: args.top] if args.top else records
+    for r in shown:
+        print(json.dumps(r))
+    print("\n" + HEADER)
+    for r in shown:
+        print(row(r))
+    print(f"\nrecommended: {result.reason}")
+    if result.recommended:
+        _print_launch(result, job_config.job.config_file)
+    if args.plot:
+        plot(records, args.plot)
+    return 0

@@ -1,0 +1,418 @@
+"""Time per step: compute, transfers, and the ring's exposure, over frozen dataclasses.
+
+For one candidate mesh (:class:`~titan_cp.plan.search.Candidate`) and one microbatch on the
+straggler rank of the largest pipeline stage:
+
+- **compute** (:class:`Compute`): the matmuls, ``6 x`` the stage's parameters per token (the
+  forward again for checkpointed blocks), at the device's matmul fraction times the stack's
+  ``matmul_speedup``; attention at the kernel's own measured rate
+  (:mod:`titan_cp.plan.kernels`) for the visible pairs of each ring step, from the attention's
+  own mask plans on the document mix, plus each step's elementwise merge traffic at HBM
+  bandwidth (the bytes per element of :class:`RingImpl`).
+- **transfers** (:class:`Transfer`): bytes per rank and link kind of every collective: CP from
+  the strategy's own ``min_bytes_by_axis`` (the forward twice under full AC), FSDP's
+  all-gathers (compute dtype) and fp32 reduce-scatter, HSDP's all-reduce, TP's four
+  sequence-parallel collectives per block and pass, PP's activations.
+- **ring exposure** (:class:`RingExposure`): per ring step, the transfer that must arrive
+  during the step against the step's compute (``exposed = max(0, transfer - compute)``), for
+  the way the ring runs (:class:`RingImpl`). Collectives the attention waits for (all-gather,
+  Ulysses' all-to-alls), TP's (unless the stack overlaps them), PP's and HSDP's are exposed
+  whole; FSDP's beyond the compute they overlap.
+
+A step is ``(compute + exposed) x (microbatches + bubble) x accumulation``, the 1F1B bubble
+being ``pp - 1`` microbatches (``(pp - 1) / 2`` for schedules with two stages per rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+from titan_cp.attention.plans import CAUSAL, make_plan
+from titan_cp.attention.ring import ring_plans
+from titan_cp.attention.strategy import AxisBytes, get_strategy
+from titan_cp.layout import get_layout
+from titan_cp.model.llama import ModelArgs
+from titan_cp.plan.devices import Device
+from titan_cp.plan.memory import RankModel, Stage, layer_params, stage_param_count
+from titan_cp.plan.problem import Candidate, Workload, pipeline
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class RingImpl:
+    """How a ring's steps run: what travels, and the elementwise traffic around each kernel call.
+
+    expand_kv: K/V travel at the query head count (GQA expanded before attention).
+    gather_kv: K/V are all-gathered once per pass (waited on before the second step) instead
+        of being passed on step by step; dK/dV still travel one step at a time.
+    needed_only: only the K/V rows another rank's queries can see travel, and each step's merge
+        touches only the query rows its plan reaches (titan_cp's engine); else every row, every step.
+    merge_fwd, merge_bwd: HBM bytes read and written outside the kernel per element of a
+        ``(B, H, S_local, E)`` query-shaped tensor in one forward / backward step (merging the
+        output; accumulating dq); kv_fwd, kv_bwd: the same per element of K (V alike, counted
+        in) as the K/V travel (copies to send; accumulating dK, dV).
+    """
+
+    name: str
+    expand_kv: bool = False
+    gather_kv: bool = False
+    needed_only: bool = False
+    merge_fwd: float = 10.0
+    merge_bwd: float = 10.0
+    kv_fwd: float = 0.0
+    kv_bwd: float = 20.0
+
+
+# titan_cp's ring: per step one vectorised log-sum-exp merge of the block into fp32 accumulators
+# (read acc 4 + write 4 + read the block's output 2); the backward scatter-adds dq into fp32
+# (10) and dK, dV into fp32 accumulators (10 each per K element); K/V at their own heads.
+# Only the K/V rows another rank can see travel (needed_only), and a step's merge touches only
+# the query rows its plan reaches (the merge bytes scale with those rows).
+TITAN_CP_RING = RingImpl("titan_cp", needed_only=True)
+
+# torch's 2024 context parallel (torch.distributed.tensor.experimental._attention, as
+# torchtitan's December 2024 benchmark ran it): SDPA per ring step (step 0 causal on the two
+# local zigzag chunks, then the non-causal halves), K/V expanded to the query heads by the
+# model (repeat_kv) before SDPA, K/V all-gathered (rotate method "allgather"), dK/dV in fp32
+# passed on by all_to_all every step. Bytes per element from its code, forward step:
+# out.to(fp32) 6, out - block_out 12, sigmoid(.) * (.) 8, out - (.) 12, the partial update's
+# cat on half the steps 4 (42); per K element: cat of K and V to send 8. Backward step:
+# grad_q += 10, 13 with the partial update (11.5); per K element: cat of K and V 8, grad_k and
+# grad_v += 20, 26 with the partial update (23), cat of grad_k and grad_v to send 16 (47).
+TORCH_2024_RING = RingImpl(
+    "torch 2024 CP", expand_kv=True, gather_kv=True, merge_fwd=42.0, merge_bwd=11.5, kv_fwd=8.0, kv_bwd=47.0
+)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The software that runs, beyond the device: what the device constants cannot say.
+
+    matmul_speedup: matmul time divided by this (float8 linears + torch.compile against bf16
+        eager; torchtitan's Table 1 measures 1.48 on Llama 3.1 8B).
+    async_tp: TP's collectives overlap the matmuls they feed (torchtitan's AsyncTP).
+    """
+
+    name: str = "titan_cp"
+    matmul_speedup: float = 1.0
+    async_tp: bool = False
+    ring: RingImpl = TITAN_CP_RING
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective of a rank: bytes sent and seconds exposed, per pipeline microbatch slot
+    (``per_microbatch``: CP, TP, PP) or per optimizer step (FSDP, HSDP), and its link kind."""
+
+    nbytes: int
+    link: str
+    exposed: float
+    per_microbatch: bool = True
+
+
+@dataclass(frozen=True)
+class RingExposure:
+    """The straggler's ring steps of one microbatch: compute per step and the transfers they hide."""
+
+    compute_fwd: tuple[float, ...]
+    compute_bwd: tuple[float, ...]
+    wait_fwd: tuple[float, ...]  # seconds of transfer each forward step must hide
+    wait_bwd: tuple[float, ...]
+    tail: float  # transfer after the last backward step (nothing left to hide it)
+    forward_passes: float
+
+    @property
+    def exposed(self) -> float:
+        fwd = sum(max(0.0, t - c) for t, c in zip(self.wait_fwd, self.compute_fwd))
+        bwd = sum(max(0.0, t - c) for t, c in zip(self.wait_bwd, self.compute_bwd))
+        return self.forward_passes * fwd + bwd + self.tail
+
+    @property
+    def ratio(self) -> float | None:
+        """The hiding condition: the smallest compute / transfer over the steps with a transfer."""
+        pairs = [(c, t) for c, t in zip(self.compute_fwd + self.compute_bwd, self.wait_fwd + self.wait_bwd) if t > 0]
+        return min(c / t for c, t in pairs) if pairs else None
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Seconds of compute of one microbatch on the straggler rank."""
+
+    dense: float
+    attention: float  # kernels and their merges, all steps and passes
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.attention
+
+
+@dataclass(frozen=True)
+class AttentionWork:
+    """Visible (query, key) pairs per head of the straggler, per ring step, for all local rows."""
+
+    steps: tuple[int, ...]  # max over ranks (or Ulysses groups) of the pairs at each step
+    total: int  # every visible pair of the rows
+    kernel_len: float  # sequence length the kernel calls run at (for the rate tables)
+    touched: tuple[float, ...] = ()  # max over ranks of the fraction of local query rows each step reaches
+
+
+@lru_cache(maxsize=256)
+def attention_work(seq_len: int, cp: int, ring: int, ulysses: int, balance: str, rows: tuple) -> AttentionWork:
+    """Pairs per ring step of ``ring`` groups of ``ulysses`` ranks (each group's queries: the union of
+    its members' shards). A strategy whose ring and Ulysses sizes do not cover the cp ranks gathers
+    K/V: each rank attends its own queries to the whole row, in one step."""
+    layout = get_layout(seq_len, cp, balance, [list(r) for r in rows])
+    b = len(rows)
+    total = make_plan(layout, None, None, True).pairs(b)
+    eff_len = 2 * total / (seq_len * b)  # a causal document of L tokens has L^2 / 2 pairs: L
+    if ring * ulysses != cp:
+        steps = (max(make_plan(layout, (r,), None, True).pairs(b) for r in range(cp)),)
+        return AttentionWork(steps, total, min(eff_len, seq_len), (1.0,))
+    members = lambda g: tuple(range(g * ulysses, (g + 1) * ulysses))  # noqa: E731
+    plans = [ring_plans(layout, g, ring, members, CAUSAL) for g in range(ring)]
+    rows = b * layout.local_len * ulysses
+    pairs = [max(p[s].pairs(b) for p in plans) for s in range(ring)]
+    touched = [max(len(p[s].query_rows(b)) / rows for p in plans) for s in range(ring)]
+    return AttentionWork(tuple(pairs), total, min(eff_len, seq_len // ring), tuple(touched))
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One candidate's time per optimizer step, by part (seconds)."""
+
+    compute: Compute  # one microbatch
+    transfers: dict[str, Transfer] = field(default_factory=dict)
+    ring: RingExposure | None = None
+    microbatches: int = 1
+    bubble: float = 0.0  # extra microbatch slots of the pipeline schedule
+    accum: int = 1
+
+    def _exposed(self, per_microbatch: bool) -> float:
+        return sum(t.exposed for t in self.transfers.values() if t.per_microbatch == per_microbatch)
+
+    @property
+    def step(self) -> float:
+        slot = self.compute.total + self._exposed(True)
+        return (slot * (self.microbatches + self.bubble) + self._exposed(False)) * self.accum
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.compute.total * self.microbatches * self.accum
+
+    @property
+    def exposed_seconds(self) -> float:
+        return (self._exposed(True) * self.microbatches + self._exposed(False)) * self.accum
+
+    def bytes_per_step(self, t: Transfer) -> int:
+        return t.nbytes * (self.microbatches if t.per_microbatch else 1) * self.accum
+
+
+def cp_dtype(act_bytes: int) -> torch.dtype:
+    return torch.bfloat16 if act_bytes == 2 else torch.float32
+
+
+def cp_bytes_per_rank(
+    args: ModelArgs,
+    seq_len: int,
+    rows: int,
+    strategy: str,
+    cp: int,
+    tp: int = 1,
+    ulysses: int = 1,
+    layers: int | None = None,
+    ac: str = "none",
+    dtype: torch.dtype = torch.bfloat16,
+    doc_rows=None,
+    balance: str = "doc_zigzag",
+    rank: int | None = None,
+) -> int:
+    """Bytes one rank hands to CP communication in one forward + backward (+ the forward again under
+    full AC) of ``layers`` blocks, from the strategy's own ``min_bytes`` on the local shapes: with
+    ``doc_rows`` (one list of document lengths per row) the rank sending most under ``balance``
+    (only what other ranks can see travels; ``rank``: that cp rank's), else every row to every rank."""
+    if cp == 1:
+        return 0
+    s = get_strategy(strategy)
+    q = torch.empty(rows, args.n_heads // tp, seq_len // cp, args.head_dim, dtype=dtype, device="meta")
+    k = torch.empty(rows, args.kv_heads // tp, seq_len // cp, args.head_dim, dtype=dtype, device="meta")
+    layout = None if doc_rows is None else get_layout(seq_len, cp, balance, [list(r) for r in doc_rows])
+    per = s.min_bytes(q, k, cp, ulysses, True, layout, rank)
+    if ac == "full":  # the checkpointed forward runs again
+        per += s.min_bytes(q, k, cp, ulysses, False, layout, rank)
+    return per * (args.n_layers if layers is None else layers)
+
+
+# ---------------------------------------------------------------------------- one candidate
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What one candidate's cost is computed from (kept together so no function takes ten arguments)."""
+
+    c: Candidate
+    w: Workload
+    dev: Device
+    stack: Stack
+    stage: Stage  # the largest pipeline stage
+
+    @property
+    def m(self) -> RankModel:
+        return self.w.rank_model(self.c)
+
+    @property
+    def microbatches(self) -> int:
+        return self.w.microbatches(self.c.pp)
+
+    @property
+    def rows(self) -> int:
+        """Rows of one microbatch."""
+        return self.w.rows_per_microbatch(self.c.pp)
+
+    @property
+    def tokens(self) -> int:
+        """Local tokens of one microbatch."""
+        return self.w.seq_len // self.c.cp * self.rows
+
+    @property
+    def forward_passes(self) -> float:
+        """Forwards per backward: 1, plus the checkpointed blocks' recomputation."""
+        return 1 + self.m.checkpointed(self.stage.layers) / self.stage.layers
+
+
+def dense_seconds(s: Setting) -> float:
+    """The stage's matmuls on one microbatch: ``2 x params`` FLOPs per token forward, twice that backward,
+    the forward again for checkpointed blocks (the embedding is a lookup, not a matmul)."""
+    args, tp = s.w.args, s.c.tp
+    layer = layer_params(args, tp)
+    matmul_params = s.stage.layers * layer + (args.vocab_size * args.dim // tp) * s.stage.last
+    flops = 2 * s.tokens * (3 * matmul_params + s.m.checkpointed(s.stage.layers) * layer)
+    return flops / (s.dev.matmul_flops * s.stack.matmul_speedup)
+
+
+def _q_k_meta(s: Setting) -> tuple[torch.Tensor, torch.Tensor]:
+    """Meta tensors of the local q and k of one microbatch (the strategies' byte counts read their shapes)."""
+    h, k, _ = s.m.heads
+    local = s.w.seq_len // s.c.cp
+    dtype = cp_dtype(s.w.act_bytes)
+    q = torch.empty(s.rows, h, local, s.w.args.head_dim, dtype=dtype, device="meta")
+    return q, torch.empty(s.rows, k, local, s.w.args.head_dim, dtype=dtype, device="meta")
+
+
+def _heads(s: Setting) -> tuple[int, int]:
+    """``(query heads, K/V heads)`` of one kernel call (per Ulysses shard; K/V as the ring moves them)."""
+    h, k, _ = s.m.heads
+    c = s.c
+    kv = c.attention.attention_kv_heads(h, k, c.cp, c.ulysses)
+    q = h // c.ulysses_size
+    return q, q if s.stack.ring.expand_kv else kv
+
+
+def _ring_steps(s: Setting, work: AttentionWork) -> tuple[list[float], list[float]]:
+    """Compute seconds of each ring step of one layer and microbatch, forward and backward:
+    the kernel calls at the measured rates and the step's merge traffic at HBM bandwidth."""
+    impl, e = s.stack.ring, s.w.args.head_dim
+    heads, kv_heads = _heads(s)
+    tokens = s.tokens * s.c.ulysses_size  # a Ulysses group attends the union of its members' shards
+    merges = len(work.steps) > 1
+    q_elems, kv_elems = tokens * heads * e, tokens * kv_heads * e
+    fwd, bwd = [], []
+    for step, pairs in enumerate(work.steps):
+        kf, kb = s.dev.attention.seconds(pairs / s.microbatches * heads * e, work.kernel_len, step == 0)
+        rows = work.touched[step] if impl.needed_only and work.touched else 1.0  # the query rows merged
+        mf = (impl.merge_fwd * q_elems + impl.kv_fwd * kv_elems) * rows / s.dev.hbm_bandwidth if merges else 0.0
+        mb = (impl.merge_bwd * q_elems + impl.kv_bwd * kv_elems) * rows / s.dev.hbm_bandwidth if merges else 0.0
+        fwd.append(kf + mf)
+        bwd.append(kb + mb)
+    return fwd, bwd
+
+
+def _ring_exposure(
+    s: Setting, ring: AxisBytes, fwd_bytes: int, link: str, fwd: list[float], bwd: list[float]
+) -> tuple[RingExposure, float]:
+    """The per-step hiding condition of one layer's ring (see :class:`RingImpl`) and the bytes it sends."""
+    steps, passes = ring.size - 1, s.forward_passes
+    block = fwd_bytes / steps  # one K/V block at the heads the strategy sends
+    dkv = (ring.nbytes - fwd_bytes) / steps - block  # its gradient, fp32
+    _, kv_heads = _heads(s)
+    if s.stack.ring.expand_kv:  # at the query heads instead
+        own = s.c.attention.attention_kv_heads(*s.m.heads[:2], s.c.cp, s.c.ulysses)
+        block, dkv = block * kv_heads / own, dkv * kv_heads / own
+    if s.stack.ring.gather_kv:  # gathered once per pass, waited on before the second step; dK/dV step by step
+        gather, t_dkv = s.dev.seconds(steps * block, link), s.dev.seconds(dkv, link)
+        wait_fwd, wait_bwd, tail = (gather,) + (0.0,) * steps, (gather,) + (t_dkv,) * steps, t_dkv
+    else:  # the next block during each step (backward: with the dK/dV riding one step behind)
+        t_fwd, t_bwd = s.dev.seconds(block, link), s.dev.seconds(block + dkv, link)
+        wait_fwd, wait_bwd, tail = (t_fwd,) * steps + (0.0,), (t_bwd,) * steps + (0.0,), 0.0
+    exposure = RingExposure(tuple(fwd), tuple(bwd), wait_fwd, wait_bwd, tail, passes)
+    return exposure, steps * (block * (passes + 1) + dkv)
+
+
+def attention_cost(s: Setting) -> tuple[float, dict[str, Transfer], RingExposure | None]:
+    """``(compute seconds, CP transfers, ring)`` of the stage's attention on one microbatch."""
+    c, w, layers = s.c, s.w, s.stage.layers
+    work = attention_work(w.seq_len, c.cp, c.ring_size, c.ulysses_size, w.balance, w.rows)
+    fwd, bwd = _ring_steps(s, work)
+    compute = layers * (s.forward_passes * sum(fwd) + sum(bwd))
+    if c.cp == 1:
+        return compute, {}, None
+    q, k = _q_k_meta(s)
+    layout = None  # without: every K/V row to every rank (a ring that sends all of them)
+    if s.stack.ring.needed_only:
+        layout = get_layout(w.seq_len, c.cp, w.balance, [list(r) for r in w.rows[: s.rows]])
+    fwd_axes = c.attention.min_bytes_by_axis(q, k, c.cp, c.ulysses, False, layout)
+    transfers, ring = {}, None
+    inner = c.tp
+    for axis, fwd_axis in reversed(
+        list(zip(c.attention.min_bytes_by_axis(q, k, c.cp, c.ulysses, True, layout), fwd_axes))
+    ):
+        inner *= axis.size  # axes outermost first: a group of this axis spans the axes inside it
+        name = "cp" if len(fwd_axes) == 1 else axis.axis
+        nbytes = int(layers * (axis.nbytes + (s.forward_passes - 1) * fwd_axis.nbytes))
+        link = s.dev.link(inner)
+        if axis.ring:
+            ring, per_layer = _ring_exposure(s, axis, fwd_axis.nbytes, link, fwd, bwd)
+            transfers[name] = Transfer(int(layers * per_layer), link, ring.exposed * layers)
+        else:
+            transfers[name] = Transfer(nbytes, link, s.dev.seconds(nbytes, link))
+    return compute, transfers, ring
+
+
+def collective_transfers(s: Setting, dense: float, compute_step: float) -> dict[str, Transfer]:
+    """FSDP, HSDP, TP and PP bytes of one rank and what they leave exposed (module docstring)."""
+    c, w, dev, out = s.c, s.w, s.dev, {}
+    params = stage_param_count(w.args, c.tp, s.stage)
+    f, a = c.fsdp, w.act_bytes
+    if f > 1:  # gathered for the forward and again for the backward, unless kept gathered
+        gathers = 2 if (w.reshard and c.pp == 1) else 1
+        nbytes = int(params * (a * gathers + FP32) * (f - 1) / f)
+        link = dev.link(c.span("dp_shard"))
+        out["fsdp"] = Transfer(nbytes, link, max(0.0, dev.seconds(nbytes, link) - compute_step), False)
+    if c.dp_replicate > 1:
+        nbytes = int(2 * params * FP32 / f * (c.dp_replicate - 1) / c.dp_replicate)
+        link = dev.link(c.span("dp_replicate"))
+        out["dp_replicate"] = Transfer(nbytes, link, dev.seconds(nbytes, link), False)
+    if c.tp > 1:  # two all-gathers and two reduce-scatters of the block's activations per pass
+        passes = s.stage.layers * 2 + s.m.checkpointed(s.stage.layers)
+        nbytes = int(4 * passes * (c.tp - 1) * s.tokens * w.args.dim * a / c.tp)
+        link = dev.link(c.span("tp"))
+        t = dev.seconds(nbytes, link)
+        out["tp"] = Transfer(nbytes, link, max(0.0, t - dense) if s.stack.async_tp else t)
+    if c.pp > 1:  # the stage's output forward, its gradient backward (sequence-sharded under TP)
+        nbytes = int(2 * s.tokens * w.args.dim * a / c.tp)
+        link = dev.link(c.span("pp"))
+        out["pp"] = Transfer(nbytes, link, dev.seconds(nbytes, link))
+    return out
+
+
+def step_cost(s: Setting) -> Cost:
+    """The candidate's :class:`Cost`: one microbatch's compute and transfers, the pipeline's slots."""
+    dense = dense_seconds(s)
+    attention, transfers, ring = attention_cost(s)
+    compute = Compute(dense, attention)
+    transfers.update(collective_transfers(s, dense, compute.total * s.microbatches))
+    bubble = pipeline(s.w.schedule, s.microbatches, s.c.pp).bubble
+    return Cost(compute, transfers, ring, s.microbatches, bubble, s.w.accum)

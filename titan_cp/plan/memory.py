@@ -1,0 +1,357 @@
+"""Memory per rank: one model, for the planner's estimate and for one step's peak.
+
+Per rank (bytes), :func:`rank_memory`; ``P`` the parameters of this rank's largest pipeline
+stage after TP, ``F = dp_shard x cp`` the FSDP shards::
+
+    params       fp32 master weights / F
+    optimizer    AdamW's two fp32 moments / F
+    comm_buffers FSDP without PP: two blocks' gathered weights (compute dtype) + one block's
+                 unsharded fp32 gradient (the reduce-scatter's input); with PP (weights stay
+                 gathered between a stage's microbatches): the stage's gathered weights;
+                 CP: the strategy's receive buffers (``Strategy.buffer_bytes``) of one microbatch
+    activations, gradients, loss, recompute
+                 the step's peak above its start (:func:`step_peak`), the larger of the first
+                 stage (most microbatches in flight) and the last (the loss)
+
+The step's peak (what ``scripts/bench_memory.py`` measures: parameters allocated, nothing
+else) is at the start of the backward without AC -- everything saved, the loss's gradient
+chunk, the first gradients -- or, under full AC, during the first block's backward -- its
+recomputed tensors and every gradient but the embedding's. Under pipeline parallelism
+``in_flight`` microbatches are saved at once (1F1B: ``min(microbatches, pp)`` on the first
+stage, 1 on the last; GPipe: all), and after the first backward every gradient of the stage
+is held: FSDP defers its reduce-scatter to the step's last microbatch, so they are held
+unsharded in fp32.
+
+Saved for backward per block and local token, :func:`saved_bytes_per_token` (``a`` the
+activation dtype's bytes; ``D`` the model dim; ``H, K, F`` query heads, K/V heads, SwiGLU
+width over ``tp``; sequence parallelism shards the norms' tensors and a block's input over
+``tp``; the linears' inputs are gathered)::
+
+    attention_norm   input, output (a D / tp each), rstd (a / tp)       ffn_norm: the same
+    wq               its input (a D; wk and wv share it)
+    attention        the strategy's own figure (Strategy.saved_bytes_per_token):
+                     ring: q, out (a H E each), k, v (a K E each), lse (4 H)
+    feed_forward     w1 x, w3 x, silu(w1 x) (a F each); w1 input (a D); w2 input (a F)
+  + once per token: tokens (8, first stage), RoPE cos and sin (2 x 4 E/2), final norm
+    (a (2 D + 1) / tp), output input (a D), labels (8), loss lse (4) (last stage)
+
+Under full AC a block keeps only its input (a D / tp), and the checkpoint also holds cos, sin
+and ``doc_lens`` (8 bytes per document per row). These equal, byte for byte, what
+``titan_cp.tools.memory.SavedTensorCounter`` counts on the debug model with CP, TP and PP
+(``tests/test_plan.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from titan_cp.attention.ring import RING as LOCAL  # attention on one rank: the ring's one-device path
+from titan_cp.attention.strategy import get_strategy
+from titan_cp.loss import LOSS_CHUNK_BYTES
+from titan_cp.model.llama import ModelArgs
+from titan_cp.parallel.pp import layers_per_stage
+
+FP32 = 4
+INT64 = 8
+
+
+@dataclass(frozen=True)
+class RankModel:
+    """The model as one rank holds it: TP-sharded widths, the CP strategy, activation dtype, AC.
+
+    ac: ``none``, ``full`` or ``selective`` (every ``ac_every``-th block fully checkpointed).
+    """
+
+    args: ModelArgs
+    strategy: str = "ring"
+    cp: int = 1
+    tp: int = 1
+    ulysses: int = 1
+    act_bytes: int = 4
+    ac: str = "none"
+    ac_every: int = 1
+
+    @property
+    def attention(self):
+        return get_strategy(self.strategy) if self.cp > 1 else LOCAL
+
+    def checkpointed(self, layers: int) -> int:
+        """Blocks of ``layers`` fully checkpointed (selective: blocks 0, k, 2k, ...)."""
+        if self.ac == "full":
+            return layers
+        return math.ceil(layers / self.ac_every) if self.ac == "selective" else 0
+
+    @property
+    def heads(self) -> tuple[int, int, int]:
+        """``(query heads, K/V heads, SwiGLU width)`` on this rank."""
+        a = self.args
+        return a.n_heads // self.tp, a.kv_heads // self.tp, a.ffn_hidden_dim // self.tp
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The blocks of one pipeline stage and whether it holds the embedding / the output."""
+
+    layers: int
+    first: bool = True
+    last: bool = True
+
+
+def pipeline_stages(args: ModelArgs, pp: int) -> tuple[Stage, ...]:
+    """The first and the last stage (one stage without a pipeline): the first takes the extra layers."""
+    if pp == 1:
+        return (Stage(args.n_layers),)
+    split = layers_per_stage(args.n_layers, pp)
+    return Stage(len(split[0]), True, False), Stage(len(split[-1]), False, True)
+
+
+# ---------------------------------------------------------------------------- saved for backward
+
+
+def block_saved_per_token(m: RankModel) -> float:
+    """Bytes one block saves per local token without checkpointing (module docstring)."""
+    a, d, e = m.act_bytes, m.args.dim, m.args.head_dim
+    h, k, f = m.heads
+    norm = (2 * a * d + a) / m.tp
+    attn = m.attention.saved_bytes_per_token(a, h, k, e, m.cp, m.ulysses)
+    return norm + a * d + attn + (3 * a * f + a * d + a * f) + norm
+
+
+def rope_per_token(args: ModelArgs) -> int:
+    """RoPE's cos and sin (fp32, ``E/2`` each) per token, shared by every block."""
+    return 2 * FP32 * (args.head_dim // 2)
+
+
+def saved_per_token(m: RankModel, stage: Stage) -> float:
+    """Bytes saved for backward per local token by ``stage`` (excludes ``doc_lens``)."""
+    a, d = m.act_bytes, m.args.dim
+    full = m.checkpointed(stage.layers)
+    per = INT64 * stage.first + rope_per_token(m.args)
+    per += a * d / m.tp * full + block_saved_per_token(m) * (stage.layers - full)
+    if stage.last:
+        per += (2 * a * d + a) / m.tp + a * d + INT64 + FP32
+    return per
+
+
+def saved_bytes_per_token(
+    args: ModelArgs,
+    strategy: str = "ring",
+    cp: int = 1,
+    tp: int = 1,
+    layers: int | None = None,
+    ac: str = "none",
+    act_bytes: int = 4,
+    ulysses: int = 1,
+    first: bool = True,
+    last: bool = True,
+) -> float:
+    """:func:`saved_per_token` of ``layers`` blocks (default all) on the first/last pipeline stage."""
+    m = RankModel(args, strategy, cp, tp, ulysses, act_bytes, ac)
+    return saved_per_token(m, Stage(args.n_layers if layers is None else layers, first, last))
+
+
+def saved_bytes(
+    args: ModelArgs,
+    local_tokens: int,
+    docs_per_row: int,
+    rows: int = 1,
+    strategy: str = "ring",
+    cp: int = 1,
+    tp: int = 1,
+    layers: int | None = None,
+    ac: str = "none",
+    act_bytes: int = 4,
+    ulysses: int = 1,
+    first: bool = True,
+    last: bool = True,
+) -> int:
+    """Bytes saved for backward by one microbatch of ``rows`` rows on one rank (:func:`stage_saved_bytes`)."""
+    m = RankModel(args, strategy, cp, tp, ulysses, act_bytes, ac)
+    stage = Stage(args.n_layers if layers is None else layers, first, last)
+    return stage_saved_bytes(m, stage, local_tokens, docs_per_row, rows)
+
+
+def stage_saved_bytes(m: RankModel, stage: Stage, local_tokens: int, docs_per_row: int, rows: int) -> int:
+    """One microbatch's saved bytes on ``stage`` (see :func:`saved_bytes`)."""
+    total = saved_per_token(m, stage) * local_tokens * rows
+    if m.checkpointed(stage.layers):
+        total += INT64 * docs_per_row * rows
+    return int(total)
+
+
+# ---------------------------------------------------------------------------- parameters
+
+
+def layer_params(args: ModelArgs, tp: int) -> int:
+    """Parameters of one block on one TP rank (the norms' weights are replicated)."""
+    d, e = args.dim, args.head_dim
+    return (d * (args.n_heads * 2 + args.kv_heads * 2) * e + 3 * d * args.ffn_hidden_dim) // tp + 2 * d
+
+
+def stage_param_count(args: ModelArgs, tp: int, stage: Stage) -> int:
+    """Parameters of ``stage`` on one TP rank: its blocks, the embedding (first), the final norm and output (last)."""
+    emb = args.vocab_size * args.dim // tp
+    return stage.layers * layer_params(args, tp) + emb * stage.first + (emb + args.dim) * stage.last
+
+
+# ---------------------------------------------------------------------------- one step's peak
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    """The peak of one step above its start on one stage, by part (they sum to :attr:`peak`)."""
+
+    saved: int  # one microbatch's saved bytes
+    activations: int
+    gradients: int
+    loss: int
+    recompute: int
+    grads: int  # every gradient of the stage, as held at the step's end
+
+    @property
+    def peak(self) -> int:
+        return self.activations + self.gradients + self.loss + self.recompute
+
+
+def loss_bytes(args: ModelArgs, tp: int, tokens: int) -> int:
+    """The chunked loss's transient: one chunk of fp32 logits and its gradient (``titan_cp.loss``)."""
+    vocab = args.vocab_size // tp
+    chunk = min(tokens, max(1, LOSS_CHUNK_BYTES // (FP32 * vocab)))
+    return chunk * vocab * FP32 * 2
+
+
+def step_peak(
+    m: RankModel,
+    stage: Stage,
+    local_tokens: int,
+    docs_per_row: int,
+    rows: int = 1,
+    grad_shards: int = 1,
+    in_flight: int = 1,
+    grads_held: bool = False,
+) -> StepPeak:
+    """The step's peak on ``stage``: ``in_flight`` microbatches of ``rows`` rows saved, gradients
+    fp32 / ``grad_shards`` (all of them already held when ``grads_held``).
+
+    The largest of: the backward's start (everything saved, the first gradients; with
+    checkpointing the last block recomputed), the loss's chunk (last stage), and with
+    checkpointing the first block's backward (its recomputed tensors, the other blocks' saved
+    tensors freed, every gradient but the embedding's).
+    """
+    saved = stage_saved_bytes(m, stage, local_tokens, docs_per_row, rows)
+    tokens = local_tokens * rows
+    layer_grad = FP32 * layer_params(m.args, m.tp) // grad_shards
+    emb_grad = FP32 * m.args.vocab_size * m.args.dim // m.tp // grad_shards
+    all_grads = FP32 * stage_param_count(m.args, m.tp, stage) // grad_shards
+    others = (in_flight - 1) * saved
+    held = all_grads if grads_held else 0
+    full = m.checkpointed(stage.layers)
+    recompute = int(block_saved_per_token(m) * tokens) if full else 0
+    first_grads = held + (layer_grad if grads_held else layer_grad + emb_grad * stage.last)
+    moments = [StepPeak(saved, others + saved, first_grads, 0, recompute, all_grads)]
+    if stage.last:
+        loss = loss_bytes(m.args, m.tp, tokens)
+        moments.append(StepPeak(saved, others + saved, held, loss, 0, all_grads))
+    if full:
+        input_ = m.act_bytes * m.args.dim / m.tp
+        blocks = input_ * full + block_saved_per_token(m) * (stage.layers - full)
+        left = saved - int((blocks - input_) * tokens)  # block 0's input and what no block owns
+        grads = all_grads + layer_grad if grads_held else all_grads - emb_grad * stage.first
+        moments.append(StepPeak(saved, others + left, grads, 0, recompute, all_grads))
+    return max(moments, key=lambda p: p.peak)
+
+
+def step_peak_bytes(
+    args: ModelArgs,
+    local_tokens: int,
+    docs_per_row: int,
+    rows: int = 1,
+    ac: str = "none",
+    act_bytes: int = 4,
+    strategy: str = "ring",
+    cp: int = 1,
+    tp: int = 1,
+    ulysses: int = 1,
+    grad_shards: int = 1,
+) -> dict:
+    """``{"saved", "peak", "grads"}`` of one forward + backward of the whole model (:func:`step_peak`)."""
+    p = step_peak(
+        RankModel(args, strategy, cp, tp, ulysses, act_bytes, ac),
+        Stage(args.n_layers),
+        local_tokens,
+        docs_per_row,
+        rows,
+        grad_shards,
+    )
+    return {"saved": p.saved, "peak": p.peak, "grads": p.grads}
+
+
+# ---------------------------------------------------------------------------- a rank's total
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds at its peak, by part (module docstring)."""
+
+    params: int
+    optimizer: int
+    comm_buffers: int
+    step: StepPeak
+
+    @property
+    def parts(self) -> dict[str, int]:
+        s = self.step
+        return {
+            "params": self.params,
+            "gradients": s.gradients,
+            "optimizer": self.optimizer,
+            "activations": s.activations,
+            "loss": s.loss,
+            "comm_buffers": self.comm_buffers,
+            "recompute": s.recompute,
+        }
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How FSDP holds a stage: over ``fsdp`` ranks; ``pipelined``: weights stay gathered between
+    microbatches and gradients are reduce-scattered at the step's end; ``reshard``: gathered
+    weights are freed after each block's forward (FSDP's default)."""
+
+    fsdp: int = 1
+    pipelined: bool = False
+    reshard: bool = True
+
+
+def rank_memory(
+    m: RankModel,
+    stage: Stage,
+    sharding: Sharding,
+    local_tokens: int,
+    docs_per_row: int,
+    rows: int,
+    in_flight: int = 1,
+    grads_held: bool = False,
+) -> RankMemory:
+    """One rank's peak on ``stage`` with microbatches of ``rows`` rows of ``local_tokens`` tokens."""
+    params = stage_param_count(m.args, m.tp, stage)
+    f = sharding.fsdp
+    layer = layer_params(m.args, m.tp)
+    if f == 1:
+        buffers, grad_shards = 0, 1
+    elif sharding.pipelined:  # gathered weights kept, gradients accumulated unsharded in fp32
+        buffers, grad_shards = m.act_bytes * params, 1
+    elif sharding.reshard:  # two blocks gathered (one computing, one prefetched) + one unsharded gradient
+        buffers, grad_shards = 2 * m.act_bytes * layer + FP32 * layer, f
+    else:
+        buffers, grad_shards = m.act_bytes * params + FP32 * layer, f
+    h, k, _ = m.heads
+    tokens = local_tokens * rows
+    buffers += m.attention.buffer_bytes(m.act_bytes, h, k, m.args.head_dim, tokens, m.cp, m.ulysses)
+    step = step_peak(m, stage, local_tokens, docs_per_row, rows, grad_shards, in_flight, grads_held)
+    return RankMemory(FP32 * params // f, 2 * FP32 * params // f, buffers, step)

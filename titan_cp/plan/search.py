@@ -1,0 +1,265 @@
+"""The search: every mesh and CP strategy a config allows on ``ngpu`` GPUs, each one's estimate,
+and the recommendation (of the plans that fit within 2% of the fastest, the one with the most
+memory to spare, in 2 GB steps, then the fastest)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_cp.attention.strategy import get_strategy, strategy_names
+from titan_cp.data.row_mixes import make_rows
+from titan_cp.layout import seq_len_multiple
+from titan_cp.model.llama import ModelArgs
+from titan_cp.parallel.ac import ac_mode_and_every
+from titan_cp.plan.cost import Cost, Setting, Stack, attention_work, step_cost
+from titan_cp.plan.devices import GB, HEADROOM, Device, device
+from titan_cp.plan.memory import RankMemory, Sharding, pipeline_stages, rank_memory
+from titan_cp.plan.problem import LOCAL, Candidate, Workload, pipeline
+
+NEAR_FASTEST = 0.98  # plans within 2% of the fastest are ranked by memory to spare
+MEMORY_STEP = 2 * GB
+
+
+def _divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def strategies_for(cp: int, q_heads: int, kv_heads: int) -> list[tuple[str, int]]:
+    """``(strategy, ulysses degree)`` of every CP strategy the local heads allow on ``cp`` ranks
+    (a strategy that takes a Ulysses degree: each proper divisor of ``cp``)."""
+    if cp == 1:
+        return [(LOCAL.name, 1)]
+    out = []
+    for name in strategy_names():
+        s = get_strategy(name)
+        for u in _divisors(cp)[1:-1] if s.takes_ulysses_degree() else [1]:
+            try:
+                s.check_degrees(cp, u)
+                s.check_heads(q_heads, kv_heads, cp, u)
+            except ValueError:
+                continue
+            out.append((name, u))
+    return out
+
+
+def candidates(
+    args: ModelArgs, seq_len: int, ngpu: int, nnodes: int, balance: str, local_batch: int, microbatch_rows: int = 1
+) -> list[Candidate]:
+    """Every mesh and CP strategy the model, ``seq_len`` and ``ngpu`` allow (TP inside a node; a
+    pipeline needs a layer per stage and a microbatch per stage)."""
+    out = []
+    for tp in _divisors(ngpu // nnodes):
+        if args.n_heads % tp or args.kv_heads % tp:
+            continue
+        for pp in _divisors(ngpu // tp):
+            if pp > 1 and (args.n_layers < pp or local_batch // microbatch_rows < pp):
+                continue
+            for rep in sorted({1, nnodes}):
+                rest = ngpu // (tp * pp)
+                if rest % rep:
+                    continue
+                for cp in _divisors(rest // rep):
+                    if seq_len % seq_len_multiple(balance, cp):
+                        continue
+                    for strategy, u in strategies_for(cp, args.n_heads // tp, args.kv_heads // tp):
+                        out.append(Candidate(strategy, rest // rep // cp, rep, cp, tp, pp, u))
+    return out
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One candidate's memory and time per rank."""
+
+    candidate: Candidate
+    workload: Workload
+    device: Device
+    stages: tuple[RankMemory, ...]  # the first and the last pipeline stage (one without a pipeline)
+    cost: Cost
+
+    @property
+    def memory(self) -> RankMemory:
+        """The rank that holds the most."""
+        return max(self.stages, key=lambda r: r.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= (1 - HEADROOM) * self.device.memory_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return int((1 - HEADROOM) * self.device.memory_bytes - self.memory.total)
+
+    @property
+    def global_tokens(self) -> int:
+        w, c = self.workload, self.candidate
+        return w.seq_len * len(w.rows) * c.dp_shard * c.dp_replicate * w.accum
+
+    @property
+    def model_flops(self) -> int:
+        """``ModelArgs.training_flops`` of the step over every data-parallel rank (the MFU numerator)."""
+        w, c = self.workload, self.candidate
+        total = attention_work(w.seq_len, c.cp, c.ring_size, c.ulysses_size, w.balance, w.rows).total
+        return w.args.training_flops(w.seq_len * len(w.rows), total) * c.dp_shard * c.dp_replicate * w.accum
+
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        return self.global_tokens / self.cost.step / self.candidate.ngpu
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.cost.step / self.candidate.ngpu / self.device.peak_flops
+
+
+def evaluate(c: Candidate, w: Workload, dev: Device, stack: Stack) -> Estimate:
+    """Memory (the worse of the first and the last pipeline stage) and time (the largest stage) of ``c``."""
+    m = w.rank_model(c)
+    stages = pipeline_stages(w.args, c.pp)
+    pipe = pipeline(w.schedule, w.microbatches(c.pp), c.pp)
+    sharding = Sharding(c.fsdp, c.pp > 1, w.reshard)
+    rows, local = w.rows_per_microbatch(c.pp), w.seq_len // c.cp
+    flight = ((pipe.in_flight_first, pipe.grads_held_first), (pipe.in_flight_last, pipe.grads_held_last))
+    memories = tuple(
+        rank_memory(m, stage, sharding, local, w.docs_per_row, rows, in_flight, held)
+        for stage, (in_flight, held) in zip(stages, flight)
+    )
+    largest = max(stages, key=lambda s: s.layers)
+    return Estimate(c, w, dev, memories, step_cost(Setting(c, w, dev, stack, largest)))
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where the plans were made (printed with every record)."""
+
+    gpu: str
+    ngpu: int
+    nnodes: int
+    doc_mix: str
+    ac: str
+    flavor: str
+    balance: str
+    configured: Candidate | None = None  # the config's own degrees and strategy (dp_shard free)
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Every candidate's estimate, the recommended one first."""
+
+    estimates: tuple[Estimate, ...]
+    context: Context
+    reason: str
+    recommended: bool = False
+
+    @property
+    def best(self) -> Estimate:
+        return self.estimates[0]
+
+    def is_configured(self, e: Estimate) -> bool:
+        want, c = self.context.configured, e.candidate
+        if want is None:
+            return False
+        same = all(getattr(c, k) == getattr(want, k) for k in ("pp", "dp_replicate", "cp", "tp"))
+        return same and (c.cp == 1 or (c.strategy, c.ulysses) == (want.strategy, want.ulysses))
+
+
+def _rank(estimates: list[Estimate]) -> list[Estimate]:
+    """Fitting first, then by speed; among those that fit within 2% of the fastest, the most headroom first."""
+    ranked = sorted(estimates, key=lambda e: (not e.fits, -e.tokens_per_second_per_gpu, e.memory.total))
+    fastest = ranked[0].tokens_per_second_per_gpu
+    near = [e for e in ranked if e.fits and e.tokens_per_second_per_gpu >= NEAR_FASTEST * fastest]
+    if near:
+        first = min(near, key=lambda e: (e.memory.total // MEMORY_STEP, -e.tokens_per_second_per_gpu))
+        ranked.remove(first)
+        ranked.insert(0, first)
+    return ranked
+
+
+def reason(e: Estimate) -> str:
+    """Why ``e`` is recommended (or that nothing fits)."""
+    if not e.fits:
+        return "nothing fits: raise cp or tp, or turn on full AC"
+    why = (
+        f"least memory within 2% of the fastest that fits: {e.tokens_per_second_per_gpu:,.0f} tokens/s/GPU, "
+        f"{e.memory.total / GB:.1f} of {e.device.memory_bytes / GB:.0f} GB"
+    )
+    ratio = e.cost.ring.ratio if e.cost.ring is not None else None
+    if ratio is not None:
+        hidden = "hides" if ratio >= 1 else "cannot hide"
+        why += f"; the ring {hidden} its K/V transfer (compute/transfer {ratio:.1f}x)"
+    elif e.candidate.cp > 1:
+        why += f"; {e.candidate.strategy} exposes {e.cost.exposed_seconds * 1e3:.1f} ms of communication per step"
+    return why
+
+
+def workload_of(job_config, gpu: str, doc_mix: str, seed: int) -> tuple[Workload, str]:
+    """The config's :class:`Workload` and the activation checkpointing it is planned with
+    (op-level selective checkpointing is planned as full: an upper bound on memory and time)."""
+    from titan_cp.model import model_args
+
+    t, p, m = job_config.training, job_config.parallelism, job_config.model
+    mode, every = ac_mode_and_every(
+        job_config.activation_checkpoint.mode, job_config.activation_checkpoint.selective_ac_option
+    )
+    if mode == "op" or (mode == "selective" and every == 1):
+        mode, every = "full", 1
+    rows = tuple(tuple(r) for r in make_rows(doc_mix, t.seq_len, t.local_batch_size, seed))
+    w = Workload(
+        args=model_args(m.flavor),
+        seq_len=t.seq_len,
+        rows=rows,
+        balance=p.context_parallel_load_balancer,
+        ac=mode,
+        ac_every=every,
+        act_bytes=4 if (t.mixed_precision_param == "float32" or gpu == "cpu") else 2,
+        accum=max(1, t.gradient_accumulation_steps),
+        microbatch_rows=p.pipeline_parallel_microbatch_size,
+        schedule=p.pipeline_parallel_schedule,
+        reshard=p.fsdp_reshard_after_forward != "never",
+    )
+    return w, mode
+
+
+def plan(
+    job_config,
+    ngpu: int,
+    gpu: str = "h100",
+    nnodes: int = 1,
+    doc_mix: str = "causal",
+    hbm_gb: float | None = None,
+    matmul_speedup: float = 1.0,
+    seed: int = 0,
+    stack: Stack | None = None,
+) -> PlanResult:
+    """Every candidate's estimate for ``job_config`` on ``ngpu`` GPUs, the recommended one first."""
+    from titan_cp.mesh import ParallelDims
+
+    if ngpu < 1:
+        raise ValueError(f"--ngpu must be positive, got {ngpu}")
+    if nnodes < 1 or ngpu % nnodes:
+        raise ValueError(f"--nnodes ({nnodes}) must divide --ngpu ({ngpu})")
+    dev = device(gpu, hbm_gb, nnodes, ngpu)
+    ParallelDims.from_config(job_config, ngpu)  # the configured degrees must lay out on ngpu (names the key)
+    t, p = job_config.training, job_config.parallelism
+    balance = p.context_parallel_load_balancer
+    if t.seq_len % seq_len_multiple(balance, 1):
+        raise ValueError(f"training.seq_len ({t.seq_len}) is odd: no {balance!r} layout divides it")
+    w, ac = workload_of(job_config, gpu, doc_mix, seed)
+    stack = stack or Stack(matmul_speedup=matmul_speedup)
+    cands = candidates(w.args, t.seq_len, ngpu, nnodes, balance, t.local_batch_size, w.microbatch_rows)
+    if not cands:
+        raise ValueError(
+            f"training.seq_len ({t.seq_len}) is divided by no cp degree of {ngpu} GPUs "
+            f"for parallelism.context_parallel_load_balancer = {balance!r}"
+        )
+    ranked = _rank([evaluate(c, w, dev, stack) for c in cands])
+    takes = get_strategy(p.context_parallel_strategy).takes_ulysses_degree()
+    configured = Candidate(
+        p.context_parallel_strategy,
+        p.data_parallel_shard_degree,
+        p.data_parallel_replicate_degree,
+        p.context_parallel_degree,
+        p.tensor_parallel_degree,
+        p.pipeline_parallel_degree,
+        p.context_parallel_ulysses_degree if takes else 1,
+    )
+    context = Context(gpu, ngpu, nnodes, doc_mix, ac, job_config.model.flavor, balance, configured)
+    return PlanResult(tuple(ranked), context, reason(ranked[0]), ranked[0].fits)
