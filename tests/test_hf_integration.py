@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is in th
 
 from tests.dist_utils import get_mesh  # noqa: E402
 from titan_cp.attention.strategy import get_strategy  # noqa: E402
+from titan_cp.integrations.hf_model import attention_modules  # noqa: E402
 from titan_cp.integrations.transformers import (  # noqa: E402
     CausalLM,
     apply_ac,
@@ -54,6 +55,15 @@ FAMILIES = {
     ),
     "gemma": ("GemmaConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)),
 }
+GQA = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+MASKED = {  # layers with windows, chunks or sinks, each shorter than the longest documents
+    "mistral_swa": ("MistralConfig", dict(hidden_size=48, num_attention_heads=12, num_key_value_heads=1, sliding_window=5)),
+    "qwen3_swa": ("Qwen3Config", dict(**GQA, use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"])),
+    "gemma3": ("Gemma3TextConfig", dict(**GQA, sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8)),
+    "gpt_oss": ("GptOssConfig", dict(**GQA, sliding_window=5, layer_types=["sliding_attention", "full_attention"], num_local_experts=2, num_experts_per_tok=1)),
+    "llama4": ("Llama4TextConfig", dict(**GQA, intermediate_size_mlp=48, attention_chunk_size=4, num_local_experts=2)),
+}  # fmt: skip
+FAMILIES.update(MASKED)
 STRATEGIES = ("ring", "allgather", "ulysses")
 
 
@@ -182,13 +192,19 @@ def _exactness(rank, world, shapes):
             if i % dp != group:
                 continue
             heads = FAMILIES[family][1]
-            for j, strategy in enumerate(STRATEGIES if cp > 1 else STRATEGIES[:1]):  # one device: no strategy
+            strategies = STRATEGIES if cp > 1 else STRATEGIES[:1]  # one device: no strategy
+            if family in MASKED and cp > 1:  # the masks' wiring: one strategy per mesh, taking turns
+                k = (i + cp) % len(STRATEGIES)
+                strategies = STRATEGIES[k:] + STRATEGIES[:k]
+            for j, strategy in enumerate(strategies):
                 try:
                     get_strategy(strategy).check_heads(heads["num_attention_heads"], heads["num_key_value_heads"], cp)
                 except ValueError:
                     continue  # these heads do not split over cp ranks (Ulysses); apply_cp refuses them
                 balance = BALANCES[(i + j) % len(BALANCES)]
                 results[(cp, family, strategy, balance)] = _case(family, strategy, balance, cp_mesh)
+                if family in MASKED:
+                    break
     return results
 
 
@@ -273,7 +289,14 @@ def _fsdp_cp(rank, world, cases):
 
 
 def test_fsdp2_x_cp2_loss_and_gradients_equal_one_process(dist_pools):
-    cases = [("qwen3", False, "none"), ("qwen3", True, "full"), ("llama", True, "op"), ("gemma", False, "full")]
+    cases = [
+        ("qwen3", False, "none"),
+        ("qwen3", True, "full"),
+        ("llama", True, "op"),
+        ("gemma", False, "full"),
+        ("gpt_oss", False, "full"),  # sinks: a parameter of each attention, its gradient summed by FSDP
+        ("gemma3", True, "none"),  # sliding layers
+    ]
     results = dist_pools.run(4, _fsdp_cp, cases, timeout=600)
     for r in results:
         assert set(r) == set(cases)
@@ -285,11 +308,8 @@ def test_fsdp2_x_cp2_loss_and_gradients_equal_one_process(dist_pools):
 
 TINY = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
 REFUSED = {
-    "Gemma2Config": (dict(num_key_value_heads=1, head_dim=8), ["'sliding_attention' (config.layer_types; config.sliding_window = 4096)", "config.attn_logit_softcapping = 50.0"]),
-    "GptOssConfig": (dict(num_key_value_heads=1, head_dim=8, num_local_experts=2, num_experts_per_tok=1), ["'sliding_attention' (config.layer_types", "sinks (GptOssAttention.sinks"]),
-    "MistralConfig": (dict(num_key_value_heads=1), ["'sliding_attention' (config.sliding_window = 4096)"]),
-    "Qwen3Config": (dict(num_key_value_heads=1, use_sliding_window=True, max_window_layers=1, sliding_window=16), ["'sliding_attention' (config.layer_types; config.sliding_window = 16)"]),
-    "Llama4TextConfig": (dict(num_key_value_heads=1, head_dim=8, intermediate_size_mlp=32, attention_chunk_size=16, num_local_experts=2), ["'chunked_attention' (config.layer_types; config.attention_chunk_size = 16)"]),
+    "Gemma2Config": (dict(num_key_value_heads=1, head_dim=8), ["attention logit soft-capping (config.attn_logit_softcapping = 50.0)"]),
+    "Llama4TextConfig": (dict(num_key_value_heads=1, head_dim=8, intermediate_size_mlp=32, attention_chunk_size=16, num_local_experts=2, no_rope_layer_interval=2), ["query temperature tuning on the NoPE layers [1] (config.attn_temperature_tuning with config.no_rope_layers)"]),
     "LlamaConfig": (dict(attention_dropout=0.1), ["attention dropout (config.attention_dropout = 0.1"]),
 }  # fmt: skip
 
@@ -309,6 +329,32 @@ def test_attention_titan_cp_does_not_run_is_refused_naming_layer_type_and_field(
     for phrase in phrases:
         assert phrase in str(e.value)
     assert model.config._attn_implementation != "titan_cp"  # refused before anything changed
+
+
+def test_layer_types_titan_cp_does_not_run_are_refused_by_name():
+    model = _meta_model("Qwen3Config", **TINY, num_key_value_heads=1)
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match=r"layers of type 'linear_attention' \(config.layer_types\)"):
+        apply_cp(model, None)
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    model.config.sliding_window = 0
+    with pytest.raises(ValueError, match=r"'sliding_attention' without a positive config.sliding_window \(0\)"):
+        apply_cp(model, None)
+
+
+def test_each_layer_binds_its_own_mask():
+    """Windows, chunks and plain layers as each family's config names them; sinks come with the call."""
+
+    def masks(family):
+        model = apply_cp(hf_model(family, attn="titan_cp"), None)
+        return [(m.titan_cp_binding.window, m.titan_cp_binding.chunk) for m in attention_modules(model)]
+
+    assert masks("mistral_swa") == [(5, None), (5, None)]  # no layer_types: config.sliding_window, every layer
+    assert masks("gemma3") == [(4, None), (None, None)]
+    assert masks("gpt_oss") == [(5, None), (None, None)]
+    assert masks("qwen3_swa") == [(6, None), (None, None)]
+    assert masks("llama4") == [(None, 4), (None, 4)]
+    assert masks("qwen3") == [(None, None), (None, None)]
 
 
 def test_model_without_attention_interface_is_refused():

@@ -5,10 +5,12 @@
   ``torch.compile`` or FSDP wrapped them;
 - its attention modules: in each decoder layer, the modules with ``layer_idx`` and
   ``is_causal`` (the ones that call ``AttentionInterface``);
-- what its layers use that titan_cp's CP attention does not run yet (sliding windows, chunked
-  attention, attention sinks, logit soft-capping, dropout, bidirectional attention): each named
-  by its layer type and its config field, so that such a model is refused, never run with the
-  wrong mask;
+- each layer's mask: plain causal, a sliding window or chunked attention, from its
+  ``config.layer_types`` entry (:func:`layer_mask`); attention sinks arrive with the call;
+- what its layers use that titan_cp's CP attention does not run yet (logit soft-capping, layer
+  types other than full / sliding / chunked attention, query temperature tuning, dropout,
+  bidirectional attention): each named by its layer type or its config field, so that such a
+  model is refused, never run with the wrong mask;
 - whether its output head is the plain ``logits = lm_head(hidden)`` that titan_cp's chunked loss
   can replace (families whose forward rescales or soft-caps the logits keep their own forward).
 """
@@ -19,9 +21,12 @@ from torch import nn
 
 # families whose ``ForCausalLM.forward`` computes ``logits = lm_head(hidden_states)`` and nothing
 # else (checked in transformers' modeling files; each is tested against its own forward)
-PLAIN_HEAD_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma"})
+PLAIN_HEAD_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma", "gpt_oss"})
+# ... and these when ``config.final_logit_softcapping`` is None (otherwise their forward soft-caps the logits)
+SOFTCAP_HEAD_FAMILIES = frozenset({"gemma2", "gemma3_text"})
 
-_LAYER_TYPE_FIELDS = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+_MASK_FIELDS = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+RUNNABLE_LAYER_TYPES = ("full_attention", *_MASK_FIELDS)
 
 
 def text_config(config):
@@ -81,34 +86,57 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _layer_type_features(c) -> list[str]:
+def _layer_type(c, layer_idx: int) -> str:
+    """``transformers``' name of layer ``layer_idx``'s attention: its ``config.layer_types`` entry, or
+    for families without that list, ``sliding_attention`` when ``config.sliding_window`` is set."""
     types = getattr(c, "layer_types", None)
-    found = []
     if types:
-        for kind in sorted(set(types) - {"full_attention"}):
-            field = _LAYER_TYPE_FIELDS.get(kind)
-            value = f"; config.{field} = {getattr(c, field, None)!r}" if field else ""
-            found.append(f"layers of type {kind!r} (config.layer_types{value})")
-        return found
-    if getattr(c, "sliding_window", None) is not None:
-        found.append(f"layers of type 'sliding_attention' (config.sliding_window = {c.sliding_window!r})")
-    if getattr(c, "attention_chunk_size", None) is not None:
-        found.append(f"layers of type 'chunked_attention' (config.attention_chunk_size = {c.attention_chunk_size!r})")
+        return types[layer_idx]
+    return "sliding_attention" if getattr(c, "sliding_window", None) is not None else "full_attention"
+
+
+def layer_mask(config, layer_idx: int) -> tuple[int | None, int | None]:
+    """``(window, chunk)`` of layer ``layer_idx``: ``config.sliding_window`` for a ``sliding_attention``
+    layer (a query sees itself and the ``window - 1`` keys before it in its document, as
+    ``transformers``' ``kv_idx > q_idx - sliding_window``), ``config.attention_chunk_size`` for a
+    ``chunked_attention`` one (chunks counted from each document's start), ``(None, None)`` otherwise."""
+    c = text_config(config)
+    kind = _layer_type(c, layer_idx)
+    field = _MASK_FIELDS.get(kind)
+    value = None if field is None else getattr(c, field, None)
+    return (value, None) if kind == "sliding_attention" else (None, value)
+
+
+def _layer_type_features(c) -> list[str]:
+    found = []
+    kinds = sorted({_layer_type(c, i) for i in range(c.num_hidden_layers)})
+    for kind in kinds:
+        field = _MASK_FIELDS.get(kind)
+        if kind not in RUNNABLE_LAYER_TYPES:
+            found.append(f"layers of type {kind!r} (config.layer_types)")
+        elif field is not None and not (isinstance(getattr(c, field, None), int) and getattr(c, field) > 0):
+            found.append(f"layers of type {kind!r} without a positive config.{field} ({getattr(c, field, None)!r})")
+    if not getattr(c, "layer_types", None) and getattr(c, "attention_chunk_size", None) is not None:
+        found.append(
+            f"chunked attention without config.layer_types naming its layers (config.attention_chunk_size = "
+            f"{c.attention_chunk_size!r})"
+        )
     return found
 
 
-def unsupported_features(config, model: nn.Module | None = None) -> list[str]:
+def unsupported_features(config) -> list[str]:
     """What the model's layers use that titan_cp's CP attention does not run yet, one phrase each
     (naming the layer type and the config field); empty when every layer is plain causal attention."""
     c = text_config(config)
     found = _layer_type_features(c)
     if getattr(c, "attn_logit_softcapping", None) is not None:
         found.append(f"attention logit soft-capping (config.attn_logit_softcapping = {c.attn_logit_softcapping!r})")
-    if model is not None:
-        for name, module in model.named_modules():
-            if isinstance(getattr(module, "sinks", None), nn.Parameter):
-                found.append(f"attention sinks ({type(module).__name__}.sinks, parameter {name}.sinks)")
-                break
+    no_rope = [i for i, rope in enumerate(getattr(c, "no_rope_layers", None) or ()) if not rope]
+    if getattr(c, "attn_temperature_tuning", False) and no_rope:
+        found.append(
+            f"query temperature tuning on the NoPE layers {no_rope} (config.attn_temperature_tuning with "
+            "config.no_rope_layers): it scales queries by their index in the local row, not their position"
+        )
     if getattr(c, "attention_dropout", 0.0):
         found.append(f"attention dropout (config.attention_dropout = {c.attention_dropout!r}; set it to 0.0)")
     if getattr(c, "is_encoder_decoder", False):
@@ -129,28 +157,27 @@ def check_supported(model: nn.Module) -> None:
             "(its _supports_attention_backend is False), so attn_implementation='titan_cp' cannot reach it; "
             "titan_cp supports decoders that do (Llama, Qwen2, Qwen3, Mistral, Gemma, ...)"
         )
-    features = unsupported_features(hf.config, hf)
+    features = unsupported_features(hf.config)
     if features:
-        hint = (
-            "; a sliding window at least as long as every row is plain causal attention: for such rows set "
-            "config.sliding_window = None (and config.layer_types to 'full_attention')"
-            if any("sliding_attention" in f for f in features)
-            else ""
-        )
         raise ValueError(
             f"{name} (model_type {family!r}) uses attention titan_cp's CP attention does not run yet: "
             + "; ".join(features)
-            + f". Refused rather than run with the wrong mask{hint}"
+            + ". Refused rather than run with the wrong mask"
         )
     attention_modules(hf)
 
 
 def plain_head(model: nn.Module) -> nn.Linear | None:
     """The output head when titan_cp's chunked loss may replace the family's logits (a bias-free
-    ``nn.Linear`` of a family in :data:`PLAIN_HEAD_FAMILIES`); ``None`` otherwise."""
+    ``nn.Linear`` of a family in :data:`PLAIN_HEAD_FAMILIES`, or of :data:`SOFTCAP_HEAD_FAMILIES`
+    without final soft-capping); ``None`` otherwise."""
     hf = hf_model_of(model)
     head = hf.get_output_embeddings()
-    family = getattr(text_config(hf.config), "model_type", None)
-    if family not in PLAIN_HEAD_FAMILIES or not isinstance(head, nn.Linear) or head.bias is not None:
+    c = text_config(hf.config)
+    family = getattr(c, "model_type", None)
+    plain = family in PLAIN_HEAD_FAMILIES or (
+        family in SOFTCAP_HEAD_FAMILIES and getattr(c, "final_logit_softcapping", None) is None
+    )
+    if not plain or not isinstance(head, nn.Linear) or head.bias is not None:
         return None
     return head

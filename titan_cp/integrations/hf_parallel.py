@@ -52,11 +52,10 @@ class CausalLM(nn.Module):
         for name, child in hf.named_children():
             self.add_module(name, child)
         object.__setattr__(self, "hf_model", hf)  # not registered: its children are ours already
-        self.decoder_name = hf.base_model_prefix
-        if not isinstance(getattr(hf, self.decoder_name, None), nn.Module):
-            raise ValueError(f"{type(hf).__name__} has no decoder child {self.decoder_name!r} (its base_model_prefix)")
-        head = plain_head(hf)
-        self.head_name = next((n for n, c in hf.named_children() if head is not None and c is head), None)
+        decoder, head = hf.get_decoder(), plain_head(hf)
+        self.decoder_name = next((n for n, c in hf.named_children() if c is decoder), None)
+        found = head is not None and self.decoder_name is not None
+        self.head_name = next((n for n, c in hf.named_children() if found and c is head), None)
 
     @property
     def config(self):
@@ -64,7 +63,8 @@ class CausalLM(nn.Module):
 
     @property
     def head(self) -> nn.Linear | None:
-        """The output head when the chunked loss replaces the logits (a plain head), else ``None``."""
+        """The output head when the chunked loss replaces the logits (a plain head that is a child of the
+        model beside its decoder), else ``None``: the model's own forward and logits."""
         return None if self.head_name is None else getattr(self, self.head_name)
 
     def forward(self, tokens: Tensor, positions=None, doc_lens=None, labels=None, predict: bool = False):

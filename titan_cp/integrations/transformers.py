@@ -28,8 +28,12 @@ that would be silently dropped.
 RoPE needs nothing: each token's position arrives in ``position_ids`` (sharded with the tokens),
 and ``transformers`` rotates q and k before calling the attention.
 
-What titan_cp does not run yet (sliding windows, chunked attention, sinks, logit soft-capping) is
-refused by :func:`apply_cp` naming the layer type and the config field (:mod:`.hf_model`).
+Each layer's mask comes from its config (:func:`.hf_model.layer_mask`): plain causal attention, a
+sliding window (``sliding_attention`` layers: Mistral, Qwen2/3 with ``use_sliding_window``, Gemma 3,
+gpt-oss) or chunked attention (``chunked_attention``: Llama 4), bound once by :func:`apply_cp`;
+attention sinks (gpt-oss) arrive with each call (``s_aux``) and get their gradient. What titan_cp
+does not run (logit soft-capping, other layer types, ...) is refused by :func:`apply_cp` naming the
+layer type or the config field (:mod:`.hf_model`), never run with the wrong mask.
 """
 
 from __future__ import annotations
@@ -40,13 +44,14 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from titan_cp.attention.api import attend, check_qkv, register_spec
+from titan_cp.attention.api import attend, check_mask, check_qkv, register_spec
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.integrations.hf_batch import shard_batch, unshard
 from titan_cp.integrations.hf_model import (
     attention_modules,
     check_supported,
     hf_model_of,
+    layer_mask,
     text_config,
     unsupported_features,
 )
@@ -75,19 +80,24 @@ BINDING = "titan_cp_binding"  # the attribute apply_cp sets on each attention mo
 
 @dataclass(frozen=True)
 class CPBinding:
-    """What one model's attention runs: the op's spec ``handle`` (mesh, strategy, balance, kernel)."""
+    """What one attention module runs: the op's spec ``handle`` (mesh, strategy, balance, kernel) and
+    its layer's mask (``window``, ``chunk``: ``None`` for plain causal attention)."""
 
     handle: int
     strategy: str
     balance: str
     cp_size: int
+    window: int | None = None
+    chunk: int | None = None
 
 
-def _cp_attend(query: Tensor, key: Tensor, value: Tensor, binding: CPBinding, doc_lens, scale: float) -> Tensor:
-    """The one call of the CP attention op: causal inside each document of ``doc_lens``.
+def _cp_attend(query: Tensor, key: Tensor, value: Tensor, binding: CPBinding, doc_lens, scale: float, sinks) -> Tensor:
+    """The one call of the CP attention op: causal inside each document of ``doc_lens``, with the
+    layer's window or chunks, and ``sinks`` ``(H,)`` (per-head logits in every softmax denominator).
     q ``(B, H, S_local, E)``, k/v ``(B, K, S_local, E)`` -> ``(B, H, S_local, E)`` (token-major storage)."""
     check_qkv(query, key, value)
-    return attend(query, key, value, binding.handle, doc_lens, True, scale)
+    mask = check_mask(True, binding.window, binding.chunk, sinks, query.shape[1])
+    return attend(query, key, value, binding.handle, doc_lens, True, scale, mask.window, mask.chunk, sinks)
 
 
 def _check_call(module: nn.Module, binding: CPBinding | None, query, key, attention_mask, dropout, kwargs) -> None:
@@ -104,9 +114,16 @@ def _check_call(module: nn.Module, binding: CPBinding | None, query, key, attent
         )
     if key.shape[2] != query.shape[2]:
         raise ValueError(f"{where}: titan_cp attention runs without a KV cache; pass use_cache=False")
-    for name, what in (("sliding_window", "a sliding window"), ("softcap", "logit soft-capping"), ("s_aux", "sinks")):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{where} asks for {what} (the {name} argument), which titan_cp does not run yet")
+    if isinstance(getattr(module, "sinks", None), nn.Parameter) and kwargs.get("s_aux") is None:
+        raise ValueError(f"{where} has attention sinks but did not pass them (s_aux): titan_cp cannot run it")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{where} asks for logit soft-capping (the softcap argument), which titan_cp does not run")
+    window = kwargs.get("sliding_window")
+    if window is not None and window != binding.window:
+        raise ValueError(
+            f"{where} asks for a sliding window of {window} but apply_cp bound {binding.window} from its config "
+            "(config.layer_types / config.sliding_window): call apply_cp again after changing the config"
+        )
     if dropout and module.training:
         raise ValueError(f"{where}: attention dropout {dropout} is not supported; set config.attention_dropout = 0.0")
     balance = kwargs.get("cp_balance")
@@ -140,7 +157,8 @@ def titan_cp_attention(
     if doc_lens is not None and not isinstance(doc_lens, Tensor):
         raise ValueError("cp_doc_lens must be the (batch, max_docs) host tensor that shard_batch returns")
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    return _cp_attend(query, key, value, binding, doc_lens, scale).transpose(1, 2), None
+    out = _cp_attend(query, key, value, binding, doc_lens, scale, kwargs.get("s_aux"))
+    return out.transpose(1, 2), None
 
 
 def titan_cp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
@@ -192,9 +210,8 @@ def apply_cp(model: nn.Module, cp_mesh, strategy: str = "ring", balance: str = "
     hf.set_attn_implementation(ATTN_IMPLEMENTATION)
     if hf.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(f"{type(hf).__name__} does not let transformers set its attention implementation")
-    binding = CPBinding(
-        register_spec(cp_mesh, strategy, balance, kernel), strategy, balance, 1 if cp_mesh is None else cp_mesh.size()
-    )
+    handle, cp_size = register_spec(cp_mesh, strategy, balance, kernel), 1 if cp_mesh is None else cp_mesh.size()
     for module in modules:
-        setattr(module, BINDING, binding)
+        window, chunk = layer_mask(hf.config, module.layer_idx)
+        setattr(module, BINDING, CPBinding(handle, strategy, balance, cp_size, window, chunk))
     return model
