@@ -657,8 +657,11 @@ def test_trainer_config_errors_name_the_key(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config.update(sliding_window=64, use_sliding_window=True, layer_types=["full_attention", "sliding_attention"])
     (folder / "config.json").write_text(json.dumps(config))
+    _hf_job(folder).check_files()  # sliding layers run
+    config.update(attention_dropout=0.1)
+    (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ValueError, match=r"model.hf_assets_path = .*layers of type 'sliding_attention' \(config.layer_types"
+        ValueError, match=r"model.hf_assets_path = .*attention dropout \(config.attention_dropout = 0.1"
     ):
         _hf_job(folder).check_files()
 
