@@ -355,6 +355,13 @@ def test_each_layer_binds_its_own_mask():
     assert masks("qwen3_swa") == [(6, None), (None, None)]
     assert masks("llama4") == [(None, 4), (None, 4)]
     assert masks("qwen3") == [(None, None), (None, None)]
+    stray = hf_model("llama", attn="titan_cp")  # a window in a config whose layers never ask for one
+    stray.config.sliding_window = 5
+    apply_cp(stray, None)
+    with pytest.raises(
+        ValueError, match=r"LlamaAttention \(layer 0\) asks for sliding window None but apply_cp bound 5"
+    ):
+        stray(**shard_batch(packed_batch(), None))
 
 
 def test_model_without_attention_interface_is_refused():

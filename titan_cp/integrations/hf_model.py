@@ -126,7 +126,8 @@ def _layer_type_features(c) -> list[str]:
 
 def unsupported_features(config) -> list[str]:
     """What the model's layers use that titan_cp's CP attention does not run yet, one phrase each
-    (naming the layer type and the config field); empty when every layer is plain causal attention."""
+    (naming the layer type and the config field); empty when every layer is causal attention, full,
+    sliding-window or chunked (sinks too: they come with the call)."""
     c = text_config(config)
     found = _layer_type_features(c)
     if getattr(c, "attn_logit_softcapping", None) is not None:

@@ -119,10 +119,11 @@ def _check_call(module: nn.Module, binding: CPBinding | None, query, key, attent
     if kwargs.get("softcap") is not None:
         raise ValueError(f"{where} asks for logit soft-capping (the softcap argument), which titan_cp does not run")
     window = kwargs.get("sliding_window")
-    if window is not None and window != binding.window:
+    if window != binding.window:  # both ways: a window the config names must be one the layer asks for
         raise ValueError(
-            f"{where} asks for a sliding window of {window} but apply_cp bound {binding.window} from its config "
-            "(config.layer_types / config.sliding_window): call apply_cp again after changing the config"
+            f"{where} asks for sliding window {window} but apply_cp bound {binding.window} from the config "
+            "(config.layer_types / config.sliding_window): refused rather than run with the wrong mask; call "
+            "apply_cp again after changing the config"
         )
     if dropout and module.training:
         raise ValueError(f"{where}: attention dropout {dropout} is not supported; set config.attention_dropout = 0.0")
