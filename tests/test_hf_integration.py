@@ -364,6 +364,12 @@ def test_each_layer_binds_its_own_mask():
         stray(**shard_batch(packed_batch(), None))
 
 
+def test_causal_lm_refuses_a_router_loss_it_would_drop():
+    model = _meta_model("Qwen3MoeConfig", **TINY, num_key_value_heads=1, num_experts=2, output_router_logits=True)
+    with pytest.raises(ValueError, match=r"config.output_router_logits = True: its router's auxiliary loss"):
+        CausalLM(model)
+
+
 def test_model_without_attention_interface_is_refused():
     model = _meta_model("BloomConfig", vocab_size=32, hidden_size=16, n_layer=1, n_head=2)
     with pytest.raises(ValueError, match="BloomForCausalLM .* does not call attention through transformers' Attention"):

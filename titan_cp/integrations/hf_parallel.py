@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from titan_cp.integrations.hf_model import hf_model_of, layer_list, plain_head
+from titan_cp.integrations.hf_model import hf_model_of, layer_list, plain_head, text_config
 from titan_cp.loss import chunked_cross_entropy_sum, chunked_evaluate, token_loss_sum
 from titan_cp.parallel.ac import check_ac, checkpoint_block
 from titan_cp.parallel.fsdp import set_gradient_sum
@@ -47,6 +47,11 @@ class CausalLM(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         hf = hf_model_of(model)
+        if getattr(text_config(hf.config), "output_router_logits", False):
+            raise ValueError(
+                f"{type(hf).__name__} has config.output_router_logits = True: its router's auxiliary loss is not "
+                "part of CausalLM's loss; set it to False, or train with model(**local).loss"
+            )
         if list(hf.parameters(recurse=False)) or list(hf.buffers(recurse=False)):
             raise ValueError(f"{type(hf).__name__} holds parameters of its own: CausalLM wraps its children only")
         for name, child in hf.named_children():
