@@ -183,7 +183,9 @@ class Trainer:
         if cfg.compile.enable and "loss" in cfg.compile.components and self.rank0:
             logger.info("compile.components: 'loss' is not compiled by titan_cp (only 'model' is)")
         self.loss_fn = GlobalTokenLoss()
-        self.model_args = build_model(cfg.model.flavor, vocab_size=self.tokenizer.vocab_size).args  # on meta: no memory
+        self.hf = cfg.model.name == "hf"
+        if not self.hf:
+            self.model_args = build_model(cfg.model.flavor, vocab_size=self.tokenizer.vocab_size).args  # on meta
         precision = compute_precision(cfg, self.device.type, announce=self.rank0)
         mp = {"bfloat16": torch.bfloat16, "float32": None}[precision]
         ac = cfg.activation_checkpoint
@@ -203,6 +205,13 @@ class Trainer:
         )
         if mp is not None and not sharded:
             logger.info("training.mixed_precision_param = %s: autocast (no FSDP to cast the parameters)", precision)
+        if self.hf:  # a Hugging Face folder: built on meta, parallelized, shards allocated; weights loaded later
+            model, self.model_args = _hf_trainer().build_parallel_model(
+                cfg.model.hf_assets_path, self.dims, options, self.device
+            )
+            _hf_trainer().check_vocab(model, self.tokenizer.vocab_size)
+            self.parts, self.schedule, self.first, self.last = [model], None, True, True
+            return
         # built on meta, parallelized, then each rank allocates and initialises only its shards (seeded: same on every mesh)
         built = build_parallel_model(
             self.model_args,
@@ -241,7 +250,9 @@ class Trainer:
         )
         resumed = c.enable and self.checkpointer.load(c.load_step) is not None
         if not resumed and c.initial_load_path:  # into the sharded, initialised model
-            if c.initial_load_in_hf:
+            if c.initial_load_in_hf and self.hf:
+                _hf_trainer().load_weights(self.parts[0], c.initial_load_path)
+            elif c.initial_load_in_hf:
                 self.checkpointer.load_hf(c.initial_load_path, self.model_args)
             else:
                 self.checkpointer.load_model(c.initial_load_path, c.initial_load_model_only)
@@ -348,7 +359,10 @@ class Trainer:
                 else:
                     self.checkpointer.save(step)
         self.checkpointer.close()  # an asynchronous save in flight lands
-        if cfg.checkpoint.last_save_in_hf:
+        if cfg.checkpoint.last_save_in_hf and self.hf:
+            folder = self.dump / cfg.checkpoint.folder / f"step-{self.state.step}-hf"
+            _hf_trainer().save_weights(self.parts[0], folder, cfg.model.hf_assets_path)
+        elif cfg.checkpoint.last_save_in_hf:
             self.checkpointer.save_hf(self.state.step, self.model_args)
         self.metrics.close()
         return history
@@ -367,6 +381,13 @@ class Trainer:
                 self.state.skipped_steps,
             )
         return self.step_metrics.skipped_record(step, lr, step_data, self.loader.source_tokens)
+
+
+def _hf_trainer():
+    """``titan_cp.integrations.hf_trainer``, imported for ``model.name = "hf"`` only (transformers is optional)."""
+    from titan_cp.integrations import hf_trainer  # noqa: PLC0415
+
+    return hf_trainer
 
 
 def _whole_set_steps(loader) -> int:

@@ -149,8 +149,11 @@ class JobConfig:
                 "training.chat_template = 'tokenizer' needs model.hf_assets_path (a tokenizer_config.json "
                 "with a chat_template); the byte tokenizer has none"
             )
-        args = flavors()[m.flavor]
-        p.check_model(m.flavor, args.n_heads, args.n_kv_heads or args.n_heads, args.n_layers)
+        if m.name == "hf":
+            _check_hf_keys(self)  # the heads are checked against config.json in check_files
+        else:
+            args = flavors()[m.flavor]
+            p.check_model(m.flavor, args.n_heads, args.n_kv_heads or args.n_heads, args.n_layers)
         if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
             raise ValueError(
                 f"training.local_batch_size ({t.local_batch_size}) must be a multiple of "
@@ -182,6 +185,10 @@ class JobConfig:
         _check_dump_folder(self.job.dump_folder)
         if self.model.hf_assets_path:
             check_tokenizer_files(self.model.hf_assets_path)
+        if self.model.name == "hf":
+            from titan_cp.integrations.hf_trainer import check_job  # noqa: PLC0415 - needs transformers
+
+            check_job(self)
         _check_dataset_paths(self.training, self.validation)
         _check_checkpoint_paths(self.checkpoint, Path(self.job.dump_folder))
         _check_host_memory(self)
@@ -199,6 +206,31 @@ def section_types() -> dict[str, type[Section]]:
 def known_keys() -> dict[str, Any]:
     """Every titan_cp dotted key -> its field's annotation (bounds included)."""
     return {f"{name}.{field}": hint for name, cls in section_types().items() for field, hint in cls.hints().items()}
+
+
+def _check_hf_keys(cfg: JobConfig) -> None:
+    """``model.name = "hf"``: what titan_cp builds for Hugging Face models (FSDP, CP, AC, compile; not
+    TP or PP), and where their weights come from."""
+    p, c = cfg.parallelism, cfg.checkpoint
+    if cfg.is_given("model.flavor"):
+        raise ValueError(
+            f"model.flavor = {cfg.model.flavor!r} shapes titan_cp's Llama; with model.name = 'hf' the model is "
+            "model.hf_assets_path's config.json: remove model.flavor"
+        )
+    for key, degree in (
+        ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
+        ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree),
+    ):
+        if degree != 1:
+            raise ValueError(
+                f"{key} = {degree}: model.name = 'hf' runs with FSDP and context parallelism only (not tensor "
+                f"or pipeline parallelism); set {key} = 1"
+            )
+    if not (c.initial_load_path and c.initial_load_in_hf):
+        raise ValueError(
+            "model.name = 'hf' starts from the weights of a Hugging Face folder: set checkpoint.initial_load_path "
+            "(e.g. to model.hf_assets_path) and checkpoint.initial_load_in_hf = true"
+        )
 
 
 def _check_seq_len(key: str, seq_len: int, p: Parallelism) -> None:

@@ -79,17 +79,27 @@ class Metrics(Section, name="metrics"):
 
 @dataclass
 class Model(Section, name="model"):
-    name: Literal["llama3"] = "llama3"
-    """Model family; titan_cp implements ``llama3``."""
+    name: Literal["llama3", "hf"] = "llama3"
+    """Model family: ``llama3`` (titan_cp's own Llama 3, shaped by ``flavor``), or ``hf``: the
+    Hugging Face causal LM of the folder ``hf_assets_path`` (its ``config.json``; Llama, Qwen2, Qwen3,
+    Mistral, Gemma, ...; ``titan_cp.integrations.hf_trainer``), weights from
+    ``checkpoint.initial_load_path`` with ``checkpoint.initial_load_in_hf``."""
 
     flavor: Annotated[str, OneOf(flavors)] = "debugmodel"
     """Model size (``titan_cp.model.flavors``): torchtitan's ``debugmodel``, ``8B``, ``70B``, ``405B``
     (the same models as torchtitan's flavors of those names), or titan_cp's ``tiny`` and
-    ``debugmodel_gqa`` (CPU)."""
+    ``debugmodel_gqa`` (CPU). Not set with ``name = "hf"`` (the folder's ``config.json`` shapes it)."""
 
     hf_assets_path: str | None = None
-    """Folder with local Hugging Face assets; its ``tokenizer.json`` is used as the tokenizer.
-    Unset (or empty): the built-in byte-level tokenizer."""
+    """Folder with local Hugging Face assets; its ``tokenizer.json`` is used as the tokenizer, and with
+    ``name = "hf"`` its ``config.json`` is the model. Unset (or empty): the built-in byte-level tokenizer."""
+
+    def check(self) -> None:
+        if self.name == "hf" and not self.hf_assets_path:
+            raise ValueError(
+                "model.name = 'hf' needs model.hf_assets_path: the Hugging Face model folder (config.json, "
+                "tokenizer, *.safetensors)"
+            )
 
 
 @dataclass
@@ -163,12 +173,13 @@ class Checkpoint(Section, name="checkpoint"):
     """``initial_load_path`` is a Hugging Face Llama checkpoint folder (``*.safetensors``, one file
     or sharded with ``model.safetensors.index.json``; ``config.json`` checked where present):
     its weights are renamed to torchtitan's and q/k converted to titan_cp's RoPE layout
-    (``titan_cp.model.hf``). Weights only: needs ``initial_load_model_only``."""
+    (``titan_cp.model.hf``); with ``model.name = "hf"`` they load by ``transformers``' own names
+    (``titan_cp.integrations.hf_trainer``). Weights only: needs ``initial_load_model_only``."""
 
     last_save_in_hf: bool = False
-    """At the end of training also write the model as a Hugging Face Llama checkpoint
-    (safetensors, index, ``config.json``) to ``<job.dump_folder>/<folder>/step-<N>-hf``, whether
-    or not ``enable`` is set."""
+    """At the end of training also write the model as a Hugging Face checkpoint (safetensors, index,
+    ``config.json``; with ``model.name = "hf"`` also the tokenizer files of ``model.hf_assets_path``)
+    to ``<job.dump_folder>/<folder>/step-<N>-hf``, whether or not ``enable`` is set."""
 
     last_save_model_only: bool = True
     """The save at the last step (``training.steps``) holds only the model (for export or

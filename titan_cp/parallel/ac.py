@@ -76,6 +76,24 @@ def ac_mode_and_every(mode: str, selective_ac_option: str) -> tuple[str, int]:
     return "selective", int(selective_ac_option)
 
 
+def checkpoint_block(block: torch.nn.Module, mode: str, index: int = 0, every: int = 1) -> torch.nn.Module:
+    """``block`` (the ``index``-th transformer block) wrapped for ``mode`` (module doc); itself when the
+    mode leaves it alone (``"none"``, or a ``"selective"`` block off the ``every`` grid)."""
+    if mode == "none" or (mode == "selective" and index % every != 0):
+        return block
+    if mode in ("full", "selective"):  # selective is layer-level: every k-th block fully, the rest not at all
+        return checkpoint_wrapper(block, preserve_rng_state=False)
+    return checkpoint_wrapper(block, context_fn=_selective_context_fn, preserve_rng_state=False)  # op-level
+
+
+def check_ac(mode: str, every: int) -> None:
+    """``ValueError`` naming the key for a mode or period :func:`checkpoint_block` does not take."""
+    if mode not in ("none", "full", "selective", "op"):
+        raise ValueError(f"activation_checkpoint.mode must be 'none', 'full' or 'selective', got {mode!r}")
+    if every < 1:
+        raise ValueError(f"activation_checkpoint.selective_ac_option must be >= 1, got {every}")
+
+
 def apply_ac(model: Transformer, mode: Literal["none", "full", "selective", "op"], every: int = 1) -> None:
     """Wrap ``model.layers`` in place with activation checkpointing (see module doc).
 
@@ -83,17 +101,8 @@ def apply_ac(model: Transformer, mode: Literal["none", "full", "selective", "op"
     """
     if mode == "none":
         return
-    if mode not in ("full", "selective", "op"):
-        raise ValueError(f"activation_checkpoint.mode must be 'none', 'full' or 'selective', got {mode!r}")
-    if every < 1:
-        raise ValueError(f"activation_checkpoint.selective_ac_option must be >= 1, got {every}")
+    check_ac(mode, every)
     for i, (layer_id, block) in enumerate(list(model.layers.items())):
-        if mode == "full":
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        elif mode == "selective":  # layer-level: every k-th block fully, the rest not at all
-            if i % every != 0:
-                continue
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        else:  # op-level
-            wrapped = checkpoint_wrapper(block, context_fn=_selective_context_fn, preserve_rng_state=False)
-        model.layers.register_module(layer_id, wrapped)
+        wrapped = checkpoint_block(block, mode, i, every)
+        if wrapped is not block:
+            model.layers.register_module(layer_id, wrapped)

@@ -1,0 +1,296 @@
+"""``shard_batch``: a Hugging Face batch of packed rows -> this cp rank's shard, labels shifted first.
+
+An HF-style batch holds ``input_ids`` ``(B, S)``, ``labels`` ``(B, S)`` (unshifted: HF's models
+shift them inside), and the documents of each packed row as ``position_ids`` that restart at 0
+at each document (what ``DataCollatorWithFlattening(return_position_ids=True)`` makes) or as
+cumulative lengths ``cu_seq_lens_q`` / ``cu_seq_lens`` over the flattened rows. From it::
+
+    doc_lens   read once, on the host: the documents of every row
+    shifted    labels[t] = labels[t + 1] inside a document, -100 at each document's last token
+    layout     get_layout(S, cp, balance, doc_lens): one permutation for every per-token tensor
+    local      input_ids, position_ids (in-document positions), labels = shift_labels = shifted,
+               each layout.shard(x, 1, cp rank): (B, S / cp)
+    N          loss-bearing tokens (shifted != -100) of the whole step: this dp rank's rows summed
+               over the dp ranks (every cp rank of a group holds the same rows)
+
+so ``model(**local).loss`` (``shift_labels`` given: ``transformers`` does not shift again, and
+``num_items_in_batch = N``: it sums instead of averaging) is ``sum over local tokens CE / N``, and
+gradients summed over dp x cp (FSDP with gradient division 1) are one process's mean gradient.
+
+Shifting before sharding is what makes this exact: shifted inside each shard, every shard's last
+token would lose its target (or take another shard's first token, another document's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from titan_cp.attention.strategy import get_strategy
+from titan_cp.layout import get_layout, seq_len_multiple, to_device
+from titan_cp.loss import IGNORE_INDEX
+
+_KNOWN = {
+    "input_ids",
+    "labels",
+    "shift_labels",
+    "position_ids",
+    "attention_mask",
+    "cu_seq_lens",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+    "seq_idx",
+}
+
+
+def layout_rank(cp_mesh) -> int:
+    """This process's rank in the layout of ``cp_mesh`` (the ring x Ulysses index on a 2-D hybrid mesh)."""
+    if cp_mesh is None:
+        return 0
+    return get_strategy("hybrid" if cp_mesh.ndim == 2 else "ring").layout_rank(cp_mesh)
+
+
+def _host(batch, key: str) -> Tensor | None:
+    x = batch.get(key)
+    if x is None:
+        return None
+    x = torch.as_tensor(x)
+    return x.cpu()
+
+
+def _from_cu(cu: Tensor, b: int, s: int) -> list[list[int]]:
+    """Rows of document lengths from cumulative lengths over the ``b * s`` flattened tokens."""
+    cu = cu.flatten().tolist()
+    if cu[0] != 0 or cu[-1] != b * s or any(x >= y for x, y in zip(cu, cu[1:])):
+        raise ValueError(
+            f"cu_seq_lens must rise strictly from 0 to the batch's {b} x {s} tokens, got {cu[:8]}{'...' * (len(cu) > 8)}"
+        )
+    missing = sorted({r * s for r in range(1, b)} - set(cu))
+    if missing:
+        raise ValueError(f"cu_seq_lens has a document across a row boundary (no boundary at token {missing[0]})")
+    rows = [[] for _ in range(b)]
+    for start, end in zip(cu, cu[1:]):
+        rows[start // s].append(end - start)
+    return rows
+
+
+def _from_positions(p: Tensor) -> list[list[int]]:
+    """Rows of document lengths from position ids that restart at 0 at each document."""
+    if p[:, 0].ne(0).any():
+        r = int(p[:, 0].ne(0).nonzero()[0])
+        raise ValueError(
+            f"position_ids row {r} starts at {int(p[r, 0])}, not 0: packed documents' positions restart at 0 "
+            "(as DataCollatorWithFlattening(return_position_ids=True) makes them); pass positions that "
+            "describe the documents, or cu_seq_lens"
+        )
+    bad = ~((p[:, 1:] == p[:, :-1] + 1) | (p[:, 1:] == 0))
+    if bad.any():
+        r, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"position_ids row {r} goes from {int(p[r, t])} to {int(p[r, t + 1])} at token {t + 1}: inside a "
+            "packed document positions count up by one, and each document starts again at 0; pass positions "
+            "that describe the documents (or cu_seq_lens)"
+        )
+    rows = []
+    for row in p:
+        starts = (row == 0).nonzero().flatten().tolist() + [row.numel()]
+        rows.append([b - a for a, b in zip(starts, starts[1:])])
+    return rows
+
+
+def _documents(batch, b: int, s: int) -> list[list[int]]:
+    """Each row's document lengths, from ``cu_seq_lens`` (checked against ``position_ids`` when both
+    are given), from ``position_ids``, or one document per row."""
+    cu = _host(batch, "cu_seq_lens_q")
+    cu = _host(batch, "cu_seq_lens") if cu is None else cu
+    k = _host(batch, "cu_seq_lens_k")
+    if cu is not None and k is not None and not torch.equal(cu, k):
+        raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ: titan_cp runs self-attention over the same documents")
+    p = _host(batch, "position_ids")
+    if p is not None:
+        p = p.expand(b, s) if p.dim() == 2 and p.shape[0] == 1 else p
+        if tuple(p.shape) != (b, s):
+            raise ValueError(
+                f"position_ids has shape {tuple(p.shape)}, input_ids {(b, s)}: give one position per token"
+            )
+    rows = _from_cu(cu, b, s) if cu is not None else None
+    if p is not None:
+        from_p = _from_positions(p)
+        if rows is not None and rows != from_p:
+            raise ValueError("position_ids and cu_seq_lens describe different documents; give one of them")
+        rows = from_p
+    return rows if rows is not None else [[s] for _ in range(b)]
+
+
+def _doc_positions(rows: list[list[int]]) -> Tensor:
+    """Position of every token inside its document, ``(B, S)`` int64."""
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+
+
+def _doc_ends(rows: list[list[int]]) -> tuple[Tensor, Tensor]:
+    """(row, token) indices of every document's last token."""
+    r = [b for b, row in enumerate(rows) for _ in row]
+    t = [end - 1 for row in rows for end in torch.tensor(row).cumsum(0).tolist()]
+    return torch.tensor(r), torch.tensor(t)
+
+
+def _check_unshifted(labels: Tensor, ids: Tensor) -> None:
+    """``labels`` in HF's convention (``labels[t]`` is token ``t`` itself, -100 where no loss), not
+    already shifted (``labels[t] == input_ids[t + 1]``), which shifting again would misalign."""
+    valid = labels != IGNORE_INDEX
+    if not valid.any() or (labels == ids)[valid].all():
+        return
+    ahead = valid[:, :-1]
+    if ahead.any() and (labels[:, :-1] == ids[:, 1:])[ahead].all() and not valid[:, -1].any():
+        raise ValueError(
+            "labels look already shifted (labels[t] == input_ids[t + 1] at every labelled token), and "
+            "shard_batch shifts them: pass labels unshifted (input_ids with -100 where no loss, HF's "
+            "convention), or pass the shifted ones as shift_labels"
+        )
+
+
+def _shifted_labels(batch, ids: Tensor, rows: list[list[int]]) -> Tensor | None:
+    """Next-token targets, ``(B, S)``: -100 at each document's last token (nothing follows it there)."""
+    labels, shift = _host(batch, "labels"), _host(batch, "shift_labels")
+    if labels is not None and shift is not None:
+        raise ValueError(
+            "the batch has both labels and shift_labels: give labels (unshifted, HF's convention; shard_batch "
+            "shifts them) or shift_labels (already shifted), not both"
+        )
+    if labels is None and shift is None:
+        return None
+    given = labels if labels is not None else shift
+    if tuple(given.shape) != tuple(ids.shape):
+        name = "labels" if labels is not None else "shift_labels"
+        raise ValueError(f"{name} has shape {tuple(given.shape)}, input_ids {tuple(ids.shape)}")
+    if labels is not None:
+        _check_unshifted(labels, ids)
+        shifted = torch.full_like(labels, IGNORE_INDEX)
+        shifted[:, :-1] = labels[:, 1:]
+    else:
+        shifted = shift.clone()
+    shifted[_doc_ends(rows)] = IGNORE_INDEX
+    return shifted
+
+
+def _global_count(n: int, dp_mesh) -> int:
+    """``n`` summed over the ranks of ``dp_mesh`` (a ``DeviceMesh`` of any shape, or a process group)."""
+    if dp_mesh is None:
+        return n
+    if hasattr(dp_mesh, "get_group"):
+        group = (dp_mesh if dp_mesh.ndim == 1 else dp_mesh._flatten()).get_group()
+    else:
+        group = dp_mesh
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    t = torch.tensor(n, dtype=torch.int64, device=on)
+    dist.all_reduce(t, group=group)
+    return int(t)
+
+
+def _check_keys(batch) -> None:
+    unknown = sorted(set(batch.keys()) - _KNOWN)
+    if unknown:
+        raise ValueError(
+            f"shard_batch does not know how to shard batch key(s) {unknown}; it takes input_ids, labels or "
+            "shift_labels, and the documents as position_ids or cu_seq_lens"
+        )
+    if batch.get("input_ids") is None:
+        raise ValueError("shard_batch needs batch['input_ids'] (batch, seq_len)")
+    mask = _host(batch, "attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError(
+            "attention_mask has padding (zeros): titan_cp runs packed rows without padding masks; pack with "
+            "DataCollatorWithFlattening, or make the padding a document of its own with labels -100"
+        )
+
+
+def shard_batch(
+    batch,
+    cp_mesh,
+    balance: str = "doc_zigzag",
+    dp_mesh=None,
+    num_items_in_batch: int | None = None,
+    pad_token_id: int | None = None,
+    device=None,
+) -> dict:
+    """This cp rank's shard of an HF-style batch of packed rows, for ``model(**local)`` (module docstring).
+
+    Args:
+        batch: a mapping (a dict, a ``BatchEncoding``) with ``input_ids`` ``(B, S)``; ``labels``
+            (unshifted, -100 where no loss) or ``shift_labels`` (already shifted); the documents
+            as ``position_ids`` restarting at 0, or ``cu_seq_lens_q``/``cu_seq_lens`` (none: one
+            document per row); an all-ones ``attention_mask`` is accepted and dropped.
+        cp_mesh: the mesh given to ``apply_cp`` (``None`` on one device).
+        balance: the layout; the same as ``apply_cp``'s.
+        dp_mesh: the data-parallel mesh (or process group) whose ranks hold the step's other rows;
+            ``None``: this rank's rows are the whole step.
+        num_items_in_batch: the step's loss-bearing token count when it spans more than this batch
+            (gradient accumulation); ``None``: counted here, summed over ``dp_mesh``.
+        pad_token_id: when ``S`` does not split evenly over the cp ranks, append a padding document
+            of this token (no loss on it); ``None``: such a length is a ``ValueError``.
+        device: where the local tensors go (default: ``input_ids``' device); ``cp_doc_lens`` stays
+            on the host, where the attention reads it without synchronising the device.
+
+    Returns ``input_ids``, ``position_ids`` (in-document positions), ``labels`` = ``shift_labels``
+    (shifted, local), ``num_items_in_batch`` (0-dim int64), ``cp_doc_lens`` (the ``(B, max_docs)``
+    host tensor every layer's attention reads), ``cp_balance`` and ``use_cache=False``; per-token
+    tensors ``(B, S_padded / cp)`` on ``device``. Without labels, no loss keys.
+    """
+    _check_keys(batch)
+    device = torch.as_tensor(batch["input_ids"]).device if device is None else torch.device(device)
+    ids = _host(batch, "input_ids")
+    if ids.dim() != 2 or ids.dtype.is_floating_point:
+        raise ValueError(f"input_ids must be (batch, seq_len) integers, got {ids.dtype} of shape {tuple(ids.shape)}")
+    b, s = ids.shape
+    rows = _documents(batch, b, s)
+    shifted = _shifted_labels(batch, ids, rows)
+    cp = 1 if cp_mesh is None else cp_mesh.size()
+    extra = -s % seq_len_multiple(balance, cp)
+    if extra:
+        if pad_token_id is None:
+            raise ValueError(
+                f"input_ids has {s} tokens per row, which balance {balance!r} cannot split over cp size {cp} (it "
+                f"needs a multiple of {seq_len_multiple(balance, cp)}): pad the rows, or pass "
+                f"shard_batch(..., pad_token_id=...) to append a padding document of {extra} tokens (no loss)"
+            )
+        ids = torch.cat([ids, ids.new_full((b, extra), pad_token_id)], 1)
+        shifted = None if shifted is None else torch.cat([shifted, shifted.new_full((b, extra), IGNORE_INDEX)], 1)
+        rows, s = [row + [extra] for row in rows], s + extra
+    layout = get_layout(s, cp, balance, rows)
+    rank = layout_rank(cp_mesh)
+
+    def local(x: Tensor) -> Tensor:
+        return to_device(layout.shard(x, 1, rank), device)
+
+    out = {"input_ids": local(ids), "position_ids": local(_doc_positions(rows))}
+    if shifted is not None:
+        if num_items_in_batch is None:
+            n = _global_count(int((shifted != IGNORE_INDEX).sum()), dp_mesh)
+        else:
+            n = int(num_items_in_batch)
+        if n <= 0:
+            raise ValueError("the step has no loss-bearing token (every label is -100, over all dp ranks)")
+        out["labels"] = out["shift_labels"] = local(shifted)
+        out["num_items_in_batch"] = torch.tensor(n, dtype=torch.int64, device=device)
+    out.update(cp_doc_lens=layout.doc_lens_tensor(), cp_balance=balance, use_cache=False)
+    return out
+
+
+def unshard(x: Tensor, local: dict, cp_mesh, dim: int = 1) -> Tensor:
+    """Every cp rank's ``x`` (this rank's tokens along ``dim``, e.g. logits ``(B, S_local, V)``)
+    gathered and put back in natural token order: ``(..., S, ...)``. Collective over ``cp_mesh``;
+    no gradient. ``local``: what :func:`shard_batch` returned for this batch."""
+    if cp_mesh is None:
+        return x
+    s, cp = x.shape[dim] * cp_mesh.size(), cp_mesh.size()
+    layout = get_layout(s, cp, local["cp_balance"], local["cp_doc_lens"])
+    group = cp_mesh.get_group() if cp_mesh.ndim == 1 else cp_mesh._flatten().get_group()
+    parts = [torch.empty_like(x) for _ in range(cp)]
+    ranks = [torch.zeros((), dtype=torch.int64, device=x.device) for _ in range(cp)]
+    dist.all_gather(parts, x.detach().contiguous(), group=group)
+    dist.all_gather(ranks, torch.tensor(layout_rank(cp_mesh), device=x.device), group=group)
+    by_rank = [parts[i] for i in sorted(range(cp), key=lambda i: int(ranks[i]))]
+    return layout.unshard(by_rank, dim)

@@ -1,0 +1,184 @@
+"""What titan_cp asks of a Hugging Face causal LM's structure, read through public attributes only.
+
+- its decoder layers: the ``nn.ModuleList`` whose entries are ``GradientCheckpointingLayer``\\ s
+  (or the classes of ``_no_split_modules``), found again after activation checkpointing,
+  ``torch.compile`` or FSDP wrapped them;
+- its attention modules: in each decoder layer, the modules with ``layer_idx`` and
+  ``is_causal`` (the ones that call ``AttentionInterface``);
+- each layer's mask: plain causal, a sliding window or chunked attention, from its
+  ``config.layer_types`` entry (:func:`layer_mask`); attention sinks arrive with the call;
+- what its layers use that titan_cp's CP attention does not run yet (logit soft-capping, layer
+  types other than full / sliding / chunked attention, query temperature tuning, dropout,
+  bidirectional attention): each named by its layer type or its config field, so that such a
+  model is refused, never run with the wrong mask;
+- whether its output head is the plain ``logits = lm_head(hidden)`` that titan_cp's chunked loss
+  can replace (families whose forward rescales or soft-caps the logits keep their own forward).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+# families whose ``ForCausalLM.forward`` computes ``logits = lm_head(hidden_states)`` and nothing
+# else (checked in transformers' modeling files; each is tested against its own forward)
+PLAIN_HEAD_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma", "gpt_oss"})
+# ... and these when ``config.final_logit_softcapping`` is None (otherwise their forward soft-caps the logits)
+SOFTCAP_HEAD_FAMILIES = frozenset({"gemma2", "gemma3_text"})
+
+_MASK_FIELDS = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+RUNNABLE_LAYER_TYPES = ("full_attention", *_MASK_FIELDS)
+
+
+def text_config(config):
+    """The decoder's config (a multimodal model's text config; the config itself otherwise)."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module inside activation-checkpointing and ``torch.compile`` wrappers."""
+    while True:
+        inner = getattr(module, "_checkpoint_wrapped_module", None) or getattr(module, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
+def hf_model_of(module: nn.Module):
+    """The ``PreTrainedModel`` of ``module``: itself, or the one a :class:`CausalLM` wraps."""
+    from transformers import PreTrainedModel  # noqa: PLC0415 - optional dependency
+
+    if isinstance(module, PreTrainedModel):
+        return module
+    inner = getattr(module, "hf_model", None)
+    if isinstance(inner, PreTrainedModel):
+        return inner
+    raise ValueError(f"expected a transformers PreTrainedModel (or titan_cp's CausalLM of one), got {type(module)}")
+
+
+def _is_decoder_layer(module: nn.Module, names: set[str]) -> bool:
+    from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: PLC0415
+
+    module = unwrap(module)
+    return isinstance(module, GradientCheckpointingLayer) or type(module).__name__ in names
+
+
+def layer_list(model: nn.Module) -> nn.ModuleList:
+    """The ``nn.ModuleList`` of ``model``'s decoder layers (entries possibly wrapped)."""
+    names = set(getattr(hf_model_of(model), "_no_split_modules", None) or ())
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) and all(_is_decoder_layer(m, names) for m in module):
+            return module
+    raise ValueError(f"{type(model).__name__} has no list of decoder layers that titan_cp can find")
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention module(s) of every decoder layer: those with ``layer_idx`` and ``is_causal``."""
+    found = []
+    for layer in layer_list(model):
+        mine = [m for m in unwrap(layer).modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+        if not mine:
+            raise ValueError(
+                f"{type(unwrap(layer)).__name__} has no attention module that calls transformers' "
+                "AttentionInterface (one with layer_idx and is_causal): titan_cp cannot run it"
+            )
+        found += mine
+    return found
+
+
+def _layer_type(c, layer_idx: int) -> str:
+    """``transformers``' name of layer ``layer_idx``'s attention: its ``config.layer_types`` entry, or
+    for families without that list, ``sliding_attention`` when ``config.sliding_window`` is set."""
+    types = getattr(c, "layer_types", None)
+    if types:
+        return types[layer_idx]
+    return "sliding_attention" if getattr(c, "sliding_window", None) is not None else "full_attention"
+
+
+def layer_mask(config, layer_idx: int) -> tuple[int | None, int | None]:
+    """``(window, chunk)`` of layer ``layer_idx``: ``config.sliding_window`` for a ``sliding_attention``
+    layer (a query sees itself and the ``window - 1`` keys before it in its document, as
+    ``transformers``' ``kv_idx > q_idx - sliding_window``), ``config.attention_chunk_size`` for a
+    ``chunked_attention`` one (chunks counted from each document's start), ``(None, None)`` otherwise."""
+    c = text_config(config)
+    kind = _layer_type(c, layer_idx)
+    field = _MASK_FIELDS.get(kind)
+    value = None if field is None else getattr(c, field, None)
+    return (value, None) if kind == "sliding_attention" else (None, value)
+
+
+def _layer_type_features(c) -> list[str]:
+    found = []
+    kinds = sorted({_layer_type(c, i) for i in range(c.num_hidden_layers)})
+    for kind in kinds:
+        field = _MASK_FIELDS.get(kind)
+        if kind not in RUNNABLE_LAYER_TYPES:
+            found.append(f"layers of type {kind!r} (config.layer_types)")
+        elif field is not None and not (isinstance(getattr(c, field, None), int) and getattr(c, field) > 0):
+            found.append(f"layers of type {kind!r} without a positive config.{field} ({getattr(c, field, None)!r})")
+    if not getattr(c, "layer_types", None) and getattr(c, "attention_chunk_size", None) is not None:
+        found.append(
+            f"chunked attention without config.layer_types naming its layers (config.attention_chunk_size = "
+            f"{c.attention_chunk_size!r})"
+        )
+    return found
+
+
+def unsupported_features(config) -> list[str]:
+    """What the model's layers use that titan_cp's CP attention does not run yet, one phrase each
+    (naming the layer type and the config field); empty when every layer is causal attention, full,
+    sliding-window or chunked (sinks too: they come with the call)."""
+    c = text_config(config)
+    found = _layer_type_features(c)
+    if getattr(c, "attn_logit_softcapping", None) is not None:
+        found.append(f"attention logit soft-capping (config.attn_logit_softcapping = {c.attn_logit_softcapping!r})")
+    no_rope = [i for i, rope in enumerate(getattr(c, "no_rope_layers", None) or ()) if not rope]
+    if getattr(c, "attn_temperature_tuning", False) and no_rope:
+        found.append(
+            f"query temperature tuning on the NoPE layers {no_rope} (config.attn_temperature_tuning with "
+            "config.no_rope_layers): it scales queries by their index in the local row, not their position"
+        )
+    if getattr(c, "attention_dropout", 0.0):
+        found.append(f"attention dropout (config.attention_dropout = {c.attention_dropout!r}; set it to 0.0)")
+    if getattr(c, "is_encoder_decoder", False):
+        found.append("an encoder-decoder architecture (config.is_encoder_decoder = True)")
+    if not getattr(c, "is_causal", True) or getattr(c, "use_bidirectional_attention", False):
+        found.append("bidirectional attention (config.is_causal / config.use_bidirectional_attention)")
+    return found
+
+
+def check_supported(model: nn.Module) -> None:
+    """``ValueError`` when titan_cp cannot run ``model``'s attention exactly: a model that does not
+    call ``AttentionInterface``, or layers that use what :func:`unsupported_features` lists."""
+    hf = hf_model_of(model)
+    name, family = type(hf).__name__, getattr(hf.config, "model_type", "?")
+    if not getattr(hf, "_supports_attention_backend", False):
+        raise ValueError(
+            f"{name} (model_type {family!r}) does not call attention through transformers' AttentionInterface "
+            "(its _supports_attention_backend is False), so attn_implementation='titan_cp' cannot reach it; "
+            "titan_cp supports decoders that do (Llama, Qwen2, Qwen3, Mistral, Gemma, ...)"
+        )
+    features = unsupported_features(hf.config)
+    if features:
+        raise ValueError(
+            f"{name} (model_type {family!r}) uses attention titan_cp's CP attention does not run yet: "
+            + "; ".join(features)
+            + ". Refused rather than run with the wrong mask"
+        )
+    attention_modules(hf)
+
+
+def plain_head(model: nn.Module) -> nn.Linear | None:
+    """The output head when titan_cp's chunked loss may replace the family's logits (a bias-free
+    ``nn.Linear`` of a family in :data:`PLAIN_HEAD_FAMILIES`, or of :data:`SOFTCAP_HEAD_FAMILIES`
+    without final soft-capping); ``None`` otherwise."""
+    hf = hf_model_of(model)
+    head = hf.get_output_embeddings()
+    c = text_config(hf.config)
+    family = getattr(c, "model_type", None)
+    plain = family in PLAIN_HEAD_FAMILIES or (
+        family in SOFTCAP_HEAD_FAMILIES and getattr(c, "final_logit_softcapping", None) is None
+    )
+    if not plain or not isinstance(head, nn.Linear) or head.bias is not None:
+        return None
+    return head

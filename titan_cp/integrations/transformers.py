@@ -1,0 +1,218 @@
+"""Hugging Face decoders under context parallelism, through ``transformers``' public interfaces.
+
+::
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="titan_cp")
+    apply_cp(model, cp_mesh, strategy="ring", balance="doc_zigzag")     # binds the mesh; checks the model
+    apply_fsdp(model, fsdp_mesh)                                         # dp_shard x cp, gradients summed
+    local = shard_batch(batch, cp_mesh, balance="doc_zigzag", dp_mesh=dp_mesh)
+    model(**local).loss.backward()     # local summed CE / loss-bearing tokens of the whole step
+
+How it plugs in, without patching any model class:
+
+- ``AttentionInterface.register("titan_cp", titan_cp_attention)``: every layer's attention calls
+  :func:`titan_cp_attention` with q ``(B, H, S_local, E)`` and k/v ``(B, K, S_local, E)`` after
+  RoPE (GQA at its own head count); it runs the ``titan_cp::cp_attention`` custom op (every
+  strategy, every kernel, packed documents) and returns ``(B, S_local, H, E)``.
+- ``AttentionMaskInterface.register("titan_cp", titan_cp_mask)``: builds nothing (``None``): the
+  documents reach the attention as the ``cp_doc_lens`` keyword, a ``(B, max_docs)`` host tensor that
+  ``shard_batch`` makes and ``transformers`` hands unchanged to every layer.
+- :func:`apply_cp` binds the mesh, strategy, balance and kernel to each attention module (one
+  handle per model); :func:`shard_batch` shards a batch by the same layout.
+
+With the mask function registered, ``transformers`` still looks once per forward (not per layer)
+at the local ``position_ids`` for packed rows (``find_packed_sequence_indices``, one small host
+read); registering it is what turns a padding ``attention_mask`` into an error instead of a mask
+that would be silently dropped.
+
+RoPE needs nothing: each token's position arrives in ``position_ids`` (sharded with the tokens),
+and ``transformers`` rotates q and k before calling the attention.
+
+Each layer's mask comes from its config (:func:`.hf_model.layer_mask`): plain causal attention, a
+sliding window (``sliding_attention`` layers: Mistral, Qwen2/3 with ``use_sliding_window``, Gemma 3,
+gpt-oss) or chunked attention (``chunked_attention``: Llama 4), bound once by :func:`apply_cp`;
+attention sinks (gpt-oss) arrive with each call (``s_aux``) and get their gradient. What titan_cp
+does not run (logit soft-capping, other layer types, ...) is refused by :func:`apply_cp` naming the
+layer type or the config field (:mod:`.hf_model`), never run with the wrong mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from titan_cp.attention.api import attend, check_mask, check_qkv, register_spec
+from titan_cp.attention.strategy import get_strategy
+from titan_cp.integrations.hf_batch import shard_batch, unshard
+from titan_cp.integrations.hf_model import (
+    attention_modules,
+    check_supported,
+    hf_model_of,
+    layer_mask,
+    text_config,
+    unsupported_features,
+)
+from titan_cp.integrations.hf_parallel import CausalLM, apply_ac, apply_compile, apply_fsdp
+from titan_cp.layout import BALANCES
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "CPBinding",
+    "CausalLM",
+    "apply_ac",
+    "apply_compile",
+    "apply_cp",
+    "apply_fsdp",
+    "check_supported",
+    "shard_batch",
+    "titan_cp_attention",
+    "titan_cp_mask",
+    "unshard",
+    "unsupported_features",
+]
+
+ATTN_IMPLEMENTATION = "titan_cp"
+BINDING = "titan_cp_binding"  # the attribute apply_cp sets on each attention module
+
+
+@dataclass(frozen=True)
+class CPBinding:
+    """What one attention module runs: the op's spec ``handle`` (mesh, strategy, balance, kernel) and
+    its layer's mask (``window``, ``chunk``: ``None`` for plain causal attention)."""
+
+    handle: int
+    strategy: str
+    balance: str
+    cp_size: int
+    window: int | None = None
+    chunk: int | None = None
+
+
+def _cp_attend(query: Tensor, key: Tensor, value: Tensor, binding: CPBinding, doc_lens, scale: float, sinks) -> Tensor:
+    """The one call of the CP attention op: causal inside each document of ``doc_lens``, with the
+    layer's window or chunks, and ``sinks`` ``(H,)`` (per-head logits in every softmax denominator).
+    q ``(B, H, S_local, E)``, k/v ``(B, K, S_local, E)`` -> ``(B, H, S_local, E)`` (token-major storage)."""
+    check_qkv(query, key, value)
+    mask = check_mask(True, binding.window, binding.chunk, sinks, query.shape[1])
+    return attend(query, key, value, binding.handle, doc_lens, True, scale, mask.window, mask.chunk, sinks)
+
+
+def _check_call(module: nn.Module, binding: CPBinding | None, query, key, attention_mask, dropout, kwargs) -> None:
+    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if binding is None:
+        raise ValueError(
+            f"{where} runs attn_implementation='titan_cp' but no CP mesh is bound to it: call "
+            "titan_cp.integrations.transformers.apply_cp(model, cp_mesh) first (cp_mesh=None on one device)"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f"{where} got an attention_mask: titan_cp attention reads the documents from shard_batch "
+            "(cp_doc_lens), never a dense mask; drop attention_mask (pad with a document of its own instead)"
+        )
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(f"{where}: titan_cp attention runs without a KV cache; pass use_cache=False")
+    if isinstance(getattr(module, "sinks", None), nn.Parameter) and kwargs.get("s_aux") is None:
+        raise ValueError(f"{where} has attention sinks but did not pass them (s_aux): titan_cp cannot run it")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{where} asks for logit soft-capping (the softcap argument), which titan_cp does not run")
+    window = kwargs.get("sliding_window")
+    if window != binding.window:  # both ways: a window the config names must be one the layer asks for
+        raise ValueError(
+            f"{where} asks for sliding window {window} but apply_cp bound {binding.window} from the config "
+            "(config.layer_types / config.sliding_window): refused rather than run with the wrong mask; call "
+            "apply_cp again after changing the config"
+        )
+    if dropout and module.training:
+        raise ValueError(f"{where}: attention dropout {dropout} is not supported; set config.attention_dropout = 0.0")
+    balance = kwargs.get("cp_balance")
+    if balance is not None and balance != binding.balance:
+        raise ValueError(
+            f"the batch was sharded with shard_batch(balance={balance!r}) but apply_cp bound "
+            f"balance={binding.balance!r}: pass the same balance to both"
+        )
+
+
+def titan_cp_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """``transformers``' attention-function contract, run as titan_cp's CP attention.
+
+    query ``(B, H, S_local, E)``, key/value ``(B, K, S_local, E)``: this rank's tokens in layout
+    order, RoPE applied. ``kwargs["cp_doc_lens"]``: the ``(B, max_docs)`` host tensor of
+    :func:`shard_batch` (absent: every row is one document). Returns ``(out (B, S_local, H, E),
+    None)`` (no attention weights are ever formed).
+    """
+    binding = getattr(module, BINDING, None)
+    _check_call(module, binding, query, key, attention_mask, dropout, kwargs)
+    doc_lens = kwargs.get("cp_doc_lens")
+    if doc_lens is not None and not isinstance(doc_lens, Tensor):
+        raise ValueError("cp_doc_lens must be the (batch, max_docs) host tensor that shard_batch returns")
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    out = _cp_attend(query, key, value, binding, doc_lens, scale, kwargs.get("s_aux"))
+    return out.transpose(1, 2), None
+
+
+def titan_cp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
+    """``transformers``' mask-function contract: builds nothing (``None``). The causal and document
+    masks are the CP op's own, computed on runs of the layout, never as a dense matrix."""
+    if attention_mask is not None:
+        raise ValueError(
+            "attn_implementation='titan_cp' takes no attention_mask: the documents come from shard_batch "
+            "(cp_doc_lens); drop attention_mask (make padding a document of its own, labels -100)"
+        )
+    return None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, titan_cp_attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, titan_cp_mask)
+
+
+def apply_cp(model: nn.Module, cp_mesh, strategy: str = "ring", balance: str = "doc_zigzag", kernel=None):
+    """Run ``model``'s attention as titan_cp's CP attention over ``cp_mesh``; returns ``model``.
+
+    Args:
+        model: a ``transformers`` causal LM (loaded, or built on ``meta``), or a :class:`CausalLM`.
+        cp_mesh: the cp ``DeviceMesh`` (1-D; 2-D ``(cp_ring, cp_ulysses)`` for ``"hybrid"``), or
+            ``None`` on one device (packed documents still masked, no communication).
+        strategy: ``"ring"``, ``"allgather"``, ``"ulysses"`` or ``"hybrid"``.
+        balance: the sequence layout; :func:`shard_batch` must be given the same.
+        kernel: local kernel name, ``None`` for the fastest on the device and dtype.
+
+    Sets ``attn_implementation="titan_cp"`` (``set_attn_implementation``) and binds the op's spec to
+    each attention module. ``ValueError`` for a model titan_cp cannot run exactly (it names the layer
+    type and the config field), heads the strategy cannot split, or a mesh of the wrong shape.
+    """
+    hf = hf_model_of(model)
+    check_supported(hf)
+    strat = get_strategy(strategy)
+    if balance not in BALANCES:
+        raise ValueError(f"apply_cp balance must be one of {BALANCES}, got {balance!r}")
+    c = text_config(hf.config)
+    q_heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or q_heads
+    if cp_mesh is not None:
+        strat.check_mesh(cp_mesh, cp_mesh.size(), q_heads, kv_heads)
+    modules = attention_modules(hf)
+    for module in modules:
+        if not module.is_causal:
+            raise ValueError(
+                f"{type(module).__name__} is not causal (is_causal = False): titan_cp runs causal decoders"
+            )
+    hf.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if hf.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(f"{type(hf).__name__} does not let transformers set its attention implementation")
+    handle, cp_size = register_spec(cp_mesh, strategy, balance, kernel), 1 if cp_mesh is None else cp_mesh.size()
+    for module in modules:
+        window, chunk = layer_mask(hf.config, module.layer_idx)
+        setattr(module, BINDING, CPBinding(handle, strategy, balance, cp_size, window, chunk))
+    return model

@@ -1,0 +1,54 @@
+"""Tiny Hugging Face model folders for tests: what ``save_pretrained`` writes, nothing downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_TEXT = ["the ring passes keys and values around the ranks", "Remember these facts. Recall the key.", "<tool>ls</tool>"]
+
+
+def byte_tokenizer(path: str | Path, vocab_size: int = 300):
+    """A byte-level BPE ``tokenizer.json`` (every text encodes; BOS ``<s>``, EOS/PAD ``</s>``) saved
+    with its ``tokenizer_config.json`` in ``path`` by ``PreTrainedTokenizerFast``; returns it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_TEXT, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def tiny_qwen3_folder(path: str | Path, seed: int = 0, tied: bool = True, dtype=torch.float32) -> Path:
+    """A random tiny ``Qwen3ForCausalLM`` (q/k norms; tied embeddings by default; weights ~ N(0, 0.2),
+    norms ~ 1 + N(0, 0.2)) with a byte-level tokenizer, written with ``save_pretrained`` to ``path``."""
+    import transformers  # noqa: PLC0415
+
+    path = Path(path)
+    tokenizer = byte_tokenizer(path)
+    config = transformers.Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():  # weights large enough that attention is far from uniform: positions and masks show
+        for name, p in model.named_parameters():
+            p.copy_(0.2 * torch.randn_like(p) + (1.0 if "norm" in name else 0.0))
+    model.to(dtype).save_pretrained(str(path))
+    return path
