@@ -143,7 +143,7 @@ def test_defaults_validate_and_to_dict():
     assert cfg == JobConfig()
     d = cfg.to_dict()
     assert d["parallelism"]["context_parallel_strategy"] == "ring"
-    assert d["parallelism"]["context_parallel_load_balancer"] == "doc_zigzag"
+    assert d["parallelism"]["context_parallel_load_balancer"] == "doc_local"
     assert d["training"]["dataset"] == "synthetic_recall"
     assert set(d) >= {
         "job",

@@ -53,7 +53,7 @@ def test_small_cpu_run_passes_every_section():
     assert {r["kernel"] for r in kernels} == {"cpu_varlen", "cpu_flash", "math"}
     assert len(kernels) == 3 * len(gpu_check.kernel_cases(gpu_check.SMALL))
     ring = [r for r in records if r.get("section") == "ring"]
-    assert [r["case"] for r in ring] == ["causal", "docs_32"]
+    assert [r["case"] for r in ring] == ["causal", "docs_32", "docs_32_doc_zigzag"]
     assert all(r["efficiency"]["fwd_bwd"] > 0 for r in ring)
     train = next(r for r in records if r.get("section") == "train")
     assert train["steps_logged"] == 3 and train["tokens_per_second"] > 0 and train["mfu"] > 0

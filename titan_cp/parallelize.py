@@ -34,7 +34,7 @@ class ParallelizeOptions:
     """How to parallelize beyond the mesh degrees (from ``[parallelism]``, ``[activation_checkpoint]``, ``[compile]``)."""
 
     cp_strategy: str = "ring"
-    cp_balance: str = "doc_zigzag"
+    cp_balance: str = "doc_local"
     cp_kernel: str | None = None
     ac_mode: str = "none"
     ac_every: int = 1

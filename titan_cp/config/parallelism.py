@@ -52,10 +52,11 @@ class Parallelism(Section, name="parallelism"):
     overlapped with compute), ``allgather`` (all-gather K/V), ``ulysses`` (all-to-all, sequence to
     heads), ``hybrid`` (Ulysses inside, ring across)."""
 
-    context_parallel_load_balancer: Literal["contiguous", "zigzag", "doc_zigzag"] = "doc_zigzag"
+    context_parallel_load_balancer: Literal["contiguous", "zigzag", "doc_zigzag", "doc_local"] = "doc_local"
     """Sequence layout over cp ranks: ``contiguous`` (rank r holds chunk r), ``zigzag`` (rank r holds
-    chunks r and 2*cp-1-r), ``doc_zigzag`` (zigzag within each packed document).
-    torchtitan's ``headtail`` is read as ``zigzag``."""
+    chunks r and 2*cp-1-r), ``doc_zigzag`` (zigzag within each packed document), ``doc_local``
+    (documents whole on one rank where the causal balance allows, only long ones split: the least
+    communication; the default). torchtitan's ``headtail`` is read as ``zigzag``."""
 
     context_parallel_ulysses_degree: Annotated[int, Positive] = 1
     """For ``hybrid``: size of the inner Ulysses axis (``cp_ulysses``); the ring axis

@@ -210,7 +210,7 @@ def _check_keys(batch) -> None:
 def shard_batch(
     batch,
     cp_mesh,
-    balance: str = "doc_zigzag",
+    balance: str = "doc_local",
     dp_mesh=None,
     num_items_in_batch: int | None = None,
     pad_token_id: int | None = None,

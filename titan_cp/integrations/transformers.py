@@ -3,9 +3,9 @@
 ::
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="titan_cp")
-    apply_cp(model, cp_mesh, strategy="ring", balance="doc_zigzag")     # binds the mesh; checks the model
+    apply_cp(model, cp_mesh, strategy="ring", balance="doc_local")     # binds the mesh; checks the model
     apply_fsdp(model, fsdp_mesh)                                         # dp_shard x cp, gradients summed
-    local = shard_batch(batch, cp_mesh, balance="doc_zigzag", dp_mesh=dp_mesh)
+    local = shard_batch(batch, cp_mesh, balance="doc_local", dp_mesh=dp_mesh)
     model(**local).loss.backward()     # local summed CE / loss-bearing tokens of the whole step
 
 How it plugs in, without patching any model class:
@@ -177,7 +177,7 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, titan_cp_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, titan_cp_mask)
 
 
-def apply_cp(model: nn.Module, cp_mesh, strategy: str = "ring", balance: str = "doc_zigzag", kernel=None):
+def apply_cp(model: nn.Module, cp_mesh, strategy: str = "ring", balance: str = "doc_local", kernel=None):
     """Run ``model``'s attention as titan_cp's CP attention over ``cp_mesh``; returns ``model``.
 
     Args:

@@ -5,7 +5,7 @@
     parallelize_module(
         model,
         cp_mesh,                                # 1-D "cp"; 2-D ("cp_ring", "cp_ulysses") for hybrid
-        {"layers.*.attention.inner_attention": ContextParallel(strategy="ring", balance="doc_zigzag")},
+        {"layers.*.attention.inner_attention": ContextParallel(strategy="ring", balance="doc_local")},
     )
 
 The style takes over the forward of the attention core, ``inner_attention(q, k, v, doc_lens)``
@@ -45,14 +45,14 @@ class ContextParallel(ParallelStyle):
 
     Args:
         strategy: ``"ring"``, ``"allgather"``, ``"ulysses"`` or ``"hybrid"`` (2-D mesh).
-        balance: the sequence layout the data was sharded with (``"doc_zigzag"``,
+        balance: the sequence layout the data was sharded with (``"doc_local"``, ``"doc_zigzag"``,
             ``"zigzag"`` or ``"contiguous"``); it must match the data sharding.
         causal: causal mask within each document.
         kernel: local kernel name, ``None`` for the fastest on the device.
     """
 
     def __init__(
-        self, strategy: str = "ring", balance: str = "doc_zigzag", causal: bool = True, kernel: str | None = None
+        self, strategy: str = "ring", balance: str = "doc_local", causal: bool = True, kernel: str | None = None
     ):
         super().__init__()
         self._strategy = get_strategy(strategy)
@@ -103,7 +103,7 @@ def apply_cp(
     model: nn.Module,
     cp_mesh: DeviceMesh,
     strategy: str = "ring",
-    balance: str = "doc_zigzag",
+    balance: str = "doc_local",
     kernel: str | None = None,
 ) -> None:
     """Make every transformer block's attention core context-parallel over ``cp_mesh``."""

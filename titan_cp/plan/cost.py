@@ -227,7 +227,7 @@ def cp_bytes_per_rank(
     ac: str = "none",
     dtype: torch.dtype = torch.bfloat16,
     doc_rows=None,
-    balance: str = "doc_zigzag",
+    balance: str = "doc_local",
     rank: int | None = None,
 ) -> int:
     """Bytes one rank hands to CP communication in one forward + backward (+ the forward again under

@@ -78,7 +78,7 @@ class Workload:
     args: ModelArgs
     seq_len: int
     rows: tuple[tuple[int, ...], ...]
-    balance: str = "doc_zigzag"
+    balance: str = "doc_local"
     ac: str = "none"
     ac_every: int = 1
     act_bytes: int = 2

@@ -394,10 +394,13 @@ def _one_call(kernel: AttentionKernel, q, k, v, dout, doc_lens, causal, scale):
 
 
 def ring_cases(sizes: Sizes) -> list[dict]:
+    """Causal without documents (zigzag), and log-normal documents under the default ``doc_local`` and,
+    for comparison, ``doc_zigzag`` (every document split over every rank)."""
     cases = [dict(name="causal", balance="zigzag", doc_lens=None, doc_mean=None)]
     for mean in sizes.doc_means:
         lens = lognormal_doc_lens(sizes.ring_seq, mean, seed=mean)
-        cases.append(dict(name=f"docs_{mean}", balance="doc_zigzag", doc_lens=lens, doc_mean=mean))
+        cases.append(dict(name=f"docs_{mean}", balance="doc_local", doc_lens=lens, doc_mean=mean))
+        cases.append(dict(name=f"docs_{mean}_doc_zigzag", balance="doc_zigzag", doc_lens=lens, doc_mean=mean))
     return cases
 
 
