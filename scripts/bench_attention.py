@@ -9,8 +9,17 @@ Prints one JSON object per (case, strategy, world); ``seconds`` is the fastest o
      "bytes_theory_per_rank": <the strategy's own minimum>, ...}
 
 Cases: ``causal`` (one document per row, zigzag layout) and ``docs`` (packed documents
-with log-normal lengths, doc_zigzag layout). World 1 runs the same strategy code on one
-rank, so efficiency compares like with like.
+with log-normal lengths, ``--balance``, doc_local by default). World 1 runs the same strategy
+code on one rank, so efficiency compares like with like.
+
+Case ``model`` (see :mod:`titan_cp.tools.gpu_model`): the counting model of GPU time of one layer
+at full size (``--model-seq-len`` tokens, CP ``--model-cp``, Llama 3 8B heads, bf16), run on fake
+CUDA tensors in seconds: kernel and outside-kernel seconds, bytes sent, and the predicted
+efficiency against one variable-length call on the whole row, for causal rows (zigzag),
+log-normal documents of mean 1K and 4K under doc_local and doc_zigzag, and a 1,024-token window;
+with FlashAttention-2's measured rates and with a flat 60% of the H200's peak::
+
+    python scripts/bench_attention.py --cases model
 
 Case ``host`` (see :mod:`titan_cp.tools.host`): the host-side cost of one layer, the thing
 that makes a packed long-sequence step host-bound on a GPU. One head of head_dim 8 (the
@@ -18,9 +27,8 @@ arithmetic is negligible), ``--host-seq-len`` tokens of log-normal documents of 
 ``--host-doc-mean``, ring over ``--host-world`` ranks, doc_zigzag; prints
 ``host_ms_per_layer`` (main-thread CPU time of forward + backward with the layout built
 inside, max over ranks), ``tiles`` (rank 0) and ``kernel_calls_per_step`` for ATen's CPU flash
-kernel (one call per tile), for the packed variable-length route with that kernel looping over
-the segments, and for ``cpu_varlen``, the CPU default (one call per causal flag, short segments
-batched)::
+kernel looping over the packed segments, and for ``cpu_varlen``, the CPU default (one call per
+causal flag, short segments batched)::
 
     python scripts/bench_attention.py --cases host
 
@@ -41,6 +49,7 @@ from titan_cp.attention import STRATEGIES, cp_rank, min_bytes_per_rank
 from titan_cp.attention.comm import count_comm
 from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.testing import DistPool, cp_mesh
+from titan_cp.tools.gpu_model import predict
 from titan_cp.tools.host import host_layer
 
 
@@ -53,7 +62,7 @@ def _run(rank, world, args: dict, case: str, strategy: str):
     seq, docs = args["seq_len"], None
     if case == "docs":
         docs = [lognormal_doc_lens(seq, args["doc_mean"], seed=1)]
-    balance = "doc_zigzag" if case == "docs" else "zigzag"
+    balance = args["balance"] if case == "docs" else "zigzag"
     layout = SequenceLayout(seq, world, balance, docs)
     g = torch.Generator().manual_seed(0)
     b, h, hkv, d = args["batch"], args["heads"], args["kv_heads"], args["head_dim"]
@@ -73,7 +82,7 @@ def _run(rank, world, args: dict, case: str, strategy: str):
         if it >= args["warmup"]:
             times.append(time.perf_counter() - t0)
             sent = counter.bytes_sent
-    theory = min_bytes_per_rank(strategy, q, k, world, ulysses)
+    theory = min_bytes_per_rank(strategy, q, k, world, ulysses, layout=layout, rank=r)
     return {
         "seconds": min(times),
         "seconds_median": sorted(times)[len(times) // 2],
@@ -93,7 +102,10 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--worlds", type=int, nargs="+", default=[2])
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
-    p.add_argument("--cases", nargs="+", default=["causal", "docs"], choices=["causal", "docs", "host"])
+    p.add_argument("--cases", nargs="+", default=["causal", "docs"], choices=["causal", "docs", "host", "model"])
+    p.add_argument("--balance", default="doc_local", help="layout of the docs case")
+    p.add_argument("--model-seq-len", type=int, default=131072)
+    p.add_argument("--model-cp", type=int, default=8)
     p.add_argument("--host-seq-len", type=int, default=131072)
     p.add_argument("--host-doc-mean", type=int, default=1024)
     p.add_argument("--host-world", type=int, default=8)
@@ -108,6 +120,9 @@ def main(argv=None) -> None:
     for case in args["cases"]:
         if case == "host":
             _host(args)
+            continue
+        if case == "model":
+            _model(args)
             continue
         for strategy in args["strategies"]:
             base = None
@@ -143,11 +158,7 @@ def _host(args: dict) -> None:
     docs = lognormal_doc_lens(seq, args["host_doc_mean"], seed=1)
     pool = DistPool(world, collective_timeout_s=1800)
     try:
-        for kernel, route, native in (
-            ("cpu_flash", "per_tile", None),
-            ("cpu_flash", "varlen_loop", True),
-            ("cpu_varlen", "varlen", None),
-        ):
+        for kernel, route, native in (("cpu_flash", "varlen_loop", True), ("cpu_varlen", "varlen", None)):
             res = pool.run(host_layer, seq, docs, "ring", kernel, native, timeout=3600)
             print(
                 json.dumps(
@@ -170,6 +181,19 @@ def _host(args: dict) -> None:
             )
     finally:
         pool.close()
+
+
+def _model(args: dict) -> None:
+    seq, cp = args["model_seq_len"], args["model_cp"]
+    docs = {mean: [lognormal_doc_lens(seq, mean, seed=mean)] for mean in (1024, 4096)}
+    cases = [("causal", "zigzag", None, None)]
+    cases += [(f"docs_{m}", b, docs[m], None) for m in (1024, 4096) for b in ("doc_local", "doc_zigzag")]
+    cases += [("window_1024", "zigzag", None, 1024)]
+    for strategy in ("ring", "allgather"):
+        for name, balance, rows, window in cases:
+            for fraction in (None, 0.6):
+                record = predict(strategy, seq, cp, 32, 8, 128, rows, balance, window=window, fraction=fraction)
+                print(json.dumps({"case": "model", "mix": name, **record}), flush=True)
 
 
 if __name__ == "__main__":
