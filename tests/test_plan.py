@@ -63,7 +63,9 @@ def test_memory_matches_bench_memory(dist_pools, cp):
         assert abs(want["peak"] - peak) <= 0.10 * peak, (cp, ac, want["peak"], peak)
         sent = max(r["bytes_sent"] for r in got)
         docs = [proportional_doc_lens(SEQ, DOCS)]
-        assert sent == P.cp_bytes_per_rank(DEBUG, SEQ, 1, "ring", cp, ac=ac, dtype=torch.float32, doc_rows=docs)
+        assert sent == P.cp_bytes_per_rank(
+            DEBUG, SEQ, 1, "ring", cp, ac=ac, dtype=torch.float32, doc_rows=docs, balance="doc_zigzag"
+        )
 
 
 @pytest.mark.parametrize("strategy,ulysses", [("allgather", 1), ("ulysses", 4), ("hybrid", 2)])
@@ -75,7 +77,17 @@ def test_saved_and_comm_bytes_per_strategy(dist_pools, strategy, ulysses):
         docs = [proportional_doc_lens(seq, DOCS)]
         for rank, r in enumerate(got):
             sent = P.cp_bytes_per_rank(
-                DEBUG, seq, 1, strategy, 4, ulysses=ulysses, ac=ac, dtype=torch.float32, doc_rows=docs, rank=rank
+                DEBUG,
+                seq,
+                1,
+                strategy,
+                4,
+                ulysses,
+                ac=ac,
+                dtype=torch.float32,
+                doc_rows=docs,
+                balance="doc_zigzag",
+                rank=rank,
             )
             assert r["saved_bytes"] == saved - _unsent_kv_bytes(strategy, seq, docs, rank, ac), (strategy, ac)
             assert r["bytes_sent"] == sent, (strategy, ac)
@@ -259,12 +271,26 @@ def test_cli_prints_plans_and_launch_line(capsys, tmp_path):
         ),
         (["--ngpu", "8", "--nnodes", "3"], "--nnodes"),
         (["--ngpu", "8", "--doc-mix", "novels"], "--doc-mix"),
+        (["--ngpu", "8", "--hbm-gb", "0"], "--hbm-gb must be a positive finite number"),
+        (["--ngpu", "8", "--hbm-gb", "-80"], "--hbm-gb must be a positive finite number"),
+        (["--ngpu", "8", "--hbm-gb", "nan"], "--hbm-gb must be a positive finite number"),
+        (["--ngpu", "8", "--matmul-speedup", "0"], "--matmul-speedup must be a positive finite number"),
+        (["--ngpu", "8", "--matmul-speedup", "-1"], "--matmul-speedup must be a positive finite number"),
+        (["--ngpu", "8", "--matmul-speedup", "inf"], "--matmul-speedup must be a positive finite number"),
+        (["--ngpu", "8", "--top", "-3"], "--top must be 0"),
+        (["--ngpu", "8", "--plot", "/no/such/folder/plan.png"], "--plot '/no/such/folder/plan.png': the folder"),
+        (["--ngpu", "0"], "--ngpu must be a positive integer"),
     ],
 )
 def test_bad_input_names_the_key(capsys, argv, key):
-    assert P.main(argv + ["--model.flavor", "debugmodel_gqa"]) == 2
+    """One line on stderr naming the option or key, exit status 2, nothing computed or printed."""
+    from titan_cp.errors import run_cli
+
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(P.main, argv + ["--model.flavor", "debugmodel_gqa"])
     out, err = capsys.readouterr()
-    assert out == "" and key in err
+    assert exit_.value.code == 2 and out == ""
+    assert key in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_nnodes_puts_the_ring_across_nodes():

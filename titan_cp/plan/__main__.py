@@ -1,5 +1,4 @@
-import sys
-
+from titan_cp.errors import run_cli
 from titan_cp.plan.cli import main
 
-sys.exit(main())
+run_cli(main)

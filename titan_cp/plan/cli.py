@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import math
+import os
+from pathlib import Path
 
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.data.row_mixes import ROW_MIXES
@@ -179,19 +181,38 @@ def _print_launch(result: PlanResult, config_file: str | None) -> None:
         print(several + "   # several nodes (set the degrees for N nodes)")
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the option for a value the planner cannot use (before anything is computed)."""
+    if args.doc_mix not in ROW_MIXES:
+        raise ValueError(f"--doc-mix {args.doc_mix!r} is unknown; choose one of {sorted(ROW_MIXES)}")
+    device(args.gpu)
+    for name, value in (("--ngpu", args.ngpu), ("--nnodes", args.nnodes)):
+        if value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+    if args.ngpu % args.nnodes:
+        raise ValueError(f"--ngpu ({args.ngpu}) must be a multiple of --nnodes ({args.nnodes})")
+    for name, value in (("--hbm-gb", args.hbm_gb), ("--matmul-speedup", args.matmul_speedup)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite number, got {value}")
+    if args.top < 0:
+        raise ValueError(f"--top must be 0 (every row) or a positive number of rows, got {args.top}")
+    if args.plot is not None:
+        folder = Path(args.plot).resolve().parent
+        if not folder.is_dir():
+            raise ValueError(f"--plot {args.plot!r}: the folder {str(folder)!r} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"--plot {args.plot!r}: the folder {str(folder)!r} is not writable")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Plan and print (module docstring); bad options and config keys raise ``ValueError`` naming them
+    (``titan_cp.errors.run_cli`` prints the one line and exits 2)."""
     from titan_cp.config import load_config
 
     args, rest = parser().parse_known_args(argv)
-    try:
-        if args.doc_mix not in ROW_MIXES:
-            raise ValueError(f"--doc-mix {args.doc_mix!r} is unknown; choose one of {sorted(ROW_MIXES)}")
-        device(args.gpu)
-        job_config = load_config(rest)
-        result = plan(job_config, args.ngpu, args.gpu, args.nnodes, args.doc_mix, args.hbm_gb, args.matmul_speedup)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    check_args(args)
+    job_config = load_config(rest)
+    result = plan(job_config, args.ngpu, args.gpu, args.nnodes, args.doc_mix, args.hbm_gb, args.matmul_speedup)
     records = [record(e, result) for e in result.estimates]
     shown = records[: args.top] if args.top else records
     for r in shown:
