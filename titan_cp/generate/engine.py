@@ -1,0 +1,382 @@
+"""Prefill, decode and scoring of a parallelized Llama model under its CP layout.
+
+::
+
+    prompts ─ packed as the documents of one row (+ one padding document to the layout's multiple)
+      └─ layout.shard(cp rank) ─ the model's own blocks, CP attention (any strategy)
+           ├─ each block's K/V (post-RoPE) of this rank's tokens ─> ShardedKVCache   (forward pre-hook)
+           └─ hidden state of each prompt's last token (on the rank that holds it) ─ all-reduce over cp
+                ─ norm ─ output ─ logits (B, V), equal on every rank
+    decode step (one token per prompt, the same on every rank):
+      embed ─ per block: q, k, v of the token; its K/V stored by its owner rank;
+              decode_attention: each rank's partial over its cache, merged by log-sum-exp
+              (one all-gather per layer) ─ wo ─ MLP ─ norm ─ output ─ logits (B, V)
+    scoring: the prefill's hidden states at the continuation's positions ─ log-softmax of the
+             next token, chunk by chunk ─ all-reduce over cp
+
+The blocks run their own modules (norms, ``wq/wk/wv/wo``, RoPE, MLP), so tensor parallelism
+applies as in training (heads split over tp; activations replicated: ``apply_tp`` without
+sequence parallelism, which one decode token per prompt cannot split). Every rank computes the
+same logits from the same merged numbers, so every rank chooses the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from titan_cp.attention import check_kernel, cp_rank
+from titan_cp.attention.decode import KeyRanges, decode_attention
+from titan_cp.generate.cache import ShardedKVCache, plan_owners
+from titan_cp.generate.sampling import Sampling, sample_next
+from titan_cp.layout import get_layout, seq_len_multiple, to_device
+from titan_cp.loss import LOSS_CHUNK_BYTES
+from titan_cp.model.llama import Transformer, apply_rotary_emb, rope_cos_sin, rope_frequencies
+from titan_cp.parallel.cp import apply_cp
+from titan_cp.parallel.tp import apply_tp
+from titan_cp.parallelize import cp_mesh
+
+
+@dataclass(frozen=True)
+class PackedPrompts:
+    """Token lists packed as the documents of one row, padded with one document of ``pad`` tokens
+    to a multiple of ``multiple``: ``tokens`` ``(1, S)`` and per-document ``positions`` ``(1, S)``."""
+
+    lengths: tuple[int, ...]
+    doc_lens: tuple[int, ...]
+    tokens: Tensor
+    positions: Tensor
+
+    @classmethod
+    def pack(cls, prompts: Sequence[Sequence[int]], multiple: int, pad: int = 0) -> PackedPrompts:
+        lengths = tuple(len(p) for p in prompts)
+        filler = -sum(lengths) % multiple
+        doc_lens = lengths + ((filler,) if filler else ())
+        tokens = torch.tensor([t for p in prompts for t in p] + [pad] * filler, dtype=torch.int64)
+        positions = torch.cat([torch.arange(n) for n in doc_lens])
+        return cls(lengths, doc_lens, tokens[None], positions[None])
+
+    @property
+    def seq_len(self) -> int:
+        return sum(self.doc_lens)
+
+
+@dataclass
+class Generation:
+    """One prompt's result: the generated ids (a stop token included, as the last), why it ended
+    (``"stop"`` or ``"length"``), the time to the first token (the prefill of the whole batch and
+    the first choice) and the decode time after it; ``logits``: each step's ``(V,)`` fp32 when kept."""
+
+    prompt_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    time_to_first_token_s: float = 0.0
+    decode_s: float = 0.0
+    logits: list[Tensor] | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Decode throughput: the tokens after the first per second of decoding (``None`` for one token)."""
+        return (len(self.tokens) - 1) / self.decode_s if len(self.tokens) > 1 and self.decode_s > 0 else None
+
+
+@dataclass(frozen=True)
+class Score:
+    """A continuation's log-likelihood given its context: per token (natural log), summed, and
+    whether every token is the argmax of its distribution (greedy decoding would produce it)."""
+
+    logprobs: list[float]
+    greedy: bool
+
+    @property
+    def loglik(self) -> float:
+        return float(sum(self.logprobs))
+
+
+@dataclass
+class DecodeState:
+    """Where each prompt stands: its cache on this rank, the owner plan of the tokens to feed,
+    the next position of each prompt and how many tokens each has fed."""
+
+    cache: ShardedKVCache
+    owners: list[list[int]]
+    next_position: list[int]
+    fed: list[int]
+
+
+def _find(index: Tensor, wanted: Tensor) -> tuple[Tensor, Tensor]:
+    """For each global slot in ``wanted (n,)``: whether ``index`` (this rank's global slot of each local
+    slot, ``(S_local,)``) holds it, and at which local slot (meaningful where it does)."""
+    order = torch.argsort(index)
+    at = torch.searchsorted(index[order], wanted).clamp(max=len(index) - 1)
+    return index[order][at] == wanted, order[at]
+
+
+def _check_prompts(name: str, prompts, max_len: int, extra: int = 0) -> None:
+    if not prompts:
+        raise ValueError(f"{name} is empty: give at least one token list")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"{name}[{i}] has no tokens")
+        if len(p) + extra > max_len:
+            raise ValueError(
+                f"{name}[{i}] has {len(p)} tokens{f' (+ {extra} to generate)' if extra else ''}, more than the "
+                f"model's max_seq_len {max_len}"
+            )
+
+
+class Generator:
+    """Prefill, decode and scoring with ``model`` (a :class:`Transformer`, tensor- and
+    context-parallelized as in training, or plain on one device).
+
+    Args:
+        model: the model; under CP its attention cores were made context-parallel over ``cp_mesh``
+            (``apply_cp(model, cp_mesh, strategy, balance)``).
+        cp_mesh: that mesh (``None``: no CP). Gives this rank's place in the layout.
+        cp_group: the process group of all cp ranks (the flattened ``cp`` mesh for hybrid; by
+            default ``cp_mesh``'s group, 1-D meshes only): decode merges and prefill reductions run on it.
+        strategy, balance: the CP strategy and layout ``apply_cp`` was given.
+        kernel: the local attention kernel of decode steps (``None``: the device's default).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        cp_mesh=None,
+        cp_group=None,
+        strategy: str = "ring",
+        balance: str = "doc_zigzag",
+        kernel: str | None = None,
+    ):
+        self.model, self.balance, self.kernel_name = model, balance, kernel
+        self.cp = 1 if cp_mesh is None else cp_mesh.size()
+        self.rank = 0 if cp_mesh is None else cp_rank(cp_mesh, strategy)
+        self.group = None if cp_mesh is None else (cp_group if cp_group is not None else cp_mesh.get_group())
+        self.multiple = seq_len_multiple(balance, self.cp)
+        args = model.args
+        self.device = model.norm.weight.device
+        self.freqs = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling, self.device)
+        self.inner = [layer.attention.inner_attention for layer in model.layers.values()]
+
+    @classmethod
+    def on_mesh(cls, model: Transformer, dims, strategy: str, balance: str, kernel: str | None = None) -> Generator:
+        """The generator of ``model`` built by :func:`build_model` on ``dims``' mesh."""
+        if not dims.cp_enabled:
+            return cls(model, kernel=kernel)
+        return cls(model, cp_mesh(dims), dims.get_mesh("cp").get_group(), strategy, balance, kernel)
+
+    # ------------------------------------------------------------------ shared pieces
+    def _layout(self, packed: PackedPrompts):
+        """The layout of the packed row, and this rank's tokens and positions ``(1, S_local)`` on the device."""
+        layout = get_layout(packed.seq_len, self.cp, self.balance, [list(packed.doc_lens)])
+        tokens = layout.shard(packed.tokens, 1, self.rank)
+        positions = layout.doc_positions(self.rank)
+        return layout, to_device(tokens, self.device), to_device(positions, self.device)
+
+    def _hidden(self, tokens: Tensor, positions: Tensor, doc_lens: Tensor) -> Tensor:
+        """The last block's output ``(1, S_local, D)`` for this rank's tokens (the model's forward
+        without the final norm and output)."""
+        cos, sin = rope_cos_sin(positions, self.freqs)
+        h = self.model.tok_embeddings(tokens)
+        for layer in self.model.layers.values():
+            h = layer(h, cos, sin, doc_lens)
+        return h
+
+    def _sum_over_cp(self, x: Tensor) -> Tensor:
+        if self.group is not None:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def _logits(self, h: Tensor) -> Tensor:
+        """``(n, V)`` fp32 logits of last hidden states ``h (n, D)``."""
+        return self.model.output(self.model.norm(h)).float()
+
+    # ------------------------------------------------------------------ prefill and decode
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[Sequence[int]], new_tokens: int = 1) -> tuple[Tensor, DecodeState]:
+        """Run the prompts (token lists) through the model under the layout, filling this rank's
+        cache, planned for ``new_tokens`` tokens per prompt. Returns each prompt's last logits
+        ``(B, V)`` fp32 (the same on every rank) and the decode state."""
+        _check_prompts("prompts", prompts, self.model.args.max_seq_len, max(new_tokens - 1, 0))
+        packed = PackedPrompts.pack(prompts, self.multiple)
+        layout, tokens, positions = self._layout(packed)
+        n = len(prompts)
+        prompt_of = [torch.where(layout.doc_ids(r)[0] < n, layout.doc_ids(r)[0], -1) for r in range(self.cp)]
+        held = torch.stack([torch.bincount(p[p >= 0], minlength=n) for p in prompt_of], dim=1).tolist()
+        owners = plan_owners(held, max(new_tokens - 1, 0))
+        mine, doc_pos = prompt_of[self.rank], layout.doc_positions(self.rank)[0]
+        cache = ShardedKVCache(
+            len(self.inner),
+            [sorted(doc_pos[mine == b].tolist()) for b in range(n)],
+            [row.count(self.rank) for row in owners],
+            self.device,
+        )
+        slots, rows = cache.prefill_rows(mine, doc_pos)
+        slots_d, rows_d = to_device(slots, self.device), to_device(rows, self.device)
+
+        def capture(i: int):
+            def hook(module, args):  # args: q, k, v (1, K, S_local, E), doc_lens
+                k, v = (x[0].transpose(0, 1).index_select(0, slots_d) for x in args[1:3])
+                cache.write(i, rows_d, k, v)
+
+            return hook
+
+        handles = [inner.register_forward_pre_hook(capture(i)) for i, inner in enumerate(self.inner)]
+        try:
+            h = self._hidden(tokens, positions, layout.doc_lens_tensor())
+        finally:
+            for handle in handles:
+                handle.remove()
+        last = torch.tensor(packed.lengths).cumsum(0) - 1  # the global slot of each prompt's last token
+        here, slot = _find(layout.index(self.rank), last)
+        rows_h = h.new_zeros((n, h.shape[-1]))
+        rows_h[to_device(here, self.device)] = h[0, to_device(slot[here], self.device)]
+        logits = self._logits(self._sum_over_cp(rows_h))
+        return logits, DecodeState(cache, owners, list(packed.lengths), [0] * n)
+
+    @torch.no_grad()
+    def decode(self, state: DecodeState, prompts: Sequence[int], tokens: Sequence[int]) -> Tensor:
+        """Feed ``tokens[i]`` to prompt ``prompts[i]`` (indices into the prefill's prompts, ascending);
+        returns the next logits ``(len(prompts), V)`` fp32, the same on every rank."""
+        cache, positions = state.cache, [state.next_position[b] for b in prompts]
+        batch, rows = [], []
+        for i, b in enumerate(prompts):
+            if state.owners[b][state.fed[b]] == self.rank:
+                batch.append(i)
+                rows.append(cache.append(b, positions[i]))
+            state.fed[b] += 1
+            state.next_position[b] += 1
+        masks = {(m.window, m.chunk) for m in self.inner}
+        keys = {
+            mask: KeyRanges.build([cache.key_range(b, p, *mask) for b, p in zip(prompts, positions)], self.device)
+            for mask in masks
+        }
+        batch_d, rows_d = (to_device(torch.tensor(x, dtype=torch.int64), self.device) for x in (batch, rows))
+        cos, sin = rope_cos_sin(to_device(torch.tensor(positions)[:, None], self.device), self.freqs)
+        x = self.model.tok_embeddings(to_device(torch.tensor(tokens)[:, None], self.device))
+        for i, layer in enumerate(self.model.layers.values()):
+            mask = (self.inner[i].window, self.inner[i].chunk)
+            x = self._decode_block(i, layer, x, cos, sin, cache, keys[mask], batch_d, rows_d)
+        return self._logits(x[:, 0])
+
+    def _decode_block(self, i, layer, x, cos, sin, cache: ShardedKVCache, keys: KeyRanges, batch, rows) -> Tensor:
+        """One block for one token per prompt, ``x (B, 1, D)``: the token's K/V stored where this rank
+        owns it (``batch`` rows of x at cache ``rows``), attention over every rank's cache."""
+        attn, n = layer.attention, x.shape[0]
+        h = layer.attention_norm(x)
+        e = attn.head_dim
+        q = apply_rotary_emb(attn.wq(h).view(n, 1, -1, e), cos, sin)[:, 0]
+        k = apply_rotary_emb(attn.wk(h).view(n, 1, -1, e), cos, sin)[:, 0]
+        v = attn.wv(h).view(n, -1, e)
+        if len(batch):
+            cache.write(i, rows, k.index_select(0, batch), v.index_select(0, batch))
+        kernel = check_kernel(self.kernel_name, q.device, q.dtype, e)
+        sinks = self.inner[i].local_sinks()
+        out = decode_attention(q, cache.k[i], cache.v[i], keys, self.group, kernel, sinks=sinks)
+        x = x + attn.wo(out.reshape(n, 1, -1))
+        return x + layer.feed_forward(layer.ffn_norm(x))
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        stop_tokens: Sequence[int] = (),
+        prompt_ids: Sequence[int] | None = None,
+        keep_logits: bool = False,
+    ) -> list[Generation]:
+        """Generate up to ``max_new_tokens`` tokens for each prompt (token lists, all at once).
+
+        A prompt stops at the first token in ``stop_tokens`` (kept as its last token). Sampling
+        draws from the generator of ``prompt_ids[b]`` (default ``b``): the same id and seed give
+        the same tokens in any batch and on any mesh. ``keep_logits``: keep each step's logits.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        sampling = Sampling() if sampling is None else sampling
+        ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
+        stop, start = set(stop_tokens), time.perf_counter()
+        logits, state = self.prefill(prompts, max_new_tokens)
+        gens = sampling.generators(ids)
+        out = [Generation(len(p), logits=[] if keep_logits else None) for p in prompts]
+        active = list(range(len(prompts)))
+        for step in range(max_new_tokens):
+            if step:
+                logits = self.decode(state, active, [out[b].tokens[-1] for b in active])
+            chosen = sample_next(logits, sampling, [gens[b] for b in active])
+            now = time.perf_counter()
+            for row, (b, token) in enumerate(zip(active, chosen)):
+                g = out[b]
+                g.tokens.append(token)
+                if keep_logits:
+                    g.logits.append(logits[row].cpu())
+                if step == 0:
+                    g.time_to_first_token_s = now - start
+                g.decode_s = now - start - g.time_to_first_token_s
+                if token in stop:
+                    g.finish_reason = "stop"
+            active = [b for b in active if out[b].finish_reason != "stop"]
+            if not active:
+                break
+        return out
+
+    # ------------------------------------------------------------------ scoring
+    @torch.no_grad()
+    def score(self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]) -> list[Score]:
+        """The log-likelihood of each continuation given its context (token lists), from one prefill
+        of every pair at once: ``log p(x_j | context, x_<j)`` for each continuation token ``x_j``."""
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
+        _check_prompts("contexts", contexts, self.model.args.max_seq_len)
+        _check_prompts("continuations", continuations, self.model.args.max_seq_len)
+        docs = [list(c) + list(x) for c, x in zip(contexts, continuations)]
+        _check_prompts("contexts + continuations", docs, self.model.args.max_seq_len)
+        packed = PackedPrompts.pack(docs, self.multiple)
+        layout, tokens, positions = self._layout(packed)
+        # label j of pair b: the slot of continuation token j's predecessor, and the token
+        starts = torch.tensor([0, *packed.lengths]).cumsum(0)
+        lens = torch.tensor([len(x) for x in continuations])
+        label_at = torch.cat([starts[b] + len(c) - 1 + torch.arange(int(lens[b])) for b, c in enumerate(contexts)])
+        targets = packed.tokens[0, label_at + 1]
+        here, slot = _find(layout.index(self.rank), label_at)
+        local, slot_of = torch.nonzero(here).flatten(), slot[here]  # the labels whose slot is here, and where
+        h = self._hidden(tokens, positions, layout.doc_lens_tensor())[0]
+        result = torch.zeros(2, len(label_at), dtype=torch.float64, device=self.device)
+        chunk = max(1, LOSS_CHUNK_BYTES // (4 * self.model.args.vocab_size))
+        local_d, slot_d = to_device(local, self.device), to_device(slot_of, self.device)
+        targets_d = to_device(targets, self.device)
+        for s in range(0, len(local), chunk):
+            rows, slots = local_d[s : s + chunk], slot_d[s : s + chunk]
+            z = self._logits(h.index_select(0, slots))
+            t = targets_d.index_select(0, rows)
+            result[0, rows] = z.log_softmax(-1).gather(1, t[:, None])[:, 0].double()
+            result[1, rows] = (z.argmax(-1) == t).double()
+        result = self._sum_over_cp(result).cpu()
+        bounds = [0, *lens.cumsum(0).tolist()]
+        return [Score(result[0, a:b].tolist(), bool(result[1, a:b].all())) for a, b in zip(bounds, bounds[1:])]
+
+
+def build_model(
+    args, dims=None, strategy: str = "ring", balance: str = "doc_zigzag", device="cpu", seed: int = 0
+) -> Transformer:
+    """``args``' model on ``device``, parallelized for generation over the mesh of ``dims`` (a
+    :class:`~titan_cp.mesh.ParallelDims` with its mesh built; ``None``: one device): heads split over
+    tp (activations replicated: no sequence parallelism), the attention cores made context-parallel
+    over cp with ``strategy`` and ``balance``; no FSDP (the weights stay whole on every cp rank).
+    Built on meta, then each rank allocates its shards and initialises them (``seed``) for the
+    checkpoint to overwrite."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    if dims is not None and dims.tp_enabled:
+        apply_tp(model, dims.get_mesh("tp"), sequence_parallel=False)
+    if dims is not None and dims.cp_enabled:
+        apply_cp(model, cp_mesh(dims), strategy, balance)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model.eval().requires_grad_(False)
