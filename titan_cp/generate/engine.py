@@ -246,6 +246,11 @@ class Generator:
         cache, positions = state.cache, [state.next_position[b] for b in prompts]
         batch, rows = [], []
         for i, b in enumerate(prompts):
+            if state.fed[b] >= len(state.owners[b]):
+                raise ValueError(
+                    f"prompt {b} has fed the {len(state.owners[b])} tokens the prefill planned for; "
+                    "prefill with a larger new_tokens"
+                )
             if state.owners[b][state.fed[b]] == self.rank:
                 batch.append(i)
                 rows.append(cache.append(b, positions[i]))
