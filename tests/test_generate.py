@@ -129,10 +129,16 @@ def test_decoding_past_the_prefills_plan_is_an_error():
     gen.decode(state, [0], logits.argmax(-1).tolist())
     with pytest.raises(ValueError, match="prompt 0 has fed the 1 tokens the prefill planned for"):
         gen.decode(state, [0], [5])
+    with pytest.raises(ValueError, match="distinct ascending prompt indices below 1"):
+        gen.decode(state, [1], [5])
     with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
         gen.generate([[1]], 0)
     with pytest.raises(ValueError, match=r"prompts\[1\] has no tokens"):
         gen.generate([[1], []], 2)
+    with pytest.raises(ValueError, match=r"prompts\[0\] holds a token that is not an id below the vocabulary size 256"):
+        gen.generate([[1, 256]], 2)
+    with pytest.raises(ValueError, match=r"prompts\[0\] has 4000 tokens \(\+ 99 to generate\), more than"):
+        gen.generate([[1] * 4000], 100)
 
 
 def test_scores_equal_the_training_cross_entropy_sum():
@@ -499,6 +505,14 @@ def test_bad_input_is_named_before_any_process_group(tmp_path, capsys):
             _prepare(ok + extra)
     with pytest.raises(ValueError, match="data-parallel degree of 2"):
         _prepare(ok + ["--generate.prompt_file", str(tmp_path / "ok.txt")], world=2)
+    torchtitan = ["--checkpoint.initial_load_path", str(tmp_path / "torchtitan")]
+    wrong = r"initial_load_path = .*: tok_embeddings.weight has shape \(259, 64\), but model.flavor = 'debugmodel_gqa'"
+    with pytest.raises(ValueError, match=wrong):
+        _prepare(
+            ok[:4]
+            + torchtitan
+            + ["--generate.prompt_file", str(tmp_path / "ok.txt"), "--model.flavor", "debugmodel_gqa"]
+        )
     hf_wrong = ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf"]
     with pytest.raises(ValueError, match=r"initial_load_path = .*model.embed_tokens.weight has shape \(259, 64\)"):
         _prepare(

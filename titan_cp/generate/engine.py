@@ -117,17 +117,21 @@ def _find(index: Tensor, wanted: Tensor) -> tuple[Tensor, Tensor]:
     return index[order][at] == wanted, order[at]
 
 
-def _check_prompts(name: str, prompts, max_len: int, extra: int = 0) -> None:
+def _check_prompts(name: str, prompts, args, extra: int = 0) -> None:
+    """Each of ``prompts`` is a non-empty list of token ids of ``args``' vocabulary whose length
+    (plus ``extra`` positions) fits its ``max_seq_len``; ``ValueError`` naming ``name[i]``."""
     if not prompts:
         raise ValueError(f"{name} is empty: give at least one token list")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"{name}[{i}] has no tokens")
-        if len(p) + extra > max_len:
+        if len(p) + extra > args.max_seq_len:
             raise ValueError(
                 f"{name}[{i}] has {len(p)} tokens{f' (+ {extra} to generate)' if extra else ''}, more than the "
-                f"model's max_seq_len {max_len}"
+                f"model's max_seq_len {args.max_seq_len}"
             )
+        if not all(isinstance(t, int) and 0 <= t < args.vocab_size for t in p):
+            raise ValueError(f"{name}[{i}] holds a token that is not an id below the vocabulary size {args.vocab_size}")
 
 
 class Generator:
@@ -202,7 +206,7 @@ class Generator:
         """Run the prompts (token lists) through the model under the layout, filling this rank's
         cache, planned for ``new_tokens`` tokens per prompt. Returns each prompt's last logits
         ``(B, V)`` fp32 (the same on every rank) and the decode state."""
-        _check_prompts("prompts", prompts, self.model.args.max_seq_len, max(new_tokens - 1, 0))
+        _check_prompts("prompts", prompts, self.model.args, max(new_tokens - 1, 0))
         packed = PackedPrompts.pack(prompts, self.multiple)
         layout, tokens, positions = self._layout(packed)
         n = len(prompts)
@@ -243,14 +247,25 @@ class Generator:
     def decode(self, state: DecodeState, prompts: Sequence[int], tokens: Sequence[int]) -> Tensor:
         """Feed ``tokens[i]`` to prompt ``prompts[i]`` (indices into the prefill's prompts, ascending);
         returns the next logits ``(len(prompts), V)`` fp32, the same on every rank."""
-        cache, positions = state.cache, [state.next_position[b] for b in prompts]
-        batch, rows = [], []
-        for i, b in enumerate(prompts):
+        if (
+            not prompts
+            or len(tokens) != len(prompts)
+            or list(prompts) != sorted(set(prompts))
+            or not 0 <= prompts[0] <= prompts[-1] < len(state.fed)
+        ):
+            raise ValueError(
+                f"decode takes distinct ascending prompt indices below {len(state.fed)} and one token each, got "
+                f"prompts {list(prompts)} and {len(tokens)} tokens"
+            )
+        for b in prompts:
             if state.fed[b] >= len(state.owners[b]):
                 raise ValueError(
                     f"prompt {b} has fed the {len(state.owners[b])} tokens the prefill planned for; "
                     "prefill with a larger new_tokens"
                 )
+        cache, positions = state.cache, [state.next_position[b] for b in prompts]
+        batch, rows = [], []
+        for i, b in enumerate(prompts):
             if state.owners[b][state.fed[b]] == self.rank:
                 batch.append(i)
                 rows.append(cache.append(b, positions[i]))
@@ -338,10 +353,10 @@ class Generator:
         of every pair at once: ``log p(x_j | context, x_<j)`` for each continuation token ``x_j``."""
         if len(contexts) != len(continuations):
             raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
-        _check_prompts("contexts", contexts, self.model.args.max_seq_len)
-        _check_prompts("continuations", continuations, self.model.args.max_seq_len)
+        _check_prompts("contexts", contexts, self.model.args)
+        _check_prompts("continuations", continuations, self.model.args)
         docs = [list(c) + list(x) for c, x in zip(contexts, continuations)]
-        _check_prompts("contexts + continuations", docs, self.model.args.max_seq_len)
+        _check_prompts("contexts + continuations", docs, self.model.args)
         packed = PackedPrompts.pack(docs, self.multiple)
         layout, tokens, positions = self._layout(packed)
         # label j of pair b: the slot of continuation token j's predecessor, and the token
