@@ -100,8 +100,10 @@ def _read(cfg: JobConfig, tokenizer, args: ModelArgs):
     if g.task == "needle":
         for n in g.needle_lengths:
             answer = needle_case(tokenizer, n, 0.0, 0, g.seed).answer  # too short a length is named here
-            where = f"generate.needle_lengths = {n}"
-            _check_length(where, n, n + len(answer), args.max_seq_len, flavor, "with the answer scored after them")
+            where = f"generate.needle_lengths = {n}"  # the answer is scored, and generated with two tokens more
+            _check_length(
+                where, n, n + len(answer) + 1, args.max_seq_len, flavor, "with the answer generated after them"
+            )
         return [], [], []
     if not g.prompt_file:
         raise ValueError(
