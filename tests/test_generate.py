@@ -77,16 +77,40 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def greedy_batch(gen: Generator, prompts) -> tuple[list[list[int]], list[torch.Tensor], dict]:
+    """Greedy decoding step by step (what ``generate`` does, unrolled): the tokens and logits per
+    prompt, and what the first decode step sent (counted) and the cache holds at the end."""
+    logits, state = gen.prefill(prompts, NEW)
+    every = [logits]
+    tokens = [[t] for t in logits.argmax(-1).tolist()]
+    traffic = {}
+    for _ in range(1, NEW):
+        with count_comm() as c:
+            logits = gen.decode(state, list(range(len(prompts))), [t[-1] for t in tokens])
+        traffic = traffic or {"bytes": c.bytes_sent, "calls": c.calls}
+        every.append(logits)
+        for t, nxt in zip(tokens, logits.argmax(-1).tolist()):
+            t.append(nxt)
+    cache = state.cache
+    traffic.update(held=cache.tokens_held, capacity=cache.capacity, cache_bytes=cache.nbytes())
+    return tokens, list(torch.stack(every, 1)), traffic
+
+
 def requests(gen: Generator, sets=None) -> dict:
     """Every measured request of one model: greedy per prompt set (``sets``, default all: tokens and
-    logits), sampled on the batch, scores."""
+    logits; the batch step by step, its traffic counted), sampled tokens, scores."""
     out = {}
     for name, prompts in prompt_sets().items():
         if sets is not None and name not in sets:
             continue
+        if name == "batch":
+            tokens, logits, out["traffic"] = greedy_batch(gen, prompts)
+            out[name] = (tokens, logits)
+            continue
         res = gen.generate(prompts, NEW, keep_logits=True)
         out[name] = ([r.tokens for r in res], [torch.stack(r.logits) for r in res])
-    out["sampled"] = [r.tokens for r in gen.generate(prompt_sets()["batch"], NEW, SAMPLING)]
+    batch = prompt_sets()["batch"]
+    out["sampled"] = [r.tokens for r in gen.generate([batch[0], *batch[2:]], NEW, SAMPLING)]
     out["scores"] = [s.logprobs for s in gen.score(*score_pairs())]
     return out
 
@@ -272,23 +296,6 @@ CASES = {
 }
 
 
-def _decode_traffic(gen: Generator, prompts) -> dict:
-    """Bytes and calls of one decode step (counted), the cache's tokens after the run, and the steps'."""
-    logits, state = gen.prefill(prompts, NEW)
-    tokens = logits.argmax(-1).tolist()
-    with count_comm() as c:
-        gen.decode(state, list(range(len(prompts))), tokens)
-    for _ in range(NEW - 2):
-        gen.decode(state, list(range(len(prompts))), tokens)
-    return {
-        "bytes": c.bytes_sent,
-        "calls": c.calls,
-        "held": state.cache.tokens_held,
-        "capacity": state.cache.capacity,
-        "cache_bytes": state.cache.nbytes(),
-    }
-
-
 def _under_cp(rank, world, cases):
     results = []
     for variant, strategy, balance, tp, ulysses, sets in cases:
@@ -296,9 +303,7 @@ def _under_cp(rank, world, cases):
         dims.build_mesh("cpu")
         model = build_model(args_of(variant), dims, strategy, balance)
         gen = Generator.on_mesh(model, dims, strategy, balance)
-        got = requests(gen, sets)
-        got["traffic"] = _decode_traffic(gen, prompt_sets()["batch"])
-        results.append(got)
+        results.append(requests(gen, sets))
     return results
 
 
@@ -524,3 +529,93 @@ def test_bad_input_is_named_before_any_process_group(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: generate.prompt_file")
     assert [r.prompt for r in read_prompts(str(tmp_path / "ok.txt"))] == ["hello"]
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face models (model.name = "hf"): transformers computes all but the attention
+
+
+HF_FAMILIES = {
+    "qwen3": ("Qwen3Config", dict(head_dim=8, tie_word_embeddings=True)),  # q/k norms, tied embeddings
+    # sliding window 4 on every other layer, per-head sinks, experts
+    "gpt_oss": ("GptOssConfig", dict(head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                     num_local_experts=2, num_experts_per_tok=1)),
+}  # fmt: skip
+
+
+def _hf_folder(path, family: str):
+    """A random tiny ``family`` model with a byte-level BPE tokenizer, saved as a Hugging Face folder."""
+    transformers = pytest.importorskip("transformers")
+    from titan_cp.testing.hf import byte_tokenizer
+
+    tokenizer = byte_tokenizer(path)
+    name, fields = HF_FAMILIES[family]
+    common = dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    config = getattr(transformers, name)(vocab_size=len(tokenizer), max_position_embeddings=512, **common, **fields)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(0.2 * torch.randn_like(p) + (1.0 if "norm" in n else 0.0))
+    model.save_pretrained(str(path))
+    return path
+
+
+def _hf_generator(folder, dims=None, strategy="ring", balance="doc_local"):
+    from titan_cp.generate.hf import build_hf_model
+    from titan_cp.integrations.hf_trainer import load_weights
+
+    model = build_hf_model(folder, dims, strategy, balance)
+    load_weights(model, folder)
+    return Generator(model) if dims is None else Generator.on_mesh(model, dims, strategy, balance)
+
+
+HF_PROMPTS = [[1, 5, 7, 9, 11, 40, 3], [2], [4, 8] * 100]
+
+
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
+def test_hugging_face_decode_equals_transformers_forward_on_the_whole_sequence(tmp_path, family):
+    transformers = pytest.importorskip("transformers")
+    folder = _hf_folder(tmp_path, family)
+    gen = _hf_generator(folder)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for prompt, res in zip(HF_PROMPTS, gen.generate(HF_PROMPTS, NEW, keep_logits=True)):
+            want = ref(torch.tensor([prompt + res.tokens[:-1]])).logits[0, len(prompt) - 1 :]
+            assert (torch.stack(res.logits) - want).abs().max().item() <= TOL * want.abs().max().item()
+            assert res.tokens == want.argmax(-1).tolist()
+        (score,) = gen.score([HF_PROMPTS[0]], [[3, 4, 5]])
+        lp = ref(torch.tensor([HF_PROMPTS[0] + [3, 4, 5]])).logits[0].log_softmax(-1)
+    assert score.loglik == pytest.approx(sum(lp[6 + j, t].item() for j, t in enumerate([3, 4, 5])), abs=TOL)
+
+
+def _hf_under_cp(rank, world, folders):
+    results = []
+    for folder, strategy in folders:
+        dims = ParallelDims(1, 1, world, 1, 1, world)
+        dims.build_mesh("cpu")
+        gen = _hf_generator(folder, dims, strategy)
+        results.append([r.tokens for r in gen.generate(HF_PROMPTS, NEW, SAMPLING)])
+    argv = [
+        "--job.config_file", "train_configs/hf/qwen3_cp.toml",
+        "--model.hf_assets_path", folders[0][0], "--checkpoint.initial_load_path", folders[0][0],
+        "--job.dump_folder", str(folders[0][0]) + "-run", "--parallelism.context_parallel_degree", str(world),
+        "--training.mixed_precision_param", "float32",
+        "--generate.prompt_file", str(folders[0][0]) + "-prompts.jsonl", "--generate.max_new_tokens", str(NEW),
+    ]  # fmt: skip
+    return results, main(argv)
+
+
+def test_hugging_face_models_under_cp_and_the_command(dist_pools, tmp_path):
+    pytest.importorskip("transformers")
+    folders = [(str(_hf_folder(tmp_path / f, f)), s) for f, s in (("qwen3", "ring"), ("gpt_oss", "ulysses"))]
+    (tmp_path / "qwen3-prompts.jsonl").write_text(json.dumps({"prompt": "Remember these facts."}) + "\n")
+    want = [[r.tokens for r in _hf_generator(f).generate(HF_PROMPTS, NEW, SAMPLING)] for f, _ in folders]
+    for results, records in dist_pools.run(2, _hf_under_cp, folders, timeout=600):
+        assert results == want  # sampled tokens with a seed: the same on CP 2 as on one process
+        tokenizer = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(folders[0][0])
+        prompt = [tokenizer.bos_token_id, *tokenizer.encode("Remember these facts.", add_special_tokens=False)]
+        greedy = _hf_generator(folders[0][0]).generate([prompt], NEW, stop_tokens=[tokenizer.eos_token_id])[0]
+        assert records[0]["tokens"] == greedy.tokens and records[0]["prompt_tokens"] == len(prompt)

@@ -5,17 +5,19 @@ layout); each rank keeps the K/V of its own tokens (:class:`ShardedKVCache`), an
 step merges the ranks' partial attention through its log-sum-exp with one small collective per
 layer (:mod:`titan_cp.attention.decode`)::
 
-    gen = Generator.on_mesh(model, dims, strategy="ring", balance="doc_zigzag")   # or Generator(model)
+    gen = Generator.on_mesh(model, dims, strategy="ring", balance="doc_local")    # or Generator(model)
     outs = gen.generate([prompt_ids, ...], max_new_tokens=64, sampling=Sampling(0.8, 0.95, seed=0))
     scores = gen.score([context_ids, ...], [continuation_ids, ...])               # log-likelihoods
 
-Modules: :mod:`.engine` (:class:`Generator`, :func:`build_model`), :mod:`.cache`, :mod:`.sampling`,
+Modules: :mod:`.engine` (:class:`Generator`), :mod:`.models` (what a model answers; :func:`build_model`),
+:mod:`.hf` (Hugging Face models), :mod:`.cache`, :mod:`.sampling`,
 :mod:`.prompts` (prompt files), :mod:`.weights` (the config's checkpoint), :mod:`.needle`
 (needle in a haystack), :mod:`.cli` (``python -m titan_cp.generate``).
 """
 
 from titan_cp.generate.cache import ShardedKVCache, plan_owners
-from titan_cp.generate.engine import Generation, Generator, PackedPrompts, Score, build_model
+from titan_cp.generate.engine import Generation, Generator, PackedPrompts, Score
+from titan_cp.generate.models import build_model
 from titan_cp.generate.sampling import Sampling, sample_next
 
 __all__ = [

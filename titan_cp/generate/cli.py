@@ -29,14 +29,12 @@ import torch.distributed as dist
 from titan_cp.config import Generate, JobConfig, load_config
 from titan_cp.data import build_tokenizer
 from titan_cp.errors import run_cli
-from titan_cp.generate.engine import Generator, build_model
+from titan_cp.generate.engine import Generator
 from titan_cp.generate.needle import accuracy_grid, draw_heatmap, needle_case, needle_eval
 from titan_cp.generate.prompts import PromptRecord, read_prompts
 from titan_cp.generate.sampling import Sampling
-from titan_cp.generate.weights import WeightSource, check_weights, load_weights, weight_source
+from titan_cp.generate.weights import ModelSpec, WeightSource, check_weights, load_weights, model_spec, weight_source
 from titan_cp.mesh import ParallelDims
-from titan_cp.model import model_args
-from titan_cp.model.llama import ModelArgs
 from titan_cp.train import compute_precision, init_distributed
 
 logger = logging.getLogger("titan_cp")
@@ -53,7 +51,7 @@ class GenerateJob:
 
     cfg: JobConfig
     tokenizer: object
-    args: ModelArgs
+    model: ModelSpec
     weights: WeightSource
     records: list[PromptRecord]
     prompts: list[list[int]]  # generate: the prompts; score: the contexts
@@ -83,27 +81,25 @@ def _stop_tokens(g: Generate, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(([tokenizer.eos_id] if g.stop_at_eos else []) + list(g.stop_tokens)))
 
 
-def _check_length(where: str, tokens: int, reach: int, max_len: int, flavor: str, hint: str) -> None:
-    """Positions ``0 .. reach - 1`` of a sequence of ``tokens`` input tokens fit the model's ``max_len``."""
-    if tokens > max_len:
-        raise ValueError(f"{where}: {tokens} tokens, more than the max_seq_len {max_len} of model.flavor = {flavor!r}")
-    if reach > max_len:
+def _check_length(where: str, tokens: int, reach: int, spec: ModelSpec, hint: str) -> None:
+    """Positions ``0 .. reach - 1`` of a sequence of ``tokens`` input tokens fit the model's ``max_seq_len``."""
+    if tokens > spec.max_seq_len:
+        raise ValueError(f"{where}: {tokens} tokens, more than the max_seq_len {spec.max_seq_len} of {spec.what}")
+    if reach > spec.max_seq_len:
         raise ValueError(
-            f"{where}: {tokens} tokens, {hint}, reach position {reach - 1}, beyond the max_seq_len {max_len} of "
-            f"model.flavor = {flavor!r}"
+            f"{where}: {tokens} tokens, {hint}, reach position {reach - 1}, beyond the max_seq_len "
+            f"{spec.max_seq_len} of {spec.what}"
         )
 
 
-def _read(cfg: JobConfig, tokenizer, args: ModelArgs):
+def _read(cfg: JobConfig, tokenizer, spec: ModelSpec):
     """``(records, prompts, continuations)`` of ``generate.prompt_file``, tokenized and checked."""
-    g, flavor = cfg.generate, cfg.model.flavor
+    g = cfg.generate
     if g.task == "needle":
         for n in g.needle_lengths:
             answer = needle_case(tokenizer, n, 0.0, 0, g.seed).answer  # too short a length is named here
             where = f"generate.needle_lengths = {n}"  # the answer is scored, and generated with two tokens more
-            _check_length(
-                where, n, n + len(answer) + 1, args.max_seq_len, flavor, "with the answer generated after them"
-            )
+            _check_length(where, n, n + len(answer) + 1, spec, "with the answer generated after them")
         return [], [], []
     if not g.prompt_file:
         raise ValueError(
@@ -117,15 +113,13 @@ def _read(cfg: JobConfig, tokenizer, args: ModelArgs):
             raise ValueError(f'{r.where}: the "continuation" has no tokens')
         extra = g.max_new_tokens - 1 if g.task == "generate" else len(c)
         hint = f"with generate.max_new_tokens = {g.max_new_tokens}" if g.task == "generate" else "with the continuation"
-        _check_length(f"{r.where}: the prompt", len(p), len(p) + extra, args.max_seq_len, flavor, hint)
+        _check_length(f"{r.where}: the prompt", len(p), len(p) + extra, spec, hint)
     return records, prompts, continuations
 
 
 def prepare(cfg: JobConfig, world_size: int) -> GenerateJob:
     """Check everything the config and the files can tell for ``world_size`` ranks, before any process
     group: ``ValueError`` naming the key (and the file and line)."""
-    if cfg.model.name != "llama3":
-        raise ValueError(f"titan_cp.generate runs model.name = 'llama3' models; got {cfg.model.name!r}")
     cfg.check_files()
     p = cfg.parallelism
     dims = ParallelDims.from_config(cfg, world_size)
@@ -138,9 +132,9 @@ def prepare(cfg: JobConfig, world_size: int) -> GenerateJob:
             f"{p.context_parallel_degree * p.tensor_parallel_degree} ranks"
         )
     tokenizer = build_tokenizer(cfg)
-    args = model_args(cfg.model.flavor, vocab_size=tokenizer.vocab_size)
+    spec = model_spec(cfg, tokenizer.vocab_size)
     stop = _stop_tokens(cfg.generate, tokenizer)
-    records, prompts, continuations = _read(cfg, tokenizer, args)
+    records, prompts, continuations = _read(cfg, tokenizer, spec)
     output = _output_path(cfg, "output_file", cfg.generate.output_file)
     heatmap = None
     if cfg.generate.task == "needle":
@@ -153,8 +147,8 @@ def prepare(cfg: JobConfig, world_size: int) -> GenerateJob:
                 "pip install 'titan_cp[plot]'"
             ) from None
     weights = weight_source(cfg)
-    check_weights(weights, args, cfg.model.flavor)
-    return GenerateJob(cfg, tokenizer, args, weights, records, prompts, continuations, stop, output, heatmap)
+    check_weights(weights, spec)
+    return GenerateJob(cfg, tokenizer, spec, weights, records, prompts, continuations, stop, output, heatmap)
 
 
 def _generate(job: GenerateJob, generator: Generator) -> list[dict]:
@@ -223,7 +217,7 @@ def _report(job: GenerateJob, records: list[dict], world: int) -> None:
         print("depth \\ tokens " + " ".join(f"{n:>7}" for n in g.needle_lengths))
         for d, row in zip(g.needle_depths, grid):
             print(f"{100 * d:>13.0f}% " + " ".join(f"{a:>7.2f}" for a in row))
-        title = f"needle in a haystack: {job.cfg.model.flavor}, {world} ranks (cp {p.context_parallel_degree})"
+        title = f"needle in a haystack: {job.model.what}, {world} ranks (cp {p.context_parallel_degree})"
         job.heatmap.parent.mkdir(parents=True, exist_ok=True)
         draw_heatmap(grid, g.needle_lengths, g.needle_depths, str(job.heatmap), title)
         logger.info("heatmap: %s", job.heatmap)
@@ -238,8 +232,8 @@ def run(job: GenerateJob) -> list[dict]:
     dims = ParallelDims.from_config(cfg, dist.get_world_size())
     dims.build_mesh(device.type)
     strategy, balance = p.context_parallel_strategy, p.context_parallel_load_balancer
-    model = build_model(job.args, dims, strategy, balance, device)
-    load_weights(job.weights, model, job.args)
+    model = job.model.build(dims, strategy, balance, device)
+    load_weights(job.weights, model, job.model)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[compute_precision(cfg, device.type, rank0)]
     model.to(dtype)
     records = TASKS[cfg.generate.task](job, Generator.on_mesh(model, dims, strategy, balance))

@@ -1,23 +1,23 @@
-"""Prefill, decode and scoring of a parallelized Llama model under its CP layout.
+"""Prefill, decode and scoring of a parallelized model under its CP layout.
 
 ::
 
     prompts ─ packed as the documents of one row (+ one padding document to the layout's multiple)
-      └─ layout.shard(cp rank) ─ the model's own blocks, CP attention (any strategy)
-           ├─ each block's K/V (post-RoPE) of this rank's tokens ─> ShardedKVCache   (forward pre-hook)
+      └─ layout.shard(cp rank) ─ the model's own layers, CP attention (any strategy)
+           ├─ each layer's K/V (post-RoPE) of this rank's tokens ─> ShardedKVCache
            └─ hidden state of each prompt's last token (on the rank that holds it) ─ all-reduce over cp
-                ─ norm ─ output ─ logits (B, V), equal on every rank
+                ─ (norm) ─ output ─ logits (B, V), equal on every rank
     decode step (one token per prompt, the same on every rank):
-      embed ─ per block: q, k, v of the token; its K/V stored by its owner rank;
+      embed ─ per layer: q, k, v of the token; its K/V stored by its owner rank;
               decode_attention: each rank's partial over its cache, merged by log-sum-exp
-              (one all-gather per layer) ─ wo ─ MLP ─ norm ─ output ─ logits (B, V)
+              (one all-gather per layer) ─ the rest of the layer ─ logits (B, V)
     scoring: the prefill's hidden states at the continuation's positions ─ log-softmax of the
              next token, chunk by chunk ─ all-reduce over cp
 
-The blocks run their own modules (norms, ``wq/wk/wv/wo``, RoPE, MLP), so tensor parallelism
-applies as in training (heads split over tp; activations replicated: ``apply_tp`` without
-sequence parallelism, which one decode token per prompt cannot split). Every rank computes the
-same logits from the same merged numbers, so every rank chooses the same tokens.
+The model is titan_cp's Llama (tensor parallelism applies as in training: heads split over tp,
+activations replicated) or a Hugging Face causal LM; :mod:`.models` says what each must answer.
+Every rank computes the same logits from the same merged numbers, so every rank chooses the
+same tokens.
 """
 
 from __future__ import annotations
@@ -33,12 +33,10 @@ from torch import Tensor
 from titan_cp.attention import check_kernel, cp_rank
 from titan_cp.attention.decode import KeyRanges, decode_attention
 from titan_cp.generate.cache import ShardedKVCache, plan_owners
+from titan_cp.generate.models import runner_of
 from titan_cp.generate.sampling import Sampling, sample_next
 from titan_cp.layout import get_layout, seq_len_multiple, to_device
 from titan_cp.loss import LOSS_CHUNK_BYTES
-from titan_cp.model.llama import Transformer, apply_rotary_emb, rope_cos_sin, rope_frequencies
-from titan_cp.parallel.cp import apply_cp
-from titan_cp.parallel.tp import apply_tp
 from titan_cp.parallelize import cp_mesh
 
 
@@ -117,59 +115,59 @@ def _find(index: Tensor, wanted: Tensor) -> tuple[Tensor, Tensor]:
     return index[order][at] == wanted, order[at]
 
 
-def _check_prompts(name: str, prompts, args, extra: int = 0) -> None:
-    """Each of ``prompts`` is a non-empty list of token ids of ``args``' vocabulary whose length
-    (plus ``extra`` positions) fits its ``max_seq_len``; ``ValueError`` naming ``name[i]``."""
+def _check_prompts(name: str, prompts, model, extra: int = 0) -> None:
+    """Each of ``prompts`` is a non-empty list of token ids of the ``model``'s (a runner's) vocabulary
+    whose length (plus ``extra`` positions) fits its ``max_seq_len``; ``ValueError`` naming ``name[i]``."""
     if not prompts:
         raise ValueError(f"{name} is empty: give at least one token list")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"{name}[{i}] has no tokens")
-        if len(p) + extra > args.max_seq_len:
+        if len(p) + extra > model.max_seq_len:
             raise ValueError(
                 f"{name}[{i}] has {len(p)} tokens{f' (+ {extra} to generate)' if extra else ''}, more than the "
-                f"model's max_seq_len {args.max_seq_len}"
+                f"model's max_seq_len {model.max_seq_len}"
             )
-        if not all(isinstance(t, int) and 0 <= t < args.vocab_size for t in p):
-            raise ValueError(f"{name}[{i}] holds a token that is not an id below the vocabulary size {args.vocab_size}")
+        if not all(isinstance(t, int) and 0 <= t < model.vocab_size for t in p):
+            raise ValueError(
+                f"{name}[{i}] holds a token that is not an id below the vocabulary size {model.vocab_size}"
+            )
 
 
 class Generator:
-    """Prefill, decode and scoring with ``model`` (a :class:`Transformer`, tensor- and
-    context-parallelized as in training, or plain on one device).
+    """Prefill, decode and scoring with ``model``: titan_cp's :class:`~titan_cp.model.llama.Transformer`
+    (tensor- and context-parallelized as in training, or plain on one device; :func:`.models.build_model`)
+    or a Hugging Face causal LM (:func:`.hf.build_hf_model`).
 
     Args:
-        model: the model; under CP its attention cores were made context-parallel over ``cp_mesh``
-            (``apply_cp(model, cp_mesh, strategy, balance)``).
+        model: the model; under CP its attention was made context-parallel over ``cp_mesh`` with
+            ``strategy`` and ``balance``.
         cp_mesh: that mesh (``None``: no CP). Gives this rank's place in the layout.
         cp_group: the process group of all cp ranks (the flattened ``cp`` mesh for hybrid; by
             default ``cp_mesh``'s group, 1-D meshes only): decode merges and prefill reductions run on it.
-        strategy, balance: the CP strategy and layout ``apply_cp`` was given.
+        strategy, balance: the CP strategy and layout the attention was given.
         kernel: the local attention kernel of decode steps (``None``: the device's default).
     """
 
     def __init__(
         self,
-        model: Transformer,
+        model,
         cp_mesh=None,
         cp_group=None,
         strategy: str = "ring",
-        balance: str = "doc_zigzag",
+        balance: str = "doc_local",
         kernel: str | None = None,
     ):
-        self.model, self.balance, self.kernel_name = model, balance, kernel
+        self.runner, self.balance, self.kernel_name = runner_of(model), balance, kernel
         self.cp = 1 if cp_mesh is None else cp_mesh.size()
         self.rank = 0 if cp_mesh is None else cp_rank(cp_mesh, strategy)
         self.group = None if cp_mesh is None else (cp_group if cp_group is not None else cp_mesh.get_group())
         self.multiple = seq_len_multiple(balance, self.cp)
-        args = model.args
-        self.device = model.norm.weight.device
-        self.freqs = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling, self.device)
-        self.inner = [layer.attention.inner_attention for layer in model.layers.values()]
+        self.device = self.runner.device
 
     @classmethod
-    def on_mesh(cls, model: Transformer, dims, strategy: str, balance: str, kernel: str | None = None) -> Generator:
-        """The generator of ``model`` built by :func:`build_model` on ``dims``' mesh."""
+    def on_mesh(cls, model, dims, strategy: str, balance: str, kernel: str | None = None) -> Generator:
+        """The generator of ``model`` built on ``dims``' mesh (a :class:`~titan_cp.mesh.ParallelDims`)."""
         if not dims.cp_enabled:
             return cls(model, kernel=kernel)
         return cls(model, cp_mesh(dims), dims.get_mesh("cp").get_group(), strategy, balance, kernel)
@@ -182,23 +180,10 @@ class Generator:
         positions = layout.doc_positions(self.rank)
         return layout, to_device(tokens, self.device), to_device(positions, self.device)
 
-    def _hidden(self, tokens: Tensor, positions: Tensor, doc_lens: Tensor) -> Tensor:
-        """The last block's output ``(1, S_local, D)`` for this rank's tokens (the model's forward
-        without the final norm and output)."""
-        cos, sin = rope_cos_sin(positions, self.freqs)
-        h = self.model.tok_embeddings(tokens)
-        for layer in self.model.layers.values():
-            h = layer(h, cos, sin, doc_lens)
-        return h
-
     def _sum_over_cp(self, x: Tensor) -> Tensor:
         if self.group is not None:
             dist.all_reduce(x, group=self.group)
         return x
-
-    def _logits(self, h: Tensor) -> Tensor:
-        """``(n, V)`` fp32 logits of last hidden states ``h (n, D)``."""
-        return self.model.output(self.model.norm(h)).float()
 
     # ------------------------------------------------------------------ prefill and decode
     @torch.no_grad()
@@ -206,7 +191,7 @@ class Generator:
         """Run the prompts (token lists) through the model under the layout, filling this rank's
         cache, planned for ``new_tokens`` tokens per prompt. Returns each prompt's last logits
         ``(B, V)`` fp32 (the same on every rank) and the decode state."""
-        _check_prompts("prompts", prompts, self.model.args, max(new_tokens - 1, 0))
+        _check_prompts("prompts", prompts, self.runner, max(new_tokens - 1, 0))
         packed = PackedPrompts.pack(prompts, self.multiple)
         layout, tokens, positions = self._layout(packed)
         n = len(prompts)
@@ -215,7 +200,7 @@ class Generator:
         owners = plan_owners(held, max(new_tokens - 1, 0))
         mine, doc_pos = prompt_of[self.rank], layout.doc_positions(self.rank)[0]
         cache = ShardedKVCache(
-            len(self.inner),
+            len(self.runner.masks),
             [sorted(doc_pos[mine == b].tolist()) for b in range(n)],
             [row.count(self.rank) for row in owners],
             self.device,
@@ -223,30 +208,18 @@ class Generator:
         slots, rows = cache.prefill_rows(mine, doc_pos)
         slots_d, rows_d = to_device(slots, self.device), to_device(rows, self.device)
 
-        def capture(i: int):
-            def hook(module, args):  # args: q, k, v (1, K, S_local, E), doc_lens
-                k, v = (x[0].transpose(0, 1).index_select(0, slots_d) for x in args[1:3])
-                cache.write(i, rows_d, k, v)
+        def capture(i: int, k: Tensor, v: Tensor) -> None:  # k, v (1, K, S_local, E): this rank's tokens
+            cache.write(i, rows_d, *(x[0].transpose(0, 1).index_select(0, slots_d) for x in (k, v)))
 
-            return hook
-
-        handles = [inner.register_forward_pre_hook(capture(i)) for i, inner in enumerate(self.inner)]
-        try:
-            h = self._hidden(tokens, positions, layout.doc_lens_tensor())
-        finally:
-            for handle in handles:
-                handle.remove()
+        h = self.runner.hidden(tokens, positions, layout.doc_lens_tensor(), capture)
         last = torch.tensor(packed.lengths).cumsum(0) - 1  # the global slot of each prompt's last token
         here, slot = _find(layout.index(self.rank), last)
         rows_h = h.new_zeros((n, h.shape[-1]))
         rows_h[to_device(here, self.device)] = h[0, to_device(slot[here], self.device)]
-        logits = self._logits(self._sum_over_cp(rows_h))
+        logits = self.runner.logits(self._sum_over_cp(rows_h))
         return logits, DecodeState(cache, owners, list(packed.lengths), [0] * n)
 
-    @torch.no_grad()
-    def decode(self, state: DecodeState, prompts: Sequence[int], tokens: Sequence[int]) -> Tensor:
-        """Feed ``tokens[i]`` to prompt ``prompts[i]`` (indices into the prefill's prompts, ascending);
-        returns the next logits ``(len(prompts), V)`` fp32, the same on every rank."""
+    def _check_decode(self, state: DecodeState, prompts: Sequence[int], tokens: Sequence[int]) -> None:
         if (
             not prompts
             or len(tokens) != len(prompts)
@@ -263,6 +236,12 @@ class Generator:
                     f"prompt {b} has fed the {len(state.owners[b])} tokens the prefill planned for; "
                     "prefill with a larger new_tokens"
                 )
+
+    @torch.no_grad()
+    def decode(self, state: DecodeState, prompts: Sequence[int], tokens: Sequence[int]) -> Tensor:
+        """Feed ``tokens[i]`` to prompt ``prompts[i]`` (indices into the prefill's prompts, ascending);
+        returns the next logits ``(len(prompts), V)`` fp32, the same on every rank."""
+        self._check_decode(state, prompts, tokens)
         cache, positions = state.cache, [state.next_position[b] for b in prompts]
         batch, rows = [], []
         for i, b in enumerate(prompts):
@@ -271,35 +250,24 @@ class Generator:
                 rows.append(cache.append(b, positions[i]))
             state.fed[b] += 1
             state.next_position[b] += 1
-        masks = {(m.window, m.chunk) for m in self.inner}
         keys = {
             mask: KeyRanges.build([cache.key_range(b, p, *mask) for b, p in zip(prompts, positions)], self.device)
-            for mask in masks
+            for mask in set(self.runner.masks)
         }
         batch_d, rows_d = (to_device(torch.tensor(x, dtype=torch.int64), self.device) for x in (batch, rows))
-        cos, sin = rope_cos_sin(to_device(torch.tensor(positions)[:, None], self.device), self.freqs)
-        x = self.model.tok_embeddings(to_device(torch.tensor(tokens)[:, None], self.device))
-        for i, layer in enumerate(self.model.layers.values()):
-            mask = (self.inner[i].window, self.inner[i].chunk)
-            x = self._decode_block(i, layer, x, cos, sin, cache, keys[mask], batch_d, rows_d)
-        return self._logits(x[:, 0])
 
-    def _decode_block(self, i, layer, x, cos, sin, cache: ShardedKVCache, keys: KeyRanges, batch, rows) -> Tensor:
-        """One block for one token per prompt, ``x (B, 1, D)``: the token's K/V stored where this rank
-        owns it (``batch`` rows of x at cache ``rows``), attention over every rank's cache."""
-        attn, n = layer.attention, x.shape[0]
-        h = layer.attention_norm(x)
-        e = attn.head_dim
-        q = apply_rotary_emb(attn.wq(h).view(n, 1, -1, e), cos, sin)[:, 0]
-        k = apply_rotary_emb(attn.wk(h).view(n, 1, -1, e), cos, sin)[:, 0]
-        v = attn.wv(h).view(n, -1, e)
-        if len(batch):
-            cache.write(i, rows, k.index_select(0, batch), v.index_select(0, batch))
-        kernel = check_kernel(self.kernel_name, q.device, q.dtype, e)
-        sinks = self.inner[i].local_sinks()
-        out = decode_attention(q, cache.k[i], cache.v[i], keys, self.group, kernel, sinks=sinks)
-        x = x + attn.wo(out.reshape(n, 1, -1))
-        return x + layer.feed_forward(layer.ffn_norm(x))
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor, scale: float, sinks) -> Tensor:
+            """Layer ``i``: the new tokens' K/V ``(B, K, E)`` stored where this rank owns them, then the
+            attention of ``q (B, H, E)`` over every rank's cache."""
+            if len(batch):
+                cache.write(i, rows_d, k.index_select(0, batch_d), v.index_select(0, batch_d))
+            kernel = check_kernel(self.kernel_name, q.device, q.dtype, q.shape[-1])
+            return decode_attention(
+                q, cache.k[i], cache.v[i], keys[self.runner.masks[i]], self.group, kernel, scale, sinks
+            )
+
+        column = lambda x: to_device(torch.tensor(x)[:, None], self.device)  # noqa: E731
+        return self.runner.logits(self.runner.decode_hidden(column(tokens), column(positions), attend))
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -353,10 +321,10 @@ class Generator:
         of every pair at once: ``log p(x_j | context, x_<j)`` for each continuation token ``x_j``."""
         if len(contexts) != len(continuations):
             raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
-        _check_prompts("contexts", contexts, self.model.args)
-        _check_prompts("continuations", continuations, self.model.args)
+        _check_prompts("contexts", contexts, self.runner)
+        _check_prompts("continuations", continuations, self.runner)
         docs = [list(c) + list(x) for c, x in zip(contexts, continuations)]
-        _check_prompts("contexts + continuations", docs, self.model.args)
+        _check_prompts("contexts + continuations", docs, self.runner)
         packed = PackedPrompts.pack(docs, self.multiple)
         layout, tokens, positions = self._layout(packed)
         # label j of pair b: the slot of continuation token j's predecessor, and the token
@@ -366,37 +334,17 @@ class Generator:
         targets = packed.tokens[0, label_at + 1]
         here, slot = _find(layout.index(self.rank), label_at)
         local, slot_of = torch.nonzero(here).flatten(), slot[here]  # the labels whose slot is here, and where
-        h = self._hidden(tokens, positions, layout.doc_lens_tensor())[0]
+        h = self.runner.hidden(tokens, positions, layout.doc_lens_tensor())[0]
         result = torch.zeros(2, len(label_at), dtype=torch.float64, device=self.device)
-        chunk = max(1, LOSS_CHUNK_BYTES // (4 * self.model.args.vocab_size))
+        chunk = max(1, LOSS_CHUNK_BYTES // (4 * self.runner.vocab_size))
         local_d, slot_d = to_device(local, self.device), to_device(slot_of, self.device)
         targets_d = to_device(targets, self.device)
         for s in range(0, len(local), chunk):
             rows, slots = local_d[s : s + chunk], slot_d[s : s + chunk]
-            z = self._logits(h.index_select(0, slots))
+            z = self.runner.logits(h.index_select(0, slots))
             t = targets_d.index_select(0, rows)
             result[0, rows] = z.log_softmax(-1).gather(1, t[:, None])[:, 0].double()
             result[1, rows] = (z.argmax(-1) == t).double()
         result = self._sum_over_cp(result).cpu()
         bounds = [0, *lens.cumsum(0).tolist()]
         return [Score(result[0, a:b].tolist(), bool(result[1, a:b].all())) for a, b in zip(bounds, bounds[1:])]
-
-
-def build_model(
-    args, dims=None, strategy: str = "ring", balance: str = "doc_zigzag", device="cpu", seed: int = 0
-) -> Transformer:
-    """``args``' model on ``device``, parallelized for generation over the mesh of ``dims`` (a
-    :class:`~titan_cp.mesh.ParallelDims` with its mesh built; ``None``: one device): heads split over
-    tp (activations replicated: no sequence parallelism), the attention cores made context-parallel
-    over cp with ``strategy`` and ``balance``; no FSDP (the weights stay whole on every cp rank).
-    Built on meta, then each rank allocates its shards and initialises them (``seed``) for the
-    checkpoint to overwrite."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    if dims is not None and dims.tp_enabled:
-        apply_tp(model, dims.get_mesh("tp"), sequence_parallel=False)
-    if dims is not None and dims.cp_enabled:
-        apply_cp(model, cp_mesh(dims), strategy, balance)
-    model.to_empty(device=device)
-    model.init_weights(seed)
-    return model.eval().requires_grad_(False)
