@@ -598,14 +598,15 @@ def _hf_under_cp(rank, world, folders):
         dims.build_mesh("cpu")
         gen = _hf_generator(folder, dims, strategy)
         results.append([r.tokens for r in gen.generate(HF_PROMPTS, NEW, SAMPLING)])
+    folder = folders[0][0]
     argv = [
         "--job.config_file", "train_configs/hf/qwen3_cp.toml",
-        "--model.hf_assets_path", folders[0][0], "--checkpoint.initial_load_path", folders[0][0],
-        "--job.dump_folder", str(folders[0][0]) + "-run", "--parallelism.context_parallel_degree", str(world),
-        "--training.mixed_precision_param", "float32",
-        "--generate.prompt_file", str(folders[0][0]) + "-prompts.jsonl", "--generate.max_new_tokens", str(NEW),
+        "--model.hf_assets_path", folder, "--checkpoint.initial_load_path", folder,
+        "--parallelism.context_parallel_degree", str(world), "--training.mixed_precision_param", "float32",
+        "--generate.prompt_file", f"{folder}-prompts.jsonl", "--generate.max_new_tokens", str(NEW),
     ]  # fmt: skip
-    return results, main(argv)
+    # from the folder (its run has no step), then from the trainer's step of other weights
+    return results, [main([*argv, "--job.dump_folder", f"{folder}-{run}"]) for run in ("run", "step")]
 
 
 def test_hugging_face_models_under_cp_and_the_command(dist_pools, tmp_path):
@@ -613,9 +614,35 @@ def test_hugging_face_models_under_cp_and_the_command(dist_pools, tmp_path):
     folders = [(str(_hf_folder(tmp_path / f, f)), s) for f, s in (("qwen3", "ring"), ("gpt_oss", "ulysses"))]
     (tmp_path / "qwen3-prompts.jsonl").write_text(json.dumps({"prompt": "Remember these facts."}) + "\n")
     want = [[r.tokens for r in _hf_generator(f).generate(HF_PROMPTS, NEW, SAMPLING)] for f, _ in folders]
-    for results, records in dist_pools.run(2, _hf_under_cp, folders, timeout=600):
+    tokenizer = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(folders[0][0])
+    prompt = [tokenizer.bos_token_id, *tokenizer.encode("Remember these facts.", add_special_tokens=False)]
+    greedy = []
+    for run in ("run", "step"):
+        gen = _hf_generator(folders[0][0])
+        if run == "step":  # a titan_cp step (the trainer's DCP layout) of other weights
+            with torch.no_grad():
+                gen.runner.decoder.norm.weight.mul_(-1.5)
+            state = get_model_state_dict(gen.runner.model)
+            dcp.save({"model": state}, checkpoint_id=str(tmp_path / "qwen3-step" / "checkpoint" / "step-3"))
+        greedy.append(gen.generate([prompt], NEW, stop_tokens=[tokenizer.eos_token_id])[0].tokens)
+    assert greedy[0] != greedy[1]
+    for results, runs in dist_pools.run(2, _hf_under_cp, folders, timeout=600):
         assert results == want  # sampled tokens with a seed: the same on CP 2 as on one process
-        tokenizer = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(folders[0][0])
-        prompt = [tokenizer.bos_token_id, *tokenizer.encode("Remember these facts.", add_special_tokens=False)]
-        greedy = _hf_generator(folders[0][0]).generate([prompt], NEW, stop_tokens=[tokenizer.eos_token_id])[0]
-        assert records[0]["tokens"] == greedy.tokens and records[0]["prompt_tokens"] == len(prompt)
+        for records, tokens in zip(runs, greedy):
+            assert records[0]["tokens"] == tokens and records[0]["prompt_tokens"] == len(prompt)
+
+
+def test_hugging_face_checkpoint_of_another_model_is_named_before_any_process_group(tmp_path):
+    pytest.importorskip("transformers")
+    qwen3, gpt_oss = _hf_folder(tmp_path / "qwen3", "qwen3"), _hf_folder(tmp_path / "gpt_oss", "gpt_oss")
+    (tmp_path / "p.txt").write_text("hello")
+    argv = [
+        "--job.config_file", "train_configs/hf/qwen3_cp.toml", "--model.hf_assets_path", str(qwen3),
+        "--checkpoint.initial_load_path", str(gpt_oss), "--job.dump_folder", str(tmp_path / "run"),
+        "--parallelism.context_parallel_degree", "1", "--generate.prompt_file", str(tmp_path / "p.txt"),
+    ]  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"initial_load_path = .*gpt_oss' has no model.layers.0.self_attn.q_norm.weight"
+    ):
+        prepare(load_config(argv, warn_adjustments=False), 1)
+    assert not dist.is_initialized()

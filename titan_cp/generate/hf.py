@@ -76,7 +76,7 @@ class HFRunner:
     """The runner (:mod:`.models`) of a :class:`CausalLM` built by :func:`build_hf_model`."""
 
     def __init__(self, model: nn.Module):
-        hf = hf_model_of(model)
+        self.model, hf = model, hf_model_of(model)
         if hf.config._attn_implementation != GENERATE_ATTENTION:
             raise ValueError(
                 f"{type(hf).__name__} runs attn_implementation={hf.config._attn_implementation!r}; build it with "
