@@ -43,7 +43,7 @@ from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, cp_me
 from titan_cp.profiling import Profiler
 from titan_cp.step import Microbatch, forward_backward, shard_tokens
 
-__all__ = ["Trainer", "compute_precision", "main"]
+__all__ = ["Trainer", "compute_precision", "init_distributed", "main"]
 
 logger = logging.getLogger("titan_cp")
 
@@ -63,7 +63,9 @@ class TrainState:
         self.skipped_steps = int(state.get("skipped_steps", self.skipped_steps))  # older checkpoints lack it
 
 
-def _init_distributed(cfg: JobConfig) -> torch.device:
+def init_distributed(cfg: JobConfig) -> torch.device:
+    """The process group (started unless one is: one process without a launcher is rank 0 of 1;
+    NCCL where CUDA is, else gloo) and this rank's device; CPU threads shared by the local ranks."""
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
@@ -121,7 +123,7 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
-        self.device = _init_distributed(cfg)
+        self.device = init_distributed(cfg)
         self.rank0 = dist.get_rank() == 0
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:

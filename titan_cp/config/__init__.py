@@ -27,11 +27,12 @@ count when ``parallelism.data_parallel_shard_degree = -1``) is checked by
 ``titan_cp.mesh.ParallelDims`` and :meth:`JobConfig.resolve_batch_sizes` at run time.
 
 Modules: :mod:`.values` (bounds declared beside each field, the one walker of type hints),
-:mod:`.sections`, :mod:`.training`, :mod:`.parallelism` (the sections), :mod:`.job`
+:mod:`.sections`, :mod:`.training`, :mod:`.parallelism`, :mod:`.generate` (the sections), :mod:`.job`
 (:class:`JobConfig` and the checks across sections), :mod:`.torchtitan` (compatibility tables),
 :mod:`.loader` (TOML and command line, :func:`usage`).
 """
 
+from titan_cp.config.generate import Generate
 from titan_cp.config.job import JobConfig
 from titan_cp.config.loader import load_config, usage
 from titan_cp.config.parallelism import Parallelism
@@ -55,6 +56,7 @@ __all__ = [
     "Checkpoint",
     "Comm",
     "Compile",
+    "Generate",
     "Job",
     "JobConfig",
     "LRScheduler",

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from titan_cp.config.generate import Generate
 from titan_cp.config.parallelism import Parallelism
 from titan_cp.config.sections import (
     ActivationCheckpoint,
@@ -63,6 +64,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
+    generate: Generate = field(default_factory=Generate)
 
     def __post_init__(self) -> None:
         self.given_keys: frozenset[str] = frozenset()

@@ -86,16 +86,18 @@ class AtMost(Bound):
 
 @dataclass(frozen=True)
 class InRange(Bound):
-    """``low <= value <= high``, or ``< high`` with ``high_open``."""
+    """``low <= value <= high``; ``< high`` with ``high_open``, ``> low`` with ``low_open``."""
 
     low: float
     high: float
     high_open: bool = False
+    low_open: bool = False
 
     def check(self, key: str, value: Any, optional: bool) -> None:
         below_high = value < self.high if self.high_open else value <= self.high
-        if not (self.low <= value and below_high):
-            interval = f"[{self.low}, {self.high}{')' if self.high_open else ']'}"
+        above_low = value > self.low if self.low_open else value >= self.low
+        if not (above_low and below_high):
+            interval = f"{'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
             raise ValueError(f"{key} must be in {interval}{' or unset' if optional else ''}, got {value}")
 
 

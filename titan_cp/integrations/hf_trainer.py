@@ -126,9 +126,10 @@ def check_job(cfg) -> None:
         raise ValueError(f"{key}: the model's heads (config.json: {q} query, {kv} KV) do not split: {e}") from None
 
 
-def build_parallel_model(path, parallel_dims, options, device) -> tuple[CausalLM, HFModelArgs]:
+def build_parallel_model(path, parallel_dims, options, device, fsdp: bool = True) -> tuple[CausalLM, HFModelArgs]:
     """The HF model of folder ``path``, parallelized as the trainer's options say, this rank's shards
-    allocated on ``device`` (weights not loaded yet: :func:`load_weights`); and its :class:`HFModelArgs`."""
+    allocated on ``device`` (weights not loaded yet: :func:`load_weights`); and its :class:`HFModelArgs`.
+    ``fsdp`` false: no FSDP whatever the mesh (generation keeps the weights whole on every cp rank)."""
     from titan_cp.parallelize import cp_mesh  # noqa: PLC0415 - the trainer's module imports this one
 
     hf = meta_model(load_config(path))
@@ -139,7 +140,7 @@ def build_parallel_model(path, parallel_dims, options, device) -> tuple[CausalLM
     apply_ac(model, options.ac_mode, options.ac_every)
     if options.compile:
         apply_compile(model, backend=options.compile_backend)
-    if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
+    if fsdp and (parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled):
         apply_fsdp(
             model,
             parallel_dims.fsdp_mesh(),

@@ -365,6 +365,12 @@ def check_hf_folder(path: str | Path, key: str = "checkpoint.initial_load_path")
     _hf_folder(path, key)
 
 
+def check_hf_weights(path: str | Path, model_args: ModelArgs, key: str = "checkpoint.initial_load_path") -> None:
+    """:func:`check_hf_folder`, and every weight's shape (and ``config.json``) against ``model_args``,
+    as :func:`load_hf` checks them first: from the headers alone, no process group."""
+    _plan(_hf_folder(path, key), model_args, key)
+
+
 @torch.no_grad()
 def load_hf(model_parts, path: str | Path, model_args: ModelArgs, key: str = "checkpoint.initial_load_path") -> None:
     """Load the Hugging Face Llama checkpoint folder ``path`` (``*.safetensors``, one file or

@@ -1,0 +1,33 @@
+"""Generation and scoring under the CP layout: prefill across ranks, decode from a sharded KV cache.
+
+A long prompt is spread over the cp ranks exactly as training spreads a row (any strategy, any
+layout); each rank keeps the K/V of its own tokens (:class:`ShardedKVCache`), and every decode
+step merges the ranks' partial attention through its log-sum-exp with one small collective per
+layer (:mod:`titan_cp.attention.decode`)::
+
+    gen = Generator.on_mesh(model, dims, strategy="ring", balance="doc_local")    # or Generator(model)
+    outs = gen.generate([prompt_ids, ...], max_new_tokens=64, sampling=Sampling(0.8, 0.95, seed=0))
+    scores = gen.score([context_ids, ...], [continuation_ids, ...])               # log-likelihoods
+
+Modules: :mod:`.engine` (:class:`Generator`), :mod:`.models` (what a model answers; :func:`build_model`),
+:mod:`.hf` (Hugging Face models), :mod:`.cache`, :mod:`.sampling`,
+:mod:`.prompts` (prompt files), :mod:`.weights` (the config's checkpoint), :mod:`.needle`
+(needle in a haystack), :mod:`.cli` (``python -m titan_cp.generate``).
+"""
+
+from titan_cp.generate.cache import ShardedKVCache, plan_owners
+from titan_cp.generate.engine import Generation, Generator, PackedPrompts, Score
+from titan_cp.generate.models import build_model
+from titan_cp.generate.sampling import Sampling, sample_next
+
+__all__ = [
+    "Generation",
+    "Generator",
+    "PackedPrompts",
+    "Sampling",
+    "Score",
+    "ShardedKVCache",
+    "build_model",
+    "plan_owners",
+    "sample_next",
+]

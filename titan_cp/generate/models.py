@@ -1,0 +1,107 @@
+"""What generation asks of a model, for titan_cp's Llama (here) and Hugging Face models (:mod:`.hf`).
+
+A *runner* wraps a model already made context-parallel as in training and answers::
+
+    masks                    each layer's (window, chunk): what a decode query of that layer sees
+    max_seq_len, vocab_size, device
+    hidden(tokens, positions, doc_lens, capture)   the prefill: last hidden states (1, S_local, D) of
+                             this rank's tokens, under CP attention; capture(layer, k, v) gets each
+                             layer's K/V (1, K, S_local, E) after RoPE
+    decode_hidden(tokens, positions, attend)       one token per prompt, (B, 1) each: the last hidden
+                             states (B, D), each layer's attention being attend(layer, q (B, H, E),
+                             k, v (B, K, E), scale, sinks) -> (B, H, E)
+    logits(h)                (n, D) -> (n, V) fp32: what ``hidden`` left out of the forward
+
+The Llama runner calls the model's own modules (its blocks in the prefill; norms, projections,
+RoPE and MLP one by one in decode), so tensor parallelism applies as in training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from titan_cp.model.llama import ModelArgs, Transformer, apply_rotary_emb, rope_cos_sin, rope_frequencies
+from titan_cp.parallel.cp import apply_cp
+from titan_cp.parallel.tp import apply_tp
+from titan_cp.parallelize import cp_mesh
+
+Capture = Callable[[int, Tensor, Tensor], None]
+Attend = Callable[[int, Tensor, Tensor, Tensor, float, "Tensor | None"], Tensor]
+
+
+class LlamaRunner:
+    """The runner of a :class:`~titan_cp.model.llama.Transformer` (module docstring)."""
+
+    def __init__(self, model: Transformer):
+        self.model, args = model, model.args
+        self.max_seq_len, self.vocab_size = args.max_seq_len, args.vocab_size
+        self.device = model.norm.weight.device
+        self.freqs = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling, self.device)
+        self.inner = [layer.attention.inner_attention for layer in model.layers.values()]
+        self.masks = [(m.window, m.chunk) for m in self.inner]
+
+    def hidden(self, tokens: Tensor, positions: Tensor, doc_lens, capture: Capture | None = None) -> Tensor:
+        """The model's forward without the final norm and output, ``(1, S_local, D)``; ``capture`` gets
+        each layer's K/V from a forward pre-hook on its attention core."""
+        hooks = []
+        if capture is not None:
+            for i, inner in enumerate(self.inner):
+                hooks.append(inner.register_forward_pre_hook(lambda m, args, i=i: capture(i, args[1], args[2])))
+        try:
+            cos, sin = rope_cos_sin(positions, self.freqs)
+            h = self.model.tok_embeddings(tokens)
+            for layer in self.model.layers.values():
+                h = layer(h, cos, sin, doc_lens)
+            return h
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def decode_hidden(self, tokens: Tensor, positions: Tensor, attend: Attend) -> Tensor:
+        cos, sin = rope_cos_sin(positions, self.freqs)
+        x = self.model.tok_embeddings(tokens)
+        for i, layer in enumerate(self.model.layers.values()):
+            attn, n, e = layer.attention, x.shape[0], layer.attention.head_dim
+            h = layer.attention_norm(x)
+            q = apply_rotary_emb(attn.wq(h).view(n, 1, -1, e), cos, sin)[:, 0]
+            k = apply_rotary_emb(attn.wk(h).view(n, 1, -1, e), cos, sin)[:, 0]
+            v = attn.wv(h).view(n, -1, e)
+            out = attend(i, q, k, v, e**-0.5, self.inner[i].local_sinks())
+            x = x + attn.wo(out.reshape(n, 1, -1))
+            x = x + layer.feed_forward(layer.ffn_norm(x))
+        return x[:, 0]
+
+    def logits(self, h: Tensor) -> Tensor:
+        return self.model.output(self.model.norm(h)).float()
+
+
+def runner_of(model: nn.Module):
+    """The runner of ``model``: titan_cp's Llama, or a Hugging Face causal LM built by :func:`.hf.build_hf_model`."""
+    if isinstance(model, Transformer):
+        return LlamaRunner(model)
+    from titan_cp.generate.hf import HFRunner  # noqa: PLC0415 - transformers is optional
+
+    return HFRunner(model)
+
+
+def build_model(
+    args: ModelArgs, dims=None, strategy: str = "ring", balance: str = "doc_local", device="cpu", seed: int = 0
+) -> Transformer:
+    """``args``' model on ``device``, parallelized for generation over the mesh of ``dims`` (a
+    :class:`~titan_cp.mesh.ParallelDims` with its mesh built; ``None``: one device): heads split over
+    tp (activations replicated: one decode token per prompt cannot be split over the sequence), the
+    attention cores made context-parallel over cp with ``strategy`` and ``balance``; no FSDP (the
+    weights stay whole on every cp rank). Built on meta, then each rank allocates its shards and
+    initialises them (``seed``) for the checkpoint to overwrite."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    if dims is not None and dims.tp_enabled:
+        apply_tp(model, dims.get_mesh("tp"), sequence_parallel=False)
+    if dims is not None and dims.cp_enabled:
+        apply_cp(model, cp_mesh(dims), strategy, balance)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,182 @@
+"""The model and the weights generation runs on, from the config, checked before any process group.
+
+The model is titan_cp's Llama of ``model.flavor`` (``model.name = "llama3"``) or the Hugging Face
+model of ``model.hf_assets_path`` (``model.name = "hf"``), with the tokenizer's vocabulary
+(:class:`ModelSpec`). Its weights come from, in order (the trainer's keys, read the same way)::
+
+    checkpoint.enable and a step in <job.dump_folder>/<checkpoint.folder>   a titan_cp step (load_step, or the newest)
+    checkpoint.initial_load_path                                          a DCP folder: titan_cp's or torchtitan's
+    checkpoint.initial_load_path with checkpoint.initial_load_in_hf         a Hugging Face folder (safetensors)
+
+Every parameter's shape is checked against the model from the checkpoint's metadata alone, so
+a checkpoint of another model is an error naming the key before anything starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from titan_cp import checkpoint
+from titan_cp.generate.models import build_model
+from titan_cp.model import hf, model_args
+from titan_cp.model.llama import ModelArgs, Transformer
+
+if TYPE_CHECKING:
+    from titan_cp.config import JobConfig
+
+Kind = Literal["titan_cp", "torchtitan", "hf"]
+_WHOLE = "point it at a checkpoint that is whole"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model to build: ``name`` ``"llama3"`` (``args``) or ``"hf"`` (``folder``); ``what`` names it in
+    errors; ``shapes``: every parameter's name (as checkpoints store it) and shape."""
+
+    name: str
+    what: str
+    max_seq_len: int
+    shapes: dict[str, tuple[int, ...]] = field(repr=False)
+    args: ModelArgs | None = None
+    folder: str | None = None
+
+    def build(self, dims, strategy: str, balance: str, device) -> nn.Module:
+        """The model parallelized for generation on ``dims``' mesh, shards allocated (weights to load)."""
+        if self.name == "hf":
+            from titan_cp.generate.hf import build_hf_model  # noqa: PLC0415 - transformers is optional
+
+            return build_hf_model(self.folder, dims, strategy, balance, device)
+        return build_model(self.args, dims, strategy, balance, device)
+
+
+def _hf_spec(cfg: JobConfig, vocab_size: int) -> ModelSpec:
+    from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
+    from titan_cp.integrations.hf_model import plain_head, text_config  # noqa: PLC0415
+    from titan_cp.integrations.hf_parallel import CausalLM  # noqa: PLC0415
+
+    path = cfg.model.hf_assets_path
+    what = f"model.hf_assets_path = {path!r}"
+    config = hf_trainer.load_config(path)
+    model = hf_trainer.meta_model(config)
+    if plain_head(model) is None:
+        raise ValueError(
+            f"{what}: titan_cp.generate takes the logits from a plain output head (logits = lm_head(hidden)); "
+            f"{type(model).__name__}'s forward changes them (e.g. final logit soft-capping)"
+        )
+    rows = model.get_input_embeddings().num_embeddings
+    if vocab_size > rows:
+        raise ValueError(f"{what}: the tokenizer has {vocab_size} ids but the model's embedding {rows} rows")
+    shapes = {name: tuple(p.shape) for name, p in CausalLM(model).named_parameters()}
+    return ModelSpec("hf", what, text_config(config).max_position_embeddings, shapes, folder=path)
+
+
+def model_spec(cfg: JobConfig, vocab_size: int) -> ModelSpec:
+    """The model ``cfg`` names, with the tokenizer's ``vocab_size`` (titan_cp's Llama takes it as its own)."""
+    if cfg.model.name == "hf":
+        return _hf_spec(cfg, vocab_size)
+    args = model_args(cfg.model.flavor, vocab_size=vocab_size)
+    with torch.device("meta"):
+        shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
+    return ModelSpec("llama3", f"model.flavor = {cfg.model.flavor!r}", args.max_seq_len, shapes, args=args)
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """A checkpoint to load: its kind, folder, and the config key that names it (for errors)."""
+
+    kind: Kind
+    path: Path
+    key: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.key} = {str(self.path)!r}" if self.key != "checkpoint.folder" else f"checkpoint {self.path}"
+
+
+def weight_source(cfg: JobConfig) -> WeightSource:
+    """The checkpoint ``cfg`` names (module docstring); ``ValueError`` when it names none."""
+    c = cfg.checkpoint
+    if c.enable:
+        path = checkpoint.resume_path(Path(cfg.job.dump_folder) / c.folder, c.load_step)
+        if path is not None:
+            return WeightSource("titan_cp", path, "checkpoint.folder")
+    if not c.initial_load_path:
+        raise ValueError(
+            "generation needs trained weights: set checkpoint.enable = true with the trainer's checkpoints in "
+            f"job.dump_folder/checkpoint.folder ({Path(cfg.job.dump_folder) / c.folder} holds none), or "
+            "checkpoint.initial_load_path (a DCP folder, or a Hugging Face folder with checkpoint.initial_load_in_hf)"
+        )
+    path, key = Path(c.initial_load_path), "checkpoint.initial_load_path"
+    if c.initial_load_in_hf:
+        return WeightSource("hf", path, key)
+    if not (path / ".metadata").is_file():
+        hint = (
+            "; it holds *.safetensors: set checkpoint.initial_load_in_hf = true"
+            if any(path.glob("*.safetensors"))
+            else ""
+        )
+        raise ValueError(f"{key} = {str(path)!r} is not a DCP checkpoint (no .metadata){hint}")
+    metadata = checkpoint.read_metadata(path, f"{key} = {str(path)!r}", _WHOLE)
+    titan_cp_keys = any(k.startswith("model.") for k in metadata.state_dict_metadata)  # torchtitan's: top level
+    return WeightSource("titan_cp" if titan_cp_keys else "torchtitan", path, key)
+
+
+def _saved_shapes(source: WeightSource) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor ``source`` holds under the model's names (DCP metadata or safetensors headers)."""
+    if source.kind == "hf":
+        metadata = dcp.HuggingFaceStorageReader(str(source.path)).read_metadata()
+        return {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if not k.endswith("inv_freq")}
+    prefix = "model." if source.kind == "titan_cp" else ""
+    metadata = checkpoint.read_metadata(source.path, source.where, _WHOLE)
+    return {
+        k[len(prefix) :]: tuple(m.size)
+        for k, m in metadata.state_dict_metadata.items()
+        if k.startswith(prefix) and hasattr(m, "size")  # tensors (not pickled bytes) under the model's names
+    }
+
+
+def check_weights(source: WeightSource, spec: ModelSpec) -> None:
+    """Every parameter of the model is in ``source`` with its shape, and a titan_cp step holds no other
+    (the DCP metadata, or the Hugging Face headers and ``config.json``): a ``ValueError`` names the key,
+    the parameter and both shapes. Reads no weight."""
+    if source.kind == "hf" and spec.name == "llama3":  # renamed and permuted from transformers' Llama
+        hf.check_hf_folder(source.path, source.key)
+        hf.check_hf_weights(source.path, spec.args, source.key)
+        return
+    if source.kind == "hf":
+        hf.check_hf_folder(source.path, source.key)
+    saved = _saved_shapes(source)
+    fix = (
+        f"set model.flavor to the flavor the checkpoint was trained with ({spec.what} now)"
+        if spec.name == "llama3"
+        else f"point model.hf_assets_path at the model the checkpoint holds ({spec.what} now)"
+    )
+    for name, shape in spec.shapes.items():
+        if name not in saved:
+            raise ValueError(f"{source.where} has no {name}, which {spec.what} has; {fix}")
+        if saved[name] != shape:
+            raise ValueError(
+                f"{source.where}: {name} has shape {saved[name]}, but {spec.what} (vocabulary from the tokenizer) "
+                f"makes {shape}; {fix}"
+            )
+    extra = sorted(set(saved) - set(spec.shapes))
+    if source.kind == "titan_cp" and spec.name == "llama3" and extra:
+        raise ValueError(f"{source.where} holds {extra[0]}, which {spec.what} does not have; {fix}")
+
+
+def load_weights(source: WeightSource, model: nn.Module, spec: ModelSpec) -> None:
+    """Load ``source`` into ``model`` (plain, or sharded by tensor parallelism), in place."""
+    if source.kind == "hf" and spec.name == "hf":
+        from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
+
+        hf_trainer.load_weights(model, source.path, key=source.key)
+    elif source.kind == "hf":
+        hf.load_hf([model], source.path, spec.args, key=source.key)
+    else:
+        checkpoint.Checkpointer(source.path.parent, [model], [], {}).load_model(source.path, model_only=True)
