@@ -82,7 +82,7 @@ def test_saved_and_comm_bytes_per_strategy(dist_pools, strategy, ulysses):
                 1,
                 strategy,
                 4,
-                ulysses,
+                ulysses=ulysses,
                 ac=ac,
                 dtype=torch.float32,
                 doc_rows=docs,
