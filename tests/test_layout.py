@@ -119,3 +119,33 @@ def test_doc_lens_tensor_form_matches_lists():
     padded = torch.tensor([[3, 5], [8, 0]])
     a, b = SequenceLayout(8, 2, "doc_zigzag", rows), SequenceLayout(8, 2, "doc_zigzag", padded)
     assert torch.equal(a.index(1), b.index(1))
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 5, 6, 7, 8])
+def test_doc_local_balances_every_mix(cp):
+    """doc_local keeps each rank's causal work within 5% of the mean on every mix of bench_balance."""
+    from titan_cp.data.row_mixes import BALANCE_MIXES, make_rows
+    from titan_cp.tools.balance import rank_pairs
+
+    seq = 16384 - 16384 % cp
+    for mix in BALANCE_MIXES:
+        for row in make_rows(mix, seq, 2):
+            work = rank_pairs(SequenceLayout(seq, cp, "doc_local", [row])).double()
+            assert work.max() / work.mean() <= 1.05, (mix, cp, row)
+
+
+def test_doc_local_keeps_short_documents_whole():
+    """On documents of mean length 1K at 131072 tokens and CP 8, most documents live on one rank (so
+    their K/V never travel), and the layout depends on doc_lens alone."""
+    from titan_cp.data.row_mixes import lognormal_doc_lens
+
+    lens = lognormal_doc_lens(131072, 1024, seed=1024)
+    layout = SequenceLayout(131072, 8, "doc_local", [lens])
+    ranks_of = [set() for _ in lens]
+    for r in range(8):
+        for d in layout.doc_ids(r)[0].tolist():
+            ranks_of[d].add(r)
+    whole = sum(len(s) == 1 for s in ranks_of)
+    assert whole >= 0.9 * len(lens), (whole, len(lens))
+    again = SequenceLayout(131072, 8, "doc_local", [list(lens)])
+    assert all(torch.equal(layout.index(r), again.index(r)) for r in range(8))
