@@ -64,3 +64,21 @@ def test_timeout_fails_instead_of_hanging():
     with pytest.raises(TimeoutError, match=r"ranks \[0\] never finished"):
         pool.run(_hang, timeout=3.0)
     assert time.monotonic() - t0 < 20
+
+
+def _mesh_groups(rank, world_size):
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("a", "b"))
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mesh.get_group("b"))
+    return len(c10d._world.pg_map), t.item()
+
+
+def test_meshes_share_process_groups_between_calls(dist_pools):
+    """A new mesh over the same ranks reuses the worker's groups: their count stays put
+    (each gloo group keeps a waking thread for the worker's life)."""
+    first = dist_pools.run(2, _mesh_groups)
+    assert dist_pools.run(2, _mesh_groups) == first
+    assert [total for _, total in first] == [1.0, 1.0]

@@ -22,6 +22,7 @@ Failure handling, the reason this file exists:
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 import time
 import traceback
@@ -56,6 +57,7 @@ def _worker(rank: int, world_size: int, port: int, conn, collective_timeout_s: f
             world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
+        _share_process_groups()
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001 - reported to the parent
         conn.send(("error", traceback.format_exc()))
@@ -73,10 +75,41 @@ def _worker(rank: int, world_size: int, port: int, conn, collective_timeout_s: f
             conn.send(("ok", result))
         except BaseException:  # noqa: BLE001 - reported to the parent
             conn.send(("error", traceback.format_exc()))
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - shutting down anyway
-        pass
+    # Exit without tearing the default group down: that waits on the other ranks and would cost
+    # seconds per pool at the end of every test session. Nothing is left to flush.
+    conn.close()
+    os._exit(0)
+
+
+def _share_process_groups() -> None:
+    """Make ``new_group`` in this worker return the group it made before for the same ranks and
+    options, instead of a new one.
+
+    Every mesh a call builds creates its sub-groups, and a gloo group keeps a thread that wakes
+    on a timer (about 0.1% of a core apiece) for as long as the worker lives: over a session's
+    hundreds of calls, a pool of 4 ranks would hold over 300 groups a rank and its idle threads
+    would take most of a core of a 2-core machine. Sharing is exact: every rank makes the same
+    ``new_group`` calls in the same order (the function requires it), so every rank shares the
+    same groups, and collectives on a shared group run in the order the program issues them.
+    """
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+    from torch.distributed import distributed_c10d as c10d
+
+    made: dict[tuple, Any] = {}
+    make = c10d.new_group
+
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, **kwargs):
+        if pg_options is not None:  # options objects do not compare: make a group of their own
+            return make(ranks, timeout, backend, pg_options, **kwargs)
+        kwargs.pop("group_desc", None)
+        key = (None if ranks is None else tuple(sorted(ranks)), timeout, backend, tuple(sorted(kwargs.items())))
+        if key not in made:
+            made[key] = make(ranks, timeout, backend, **kwargs)
+        return made[key]
+
+    for module in (dist, c10d, device_mesh):
+        module.new_group = new_group
 
 
 class DistPool:
@@ -155,13 +188,21 @@ class DistPool:
         return [payload for _, payload in self._collect(timeout, grace)]
 
     def close(self) -> None:
+        self._ask_to_stop()
+        self._reap()
+
+    def _ask_to_stop(self) -> None:
         for conn in self._conns:
             try:
                 conn.send(None)
             except (OSError, BrokenPipeError):
                 pass
+
+    def _reap(self) -> None:
+        deadline = time.monotonic() + 2.0
         for p in self._procs:
-            p.join(timeout=2.0)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=2.0)
@@ -174,7 +215,8 @@ class PoolCache:
     """One live :class:`DistPool` per world size, replaced after a failure.
 
     Starting a pool costs seconds (each worker imports torch), so pools stay alive between tests
-    while their workers number at most ``max_processes`` (idle workers cost memory, not CPU): the
+    while their workers number at most ``max_processes`` (idle workers cost memory, and little
+    CPU since their process groups are shared, see :func:`_share_process_groups`): the
     pools of worlds 1, 2, 3, 4 and 8 fit together. Past that, the least recently used pool closes.
     """
 
@@ -199,5 +241,7 @@ class PoolCache:
 
     def close(self) -> None:
         for pool in self._pools.values():
-            pool.close()
+            pool._ask_to_stop()  # every pool at once: each rank exits on its own
+        for pool in self._pools.values():
+            pool._reap()
         self._pools.clear()
