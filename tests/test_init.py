@@ -117,7 +117,7 @@ def test_seeded_fill_depends_on_the_seed_and_the_name_and_is_sharding_free(monke
 
 # ------------------------------------------------------------- construction memory
 
-# About 4 GB of fp32 weights (996M parameters): a large vocabulary and dim, one layer.
+# About 2.3 GB of fp32 weights (587M parameters): a large vocabulary and dim, one layer.
 BIG = ModelArgs(dim=4096, n_layers=1, n_heads=32, n_kv_heads=8, vocab_size=50_000, multiple_of=256)
 
 
