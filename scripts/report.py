@@ -43,6 +43,7 @@ BENCH = {
         "contiguous",
         "zigzag",
         "doc_zigzag",
+        "doc_local",
         "torch_head_tail",
         "torch_per_doc_head_tail_padded",
         "greedy_doc",
