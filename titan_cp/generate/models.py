@@ -12,18 +12,19 @@ A *runner* wraps a model already made context-parallel as in training and answer
                              k, v (B, K, E), scale, sinks) -> (B, H, E)
     logits(h)                (n, D) -> (n, V) fp32: what ``hidden`` left out of the forward
 
-The Llama runner calls the model's own modules (its blocks in the prefill; norms, projections,
-RoPE and MLP one by one in decode), so tensor parallelism applies as in training.
+The Llama runner calls the model's own blocks in the prefill and in decode (there with each
+attention core's forward answered by ``attend``), so tensor parallelism applies as in training.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-from titan_cp.model.llama import ModelArgs, Transformer, apply_rotary_emb, rope_cos_sin, rope_frequencies
+from titan_cp.model.llama import ModelArgs, Transformer, rope_cos_sin, rope_frequencies
 from titan_cp.parallel.cp import apply_cp
 from titan_cp.parallel.tp import apply_tp
 from titan_cp.parallelize import cp_mesh
@@ -61,21 +62,32 @@ class LlamaRunner:
                 hook.remove()
 
     def decode_hidden(self, tokens: Tensor, positions: Tensor, attend: Attend) -> Tensor:
+        """The model's own blocks over one token per prompt, each attention core answered by
+        ``attend`` for the time of the call (its forward replaced, as ContextParallel replaces it)."""
         cos, sin = rope_cos_sin(positions, self.freqs)
-        x = self.model.tok_embeddings(tokens)
-        for i, layer in enumerate(self.model.layers.values()):
-            attn, n, e = layer.attention, x.shape[0], layer.attention.head_dim
-            h = layer.attention_norm(x)
-            q = apply_rotary_emb(attn.wq(h).view(n, 1, -1, e), cos, sin)[:, 0]
-            k = apply_rotary_emb(attn.wk(h).view(n, 1, -1, e), cos, sin)[:, 0]
-            v = attn.wv(h).view(n, -1, e)
-            out = attend(i, q, k, v, e**-0.5, self.inner[i].local_sinks())
-            x = x + attn.wo(out.reshape(n, 1, -1))
-            x = x + layer.feed_forward(layer.ffn_norm(x))
-        return x[:, 0]
+        saved = [inner.__dict__.get("forward") for inner in self.inner]
+        for i, inner in enumerate(self.inner):
+            inner.forward = functools.partial(_decode_core, attend, i, inner)
+        try:
+            h = self.model.tok_embeddings(tokens)
+            for layer in self.model.layers.values():
+                h = layer(h, cos, sin, None)
+            return h[:, 0]
+        finally:
+            for inner, forward in zip(self.inner, saved):
+                if forward is None:
+                    del inner.forward
+                else:
+                    inner.forward = forward
 
     def logits(self, h: Tensor) -> Tensor:
         return self.model.output(self.model.norm(h)).float()
+
+
+def _decode_core(attend: Attend, layer: int, inner: nn.Module, q: Tensor, k: Tensor, v: Tensor, doc_lens) -> Tensor:
+    """An attention core's forward in decode: ``q (B, H, 1, E)``, ``k, v (B, K, 1, E)`` -> ``(B, H, 1, E)``."""
+    out = attend(layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], q.shape[-1] ** -0.5, inner.local_sinks())
+    return out.unsqueeze(2)
 
 
 def runner_of(model: nn.Module):
