@@ -56,6 +56,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 Balance = Literal["contiguous", "zigzag", "doc_zigzag", "doc_local"]
 BALANCES: tuple[str, ...] = ("contiguous", "zigzag", "doc_zigzag", "doc_local")
 DOCUMENT_BALANCES = ("doc_zigzag", "doc_local")  # the permutation follows each row's documents
+DEFAULT_BALANCE = "doc_local"  # what the config, ContextParallel, apply_cp, shard_batch and the planner use
 
 
 def seq_len_multiple(balance: str, cp_size: int) -> int:

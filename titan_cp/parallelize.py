@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from titan_cp.attention.strategy import DEFAULT_STRATEGY
+from titan_cp.layout import DEFAULT_BALANCE
 from titan_cp.mesh import ParallelDims
 from titan_cp.model.llama import ModelArgs, Transformer
 from titan_cp.parallel import apply_ac, apply_compile, apply_fsdp, apply_tp, pipeline_llama
@@ -33,8 +35,8 @@ from titan_cp.parallel.cp import apply_cp
 class ParallelizeOptions:
     """How to parallelize beyond the mesh degrees (from ``[parallelism]``, ``[activation_checkpoint]``, ``[compile]``)."""
 
-    cp_strategy: str = "ring"
-    cp_balance: str = "doc_local"
+    cp_strategy: str = DEFAULT_STRATEGY
+    cp_balance: str = DEFAULT_BALANCE
     cp_kernel: str | None = None
     ac_mode: str = "none"
     ac_every: int = 1

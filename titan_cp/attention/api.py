@@ -34,7 +34,7 @@ from titan_cp.attention.hybrid import HYBRID
 from titan_cp.attention.kernels import check_kernel
 from titan_cp.attention.plans import Mask
 from titan_cp.attention.ring import RING
-from titan_cp.attention.strategy import Strategy, get_strategy
+from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
 from titan_cp.attention.ulysses import ULYSSES
 from titan_cp.layout import SequenceLayout, get_layout
 
@@ -318,7 +318,7 @@ def cp_attention(
     v: Tensor,
     mesh,
     layout: SequenceLayout,
-    strategy: str = "ring",
+    strategy: str = DEFAULT_STRATEGY,
     causal: bool = True,
     scale: float | None = None,
     kernel: str | None = None,
@@ -361,7 +361,7 @@ def cp_attention(
     return attend(q, k, v, handle, layout.doc_lens_tensor(), mask.causal, scale, mask.window, mask.chunk, sinks)
 
 
-def cp_rank(mesh, strategy: str = "ring") -> int:
+def cp_rank(mesh, strategy: str = DEFAULT_STRATEGY) -> int:
     """This process's rank in the layout for ``mesh`` (the flattened ring x ulysses index for hybrid)."""
     return get_strategy(strategy).layout_rank(mesh)
 

@@ -199,6 +199,8 @@ class Strategy:
 
 
 _REGISTRY: dict[str, Strategy] = {}
+DEFAULT_STRATEGY = "ring"
+"""The strategy a config, ``ContextParallel`` and ``apply_cp`` use when none is named."""
 
 
 def register_strategy(strategy: Strategy) -> Strategy:
@@ -208,9 +210,11 @@ def register_strategy(strategy: Strategy) -> Strategy:
 
 
 def strategy_names() -> tuple[str, ...]:
-    """The registered strategies' names, in registration order."""
-    import titan_cp.attention  # noqa: F401 - registers the built-in strategies
+    """The registered strategies' names, in registration order.
 
+    The built-ins register themselves when their modules run; those run whenever this module is
+    imported from outside the package, since Python imports the package ``titan_cp.attention``
+    (whose ``__init__`` imports every built-in) before any of its modules."""
     return tuple(_REGISTRY)
 
 

@@ -10,11 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from titan_cp.attention.strategy import Strategy, get_strategy, strategy_names
-from titan_cp.config.values import Positive, PositiveOrAuto, Section
+from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy, strategy_names
+from titan_cp.config.values import OneOf, Positive, PositiveOrAuto, Section
+from titan_cp.layout import BALANCES, DEFAULT_BALANCE
 
 ULYSSES_KEY = "parallelism.context_parallel_ulysses_degree"
 CP_KEY = "parallelism.context_parallel_degree"
+
+
+def _balances() -> tuple[str, ...]:
+    """The sequence layouts (:data:`titan_cp.layout.BALANCES`), for the load balancer's choices."""
+    return BALANCES
 
 
 @dataclass
@@ -47,12 +53,13 @@ class Parallelism(Section, name="parallelism"):
     context_parallel_degree: Annotated[int, Positive] = 1
     """Context-parallel degree: ranks that split one sequence. 1: off."""
 
-    context_parallel_strategy: Literal["ring", "allgather", "ulysses", "hybrid"] = "ring"
-    """How attention exchanges data on the ``cp`` axis: ``ring`` (K/V blocks passed around a ring,
-    overlapped with compute), ``allgather`` (all-gather K/V), ``ulysses`` (all-to-all, sequence to
-    heads), ``hybrid`` (Ulysses inside, ring across)."""
+    context_parallel_strategy: Annotated[str, OneOf(strategy_names)] = DEFAULT_STRATEGY
+    """How attention exchanges data on the ``cp`` axis: a registered strategy's name
+    (:func:`~titan_cp.attention.strategy.register_strategy`). Built in: ``ring`` (K/V blocks passed
+    around a ring, overlapped with compute), ``allgather`` (all-gather K/V), ``ulysses`` (all-to-all,
+    sequence to heads), ``hybrid`` (Ulysses inside, ring across)."""
 
-    context_parallel_load_balancer: Literal["contiguous", "zigzag", "doc_zigzag", "doc_local"] = "doc_local"
+    context_parallel_load_balancer: Annotated[str, OneOf(_balances)] = DEFAULT_BALANCE
     """Sequence layout over cp ranks: ``contiguous`` (rank r holds chunk r), ``zigzag`` (rank r holds
     chunks r and 2*cp-1-r), ``doc_zigzag`` (zigzag within each packed document), ``doc_local``
     (documents whole on one rank where the causal balance allows, only long ones split: the least

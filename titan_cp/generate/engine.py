@@ -32,10 +32,11 @@ from torch import Tensor
 
 from titan_cp.attention import check_kernel, cp_rank
 from titan_cp.attention.decode import KeyRanges, decode_attention
+from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.generate.cache import ShardedKVCache, plan_owners
 from titan_cp.generate.models import runner_of
 from titan_cp.generate.sampling import Sampling, sample_next
-from titan_cp.layout import get_layout, seq_len_multiple, to_device
+from titan_cp.layout import DEFAULT_BALANCE, get_layout, seq_len_multiple, to_device
 from titan_cp.loss import LOSS_CHUNK_BYTES
 from titan_cp.parallelize import cp_mesh
 
@@ -154,8 +155,8 @@ class Generator:
         model,
         cp_mesh=None,
         cp_group=None,
-        strategy: str = "ring",
-        balance: str = "doc_local",
+        strategy: str = DEFAULT_STRATEGY,
+        balance: str = DEFAULT_BALANCE,
         kernel: str | None = None,
     ):
         self.runner, self.balance, self.kernel_name = runner_of(model), balance, kernel

@@ -25,10 +25,12 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.generate.models import Attend, Capture
 from titan_cp.integrations import hf_trainer
 from titan_cp.integrations.hf_model import attention_modules, hf_model_of, plain_head, text_config
 from titan_cp.integrations.transformers import BINDING, titan_cp_attention, titan_cp_mask
+from titan_cp.layout import DEFAULT_BALANCE
 
 GENERATE_ATTENTION = "titan_cp_generate"
 
@@ -111,7 +113,9 @@ class HFRunner:
         return self.head(h).float()
 
 
-def build_hf_model(folder, dims=None, strategy: str = "ring", balance: str = "doc_local", device="cpu") -> nn.Module:
+def build_hf_model(
+    folder, dims=None, strategy: str = DEFAULT_STRATEGY, balance: str = DEFAULT_BALANCE, device="cpu"
+) -> nn.Module:
     """The causal LM of the Hugging Face folder ``folder`` (``model.hf_assets_path``) on ``device``,
     context-parallel over the cp mesh of ``dims`` (``None``: one device) as the trainer builds it
     (no FSDP, AC or compile), attention :data:`GENERATE_ATTENTION`; weights to be loaded."""

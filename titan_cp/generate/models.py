@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from titan_cp.attention.strategy import DEFAULT_STRATEGY
+from titan_cp.layout import DEFAULT_BALANCE
 from titan_cp.model.llama import ModelArgs, Transformer, rope_cos_sin, rope_frequencies
 from titan_cp.parallel.cp import apply_cp
 from titan_cp.parallel.tp import apply_tp
@@ -100,7 +102,12 @@ def runner_of(model: nn.Module):
 
 
 def build_model(
-    args: ModelArgs, dims=None, strategy: str = "ring", balance: str = "doc_local", device="cpu", seed: int = 0
+    args: ModelArgs,
+    dims=None,
+    strategy: str = DEFAULT_STRATEGY,
+    balance: str = DEFAULT_BALANCE,
+    device="cpu",
+    seed: int = 0,
 ) -> Transformer:
     """``args``' model on ``device``, parallelized for generation over the mesh of ``dims`` (a
     :class:`~titan_cp.mesh.ParallelDims` with its mesh built; ``None``: one device): heads split over

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from titan_cp.attention.strategy import get_strategy
-from titan_cp.layout import get_layout, seq_len_multiple, to_device
+from titan_cp.layout import DEFAULT_BALANCE, get_layout, seq_len_multiple, to_device
 from titan_cp.loss import IGNORE_INDEX
 
 _KNOWN = {
@@ -210,7 +210,7 @@ def _check_keys(batch) -> None:
 def shard_batch(
     batch,
     cp_mesh,
-    balance: str = "doc_local",
+    balance: str = DEFAULT_BALANCE,
     dp_mesh=None,
     num_items_in_batch: int | None = None,
     pad_token_id: int | None = None,

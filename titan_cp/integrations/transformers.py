@@ -45,7 +45,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from titan_cp.attention.api import attend, check_mask, check_qkv, register_spec
-from titan_cp.attention.strategy import get_strategy
+from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
 from titan_cp.integrations.hf_batch import shard_batch, unshard
 from titan_cp.integrations.hf_model import (
     attention_modules,
@@ -56,7 +56,7 @@ from titan_cp.integrations.hf_model import (
     unsupported_features,
 )
 from titan_cp.integrations.hf_parallel import CausalLM, apply_ac, apply_compile, apply_fsdp
-from titan_cp.layout import BALANCES
+from titan_cp.layout import BALANCES, DEFAULT_BALANCE
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -177,7 +177,7 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, titan_cp_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, titan_cp_mask)
 
 
-def apply_cp(model: nn.Module, cp_mesh, strategy: str = "ring", balance: str = "doc_local", kernel=None):
+def apply_cp(model: nn.Module, cp_mesh, strategy: str = DEFAULT_STRATEGY, balance: str = DEFAULT_BALANCE, kernel=None):
     """Run ``model``'s attention as titan_cp's CP attention over ``cp_mesh``; returns ``model``.
 
     Args:

@@ -34,8 +34,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titan_cp.attention.api import attend, check_qkv, register_spec
-from titan_cp.attention.strategy import get_strategy
-from titan_cp.layout import BALANCES, get_layout
+from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
+from titan_cp.layout import BALANCES, DEFAULT_BALANCE, get_layout
 
 SEQ_DIM = 2
 
@@ -52,7 +52,11 @@ class ContextParallel(ParallelStyle):
     """
 
     def __init__(
-        self, strategy: str = "ring", balance: str = "doc_local", causal: bool = True, kernel: str | None = None
+        self,
+        strategy: str = DEFAULT_STRATEGY,
+        balance: str = DEFAULT_BALANCE,
+        causal: bool = True,
+        kernel: str | None = None,
     ):
         super().__init__()
         self._strategy = get_strategy(strategy)
@@ -102,8 +106,8 @@ class ContextParallel(ParallelStyle):
 def apply_cp(
     model: nn.Module,
     cp_mesh: DeviceMesh,
-    strategy: str = "ring",
-    balance: str = "doc_local",
+    strategy: str = DEFAULT_STRATEGY,
+    balance: str = DEFAULT_BALANCE,
     kernel: str | None = None,
 ) -> None:
     """Make every transformer block's attention core context-parallel over ``cp_mesh``."""

@@ -33,7 +33,7 @@ import torch
 from titan_cp.attention.plans import CAUSAL, make_plan
 from titan_cp.attention.ring import ring_plans
 from titan_cp.attention.strategy import AxisBytes, get_strategy
-from titan_cp.layout import get_layout
+from titan_cp.layout import DEFAULT_BALANCE, get_layout
 from titan_cp.model.llama import ModelArgs
 from titan_cp.plan.devices import Device
 from titan_cp.plan.memory import RankModel, Stage, layer_params, stage_param_count
@@ -227,7 +227,7 @@ def cp_bytes_per_rank(
     ac: str = "none",
     dtype: torch.dtype = torch.bfloat16,
     doc_rows=None,
-    balance: str = "doc_local",
+    balance: str = DEFAULT_BALANCE,
     rank: int | None = None,
 ) -> int:
     """Bytes one rank hands to CP communication in one forward + backward (+ the forward again under

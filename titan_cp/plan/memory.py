@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 
 from titan_cp.attention.ring import RING as LOCAL  # attention on one rank: the ring's one-device path
-from titan_cp.attention.strategy import get_strategy
+from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
 from titan_cp.loss import LOSS_CHUNK_BYTES
 from titan_cp.model.llama import ModelArgs
 from titan_cp.parallel.pp import layers_per_stage
@@ -64,7 +64,7 @@ class RankModel:
     """
 
     args: ModelArgs
-    strategy: str = "ring"
+    strategy: str = DEFAULT_STRATEGY
     cp: int = 1
     tp: int = 1
     ulysses: int = 1
@@ -136,7 +136,7 @@ def saved_per_token(m: RankModel, stage: Stage) -> float:
 
 def saved_bytes_per_token(
     args: ModelArgs,
-    strategy: str = "ring",
+    strategy: str = DEFAULT_STRATEGY,
     cp: int = 1,
     tp: int = 1,
     layers: int | None = None,
@@ -156,7 +156,7 @@ def saved_bytes(
     local_tokens: int,
     docs_per_row: int,
     rows: int = 1,
-    strategy: str = "ring",
+    strategy: str = DEFAULT_STRATEGY,
     cp: int = 1,
     tp: int = 1,
     layers: int | None = None,
@@ -269,7 +269,7 @@ def step_peak_bytes(
     rows: int = 1,
     ac: str = "none",
     act_bytes: int = 4,
-    strategy: str = "ring",
+    strategy: str = DEFAULT_STRATEGY,
     cp: int = 1,
     tp: int = 1,
     ulysses: int = 1,

@@ -8,6 +8,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, Sched
 
 from titan_cp.attention.ring import RING as LOCAL  # attention on one rank: the ring's one-device path
 from titan_cp.attention.strategy import Strategy, get_strategy
+from titan_cp.layout import DEFAULT_BALANCE
 from titan_cp.model.llama import ModelArgs
 from titan_cp.plan.memory import RankModel
 
@@ -78,7 +79,7 @@ class Workload:
     args: ModelArgs
     seq_len: int
     rows: tuple[tuple[int, ...], ...]
-    balance: str = "doc_local"
+    balance: str = DEFAULT_BALANCE
     ac: str = "none"
     ac_every: int = 1
     act_bytes: int = 2

@@ -17,6 +17,7 @@ from collections import Counter
 import torch
 
 from titan_cp.attention.kernels import AttentionKernel, get_kernel, register_kernel
+from titan_cp.attention.strategy import DEFAULT_STRATEGY
 
 
 class CountingKernel(AttentionKernel):
@@ -79,7 +80,7 @@ def host_layer(
     world: int,
     seq_len: int,
     doc_lens: list[int],
-    strategy: str = "ring",
+    strategy: str = DEFAULT_STRATEGY,
     kernel: str = "cpu_varlen",
     native_varlen: bool | None = None,
     iters: int = 3,
