@@ -21,7 +21,7 @@ from titan_cp.attention import cp_rank
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
 from titan_cp.model import build_model, model_args
-from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, cp_mesh, materialize
+from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model, cp_mesh, materialize
 from titan_cp.step import Microbatch, forward_backward
 
 SEQ, ROWS, STEPS, LR, SEED = 48, 4, 3, 1e-3, 0

@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tests.dist_utils import cp_mesh, make_inputs
 from titan_cp import SequenceLayout, cp_attention
 from titan_cp.attention import cp_rank
-from titan_cp.attention.plans import make_plan
+from titan_cp.attention.mask_plans import make_plan
 
 SEQ, HEADS, KV_HEADS, DIM = 96, 4, 2, 8
 DOCS = [[40, 1, 31, 24]]

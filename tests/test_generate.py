@@ -34,7 +34,7 @@ from titan_cp.generate.prompts import read_prompts
 from titan_cp.generate.sampling import nucleus
 from titan_cp.loss import IGNORE_INDEX
 from titan_cp.mesh import ParallelDims
-from titan_cp.model import hf, model_args
+from titan_cp.model import hf_checkpoint, model_args
 
 TOL = 1e-4
 NEW = 6  # tokens generated per prompt
@@ -362,9 +362,10 @@ def _write_checkpoints(tmp_path):
     dcp.save(dict(state), checkpoint_id=str(tmp_path / "torchtitan"))
     (tmp_path / "hf").mkdir()
     save_file(
-        {k: v.contiguous() for k, v in hf.to_hf(state, model.args).items()}, tmp_path / "hf" / "model.safetensors"
+        {k: v.contiguous() for k, v in hf_checkpoint.to_hf(state, model.args).items()},
+        tmp_path / "hf" / "model.safetensors",
     )
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf.hf_config(model.args)))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_checkpoint.hf_config(model.args)))
     return model
 
 
@@ -546,7 +547,7 @@ HF_FAMILIES = {
 def _hf_folder(path, family: str):
     """A random tiny ``family`` model with a byte-level BPE tokenizer, saved as a Hugging Face folder."""
     transformers = pytest.importorskip("transformers")
-    from titan_cp.testing.hf import byte_tokenizer
+    from titan_cp.testing.hf_folders import byte_tokenizer
 
     tokenizer = byte_tokenizer(path)
     name, fields = HF_FAMILIES[family]
@@ -564,7 +565,7 @@ def _hf_folder(path, family: str):
 
 
 def _hf_generator(folder, dims=None, strategy="ring", balance="doc_local"):
-    from titan_cp.generate.hf import build_hf_model
+    from titan_cp.generate.hf_runner import build_hf_model
     from titan_cp.integrations.hf_trainer import load_weights
 
     model = build_hf_model(folder, dims, strategy, balance)

@@ -19,7 +19,7 @@ from titan_cp.mesh import ParallelDims
 from titan_cp.model import ModelArgs, Transformer, build_model, model_args
 from titan_cp.model import init as init_module
 from titan_cp.model.init import block_seed, clean_name, seeded_fill_
-from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, materialize
+from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model, materialize
 from titan_cp.testing.trainer import tiny_run_args
 
 SEED = 1234

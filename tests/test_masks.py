@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tests.reference import dense_mask
 from tests.strategies import doc_row, layout_shape
 from titan_cp import SequenceLayout
-from titan_cp.attention.plans import make_plan
+from titan_cp.attention.mask_plans import make_plan
 
 
 @st.composite

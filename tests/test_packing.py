@@ -492,7 +492,7 @@ def _cp_matches_one_process(rank, world, path, strategy, balance):
     from titan_cp.loss import GlobalTokenLoss
     from titan_cp.mesh import ParallelDims
     from titan_cp.model import build_model
-    from titan_cp.parallelize import ParallelizeOptions, cp_mesh, parallelize_llama
+    from titan_cp.parallel.build import ParallelizeOptions, cp_mesh, parallelize_llama
     from titan_cp.step import Microbatch, forward_backward
 
     batch = _padded_chat_batch(path, 192, 2)

@@ -100,7 +100,7 @@ def _unsent_kv_bytes(strategy: str, seq: int, docs, rank: int, ac: str) -> int:
     only the recomputed block's are alive at once, and they are not among the saved bytes."""
     if strategy != "allgather" or ac == "full":
         return 0
-    from titan_cp.attention.plans import CAUSAL, make_plan
+    from titan_cp.attention.mask_plans import CAUSAL, make_plan
     from titan_cp.layout import get_layout
 
     layout = get_layout(seq, 4, "doc_zigzag", docs)

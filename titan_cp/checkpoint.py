@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan_cp.errors import UserError
-from titan_cp.model import hf
+from titan_cp.model import hf_checkpoint
 
 logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -318,13 +318,13 @@ class Checkpointer:
     def load_hf(self, path: str | Path, model_args) -> None:
         """Start from the Hugging Face Llama checkpoint folder ``path``
         (``checkpoint.initial_load_in_hf``): weights only, renamed and q/k permuted
-        (``titan_cp.model.hf.load_hf``); shapes and ``config.json`` are checked first."""
-        hf.load_hf(self.model_parts, path, model_args, key="checkpoint.initial_load_path")
+        (``titan_cp.model.hf_checkpoint.load_hf``); shapes and ``config.json`` are checked first."""
+        hf_checkpoint.load_hf(self.model_parts, path, model_args, key="checkpoint.initial_load_path")
 
     def save_hf(self, step: int, model_args) -> Path:
         """Write the model as a Hugging Face Llama checkpoint to ``<folder>/step-<step>-hf``
-        (``checkpoint.last_save_in_hf``; ``titan_cp.model.hf.save_hf``)."""
-        return hf.save_hf(self.model_parts, self.folder / f"step-{step}-hf", model_args)
+        (``checkpoint.last_save_in_hf``; ``titan_cp.model.hf_checkpoint.save_hf``)."""
+        return hf_checkpoint.save_hf(self.model_parts, self.folder / f"step-{step}-hf", model_args)
 
     def _load_path(
         self, path: Path, metadata, model_only: bool, exclude: set[str] = frozenset(), *, what: str, fix: str

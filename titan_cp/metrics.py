@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from titan_cp.attention.plans import make_plan
+from titan_cp.attention.mask_plans import make_plan
 from titan_cp.layout import get_layout
 
 logger = logging.getLogger("titan_cp")

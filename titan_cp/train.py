@@ -39,7 +39,7 @@ from titan_cp.metrics import MetricsLogger, StepMetrics, recall_counts, recall_m
 from titan_cp.model import build_model
 from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda
 from titan_cp.parallel.ac import ac_mode_and_every
-from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, cp_mesh
+from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model, cp_mesh
 from titan_cp.profiling import Profiler
 from titan_cp.step import Microbatch, forward_backward, shard_tokens
 

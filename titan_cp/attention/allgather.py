@@ -39,8 +39,8 @@ from titan_cp.attention.fold import (
     make_key_folds,
 )
 from titan_cp.attention.fused import add_rows
+from titan_cp.attention.mask_plans import CAUSAL, Mask, PlanIndex, head_major, make_plan, token_major
 from titan_cp.attention.merge import sinks_grad
-from titan_cp.attention.plans import CAUSAL, Mask, PlanIndex, head_major, make_plan, token_major
 from titan_cp.attention.ring import exchanged_rows, ring_bytes
 from titan_cp.attention.strategy import Strategy, register_strategy
 from titan_cp.layout import SequenceLayout, to_device

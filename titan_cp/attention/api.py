@@ -32,7 +32,7 @@ from titan_cp.attention.allgather import ALLGATHER
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.hybrid import HYBRID
 from titan_cp.attention.kernels import check_kernel
-from titan_cp.attention.plans import Mask
+from titan_cp.attention.mask_plans import Mask
 from titan_cp.attention.ring import RING
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
 from titan_cp.attention.ulysses import ULYSSES

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_cp.attention.kernels import AttentionKernel
-from titan_cp.attention.plans import Mask
+from titan_cp.attention.mask_plans import Mask
 from titan_cp.layout import SequenceLayout
 
 
@@ -30,7 +30,7 @@ class CPContext:
 
     mesh: the cp ``DeviceMesh`` (1-D; 2-D ``(ring, ulysses)`` for hybrid), ``None`` on one device.
     layout: the sequence layout the shards were taken with.
-    mask: causal, window and chunk (:class:`~titan_cp.attention.plans.Mask`).
+    mask: causal, window and chunk (:class:`~titan_cp.attention.mask_plans.Mask`).
     q_heads, kv_heads: the local head counts of q and k/v (the backward may see neither tensor).
     sinks: ``(q_heads,)`` per-head sink logits, or ``None``.
     """

@@ -3,7 +3,7 @@
 This is the arithmetic every strategy shares: the strategies decide *which* key buffer a rank
 holds at each moment (its own, a compact slice another rank sent, a gathered one);
 :func:`fold_forward` and :func:`fold_backward` compute its contribution for the plan's tiles
-(:mod:`titan_cp.attention.plans`). Token-major shapes::
+(:mod:`titan_cp.attention.mask_plans`). Token-major shapes::
 
     q, out, dout:  (B*Sq, H, E)       k, v: (B*Sk, K, E)       lse: (H, B*Sq) fp32
 
@@ -30,8 +30,8 @@ import torch
 
 from titan_cp.attention.fused import add_rows, merge_rows, write_rows
 from titan_cp.attention.kernels import AttentionKernel
+from titan_cp.attention.mask_plans import MaskPlan, PlanIndex, Rows
 from titan_cp.attention.merge import apply_sinks_
-from titan_cp.attention.plans import MaskPlan, PlanIndex, Rows
 from titan_cp.layout import to_device
 
 
@@ -239,7 +239,7 @@ def fold_forward(q_t, k_t, v_t, idx: PlanIndex, kernel: AttentionKernel, scale: 
 
 def attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, idx: PlanIndex, kernel: AttentionKernel, scale: float):
     """Packed ``(dq, dk, dv)`` of the plan's calls (calls in order, like :meth:`MaskPlan.q_dest` and
-    :meth:`~titan_cp.attention.plans.MaskPlan.k_dest`), or ``None``. ``out_t, lse`` are the final results."""
+    :meth:`~titan_cp.attention.mask_plans.MaskPlan.k_dest`), or ``None``. ``out_t, lse`` are the final results."""
     grads = []
     for call in idx.calls:
         qr, kr = call.q_rows, call.k_rows

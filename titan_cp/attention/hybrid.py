@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from titan_cp.attention.context import CPContext
+from titan_cp.attention.mask_plans import CAUSAL, head_major, make_plan, token_major
 from titan_cp.attention.merge import sinks_grad
-from titan_cp.attention.plans import CAUSAL, head_major, make_plan, token_major
 from titan_cp.attention.ring import (
     RING,
     exchanged_rows,

@@ -174,10 +174,10 @@ class Strategy:
 
     def local_head_pairs(self, layout, rank: int, mask, batch: int, q_heads: int, ulysses_degree: int = 1) -> int:
         """Visible (query, key) pairs this rank's kernels compute under ``mask`` (a
-        :class:`~titan_cp.attention.plans.Mask`), summed over the heads they run (``q_heads``: local
+        :class:`~titan_cp.attention.mask_plans.Mask`), summed over the heads they run (``q_heads``: local
         query heads before any exchange). Summed over the cp ranks it is the whole layer's pairs
         times the heads: the work is split, never repeated."""
-        from titan_cp.attention.plans import make_plan  # noqa: PLC0415 - the engine imports this module
+        from titan_cp.attention.mask_plans import make_plan  # noqa: PLC0415 - the engine imports this module
 
         return make_plan(layout, (rank,), None, mask).pairs(batch) * q_heads
 

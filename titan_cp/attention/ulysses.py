@@ -26,8 +26,8 @@ import torch
 from titan_cp.attention.comm import all_to_all
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.fold import plan_backward, plan_forward
+from titan_cp.attention.mask_plans import head_major, make_plan, token_major
 from titan_cp.attention.merge import sinks_grad
-from titan_cp.attention.plans import head_major, make_plan, token_major
 from titan_cp.attention.strategy import Strategy, kv_head_map, kv_heads_per_shard, register_strategy
 from titan_cp.layout import SequenceLayout, to_device
 

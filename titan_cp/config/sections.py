@@ -173,7 +173,7 @@ class Checkpoint(Section, name="checkpoint"):
     """``initial_load_path`` is a Hugging Face Llama checkpoint folder (``*.safetensors``, one file
     or sharded with ``model.safetensors.index.json``; ``config.json`` checked where present):
     its weights are renamed to torchtitan's and q/k converted to titan_cp's RoPE layout
-    (``titan_cp.model.hf``); with ``model.name = "hf"`` they load by ``transformers``' own names
+    (``titan_cp.model.hf_checkpoint``); with ``model.name = "hf"`` they load by ``transformers``' own names
     (``titan_cp.integrations.hf_trainer``). Weights only: needs ``initial_load_model_only``."""
 
     last_save_in_hf: bool = False

@@ -17,7 +17,7 @@ Modules: :mod:`.engine` (:class:`Generator`), :mod:`.models` (what a model answe
 
 from titan_cp.generate.cache import ShardedKVCache, plan_owners
 from titan_cp.generate.engine import Generation, Generator, PackedPrompts, Score
-from titan_cp.generate.models import build_model
+from titan_cp.generate.runners import build_model
 from titan_cp.generate.sampling import Sampling, sample_next
 
 __all__ = [

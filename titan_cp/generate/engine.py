@@ -34,11 +34,11 @@ from titan_cp.attention import check_kernel, cp_rank
 from titan_cp.attention.decode import KeyRanges, decode_attention
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.generate.cache import ShardedKVCache, plan_owners
-from titan_cp.generate.models import runner_of
+from titan_cp.generate.runners import runner_of
 from titan_cp.generate.sampling import Sampling, sample_next
 from titan_cp.layout import DEFAULT_BALANCE, get_layout, seq_len_multiple, to_device
 from titan_cp.loss import LOSS_CHUNK_BYTES
-from titan_cp.parallelize import cp_mesh
+from titan_cp.parallel.build import cp_mesh
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
-from titan_cp.generate.models import Attend, Capture
+from titan_cp.generate.runners import Attend, Capture
 from titan_cp.integrations import hf_trainer
 from titan_cp.integrations.hf_model import attention_modules, hf_model_of, plain_head, text_config
 from titan_cp.integrations.transformers import BINDING, titan_cp_attention, titan_cp_mask
@@ -82,7 +82,7 @@ class HFRunner:
         if hf.config._attn_implementation != GENERATE_ATTENTION:
             raise ValueError(
                 f"{type(hf).__name__} runs attn_implementation={hf.config._attn_implementation!r}; build it with "
-                "titan_cp.generate.hf.build_hf_model"
+                "titan_cp.generate.hf_runner.build_hf_model"
             )
         self.head = plain_head(hf)
         if self.head is None:
@@ -120,7 +120,7 @@ def build_hf_model(
     context-parallel over the cp mesh of ``dims`` (``None``: one device) as the trainer builds it
     (no FSDP, AC or compile), attention :data:`GENERATE_ATTENTION`; weights to be loaded."""
     from titan_cp.mesh import ParallelDims  # noqa: PLC0415
-    from titan_cp.parallelize import ParallelizeOptions  # noqa: PLC0415
+    from titan_cp.parallel.build import ParallelizeOptions  # noqa: PLC0415
 
     if dims is None:
         dims = ParallelDims(1, 1, 1, 1, 1, 1)

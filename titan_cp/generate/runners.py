@@ -27,9 +27,9 @@ from torch import Tensor, nn
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.layout import DEFAULT_BALANCE
 from titan_cp.model.llama import ModelArgs, Transformer, rope_cos_sin, rope_frequencies
+from titan_cp.parallel.build import cp_mesh
 from titan_cp.parallel.cp import apply_cp
 from titan_cp.parallel.tp import apply_tp
-from titan_cp.parallelize import cp_mesh
 
 Capture = Callable[[int, Tensor, Tensor], None]
 Attend = Callable[[int, Tensor, Tensor, Tensor, float, "Tensor | None"], Tensor]
@@ -96,7 +96,7 @@ def runner_of(model: nn.Module):
     """The runner of ``model``: titan_cp's Llama, or a Hugging Face causal LM built by :func:`.hf.build_hf_model`."""
     if isinstance(model, Transformer):
         return LlamaRunner(model)
-    from titan_cp.generate.hf import HFRunner  # noqa: PLC0415 - transformers is optional
+    from titan_cp.generate.hf_runner import HFRunner  # noqa: PLC0415 - transformers is optional
 
     return HFRunner(model)
 

@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from titan_cp import checkpoint
-from titan_cp.generate.models import build_model
-from titan_cp.model import hf, model_args
+from titan_cp.generate.runners import build_model
+from titan_cp.model import hf_checkpoint, model_args
 from titan_cp.model.llama import ModelArgs, Transformer
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class ModelSpec:
     def build(self, dims, strategy: str, balance: str, device) -> nn.Module:
         """The model parallelized for generation on ``dims``' mesh, shards allocated (weights to load)."""
         if self.name == "hf":
-            from titan_cp.generate.hf import build_hf_model  # noqa: PLC0415 - transformers is optional
+            from titan_cp.generate.hf_runner import build_hf_model  # noqa: PLC0415 - transformers is optional
 
             return build_hf_model(self.folder, dims, strategy, balance, device)
         return build_model(self.args, dims, strategy, balance, device)
@@ -146,11 +146,11 @@ def check_weights(source: WeightSource, spec: ModelSpec) -> None:
     (the DCP metadata, or the Hugging Face headers and ``config.json``): a ``ValueError`` names the key,
     the parameter and both shapes. Reads no weight."""
     if source.kind == "hf" and spec.name == "llama3":  # renamed and permuted from transformers' Llama
-        hf.check_hf_folder(source.path, source.key)
-        hf.check_hf_weights(source.path, spec.args, source.key)
+        hf_checkpoint.check_hf_folder(source.path, source.key)
+        hf_checkpoint.check_hf_weights(source.path, spec.args, source.key)
         return
     if source.kind == "hf":
-        hf.check_hf_folder(source.path, source.key)
+        hf_checkpoint.check_hf_folder(source.path, source.key)
     saved = _saved_shapes(source)
     fix = (
         f"set model.flavor to the flavor the checkpoint was trained with ({spec.what} now)"
@@ -177,6 +177,6 @@ def load_weights(source: WeightSource, model: nn.Module, spec: ModelSpec) -> Non
 
         hf_trainer.load_weights(model, source.path, key=source.key)
     elif source.kind == "hf":
-        hf.load_hf([model], source.path, spec.args, key=source.key)
+        hf_checkpoint.load_hf([model], source.path, spec.args, key=source.key)
     else:
         checkpoint.Checkpointer(source.path.parent, [model], [], {}).load_model(source.path, model_only=True)

@@ -130,7 +130,7 @@ def build_parallel_model(path, parallel_dims, options, device, fsdp: bool = True
     """The HF model of folder ``path``, parallelized as the trainer's options say, this rank's shards
     allocated on ``device`` (weights not loaded yet: :func:`load_weights`); and its :class:`HFModelArgs`.
     ``fsdp`` false: no FSDP whatever the mesh (generation keeps the weights whole on every cp rank)."""
-    from titan_cp.parallelize import cp_mesh  # noqa: PLC0415 - the trainer's module imports this one
+    from titan_cp.parallel.build import cp_mesh  # noqa: PLC0415 - the trainer's module imports this one
 
     hf = meta_model(load_config(path))
     args = HFModelArgs.of(hf)

@@ -1,6 +1,6 @@
 """Llama 3 family model with torchtitan's parameter names; ``hf``: Hugging Face checkpoints in and out."""
 
-from titan_cp.model import hf
+from titan_cp.model import hf_checkpoint
 from titan_cp.model.flavors import FLAVORS, build_model, model_args
 from titan_cp.model.llama import (
     Attention,
@@ -26,7 +26,7 @@ __all__ = [
     "TransformerBlock",
     "apply_rotary_emb",
     "build_model",
-    "hf",
+    "hf_checkpoint",
     "model_args",
     "rope_cos_sin",
     "rope_frequencies",

@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import torch
 
-from titan_cp.attention.plans import CAUSAL, make_plan
+from titan_cp.attention.mask_plans import CAUSAL, make_plan
 from titan_cp.attention.ring import ring_plans
 from titan_cp.attention.strategy import AxisBytes, get_strategy
 from titan_cp.layout import DEFAULT_BALANCE, get_layout

@@ -70,8 +70,8 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
     _PTRRLoadBalancer,
 )
 
+from titan_cp.attention.mask_plans import Mask, make_plan
 from titan_cp.attention.masks import plan_tiles, visible_pairs
-from titan_cp.attention.plans import Mask, make_plan
 from titan_cp.attention.ring import ring_plans
 from titan_cp.data.row_mixes import BALANCE_MIXES, ROW_MIXES, make_rows
 from titan_cp.layout import BALANCES, Run, Runs, SequenceLayout

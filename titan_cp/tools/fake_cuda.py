@@ -49,7 +49,7 @@ from titan_cp.attention import comm
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.kernels import cuda_flash
 from titan_cp.attention.kernels.cuda_flash import CUDAFlashKernel
-from titan_cp.attention.plans import Mask
+from titan_cp.attention.mask_plans import Mask
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.layout import SequenceLayout
 
@@ -330,7 +330,7 @@ def fake_cuda():
         comm.dist,
         cuda_flash._ATEN,
     )
-    from titan_cp.attention.plans import MaskPlan
+    from titan_cp.attention.mask_plans import MaskPlan
 
     real_plan_memo = MaskPlan._memo
 

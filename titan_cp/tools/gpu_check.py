@@ -323,7 +323,7 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
     """
     from titan_cp.attention import fold  # noqa: PLC0415 - the engine
     from titan_cp.attention.fused import add_rows  # noqa: PLC0415
-    from titan_cp.attention.plans import Mask, head_major, token_major  # noqa: PLC0415
+    from titan_cp.attention.mask_plans import Mask, head_major, token_major  # noqa: PLC0415
     from titan_cp.attention.ring import ring_steps  # noqa: PLC0415
 
     n, b = layout.cp_size, q.shape[0]

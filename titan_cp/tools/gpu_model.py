@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from titan_cp.attention.plans import Mask, make_plan
+from titan_cp.attention.mask_plans import Mask, make_plan
 from titan_cp.layout import get_layout
 from titan_cp.plan.devices import GPUS
 from titan_cp.plan.kernels import BWD_FLOPS_PER_PAIR_DIM, FWD_FLOPS_PER_PAIR_DIM

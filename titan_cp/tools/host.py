@@ -94,7 +94,7 @@ def host_layer(
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
 
     from titan_cp import SequenceLayout, cp_attention  # noqa: PLC0415
-    from titan_cp.attention.plans import Mask  # noqa: PLC0415
+    from titan_cp.attention.mask_plans import Mask  # noqa: PLC0415
     from titan_cp.attention.ring import ring_plans  # noqa: PLC0415
     from titan_cp.attention.strategy import get_strategy  # noqa: PLC0415
 

@@ -417,7 +417,7 @@ def _mesh_rank_fn(rank: int, world: int, cfg: dict) -> dict:
     sizes). ``saved_bytes`` is exact only without a pipeline (microbatches reuse addresses)."""
     from titan_cp.mesh import ParallelDims
     from titan_cp.model import model_args
-    from titan_cp.parallelize import ParallelizeOptions, build_parallel_model
+    from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model
     from titan_cp.step import forward_backward
 
     pd = ParallelDims(
