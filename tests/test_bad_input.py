@@ -21,6 +21,7 @@ from titan_cp.data.chat import ChatJsonl
 from titan_cp.errors import UserError
 from titan_cp.model import build_model
 from titan_cp.model.hf_checkpoint import check_hf_folder, load_hf
+from titan_cp.preflight import check_files
 from titan_cp.testing.trainer import tiny_run_args
 from titan_cp.train import main
 
@@ -98,8 +99,8 @@ def test_a_microbatch_larger_than_the_host_memory_names_the_keys(tmp_path, monke
         match=r"training.seq_len = 8388608 with training.local_batch_size = 2: one microbatch needs at least "
         r"2.0 GiB of host memory on 4 rank\(s\) .* this machine has 1.0 GiB",
     ):
-        cfg.check_files()
-    load(["--training.seq_len", "65536", "--training.local_batch_size", "2"]).check_files()  # 16 MiB fits
+        check_files(cfg)
+    check_files(load(["--training.seq_len", "65536", "--training.local_batch_size", "2"]))  # 16 MiB fits
 
 
 def test_bad_mixture_kind_and_weights_name_the_key(tmp_path):
@@ -317,7 +318,7 @@ def refused_by_check_files(argv, match: str, dump: Path) -> None:
     """``check_files`` of ``argv`` raises a ``ValueError`` matching ``match``; ``dump`` is as it was."""
     before = listing(dump)
     with pytest.raises(ValueError, match=match):
-        load(argv).check_files()
+        check_files(load(argv))
     assert listing(dump) == before
 
 
@@ -334,7 +335,7 @@ def test_corrupt_newest_checkpoint_is_named_with_the_older_step_to_resume(tmp_pa
     refused_by_check_files(argv, rf"checkpoint {newest}: {newest}/.metadata cannot be read \(.*\); {fix}", tmp_path)
     (newest / ".metadata").unlink()
     refused_by_check_files(argv, rf"checkpoint {newest} is not a complete DCP checkpoint .*; {fix}", tmp_path)
-    load(argv + ["--checkpoint.load_step", "2"]).check_files()  # the fix works
+    check_files(load(argv + ["--checkpoint.load_step", "2"]))  # the fix works
     refused_before_start(argv[:-2], rf"checkpoint {newest} is not a complete", tmp_path)
 
 
@@ -342,7 +343,7 @@ def test_corrupt_only_checkpoint_says_how_to_start_from_scratch(tmp_path):
     only = dcp_step(tmp_path / "checkpoint", 3)
     next(only.glob("*.distcp")).unlink()
     with pytest.raises(ValueError, match=r"step-3/__0_0.distcp is missing .*no older step is saved: move it away"):
-        load(resume_argv(tmp_path)).check_files()
+        check_files(load(resume_argv(tmp_path)))
 
 
 def test_a_payload_damaged_in_place_is_a_user_error_when_loaded(tmp_path):

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from titan_cp.config import JobConfig, load_config
+from titan_cp.preflight import check_files
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -625,26 +626,26 @@ def test_two_toml_keys_for_one_setting_is_an_error(tmp_path):
 def test_check_files_before_any_process_group(tmp_path):
     cfg = load_quiet(["--model.hf_assets_path", str(tmp_path)])
     with pytest.raises(ValueError, match="model.hf_assets_path = .* holds no tokenizer.json"):
-        cfg.check_files()
+        check_files(cfg)
     cfg = load_quiet(["--training.dataset", "c4"])
     with pytest.raises(ValueError, match="training.dataset = 'c4' is not built in .* set training.dataset_path"):
-        cfg.check_files()
+        check_files(cfg)
     cfg = load_quiet(["--training.dataset", "text", "--training.dataset_path", str(tmp_path / "none")])
     with pytest.raises(ValueError, match="training.dataset_path = .* does not exist"):
-        cfg.check_files()
+        check_files(cfg)
     cfg = load_quiet(["--validation.enable", "--validation.dataset", "text", "--validation.steps", "2"])
     with pytest.raises(ValueError, match="validation.dataset = 'text' is not built in"):
-        cfg.check_files()
+        check_files(cfg)
     cfg = load_quiet(["--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.load_step", "4"])
     with pytest.raises(ValueError, match="checkpoint.load_step = 4, but .* holds no checkpoint"):
-        cfg.check_files()
+        check_files(cfg)
     (tmp_path / "checkpoint" / "step-2").mkdir(parents=True)
     with pytest.raises(ValueError, match=r"checkpoint.load_step = 4, but .* holds steps \[2\]"):
-        cfg.check_files()
+        check_files(cfg)
     cfg = load_quiet(["--checkpoint.initial_load_path", str(tmp_path / "missing")])
     with pytest.raises(ValueError, match="checkpoint.initial_load_path = .* does not exist"):
-        cfg.check_files()
-    load_quiet([]).check_files()  # the defaults need no file
+        check_files(cfg)
+    check_files(load_quiet([]))  # the defaults need no file
 
 
 def test_no_arguments_and_help_print_usage(capsys):

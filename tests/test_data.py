@@ -47,9 +47,9 @@ def test_byte_tokenizer_round_trip():
 
 
 def test_build_tokenizer(tmp_path):
-    assert isinstance(build_tokenizer(load_config([])), ByteTokenizer)
+    assert isinstance(build_tokenizer(load_config([]).model.hf_assets_path), ByteTokenizer)
     with pytest.raises(ValueError, match="model.hf_assets_path .* holds no tokenizer.json"):
-        build_tokenizer(load_config(["--model.hf_assets_path", str(tmp_path)]))
+        build_tokenizer(load_config(["--model.hf_assets_path", str(tmp_path)]).model.hf_assets_path)
 
 
 @pytest.mark.skipif(HAS_TOKENIZERS, reason="checks the error shown when 'tokenizers' is not installed")
@@ -71,7 +71,7 @@ def test_hf_tokenizer_round_trip(tmp_path):
     )
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
-    hf = build_tokenizer(load_config(["--model.hf_assets_path", str(tmp_path)]))
+    hf = build_tokenizer(load_config(["--model.hf_assets_path", str(tmp_path)]).model.hf_assets_path)
     assert isinstance(hf, HFTokenizer)
     ids = hf.encode("the ring passes keys", bos=True, eos=True)
     assert ids[0] == tok.token_to_id("<s>") == hf.bos_id and ids[-1] == tok.token_to_id("</s>") == hf.eos_id

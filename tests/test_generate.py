@@ -27,7 +27,7 @@ from titan_cp.attention.kernels import get_kernel
 from titan_cp.attention.merge import apply_sinks_
 from titan_cp.config import load_config
 from titan_cp.errors import run_cli
-from titan_cp.generate import Generator, Sampling, build_model, plan_owners
+from titan_cp.generate import Generator, Sampling, build_generation_model, plan_owners
 from titan_cp.generate.cli import main, prepare
 from titan_cp.generate.needle import accuracy_grid, needle_case
 from titan_cp.generate.prompts import read_prompts
@@ -121,7 +121,7 @@ def requests(gen: Generator, sets=None) -> dict:
 
 @pytest.mark.parametrize("variant", ["tiny", "tiny_swa", "tiny_chunk"])
 def test_one_process_decode_equals_the_models_forward_on_the_whole_sequence(variant):
-    model = build_model(args_of(variant))
+    model = build_generation_model(args_of(variant))
     gen = Generator(model)
     prompts = prompt_sets()["batch"][:3] + [prompt_sets()["batch"][3][:12]]
     with torch.no_grad():
@@ -134,7 +134,7 @@ def test_one_process_decode_equals_the_models_forward_on_the_whole_sequence(vari
 
 
 def test_stop_tokens_end_one_prompt_and_leave_the_others():
-    gen = Generator(build_model(args_of("tiny")))
+    gen = Generator(build_generation_model(args_of("tiny")))
     prompts = prompt_sets()["batch"]
     free = gen.generate(prompts, NEW)
     stop = free[0].tokens[2]
@@ -148,7 +148,7 @@ def test_stop_tokens_end_one_prompt_and_leave_the_others():
 
 
 def test_decoding_past_the_prefills_plan_is_an_error():
-    gen = Generator(build_model(args_of("tiny")))
+    gen = Generator(build_generation_model(args_of("tiny")))
     logits, state = gen.prefill([[1, 2, 3]], new_tokens=2)  # room for the one token fed back
     gen.decode(state, [0], logits.argmax(-1).tolist())
     with pytest.raises(ValueError, match="prompt 0 has fed the 1 tokens the prefill planned for"):
@@ -166,7 +166,7 @@ def test_decoding_past_the_prefills_plan_is_an_error():
 
 
 def test_scores_equal_the_training_cross_entropy_sum():
-    model = build_model(args_of("tiny_swa"))
+    model = build_generation_model(args_of("tiny_swa"))
     contexts, continuations = score_pairs()
     scores = Generator(model).score(contexts, continuations)
     for c, x, s in zip(contexts, continuations, scores):
@@ -188,7 +188,7 @@ def test_sampling_is_seeded_per_prompt_and_respects_top_p():
     p, ids = nucleus(probs, 0.75)
     assert ids.tolist() == [0, 2] and p.tolist() == pytest.approx([0.625, 0.375])
     assert nucleus(probs, 1e-9)[1].tolist() == [0] and nucleus(probs, 1.0)[1].tolist() == [0, 2, 3, 1]
-    gen = Generator(build_model(args_of("tiny")))
+    gen = Generator(build_generation_model(args_of("tiny")))
     prompts = prompt_sets()["batch"]
     batch = gen.generate(prompts, NEW, SAMPLING)
     alone = gen.generate([prompts[2]], NEW, SAMPLING, prompt_ids=[2])
@@ -301,7 +301,7 @@ def _under_cp(rank, world, cases):
     for variant, strategy, balance, tp, ulysses, sets in cases:
         dims = ParallelDims(1, 1, world // tp, tp, 1, world, cp_ulysses=ulysses)
         dims.build_mesh("cpu")
-        model = build_model(args_of(variant), dims, strategy, balance)
+        model = build_generation_model(args_of(variant), dims, strategy, balance)
         gen = Generator.on_mesh(model, dims, strategy, balance)
         results.append(requests(gen, sets))
     return results
@@ -312,7 +312,7 @@ def one_process():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {v: requests(Generator(build_model(args_of(v)))) for v in VARIANTS}
+        return {v: requests(Generator(build_generation_model(args_of(v)))) for v in VARIANTS}
     finally:
         torch.set_num_threads(threads)
 
@@ -349,7 +349,7 @@ def test_cp_generation_equals_one_process(dist_pools, one_process, world):
 
 
 def _tiny_state():
-    model = build_model(model_args("tiny", vocab_size=BYTE_VOCAB), seed=7)
+    model = build_generation_model(model_args("tiny", vocab_size=BYTE_VOCAB), seed=7)
     return model, get_model_state_dict(model)
 
 

@@ -40,6 +40,7 @@ from titan_cp.integrations.transformers import (  # noqa: E402
 )
 from titan_cp.layout import BALANCES  # noqa: E402
 from titan_cp.loss import IGNORE_INDEX  # noqa: E402
+from titan_cp.preflight import check_files  # noqa: E402
 
 TOL = 1e-4
 VOCAB, SEQ = 96, 24
@@ -649,9 +650,9 @@ def test_trainer_config_errors_name_the_key(tmp_path):
     no_config = tmp_path / "tokenizer_only"
     byte_tokenizer(no_config)
     with pytest.raises(ValueError, match=r"model.hf_assets_path = .*tokenizer_only' holds no config.json"):
-        _hf_job(no_config).check_files()
+        check_files(_hf_job(no_config))
     folder = tiny_qwen3_folder(tmp_path / "qwen3")
-    _hf_job(folder).check_files()  # the TOML as it is loads and passes every check
+    check_files(_hf_job(folder))  # the TOML as it is loads and passes every check
     for extra, message in [
         (["--parallelism.tensor_parallel_degree", "2"], r"parallelism.tensor_parallel_degree = 2: model.name = 'hf'"),
         (["--parallelism.pipeline_parallel_degree", "2"], r"parallelism.pipeline_parallel_degree = 2: model.name"),
@@ -664,19 +665,25 @@ def test_trainer_config_errors_name_the_key(tmp_path):
         with pytest.raises(ValueError, match=message):
             _hf_job(folder, *extra)
     with pytest.raises(ValueError, match=r"context_parallel_degree: the model's heads \(config.json: 4 query, 2 KV\)"):
-        _hf_job(
-            folder, "--parallelism.context_parallel_strategy", "ulysses", "--parallelism.context_parallel_degree", "8"
-        ).check_files()
+        check_files(
+            _hf_job(
+                folder,
+                "--parallelism.context_parallel_strategy",
+                "ulysses",
+                "--parallelism.context_parallel_degree",
+                "8",
+            )
+        )
     config = json.loads((folder / "config.json").read_text())
     config.update(sliding_window=64, use_sliding_window=True, layer_types=["full_attention", "sliding_attention"])
     (folder / "config.json").write_text(json.dumps(config))
-    _hf_job(folder).check_files()  # sliding layers run
+    check_files(_hf_job(folder))  # sliding layers run
     config.update(attention_dropout=0.1)
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         ValueError, match=r"model.hf_assets_path = .*attention dropout \(config.attention_dropout = 0.1"
     ):
-        _hf_job(folder).check_files()
+        check_files(_hf_job(folder))
 
 
 # ---- the README's loop ----------------------------------------------------------------------------

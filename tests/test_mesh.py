@@ -71,7 +71,7 @@ def test_bad_degrees_name_the_key(kwargs, fragment):
 
 def test_from_config():
     cfg = load_config(["--parallelism.context_parallel_degree", "4", "--parallelism.tensor_parallel_degree", "2"])
-    pd = ParallelDims.from_config(cfg, world_size=16)
+    pd = cfg.parallel_dims(world_size=16)
     assert (pd.pp, pd.dp_replicate, pd.dp_shard, pd.cp, pd.tp) == (1, 1, 2, 4, 2)
     assert not pd.hybrid_cp
     cfg = load_config(
@@ -84,10 +84,10 @@ def test_from_config():
             "2",
         ]
     )
-    pd = ParallelDims.from_config(cfg, world_size=8)
+    pd = cfg.parallel_dims(world_size=8)
     assert pd.hybrid_cp and (pd.cp_ring, pd.cp_ulysses, pd.dp_shard) == (2, 2, 2)
     with pytest.raises(ValueError, match="parallelism.context_parallel_degree"):
-        ParallelDims.from_config(cfg, world_size=6)
+        cfg.parallel_dims(world_size=6)
 
 
 def test_get_mesh_before_build_is_an_error():

@@ -576,7 +576,7 @@ def test_the_tokenizers_chat_template_masks_the_same_turns(tmp_path):
     )
     from titan_cp.data import build_tokenizer
 
-    tok = build_tokenizer(cfg)
+    tok = build_tokenizer(cfg.model.hf_assets_path)
     doc = build_dataset(cfg, tok).document(0)
     words = [tok.token(i) for i in doc.tokens]
     assert words[0] == "<s>" and words[-1] == "</s>" and words.count("<turn>") == len(CONVERSATION)
@@ -586,9 +586,9 @@ def test_the_tokenizers_chat_template_masks_the_same_turns(tmp_path):
     # a template that does not extend the rendering turn by turn is refused, naming file and line
     _hf_assets(tmp_path, "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
     with pytest.raises(ValueError, match=r"c.jsonl, line 1: messages\[1\].*training.chat_template = 'chatml'"):
-        build_dataset(cfg, build_tokenizer(cfg))
+        build_dataset(cfg, build_tokenizer(cfg.model.hf_assets_path))
     _hf_assets(tmp_path, None)
     with pytest.raises(ValueError, match="has no chat_template"):
-        build_dataset(cfg, build_tokenizer(cfg))
+        build_dataset(cfg, build_tokenizer(cfg.model.hf_assets_path))
     with pytest.raises(ValueError, match="training.chat_template = 'tokenizer' needs model.hf_assets_path"):
         load_config(["--training.chat_template", "tokenizer"])

@@ -283,7 +283,7 @@ def test_steps_without_loss_bearing_tokens_are_skipped_and_a_resume_lists_each_s
         "--job.dump_folder", str(run),
     ]  # fmt: skip
     cfg = load_config(argv)
-    loader = build_dataloader(cfg, build_tokenizer(cfg), 0, 1)  # cp 2 on 2 ranks: one dp rank
+    loader = build_dataloader(cfg, build_tokenizer(cfg.model.hf_assets_path), 0, 1)  # cp 2 on 2 ranks: one dp rank
     expected = [next(loader).global_valid_tokens for _ in range(12)]
     skipped = [n == 0 for n in expected]
     # skipped steps up to the checkpoint (the count must survive the resume), after it, after the crash

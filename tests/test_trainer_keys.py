@@ -171,7 +171,7 @@ def test_whole_set_validation_steps(tmp_path):
             "2",
         ]
     )
-    loader = build_dataloader(cfg, build_tokenizer(cfg), 0, 1, "validation")
+    loader = build_dataloader(cfg, build_tokenizer(cfg.model.hf_assets_path), 0, 1, "validation")
     tokens = sum(len(loader.packer.source.document(i).tokens) for i in range(3))
     assert _whole_set_steps(loader) == -(-tokens // 512) >= 3
 

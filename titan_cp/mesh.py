@@ -32,15 +32,9 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass, field
 from math import prod
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from titan_cp.attention.strategy import get_strategy
-
-if TYPE_CHECKING:
-    from titan_cp.config import JobConfig
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 HYBRID_AXES = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
@@ -105,17 +99,6 @@ class ParallelDims:
 
     def _describe(self, skip: str = "") -> str:
         return " x ".join(f"{_KEYS[a]}={getattr(self, a)}" for a in AXES if a != skip)
-
-    @classmethod
-    def from_config(cls, job_config: JobConfig, world_size: int) -> ParallelDims:
-        """Degrees from ``[parallelism]``; the cp axis is split when the strategy is ``hybrid``."""
-        p = job_config.parallelism
-        split = get_strategy(p.context_parallel_strategy).mesh_ndim == 2
-        return cls(
-            **job_config.parallel_degrees(),
-            world_size=world_size,
-            cp_ulysses=p.context_parallel_ulysses_degree if split else None,
-        )
 
     # ---- degrees ----------------------------------------------------------------------------
 

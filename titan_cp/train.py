@@ -33,13 +33,13 @@ from titan_cp.checkpoint import Checkpointer
 from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
 from titan_cp.errors import run_cli
+from titan_cp.families import get_family
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
-from titan_cp.mesh import ParallelDims
 from titan_cp.metrics import MetricsLogger, StepMetrics, recall_counts, recall_metrics
-from titan_cp.model import build_model
 from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda
 from titan_cp.parallel.ac import ac_mode_and_every
-from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model, cp_mesh
+from titan_cp.parallel.build import ParallelizeOptions, cp_mesh
+from titan_cp.preflight import check_files
 from titan_cp.profiling import Profiler
 from titan_cp.step import Microbatch, forward_backward, shard_tokens
 
@@ -157,7 +157,7 @@ class Trainer:
     def _build_mesh(self) -> None:
         """The named mesh, and this process's dp, cp and tp ranks."""
         p = self.cfg.parallelism
-        self.dims = ParallelDims.from_config(self.cfg, dist.get_world_size())
+        self.dims = self.cfg.parallel_dims(dist.get_world_size())
         self.dims.build_mesh(self.device.type)
         dp = self.dims.get_mesh("dp")
         self.dp_rank, self.dp_degree = dp.get_local_rank(), dp.size()
@@ -167,7 +167,7 @@ class Trainer:
     def _build_data(self) -> None:
         """The tokenizer, this dp rank's training loader and, with validation, its validation loader."""
         cfg = self.cfg
-        self.tokenizer = build_tokenizer(cfg)
+        self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
         self.loader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "train")
         self.val_loader = (
             build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "validation")
@@ -181,13 +181,11 @@ class Trainer:
     def _build_model(self) -> None:
         """The model parts of this rank (pipeline stages, or the one model), parallelized and
         initialised; the loss; the compute precision (FSDP's, or autocast's without FSDP)."""
-        cfg, t, p = self.cfg, self.cfg.training, self.cfg.parallelism
+        cfg, p = self.cfg, self.cfg.parallelism
         if cfg.compile.enable and "loss" in cfg.compile.components and self.rank0:
             logger.info("compile.components: 'loss' is not compiled by titan_cp (only 'model' is)")
         self.loss_fn = GlobalTokenLoss()
-        self.hf = cfg.model.name == "hf"
-        if not self.hf:
-            self.model_args = build_model(cfg.model.flavor, vocab_size=self.tokenizer.vocab_size).args  # on meta
+        self.family = get_family(cfg.model.name)
         precision = compute_precision(cfg, self.device.type, announce=self.rank0)
         mp = {"bfloat16": torch.bfloat16, "float32": None}[precision]
         ac = cfg.activation_checkpoint
@@ -207,23 +205,10 @@ class Trainer:
         )
         if mp is not None and not sharded:
             logger.info("training.mixed_precision_param = %s: autocast (no FSDP to cast the parameters)", precision)
-        if self.hf:  # a Hugging Face folder: built on meta, parallelized, shards allocated; weights loaded later
-            model, self.model_args = _hf_trainer().build_parallel_model(
-                cfg.model.hf_assets_path, self.dims, options, self.device
-            )
-            _hf_trainer().check_vocab(model, self.tokenizer.vocab_size)
-            self.parts, self.schedule, self.first, self.last = [model], None, True, True
-            return
-        # built on meta, parallelized, then each rank allocates and initialises only its shards (seeded: same on every mesh)
-        built = build_parallel_model(
-            self.model_args,
-            self.dims,
-            options,
-            self.device,
-            seed=t.seed,
-            loss_fn=self.loss_fn,
-            pp_microbatches=t.local_batch_size // p.pipeline_parallel_microbatch_size,
-            pp_schedule=p.pipeline_parallel_schedule,
+        # built on meta, parallelized, then each rank allocates and initialises only its shards (seeded: same on
+        # every mesh); a Hugging Face model's weights are loaded later, with the checkpointer
+        built, self.model_args = self.family.build_parallel(
+            cfg, self.dims, options, self.device, self.tokenizer.vocab_size, self.loss_fn
         )
         self.parts, self.schedule, self.first, self.last = built.parts, built.schedule, built.has_first, built.has_last
 
@@ -252,10 +237,8 @@ class Trainer:
         )
         resumed = c.enable and self.checkpointer.load(c.load_step) is not None
         if not resumed and c.initial_load_path:  # into the sharded, initialised model
-            if c.initial_load_in_hf and self.hf:
-                _hf_trainer().load_weights(self.parts[0], c.initial_load_path)
-            elif c.initial_load_in_hf:
-                self.checkpointer.load_hf(c.initial_load_path, self.model_args)
+            if c.initial_load_in_hf:
+                self.family.load_hf(self.parts, c.initial_load_path, self.model_args)
             else:
                 self.checkpointer.load_model(c.initial_load_path, c.initial_load_model_only)
 
@@ -361,11 +344,9 @@ class Trainer:
                 else:
                     self.checkpointer.save(step)
         self.checkpointer.close()  # an asynchronous save in flight lands
-        if cfg.checkpoint.last_save_in_hf and self.hf:
+        if cfg.checkpoint.last_save_in_hf:
             folder = self.dump / cfg.checkpoint.folder / f"step-{self.state.step}-hf"
-            _hf_trainer().save_weights(self.parts[0], folder, cfg.model.hf_assets_path)
-        elif cfg.checkpoint.last_save_in_hf:
-            self.checkpointer.save_hf(self.state.step, self.model_args)
+            self.family.save_hf(self.parts, folder, self.model_args, cfg.model.hf_assets_path)
         self.metrics.close()
         return history
 
@@ -383,13 +364,6 @@ class Trainer:
                 self.state.skipped_steps,
             )
         return self.step_metrics.skipped_record(step, lr, step_data, self.loader.source_tokens)
-
-
-def _hf_trainer():
-    """``titan_cp.integrations.hf_trainer``, imported for ``model.name = "hf"`` only (transformers is optional)."""
-    from titan_cp.integrations import hf_trainer  # noqa: PLC0415
-
-    return hf_trainer
 
 
 def _whole_set_steps(loader) -> int:
@@ -413,7 +387,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(0 if argv else 2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     cfg = load_config(argv, warn_adjustments=os.environ.get("RANK", "0") == "0")  # once per job, not per process
-    cfg.check_files()  # before any process group starts
+    check_files(cfg)  # before any process group starts
     return Trainer(cfg).train()
 
 

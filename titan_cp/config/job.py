@@ -1,6 +1,6 @@
 """The whole job config: one field per TOML section, and what is checked across sections.
 
-Three steps, each explicit (:func:`titan_cp.config.load_config` runs the first two):
+Two steps, each explicit (:func:`titan_cp.config.load_config` runs both):
 
 1. :meth:`JobConfig.validate` — every value against its field's type, choices and bounds,
    then each section's own rules. Pure: changes nothing, reads no file or environment.
@@ -8,17 +8,16 @@ Three steps, each explicit (:func:`titan_cp.config.load_config` runs the first t
    against the degrees, ``seq_len`` against the sequence layout, pipeline microbatches and batch
    sizes against each other) and the adjustments they call for (a warmup longer than the run
    is shortened); returns what it adjusted, for the caller to announce once per job.
-3. :meth:`JobConfig.check_files` — what the files on disk can tell before any process starts.
+What the files on disk can tell before any process starts is :func:`titan_cp.preflight.check_files`,
+a module above the config, the data, the checkpoint and the model families.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from titan_cp.config.generate import Generate
@@ -35,11 +34,12 @@ from titan_cp.config.sections import (
     Optimizer,
     Profiling,
     Validation,
-    flavors,
 )
 from titan_cp.config.training import Training, check_microbatch_tokens
 from titan_cp.config.values import Section
+from titan_cp.families import get_family
 from titan_cp.layout import seq_len_multiple
+from titan_cp.mesh import ParallelDims
 
 
 @dataclass
@@ -92,6 +92,17 @@ class JobConfig:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """``{section: {key: value}}``, for logs and checkpoint metadata."""
         return asdict(self)
+
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        """The mesh degrees of ``[parallelism]`` for ``world_size`` ranks; the cp axis is split in two
+        where the strategy runs on a 2-D sub-mesh (``hybrid``). ``ValueError`` naming the key."""
+        p = self.parallelism
+        split = p.strategy().mesh_ndim == 2
+        return ParallelDims(
+            **self.parallel_degrees(),
+            world_size=world_size,
+            cp_ulysses=p.context_parallel_ulysses_degree if split else None,
+        )
 
     def parallel_degrees(self) -> dict[str, int]:
         """Degrees by mesh axis name; ``dp_shard`` may be -1 ("the rest", resolved by the mesh)."""
@@ -151,11 +162,7 @@ class JobConfig:
                 "training.chat_template = 'tokenizer' needs model.hf_assets_path (a tokenizer_config.json "
                 "with a chat_template); the byte tokenizer has none"
             )
-        if m.name == "hf":
-            _check_hf_keys(self)  # the heads are checked against config.json in check_files
-        else:
-            args = flavors()[m.flavor]
-            p.check_model(m.flavor, args.n_heads, args.n_kv_heads or args.n_heads, args.n_layers)
+        get_family(m.name).check_keys(self)
         if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
             raise ValueError(
                 f"training.local_batch_size ({t.local_batch_size}) must be a multiple of "
@@ -177,24 +184,6 @@ class JobConfig:
             t.seq_len if v.seq_len == -1 else v.seq_len
         )
 
-    def check_files(self) -> None:
-        """What the files on disk and this machine can tell before any process starts: the output
-        folder can be written, the tokenizer is JSON, each dataset's path exists, the checkpoint to
-        resume (its files whole) or to start from, a microbatch fits the host memory. Raises
-        ``ValueError`` naming the key (and the file). Writes nothing."""
-        from titan_cp.data.tokenizer import check_tokenizer_files  # noqa: PLC0415 - the data package imports torch
-
-        _check_dump_folder(self.job.dump_folder)
-        if self.model.hf_assets_path:
-            check_tokenizer_files(self.model.hf_assets_path)
-        if self.model.name == "hf":
-            from titan_cp.integrations.hf_trainer import check_job  # noqa: PLC0415 - needs transformers
-
-            check_job(self)
-        _check_dataset_paths(self.training, self.validation)
-        _check_checkpoint_paths(self.checkpoint, Path(self.job.dump_folder))
-        _check_host_memory(self)
-
 
 @functools.cache
 def section_types() -> dict[str, type[Section]]:
@@ -210,31 +199,6 @@ def known_keys() -> dict[str, Any]:
     return {f"{name}.{field}": hint for name, cls in section_types().items() for field, hint in cls.hints().items()}
 
 
-def _check_hf_keys(cfg: JobConfig) -> None:
-    """``model.name = "hf"``: what titan_cp builds for Hugging Face models (FSDP, CP, AC, compile; not
-    TP or PP), and where their weights come from."""
-    p, c = cfg.parallelism, cfg.checkpoint
-    if cfg.is_given("model.flavor"):
-        raise ValueError(
-            f"model.flavor = {cfg.model.flavor!r} shapes titan_cp's Llama; with model.name = 'hf' the model is "
-            "model.hf_assets_path's config.json: remove model.flavor"
-        )
-    for key, degree in (
-        ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
-        ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree),
-    ):
-        if degree != 1:
-            raise ValueError(
-                f"{key} = {degree}: model.name = 'hf' runs with FSDP and context parallelism only (not tensor "
-                f"or pipeline parallelism); set {key} = 1"
-            )
-    if not (c.initial_load_path and c.initial_load_in_hf):
-        raise ValueError(
-            "model.name = 'hf' starts from the weights of a Hugging Face folder: set checkpoint.initial_load_path "
-            "(e.g. to model.hf_assets_path) and checkpoint.initial_load_in_hf = true"
-        )
-
-
 def _check_seq_len(key: str, seq_len: int, p: Parallelism) -> None:
     """The sequence must split evenly over the cp ranks, as the layout cuts it
     (:func:`titan_cp.layout.seq_len_multiple`: two chunks per rank for ``zigzag``, equal shards
@@ -247,88 +211,3 @@ def _check_seq_len(key: str, seq_len: int, p: Parallelism) -> None:
             f"{key} ({seq_len}) must be divisible by parallelism.context_parallel_degree {what} "
             f"for parallelism.context_parallel_load_balancer = {balance!r}"
         )
-
-
-def _check_dataset_paths(t: Training, v: Validation) -> None:
-    """Every dataset that is not built in names a local path that exists."""
-    sources = (
-        [] if t.dataset == "mixture" else [(t.dataset, t.dataset_path, "training.dataset", "training.dataset_path")]
-    )
-    sources += [
-        (s.kind, s.path, f"training.mixture[{i}].kind", f"training.mixture[{i}].path") for i, s in enumerate(t.mixture)
-    ]
-    if v.enable:
-        sources.append((v.dataset, v.dataset_path, "validation.dataset", "validation.dataset_path"))
-    for kind, path, kind_key, path_key in sources:
-        if kind == "synthetic_recall":
-            continue
-        if not path:
-            raise ValueError(
-                f"{kind_key} = {kind!r} is not built in (built in: 'synthetic_recall'); set "
-                f"{path_key} to a local copy: titan_cp never downloads data"
-            )
-        if not Path(path).exists():
-            raise ValueError(f"{path_key} = {path!r} does not exist")
-
-
-def _check_checkpoint_paths(c: Checkpoint, dump_folder: Path) -> None:
-    """The checkpoint to resume exists and is whole (:func:`titan_cp.checkpoint.check_resume`); the
-    weights to start from exist, and are whole, when nothing is resumed."""
-    from titan_cp import checkpoint  # noqa: PLC0415 - torch's checkpoint reader, needed here only
-    from titan_cp.model import hf  # noqa: PLC0415 - as above
-
-    resumed = checkpoint.check_resume(dump_folder / c.folder, c.load_step) if c.enable else None
-    if resumed is not None or not c.initial_load_path:
-        return
-    path, key = Path(c.initial_load_path), "checkpoint.initial_load_path"
-    if not path.exists():
-        raise ValueError(f"{key} = {c.initial_load_path!r} does not exist")
-    if c.initial_load_in_hf:
-        hf.check_hf_folder(path, key)
-    elif (path / ".metadata").is_file():
-        what = f"{key} = {c.initial_load_path!r}"
-        fix = "point it at a checkpoint that is whole"
-        checkpoint.verify_files(path, checkpoint.read_metadata(path, what, fix), what, fix)
-
-
-def _check_dump_folder(dump_folder: str) -> None:
-    """``job.dump_folder`` is a folder this process can write in, or can be made in one."""
-    path = Path(dump_folder).absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if existing == path and not path.is_dir():
-        raise ValueError(f"job.dump_folder = {dump_folder!r} is a file, not a folder; choose a folder")
-    if not existing.is_dir():
-        raise ValueError(f"job.dump_folder = {dump_folder!r} cannot be made: {str(existing)!r} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        made = "" if existing == path else " (where it would be made)"
-        raise ValueError(
-            f"job.dump_folder = {dump_folder!r}: cannot write in {str(existing)!r}{made}; choose a folder you can write"
-        )
-
-
-_HOST_BYTES_PER_TOKEN = 32  # the loader's tokens, labels, positions and recall distances, int64 each
-
-
-def _check_host_memory(cfg: JobConfig) -> None:
-    """One microbatch of rows fits this machine's memory, for every rank on it (``LOCAL_WORLD_SIZE``):
-    the loader alone holds ``rows * seq_len * 32`` bytes of int64 per-token tensors (a lower bound)."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # no such query on this system: nothing to compare with
-        return
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    t = cfg.training
-    for section, (rows, seq_len) in (
-        ("training", (t.local_batch_size, t.seq_len)),
-        ("validation", cfg.validation_rows()),
-    ):
-        if section == "validation" and not cfg.validation.enable:
-            continue
-        need = rows * seq_len * _HOST_BYTES_PER_TOKEN * local_ranks
-        if need > total:
-            raise ValueError(
-                f"{section}.seq_len = {seq_len} with {section}.local_batch_size = {rows}: one microbatch needs at "
-                f"least {need / 2**30:.1f} GiB of host memory on {local_ranks} rank(s) ({_HOST_BYTES_PER_TOKEN} "
-                f"bytes per token), this machine has {total / 2**30:.1f} GiB; lower {section}.seq_len or "
-                f"{section}.local_batch_size"
-            )

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 from titan_cp.config.training import SEQ_LEN_BOUND
 from titan_cp.config.values import AtLeast, IncreasingPositive, InRange, OneOf, Positive, PositiveOrAuto, Section
+from titan_cp.families import DEFAULT_FAMILY, family_names, get_family
 
 
 @functools.cache
@@ -79,8 +80,8 @@ class Metrics(Section, name="metrics"):
 
 @dataclass
 class Model(Section, name="model"):
-    name: Literal["llama3", "hf"] = "llama3"
-    """Model family: ``llama3`` (titan_cp's own Llama 3, shaped by ``flavor``), or ``hf``: the
+    name: Annotated[str, OneOf(family_names)] = DEFAULT_FAMILY
+    """Model family, a registered one (:mod:`titan_cp.families`): ``llama3`` (titan_cp's own Llama 3, shaped by ``flavor``), or ``hf``: the
     Hugging Face causal LM of the folder ``hf_assets_path`` (its ``config.json``; Llama, Qwen2, Qwen3,
     Mistral, Gemma, ...; ``titan_cp.integrations.hf_trainer``), weights from
     ``checkpoint.initial_load_path`` with ``checkpoint.initial_load_in_hf``."""
@@ -95,11 +96,7 @@ class Model(Section, name="model"):
     ``name = "hf"`` its ``config.json`` is the model. Unset (or empty): the built-in byte-level tokenizer."""
 
     def check(self) -> None:
-        if self.name == "hf" and not self.hf_assets_path:
-            raise ValueError(
-                "model.name = 'hf' needs model.hf_assets_path: the Hugging Face model folder (config.json, "
-                "tokenizer, *.safetensors)"
-            )
+        get_family(self.name).check_section(self)
 
 
 @dataclass

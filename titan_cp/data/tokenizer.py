@@ -8,13 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from titan_cp.errors import UserError
 from titan_cp.files import read_json
-
-if TYPE_CHECKING:
-    from titan_cp.config import JobConfig
 
 
 class Tokenizer(Protocol):
@@ -163,9 +160,8 @@ def check_tokenizer_files(path: str) -> None:
         read_json(config, f"model.hf_assets_path = {path!r}: {config}")
 
 
-def build_tokenizer(job_config: JobConfig) -> Tokenizer:
-    """The byte tokenizer, or the ``tokenizer.json`` in ``model.hf_assets_path`` when that is set."""
-    path = job_config.model.hf_assets_path
+def build_tokenizer(path: str | None) -> Tokenizer:
+    """The byte tokenizer, or the ``tokenizer.json`` in ``path`` (``model.hf_assets_path``) when that is set."""
     if not path:
         return ByteTokenizer()
     return HFTokenizer(_tokenizer_file(path))

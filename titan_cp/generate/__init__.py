@@ -9,15 +9,15 @@ layer (:mod:`titan_cp.attention.decode`)::
     outs = gen.generate([prompt_ids, ...], max_new_tokens=64, sampling=Sampling(0.8, 0.95, seed=0))
     scores = gen.score([context_ids, ...], [continuation_ids, ...])               # log-likelihoods
 
-Modules: :mod:`.engine` (:class:`Generator`), :mod:`.models` (what a model answers; :func:`build_model`),
-:mod:`.hf` (Hugging Face models), :mod:`.cache`, :mod:`.sampling`,
+Modules: :mod:`.engine` (:class:`Generator`), :mod:`.runners` (what a model answers; :func:`build_generation_model`),
+:mod:`.hf_runner` (Hugging Face models), :mod:`.cache`, :mod:`.sampling`,
 :mod:`.prompts` (prompt files), :mod:`.weights` (the config's checkpoint), :mod:`.needle`
 (needle in a haystack), :mod:`.cli` (``python -m titan_cp.generate``).
 """
 
 from titan_cp.generate.cache import ShardedKVCache, plan_owners
 from titan_cp.generate.engine import Generation, Generator, PackedPrompts, Score
-from titan_cp.generate.runners import build_model
+from titan_cp.generate.runners import build_generation_model
 from titan_cp.generate.sampling import Sampling, sample_next
 
 __all__ = [
@@ -27,7 +27,7 @@ __all__ = [
     "Sampling",
     "Score",
     "ShardedKVCache",
-    "build_model",
+    "build_generation_model",
     "plan_owners",
     "sample_next",
 ]

@@ -34,7 +34,7 @@ from titan_cp.generate.needle import accuracy_grid, draw_heatmap, needle_case, n
 from titan_cp.generate.prompts import PromptRecord, read_prompts
 from titan_cp.generate.sampling import Sampling
 from titan_cp.generate.weights import ModelSpec, WeightSource, check_weights, load_weights, model_spec, weight_source
-from titan_cp.mesh import ParallelDims
+from titan_cp.preflight import check_files
 from titan_cp.train import compute_precision, init_distributed
 
 logger = logging.getLogger("titan_cp")
@@ -120,9 +120,9 @@ def _read(cfg: JobConfig, tokenizer, spec: ModelSpec):
 def prepare(cfg: JobConfig, world_size: int) -> GenerateJob:
     """Check everything the config and the files can tell for ``world_size`` ranks, before any process
     group: ``ValueError`` naming the key (and the file and line)."""
-    cfg.check_files()
+    check_files(cfg)
     p = cfg.parallelism
-    dims = ParallelDims.from_config(cfg, world_size)
+    dims = cfg.parallel_dims(world_size)
     if dims.pp_enabled:
         raise ValueError("titan_cp.generate runs no pipeline stages: set parallelism.pipeline_parallel_degree = 1")
     if dims.dp_degree > 1:
@@ -131,7 +131,7 @@ def prepare(cfg: JobConfig, world_size: int) -> GenerateJob:
             f"degree of {dims.dp_degree}: launch parallelism.context_parallel_degree x tensor_parallel_degree = "
             f"{p.context_parallel_degree * p.tensor_parallel_degree} ranks"
         )
-    tokenizer = build_tokenizer(cfg)
+    tokenizer = build_tokenizer(cfg.model.hf_assets_path)
     spec = model_spec(cfg, tokenizer.vocab_size)
     stop = _stop_tokens(cfg.generate, tokenizer)
     records, prompts, continuations = _read(cfg, tokenizer, spec)
@@ -229,7 +229,7 @@ def run(job: GenerateJob) -> list[dict]:
     cfg, p = job.cfg, job.cfg.parallelism
     device = init_distributed(cfg)
     rank0 = dist.get_rank() == 0
-    dims = ParallelDims.from_config(cfg, dist.get_world_size())
+    dims = cfg.parallel_dims(dist.get_world_size())
     dims.build_mesh(device.type)
     strategy, balance = p.context_parallel_strategy, p.context_parallel_load_balancer
     model = job.model.build(dims, strategy, balance, device)

@@ -75,7 +75,7 @@ AttentionMaskInterface.register(GENERATE_ATTENTION, titan_cp_mask)
 
 
 class HFRunner:
-    """The runner (:mod:`.models`) of a :class:`CausalLM` built by :func:`build_hf_model`."""
+    """The runner (:mod:`.runners`) of a :class:`CausalLM` built by :func:`build_hf_model`."""
 
     def __init__(self, model: nn.Module):
         self.model, hf = model, hf_model_of(model)

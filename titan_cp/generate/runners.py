@@ -1,4 +1,6 @@
-"""What generation asks of a model, for titan_cp's Llama (here) and Hugging Face models (:mod:`.hf`).
+"""What generation asks of a model (the runner contract), and the runner of titan_cp's Llama; Hugging
+Face models' runner is :mod:`.hf_runner`. A model's family picks its runner
+(:meth:`titan_cp.families.ModelFamily.runner`).
 
 A *runner* wraps a model already made context-parallel as in training and answers::
 
@@ -92,16 +94,7 @@ def _decode_core(attend: Attend, layer: int, inner: nn.Module, q: Tensor, k: Ten
     return out.unsqueeze(2)
 
 
-def runner_of(model: nn.Module):
-    """The runner of ``model``: titan_cp's Llama, or a Hugging Face causal LM built by :func:`.hf.build_hf_model`."""
-    if isinstance(model, Transformer):
-        return LlamaRunner(model)
-    from titan_cp.generate.hf_runner import HFRunner  # noqa: PLC0415 - transformers is optional
-
-    return HFRunner(model)
-
-
-def build_model(
+def build_generation_model(
     args: ModelArgs,
     dims=None,
     strategy: str = DEFAULT_STRATEGY,

@@ -1,8 +1,8 @@
 """The model and the weights generation runs on, from the config, checked before any process group.
 
-The model is titan_cp's Llama of ``model.flavor`` (``model.name = "llama3"``) or the Hugging Face
-model of ``model.hf_assets_path`` (``model.name = "hf"``), with the tokenizer's vocabulary
-(:class:`ModelSpec`). Its weights come from, in order (the trainer's keys, read the same way)::
+The model is the one ``model.name``'s family builds (:mod:`titan_cp.families`: titan_cp's Llama of
+``model.flavor``, or the Hugging Face model of ``model.hf_assets_path``), with the tokenizer's
+vocabulary (:class:`~titan_cp.families.ModelSpec`). Its weights come from, in order (the trainer's keys, read the same way)::
 
     checkpoint.enable and a step in <job.dump_folder>/<checkpoint.folder>   a titan_cp step (load_step, or the newest)
     checkpoint.initial_load_path                                          a DCP folder: titan_cp's or torchtitan's
@@ -14,18 +14,15 @@ a checkpoint of another model is an error naming the key before anything starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from titan_cp import checkpoint
-from titan_cp.generate.runners import build_model
-from titan_cp.model import hf_checkpoint, model_args
-from titan_cp.model.llama import ModelArgs, Transformer
+from titan_cp.families import ModelSpec, get_family
 
 if TYPE_CHECKING:
     from titan_cp.config import JobConfig
@@ -34,56 +31,9 @@ Kind = Literal["titan_cp", "torchtitan", "hf"]
 _WHOLE = "point it at a checkpoint that is whole"
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """The model to build: ``name`` ``"llama3"`` (``args``) or ``"hf"`` (``folder``); ``what`` names it in
-    errors; ``shapes``: every parameter's name (as checkpoints store it) and shape."""
-
-    name: str
-    what: str
-    max_seq_len: int
-    shapes: dict[str, tuple[int, ...]] = field(repr=False)
-    args: ModelArgs | None = None
-    folder: str | None = None
-
-    def build(self, dims, strategy: str, balance: str, device) -> nn.Module:
-        """The model parallelized for generation on ``dims``' mesh, shards allocated (weights to load)."""
-        if self.name == "hf":
-            from titan_cp.generate.hf_runner import build_hf_model  # noqa: PLC0415 - transformers is optional
-
-            return build_hf_model(self.folder, dims, strategy, balance, device)
-        return build_model(self.args, dims, strategy, balance, device)
-
-
-def _hf_spec(cfg: JobConfig, vocab_size: int) -> ModelSpec:
-    from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
-    from titan_cp.integrations.hf_model import plain_head, text_config  # noqa: PLC0415
-    from titan_cp.integrations.hf_parallel import CausalLM  # noqa: PLC0415
-
-    path = cfg.model.hf_assets_path
-    what = f"model.hf_assets_path = {path!r}"
-    config = hf_trainer.load_config(path)
-    model = hf_trainer.meta_model(config)
-    if plain_head(model) is None:
-        raise ValueError(
-            f"{what}: titan_cp.generate takes the logits from a plain output head (logits = lm_head(hidden)); "
-            f"{type(model).__name__}'s forward changes them (e.g. final logit soft-capping)"
-        )
-    rows = model.get_input_embeddings().num_embeddings
-    if vocab_size > rows:
-        raise ValueError(f"{what}: the tokenizer has {vocab_size} ids but the model's embedding {rows} rows")
-    shapes = {name: tuple(p.shape) for name, p in CausalLM(model).named_parameters()}
-    return ModelSpec("hf", what, text_config(config).max_position_embeddings, shapes, folder=path)
-
-
 def model_spec(cfg: JobConfig, vocab_size: int) -> ModelSpec:
     """The model ``cfg`` names, with the tokenizer's ``vocab_size`` (titan_cp's Llama takes it as its own)."""
-    if cfg.model.name == "hf":
-        return _hf_spec(cfg, vocab_size)
-    args = model_args(cfg.model.flavor, vocab_size=vocab_size)
-    with torch.device("meta"):
-        shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
-    return ModelSpec("llama3", f"model.flavor = {cfg.model.flavor!r}", args.max_seq_len, shapes, args=args)
+    return get_family(cfg.model.name).generation_spec(cfg, vocab_size)
 
 
 @dataclass(frozen=True)
@@ -143,20 +93,13 @@ def _saved_shapes(source: WeightSource) -> dict[str, tuple[int, ...]]:
 
 def check_weights(source: WeightSource, spec: ModelSpec) -> None:
     """Every parameter of the model is in ``source`` with its shape, and a titan_cp step holds no other
-    (the DCP metadata, or the Hugging Face headers and ``config.json``): a ``ValueError`` names the key,
-    the parameter and both shapes. Reads no weight."""
-    if source.kind == "hf" and spec.name == "llama3":  # renamed and permuted from transformers' Llama
-        hf_checkpoint.check_hf_folder(source.path, source.key)
-        hf_checkpoint.check_hf_weights(source.path, spec.args, source.key)
+    where the family says so (the DCP metadata, or the Hugging Face headers and ``config.json``): a
+    ``ValueError`` names the key, the parameter and both shapes. Reads no weight."""
+    family = spec.family
+    if source.kind == "hf" and family.check_hf_weights(source, spec):
         return
-    if source.kind == "hf":
-        hf_checkpoint.check_hf_folder(source.path, source.key)
     saved = _saved_shapes(source)
-    fix = (
-        f"set model.flavor to the flavor the checkpoint was trained with ({spec.what} now)"
-        if spec.name == "llama3"
-        else f"point model.hf_assets_path at the model the checkpoint holds ({spec.what} now)"
-    )
+    fix = family.mismatch_fix(spec.what)
     for name, shape in spec.shapes.items():
         if name not in saved:
             raise ValueError(f"{source.where} has no {name}, which {spec.what} has; {fix}")
@@ -166,17 +109,13 @@ def check_weights(source: WeightSource, spec: ModelSpec) -> None:
                 f"makes {shape}; {fix}"
             )
     extra = sorted(set(saved) - set(spec.shapes))
-    if source.kind == "titan_cp" and spec.name == "llama3" and extra:
+    if source.kind == "titan_cp" and family.strict_names() and extra:
         raise ValueError(f"{source.where} holds {extra[0]}, which {spec.what} does not have; {fix}")
 
 
 def load_weights(source: WeightSource, model: nn.Module, spec: ModelSpec) -> None:
     """Load ``source`` into ``model`` (plain, or sharded by tensor parallelism), in place."""
-    if source.kind == "hf" and spec.name == "hf":
-        from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
-
-        hf_trainer.load_weights(model, source.path, key=source.key)
-    elif source.kind == "hf":
-        hf_checkpoint.load_hf([model], source.path, spec.args, key=source.key)
+    if source.kind == "hf":
+        spec.family.load_hf([model], source.path, spec.args, key=source.key)
     else:
         checkpoint.Checkpointer(source.path.parent, [model], [], {}).load_model(source.path, model_only=True)

@@ -85,7 +85,7 @@ def hf_folder(path, key: str = "model.hf_assets_path") -> Path:
     return folder
 
 
-def load_config(path, key: str = "model.hf_assets_path"):
+def load_hf_config(path, key: str = "model.hf_assets_path"):
     """The ``transformers`` config of the folder ``path`` (read locally; nothing is downloaded)."""
     from transformers import AutoConfig  # noqa: PLC0415 - optional dependency
 
@@ -104,7 +104,7 @@ def check_job(cfg) -> None:
     """What the HF folder can tell before any process starts: ``config.json``, a supported attention,
     heads the CP strategy can split. ``ValueError`` naming the key."""
     try:
-        config = load_config(cfg.model.hf_assets_path)
+        config = load_hf_config(cfg.model.hf_assets_path)
         model = meta_model(config)
     except ImportError as e:
         raise ValueError("model.name = 'hf' needs the transformers package: pip install transformers") from e
@@ -132,7 +132,7 @@ def build_parallel_model(path, parallel_dims, options, device, fsdp: bool = True
     ``fsdp`` false: no FSDP whatever the mesh (generation keeps the weights whole on every cp rank)."""
     from titan_cp.parallel.build import cp_mesh  # noqa: PLC0415 - the trainer's module imports this one
 
-    hf = meta_model(load_config(path))
+    hf = meta_model(load_hf_config(path))
     args = HFModelArgs.of(hf)
     mesh = cp_mesh(parallel_dims) if parallel_dims.cp_enabled else None
     apply_cp(hf, mesh, options.cp_strategy, options.cp_balance, options.cp_kernel)

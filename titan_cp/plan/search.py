@@ -230,14 +230,13 @@ def plan(
     stack: Stack | None = None,
 ) -> PlanResult:
     """Every candidate's estimate for ``job_config`` on ``ngpu`` GPUs, the recommended one first."""
-    from titan_cp.mesh import ParallelDims
 
     if ngpu < 1:
         raise ValueError(f"--ngpu must be positive, got {ngpu}")
     if nnodes < 1 or ngpu % nnodes:
         raise ValueError(f"--nnodes ({nnodes}) must divide --ngpu ({ngpu})")
     dev = device(gpu, hbm_gb, nnodes, ngpu)
-    ParallelDims.from_config(job_config, ngpu)  # the configured degrees must lay out on ngpu (names the key)
+    job_config.parallel_dims(ngpu)  # the configured degrees must lay out on ngpu (names the key)
     t, p = job_config.training, job_config.parallelism
     balance = p.context_parallel_load_balancer
     if t.seq_len % seq_len_multiple(balance, 1):

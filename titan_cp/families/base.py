@@ -1,0 +1,138 @@
+"""What a model family is: one object per family, answering everything the package asks of it.
+
+The config, the preflight checks, the trainer and generation never compare a family's name
+(``model.name``); they ask its :class:`ModelFamily`::
+
+    f = get_family(cfg.model.name)
+    f.check_section(cfg.model)            the [model] section's own rules
+    f.check_keys(cfg)                     the keys across sections (load_config's reconcile step)
+    f.check_files(cfg)                    what its files on disk can tell (titan_cp.preflight)
+    f.build_parallel(cfg, dims, options, device, vocab_size, loss_fn)   -> (ModelParts, shapes)
+    f.load_hf(parts, path, shapes)        initial weights from a Hugging Face folder
+    f.save_hf(parts, folder, shapes, assets)   export as a Hugging Face folder
+    f.generation_spec(cfg, vocab_size)    the model generation builds, with every parameter's shape
+    f.build_for_generation(spec, dims, strategy, balance, device)
+    f.owns(model) / f.runner(model)       generation's runner of a built model
+
+``shapes`` is what the trainer's metrics and the planner ask of a model's size
+(``training_flops``, ``n_layers``, ``n_heads``, ``head_dim``): the Llama's ``ModelArgs``, or
+``HFModelArgs`` read from a Hugging Face model. The job config arrives as the object
+``load_config`` returns (this package sits below ``titan_cp.config`` and does not import it).
+
+A third family is one subclass and one :func:`register_family` call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+class ModelFamily:
+    """A model family (module docstring); the defaults are what a family without the feature answers."""
+
+    name: ClassVar[str]
+
+    def check_section(self, model) -> None:
+        """Rules of the ``[model]`` section ``model`` for this family; ``ValueError`` naming the key."""
+
+    def check_keys(self, cfg) -> None:
+        """Rules across sections for this family (degrees, weights); ``ValueError`` naming the key."""
+
+    def check_files(self, cfg) -> None:
+        """What this family's files on disk can tell before any process starts (no process group)."""
+
+    def build_parallel(self, cfg, dims, options, device, vocab_size: int, loss_fn=None) -> tuple[Any, Any]:
+        """``(ModelParts, shapes)``: this rank's model parts built on ``meta``, parallelized over
+        ``dims``' mesh as ``options`` say, shards allocated on ``device`` and initialised."""
+        raise NotImplementedError
+
+    def load_hf(self, parts: list, path, shapes, key: str = "checkpoint.initial_load_path") -> None:
+        """Load the Hugging Face folder ``path`` into the (sharded) ``parts``, in place."""
+        raise NotImplementedError
+
+    def save_hf(self, parts: list, folder, shapes, assets=None):
+        """Write ``parts`` (every rank's shards) as a Hugging Face folder; collective. Returns the folder."""
+        raise NotImplementedError
+
+    def generation_spec(self, cfg, vocab_size: int):
+        """The :class:`~titan_cp.generate.weights.ModelSpec` generation builds for ``cfg``."""
+        raise NotImplementedError
+
+    def build_for_generation(self, spec, dims, strategy: str, balance: str, device):
+        """``spec``'s model parallelized for generation over ``dims``' mesh, shards allocated."""
+        raise NotImplementedError
+
+    def owns(self, model) -> bool:
+        """Whether ``model`` (as :meth:`build_for_generation` builds it) is of this family."""
+        return False
+
+    def runner(self, model):
+        """Generation's runner of ``model`` (:mod:`titan_cp.generate.runners`)."""
+        raise NotImplementedError
+
+    def check_hf_weights(self, source, spec) -> bool:
+        """Check a Hugging Face folder ``source`` for ``spec`` beyond its shapes; ``True`` when this
+        family checked every name and shape itself (its names there differ from its own)."""
+        return False
+
+    def mismatch_fix(self, what: str) -> str:
+        """The fix to name when a checkpoint's shapes are not ``what``'s."""
+        return f"point the checkpoint keys at weights of {what}"
+
+    def strict_names(self) -> bool:
+        """Whether a titan_cp checkpoint of this family may hold no parameter the model lacks."""
+        return False
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model generation builds: its ``family``; ``what`` names it in errors (the config key);
+    ``shapes``: every parameter's name (as checkpoints store it) and shape; ``args`` (the Llama's
+    ``ModelArgs``) or ``folder`` (a Hugging Face folder)."""
+
+    family: ModelFamily
+    what: str
+    max_seq_len: int
+    shapes: dict[str, tuple[int, ...]] = field(repr=False)
+    args: Any = None
+    folder: str | None = None
+
+    def build(self, dims, strategy: str, balance: str, device):
+        """The model parallelized for generation on ``dims``' mesh, shards allocated (weights to load)."""
+        return self.family.build_for_generation(self, dims, strategy, balance, device)
+
+
+_REGISTRY: dict[str, ModelFamily] = {}
+DEFAULT_FAMILY = "llama3"
+"""The family of ``model.name`` when none is given."""
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Make ``family`` selectable as ``model.name``."""
+    _REGISTRY[family.name] = family
+    return family
+
+
+def family_names() -> tuple[str, ...]:
+    """The registered families' names, in registration order (the built-ins register when the
+    package ``titan_cp.families`` is imported, which Python does before any of its modules)."""
+    return tuple(_REGISTRY)
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family called ``name``; ``ValueError`` naming the choices for an unknown one."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown model family {name!r}; choose one of {family_names()}")
+    return _REGISTRY[name]
+
+
+def family_of(model) -> ModelFamily:
+    """The family whose :meth:`~ModelFamily.owns` takes ``model``; ``ValueError`` for none."""
+    for family in _REGISTRY.values():
+        if family.owns(model):
+            return family
+    raise ValueError(f"no model family takes {type(model).__name__} (families: {family_names()})")

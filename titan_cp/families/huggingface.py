@@ -1,0 +1,128 @@
+"""``model.name = "hf"``: the Hugging Face causal LM of the folder ``model.hf_assets_path``.
+
+Built, parallelized (CP, AC, compile, FSDP; not TP or PP), loaded and exported by
+:mod:`titan_cp.integrations.hf_trainer`; ``transformers`` is imported only when a method runs
+(it stays optional for the Llama).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from titan_cp.families.base import ModelFamily, ModelSpec, register_family
+from titan_cp.model import hf_checkpoint
+
+_NAME = "model.name = 'hf'"
+
+
+class HuggingFace(ModelFamily):
+    """A Hugging Face causal LM (module docstring)."""
+
+    name = "hf"
+
+    def check_section(self, model) -> None:
+        if not model.hf_assets_path:
+            raise ValueError(
+                f"{_NAME} needs model.hf_assets_path: the Hugging Face model folder (config.json, "
+                "tokenizer, *.safetensors)"
+            )
+
+    def check_keys(self, cfg) -> None:
+        """What titan_cp builds for Hugging Face models (FSDP, CP, AC, compile; not TP or PP), and
+        where their weights come from; the heads are checked against ``config.json`` in :meth:`check_files`."""
+        p, c = cfg.parallelism, cfg.checkpoint
+        if cfg.is_given("model.flavor"):
+            raise ValueError(
+                f"model.flavor = {cfg.model.flavor!r} shapes titan_cp's Llama; with {_NAME} the model is "
+                "model.hf_assets_path's config.json: remove model.flavor"
+            )
+        for key, degree in (
+            ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
+            ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree),
+        ):
+            if degree != 1:
+                raise ValueError(
+                    f"{key} = {degree}: {_NAME} runs with FSDP and context parallelism only (not tensor "
+                    f"or pipeline parallelism); set {key} = 1"
+                )
+        if not (c.initial_load_path and c.initial_load_in_hf):
+            raise ValueError(
+                f"{_NAME} starts from the weights of a Hugging Face folder: set checkpoint.initial_load_path "
+                "(e.g. to model.hf_assets_path) and checkpoint.initial_load_in_hf = true"
+            )
+
+    def check_files(self, cfg) -> None:
+        from titan_cp.integrations.hf_trainer import check_job  # noqa: PLC0415 - transformers is optional
+
+        check_job(cfg)
+
+    def build_parallel(self, cfg, dims, options, device, vocab_size: int, loss_fn=None):
+        from titan_cp.integrations import hf_trainer  # noqa: PLC0415
+        from titan_cp.parallel.build import ModelParts  # noqa: PLC0415 - the parallel package is above
+
+        model, args = hf_trainer.build_parallel_model(cfg.model.hf_assets_path, dims, options, device)
+        hf_trainer.check_vocab(model, vocab_size)
+        return ModelParts([model]), args
+
+    def load_hf(self, parts, path, shapes, key="checkpoint.initial_load_path") -> None:
+        from titan_cp.integrations import hf_trainer  # noqa: PLC0415
+
+        hf_trainer.load_weights(parts[0], path, key=key)
+
+    def save_hf(self, parts, folder, shapes, assets=None):
+        """Safetensors under ``transformers``' own names, ``config.json`` and the tokenizer files of ``assets``."""
+        from titan_cp.integrations import hf_trainer  # noqa: PLC0415
+
+        return hf_trainer.save_weights(parts[0], folder, assets)
+
+    def generation_spec(self, cfg, vocab_size: int) -> ModelSpec:
+        from titan_cp.integrations import hf_trainer  # noqa: PLC0415
+        from titan_cp.integrations.hf_model import plain_head, text_config  # noqa: PLC0415
+        from titan_cp.integrations.hf_parallel import CausalLM  # noqa: PLC0415
+
+        path = cfg.model.hf_assets_path
+        what = f"model.hf_assets_path = {path!r}"
+        config = hf_trainer.load_hf_config(path)
+        model = hf_trainer.meta_model(config)
+        if plain_head(model) is None:
+            raise ValueError(
+                f"{what}: titan_cp.generate takes the logits from a plain output head (logits = lm_head(hidden)); "
+                f"{type(model).__name__}'s forward changes them (e.g. final logit soft-capping)"
+            )
+        rows = model.get_input_embeddings().num_embeddings
+        if vocab_size > rows:
+            raise ValueError(f"{what}: the tokenizer has {vocab_size} ids but the model's embedding {rows} rows")
+        shapes = {name: tuple(p.shape) for name, p in CausalLM(model).named_parameters()}
+        return ModelSpec(self, what, text_config(config).max_position_embeddings, shapes, folder=path)
+
+    def build_for_generation(self, spec, dims, strategy, balance, device):
+        from titan_cp.generate.hf_runner import build_hf_model  # noqa: PLC0415 - generation is above
+
+        return build_hf_model(spec.folder, dims, strategy, balance, device)
+
+    def owns(self, model) -> bool:
+        if "transformers" not in sys.modules:  # no Hugging Face model can exist yet: nothing to import
+            return False
+        try:
+            from titan_cp.integrations.hf_model import hf_model_of  # noqa: PLC0415
+
+            hf_model_of(model)
+        except (ImportError, ValueError):
+            return False
+        return True
+
+    def runner(self, model):
+        from titan_cp.generate.hf_runner import HFRunner  # noqa: PLC0415
+
+        return HFRunner(model)
+
+    def check_hf_weights(self, source, spec) -> bool:
+        """The folder and its ``config.json``; the tensors are compared by name and shape after."""
+        hf_checkpoint.check_hf_folder(source.path, source.key)
+        return False
+
+    def mismatch_fix(self, what: str) -> str:
+        return f"point model.hf_assets_path at the model the checkpoint holds ({what} now)"
+
+
+HF = register_family(HuggingFace())

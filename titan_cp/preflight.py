@@ -1,0 +1,114 @@
+"""What the files on disk and this machine can tell before any process starts.
+
+Above the layers it checks: the config (the values), the data (the tokenizer's files, the
+datasets' paths), the checkpoint (the step to resume, the weights to start from) and the model
+family (:meth:`titan_cp.families.ModelFamily.check_files`); each of those takes plain values and
+imports nothing from here. ``python -m titan_cp.train`` and ``python -m titan_cp.generate`` call
+:func:`check_files` after ``load_config`` and before any process group starts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from titan_cp import checkpoint
+from titan_cp.config import Checkpoint, JobConfig, Training, Validation
+from titan_cp.data.tokenizer import check_tokenizer_files
+from titan_cp.families import get_family
+from titan_cp.model import hf_checkpoint
+
+
+def check_files(cfg: JobConfig) -> None:
+    """The output folder can be written, the tokenizer is JSON, the model family's files, each
+    dataset's path exists, the checkpoint to resume (its files whole) or to start from, a
+    microbatch fits the host memory. Raises ``ValueError`` naming the key (and the file). Writes nothing."""
+    _check_dump_folder(cfg.job.dump_folder)
+    if cfg.model.hf_assets_path:
+        check_tokenizer_files(cfg.model.hf_assets_path)
+    get_family(cfg.model.name).check_files(cfg)
+    _check_dataset_paths(cfg.training, cfg.validation)
+    _check_checkpoint_paths(cfg.checkpoint, Path(cfg.job.dump_folder))
+    _check_host_memory(cfg)
+
+
+def _check_dataset_paths(t: Training, v: Validation) -> None:
+    """Every dataset that is not built in names a local path that exists."""
+    sources = (
+        [] if t.dataset == "mixture" else [(t.dataset, t.dataset_path, "training.dataset", "training.dataset_path")]
+    )
+    sources += [
+        (s.kind, s.path, f"training.mixture[{i}].kind", f"training.mixture[{i}].path") for i, s in enumerate(t.mixture)
+    ]
+    if v.enable:
+        sources.append((v.dataset, v.dataset_path, "validation.dataset", "validation.dataset_path"))
+    for kind, path, kind_key, path_key in sources:
+        if kind == "synthetic_recall":
+            continue
+        if not path:
+            raise ValueError(
+                f"{kind_key} = {kind!r} is not built in (built in: 'synthetic_recall'); set "
+                f"{path_key} to a local copy: titan_cp never downloads data"
+            )
+        if not Path(path).exists():
+            raise ValueError(f"{path_key} = {path!r} does not exist")
+
+
+def _check_checkpoint_paths(c: Checkpoint, dump_folder: Path) -> None:
+    """The checkpoint to resume exists and is whole (:func:`titan_cp.checkpoint.check_resume`); the
+    weights to start from exist, and are whole, when nothing is resumed."""
+    resumed = checkpoint.check_resume(dump_folder / c.folder, c.load_step) if c.enable else None
+    if resumed is not None or not c.initial_load_path:
+        return
+    path, key = Path(c.initial_load_path), "checkpoint.initial_load_path"
+    if not path.exists():
+        raise ValueError(f"{key} = {c.initial_load_path!r} does not exist")
+    if c.initial_load_in_hf:
+        hf_checkpoint.check_hf_folder(path, key)
+    elif (path / ".metadata").is_file():
+        what = f"{key} = {c.initial_load_path!r}"
+        fix = "point it at a checkpoint that is whole"
+        checkpoint.verify_files(path, checkpoint.read_metadata(path, what, fix), what, fix)
+
+
+def _check_dump_folder(dump_folder: str) -> None:
+    """``job.dump_folder`` is a folder this process can write in, or can be made in one."""
+    path = Path(dump_folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing == path and not path.is_dir():
+        raise ValueError(f"job.dump_folder = {dump_folder!r} is a file, not a folder; choose a folder")
+    if not existing.is_dir():
+        raise ValueError(f"job.dump_folder = {dump_folder!r} cannot be made: {str(existing)!r} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        made = "" if existing == path else " (where it would be made)"
+        raise ValueError(
+            f"job.dump_folder = {dump_folder!r}: cannot write in {str(existing)!r}{made}; choose a folder you can write"
+        )
+
+
+_HOST_BYTES_PER_TOKEN = 32  # the loader's tokens, labels, positions and recall distances, int64 each
+
+
+def _check_host_memory(cfg: JobConfig) -> None:
+    """One microbatch of rows fits this machine's memory, for every rank on it (``LOCAL_WORLD_SIZE``):
+    the loader alone holds ``rows * seq_len * 32`` bytes of int64 per-token tensors (a lower bound)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no such query on this system: nothing to compare with
+        return
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    t = cfg.training
+    for section, (rows, seq_len) in (
+        ("training", (t.local_batch_size, t.seq_len)),
+        ("validation", cfg.validation_rows()),
+    ):
+        if section == "validation" and not cfg.validation.enable:
+            continue
+        need = rows * seq_len * _HOST_BYTES_PER_TOKEN * local_ranks
+        if need > total:
+            raise ValueError(
+                f"{section}.seq_len = {seq_len} with {section}.local_batch_size = {rows}: one microbatch needs at "
+                f"least {need / 2**30:.1f} GiB of host memory on {local_ranks} rank(s) ({_HOST_BYTES_PER_TOKEN} "
+                f"bytes per token), this machine has {total / 2**30:.1f} GiB; lower {section}.seq_len or "
+                f"{section}.local_batch_size"
+            )
