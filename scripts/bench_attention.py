@@ -45,7 +45,7 @@ import time
 import torch
 
 from titan_cp import SequenceLayout, cp_attention
-from titan_cp.attention import STRATEGIES, cp_rank, min_bytes_per_rank
+from titan_cp.attention import STRATEGIES, cp_rank, get_strategy, min_bytes_per_rank
 from titan_cp.attention.comm import count_comm
 from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.testing import DistPool, cp_mesh
@@ -56,7 +56,7 @@ from titan_cp.tools.host import host_layer
 def _run(rank, world, args: dict, case: str, strategy: str):
     import torch.distributed as dist
 
-    ulysses = min(args["hybrid_ulysses"], world) if strategy == "hybrid" else 1
+    ulysses = min(args["hybrid_ulysses"], world) if get_strategy(strategy).takes_ulysses_degree() else 1
     mesh = cp_mesh(strategy, world, ulysses)
     r = cp_rank(mesh, strategy)
     seq, docs = args["seq_len"], None
@@ -148,7 +148,7 @@ def main(argv=None) -> None:
                     "bytes_sent_per_rank": res["bytes_sent_per_rank"],
                     "bytes_theory_per_rank": res["bytes_theory_per_rank"],
                 }
-                if strategy == "hybrid":
+                if get_strategy(strategy).takes_ulysses_degree():
                     row["ulysses_size"] = res["ulysses"]
                 print(json.dumps(row), flush=True)
 

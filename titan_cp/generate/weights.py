@@ -27,7 +27,7 @@ from titan_cp.families import ModelSpec, get_family
 if TYPE_CHECKING:
     from titan_cp.config import JobConfig
 
-Kind = Literal["titan_cp", "torchtitan", "hf"]
+Kind = Literal["titan_cp", "torchtitan", "safetensors"]  # safetensors: a Hugging Face folder
 _WHOLE = "point it at a checkpoint that is whole"
 
 
@@ -64,7 +64,7 @@ def weight_source(cfg: JobConfig) -> WeightSource:
         )
     path, key = Path(c.initial_load_path), "checkpoint.initial_load_path"
     if c.initial_load_in_hf:
-        return WeightSource("hf", path, key)
+        return WeightSource("safetensors", path, key)
     if not (path / ".metadata").is_file():
         hint = (
             "; it holds *.safetensors: set checkpoint.initial_load_in_hf = true"
@@ -79,7 +79,7 @@ def weight_source(cfg: JobConfig) -> WeightSource:
 
 def _saved_shapes(source: WeightSource) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor ``source`` holds under the model's names (DCP metadata or safetensors headers)."""
-    if source.kind == "hf":
+    if source.kind == "safetensors":
         metadata = dcp.HuggingFaceStorageReader(str(source.path)).read_metadata()
         return {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if not k.endswith("inv_freq")}
     prefix = "model." if source.kind == "titan_cp" else ""
@@ -96,7 +96,7 @@ def check_weights(source: WeightSource, spec: ModelSpec) -> None:
     where the family says so (the DCP metadata, or the Hugging Face headers and ``config.json``): a
     ``ValueError`` names the key, the parameter and both shapes. Reads no weight."""
     family = spec.family
-    if source.kind == "hf" and family.check_hf_weights(source, spec):
+    if source.kind == "safetensors" and family.check_hf_weights(source, spec):
         return
     saved = _saved_shapes(source)
     fix = family.mismatch_fix(spec.what)
@@ -115,7 +115,7 @@ def check_weights(source: WeightSource, spec: ModelSpec) -> None:
 
 def load_weights(source: WeightSource, model: nn.Module, spec: ModelSpec) -> None:
     """Load ``source`` into ``model`` (plain, or sharded by tensor parallelism), in place."""
-    if source.kind == "hf":
+    if source.kind == "safetensors":
         spec.family.load_hf([model], source.path, spec.args, key=source.key)
     else:
         checkpoint.Checkpointer(source.path.parent, [model], [], {}).load_model(source.path, model_only=True)
