@@ -1,12 +1,9 @@
-"""FSDP2, activation checkpointing, ``torch.compile`` and the chunked loss for Hugging Face causal LMs.
+"""Hugging Face causal LMs under titan_cp's ``apply_*`` functions: their adapter, and the chunked loss.
 
-Applied from outside, as titan_cp's own ``apply_*`` functions are, after :func:`apply_cp`::
-
-    apply_ac(model, "full") -> apply_compile(model) -> apply_fsdp(model, dp_shard x cp mesh)
-
-``model`` is a ``transformers`` causal LM, or the :class:`CausalLM` that wraps one for titan_cp's
-chunked loss. The decoder layers are found in their ``nn.ModuleList`` (:func:`.hf_model.layer_list`)
-and replaced in place, so the state dict keeps ``transformers``' names.
+titan_cp's own ``apply_ac``, ``apply_compile`` and ``apply_fsdp`` (:mod:`titan_cp.parallel`) take a
+``transformers`` causal LM, or the :class:`CausalLM` that wraps one for titan_cp's chunked loss,
+through :func:`hf_adapter`: the decoder layers are found in their ``nn.ModuleList``
+(:func:`.hf_model.layer_list`) and replaced in place, so the state dict keeps ``transformers``' names.
 
 FSDP: one unit per decoder layer, the input embedding on its own when it is not tied to the output
 head, and the root (final norm, head, tied embedding). Gradients are summed over the mesh
@@ -16,14 +13,11 @@ head, and the root (final norm, head, tied embedding). Gradients are summed over
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from titan_cp.integrations.hf_model import hf_model_of, layer_list, plain_head, text_config
 from titan_cp.loss import chunked_cross_entropy_sum, chunked_evaluate, token_loss_sum
-from titan_cp.parallel.ac import check_ac, checkpoint_block
-from titan_cp.parallel.fsdp import set_gradient_sum
+from titan_cp.parallel.adapter import ParallelAdapter
 
 
 class CausalLM(nn.Module):
@@ -88,45 +82,19 @@ class CausalLM(nn.Module):
         return chunked_cross_entropy_sum(h, self.head.weight, labels)
 
 
-def apply_ac(model: nn.Module, mode: str = "full", every: int = 1) -> None:
-    """Activation checkpointing of the decoder layers, in place: ``"full"`` (every layer),
-    ``"selective"`` (every ``every``-th layer fully), ``"op"`` (matmul and CP attention outputs
-    saved, the rest recomputed), ``"none"``; as :mod:`titan_cp.parallel.ac`."""
-    if mode == "none":
-        return
-    check_ac(mode, every)
-    layers = layer_list(model)
-    for i, layer in enumerate(layers):
-        layers[i] = checkpoint_block(layer, mode, i, every)
-
-
-def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool = True) -> None:
-    """``torch.compile`` each decoder layer in place (one graph per layer: the CP attention is a
-    custom op with fake implementations; the layers share compiled code)."""
-    layers = layer_list(model)
-    for i, layer in enumerate(layers):
-        layers[i] = torch.compile(layer, backend=backend, fullgraph=fullgraph)
-
-
-def apply_fsdp(
-    model: nn.Module,
-    mesh,
-    mp_param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = torch.float32,
-    reshard_after_forward: bool = True,
-) -> None:
-    """Shard ``model`` in place with FSDP2 over ``mesh`` (1-D: the flattened ``dp_shard x cp``
-    ranks; 2-D ``(replicate, shard)``: HSDP), gradients summed (module docstring).
-
-    mp_param_dtype: compute dtype (e.g. ``torch.bfloat16``), ``None`` keeps the parameters';
-    reduce_dtype: gradient reduction dtype (fp32 by default).
-    """
-    hf = hf_model_of(model)
-    config = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=mp_param_dtype, reduce_dtype=reduce_dtype))
-    for layer in layer_list(model):
-        fully_shard(layer, **config, reshard_after_forward=reshard_after_forward)
+def hf_adapter(model: nn.Module, attach_cp) -> ParallelAdapter | None:
+    """The :class:`~titan_cp.parallel.adapter.ParallelAdapter` of a ``transformers`` causal LM or a
+    :class:`CausalLM` (module docstring), ``None`` for any other model; ``attach_cp(model, mesh,
+    strategy, balance, kernel)`` binds its attention modules."""
+    try:
+        hf = hf_model_of(model)
+    except (ImportError, ValueError):
+        return None
     embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()
-    if head is None or head.weight is not embed.weight:  # a tied embedding stays with the head, in the root
-        fully_shard(embed, **config, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, **config, reshard_after_forward=reshard_after_forward)
-    set_gradient_sum(model)
+    tied = head is not None and head.weight is embed.weight  # a tied embedding stays with the head, in the root
+    return ParallelAdapter(
+        model,
+        layer_list(model),
+        lambda mesh, strategy, balance, kernel: attach_cp(model, mesh, strategy, balance, kernel),
+        embedding=None if tied else embed,
+    )

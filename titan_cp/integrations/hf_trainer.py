@@ -33,19 +33,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from titan_cp.integrations.hf_model import check_supported, text_config
-from titan_cp.integrations.hf_parallel import CausalLM, apply_ac, apply_compile, apply_fsdp
+from titan_cp.integrations.hf_model import check_supported, hf_model_of, text_config
+from titan_cp.integrations.hf_parallel import CausalLM
 from titan_cp.integrations.transformers import ATTN_IMPLEMENTATION, apply_cp
+from titan_cp.model.hf_checkpoint import file_index, write_hf_folder
+from titan_cp.parallel import build as parallel_build
+from titan_cp.parallel.build import ModelBuilder
 
 logger = logging.getLogger(__name__)
 
 _WEIGHTS = re.compile(r"^(config\.json|model\.safetensors\.index\.json|.*\.(safetensors|bin|pt|pth))$")
-_LAYER = re.compile(r"\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -126,35 +127,44 @@ def check_job(cfg) -> None:
         raise ValueError(f"{key}: the model's heads (config.json: {q} query, {kv} KV) do not split: {e}") from None
 
 
+@dataclass
+class HFBuilder(ModelBuilder):
+    """The Hugging Face model of the folder ``path`` for :func:`~titan_cp.parallel.build.build_parallel_model`:
+    CP, AC, compile and FSDP (not TP or PP); wrapped in :class:`CausalLM` after CP."""
+
+    path: str
+    args: HFModelArgs | None = None
+
+    def meta(self) -> nn.Module:
+        hf = meta_model(load_hf_config(self.path))
+        self.args = HFModelArgs.of(hf)
+        return hf
+
+    def context_parallel(self, model, mesh, options) -> nn.Module:
+        apply_cp(model, mesh, options.cp_strategy, options.cp_balance, options.cp_kernel)  # one device too
+        return CausalLM(model)
+
+    def materialize(self, model, device, seed) -> None:
+        """``to_empty``, tied weights tied again, and the buffers ``transformers`` computes at
+        construction (RoPE frequencies) restored by the model's own ``_init_weights``; the weights
+        themselves are loaded after (:func:`load_weights`)."""
+        hf = hf_model_of(model)
+        ties = _ties(hf)
+        model.to_empty(device=device)
+        _retie(ties)
+        with torch.no_grad():
+            for module in hf.modules():
+                if module._non_persistent_buffers_set:
+                    hf._init_weights(module)
+
+
 def build_parallel_model(path, parallel_dims, options, device, fsdp: bool = True) -> tuple[CausalLM, HFModelArgs]:
     """The HF model of folder ``path``, parallelized as the trainer's options say, this rank's shards
     allocated on ``device`` (weights not loaded yet: :func:`load_weights`); and its :class:`HFModelArgs`.
     ``fsdp`` false: no FSDP whatever the mesh (generation keeps the weights whole on every cp rank)."""
-    from titan_cp.parallel.build import cp_mesh  # noqa: PLC0415 - the trainer's module imports this one
-
-    hf = meta_model(load_hf_config(path))
-    args = HFModelArgs.of(hf)
-    mesh = cp_mesh(parallel_dims) if parallel_dims.cp_enabled else None
-    apply_cp(hf, mesh, options.cp_strategy, options.cp_balance, options.cp_kernel)
-    model = CausalLM(hf)
-    apply_ac(model, options.ac_mode, options.ac_every)
-    if options.compile:
-        apply_compile(model, backend=options.compile_backend)
-    if fsdp and (parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled):
-        apply_fsdp(
-            model,
-            parallel_dims.fsdp_mesh(),
-            mp_param_dtype=options.mp_param_dtype,
-            reshard_after_forward=options.reshard_after_forward,
-        )
-    ties = _ties(hf)
-    model.to_empty(device=device)
-    _retie(ties)
-    with torch.no_grad():
-        for module in hf.modules():  # RoPE frequencies and other buffers computed at construction
-            if module._non_persistent_buffers_set:
-                hf._init_weights(module)
-    return model, args
+    builder = HFBuilder(str(path))
+    built = parallel_build.build_parallel_model(builder, parallel_dims, options, device, fsdp=fsdp)
+    return built.parts[0], builder.args
 
 
 def check_vocab(model, tokenizer_vocab: int) -> None:
@@ -225,51 +235,22 @@ def load_weights(model, path, key: str = "checkpoint.initial_load_path") -> None
     logger.info("loaded Hugging Face weights %s", folder)
 
 
-def _file_index(state: dict, max_file_bytes: int) -> dict[str, int]:
-    """Name -> output file number (1..N): whole layers per file, each at most ``max_file_bytes``."""
-    index, file, size, groups = {}, 1, 0, {}
-    for name, t in state.items():
-        m = _LAYER.search(name)
-        groups.setdefault(m.group(1) if m else name, []).append((name, t.numel() * t.element_size()))
-    for members in groups.values():
-        group_bytes = sum(n for _, n in members)
-        if size and size + group_bytes > max_file_bytes:
-            file, size = file + 1, 0
-        size += group_bytes
-        index.update({name: file for name, _ in members})
-    return index
-
-
 @torch.no_grad()
 def save_weights(model, path, assets=None, max_file_bytes: int = 5 * 2**30) -> Path:
     """Write ``model`` (every rank's shards) as a Hugging Face folder at ``path``: safetensors and their
     index, ``config.json`` (the parameters' dtype) and the tokenizer files of ``assets``, for
-    ``from_pretrained``. Collective over the default group; written under ``<path>.tmp``, then renamed."""
-    final, tmp = Path(path), Path(f"{path}.tmp")
-    rank0 = dist.get_rank() == 0
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    ``from_pretrained``. Collective over the default group (:func:`titan_cp.model.hf_checkpoint.write_hf_folder`)."""
     state = _unique_state(model)
-    writer = dcp.HuggingFaceStorageWriter(
-        str(tmp),
-        fqn_to_index_mapping=_file_index(state, max_file_bytes),
-        save_distributed=True,
-        enable_consolidation=True,
-    )
-    dcp.save(state, storage_writer=writer)
-    dist.barrier()  # rank 0 consolidated
-    if rank0:
-        shutil.rmtree(tmp / "sharded", ignore_errors=True)
+    sizes = {name: t.numel() * t.element_size() for name, t in state.items()}
+
+    def finish(folder: Path) -> None:
         config = copy.deepcopy(model.config)
         config.dtype = next(iter(state.values())).dtype
-        config.save_pretrained(tmp)
+        config.save_pretrained(folder)
         for f in sorted(Path(assets).iterdir()) if assets else ():
             if f.is_file() and not _WEIGHTS.search(f.name):
-                shutil.copy2(f, tmp / f.name)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-    dist.barrier()
+                shutil.copy2(f, folder / f.name)
+
+    final = write_hf_folder(state, path, file_index(sizes, max_file_bytes), finish)
     logger.info("saved Hugging Face model %s", final)
     return final

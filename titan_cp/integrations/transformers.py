@@ -55,8 +55,10 @@ from titan_cp.integrations.hf_model import (
     text_config,
     unsupported_features,
 )
-from titan_cp.integrations.hf_parallel import CausalLM, apply_ac, apply_compile, apply_fsdp
+from titan_cp.integrations.hf_parallel import CausalLM, hf_adapter
 from titan_cp.layout import BALANCES, DEFAULT_BALANCE
+from titan_cp.parallel import apply_ac, apply_compile, apply_cp, apply_fsdp
+from titan_cp.parallel.adapter import register_adapter
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -177,8 +179,9 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, titan_cp_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, titan_cp_mask)
 
 
-def apply_cp(model: nn.Module, cp_mesh, strategy: str = DEFAULT_STRATEGY, balance: str = DEFAULT_BALANCE, kernel=None):
-    """Run ``model``'s attention as titan_cp's CP attention over ``cp_mesh``; returns ``model``.
+def bind_cp(model: nn.Module, cp_mesh, strategy: str = DEFAULT_STRATEGY, balance: str = DEFAULT_BALANCE, kernel=None):
+    """Run ``model``'s attention as titan_cp's CP attention over ``cp_mesh``; returns ``model``. What
+    :func:`titan_cp.parallel.apply_cp` (exported here as ``apply_cp``) does for a Hugging Face model.
 
     Args:
         model: a ``transformers`` causal LM (loaded, or built on ``meta``), or a :class:`CausalLM`.
@@ -216,3 +219,10 @@ def apply_cp(model: nn.Module, cp_mesh, strategy: str = DEFAULT_STRATEGY, balanc
         window, chunk = layer_mask(hf.config, module.layer_idx)
         setattr(module, BINDING, CPBinding(handle, strategy, balance, cp_size, window, chunk))
     return model
+
+
+def _adapter(model: nn.Module):
+    return hf_adapter(model, bind_cp)
+
+
+register_adapter(_adapter)

@@ -406,15 +406,14 @@ def load_hf(model_parts, path: str | Path, model_args: ModelArgs, key: str = "ch
     logger.info("loaded Hugging Face checkpoint %s", folder)
 
 
-def _file_index(model_args: ModelArgs, max_file_bytes: int, dtype: torch.dtype) -> dict[str, int]:
-    """Hugging Face name -> output file number (1..N), whole layers per file, each file at most
-    ``max_file_bytes`` unless one layer is larger."""
+def file_index(sizes: dict[str, int], max_file_bytes: int) -> dict[str, int]:
+    """Hugging Face name -> output file number (1..N) for tensors of ``sizes`` (name -> bytes, in
+    order): whole layers per file, each file at most ``max_file_bytes`` unless one layer is larger."""
     index, file, size = {}, 1, 0
-    itemsize = torch.empty((), dtype=dtype).element_size()
     groups: dict[str, list[tuple[str, int]]] = {}
-    for name, shape in _expected_shapes(model_args).items():
+    for name, nbytes in sizes.items():
         m = _LAYER.search(name)
-        groups.setdefault(m.group(1) if m else name, []).append((hf_key(name), shape.numel() * itemsize))
+        groups.setdefault(m.group(1) if m else name, []).append((name, nbytes))
     for members in groups.values():
         group_bytes = sum(n for _, n in members)
         if size and size + group_bytes > max_file_bytes:
@@ -424,23 +423,42 @@ def _file_index(model_args: ModelArgs, max_file_bytes: int, dtype: torch.dtype) 
     return index
 
 
-@torch.no_grad()
-def save_hf(model_parts, path: str | Path, model_args: ModelArgs, max_file_bytes: int = 5 * 2**30) -> Path:
-    """Write ``model_parts`` (every rank's shards together) as a Hugging Face Llama checkpoint
-    folder: ``model-0000i-of-0000N.safetensors``, ``model.safetensors.index.json`` and
-    ``config.json``, readable by ``LlamaForCausalLM.from_pretrained``. Collective over the
-    default process group; written under ``<path>.tmp`` and renamed when complete.
-
-    Each rank writes its own shards (``HuggingFaceStorageWriter(save_distributed=True)``),
-    rank 0 consolidates them into whole tensors; q/k are gathered one layer at a time,
-    permuted to the rotate-half layout and re-sharded before the write.
-    """
+def write_hf_folder(state: dict[str, torch.Tensor], path: str | Path, index: dict[str, int], finish) -> Path:
+    """The one distributed safetensors writer: ``state`` (Hugging Face name -> this rank's tensor,
+    a DTensor shard or whole) written to ``path`` as ``model-0000i-of-0000N.safetensors`` per ``index``
+    (:func:`file_index`) and their ``model.safetensors.index.json``; then rank 0 calls ``finish(folder)``
+    to add ``config.json`` and any other file. Each rank writes its own shards
+    (``HuggingFaceStorageWriter(save_distributed=True)``), rank 0 consolidates them into whole
+    tensors. Collective over the default group; written under ``<path>.tmp``, renamed when complete."""
     final, tmp = Path(path), Path(f"{path}.tmp")
     rank0 = dist.get_rank() == 0
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    writer = dcp.HuggingFaceStorageWriter(
+        str(tmp), fqn_to_index_mapping=index, save_distributed=True, enable_consolidation=True
+    )
+    dcp.save(state, storage_writer=writer)
+    dist.barrier()  # rank 0 consolidated
+    if rank0:
+        shutil.rmtree(tmp / "sharded", ignore_errors=True)
+        finish(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    dist.barrier()
+    return final
+
+
+@torch.no_grad()
+def save_hf(model_parts, path: str | Path, model_args: ModelArgs, max_file_bytes: int = 5 * 2**30) -> Path:
+    """Write ``model_parts`` (every rank's shards together) as a Hugging Face Llama checkpoint
+    folder: ``model-0000i-of-0000N.safetensors``, ``model.safetensors.index.json`` and
+    ``config.json``, readable by ``LlamaForCausalLM.from_pretrained``. Collective over the
+    default process group (:func:`write_hf_folder`); q/k are gathered one layer at a time,
+    permuted to the rotate-half layout and re-sharded before the write. The file index comes
+    from the whole model's shapes, so every pipeline stage writes to the same files.
+    """
     state = _model_state(model_parts)
     out = {}
     for name, t in state.items():
@@ -455,19 +473,12 @@ def save_hf(model_parts, path: str | Path, model_args: ModelArgs, max_file_bytes
         else:
             out[hf_key(name)] = _permute_to_hf(t, heads).contiguous()
     dtype = next(iter(state.values())).dtype
-    writer = dcp.HuggingFaceStorageWriter(
-        str(tmp),
-        fqn_to_index_mapping=_file_index(model_args, max_file_bytes, dtype),
-        save_distributed=True,
-        enable_consolidation=True,
-    )
-    dcp.save(out, storage_writer=writer)
-    dist.barrier()  # rank 0 consolidated
-    if rank0:
-        shutil.rmtree(tmp / "sharded", ignore_errors=True)
-        (tmp / "config.json").write_text(json.dumps(hf_config(model_args, dtype), indent=2) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-    dist.barrier()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = {hf_key(name): shape.numel() * itemsize for name, shape in _expected_shapes(model_args).items()}
+
+    def finish(folder: Path) -> None:
+        (folder / "config.json").write_text(json.dumps(hf_config(model_args, dtype), indent=2) + "\n")
+
+    final = write_hf_folder(out, path, file_index(sizes, max_file_bytes), finish)
     logger.info("saved Hugging Face checkpoint %s", final)
     return final

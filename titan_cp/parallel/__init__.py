@@ -4,6 +4,7 @@ Order (as torchtitan): pipeline split, then per stage: ``apply_tp`` -> context p
 (``apply_cp``) -> ``apply_ac`` -> ``apply_compile`` -> ``apply_fsdp``.
 """
 
+from titan_cp.parallel import llama  # noqa: F401 - registers the Llama's adapter (titan_cp.parallel.adapter)
 from titan_cp.parallel.ac import apply_ac
 from titan_cp.parallel.compile import apply_compile
 from titan_cp.parallel.cp import ContextParallel, apply_cp

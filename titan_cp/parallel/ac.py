@@ -24,10 +24,11 @@ from functools import partial
 from typing import Literal
 
 import torch
+from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from titan_cp.model.llama import Transformer
+from titan_cp.parallel.adapter import adapter_of
 
 
 def _save_ops() -> set:
@@ -89,20 +90,22 @@ def checkpoint_block(block: torch.nn.Module, mode: str, index: int = 0, every: i
 def check_ac(mode: str, every: int) -> None:
     """``ValueError`` naming the key for a mode or period :func:`checkpoint_block` does not take."""
     if mode not in ("none", "full", "selective", "op"):
-        raise ValueError(f"activation_checkpoint.mode must be 'none', 'full' or 'selective', got {mode!r}")
+        raise ValueError(f"activation_checkpoint.mode must be 'none', 'full', 'selective' or 'op', got {mode!r}")
     if every < 1:
         raise ValueError(f"activation_checkpoint.selective_ac_option must be >= 1, got {every}")
 
 
-def apply_ac(model: Transformer, mode: Literal["none", "full", "selective", "op"], every: int = 1) -> None:
-    """Wrap ``model.layers`` in place with activation checkpointing (see module doc).
+def apply_ac(model: nn.Module, mode: Literal["none", "full", "selective", "op"], every: int = 1) -> None:
+    """Wrap ``model``'s blocks in place with activation checkpointing (see module doc), whatever its
+    family (:func:`~titan_cp.parallel.adapter.adapter_of`).
 
     every: for mode "selective", checkpoint blocks 0, every, 2*every, ... (1: every block).
     """
     if mode == "none":
         return
     check_ac(mode, every)
-    for i, (layer_id, block) in enumerate(list(model.layers.items())):
+    adapter = adapter_of(model)
+    for i, (key, block) in enumerate(adapter.block_items()):
         wrapped = checkpoint_block(block, mode, i, every)
         if wrapped is not block:
-            model.layers.register_module(layer_id, wrapped)
+            adapter.blocks[key] = wrapped

@@ -1,4 +1,4 @@
-"""Apply every parallelism to a Llama model, in torchtitan's order, on the named world mesh.
+"""Apply every parallelism to a model of any family, in torchtitan's order, on the named world mesh.
 
 Per model part (a whole model, or one pipeline stage)::
 
@@ -13,6 +13,12 @@ ranks' — FSDP's reduce-scatter does that, with the division set to 1 (see ``lo
 ``meta`` (no memory), cut this rank's pipeline stages from it, parallelize each, then
 ``to_empty`` on the device (each rank allocates only its shards) and initialise in place
 with values that do not depend on the mesh (``titan_cp.model.init``).
+
+What differs between families is a :class:`ModelBuilder`: how the model is built on ``meta``,
+split into pipeline stages, split over tp, made context-parallel and materialised
+(:class:`LlamaBuilder` here; Hugging Face models' in :mod:`titan_cp.integrations.hf_trainer`).
+Activation checkpointing, compile and FSDP are the same ``apply_*`` functions for every family
+(:mod:`titan_cp.parallel.adapter`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.layout import DEFAULT_BALANCE
@@ -52,25 +59,82 @@ def cp_mesh(parallel_dims: ParallelDims):
     return parallel_dims.hybrid_cp_mesh() if parallel_dims.hybrid_cp else parallel_dims.get_mesh("cp")
 
 
-def parallelize_llama(model: Transformer, parallel_dims: ParallelDims, options: ParallelizeOptions) -> None:
-    """Parallelize ``model`` (or a pipeline stage of it) in place."""
+class ModelBuilder:
+    """What :func:`build_parallel_model` asks of a family's model beyond the shared ``apply_*``."""
+
+    def meta(self) -> nn.Module:
+        """The whole model on ``meta``."""
+        raise NotImplementedError
+
+    def pipeline(self, model: nn.Module, pp_mesh, microbatches: int, schedule: str, loss_fn, device, prepare):
+        """``(schedule, parts, has_first, has_last)``: this rank's stages, each passed to ``prepare``."""
+        raise ValueError(f"{type(self).__name__}: pipeline parallelism is not built for this model")
+
+    def tensor_parallel(self, model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
+        raise ValueError(f"{type(self).__name__}: tensor parallelism is not built for this model")
+
+    def context_parallel(self, model: nn.Module, mesh, options: ParallelizeOptions) -> nn.Module:
+        """Make the attention cores context-parallel over ``mesh`` (``None``: one device); returns the
+        module the rest applies to (the model, or a wrapper around it)."""
+        if mesh is not None:
+            apply_cp(model, mesh, options.cp_strategy, options.cp_balance, options.cp_kernel)
+        return model
+
+    def materialize(self, model: nn.Module, device: torch.device | str, seed: int | None) -> None:
+        """Allocate ``model``'s parameters (this rank's shards) on ``device`` and initialise them in place."""
+        raise NotImplementedError
+
+
+@dataclass
+class LlamaBuilder(ModelBuilder):
+    """titan_cp's Llama of ``args``: every parallelism (TP, CP, PP included)."""
+
+    args: ModelArgs
+
+    def meta(self) -> nn.Module:
+        with torch.device("meta"):
+            return Transformer(self.args)
+
+    def pipeline(self, model, pp_mesh, microbatches, schedule, loss_fn, device, prepare):
+        return pipeline_llama(model, pp_mesh, microbatches, schedule, loss_fn, device=device, parallelize_fn=prepare)
+
+    def tensor_parallel(self, model, tp_mesh, loss_parallel: bool) -> None:
+        apply_tp(model, tp_mesh, loss_parallel=loss_parallel)
+
+    def materialize(self, model, device, seed) -> None:
+        materialize(model, device, seed)
+
+
+def parallelize(
+    builder: ModelBuilder,
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    options: ParallelizeOptions,
+    fsdp: bool = True,
+) -> nn.Module:
+    """Parallelize ``model`` (or a pipeline stage of it) in place, in the module docstring's order;
+    returns the module to train (the model, or the wrapper its family's CP step made).
+    ``fsdp`` false: no FSDP whatever the mesh (generation keeps the weights whole)."""
     if parallel_dims.tp_enabled:
-        apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=options.loss_parallel)
-    if parallel_dims.cp_enabled:
-        apply_cp(model, cp_mesh(parallel_dims), options.cp_strategy, options.cp_balance, options.cp_kernel)
-    if options.ac_mode != "none":
-        apply_ac(model, options.ac_mode, every=options.ac_every)
+        builder.tensor_parallel(model, parallel_dims.get_mesh("tp"), options.loss_parallel)
+    model = builder.context_parallel(model, cp_mesh(parallel_dims) if parallel_dims.cp_enabled else None, options)
+    apply_ac(model, options.ac_mode, every=options.ac_every)
     if options.compile:
         apply_compile(model, backend=options.compile_backend)
-    if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
-        mesh = parallel_dims.fsdp_mesh()  # kept flattened views, never sliced from the root (deprecated)
+    if fsdp and (parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled):
         apply_fsdp(
             model,
-            mesh,
+            parallel_dims.fsdp_mesh(),  # kept flattened views, never sliced from the root (deprecated)
             mp_param_dtype=options.mp_param_dtype,
             reshard_after_forward=options.reshard_after_forward and not parallel_dims.pp_enabled,
             hsdp=parallel_dims.dp_replicate_enabled,
         )
+    return model
+
+
+def parallelize_llama(model: Transformer, parallel_dims: ParallelDims, options: ParallelizeOptions) -> None:
+    """Parallelize titan_cp's Llama ``model`` (or a pipeline stage of it) in place."""
+    parallelize(LlamaBuilder(model.args), model, parallel_dims, options)
 
 
 def materialize(model: Transformer, device: torch.device | str, seed: int | None = None) -> None:
@@ -85,14 +149,14 @@ class ModelParts:
     """This rank's model: its parts (the whole model, or its pipeline stages) and, with a
     pipeline, the schedule and whether this rank holds the first / last stage."""
 
-    parts: list[Transformer]
+    parts: list[nn.Module]
     schedule: Any = None
     has_first: bool = True
     has_last: bool = True
 
 
 def build_parallel_model(
-    args: ModelArgs,
+    model: ModelArgs | ModelBuilder,
     parallel_dims: ParallelDims,
     options: ParallelizeOptions,
     device: torch.device | str,
@@ -100,30 +164,28 @@ def build_parallel_model(
     loss_fn: Callable | None = None,
     pp_microbatches: int = 1,
     pp_schedule: str = "1F1B",
+    fsdp: bool = True,
 ) -> ModelParts:
-    """Build ``args``' model on ``meta``, cut this rank's pipeline stages, parallelize, and
-    materialise on ``device`` with weights that depend on ``seed`` only (not on the mesh).
+    """Build ``model`` (a family's :class:`ModelBuilder`, or the Llama's ``ModelArgs``) on ``meta``, cut
+    this rank's pipeline stages, parallelize, and materialise on ``device`` with weights that depend
+    on ``seed`` only (not on the mesh).
 
     Nothing larger than a rank's shards (plus one init block) is ever allocated.
     loss_fn, pp_microbatches, pp_schedule: the pipeline schedule's (pipeline parallelism only).
+    fsdp: false for no FSDP whatever the mesh.
     """
-    with torch.device("meta"):
-        model = Transformer(args)
+    builder = model if isinstance(model, ModelBuilder) else LlamaBuilder(model)
+    whole = builder.meta()
 
-    def prepare(part: Transformer) -> None:
-        parallelize_llama(part, parallel_dims, options)
-        materialize(part, device, seed)
+    def prepare(part: nn.Module) -> nn.Module:
+        part = parallelize(builder, part, parallel_dims, options, fsdp)
+        builder.materialize(part, device, seed)
+        return part
 
     if parallel_dims.pp_enabled:
-        schedule, parts, first, last = pipeline_llama(
-            model,
-            parallel_dims.get_mesh("pp"),
-            pp_microbatches,
-            pp_schedule,
-            loss_fn,
-            device=device,
-            parallelize_fn=prepare,
+        pp_mesh = parallel_dims.get_mesh("pp")
+        schedule, parts, first, last = builder.pipeline(
+            whole, pp_mesh, pp_microbatches, pp_schedule, loss_fn, device, prepare
         )
         return ModelParts(parts, schedule, first, last)
-    prepare(model)
-    return ModelParts([model])
+    return ModelParts([prepare(whole)])

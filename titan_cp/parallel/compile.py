@@ -9,12 +9,14 @@ checkpointing and before FSDP, as torchtitan does.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from titan_cp.model.llama import Transformer
+from titan_cp.parallel.adapter import adapter_of
 
 
-def apply_compile(model: Transformer, backend: str = "inductor", fullgraph: bool = True) -> None:
-    """Replace each ``model.layers[i]`` in place by ``torch.compile(block)``.
+def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool = True) -> None:
+    """Replace each of ``model``'s blocks in place by ``torch.compile(block)``, whatever its family
+    (:func:`~titan_cp.parallel.adapter.adapter_of`).
 
     fullgraph: fail on a graph break instead of running part of a block eagerly. The
         attention (local or context-parallel) is the ``titan_cp::cp_attention`` custom op
@@ -25,5 +27,6 @@ def apply_compile(model: Transformer, backend: str = "inductor", fullgraph: bool
     ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` strips it, so
     checkpoints keep torchtitan's keys.
     """
-    for layer_id, block in list(model.layers.items()):
-        model.layers.register_module(layer_id, torch.compile(block, backend=backend, fullgraph=fullgraph))
+    adapter = adapter_of(model)
+    for key, block in adapter.block_items():
+        adapter.blocks[key] = torch.compile(block, backend=backend, fullgraph=fullgraph)

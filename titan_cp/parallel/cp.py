@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from titan_cp.attention.api import attend, check_qkv, register_spec
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
 from titan_cp.layout import BALANCES, DEFAULT_BALANCE, get_layout
+from titan_cp.parallel.adapter import adapter_of
 
 SEQ_DIM = 2
 
@@ -105,12 +106,32 @@ class ContextParallel(ParallelStyle):
 
 def apply_cp(
     model: nn.Module,
-    cp_mesh: DeviceMesh,
+    cp_mesh: DeviceMesh | None,
+    strategy: str = DEFAULT_STRATEGY,
+    balance: str = DEFAULT_BALANCE,
+    kernel: str | None = None,
+) -> nn.Module:
+    """Make every attention core of ``model`` context-parallel over ``cp_mesh`` (``None``: one device),
+    whatever its family (:func:`~titan_cp.parallel.adapter.adapter_of`: titan_cp's Llama, or a Hugging
+    Face causal LM once :mod:`titan_cp.integrations.transformers` is imported); returns ``model``.
+
+    ``balance``: the sequence layout the batches are sharded with; ``kernel``: the local kernel's name
+    (``None``: the fastest for the device and dtype)."""
+    adapter_of(model).attach_cp(cp_mesh, strategy, balance, kernel)
+    return model
+
+
+def llama_cp(
+    model: nn.Module,
+    cp_mesh: DeviceMesh | None,
     strategy: str = DEFAULT_STRATEGY,
     balance: str = DEFAULT_BALANCE,
     kernel: str | None = None,
 ) -> None:
-    """Make every transformer block's attention core context-parallel over ``cp_mesh``."""
+    """Make every Llama block's attention core context-parallel over ``cp_mesh`` (:class:`ContextParallel`);
+    on one device (``None``) the cores already run the local op, masked by document."""
+    if cp_mesh is None:
+        return
     parallelize_module(
         model,
         cp_mesh,

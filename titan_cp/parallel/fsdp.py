@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from titan_cp.model.llama import Transformer
+from titan_cp.parallel.adapter import adapter_of
 
 
 def set_gradient_sum(model: nn.Module) -> None:
@@ -30,36 +30,38 @@ def set_gradient_sum(model: nn.Module) -> None:
 
 
 def apply_fsdp(
-    model: Transformer,
-    dp_mesh: DeviceMesh,
+    model: nn.Module,
+    mesh: DeviceMesh,
     mp_param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     hsdp: bool = False,
 ) -> None:
-    """Shard ``model`` in place over ``dp_mesh`` (1-D: FSDP; 2-D ``(replicate, shard)``: HSDP).
+    """Shard ``model`` in place over ``mesh`` (1-D: FSDP over the flattened ``dp_shard x cp`` ranks;
+    2-D ``(replicate, shard)``: HSDP), whatever its family (:func:`~titan_cp.parallel.adapter.adapter_of`):
+    the embedding on its own, each block, the tail (final norm and head, kept gathered after the
+    forward: the backward starts with them), then the root; gradients summed (module docstring).
 
     mp_param_dtype: dtype for compute (e.g. bf16); None keeps the parameters' dtype.
-    reduce_dtype: dtype of gradient reduction (fp32 by default, as DESIGN asks).
+    reduce_dtype: dtype of gradient reduction (fp32 by default).
     reshard_after_forward: free gathered weights after forward (False for pipeline
         parallelism, which would otherwise all-gather again for every microbatch).
-    hsdp: the caller expects hybrid sharding; ``dp_mesh`` must then be 2-D.
-    Parts a pipeline stage deleted (None) are skipped.
+    hsdp: the caller expects hybrid sharding; ``mesh`` must then be 2-D.
+    Parts a pipeline stage deleted are absent from the adapter.
     """
-    if hsdp and dp_mesh.ndim != 2:
+    if hsdp and mesh.ndim != 2:
         raise ValueError(
-            f"HSDP needs a 2-D (dp_replicate, dp_shard) mesh, got {dp_mesh.ndim}-D: set "
+            f"HSDP needs a 2-D (dp_replicate, dp_shard) mesh, got {mesh.ndim}-D: set "
             "parallelism.data_parallel_replicate_degree > 1"
         )
+    adapter = adapter_of(model)
     mp_policy = MixedPrecisionPolicy(param_dtype=mp_param_dtype, reduce_dtype=reduce_dtype)
-    config = dict(mesh=dp_mesh, mp_policy=mp_policy)
-    if model.tok_embeddings is not None:
-        fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard_after_forward)
-    for block in model.layers.values():
+    config = dict(mesh=mesh, mp_policy=mp_policy)
+    if adapter.embedding is not None:
+        fully_shard(adapter.embedding, **config, reshard_after_forward=reshard_after_forward)
+    for _, block in adapter.block_items():
         fully_shard(block, **config, reshard_after_forward=reshard_after_forward)
-    tail = [m for m in (model.norm, model.output) if m is not None]
-    if tail:
-        # the root's backward starts with these: keeping them gathered avoids a re-gather
-        fully_shard(tail, **config, reshard_after_forward=False)
-    fully_shard(model, **config, reshard_after_forward=reshard_after_forward)
-    set_gradient_sum(model)
+    if adapter.tail:
+        fully_shard(adapter.tail, **config, reshard_after_forward=False)
+    fully_shard(adapter.root, **config, reshard_after_forward=reshard_after_forward)
+    set_gradient_sum(adapter.root)

@@ -1,0 +1,66 @@
+"""What the ``apply_*`` functions ask of a model, whatever its family: one small adapter.
+
+::
+
+    root        the model (or pipeline stage) itself: FSDP's last unit
+    blocks      the container of its transformer blocks (``nn.ModuleDict`` or ``nn.ModuleList``),
+                whose entries AC and compile replace in place and FSDP shards one by one
+    embedding   the input embedding, sharded on its own (``None``: absent from this stage, or tied
+                to the output head, which keeps it in the root)
+    tail        what runs last in the forward (final norm, output head): one FSDP unit kept
+                gathered after the forward, since the backward starts with it (empty: the root's)
+    attach_cp   ``attach_cp(cp_mesh, strategy, balance, kernel)``: makes every attention core
+                context-parallel (``cp_mesh`` ``None``: one device, documents still masked)
+
+Each family registers its provider (:func:`register_adapter`): titan_cp's Llama in
+:mod:`titan_cp.parallel.llama` (imported with the package), Hugging Face causal LMs in
+:mod:`titan_cp.integrations.transformers`. A new memory option or kernel is then written once,
+for every family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass
+class ParallelAdapter:
+    """A model as the ``apply_*`` functions see it (module docstring)."""
+
+    root: nn.Module
+    blocks: nn.ModuleDict | nn.ModuleList
+    attach_cp: Callable[..., None]
+    embedding: nn.Module | None = None
+    tail: list[nn.Module] = field(default_factory=list)
+
+    def block_items(self) -> list[tuple[str | int, nn.Module]]:
+        """``(key, block)`` of every block, in order; ``blocks[key] = new`` replaces one in place."""
+        if isinstance(self.blocks, nn.ModuleDict):
+            return list(self.blocks.items())
+        return list(enumerate(self.blocks))
+
+
+_PROVIDERS: list[Callable[[nn.Module], ParallelAdapter | None]] = []
+
+
+def register_adapter(provider: Callable[[nn.Module], ParallelAdapter | None]) -> None:
+    """Add ``provider``: a model -> its :class:`ParallelAdapter`, or ``None`` for a model it does not know."""
+    if provider not in _PROVIDERS:
+        _PROVIDERS.append(provider)
+
+
+def adapter_of(model: nn.Module | ParallelAdapter) -> ParallelAdapter:
+    """``model``'s adapter (itself when it is one); ``ValueError`` for a model no provider knows."""
+    if isinstance(model, ParallelAdapter):
+        return model
+    for provider in _PROVIDERS:
+        adapter = provider(model)
+        if adapter is not None:
+            return adapter
+    raise ValueError(
+        f"titan_cp cannot parallelize a {type(model).__name__}: give titan_cp's Transformer, or a Hugging Face "
+        "causal LM after importing titan_cp.integrations.transformers"
+    )

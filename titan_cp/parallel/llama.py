@@ -1,0 +1,28 @@
+"""titan_cp's Llama (:class:`~titan_cp.model.llama.Transformer`, or a pipeline stage of it) as the
+``apply_*`` functions see it (:class:`~titan_cp.parallel.adapter.ParallelAdapter`)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from titan_cp.model.llama import Transformer
+from titan_cp.parallel.adapter import ParallelAdapter, register_adapter
+from titan_cp.parallel.cp import llama_cp
+
+
+def llama_adapter(model: nn.Module) -> ParallelAdapter | None:
+    """The adapter of a :class:`Transformer`: blocks ``model.layers``, its own embedding, tail (final
+    norm, output) and CP plan (:func:`~titan_cp.parallel.cp.llama_cp`); ``None`` for any other model."""
+    if not isinstance(model, Transformer):
+        return None
+    tail = [m for m in (model.norm, model.output) if m is not None]  # a pipeline stage may lack them
+    return ParallelAdapter(
+        model,
+        model.layers,
+        lambda mesh, strategy, balance, kernel: llama_cp(model, mesh, strategy, balance, kernel),
+        embedding=model.tok_embeddings,
+        tail=tail,
+    )
+
+
+register_adapter(llama_adapter)
