@@ -62,7 +62,7 @@ def test_pair_matrix_matches_dense_mask_and_plans(case):
         assert torch.equal(w, dense_pair_matrix(positions, lens))
         work, steps, tiles = bb.layout_work(layout)  # titan_cp's mask plans
         assert torch.equal(w.sum(1), work)
-        assert torch.equal(bb.ring_steps(w), steps)
+        assert torch.equal(bb.ring_step_work(w), steps)
         # runs rebuilt from positions give the same tiles as the layout's own runs
         rsteps, rtiles = bb.ring_tiles([bb.runs_of(p, *bb.doc_structure(lens)) for p in positions])
         assert torch.equal(rsteps, steps) and torch.equal(rtiles, tiles)

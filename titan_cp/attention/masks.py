@@ -150,6 +150,6 @@ def plan_tiles(q_runs: Runs, k_runs: Runs, causal: bool, window: int | None = No
     return tuple(squares + _coalesce(full))
 
 
-def visible_pairs(tiles: tuple[Tile, ...]) -> int:
+def tile_pairs(tiles: tuple[Tile, ...]) -> int:
     """Exact count of visible (query, key) pairs covered by ``tiles``."""
     return sum(t.pairs for t in tiles)

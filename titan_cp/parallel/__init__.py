@@ -1,7 +1,10 @@
-"""Parallelisms as small ``apply_*`` functions applied to a ``Transformer`` from outside.
+"""Parallelisms as small ``apply_*`` functions applied to a model from outside.
 
 Order (as torchtitan): pipeline split, then per stage: ``apply_tp`` -> context parallel
-(``apply_cp``) -> ``apply_ac`` -> ``apply_compile`` -> ``apply_fsdp``.
+(``apply_cp``) -> ``apply_ac`` -> ``apply_compile`` -> ``apply_fsdp``. ``apply_cp``, ``apply_ac``,
+``apply_compile`` and ``apply_fsdp`` take a model of any family through its adapter
+(:mod:`.adapter`); ``apply_tp`` and the pipeline split are the Llama's. :mod:`.build`: all of
+them in order on a family's model (``build_parallel_model``).
 """
 
 from titan_cp.parallel import llama  # noqa: F401 - registers the Llama's adapter (titan_cp.parallel.adapter)

@@ -71,7 +71,7 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
 )
 
 from titan_cp.attention.mask_plans import Mask, make_plan
-from titan_cp.attention.masks import plan_tiles, visible_pairs
+from titan_cp.attention.masks import plan_tiles, tile_pairs
 from titan_cp.attention.ring import ring_plans
 from titan_cp.data.row_mixes import BALANCE_MIXES, ROW_MIXES, make_rows
 from titan_cp.layout import BALANCES, Run, Runs, SequenceLayout
@@ -101,7 +101,7 @@ __all__ = [
     "pair_matrix",
     "ptrr_block_mask",
     "rank_pairs",
-    "ring_steps",
+    "ring_step_work",
     "ring_tiles",
     "row_measure",
     "run",
@@ -177,7 +177,7 @@ def ring_tiles(runs: Sequence[Runs]) -> tuple[torch.Tensor, torch.Tensor]:
     for r in range(n):
         for s in range(n):
             t = plan_tiles(runs[r], runs[(r - s) % n], True)
-            steps[s, r] = visible_pairs(t)
+            steps[s, r] = tile_pairs(t)
             tiles[r] += len(t)
     return steps, tiles
 
@@ -212,7 +212,7 @@ def rank_pairs(layout: SequenceLayout) -> torch.Tensor:
     return torch.tensor([make_plan(layout, (r,), None, True).pairs(rows) for r in range(layout.cp_size)])
 
 
-def ring_steps(w: torch.Tensor) -> torch.Tensor:
+def ring_step_work(w: torch.Tensor) -> torch.Tensor:
     """steps[s, r] = W[r, (r - s) mod N]: rank r's pairs at ring step s."""
     n = w.shape[0]
     r = torch.arange(n)
@@ -377,7 +377,7 @@ def row_measure(balance: str, doc_lens: Sequence[int], cp: int, greedy_alpha: fl
         work = steps.sum(0)
     w = pair_matrix(positions, doc_start, real)
     assert torch.equal(w.sum(1), work), (balance, cp, w.sum(1), work)
-    assert torch.equal(ring_steps(w), steps), (balance, cp)
+    assert torch.equal(ring_step_work(w), steps), (balance, cp)
     assert int(work.sum()) == causal_doc_total(doc_lens)
     return {"work": work, "steps": steps, "tiles": tiles, "pad_tokens": doc_start.numel() - seq_len}
 
