@@ -437,6 +437,7 @@ class SequenceLayout:
 _CACHE_SIZE = 16  # layouts (with their plans and device indices) kept: a step's microbatches
 _LAYOUT_CACHE: dict[tuple, SequenceLayout] = {}
 _TENSOR_KEYS: dict[int, tuple] = {}  # id(doc_lens tensor) -> (tensor, version, key): one tolist per microbatch
+_TENSOR_LAYOUTS: dict[int, tuple] = {}  # id(a layout's own doc_lens tensor) -> (tensor, version, layout)
 
 
 def _remember(t: torch.Tensor, key) -> None:
@@ -469,6 +470,16 @@ def doc_lens_key(doc_lens) -> tuple[tuple[int, ...], ...] | None:
     return tuple(tuple(row) for row in doc_lens)
 
 
+def layout_of(doc_lens) -> SequenceLayout | None:
+    """The layout whose :meth:`SequenceLayout.doc_lens_tensor` ``doc_lens`` is (unchanged since), else
+    ``None``: a microbatch's layout travels with its documents tensor through the model to the
+    attention op, which shards and attends by that one layout (its balance included)."""
+    hit = _TENSOR_LAYOUTS.get(id(doc_lens)) if isinstance(doc_lens, torch.Tensor) else None
+    if hit is None or hit[0] is not doc_lens or hit[1] != doc_lens._version:
+        return None
+    return hit[2]
+
+
 def get_layout(seq_len: int, cp_size: int, balance: Balance = "zigzag", doc_lens=None) -> SequenceLayout:
     """A cached :class:`SequenceLayout`: every layer of a step, and the data sharding, share one.
 
@@ -495,4 +506,7 @@ def _doc_lens_tensor(layout: SequenceLayout) -> torch.Tensor | None:
     key = (layout.seq_len, layout.cp_size, layout.balance, layout.doc_lens)
     _LAYOUT_CACHE.setdefault(key, layout)
     _remember(t, layout.doc_lens)
+    if len(_TENSOR_LAYOUTS) >= _CACHE_SIZE:
+        _TENSOR_LAYOUTS.pop(next(iter(_TENSOR_LAYOUTS)))
+    _TENSOR_LAYOUTS[id(t)] = (t, t._version, layout)
     return t

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from titan_cp.attention.mask_plans import make_plan
-from titan_cp.layout import get_layout
+from titan_cp.layout import SequenceLayout, get_layout
 
 logger = logging.getLogger("titan_cp")
 
@@ -92,11 +92,17 @@ class StepMetrics:
         """Training runs from after ``first_step`` to ``last_step``, starting now (for the ETA)."""
         self._t0, self._first, self._last = time.perf_counter(), first_step, last_step
 
-    def record(self, step: int, loss: float, grad_norm: float, lr: float, step_data, seconds: float, sources) -> dict:
+    def record(
+        self, step: int, loss: float, grad_norm: float, lr: float, step_data, seconds: float, sources, layouts=None
+    ) -> dict:
         """The record of optimizer step ``step`` that took ``seconds``; ``step_data``: its
-        :class:`titan_cp.data.Step`; ``sources``: the running tokens drawn per mixture source."""
+        :class:`titan_cp.data.Step`; ``sources``: the running tokens drawn per mixture source;
+        ``layouts``: the :class:`~titan_cp.layout.SequenceLayout` each microbatch was sharded by
+        (``None``: built here from the microbatches' documents, under this object's cp and balance)."""
         batches = step_data.microbatches
-        pairs = sum(visible_pairs(b.doc_lens, self.seq_len, self.cp, self.balance) for b in batches)
+        if layouts is None:
+            layouts = [get_layout(self.seq_len, self.cp, self.balance, b.doc_lens) for b in batches]
+        pairs = sum(layout_pairs(layout) for layout in layouts)
         flops = self.model_args.training_flops(sum(b.tokens.numel() for b in batches), pairs) * self.dp_degree
         record = {
             "step": step,
@@ -133,7 +139,12 @@ def visible_pairs(doc_lens: list[list[int]], seq_len: int, cp: int = 1, balance:
     """Visible causal (query, key) pairs per head of packed rows (``doc_lens``: the document
     lengths of each row): ``sum over documents of n (n + 1) / 2``, as the attention plan of the
     whole rows counts them. ``cp``/``balance`` name the layout the step used, to reuse it."""
-    return make_plan(get_layout(seq_len, cp, balance, doc_lens), None, None, True).pairs(len(doc_lens))
+    return layout_pairs(get_layout(seq_len, cp, balance, doc_lens))
+
+
+def layout_pairs(layout: SequenceLayout) -> int:
+    """Visible causal (query, key) pairs per head of the rows of ``layout`` (:func:`visible_pairs`)."""
+    return make_plan(layout, None, None, True).pairs(layout.batch_size or 1)
 
 
 def device_memory_bytes(device: torch.device) -> int:

@@ -14,46 +14,54 @@ shard); everything per-token is sharded with the same permutation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from titan_cp.layout import get_layout
+from titan_cp.layout import SequenceLayout, get_layout
 from titan_cp.loss import GlobalTokenLoss
-
-
-def shard_tokens(x: torch.Tensor, doc_lens, cp_size: int, cp_rank: int, balance: str) -> torch.Tensor:
-    """This cp rank's tokens of a per-token ``(B, S)`` tensor under the layout of ``doc_lens``."""
-    if cp_size == 1:
-        return x
-    return get_layout(x.shape[1], cp_size, balance, doc_lens).shard(x, 1, cp_rank)
 
 
 @dataclass
 class Microbatch:
-    """Packed rows: ``tokens, labels, positions`` ``(B, S)`` int64; ``doc_lens`` ``(B, max_docs)`` zero-padded."""
+    """Packed rows: ``tokens, labels, positions`` ``(B, S)`` int64; ``doc_lens`` ``(B, max_docs)`` zero-padded
+    host tensor (the documents); once sharded (:meth:`shard`), ``layout``: the
+    :class:`~titan_cp.layout.SequenceLayout` the tokens were cut by, for the attention, the metrics and
+    validation alike, and ``cp_rank``: whose tokens these are."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor
     doc_lens: torch.Tensor | None = None
+    layout: SequenceLayout | None = None
+    cp_rank: int = 0
 
     def shard(self, cp_size: int, cp_rank: int, balance: str) -> Microbatch:
-        """This cp rank's tokens of every per-token tensor (the same permutation for all)."""
+        """This cp rank's tokens of every per-token tensor (the same permutation for all), by the layout
+        built here once from the documents. Over several ranks the model gets the layout's own
+        ``doc_lens`` tensor, by which the attention op finds this layout again (its balance included);
+        on one rank the tokens stay in order and the documents go on as given."""
+        layout = get_layout(self.tokens.shape[1], cp_size, balance, self.doc_lens)
         if cp_size == 1:
-            return self
-        return Microbatch(
-            *(
-                shard_tokens(t, self.doc_lens, cp_size, cp_rank, balance)
-                for t in (self.tokens, self.labels, self.positions)
-            ),
-            doc_lens=self.doc_lens,
-        )
+            return replace(self, layout=layout, cp_rank=0)
+        local = (layout.shard(t, 1, cp_rank) for t in (self.tokens, self.labels, self.positions))
+        doc_lens = None if self.doc_lens is None else layout.doc_lens_tensor()
+        return Microbatch(*local, doc_lens=doc_lens, layout=layout, cp_rank=cp_rank)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of another per-token ``(B, S)`` tensor of the same rows (sharded microbatch)."""
+        assert self.layout is not None, "local() is for a sharded microbatch"
+        return x if self.layout.cp_size == 1 else self.layout.shard(x, 1, self.cp_rank)
 
     def to(self, device) -> Microbatch:
         """The per-token tensors on ``device``; ``doc_lens`` stays on the host, where the attention
         reads it once per microbatch to build its plans (read from a GPU it would synchronise every layer)."""
-        return Microbatch(*(t.to(device) for t in (self.tokens, self.labels, self.positions)), doc_lens=self.doc_lens)
+        return Microbatch(
+            *(t.to(device) for t in (self.tokens, self.labels, self.positions)),
+            doc_lens=self.doc_lens,
+            layout=self.layout,
+            cp_rank=self.cp_rank,
+        )
 
 
 def forward_backward(

@@ -41,7 +41,7 @@ from titan_cp.parallel.ac import ac_mode_and_every
 from titan_cp.parallel.build import ParallelizeOptions, cp_mesh
 from titan_cp.preflight import check_files
 from titan_cp.profiling import Profiler
-from titan_cp.step import Microbatch, forward_backward, shard_tokens
+from titan_cp.step import Microbatch, forward_backward
 
 __all__ = ["Trainer", "compute_precision", "init_distributed", "main"]
 
@@ -244,6 +244,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def _microbatch(self, batch) -> Microbatch:
+        """``batch`` on this rank's device, sharded by its layout (built here, once per microbatch)."""
         mb = Microbatch(batch.tokens, batch.labels, batch.positions, batch.doc_lens_padded).to(self.device)
         return mb.shard(self.dims.cp, self.cp_rank, self.cfg.parallelism.context_parallel_load_balancer)
 
@@ -258,11 +259,12 @@ class Trainer:
         hold loss-bearing tokens (``step_data.global_valid_tokens > 0``)."""
         self.loss_fn.global_valid_tokens = step_data.global_valid_tokens
         local = torch.zeros((), device=self.device)
+        self.layouts = []  # the step's microbatch layouts, for its metrics
         for batch in step_data.microbatches:
+            mb = self._microbatch(batch)
+            self.layouts.append(mb.layout)
             with self.amp:
-                local = local + forward_backward(
-                    self.parts, self._microbatch(batch), self.loss_fn, self.schedule, self.first, self.last
-                )
+                local = local + forward_backward(self.parts, mb, self.loss_fn, self.schedule, self.first, self.last)
         pp_group = self.dims.get_mesh("pp").get_group() if self.dims.pp_enabled else None
         grad_norm = clip_grad_norm_(self.parts, self.cfg.training.max_norm, pp_group)
         for opt in self.optimizers:
@@ -289,13 +291,7 @@ class Trainer:
         for _ in range(self.val_steps):
             for batch in next(self.val_loader).microbatches:
                 mb = self._microbatch(batch)
-                distance = shard_tokens(
-                    batch.recall_distance.to(self.device),
-                    mb.doc_lens,
-                    self.dims.cp,
-                    self.cp_rank,
-                    self.cfg.parallelism.context_parallel_load_balancer,
-                )
+                distance = mb.local(batch.recall_distance.to(self.device))
                 with self.amp:  # chunked: the (tokens x vocab) logits are never whole
                     ce_sum, predicted = self.parts[0](
                         mb.tokens, positions=mb.positions, doc_lens=mb.doc_lens, labels=mb.labels, predict=True
@@ -332,7 +328,9 @@ class Trainer:
             else:
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss is {loss} at step {step}")
-                record = self.step_metrics.record(step, loss, grad_norm, lr, step_data, dt, self.loader.source_tokens)
+                record = self.step_metrics.record(
+                    step, loss, grad_norm, lr, step_data, dt, self.loader.source_tokens, self.layouts
+                )
             record["skipped_steps"] = self.state.skipped_steps
             if self.val_loader is not None and step % cfg.validation.freq == 0:
                 record.update(self.validate())

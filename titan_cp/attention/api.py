@@ -36,7 +36,7 @@ from titan_cp.attention.mask_plans import Mask
 from titan_cp.attention.ring import RING
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
 from titan_cp.attention.ulysses import ULYSSES
-from titan_cp.layout import SequenceLayout, get_layout
+from titan_cp.layout import SequenceLayout, get_layout, layout_of
 
 STRATEGIES: tuple[str, ...] = tuple(s.name for s in (RING, ALLGATHER, ULYSSES, HYBRID))
 
@@ -121,12 +121,26 @@ def _mask(causal: bool, window: int, chunk: int) -> Mask:
     return Mask(bool(causal), window or None, chunk or None)
 
 
+def _layout(spec: CPSpec, seq_len: int, cp: int, doc_lens) -> SequenceLayout:
+    """The layout of this call: the one ``doc_lens`` came from (:func:`~titan_cp.layout.layout_of`: the
+    data was sharded by it, its balance is the batch's), else the one of ``doc_lens`` under the spec's balance."""
+    layout = layout_of(doc_lens)
+    if layout is None:
+        return get_layout(seq_len, cp, spec.balance, doc_lens)
+    if (layout.seq_len, layout.cp_size) != (seq_len, cp):
+        raise ValueError(
+            f"the batch's layout splits {layout.seq_len} tokens over {layout.cp_size} ranks, but the attention "
+            f"runs {seq_len // cp} tokens on each of {cp} ranks: shard the batch over this cp mesh"
+        )
+    return layout
+
+
 def _context(
     handle: int, q: Tensor, k_heads: int, doc_lens, mask: Mask, scale: float, sinks=None, fake: bool = False
 ) -> tuple[CPContext, Strategy]:
     spec = _SPECS[handle]
     cp = 1 if spec.mesh is None else spec.mesh.size()
-    layout = None if fake else get_layout(q.shape[2] * cp, cp, spec.balance, doc_lens)
+    layout = None if fake else _layout(spec, q.shape[2] * cp, cp, doc_lens)
     kernel = None if fake else check_kernel(spec.kernel, q.device, q.dtype, q.shape[-1])
     return CPContext(spec.mesh, layout, mask, scale, kernel, q.shape[1], k_heads, sinks), _strategy(spec)
 

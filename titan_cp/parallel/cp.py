@@ -45,9 +45,12 @@ class ContextParallel(ParallelStyle):
     """Run the wrapped attention module's math as CP attention over the mesh it is applied with.
 
     Args:
-        strategy: ``"ring"``, ``"allgather"``, ``"ulysses"`` or ``"hybrid"`` (2-D mesh).
-        balance: the sequence layout the data was sharded with (``"doc_local"``, ``"doc_zigzag"``,
-            ``"zigzag"`` or ``"contiguous"``); it must match the data sharding.
+        strategy: a registered strategy's name (built in: ``"ring"``, ``"allgather"``, ``"ulysses"``,
+            ``"hybrid"`` on a 2-D mesh).
+        balance: the sequence layout of calls whose ``doc_lens`` come without one (lists, or a tensor
+            of the caller's). A layout's own tensor (``SequenceLayout.doc_lens_tensor``, what
+            ``Microbatch.shard`` hands the model) carries its layout, balance included, and the
+            attention runs by that layout: sharding and attention cannot disagree.
         causal: causal mask within each document.
         kernel: local kernel name, ``None`` for the fastest on the device.
     """
