@@ -10,6 +10,7 @@ The config, the preflight checks, the trainer and generation never compare a fam
     f.build_parallel(cfg, dims, options, device, vocab_size, loss_fn)   -> (ModelParts, shapes)
     f.load_hf(parts, path, shapes)        initial weights from a Hugging Face folder
     f.save_hf(parts, folder, shapes, assets)   export as a Hugging Face folder
+    f.planner_args(cfg)                   the flavor's shapes for the planner
     f.generation_spec(cfg, vocab_size)    the model generation builds, with every parameter's shape
     f.build_for_generation(spec, dims, strategy, balance, device)
     f.owns(model) / f.runner(model)       generation's runner of a built model
@@ -54,6 +55,15 @@ class ModelFamily:
     def save_hf(self, parts: list, folder, shapes, assets=None):
         """Write ``parts`` (every rank's shards) as a Hugging Face folder; collective. Returns the folder."""
         raise NotImplementedError
+
+    def planner_args(self, cfg):
+        """The model's shapes for the planner (:mod:`titan_cp.plan`): ``ModelArgs``-like fields (``dim``,
+        ``n_layers``, heads, ``ffn_dim``, ``vocab_size``...). ``ValueError`` naming ``model.name`` where the
+        planner has no model of this family."""
+        raise ValueError(
+            f"model.name = {self.name!r}: the planner has no model of this family's shapes; plan with "
+            "model.name = 'llama3' and the model.flavor closest to it"
+        )
 
     def generation_spec(self, cfg, vocab_size: int):
         """The :class:`~titan_cp.generate.weights.ModelSpec` generation builds for ``cfg``."""

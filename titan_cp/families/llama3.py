@@ -49,6 +49,9 @@ class Llama3(ModelFamily):
         """The Llama's own export: safetensors and ``config.json`` (no tokenizer files, as before)."""
         return hf_checkpoint.save_hf(parts, folder, shapes)
 
+    def planner_args(self, cfg):
+        return model_args(cfg.model.flavor)
+
     def generation_spec(self, cfg, vocab_size: int) -> ModelSpec:
         args = model_args(cfg.model.flavor, vocab_size=vocab_size)
         with torch.device("meta"):

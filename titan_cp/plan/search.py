@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from titan_cp.attention.strategy import get_strategy, strategy_names
 from titan_cp.data.row_mixes import make_rows
+from titan_cp.families import get_family
 from titan_cp.layout import seq_len_multiple
 from titan_cp.model.llama import ModelArgs
 from titan_cp.parallel.ac import ac_mode_and_every
@@ -193,8 +194,6 @@ def reason(e: Estimate) -> str:
 def workload_of(job_config, gpu: str, doc_mix: str, seed: int) -> tuple[Workload, str]:
     """The config's :class:`Workload` and the activation checkpointing it is planned with
     (op-level selective checkpointing is planned as full: an upper bound on memory and time)."""
-    from titan_cp.model import model_args
-
     t, p, m = job_config.training, job_config.parallelism, job_config.model
     mode, every = ac_mode_and_every(
         job_config.activation_checkpoint.mode, job_config.activation_checkpoint.selective_ac_option
@@ -203,7 +202,7 @@ def workload_of(job_config, gpu: str, doc_mix: str, seed: int) -> tuple[Workload
         mode, every = "full", 1
     rows = tuple(tuple(r) for r in make_rows(doc_mix, t.seq_len, t.local_batch_size, seed))
     w = Workload(
-        args=model_args(m.flavor),
+        args=get_family(m.name).planner_args(job_config),
         seq_len=t.seq_len,
         rows=rows,
         balance=p.context_parallel_load_balancer,
