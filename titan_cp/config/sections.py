@@ -8,20 +8,17 @@ say (rules between fields of one section) is the section's :meth:`~Section.check
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from titan_cp.config.training import SEQ_LEN_BOUND
 from titan_cp.config.values import AtLeast, IncreasingPositive, InRange, OneOf, Positive, PositiveOrAuto, Section
 from titan_cp.families import DEFAULT_FAMILY, family_names, get_family
+from titan_cp.model.flavors import FLAVORS
 
 
-@functools.cache
 def flavors() -> dict:
     """``titan_cp.model.flavors.FLAVORS``: name -> model arguments."""
-    from titan_cp.model.flavors import FLAVORS  # noqa: PLC0415 - the model imports torch; the config needs it here only
-
     return FLAVORS
 
 

@@ -11,6 +11,7 @@ import sys
 
 from titan_cp.families.base import ModelFamily, ModelSpec, register_family
 from titan_cp.model import hf_checkpoint
+from titan_cp.parallel.build import ModelParts
 
 _NAME = "model.name = 'hf'"
 
@@ -57,28 +58,27 @@ class HuggingFace(ModelFamily):
         check_job(cfg)
 
     def build_parallel(self, cfg, dims, options, device, vocab_size: int, loss_fn=None):
-        from titan_cp.integrations import hf_trainer  # noqa: PLC0415
-        from titan_cp.parallel.build import ModelParts  # noqa: PLC0415 - the parallel package is above
+        from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
 
         model, args = hf_trainer.build_parallel_model(cfg.model.hf_assets_path, dims, options, device)
         hf_trainer.check_vocab(model, vocab_size)
         return ModelParts([model]), args
 
     def load_hf(self, parts, path, shapes, key="checkpoint.initial_load_path") -> None:
-        from titan_cp.integrations import hf_trainer  # noqa: PLC0415
+        from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
 
         hf_trainer.load_weights(parts[0], path, key=key)
 
     def save_hf(self, parts, folder, shapes, assets=None):
         """Safetensors under ``transformers``' own names, ``config.json`` and the tokenizer files of ``assets``."""
-        from titan_cp.integrations import hf_trainer  # noqa: PLC0415
+        from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
 
         return hf_trainer.save_weights(parts[0], folder, assets)
 
     def generation_spec(self, cfg, vocab_size: int) -> ModelSpec:
-        from titan_cp.integrations import hf_trainer  # noqa: PLC0415
-        from titan_cp.integrations.hf_model import plain_head, text_config  # noqa: PLC0415
-        from titan_cp.integrations.hf_parallel import CausalLM  # noqa: PLC0415
+        from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
+        from titan_cp.integrations.hf_model import plain_head, text_config  # noqa: PLC0415 - transformers is optional
+        from titan_cp.integrations.hf_parallel import CausalLM  # noqa: PLC0415 - transformers is optional
 
         path = cfg.model.hf_assets_path
         what = f"model.hf_assets_path = {path!r}"
@@ -96,7 +96,7 @@ class HuggingFace(ModelFamily):
         return ModelSpec(self, what, text_config(config).max_position_embeddings, shapes, folder=path)
 
     def build_for_generation(self, spec, dims, strategy, balance, device):
-        from titan_cp.generate.hf_runner import build_hf_model  # noqa: PLC0415 - generation is above
+        from titan_cp.generate.hf_runner import build_hf_model  # noqa: PLC0415 - transformers is optional; titan_cp.generate imports the families
 
         return build_hf_model(spec.folder, dims, strategy, balance, device)
 
@@ -104,7 +104,7 @@ class HuggingFace(ModelFamily):
         if "transformers" not in sys.modules:  # no Hugging Face model can exist yet: nothing to import
             return False
         try:
-            from titan_cp.integrations.hf_model import hf_model_of  # noqa: PLC0415
+            from titan_cp.integrations.hf_model import hf_model_of  # noqa: PLC0415 - transformers is optional
 
             hf_model_of(model)
         except (ImportError, ValueError):
@@ -112,7 +112,7 @@ class HuggingFace(ModelFamily):
         return True
 
     def runner(self, model):
-        from titan_cp.generate.hf_runner import HFRunner  # noqa: PLC0415
+        from titan_cp.generate.hf_runner import HFRunner  # noqa: PLC0415 - transformers is optional
 
         return HFRunner(model)
 

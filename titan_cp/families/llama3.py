@@ -12,6 +12,7 @@ from titan_cp.families.base import ModelFamily, ModelSpec, register_family
 from titan_cp.model import hf_checkpoint
 from titan_cp.model.flavors import FLAVORS, model_args
 from titan_cp.model.llama import Transformer
+from titan_cp.parallel.build import build_parallel_model
 
 
 class Llama3(ModelFamily):
@@ -26,8 +27,6 @@ class Llama3(ModelFamily):
         cfg.parallelism.check_model(flavor, args.n_heads, args.n_kv_heads or args.n_heads, args.n_layers)
 
     def build_parallel(self, cfg, dims, options, device, vocab_size: int, loss_fn=None):
-        from titan_cp.parallel.build import build_parallel_model  # noqa: PLC0415 - the parallel package is above
-
         t, p = cfg.training, cfg.parallelism
         args = model_args(cfg.model.flavor, vocab_size=vocab_size)
         built = build_parallel_model(
@@ -59,7 +58,7 @@ class Llama3(ModelFamily):
         return ModelSpec(self, f"model.flavor = {cfg.model.flavor!r}", args.max_seq_len, shapes, args=args)
 
     def build_for_generation(self, spec, dims, strategy, balance, device):
-        from titan_cp.generate.runners import build_generation_model  # noqa: PLC0415 - generation is above
+        from titan_cp.generate.runners import build_generation_model  # noqa: PLC0415 - titan_cp.generate's engine imports the families
 
         return build_generation_model(spec.args, dims, strategy, balance, device)
 
@@ -67,7 +66,7 @@ class Llama3(ModelFamily):
         return isinstance(model, Transformer)
 
     def runner(self, model):
-        from titan_cp.generate.runners import LlamaRunner  # noqa: PLC0415 - generation is above
+        from titan_cp.generate.runners import LlamaRunner  # noqa: PLC0415 - titan_cp.generate's engine imports the families
 
         return LlamaRunner(model)
 
