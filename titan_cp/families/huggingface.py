@@ -60,7 +60,7 @@ class HuggingFace(ModelFamily):
     def build_parallel(self, cfg, dims, options, device, vocab_size: int, loss_fn=None):
         from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
 
-        model, args = hf_trainer.build_parallel_model(cfg.model.hf_assets_path, dims, options, device)
+        model, args = hf_trainer.build_parallel_hf_model(cfg.model.hf_assets_path, dims, options, device)
         hf_trainer.check_vocab(model, vocab_size)
         return ModelParts([model]), args
 

@@ -125,6 +125,6 @@ def build_hf_model(
     if dims is None:
         dims = ParallelDims(1, 1, 1, 1, 1, 1)
     options = ParallelizeOptions(cp_strategy=strategy, cp_balance=balance)
-    model, _ = hf_trainer.build_parallel_model(folder, dims, options, device, fsdp=False)
+    model, _ = hf_trainer.build_parallel_hf_model(folder, dims, options, device, fsdp=False)
     hf_model_of(model).set_attn_implementation(GENERATE_ATTENTION)
     return model.eval().requires_grad_(False)

@@ -11,7 +11,7 @@
    applies activation checkpointing, ``torch.compile`` and FSDP2 over ``dp_shard x cp``, then
    allocates each rank's shards (``to_empty``) and restores the buffers ``transformers`` computes
    at construction (RoPE frequencies) with the model's own ``_init_weights``
-   (:func:`build_parallel_model`);
+   (:func:`build_parallel_hf_model`, through :func:`titan_cp.parallel.build.build_parallel_model`);
 3. loads the weights shard by shard (``checkpoint.initial_load_path`` with
    ``checkpoint.initial_load_in_hf``): every rank reads only its slices of the safetensors, by
    ``transformers``' own parameter names, after checking every name and shape (:func:`load_weights`);
@@ -158,7 +158,7 @@ class HFBuilder(ModelBuilder):
                     hf._init_weights(module)
 
 
-def build_parallel_model(path, parallel_dims, options, device, fsdp: bool = True) -> tuple[CausalLM, HFModelArgs]:
+def build_parallel_hf_model(path, parallel_dims, options, device, fsdp: bool = True) -> tuple[CausalLM, HFModelArgs]:
     """The HF model of folder ``path``, parallelized as the trainer's options say, this rank's shards
     allocated on ``device`` (weights not loaded yet: :func:`load_weights`); and its :class:`HFModelArgs`.
     ``fsdp`` false: no FSDP whatever the mesh (generation keeps the weights whole on every cp rank)."""
