@@ -341,8 +341,68 @@ def test_corrupt_newest_checkpoint_is_named_with_the_older_step_to_resume(tmp_pa
 def test_corrupt_only_checkpoint_says_how_to_start_from_scratch(tmp_path):
     only = dcp_step(tmp_path / "checkpoint", 3)
     next(only.glob("*.distcp")).unlink()
-    with pytest.raises(ValueError, match=r"step-3/__0_0.distcp is missing .*no older step is saved: move it away"):
+    with pytest.raises(
+        ValueError,
+        match=r"step-3/__0_0.distcp is missing .*; moving .*step-3 away, the run starts from "
+        r"scratch: step 1, freshly initialised weights \(metrics.jsonl is kept under another name\)",
+    ):
         load(resume_argv(tmp_path)).check_files()
+
+
+def test_damaged_checkpoint_advice_says_what_moving_it_away_does(tmp_path):
+    """The damaged newest whole step, with a model-only final step after it: moving it away would
+    load that model alone and train from step 1 again, and the message says so."""
+    folder = tmp_path / "checkpoint"
+    dcp_step(folder, 2)
+    damaged = dcp_step(folder, 3)
+    dcp_step(folder, 4, with_optimizer=False)
+    next(damaged.glob("*.distcp")).unlink()
+    match = (
+        r"resume from an older step with --checkpoint.load_step 2 \(saved steps: \[2\]\); moving .*step-3 away, the "
+        r"run resumes from step 2"
+    )
+    with pytest.raises(ValueError, match=match):
+        load(resume_argv(tmp_path)).check_files()
+    (folder / "step-2" / ".metadata").unlink()
+    match = (
+        r"moving .*step-3 away, the run loads the model weights of step 4 \(a model-only save\) and trains from step 1"
+    )
+    with pytest.raises(ValueError, match=match):
+        load(resume_argv(tmp_path)).check_files()
+
+
+def _flip_bytes(tensor: torch.Tensor, folder: Path) -> None:
+    """Overwrite 64 bytes of ``tensor``'s data where DCP wrote them in ``folder`` with 0xff (a NaN)."""
+    data = tensor.contiguous().numpy().tobytes()
+    (payload,) = folder.glob("*.distcp")
+    raw = bytearray(payload.read_bytes())
+    at = raw.index(data) + len(data) // 2
+    raw[at : at + 64] = b"\xff" * 64
+    payload.write_bytes(bytes(raw))
+
+
+def test_non_finite_weights_or_optimizer_state_in_a_checkpoint_are_named(tmp_path):
+    """Bytes flipped inside a weight (DCP reads them without complaint) and a NaN in the optimizer
+    state: the load stops naming the checkpoint and the tensor, before a step trains on them."""
+    model = build_model("tiny", device="cpu")
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long)).float().sum().backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, [model], [opt], {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": ckpt._model_state()}, checkpoint_id=str(tmp_path / "step-5"), no_dist=True)
+        _flip_bytes(model.layers["0"].attention.wq.weight.detach(), tmp_path / "step-5")
+        with pytest.raises(UserError, match=rf"checkpoint {tmp_path}/step-5 holds non-finite values \(NaN or inf\) in "
+                           r"model.layers.0.attention.wq.weight: it is damaged"):  # fmt: skip
+            ckpt.load()
+        next(iter(opt.state.values()))["exp_avg"][0] = float("nan")
+        dcp.save(ckpt._state(model_only=False), checkpoint_id=str(tmp_path / "step-6"), no_dist=True)
+        with pytest.raises(
+            UserError,
+            match=r"step-6 holds non-finite values \(NaN or inf\) in .*optimizer.state.tok_embeddings.weight.exp_avg",
+        ):
+            ckpt.load()
 
 
 def test_a_payload_damaged_in_place_is_a_user_error_when_loaded(tmp_path):
@@ -355,7 +415,7 @@ def test_a_payload_damaged_in_place_is_a_user_error_when_loaded(tmp_path):
         dcp.save({"model": ckpt._model_state()}, checkpoint_id=str(tmp_path / "step-5"), no_dist=True)
         payload = next((tmp_path / "step-5").glob("*.distcp"))
         payload.write_bytes(b"\0" * payload.stat().st_size)
-        with pytest.raises(UserError, match=rf"checkpoint {tmp_path}/step-5 cannot be loaded \(.*\); no older step"):
+        with pytest.raises(UserError, match=rf"checkpoint {tmp_path}/step-5 cannot be loaded \(.*\); moving .* away"):
             ckpt.load()
 
 

@@ -41,6 +41,7 @@ import shutil
 from concurrent.futures import Future
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
@@ -51,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from titan_cp.errors import UserError
 from titan_cp.model import hf
@@ -76,11 +78,32 @@ def _step_of(path: Path) -> int:
 
 
 def _resume_fix(path: Path) -> str:
-    """How to resume without the damaged checkpoint ``path`` of a ``step-N`` folder."""
-    older = [s for s in saved_steps(path.parent) if s < _step_of(path)]
-    if older:
-        return f"resume from an older step with --checkpoint.load_step {older[-1]} (saved steps: {older})"
-    return "no older step is saved: move it away (or set --checkpoint.enable false) to start from scratch"
+    """What to do about the damaged checkpoint ``path`` of a ``step-N`` folder, and exactly what
+    moving it away would make a resume (``checkpoint.load_step = -1``) do."""
+    step, folder = _step_of(path), path.parent
+    others = [s for s in saved_steps(folder) if s != step]
+    full = [s for s in others if not _unreadable_or_model_only(folder / f"step-{s}")]
+    older = [s for s in full if s < step]
+    advice = (
+        f"resume from an older step with --checkpoint.load_step {older[-1]} (saved steps: {older}); " if older else ""
+    )
+    if full:
+        then = f"resumes from step {full[-1]}"
+    elif others:
+        then = (
+            f"loads the model weights of step {others[-1]} (a model-only save) and trains from step 1 again: "
+            "optimizer, schedule and data position start afresh (metrics.jsonl is kept under another name)"
+        )
+    else:
+        then = "starts from scratch: step 1, freshly initialised weights (metrics.jsonl is kept under another name)"
+    return f"{advice}moving {path} away, the run {then}"
+
+
+def _unreadable_or_model_only(path: Path) -> bool:
+    try:
+        return _model_only(path, dcp.FileSystemReader(str(path)).read_metadata())
+    except Exception:  # noqa: BLE001 - a damaged .metadata: not a step to resume from
+        return True
 
 
 def _cause(e: BaseException) -> str:
@@ -138,6 +161,19 @@ def resume_path(folder: Path, step: int = -1) -> Path | None:
     return folder / f"step-{steps[-1]}"
 
 
+def weights_path(folder: Path, step: int = -1) -> Path | None:
+    """The checkpoint whose model weights ``step`` names for generation: ``step-<step>``, or for ``-1``
+    the newest step, a model-only final save included (every step holds the model); ``None`` when
+    ``step`` is -1 and there is none. A requested step that is not there is a ``UserError``."""
+    steps = saved_steps(folder)
+    if step != -1 and step not in steps:
+        held = f"steps {steps}" if steps else "no checkpoint"
+        raise UserError(f"checkpoint.load_step = {step}, but {folder} holds {held}")
+    if not steps:
+        return None
+    return folder / f"step-{steps[-1] if step == -1 else step}"
+
+
 def check_resume(folder: Path, step: int = -1) -> int | None:
     """The step a resume from ``folder`` would load (``None``: none), after checking its metadata
     and files (:func:`verify_files`). Reads only: no process group needed, nothing written."""
@@ -166,12 +202,14 @@ class Checkpointer:
         keep_latest_k: int = 0,
         async_mode: str = "disabled",
         exclude_from_loading: tuple[str, ...] = (),
+        model_what: str = "model.flavor",
     ):
         self.folder = Path(folder)
         self.model_parts, self.optimizers, self.stateful = model_parts, optimizers, stateful
         self.keep_latest_k = keep_latest_k
         self.async_mode = async_mode
         self.exclude_from_loading = set(exclude_from_loading)
+        self.model_what = model_what  # the config key and value that name the model, for errors
         self._options = StateDictOptions(flatten_optimizer_state_dict=True)
         self._pending: tuple[Future, Path, Path] | None = None  # an async save not yet renamed into place
         # an async save's collectives run in a background thread: on a group of their own, as torchtitan
@@ -326,6 +364,34 @@ class Checkpointer:
         (``checkpoint.last_save_in_hf``; ``titan_cp.model.hf.save_hf``)."""
         return hf.save_hf(self.model_parts, self.folder / f"step-{step}-hf", model_args)
 
+    def _check_model_keys(self, metadata, model_state: dict, what: str) -> None:
+        """The checkpoint of ``metadata`` holds exactly the model's parameters, with their shapes
+        (checked before loading anything): another model's checkpoint (a flavor or
+        ``model.hf_assets_path`` changed since it was saved) is a ``UserError`` that says so."""
+        saved = {
+            k[len("model.") :]: tuple(m.size)
+            for k, m in metadata.state_dict_metadata.items()
+            if k.startswith("model.") and hasattr(m, "size")
+        }
+        names = set(_all_ranks(sorted(model_state)))  # pipeline stages hold different layers
+        problems = [f"no {n}" for n in sorted(model_state) if n not in saved]
+        problems += [
+            f"{n} of shape {saved[n]} where the model's is {tuple(t.shape)}"
+            for n, t in model_state.items()
+            if n in saved and saved[n] != tuple(t.shape)
+        ]
+        extra = sorted(set(saved) - names)
+        if extra:
+            more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+            problems.append(f"{', '.join(extra[:3])}{more}, which the model does not have")
+        problems = _all_ranks(problems[:1])
+        if problems:
+            raise UserError(
+                f"{what} was saved from another model than {self.model_what}: it holds {problems[0]}. The checkpoint "
+                f"is not damaged: set {self.model_what.split(' = ')[0]} to the model it was saved from, or start "
+                "this model in another job.dump_folder"
+            )
+
     def _load_path(
         self, path: Path, metadata, model_only: bool, exclude: set[str] = frozenset(), *, what: str, fix: str
     ) -> None:
@@ -335,7 +401,10 @@ class Checkpointer:
         if "train_state" in state:  # train state added since the checkpoint was written keeps its value
             saved = metadata.state_dict_metadata
             state["train_state"] = {k: v for k, v in state["train_state"].items() if f"train_state.{k}" in saved}
+        if "model" in state:
+            self._check_model_keys(metadata, state["model"], what)
         _dcp_load(state, path, what, fix)
+        _check_finite({k: state[k] for k in ("model", "optimizer") if k in state}, what, fix)
         if "model" in state:
             for part in self.model_parts:
                 set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
@@ -347,6 +416,33 @@ class Checkpointer:
                 obj.load_state_dict(state[name])
         left_out = f" (left out: {', '.join(sorted(exclude))})" if exclude else ""
         logger.info("loaded checkpoint %s%s", path, left_out)
+
+
+def _all_ranks(items: list) -> list:
+    """``items`` of every rank, concatenated (this rank's alone without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return items
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [x for rank_items in gathered for x in rank_items]
+
+
+def _check_finite(state: dict, what: str, fix: str) -> None:
+    """Every floating-point tensor of the loaded ``state`` (this rank's shards) is finite, on every
+    rank: a NaN or inf (a damaged payload DCP cannot tell, e.g. flipped bytes) is a ``UserError``
+    naming ``what`` and the tensors, on every rank alike."""
+    bad = []
+    for section, tensors in state.items():
+        for name, t in tensors.items():
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if isinstance(local, torch.Tensor) and local.is_floating_point() and not torch.isfinite(local).all():
+                bad.append(f"{section}.{name}")
+    bad = sorted(set(_all_ranks(bad)))
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise UserError(
+            f"{what} holds non-finite values (NaN or inf) in {', '.join(bad[:3])}{more}: it is damaged; {fix}"
+        )
 
 
 def _dcp_load(state: dict, path: Path, what: str, fix: str) -> None:

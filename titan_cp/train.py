@@ -32,12 +32,12 @@ from titan_cp.attention import cp_rank
 from titan_cp.checkpoint import Checkpointer
 from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
-from titan_cp.errors import run_cli
+from titan_cp.errors import UserError, run_cli
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
 from titan_cp.metrics import MetricsLogger, StepMetrics, recall_counts, recall_metrics
 from titan_cp.model import build_model
-from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda
+from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda, restore_hyperparameters
 from titan_cp.parallel.ac import ac_mode_and_every
 from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, cp_mesh
 from titan_cp.profiling import Profiler
@@ -46,6 +46,8 @@ from titan_cp.step import Microbatch, forward_backward, shard_tokens
 __all__ = ["Trainer", "compute_precision", "init_distributed", "main"]
 
 logger = logging.getLogger("titan_cp")
+ZERO_GRAD_STEPS = 3
+"""Steps in a row with a grad norm of exactly 0 that stop a run (nothing trains)."""
 
 
 class TrainState:
@@ -137,6 +139,7 @@ class Trainer:
         self._build_model()
         self._build_optimizers()
         self.state = TrainState()
+        self.zero_grad_steps = 0  # steps in a row whose grad norm was exactly 0
         self.dump = Path(cfg.job.dump_folder)
         self._build_checkpointer()
         self.metrics = MetricsLogger(self.dump, cfg, enabled=self.rank0, resumed_step=self.state.step)
@@ -249,8 +252,15 @@ class Trainer:
             keep_latest_k=c.keep_latest_k,
             async_mode=c.async_mode,
             exclude_from_loading=tuple(c.exclude_from_loading),
+            model_what=(
+                f"model.hf_assets_path = {self.cfg.model.hf_assets_path!r}"
+                if self.hf
+                else f"model.flavor = {self.cfg.model.flavor!r}"
+            ),
         )
         resumed = c.enable and self.checkpointer.load(c.load_step) is not None
+        if resumed and self.state.step > 0:  # the whole state loaded: the config's hyperparameters win
+            self._apply_config_hyperparameters()
         if not resumed and c.initial_load_path:  # into the sharded, initialised model
             if c.initial_load_in_hf and self.hf:
                 _hf_trainer().load_weights(self.parts[0], c.initial_load_path)
@@ -258,6 +268,25 @@ class Trainer:
                 self.checkpointer.load_hf(c.initial_load_path, self.model_args)
             else:
                 self.checkpointer.load_model(c.initial_load_path, c.initial_load_model_only)
+
+    def _apply_config_hyperparameters(self) -> None:
+        """After a resume: the optimizer's hyperparameters and the LR schedule's base rate are the
+        config's (a new ``--optimizer.lr`` applies, as in torchtitan); the moments, the schedule's
+        position, the data position and the step are the checkpoint's. Logs which is which."""
+        o = self.cfg.optimizer
+        wanted = {"betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
+        changed = restore_hyperparameters(self.optimizers, wanted)
+        old_lr = self.schedulers.restore_base_lrs()
+        if old_lr != o.lr:
+            changed["lr"] = (old_lr, o.lr)
+        if self.rank0:
+            from_config = ", ".join(f"{k} {new} (the checkpoint had {old})" for k, (old, new) in changed.items())
+            logger.info(
+                "resumed at step %d: from the checkpoint: weights, optimizer moments, LR schedule position, data "
+                "position; from the config: %s",
+                self.state.step,
+                from_config or "lr, betas, eps, weight_decay (the same as the checkpoint's)",
+            )
 
     # ------------------------------------------------------------------ steps
     def _microbatch(self, batch) -> Microbatch:
@@ -347,8 +376,7 @@ class Trainer:
             if skip:
                 record = self._skipped(step, lr, step_data)
             else:
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss is {loss} at step {step}")
+                self._check_step(step, loss, grad_norm)
                 record = self.step_metrics.record(step, loss, grad_norm, lr, step_data, dt, self.loader.source_tokens)
             record["skipped_steps"] = self.state.skipped_steps
             if self.val_loader is not None and step % cfg.validation.freq == 0:
@@ -369,6 +397,25 @@ class Trainer:
         self.metrics.close()
         return history
 
+    def _check_step(self, step: int, loss: float, grad_norm: float) -> None:
+        """Stop (a ``UserError``, the same on every rank: both numbers are global) when the loss or the
+        grad norm is not finite, or the grad norm was exactly 0 for :data:`ZERO_GRAD_STEPS` steps in a
+        row (no parameter gets a gradient: damaged weights, or a model cut off from its loss)."""
+        hint = (
+            "lower optimizer.lr or resume from an earlier step with --checkpoint.load_step"
+            if self.cfg.checkpoint.enable
+            else "lower optimizer.lr"
+        )
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise UserError(f"step {step}: the loss is {loss} and the grad norm {grad_norm}: the run diverged; {hint}")
+        self.zero_grad_steps = self.zero_grad_steps + 1 if grad_norm == 0.0 else 0
+        if self.zero_grad_steps >= ZERO_GRAD_STEPS:
+            raise UserError(
+                f"step {step}: the grad norm has been exactly 0 for {self.zero_grad_steps} steps (loss {loss:.4f}): "
+                "no parameter receives a gradient, so nothing trains; the weights are damaged (e.g. a corrupted "
+                f"checkpoint: {hint.split(' or ')[-1]}) or the model is cut off from its loss"
+            )
+
     def _skipped(self, step: int, lr: float, step_data) -> dict:
         """Count, announce and describe step ``step``, whose rows hold no loss-bearing token (e.g.
         chat records without a turn of ``training.loss_roles``, or a user turn longer than a row):
@@ -381,6 +428,14 @@ class Trainer:
                 step,
                 self.loader.global_batch_size,
                 self.state.skipped_steps,
+            )
+        t = self.cfg.training
+        if self.state.skipped_steps > t.max_skipped_fraction * t.steps or self.state.skipped_steps == t.steps:
+            raise UserError(
+                f"step {step}: {self.state.skipped_steps} steps skipped (of training.steps = {t.steps}), more than "
+                f"training.max_skipped_fraction = {t.max_skipped_fraction}: their rows hold no loss-bearing token. "
+                f"Loss is taken on the turns of training.loss_roles = {list(t.loss_roles)} (chat records); check that "
+                "the data has such turns, that a row holds them (training.seq_len), or change the roles"
             )
         return self.step_metrics.skipped_record(step, lr, step_data, self.loader.source_tokens)
 

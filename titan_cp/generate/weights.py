@@ -4,12 +4,14 @@ The model is titan_cp's Llama of ``model.flavor`` (``model.name = "llama3"``) or
 model of ``model.hf_assets_path`` (``model.name = "hf"``), with the tokenizer's vocabulary
 (:class:`ModelSpec`). Its weights come from, in order (the trainer's keys, read the same way)::
 
-    checkpoint.enable and a step in <job.dump_folder>/<checkpoint.folder>   a titan_cp step (load_step, or the newest)
+    checkpoint.enable and a step in <job.dump_folder>/<checkpoint.folder>   a titan_cp step: checkpoint.load_step, or
+                                                                          the newest (a model-only final step too)
     checkpoint.initial_load_path                                          a DCP folder: titan_cp's or torchtitan's
     checkpoint.initial_load_path with checkpoint.initial_load_in_hf         a Hugging Face folder (safetensors)
 
-Every parameter's shape is checked against the model from the checkpoint's metadata alone, so
-a checkpoint of another model is an error naming the key before anything starts.
+Every parameter's shape is checked against the model from the checkpoint's metadata alone, and a
+checkpoint holding tensors the model does not have (e.g. Qwen3's ``q_norm`` for a Llama) is
+refused, so a checkpoint of another model is an error naming the key before anything starts.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class ModelSpec:
     shapes: dict[str, tuple[int, ...]] = field(repr=False)
     args: ModelArgs | None = None
     folder: str | None = None
+    aliases: tuple[str, ...] = ()  # other names a checkpoint may hold the parameters under (tied weights)
 
     def build(self, dims, strategy: str, balance: str, device) -> nn.Module:
         """The model parallelized for generation on ``dims``' mesh, shards allocated (weights to load)."""
@@ -72,8 +75,10 @@ def _hf_spec(cfg: JobConfig, vocab_size: int) -> ModelSpec:
     rows = model.get_input_embeddings().num_embeddings
     if vocab_size > rows:
         raise ValueError(f"{what}: the tokenizer has {vocab_size} ids but the model's embedding {rows} rows")
-    shapes = {name: tuple(p.shape) for name, p in CausalLM(model).named_parameters()}
-    return ModelSpec("hf", what, text_config(config).max_position_embeddings, shapes, folder=path)
+    wrapped = CausalLM(model)
+    shapes = {name: tuple(p.shape) for name, p in wrapped.named_parameters()}
+    aliases = tuple(sorted(set(wrapped.state_dict()) - set(shapes)))  # tied weights, persistent buffers
+    return ModelSpec("hf", what, text_config(config).max_position_embeddings, shapes, folder=path, aliases=aliases)
 
 
 def model_spec(cfg: JobConfig, vocab_size: int) -> ModelSpec:
@@ -94,6 +99,13 @@ class WeightSource:
     path: Path
     key: str
 
+    def describe(self) -> str:
+        """Which weights these are, for the log: ``step N of <folder> (steps saved: [...])`` for a step."""
+        if self.key != "checkpoint.folder":
+            return f"{self.where} ({self.kind})"
+        steps = checkpoint.saved_steps(self.path.parent)
+        return f"step {self.path.name.removeprefix('step-')} of {self.path.parent} (steps saved: {steps})"
+
     @property
     def where(self) -> str:
         return f"{self.key} = {str(self.path)!r}" if self.key != "checkpoint.folder" else f"checkpoint {self.path}"
@@ -103,7 +115,7 @@ def weight_source(cfg: JobConfig) -> WeightSource:
     """The checkpoint ``cfg`` names (module docstring); ``ValueError`` when it names none."""
     c = cfg.checkpoint
     if c.enable:
-        path = checkpoint.resume_path(Path(cfg.job.dump_folder) / c.folder, c.load_step)
+        path = checkpoint.weights_path(Path(cfg.job.dump_folder) / c.folder, c.load_step)
         if path is not None:
             return WeightSource("titan_cp", path, "checkpoint.folder")
     if not c.initial_load_path:
@@ -165,9 +177,12 @@ def check_weights(source: WeightSource, spec: ModelSpec) -> None:
                 f"{source.where}: {name} has shape {saved[name]}, but {spec.what} (vocabulary from the tokenizer) "
                 f"makes {shape}; {fix}"
             )
-    extra = sorted(set(saved) - set(spec.shapes))
-    if source.kind == "titan_cp" and spec.name == "llama3" and extra:
-        raise ValueError(f"{source.where} holds {extra[0]}, which {spec.what} does not have; {fix}")
+    extra = sorted(set(saved) - set(spec.shapes) - set(spec.aliases))
+    if source.kind == "torchtitan":  # its DCP folders hold the training state at the top level too
+        extra = [k for k in extra if k.split(".")[0] not in ("optimizer", "lr_scheduler", "dataloader", "train_state")]
+    if extra:
+        more = f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""
+        raise ValueError(f"{source.where} holds {', '.join(extra[:3])}{more}, which {spec.what} does not have; {fix}")
 
 
 def load_weights(source: WeightSource, model: nn.Module, spec: ModelSpec) -> None:
@@ -179,4 +194,5 @@ def load_weights(source: WeightSource, model: nn.Module, spec: ModelSpec) -> Non
     elif source.kind == "hf":
         hf.load_hf([model], source.path, spec.args, key=source.key)
     else:
-        checkpoint.Checkpointer(source.path.parent, [model], [], {}).load_model(source.path, model_only=True)
+        ckpt = checkpoint.Checkpointer(source.path.parent, [model], [], {}, model_what=spec.what)
+        ckpt.load_model(source.path, model_only=True)
