@@ -436,3 +436,54 @@ def test_initial_dcp_checkpoint_that_is_truncated_is_named(tmp_path):
         rf"checkpoint.initial_load_path = '{start}': {payload} is truncated",
         tmp_path / "out",
     )
+
+
+def test_a_text_folder_of_empty_files_is_refused_naming_the_path(tmp_path):
+    """An empty .txt (or one of blank lines), and JSON lines whose texts are empty: nothing to train on
+    but begin/end tokens; refused naming the folder. An empty file beside real text is left out."""
+    (tmp_path / "a.txt").write_text("")
+    (tmp_path / "b.txt").write_text("\n \n")
+    (tmp_path / "c.jsonl").write_text('{"text": ""}\n\n')
+    with pytest.raises(
+        ValueError, match=rf"'{tmp_path}' holds no text: its 3 file\(s\) \(a.txt, b.txt, c.jsonl\) are empty"
+    ):
+        TextFiles(tmp_path, TOK)
+    (tmp_path / "d.txt").write_text("words")
+    assert len(TextFiles(tmp_path, TOK)) == 1
+    with pytest.raises(ValueError, match=rf"'{tmp_path / 'a.txt'}' holds no text: its 1 file\(s\) \(a.txt\)"):
+        TextFiles(tmp_path / "a.txt", TOK)
+
+
+def test_a_jsonl_file_given_as_a_hugging_face_dataset_is_one_line(tmp_path, capsys):
+    """``--training.dataset hf --training.dataset_path x.jsonl`` (187 lines from ``datasets`` before)."""
+    from titan_cp.errors import run_cli
+
+    (tmp_path / "x.jsonl").write_text('{"text": "a"}\n')
+    argv = tiny_run_args() + ["--training.dataset", "hf", "--training.dataset_path", str(tmp_path / "x.jsonl")]
+    message = rf"training.dataset_path = '{tmp_path / 'x.jsonl'}' is a file, not a Hugging Face dataset saved with "
+    refused_before_start(argv, message, tmp_path / "out")
+    with pytest.raises(ValueError, match=message + r".*set training.dataset = 'text'"):
+        build_dataset(load(argv), TOK)  # the source itself, whatever checked the config
+    with pytest.raises(SystemExit) as info:
+        run_cli(main, argv + ["--job.dump_folder", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: training.dataset_path")
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (b"{model_type: llama", r"config.json: not JSON \(Expecting property name"),
+        (b"[1, 2]", "config.json must hold a JSON object"),
+        (b'{"hidden_size": 8}', "config.json cannot be read by transformers: Unrecognized model"),
+    ],
+)
+def test_a_hugging_face_config_that_is_not_json_is_one_line(tmp_path, content, fragment):
+    pytest.importorskip("transformers")
+    from titan_cp.testing.hf import byte_tokenizer
+
+    byte_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_bytes(content)
+    argv = ["--job.config_file", "train_configs/hf/qwen3_cp.toml", "--model.hf_assets_path", str(tmp_path)]
+    with pytest.raises(UserError, match=rf"model.hf_assets_path = '{tmp_path}': {fragment}"):
+        load(argv).check_files()

@@ -39,6 +39,7 @@ from titan_cp.config.sections import (
 )
 from titan_cp.config.training import Training, check_microbatch_tokens
 from titan_cp.config.values import Section
+from titan_cp.files import check_saved_hf_dataset
 from titan_cp.layout import seq_len_multiple
 
 
@@ -269,6 +270,8 @@ def _check_dataset_paths(t: Training, v: Validation) -> None:
             )
         if not Path(path).exists():
             raise ValueError(f"{path_key} = {path!r} does not exist")
+        if kind == "hf":
+            check_saved_hf_dataset(path, kind_key, path_key)
 
 
 def _check_checkpoint_paths(c: Checkpoint, dump_folder: Path) -> None:
