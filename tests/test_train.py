@@ -375,3 +375,45 @@ def test_resume_applies_the_configs_lr_and_keeps_the_history(dist_pools, tmp_pat
     assert [r["step"] for r in scratch] == [1]
     history = [json.loads(x)["step"] for x in (run / "metrics.jsonl.1").read_text().splitlines()]
     assert history == [1, 2, 3, 4] and (run / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def _full_disk_at(rank, world, argv, step):
+    """``main(argv)`` with the file system refusing the writes of step ``step``'s checkpoint (ENOSPC)."""
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    from titan_cp.errors import UserError
+
+    real = filesystem._write_item
+
+    def write_item(*args, **kwargs):
+        stream = args[1] if len(args) > 1 else kwargs["stream"]
+        if f"step-{step}.tmp" in str(getattr(stream, "name", "")):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    filesystem._write_item = write_item
+    try:
+        main(argv)
+    except UserError as e:
+        return str(e)
+    finally:
+        filesystem._write_item = real
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_the_folder_and_the_step_kept(dist_pools, tmp_path):
+    run = tmp_path / "run"
+    argv = tiny_run_args(steps=4) + [
+        "--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(run), "--checkpoint.enable",
+        "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+    ]  # fmt: skip
+    messages = dist_pools.run(2, _full_disk_at, argv, 4, timeout=600)
+    assert messages[0] == messages[1], messages  # every rank stops with the same line
+    size = sum(f.stat().st_size for f in (run / "checkpoint" / "step-2").rglob("*") if f.is_file())
+    assert re.fullmatch(
+        rf"checkpoint step 4 could not be written to {run}/checkpoint: the disk is full \(\d+ bytes free; the last "
+        rf"saved step takes {size} bytes\); step-2 is kept whole and a rerun resumes from it\. Free space there .*",
+        messages[0],
+    ), messages[0]
+    assert saved_steps(run / "checkpoint") == [2] and not (run / "checkpoint" / "step-4.tmp").exists()

@@ -34,6 +34,7 @@ removed when the next run starts, and after every save.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -250,7 +251,10 @@ class Checkpointer:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
             self._pending = (future, tmp, final)
             return final
-        dcp.save(state, checkpoint_id=str(tmp))
+        try:
+            dcp.save(state, checkpoint_id=str(tmp))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            self._write_failed(e, tmp)
         self._finish(tmp, final)
         return final
 
@@ -259,8 +263,24 @@ class Checkpointer:
         if self._pending is not None:
             future, tmp, final = self._pending
             self._pending = None
-            future.result()
+            try:
+                future.result()
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - as in save
+                self._write_failed(e, tmp)
             self._finish(tmp, final)
+
+    def _write_failed(self, e: BaseException, tmp: Path) -> None:
+        """A save that the file system refused (a full disk, no permission: an ``OSError`` on some
+        rank) becomes one ``UserError`` on every rank naming the folder, the bytes it needs when a
+        saved step tells, and the step kept; the partial ``step-N.tmp`` is removed. Anything else
+        propagates."""
+        failures = e.failures.values() if isinstance(e, CheckpointException) else [(e, None)]
+        os_errors = [f[0] for f in failures if isinstance(f[0], OSError)]
+        if not os_errors:
+            raise e
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(save_failure(self.folder, tmp, os_errors[0])) from None
 
     def _finish(self, tmp: Path, final: Path) -> None:
         dist.barrier()  # every rank has written its shards
@@ -416,6 +436,25 @@ class Checkpointer:
                 obj.load_state_dict(state[name])
         left_out = f" (left out: {', '.join(sorted(exclude))})" if exclude else ""
         logger.info("loaded checkpoint %s%s", path, left_out)
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def save_failure(folder: Path, tmp: Path, error: OSError) -> str:
+    """The one line for a save into ``tmp`` (``step-N.tmp`` of ``folder``) that ``error`` stopped."""
+    step, steps = int(tmp.name.removeprefix("step-").removesuffix(".tmp")), saved_steps(folder)
+    kept = f"step-{steps[-1]} is kept whole and a rerun resumes from it" if steps else "no earlier step is saved"
+    reason = error.strerror or str(error)
+    if error.errno == errno.ENOSPC:
+        free = shutil.disk_usage(folder).free if folder.is_dir() else 0
+        need = f"; the last saved step takes {_folder_bytes(folder / f'step-{steps[-1]}')} bytes" if steps else ""
+        reason = f"the disk is full ({free} bytes free{need})"
+    return (
+        f"checkpoint step {step} could not be written to {folder}: {reason}; {kept}. Free space there (or lower "
+        "checkpoint.keep_latest_k, or choose another job.dump_folder) and rerun"
+    )
 
 
 def _all_ranks(items: list) -> list:
