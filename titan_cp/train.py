@@ -33,6 +33,7 @@ from titan_cp.checkpoint import Checkpointer
 from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
 from titan_cp.errors import UserError, run_cli
+from titan_cp.lock import DumpLock, watch_launcher
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
 from titan_cp.metrics import MetricsLogger, StepMetrics, recall_counts, recall_metrics
@@ -79,6 +80,7 @@ def init_distributed(cfg: JobConfig) -> torch.device:
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.comm.init_timeout_seconds))
+    watch_launcher()  # under torchrun: exit once the launcher is gone (it cannot forward a SIGKILL)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -131,6 +133,15 @@ class Trainer:
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         self._build_mesh()
+        self.lock = _lock_dump_folder(Path(cfg.job.dump_folder), self.rank0)
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, cfg: JobConfig) -> None:
+        """Everything but the mesh and the dump folder's lock (the class docstring's order)."""
         if self.rank0:
             logger.info("job: %s (%s)", cfg.job.description, cfg.job.config_file or "no config file")
             if cfg.job.print_config:
@@ -156,6 +167,11 @@ class Trainer:
             self.dims.cp,
             p.context_parallel_load_balancer,
         )
+
+    def close(self) -> None:
+        """Release the dump folder (rank 0's lock file)."""
+        if self.lock is not None:
+            self.lock.release()
 
     def _build_mesh(self) -> None:
         """The named mesh, and this process's dp, cp and tp ranks."""
@@ -440,6 +456,23 @@ class Trainer:
         return self.step_metrics.skipped_record(step, lr, step_data, self.loader.source_tokens)
 
 
+def _lock_dump_folder(folder: Path, rank0: bool) -> DumpLock | None:
+    """Rank 0 takes the dump folder's lock (:class:`titan_cp.lock.DumpLock`); a folder another run holds
+    is the same ``UserError`` on every rank."""
+    lock, refused = (DumpLock(folder), None) if rank0 else (None, None)
+    if rank0:
+        try:
+            lock.acquire()
+        except UserError as e:
+            refused = str(e)
+    message = [refused]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise UserError(message[0])
+    return lock
+
+
 def _hf_trainer():
     """``titan_cp.integrations.hf_trainer``, imported for ``model.name = "hf"`` only (transformers is optional)."""
     from titan_cp.integrations import hf_trainer  # noqa: PLC0415
@@ -469,7 +502,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     cfg = load_config(argv, warn_adjustments=os.environ.get("RANK", "0") == "0")  # once per job, not per process
     cfg.check_files()  # before any process group starts
-    return Trainer(cfg).train()
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
 
 
 if __name__ == "__main__":
