@@ -452,7 +452,7 @@ def _strided(x: torch.Tensor, how: str) -> torch.Tensor:
     if how == "transposed":
         return x.transpose(-1, -2).contiguous().transpose(-1, -2)
     if how == "sliced":
-        big = torch.zeros(*x.shape[:-2], 2 * x.shape[-2], 3 * x.shape[-1], dtype=x.dtype)
+        big = torch.zeros(*x.shape[:-2], 2 * x.shape[-2], 3 * x.shape[-1], dtype=x.dtype, device=x.device)
         big[..., ::2, 1::3] = x
         return big[..., ::2, 1::3]
     assert how == "expanded"
@@ -521,3 +521,18 @@ def test_cuda_flash_passes_a_unit_stride_head_dimension(monkeypatch):
     kern.varlen_backward(qp, qp, k[0].transpose(0, 1), k[0].transpose(0, 1), out, lse, seg, True, SCALE)
     for _, args, _ in rec.calls:
         assert all(a.stride(-1) == 1 for a in args[:5] if isinstance(a, torch.Tensor) and a.dim() >= 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: ATen's CUDA flash kernel")
+@pytest.mark.parametrize("how", _LAYOUTS)
+def test_cuda_flash_reads_strided_inputs_right(how):
+    kern, ref = get_kernel("cuda_flash", torch.device("cuda"), torch.bfloat16), MathKernel()
+    q, k, v, dout = (x.cuda() for x in _qkv(dtype=torch.bfloat16, sk=40))
+    s = [_strided(x, how) for x in (q, k, v, dout)]
+    out, lse = kern.forward(*s[:3], True, SCALE)
+    want = ref.forward(*(x.contiguous() for x in s[:3]), True, SCALE)
+    torch.testing.assert_close(out.float(), want[0].float(), atol=2e-2, rtol=2e-2)
+    grads = kern.backward(s[3], *s[:3], out, lse, True, SCALE)
+    want_grads = ref.backward(*(x.contiguous() for x in (s[3], *s[:3], out)), lse, True, SCALE)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g.float(), w.float(), atol=8e-2, rtol=8e-2)

@@ -409,7 +409,8 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_folder_and_the_step_ke
         "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
     ]  # fmt: skip
     messages = dist_pools.run(2, _full_disk_at, argv, 4, timeout=600)
-    assert messages[0] == messages[1], messages  # every rank stops with the same line
+    same = [re.sub(r"\d+ bytes free", "", m) for m in messages]  # the free space moves between the two looks
+    assert same[0] == same[1], messages  # every rank stops with the same line
     size = sum(f.stat().st_size for f in (run / "checkpoint" / "step-2").rglob("*") if f.is_file())
     assert re.fullmatch(
         rf"checkpoint step 4 could not be written to {run}/checkpoint: the disk is full \(\d+ bytes free; the last "

@@ -429,7 +429,8 @@ class Trainer:
             raise UserError(
                 f"step {step}: the grad norm has been exactly 0 for {self.zero_grad_steps} steps (loss {loss:.4f}): "
                 "no parameter receives a gradient, so nothing trains; the weights are damaged (e.g. a corrupted "
-                f"checkpoint: {hint.split(' or ')[-1]}) or the model is cut off from its loss"
+                "checkpoint: resume from an earlier step with --checkpoint.load_step, or check "
+                "checkpoint.initial_load_path) or the model is cut off from its loss"
             )
 
     def _skipped(self, step: int, lr: float, step_data) -> dict:
