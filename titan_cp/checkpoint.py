@@ -30,6 +30,14 @@ lists missing or shorter than the metadata says, or DCP failing to read it) is a
 :func:`check_resume` finds all of that but a damaged payload from the metadata alone, before
 any process group starts. Leftover ``step-N.tmp`` folders (saves that never finished) are
 removed when the next run starts, and after every save.
+
+Never silently wrong: before loading, the checkpoint's model tensors are compared with the
+model's (names and shapes, every pipeline stage's together): another model's checkpoint (a
+flavor or ``model.hf_assets_path`` changed since the save) is a ``UserError`` that says so and
+that the checkpoint is not damaged. After loading, the weights and optimizer state are checked
+for NaN/inf (bytes damaged in a way DCP cannot tell), naming the checkpoint and the tensors. A
+save the file system refuses (a full disk: ``ENOSPC``) is one ``UserError`` on every rank naming
+the folder, the free bytes, the last saved step's size and the step kept (:func:`save_failure`).
 """
 
 from __future__ import annotations
