@@ -73,6 +73,7 @@ def _bad_inputs(rank, world):
         (lambda: SequenceLayout(64, True), "cp_size must be a positive integer, got True"),
         (lambda: SequenceLayout(True, 1), "seq_len must be a positive integer, got True"),
         (lambda: cp_attention(q, k, k, mesh, layout, window=0), "window must be a positive integer"),
+        (lambda: cp_attention(q, k, k, mesh, layout, causal="no"), "causal must be True or False, got 'no'"),
         (lambda: cp_attention(q, k, k, mesh, layout, sinks=torch.zeros(2)), r"sinks must be a \(4,\) tensor"),
     ]
     import re

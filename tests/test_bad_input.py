@@ -342,8 +342,68 @@ def test_corrupt_newest_checkpoint_is_named_with_the_older_step_to_resume(tmp_pa
 def test_corrupt_only_checkpoint_says_how_to_start_from_scratch(tmp_path):
     only = dcp_step(tmp_path / "checkpoint", 3)
     next(only.glob("*.distcp")).unlink()
-    with pytest.raises(ValueError, match=r"step-3/__0_0.distcp is missing .*no older step is saved: move it away"):
+    with pytest.raises(
+        ValueError,
+        match=r"step-3/__0_0.distcp is missing .*; moving .*step-3 away, the run starts from "
+        r"scratch: step 1, freshly initialised weights \(metrics.jsonl is kept under another name\)",
+    ):
         check_files(load(resume_argv(tmp_path)))
+
+
+def test_damaged_checkpoint_advice_says_what_moving_it_away_does(tmp_path):
+    """The damaged newest whole step, with a model-only final step after it: moving it away would
+    load that model alone and train from step 1 again, and the message says so."""
+    folder = tmp_path / "checkpoint"
+    dcp_step(folder, 2)
+    damaged = dcp_step(folder, 3)
+    dcp_step(folder, 4, with_optimizer=False)
+    next(damaged.glob("*.distcp")).unlink()
+    match = (
+        r"resume from an older step with --checkpoint.load_step 2 \(saved steps: \[2\]\); moving .*step-3 away, the "
+        r"run resumes from step 2"
+    )
+    with pytest.raises(ValueError, match=match):
+        check_files(load(resume_argv(tmp_path)))
+    (folder / "step-2" / ".metadata").unlink()
+    match = (
+        r"moving .*step-3 away, the run loads the model weights of step 4 \(a model-only save\) and trains from step 1"
+    )
+    with pytest.raises(ValueError, match=match):
+        check_files(load(resume_argv(tmp_path)))
+
+
+def _flip_bytes(tensor: torch.Tensor, folder: Path) -> None:
+    """Overwrite 64 bytes of ``tensor``'s data where DCP wrote them in ``folder`` with 0xff (a NaN)."""
+    data = tensor.contiguous().numpy().tobytes()
+    (payload,) = folder.glob("*.distcp")
+    raw = bytearray(payload.read_bytes())
+    at = raw.index(data) + len(data) // 2
+    raw[at : at + 64] = b"\xff" * 64
+    payload.write_bytes(bytes(raw))
+
+
+def test_non_finite_weights_or_optimizer_state_in_a_checkpoint_are_named(tmp_path):
+    """Bytes flipped inside a weight (DCP reads them without complaint) and a NaN in the optimizer
+    state: the load stops naming the checkpoint and the tensor, before a step trains on them."""
+    model = build_model("tiny", device="cpu")
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long)).float().sum().backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, [model], [opt], {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": ckpt._model_state()}, checkpoint_id=str(tmp_path / "step-5"), no_dist=True)
+        _flip_bytes(model.layers["0"].attention.wq.weight.detach(), tmp_path / "step-5")
+        with pytest.raises(UserError, match=rf"checkpoint {tmp_path}/step-5 holds non-finite values \(NaN or inf\) in "
+                           r"model.layers.0.attention.wq.weight: it is damaged"):  # fmt: skip
+            ckpt.load()
+        next(iter(opt.state.values()))["exp_avg"][0] = float("nan")
+        dcp.save(ckpt._state(model_only=False), checkpoint_id=str(tmp_path / "step-6"), no_dist=True)
+        with pytest.raises(
+            UserError,
+            match=r"step-6 holds non-finite values \(NaN or inf\) in .*optimizer.state.tok_embeddings.weight.exp_avg",
+        ):
+            ckpt.load()
 
 
 def test_a_payload_damaged_in_place_is_a_user_error_when_loaded(tmp_path):
@@ -356,7 +416,7 @@ def test_a_payload_damaged_in_place_is_a_user_error_when_loaded(tmp_path):
         dcp.save({"model": ckpt._model_state()}, checkpoint_id=str(tmp_path / "step-5"), no_dist=True)
         payload = next((tmp_path / "step-5").glob("*.distcp"))
         payload.write_bytes(b"\0" * payload.stat().st_size)
-        with pytest.raises(UserError, match=rf"checkpoint {tmp_path}/step-5 cannot be loaded \(.*\); no older step"):
+        with pytest.raises(UserError, match=rf"checkpoint {tmp_path}/step-5 cannot be loaded \(.*\); moving .* away"):
             ckpt.load()
 
 
@@ -377,3 +437,54 @@ def test_initial_dcp_checkpoint_that_is_truncated_is_named(tmp_path):
         rf"checkpoint.initial_load_path = '{start}': {payload} is truncated",
         tmp_path / "out",
     )
+
+
+def test_a_text_folder_of_empty_files_is_refused_naming_the_path(tmp_path):
+    """An empty .txt (or one of blank lines), and JSON lines whose texts are empty: nothing to train on
+    but begin/end tokens; refused naming the folder. An empty file beside real text is left out."""
+    (tmp_path / "a.txt").write_text("")
+    (tmp_path / "b.txt").write_text("\n \n")
+    (tmp_path / "c.jsonl").write_text('{"text": ""}\n\n')
+    with pytest.raises(
+        ValueError, match=rf"'{tmp_path}' holds no text: its 3 file\(s\) \(a.txt, b.txt, c.jsonl\) are empty"
+    ):
+        TextFiles(tmp_path, TOK)
+    (tmp_path / "d.txt").write_text("words")
+    assert len(TextFiles(tmp_path, TOK)) == 1
+    with pytest.raises(ValueError, match=rf"'{tmp_path / 'a.txt'}' holds no text: its 1 file\(s\) \(a.txt\)"):
+        TextFiles(tmp_path / "a.txt", TOK)
+
+
+def test_a_jsonl_file_given_as_a_hugging_face_dataset_is_one_line(tmp_path, capsys):
+    """``--training.dataset hf --training.dataset_path x.jsonl`` (187 lines from ``datasets`` before)."""
+    from titan_cp.errors import run_cli
+
+    (tmp_path / "x.jsonl").write_text('{"text": "a"}\n')
+    argv = tiny_run_args() + ["--training.dataset", "hf", "--training.dataset_path", str(tmp_path / "x.jsonl")]
+    message = rf"training.dataset_path = '{tmp_path / 'x.jsonl'}' is a file, not a Hugging Face dataset saved with "
+    refused_before_start(argv, message, tmp_path / "out")
+    with pytest.raises(ValueError, match=message + r".*set training.dataset = 'text'"):
+        build_dataset(load(argv), TOK)  # the source itself, whatever checked the config
+    with pytest.raises(SystemExit) as info:
+        run_cli(main, argv + ["--job.dump_folder", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: training.dataset_path")
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (b"{model_type: llama", r"config.json: not JSON \(Expecting property name"),
+        (b"[1, 2]", "config.json must hold a JSON object"),
+        (b'{"hidden_size": 8}', "config.json cannot be read by transformers: Unrecognized model"),
+    ],
+)
+def test_a_hugging_face_config_that_is_not_json_is_one_line(tmp_path, content, fragment):
+    pytest.importorskip("transformers")
+    from titan_cp.testing.hf_folders import byte_tokenizer
+
+    byte_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_bytes(content)
+    argv = ["--job.config_file", "train_configs/hf/qwen3_cp.toml", "--model.hf_assets_path", str(tmp_path)]
+    with pytest.raises(UserError, match=rf"model.hf_assets_path = '{tmp_path}': {fragment}"):
+        check_files(load(argv))

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,100 @@ def test_the_trainer_command_line(tmp_path):
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines() == [done.stderr.strip()] and done.stderr.startswith(HINT)
     assert not (tmp_path / "out").exists()
+
+
+# ---- one run per dump folder; ranks end with their launcher --------------------------------------
+
+
+def test_a_held_dump_folder_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    """The lock names its holder; a live holder refuses the folder (from this host, or another one,
+    which cannot be checked), a dead one on this host is taken over; release removes the file."""
+    import socket
+
+    from titan_cp.lock import LOCK_NAME, DumpLock
+
+    lock = DumpLock(tmp_path / "run")
+    lock.acquire()
+    held = json.loads((tmp_path / "run" / LOCK_NAME).read_text())
+    assert (held["host"], held["pid"]) == (socket.gethostname(), os.getpid())
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "run" / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": other.pid}))
+        message = rf"job.dump_folder = '{tmp_path / 'run'}' is in use by another run \(host {socket.gethostname()}, pid {other.pid}"
+        with pytest.raises(UserError, match=message + r".*if that run is gone, remove .*titan_cp.lock"):
+            DumpLock(tmp_path / "run").acquire()
+    finally:
+        other.kill()
+        other.wait()
+    DumpLock(tmp_path / "run").acquire()  # its holder is dead: stale, taken over
+    (tmp_path / "run" / LOCK_NAME).write_text(json.dumps({"host": "elsewhere", "pid": 1}))
+    with pytest.raises(UserError, match="in use by another run \\(host elsewhere, pid 1"):
+        DumpLock(tmp_path / "run").acquire()
+    (tmp_path / "run" / LOCK_NAME).unlink()
+    lock = DumpLock(tmp_path / "run")
+    lock.acquire()
+    lock.release()
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
+
+
+def test_the_trainer_refuses_a_dump_folder_another_run_holds(tmp_path, dist_pools):
+    """A second run on a held folder stops before it builds anything; the first run's lock is released
+    when it ends, on an error too (here: the refused run's own, none; the folder is left as it was)."""
+    import socket
+
+    from titan_cp.testing.trainer import tiny_run_args
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "titan_cp.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    argv = tiny_run_args(steps=1) + ["--parallelism.context_parallel_degree", "1", "--job.dump_folder", str(run)]
+    (message,) = dist_pools.run(1, _refusal, argv, timeout=300)
+    assert message.startswith(f"job.dump_folder = '{run}' is in use by another run (host {socket.gethostname()}")
+    assert sorted(p.name for p in run.iterdir()) == ["titan_cp.lock"]
+
+
+def _refusal(rank, world, argv):
+    try:
+        main(argv)
+    except UserError as e:
+        return str(e)
+
+
+def test_a_rank_exits_when_its_launcher_is_killed(tmp_path):
+    """A launcher killed with SIGKILL (it cannot stop its ranks): the rank notices within a poll and exits."""
+    import signal
+
+    from titan_cp.lock import watch_launcher
+
+    ready = tmp_path / "ready"
+    launcher = os.fork()
+    if launcher == 0:  # the launcher (forked: no second interpreter to start)
+        try:
+            rank = os.fork()
+            if rank == 0:
+                sys.stderr = open(tmp_path / "err", "w")  # noqa: SIM115 - the process ends in os._exit
+                os.environ.update(TORCHELASTIC_RUN_ID="x", RANK="3")
+                watch_launcher(0.02)
+                ready.touch()
+                time.sleep(30)
+                os._exit(0)
+            (tmp_path / "pid").write_text(str(rank))
+            for _ in range(1000):
+                if ready.exists():
+                    break
+                time.sleep(0.01)
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(launcher, 0)  # killed once the rank is watching
+    pid = int((tmp_path / "pid").read_text())
+    for _ in range(100):  # the rank is reparented, notices, exits (a zombie until someone reaps it)
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                break
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        pytest.fail("the rank outlived its launcher")
+    assert (tmp_path / "err").read_text().startswith("error (rank 3): the launcher (pid ")

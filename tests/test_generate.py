@@ -647,3 +647,58 @@ def test_hugging_face_checkpoint_of_another_model_is_named_before_any_process_gr
     ):
         prepare(load_config(argv, warn_adjustments=False), 1)
     assert not dist.is_initialized()
+
+
+# --------------------------------------------------------------------------------------------
+# which weights: the run's newest step (a model-only final one too), never another model's
+
+
+def test_generation_loads_the_newest_step_a_model_only_final_one_too(tmp_path):
+    """A finished run: step 2 with the whole state, step 3 (checkpoint.last_save_model_only) the
+    model alone with other weights. Generation loads step 3 (the trainer resumes from step 2),
+    checkpoint.load_step 2 still picks step 2, and the log names the step."""
+    from titan_cp.generate.weights import load_weights
+
+    folder = tmp_path / "run" / "checkpoint"
+    older, (newest, newest_state) = _tiny_state()[1], _tiny_state()
+    torch.manual_seed(1)
+    newest_state = {k: torch.randn_like(v) for k, v in newest_state.items()}
+    dcp.save({"model": older, "optimizer": {"m": torch.ones(3)}}, checkpoint_id=str(folder / "step-2"))
+    dcp.save({"model": newest_state}, checkpoint_id=str(folder / "step-3"))
+    (tmp_path / "p.txt").write_text("hello")
+    argv = ["--model.flavor", "tiny", "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable",
+            "--generate.prompt_file", str(tmp_path / "p.txt")]  # fmt: skip
+    job = _prepare(argv)
+    assert job.weights.path == folder / "step-3"
+    assert job.weights.describe() == f"step 3 of {folder} (steps saved: [2, 3])"
+    load_weights(job.weights, newest, job.model)
+    for name, value in get_model_state_dict(newest).items():
+        torch.testing.assert_close(value, newest_state[name], rtol=0, atol=0)
+    assert _prepare([*argv, "--checkpoint.load_step", "2"]).weights.path == folder / "step-2"
+    from titan_cp.checkpoint import resume_path
+
+    assert resume_path(folder) == folder / "step-2"  # a resume needs the optimizer: the whole state
+
+
+def test_a_hugging_face_checkpoint_with_tensors_the_model_lacks_is_refused(tmp_path, monkeypatch):
+    """A Qwen3 checkpoint (its q_norm / k_norm) through a Llama model.hf_assets_path of the same shapes
+    otherwise: refused naming the extra tensors, from the Hugging Face folder and from a titan_cp step."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setitem(HF_FAMILIES, "llama", ("LlamaConfig", dict(head_dim=8, tie_word_embeddings=True)))
+    llama, qwen3 = _hf_folder(tmp_path / "llama", "llama"), _hf_folder(tmp_path / "qwen3", "qwen3")
+    state = transformers.AutoModelForCausalLM.from_pretrained(str(qwen3)).state_dict()
+    dcp.save({"model": state}, checkpoint_id=str(tmp_path / "run" / "checkpoint" / "step-4"))
+    (tmp_path / "p.txt").write_text("hello")
+    argv = [
+        "--job.config_file", "train_configs/hf/qwen3_cp.toml", "--model.hf_assets_path", str(llama),
+        "--job.dump_folder", str(tmp_path / "run"), "--parallelism.context_parallel_degree", "1",
+        "--generate.prompt_file", str(tmp_path / "p.txt"),
+    ]  # fmt: skip
+    extra = r"holds model.layers.0.self_attn.k_norm.weight, model.layers.0.self_attn.q_norm.weight, .* \(and 1 more\)"
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path}/run/checkpoint/step-4 {extra}, which model.hf_as"):
+        prepare(load_config([*argv, "--checkpoint.enable"], warn_adjustments=False), 1)
+    from_hf = ["--checkpoint.initial_load_path", str(qwen3), "--checkpoint.initial_load_in_hf",
+               "--job.dump_folder", str(tmp_path / "fresh")]  # fmt: skip
+    with pytest.raises(ValueError, match=rf"initial_load_path = '{qwen3}' {extra}"):
+        prepare(load_config([*argv, *from_hf], warn_adjustments=False), 1)
+    assert not dist.is_initialized()

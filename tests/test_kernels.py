@@ -442,3 +442,97 @@ def _check_varlen(kernel, causal):
     for a, b in zip(got, want):
         assert a.shape == b.shape
         torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)
+
+
+# ---------------------------------------------------------------------------- strided inputs
+def _strided(x: torch.Tensor, how: str) -> torch.Tensor:
+    """``x`` laid out in memory as ``how`` says: ``transposed`` (the last dimension of stride > 1),
+    ``sliced`` (every other element of a larger buffer) or ``expanded`` (stride 0: one head, or one
+    head-dim value, repeated); the returned tensor's values are what the kernel must read."""
+    if how == "transposed":
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if how == "sliced":
+        big = torch.zeros(*x.shape[:-2], 2 * x.shape[-2], 3 * x.shape[-1], dtype=x.dtype, device=x.device)
+        big[..., ::2, 1::3] = x
+        return big[..., ::2, 1::3]
+    assert how == "expanded"
+    return x[..., :1].expand(x.shape) if x.dim() == 3 else x[:, :1].expand(x.shape)
+
+
+_CPU_KERNELS = ["math", "cpu_flash", "cpu_varlen"]
+_LAYOUTS = ["transposed", "sliced", "expanded"]
+
+
+@pytest.mark.parametrize("how", _LAYOUTS)
+@pytest.mark.parametrize("name", _CPU_KERNELS)
+def test_every_cpu_kernel_reads_strided_inputs_right(name, how):
+    """A transposed, sliced or expanded q, k, v, out or dout gives the reference's out, lse and grads
+    (the dense and the packed form): the flash kernels read a strided head dimension wrong unless copied."""
+    kern, ref = get_kernel(name, torch.device("cpu"), torch.float32), MathKernel()
+    q, k, v, dout = _qkv(sk=40)
+    s = [_strided(x, how) for x in (q, k, v, dout)]
+    want = ref.forward(*(x.contiguous() for x in s[:3]), True, SCALE)
+    out, lse = kern.forward(*s[:3], True, SCALE)
+    torch.testing.assert_close((out, lse), want, atol=1e-5, rtol=1e-5)
+    grads = kern.backward(s[3], *s[:3], _strided(out, how), lse, True, SCALE)
+    want_grads = ref.backward(*(x.contiguous() for x in (s[3], *s[:3], _strided(out, how))), lse, True, SCALE)
+    torch.testing.assert_close(grads, want_grads, atol=1e-4, rtol=1e-4)
+    lens = [50, 3, 40]  # big segments (one flash call each) and a small one (batched)
+    seg = Segments.from_lengths(lens, lens, "cpu")
+    p = [_strided(x, how) for x in _packed(lens, lens)]
+    want = AttentionKernelLoop().varlen_forward(*(x.contiguous() for x in p[:3]), seg, True, SCALE)
+    out, lse = kern.varlen_forward(*p[:3], seg, True, SCALE)
+    torch.testing.assert_close((out, lse), want, atol=1e-5, rtol=1e-5)
+    grads = kern.varlen_backward(p[3], *p[:3], out, lse, seg, True, SCALE)
+    want_grads = AttentionKernelLoop().varlen_backward(
+        *(x.contiguous() for x in (p[3], *p[:3])), out, lse, seg, True, SCALE
+    )
+    torch.testing.assert_close(grads, want_grads, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", _CPU_KERNELS)
+def test_local_attention_with_a_transposed_v_matches_sdpa(name):
+    """The case a user hits: ``v = torch.randn(1, 2, 64, 128).transpose(2, 3)`` through the public API."""
+    from titan_cp.attention import local_attention  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(1, 2, 128, 64, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 2, 64, 128, generator=g).transpose(2, 3).requires_grad_()
+    out = local_attention(q, k, v, kernel=name)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v.contiguous(), is_causal=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    dout = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout))
+
+
+def test_cuda_flash_passes_a_unit_stride_head_dimension(monkeypatch):
+    """ATen's CUDA flash kernel (on meta tensors): a transposed q reaches it with a dense head dimension."""
+    rec = _RecordingAten()
+    monkeypatch.setattr(cuda_flash_module, "_ATEN", rec)
+    kern = CUDAFlashKernel()
+    q = torch.empty(2, 8, 64, 40, device="meta", dtype=torch.bfloat16).transpose(2, 3)
+    k = torch.empty(2, 2, 40, 64, device="meta", dtype=torch.bfloat16)
+    out, lse = kern.forward(q, k, k, True, SCALE)
+    kern.backward(q, q, k, k, out, lse, True, SCALE)
+    seg = Segments.from_lengths([40], [40], "cpu")
+    seg = Segments(seg.cu_q.to("meta"), seg.cu_k.to("meta"), seg.max_q, seg.max_k, seg.host_q, seg.host_k)
+    qp = q[0].transpose(0, 1)  # (S, H, D), head dimension of stride 40
+    out, lse = kern.varlen_forward(qp, k[0].transpose(0, 1), k[0].transpose(0, 1), seg, True, SCALE)
+    kern.varlen_backward(qp, qp, k[0].transpose(0, 1), k[0].transpose(0, 1), out, lse, seg, True, SCALE)
+    for _, args, _ in rec.calls:
+        assert all(a.stride(-1) == 1 for a in args[:5] if isinstance(a, torch.Tensor) and a.dim() >= 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: ATen's CUDA flash kernel")
+@pytest.mark.parametrize("how", _LAYOUTS)
+def test_cuda_flash_reads_strided_inputs_right(how):
+    kern, ref = get_kernel("cuda_flash", torch.device("cuda"), torch.bfloat16), MathKernel()
+    q, k, v, dout = (x.cuda() for x in _qkv(dtype=torch.bfloat16, sk=40))
+    s = [_strided(x, how) for x in (q, k, v, dout)]
+    out, lse = kern.forward(*s[:3], True, SCALE)
+    want = ref.forward(*(x.contiguous() for x in s[:3]), True, SCALE)
+    torch.testing.assert_close(out.float(), want[0].float(), atol=2e-2, rtol=2e-2)
+    grads = kern.backward(s[3], *s[:3], out, lse, True, SCALE)
+    want_grads = ref.backward(*(x.contiguous() for x in (s[3], *s[:3], out)), lse, True, SCALE)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g.float(), w.float(), atol=8e-2, rtol=8e-2)

@@ -67,3 +67,23 @@ def test_metrics_file_keeps_the_steps_up_to_the_resumed_one(tmp_path):
     assert keep_steps_up_to(path, 4) == 0 and not (tmp_path / "metrics.jsonl.tmp").exists()
     assert keep_steps_up_to(path, 0) == 4 and path.read_text() == ""  # a fresh start in the same folder
     assert keep_steps_up_to(tmp_path / "none.jsonl", 3) == 0 and not (tmp_path / "none.jsonl").exists()
+
+
+def test_metrics_file_history_is_kept_on_a_fresh_start_and_reopened_when_deleted(tmp_path):
+    """A run from step 0 over an existing metrics.jsonl keeps it as metrics.jsonl.1 (then .2); the file
+    deleted mid-run is written again from the next record on."""
+    from titan_cp.config import load_config
+    from titan_cp.metrics import MetricsLogger
+
+    cfg = load_config(["--metrics.log_freq", "100"])
+    path = tmp_path / "metrics.jsonl"
+    for run in (1, 2, 3):
+        metrics = MetricsLogger(tmp_path, cfg, enabled=True)
+        metrics.log({"step": 1, "run": run}, console=False)
+        if run == 3:
+            path.unlink()
+            metrics.log({"step": 2, "run": run}, console=False)
+        metrics.close()
+    assert [json.loads(line)["run"] for line in (tmp_path / "metrics.jsonl.1").read_text().splitlines()] == [1]
+    assert [json.loads(line)["run"] for line in (tmp_path / "metrics.jsonl.2").read_text().splitlines()] == [2]
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [2]

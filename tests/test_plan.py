@@ -228,7 +228,7 @@ def test_cli_prints_plans_and_launch_line(capsys, tmp_path):
             "--training.local_batch_size",
             "1",
             "--plot",
-            str(png),
+            str(tmp_path),  # a folder: plan.png in it (never <folder>.png beside it)
         ]
     )
     out = capsys.readouterr().out
@@ -255,7 +255,8 @@ def test_cli_prints_plans_and_launch_line(capsys, tmp_path):
     assert {r["strategy"] for r in recs} >= {"none", "ring", "allgather", "ulysses", "hybrid"}
     assert "torchrun --standalone --nproc-per-node 4 -m titan_cp.train" in out
     assert "--rdzv-backend c10d" in out and "context_parallel_degree" in out
-    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert png.read_bytes()[:4] == b"\x89PNG" and f"plot: {png}" in out
+    assert P.plot_path(str(tmp_path / "x.png")) == tmp_path / "x.png"
     for r in recs:
         parts = r["memory_parts"]
         assert sum(parts.values()) == r["memory_bytes_per_rank"]
@@ -280,6 +281,9 @@ def test_cli_prints_plans_and_launch_line(capsys, tmp_path):
         (["--ngpu", "8", "--matmul-speedup", "inf"], "--matmul-speedup must be a positive finite number"),
         (["--ngpu", "8", "--top", "-3"], "--top must be 0"),
         (["--ngpu", "8", "--plot", "/no/such/folder/plan.png"], "--plot '/no/such/folder/plan.png': the folder"),
+        (["--ngpu", "8", "--plot", "plan.txt"], "--plot 'plan.txt': name a .png file (e.g. --plot plan.png) or an"),
+        (["--ngpu", "8", "--plot", "/"], "--plot '/': would write '/plan.png' at the filesystem root"),
+        (["--ngpu", "8", "--plot", "/plan.png"], "--plot '/plan.png': would write '/plan.png' at the filesystem root"),
         (["--ngpu", "0"], "--ngpu must be a positive integer"),
     ],
 )

@@ -22,6 +22,7 @@ REGISTRIES = {"families/base.py", "families/llama3.py", "families/huggingface.py
 # The same words meaning something else, compared where they mean that: (module, word, what it is there).
 OTHER_MEANINGS = {
     ("data/datasets.py", "hf"): "training.dataset = 'hf', a dataset saved by the datasets library",
+    ("preflight.py", "hf"): "training.dataset = 'hf': its path must be a save_to_disk folder",
     ("model/hf_checkpoint.py", "llama3"): "config.json's rope_scaling.rope_type = 'llama3'",
     ("tools/gpu_check.py", "ring"): "the name of a section of the GPU check's report",
 }

@@ -10,6 +10,7 @@ we allow 1e-4 relative on the loss.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -302,3 +303,118 @@ def test_steps_without_loss_bearing_tokens_are_skipped_and_a_resume_lists_each_s
     assert all(("loss" in r) != r.get("skipped", False) for r in rows)
     assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in rows if "loss" in r)
     assert rows[7]["loss"] == pytest.approx(head[7]["loss"], rel=1e-6)  # step 8 again, from the checkpoint
+
+
+# ---- never silently wrong: a run that cannot train stops; a resume applies the config ------------
+
+
+def _messages(rank, world, argvs):
+    """``main(argv)`` of each argv: the ``UserError`` message it stopped with, else its records."""
+    from titan_cp.errors import UserError
+
+    out = []
+    for argv in argvs:
+        try:
+            out.append(main(argv))
+        except UserError as e:
+            out.append(str(e))
+    return out
+
+
+def test_a_run_that_cannot_train_stops_with_one_message(dist_pools, tmp_path):
+    """Weights that give no gradient (all zero: the uniform loss and grad norm 0 of a damaged
+    checkpoint) stop after 3 steps; a diverging run (lr 1e30) stops at its first non-finite loss;
+    chat records without a loss-bearing turn stop once more than training.max_skipped_fraction of
+    the steps were skipped, naming the roles."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from titan_cp.model import build_model
+
+    zeros = {k: torch.zeros(v.shape) for k, v in get_model_state_dict(build_model("tiny", vocab_size=259)).items()}
+    dcp.save({"model": zeros}, checkpoint_id=str(tmp_path / "zeros"))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi " * 50}]}) + "\n")
+    argv = tiny_run_args(steps=6) + ["--parallelism.context_parallel_degree", "1"]
+    argvs = [
+        [*argv, "--checkpoint.initial_load_path", str(tmp_path / "zeros"), "--job.dump_folder", str(tmp_path / "a")],
+        [*argv, "--optimizer.lr", "1e30", "--job.dump_folder", str(tmp_path / "b")],
+        [*argv, "--training.dataset", "chat", "--training.dataset_path", str(chat),
+         "--job.dump_folder", str(tmp_path / "c")],
+    ]  # fmt: skip
+    zero, diverged, skipped = dist_pools.run(1, _messages, argvs, timeout=600)[0]
+    assert zero.startswith("step 3: the grad norm has been exactly 0 for 3 steps (loss 5.5568)"), zero
+    assert "the weights are damaged" in zero
+    assert re.match(r"step \d: the loss is \S+ and the grad norm \S+: the run diverged; lower optimizer.lr", diverged)
+    assert "nan" in diverged or "inf" in diverged
+    assert skipped.startswith(
+        "step 4: 4 steps skipped (of training.steps = 6), more than training.max_skipped_fraction"
+    )
+    assert "training.loss_roles = ['assistant']" in skipped
+
+
+def test_resume_applies_the_configs_lr_and_keeps_the_history(dist_pools, tmp_path):
+    """A finished run (step 2 whole, step 3 the model alone): a resume with a new optimizer.lr takes it
+    (the schedule's position from the checkpoint); another flavor is named as such, not as damage; a
+    start from step 0 over the history keeps metrics.jsonl as metrics.jsonl.1."""
+    run = tmp_path / "run"
+    argv = tiny_run_args(steps=3, warmup_steps=1) + [
+        "--parallelism.context_parallel_degree", "1", "--job.dump_folder", str(run), "--checkpoint.enable",
+        "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "--checkpoint.keep_latest_k", "0",
+    ]  # fmt: skip
+    resumed = [*argv, "--training.steps", "4", "--optimizer.lr", "1e-3", "--checkpoint.load_step", "2"]
+    other = [*argv, "--model.flavor", "tiny_swa"]
+    fresh = [*argv, "--checkpoint.enable", "false", "--training.steps", "1"]
+    first, again, flavor, scratch = dist_pools.run(1, _messages, [argv, resumed, other, fresh], timeout=600)[0]
+    assert saved_steps(run / "checkpoint") == [2, 3, 4]
+    schedule = [r["lr"] / 8e-4 for r in first]  # debug_cp.toml's optimizer.lr
+    assert [r["step"] for r in again] == [3, 4] and again[0]["lr"] == pytest.approx(1e-3 * schedule[2])
+    assert flavor.startswith(f"checkpoint {run}/checkpoint/step-2 was saved from another model than model.flavor")
+    assert "The checkpoint is not damaged" in flavor
+    assert [r["step"] for r in scratch] == [1]
+    history = [json.loads(x)["step"] for x in (run / "metrics.jsonl.1").read_text().splitlines()]
+    assert history == [1, 2, 3, 4] and (run / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def _full_disk_at(rank, world, argv, step):
+    """``main(argv)`` with the file system refusing the writes of step ``step``'s checkpoint (ENOSPC)."""
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    from titan_cp.errors import UserError
+
+    real = filesystem._write_item
+
+    def write_item(*args, **kwargs):
+        stream = args[1] if len(args) > 1 else kwargs["stream"]
+        if f"step-{step}.tmp" in str(getattr(stream, "name", "")):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    filesystem._write_item = write_item
+    try:
+        main(argv)
+    except UserError as e:
+        return str(e)
+    finally:
+        filesystem._write_item = real
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_the_folder_and_the_step_kept(dist_pools, tmp_path):
+    run = tmp_path / "run"
+    argv = tiny_run_args(steps=4) + [
+        "--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(run), "--checkpoint.enable",
+        "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+    ]  # fmt: skip
+    messages = dist_pools.run(2, _full_disk_at, argv, 4, timeout=600)
+    same = [re.sub(r"\d+ bytes free", "", m) for m in messages]  # the free space moves between the two looks
+    assert same[0] == same[1], messages  # every rank stops with the same line
+    size = sum(f.stat().st_size for f in (run / "checkpoint" / "step-2").rglob("*") if f.is_file())
+    assert re.fullmatch(
+        rf"checkpoint step 4 could not be written to {run}/checkpoint: the disk is full \(\d+ bytes free; the last "
+        rf"saved step takes {size} bytes\); step-2 is kept whole and a rerun resumes from it\. Free space there .*",
+        messages[0],
+    ), messages[0]
+    assert saved_steps(run / "checkpoint") == [2] and not (run / "checkpoint" / "step-4.tmp").exists()

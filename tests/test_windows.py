@@ -96,6 +96,9 @@ def test_windows_chunks_and_sinks_match_the_dense_reference(dist_pools, strategy
         (dict(sinks=torch.zeros(3)), r"sinks must be a \(4,\) tensor"),
         (dict(sinks=torch.zeros(4, 1)), r"sinks must be a \(4,\) tensor"),
         (dict(sinks=torch.zeros(4, dtype=torch.long)), "sinks must be floating point"),
+        (dict(causal="no"), "causal must be True or False, got 'no'"),  # a truthy string: causal, silently
+        (dict(causal=0), "causal must be True or False, got 0"),
+        (dict(causal=None), "causal must be True or False, got None"),
     ],
 )
 def test_bad_masks_name_the_argument(kwargs, message):

@@ -30,10 +30,19 @@ lists missing or shorter than the metadata says, or DCP failing to read it) is a
 :func:`check_resume` finds all of that but a damaged payload from the metadata alone, before
 any process group starts. Leftover ``step-N.tmp`` folders (saves that never finished) are
 removed when the next run starts, and after every save.
+
+Never silently wrong: before loading, the checkpoint's model tensors are compared with the
+model's (names and shapes, every pipeline stage's together): another model's checkpoint (a
+flavor or ``model.hf_assets_path`` changed since the save) is a ``UserError`` that says so and
+that the checkpoint is not damaged. After loading, the weights and optimizer state are checked
+for NaN/inf (bytes damaged in a way DCP cannot tell), naming the checkpoint and the tensors. A
+save the file system refuses (a full disk: ``ENOSPC``) is one ``UserError`` on every rank naming
+the folder, the free bytes, the last saved step's size and the step kept (:func:`save_failure`).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -41,6 +50,7 @@ import shutil
 from concurrent.futures import Future
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
@@ -51,6 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from titan_cp.errors import UserError
 from titan_cp.model import hf_checkpoint
@@ -76,11 +87,32 @@ def _step_of(path: Path) -> int:
 
 
 def _resume_fix(path: Path) -> str:
-    """How to resume without the damaged checkpoint ``path`` of a ``step-N`` folder."""
-    older = [s for s in saved_steps(path.parent) if s < _step_of(path)]
-    if older:
-        return f"resume from an older step with --checkpoint.load_step {older[-1]} (saved steps: {older})"
-    return "no older step is saved: move it away (or set --checkpoint.enable false) to start from scratch"
+    """What to do about the damaged checkpoint ``path`` of a ``step-N`` folder, and exactly what
+    moving it away would make a resume (``checkpoint.load_step = -1``) do."""
+    step, folder = _step_of(path), path.parent
+    others = [s for s in saved_steps(folder) if s != step]
+    full = [s for s in others if not _unreadable_or_model_only(folder / f"step-{s}")]
+    older = [s for s in full if s < step]
+    advice = (
+        f"resume from an older step with --checkpoint.load_step {older[-1]} (saved steps: {older}); " if older else ""
+    )
+    if full:
+        then = f"resumes from step {full[-1]}"
+    elif others:
+        then = (
+            f"loads the model weights of step {others[-1]} (a model-only save) and trains from step 1 again: "
+            "optimizer, schedule and data position start afresh (metrics.jsonl is kept under another name)"
+        )
+    else:
+        then = "starts from scratch: step 1, freshly initialised weights (metrics.jsonl is kept under another name)"
+    return f"{advice}moving {path} away, the run {then}"
+
+
+def _unreadable_or_model_only(path: Path) -> bool:
+    try:
+        return _model_only(path, dcp.FileSystemReader(str(path)).read_metadata())
+    except Exception:  # noqa: BLE001 - a damaged .metadata: not a step to resume from
+        return True
 
 
 def _cause(e: BaseException) -> str:
@@ -138,6 +170,19 @@ def resume_path(folder: Path, step: int = -1) -> Path | None:
     return folder / f"step-{steps[-1]}"
 
 
+def weights_path(folder: Path, step: int = -1) -> Path | None:
+    """The checkpoint whose model weights ``step`` names for generation: ``step-<step>``, or for ``-1``
+    the newest step, a model-only final save included (every step holds the model); ``None`` when
+    ``step`` is -1 and there is none. A requested step that is not there is a ``UserError``."""
+    steps = saved_steps(folder)
+    if step != -1 and step not in steps:
+        held = f"steps {steps}" if steps else "no checkpoint"
+        raise UserError(f"checkpoint.load_step = {step}, but {folder} holds {held}")
+    if not steps:
+        return None
+    return folder / f"step-{steps[-1] if step == -1 else step}"
+
+
 def check_resume(folder: Path, step: int = -1) -> int | None:
     """The step a resume from ``folder`` would load (``None``: none), after checking its metadata
     and files (:func:`verify_files`). Reads only: no process group needed, nothing written."""
@@ -166,12 +211,14 @@ class Checkpointer:
         keep_latest_k: int = 0,
         async_mode: str = "disabled",
         exclude_from_loading: tuple[str, ...] = (),
+        model_what: str = "model.flavor",
     ):
         self.folder = Path(folder)
         self.model_parts, self.optimizers, self.stateful = model_parts, optimizers, stateful
         self.keep_latest_k = keep_latest_k
         self.async_mode = async_mode
         self.exclude_from_loading = set(exclude_from_loading)
+        self.model_what = model_what  # the config key and value that name the model, for errors
         self._options = StateDictOptions(flatten_optimizer_state_dict=True)
         self._pending: tuple[Future, Path, Path] | None = None  # an async save not yet renamed into place
         # an async save's collectives run in a background thread: on a group of their own, as torchtitan
@@ -212,7 +259,10 @@ class Checkpointer:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
             self._pending = (future, tmp, final)
             return final
-        dcp.save(state, checkpoint_id=str(tmp))
+        try:
+            dcp.save(state, checkpoint_id=str(tmp))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            self._write_failed(e, tmp)
         self._finish(tmp, final)
         return final
 
@@ -221,8 +271,24 @@ class Checkpointer:
         if self._pending is not None:
             future, tmp, final = self._pending
             self._pending = None
-            future.result()
+            try:
+                future.result()
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - as in save
+                self._write_failed(e, tmp)
             self._finish(tmp, final)
+
+    def _write_failed(self, e: BaseException, tmp: Path) -> None:
+        """A save that the file system refused (a full disk, no permission: an ``OSError`` on some
+        rank) becomes one ``UserError`` on every rank naming the folder, the bytes it needs when a
+        saved step tells, and the step kept; the partial ``step-N.tmp`` is removed. Anything else
+        propagates."""
+        failures = e.failures.values() if isinstance(e, CheckpointException) else [(e, None)]
+        os_errors = [f[0] for f in failures if isinstance(f[0], OSError)]
+        if not os_errors:
+            raise e
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(save_failure(self.folder, tmp, os_errors[0])) from None
 
     def _finish(self, tmp: Path, final: Path) -> None:
         dist.barrier()  # every rank has written its shards
@@ -326,6 +392,34 @@ class Checkpointer:
         (``checkpoint.last_save_in_hf``; ``titan_cp.model.hf_checkpoint.save_hf``)."""
         return hf_checkpoint.save_hf(self.model_parts, self.folder / f"step-{step}-hf", model_args)
 
+    def _check_model_keys(self, metadata, model_state: dict, what: str) -> None:
+        """The checkpoint of ``metadata`` holds exactly the model's parameters, with their shapes
+        (checked before loading anything): another model's checkpoint (a flavor or
+        ``model.hf_assets_path`` changed since it was saved) is a ``UserError`` that says so."""
+        saved = {
+            k[len("model.") :]: tuple(m.size)
+            for k, m in metadata.state_dict_metadata.items()
+            if k.startswith("model.") and hasattr(m, "size")
+        }
+        names = set(_all_ranks(sorted(model_state)))  # pipeline stages hold different layers
+        problems = [f"no {n}" for n in sorted(model_state) if n not in saved]
+        problems += [
+            f"{n} of shape {saved[n]} where the model's is {tuple(t.shape)}"
+            for n, t in model_state.items()
+            if n in saved and saved[n] != tuple(t.shape)
+        ]
+        extra = sorted(set(saved) - names)
+        if extra:
+            more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+            problems.append(f"{', '.join(extra[:3])}{more}, which the model does not have")
+        problems = _all_ranks(problems[:1])
+        if problems:
+            raise UserError(
+                f"{what} was saved from another model than {self.model_what}: it holds {problems[0]}. The checkpoint "
+                f"is not damaged: set {self.model_what.split(' = ')[0]} to the model it was saved from, or start "
+                "this model in another job.dump_folder"
+            )
+
     def _load_path(
         self, path: Path, metadata, model_only: bool, exclude: set[str] = frozenset(), *, what: str, fix: str
     ) -> None:
@@ -335,7 +429,10 @@ class Checkpointer:
         if "train_state" in state:  # train state added since the checkpoint was written keeps its value
             saved = metadata.state_dict_metadata
             state["train_state"] = {k: v for k, v in state["train_state"].items() if f"train_state.{k}" in saved}
+        if "model" in state:
+            self._check_model_keys(metadata, state["model"], what)
         _dcp_load(state, path, what, fix)
+        _check_finite({k: state[k] for k in ("model", "optimizer") if k in state}, what, fix)
         if "model" in state:
             for part in self.model_parts:
                 set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
@@ -347,6 +444,52 @@ class Checkpointer:
                 obj.load_state_dict(state[name])
         left_out = f" (left out: {', '.join(sorted(exclude))})" if exclude else ""
         logger.info("loaded checkpoint %s%s", path, left_out)
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def save_failure(folder: Path, tmp: Path, error: OSError) -> str:
+    """The one line for a save into ``tmp`` (``step-N.tmp`` of ``folder``) that ``error`` stopped."""
+    step, steps = int(tmp.name.removeprefix("step-").removesuffix(".tmp")), saved_steps(folder)
+    kept = f"step-{steps[-1]} is kept whole and a rerun resumes from it" if steps else "no earlier step is saved"
+    reason = error.strerror or str(error)
+    if error.errno == errno.ENOSPC:
+        free = shutil.disk_usage(folder).free if folder.is_dir() else 0
+        need = f"; the last saved step takes {_folder_bytes(folder / f'step-{steps[-1]}')} bytes" if steps else ""
+        reason = f"the disk is full ({free} bytes free{need})"
+    return (
+        f"checkpoint step {step} could not be written to {folder}: {reason}; {kept}. Free space there (or lower "
+        "checkpoint.keep_latest_k, or choose another job.dump_folder) and rerun"
+    )
+
+
+def _all_ranks(items: list) -> list:
+    """``items`` of every rank, concatenated (this rank's alone without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return items
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [x for rank_items in gathered for x in rank_items]
+
+
+def _check_finite(state: dict, what: str, fix: str) -> None:
+    """Every floating-point tensor of the loaded ``state`` (this rank's shards) is finite, on every
+    rank: a NaN or inf (a damaged payload DCP cannot tell, e.g. flipped bytes) is a ``UserError``
+    naming ``what`` and the tensors, on every rank alike."""
+    bad = []
+    for section, tensors in state.items():
+        for name, t in tensors.items():
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if isinstance(local, torch.Tensor) and local.is_floating_point() and not torch.isfinite(local).all():
+                bad.append(f"{section}.{name}")
+    bad = sorted(set(_all_ranks(bad)))
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise UserError(
+            f"{what} holds non-finite values (NaN or inf) in {', '.join(bad[:3])}{more}: it is damaged; {fix}"
+        )
 
 
 def _dcp_load(state: dict, path: Path, what: str, fix: str) -> None:

@@ -86,3 +86,20 @@ def check_text_file(path: str | Path, where: str | None = None) -> None:
         codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut by the sniff is fine
     except UnicodeDecodeError as e:
         raise UserError(f"{where}: not UTF-8 text (byte {head[e.start]:#04x} at offset {e.start})") from None
+
+
+HF_DATASET_MARKERS = ("dataset_dict.json", "state.json")
+
+
+def check_saved_hf_dataset(path: str | Path, kind_key: str, path_key: str) -> None:
+    """``path`` (``path_key``, for ``kind_key = 'hf'``) is a Hugging Face dataset written by
+    ``save_to_disk``: a folder holding ``dataset_dict.json`` or ``state.json``. A ``UserError``
+    otherwise, pointing a text or JSON-lines file at ``'text'`` / ``'chat'``."""
+    p = Path(path)
+    if p.is_dir() and any((p / f).is_file() for f in HF_DATASET_MARKERS):
+        return
+    what = "a file" if p.is_file() else "a folder without dataset_dict.json or state.json"
+    raise UserError(
+        f"{path_key} = {str(path)!r} is {what}, not a Hugging Face dataset saved with save_to_disk ({kind_key} = "
+        f"'hf'); for .txt/.jsonl files set {kind_key} = 'text' (or 'chat' for chat records)"
+    )

@@ -206,12 +206,22 @@ def keep_steps_up_to(path: Path, step: int) -> int:
     return dropped
 
 
+def _free_name(path: Path) -> Path:
+    """``<path>.1``, ``<path>.2``, ...: the first that does not exist."""
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    return path.with_name(f"{path.name}.{n}")
+
+
 class MetricsLogger:
     """Writes metrics on rank 0: console every ``log_freq`` steps, every step to JSON lines.
 
     ``resumed_step``: the step the run starts after (0 from scratch); records of later steps
     already in the JSON-lines file (written by a run that crashed after that checkpoint) are
-    removed, so the file lists each step once."""
+    removed, so the file lists each step once. A run from step 0 over an existing file keeps that
+    history under the first free name ``<file>.1``, ``<file>.2``, ... (never deleted). A file
+    deleted while the run writes it is created again at the next record (with a warning)."""
 
     def __init__(self, dump_folder: Path, cfg, enabled: bool, resumed_step: int = 0):
         self.enabled = enabled
@@ -222,9 +232,14 @@ class MetricsLogger:
         dump_folder.mkdir(parents=True, exist_ok=True)
         if cfg.metrics.save_jsonl_file:
             path = dump_folder / cfg.metrics.save_jsonl_file
+            if resumed_step == 0 and path.is_file() and path.stat().st_size > 0:
+                kept = _free_name(path)
+                path.replace(kept)
+                logger.warning("%s: the run starts from step 0; the earlier records are kept as %s", path, kept)
             dropped = keep_steps_up_to(path, resumed_step)
             if dropped:
                 logger.info("%s: removed %d records after step %d (the run resumes there)", path, dropped, resumed_step)
+            self._path = path
             self._jsonl = open(path, "a", buffering=1)
         if cfg.metrics.enable_tensorboard:
             try:
@@ -238,6 +253,12 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self._jsonl is not None:
+            if not self._path.exists():  # deleted (or moved) while the run writes it: reopen by path
+                logger.warning(
+                    "%s was removed during the run: writing it again from step %d", self._path, record["step"]
+                )
+                self._jsonl.close()
+                self._jsonl = open(self._path, "a", buffering=1)
             self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for key, value in record.items():

@@ -71,6 +71,19 @@ class LRSchedulers:
 
     def __init__(self, optimizers, factor) -> None:
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, factor) for opt in optimizers]
+        self._config_base_lrs = [list(s.base_lrs) for s in self.schedulers]  # optimizer.lr of the config
+
+    def restore_base_lrs(self) -> float:
+        """After a resume: the base rate back to the config's (``optimizer.lr``; a checkpoint holds the
+        rate it was trained with), every group's current rate recomputed at the loaded position.
+        Returns the checkpoint's base rate."""
+        loaded = self.schedulers[0].base_lrs[0]
+        for s, base in zip(self.schedulers, self._config_base_lrs):
+            s.base_lrs = list(base)
+            for group, lr0, fn in zip(s.optimizer.param_groups, base, s.lr_lambdas):
+                group["initial_lr"], group["lr"] = lr0, lr0 * fn(s.last_epoch)
+            s._last_lr = [group["lr"] for group in s.optimizer.param_groups]
+        return loaded
 
     def step(self) -> None:
         for s in self.schedulers:
@@ -87,6 +100,21 @@ class LRSchedulers:
     def load_state_dict(self, state: dict) -> None:
         for s in self.schedulers:
             s.load_state_dict({**state, "lr_lambdas": [None] * len(s.lr_lambdas)})
+
+
+def restore_hyperparameters(optimizers, wanted: dict) -> dict[str, tuple]:
+    """Set ``wanted`` (e.g. ``{"betas": (0.9, 0.95), "eps": 1e-8}``) in every param group, where a
+    loaded optimizer state put the checkpoint's values; returns ``{name: (checkpoint's, wanted)}``
+    of those that differed."""
+    changed = {}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for name, value in wanted.items():
+                old = tuple(group[name]) if isinstance(group[name], (tuple, list)) else group[name]
+                if old != value:
+                    changed[name] = (old, value)
+                group[name] = value
+    return changed
 
 
 def clip_grad_norm_(parts, max_norm: float, pp_group=None) -> torch.Tensor:

@@ -16,6 +16,7 @@ from titan_cp import checkpoint
 from titan_cp.config import Checkpoint, JobConfig, Training, Validation
 from titan_cp.data.tokenizer import check_tokenizer_files
 from titan_cp.families import get_family
+from titan_cp.files import check_saved_hf_dataset
 from titan_cp.model import hf_checkpoint
 
 
@@ -52,6 +53,8 @@ def _check_dataset_paths(t: Training, v: Validation) -> None:
             )
         if not Path(path).exists():
             raise ValueError(f"{path_key} = {path!r} does not exist")
+        if kind == "hf":
+            check_saved_hf_dataset(path, kind_key, path_key)
 
 
 def _check_checkpoint_paths(c: Checkpoint, dump_folder: Path) -> None:

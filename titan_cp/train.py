@@ -32,11 +32,12 @@ from titan_cp.attention import cp_rank
 from titan_cp.checkpoint import Checkpointer
 from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
-from titan_cp.errors import run_cli
+from titan_cp.errors import UserError, run_cli
 from titan_cp.families import get_family
+from titan_cp.lock import DumpLock, watch_launcher
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.metrics import MetricsLogger, StepMetrics, recall_counts, recall_metrics
-from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda
+from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda, restore_hyperparameters
 from titan_cp.parallel.ac import ac_mode_and_every
 from titan_cp.parallel.build import ParallelizeOptions, cp_mesh
 from titan_cp.preflight import check_files
@@ -46,6 +47,8 @@ from titan_cp.step import Microbatch, forward_backward
 __all__ = ["Trainer", "compute_precision", "init_distributed", "main"]
 
 logger = logging.getLogger("titan_cp")
+ZERO_GRAD_STEPS = 3
+"""Steps in a row with a grad norm of exactly 0 that stop a run (nothing trains)."""
 
 
 class TrainState:
@@ -77,6 +80,7 @@ def init_distributed(cfg: JobConfig) -> torch.device:
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.comm.init_timeout_seconds))
+    watch_launcher()  # under torchrun: exit once the launcher is gone (it cannot forward a SIGKILL)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -129,6 +133,15 @@ class Trainer:
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         self._build_mesh()
+        self.lock = _lock_dump_folder(Path(cfg.job.dump_folder), self.rank0)
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, cfg: JobConfig) -> None:
+        """Everything but the mesh and the dump folder's lock (the class docstring's order)."""
         if self.rank0:
             logger.info("job: %s (%s)", cfg.job.description, cfg.job.config_file or "no config file")
             if cfg.job.print_config:
@@ -137,6 +150,7 @@ class Trainer:
         self._build_model()
         self._build_optimizers()
         self.state = TrainState()
+        self.zero_grad_steps = 0  # steps in a row whose grad norm was exactly 0
         self.dump = Path(cfg.job.dump_folder)
         self._build_checkpointer()
         self.metrics = MetricsLogger(self.dump, cfg, enabled=self.rank0, resumed_step=self.state.step)
@@ -153,6 +167,11 @@ class Trainer:
             self.dims.cp,
             p.context_parallel_load_balancer,
         )
+
+    def close(self) -> None:
+        """Release the dump folder (rank 0's lock file)."""
+        if self.lock is not None:
+            self.lock.release()
 
     def _build_mesh(self) -> None:
         """The named mesh, and this process's dp, cp and tp ranks."""
@@ -234,13 +253,35 @@ class Trainer:
             keep_latest_k=c.keep_latest_k,
             async_mode=c.async_mode,
             exclude_from_loading=tuple(c.exclude_from_loading),
+            model_what=self.family.describe(self.cfg.model),
         )
         resumed = c.enable and self.checkpointer.load(c.load_step) is not None
+        if resumed and self.state.step > 0:  # the whole state loaded: the config's hyperparameters win
+            self._apply_config_hyperparameters()
         if not resumed and c.initial_load_path:  # into the sharded, initialised model
             if c.initial_load_in_hf:
                 self.family.load_hf(self.parts, c.initial_load_path, self.model_args)
             else:
                 self.checkpointer.load_model(c.initial_load_path, c.initial_load_model_only)
+
+    def _apply_config_hyperparameters(self) -> None:
+        """After a resume: the optimizer's hyperparameters and the LR schedule's base rate are the
+        config's (a new ``--optimizer.lr`` applies, as in torchtitan); the moments, the schedule's
+        position, the data position and the step are the checkpoint's. Logs which is which."""
+        o = self.cfg.optimizer
+        wanted = {"betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
+        changed = restore_hyperparameters(self.optimizers, wanted)
+        old_lr = self.schedulers.restore_base_lrs()
+        if old_lr != o.lr:
+            changed["lr"] = (old_lr, o.lr)
+        if self.rank0:
+            from_config = ", ".join(f"{k} {new} (the checkpoint had {old})" for k, (old, new) in changed.items())
+            logger.info(
+                "resumed at step %d: from the checkpoint: weights, optimizer moments, LR schedule position, data "
+                "position; from the config: %s",
+                self.state.step,
+                from_config or "lr, betas, eps, weight_decay (the same as the checkpoint's)",
+            )
 
     # ------------------------------------------------------------------ steps
     def _microbatch(self, batch) -> Microbatch:
@@ -326,8 +367,7 @@ class Trainer:
             if skip:
                 record = self._skipped(step, lr, step_data)
             else:
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss is {loss} at step {step}")
+                self._check_step(step, loss, grad_norm)
                 record = self.step_metrics.record(
                     step, loss, grad_norm, lr, step_data, dt, self.loader.source_tokens, self.layouts
                 )
@@ -348,6 +388,26 @@ class Trainer:
         self.metrics.close()
         return history
 
+    def _check_step(self, step: int, loss: float, grad_norm: float) -> None:
+        """Stop (a ``UserError``, the same on every rank: both numbers are global) when the loss or the
+        grad norm is not finite, or the grad norm was exactly 0 for :data:`ZERO_GRAD_STEPS` steps in a
+        row (no parameter gets a gradient: damaged weights, or a model cut off from its loss)."""
+        hint = (
+            "lower optimizer.lr or resume from an earlier step with --checkpoint.load_step"
+            if self.cfg.checkpoint.enable
+            else "lower optimizer.lr"
+        )
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise UserError(f"step {step}: the loss is {loss} and the grad norm {grad_norm}: the run diverged; {hint}")
+        self.zero_grad_steps = self.zero_grad_steps + 1 if grad_norm == 0.0 else 0
+        if self.zero_grad_steps >= ZERO_GRAD_STEPS:
+            raise UserError(
+                f"step {step}: the grad norm has been exactly 0 for {self.zero_grad_steps} steps (loss {loss:.4f}): "
+                "no parameter receives a gradient, so nothing trains; the weights are damaged (e.g. a corrupted "
+                "checkpoint: resume from an earlier step with --checkpoint.load_step, or check "
+                "checkpoint.initial_load_path) or the model is cut off from its loss"
+            )
+
     def _skipped(self, step: int, lr: float, step_data) -> dict:
         """Count, announce and describe step ``step``, whose rows hold no loss-bearing token (e.g.
         chat records without a turn of ``training.loss_roles``, or a user turn longer than a row):
@@ -361,7 +421,32 @@ class Trainer:
                 self.loader.global_batch_size,
                 self.state.skipped_steps,
             )
+        t = self.cfg.training
+        if self.state.skipped_steps > t.max_skipped_fraction * t.steps or self.state.skipped_steps == t.steps:
+            raise UserError(
+                f"step {step}: {self.state.skipped_steps} steps skipped (of training.steps = {t.steps}), more than "
+                f"training.max_skipped_fraction = {t.max_skipped_fraction}: their rows hold no loss-bearing token. "
+                f"Loss is taken on the turns of training.loss_roles = {list(t.loss_roles)} (chat records); check that "
+                "the data has such turns, that a row holds them (training.seq_len), or change the roles"
+            )
         return self.step_metrics.skipped_record(step, lr, step_data, self.loader.source_tokens)
+
+
+def _lock_dump_folder(folder: Path, rank0: bool) -> DumpLock | None:
+    """Rank 0 takes the dump folder's lock (:class:`titan_cp.lock.DumpLock`); a folder another run holds
+    is the same ``UserError`` on every rank."""
+    lock, refused = (DumpLock(folder), None) if rank0 else (None, None)
+    if rank0:
+        try:
+            lock.acquire()
+        except UserError as e:
+            refused = str(e)
+    message = [refused]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise UserError(message[0])
+    return lock
 
 
 def _whole_set_steps(loader) -> int:
@@ -386,7 +471,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     cfg = load_config(argv, warn_adjustments=os.environ.get("RANK", "0") == "0")  # once per job, not per process
     check_files(cfg)  # before any process group starts
-    return Trainer(cfg).train()
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
 
 
 if __name__ == "__main__":

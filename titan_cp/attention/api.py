@@ -293,9 +293,16 @@ def _cp_attention_backward_flops(
 
 
 # ---------------------------------------------------------------------------- public functions
+def _is_bool(value) -> bool:
+    """A Python or NumPy boolean (``bool(value)`` is then the flag meant)."""
+    return isinstance(value, bool) or type(value).__name__ == "bool_"
+
+
 def check_mask(causal: bool, window, chunk, sinks, q_heads: int) -> Mask:
     """The :class:`Mask` of ``causal``, ``window`` and ``chunk``, checked, with ``sinks`` (``ValueError``
     naming the argument)."""
+    if not _is_bool(causal):  # a string such as "no" would be truthy: causal attention, silently
+        raise ValueError(f"causal must be True or False, got {causal!r}")
     for name, value in (("window", window), ("chunk", chunk)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive integer (None: no {name}), got {value!r}")

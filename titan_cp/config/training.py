@@ -6,7 +6,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from titan_cp.config.values import AtLeast, AtMost, NonEmpty, Positive, PositiveOrAuto, Section, did_you_mean
+from titan_cp.config.values import (
+    AtLeast,
+    AtMost,
+    InRange,
+    NonEmpty,
+    Positive,
+    PositiveOrAuto,
+    Section,
+    did_you_mean,
+)
 
 NO_LOSS = "chat records would carry no loss; list at least one role"
 MIXTURE_KINDS = ("synthetic_recall", "text", "chat", "hf")
@@ -101,6 +110,11 @@ class Training(Section, name="training"):
 
     steps: Annotated[int, Positive] = 10000
     """Optimizer steps to train."""
+
+    max_skipped_fraction: Annotated[float, InRange(0, 1)] = 0.5
+    """The share of ``training.steps`` that may be skipped for holding no loss-bearing token (e.g.
+    chat records without a turn of ``training.loss_roles``): the run stops with an error naming the
+    roles as soon as more steps than that were skipped, and always when every step was."""
 
     seed: Annotated[int, AtLeast(0)] = 0
     """Base seed for parameter init and data generation."""

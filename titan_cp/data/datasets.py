@@ -18,7 +18,7 @@ from titan_cp.data.chat import ChatJsonl
 from titan_cp.data.document import Document, DocumentSource
 from titan_cp.data.mixture import Mixture
 from titan_cp.data.tokenizer import Tokenizer
-from titan_cp.files import check_text_file, parse_json_line, read_text
+from titan_cp.files import HF_DATASET_MARKERS, check_saved_hf_dataset, check_text_file, parse_json_line, read_text
 
 if TYPE_CHECKING:
     from titan_cp.config import JobConfig
@@ -134,6 +134,15 @@ def _sentence(rng: random.Random) -> str:
 # local files
 
 
+def _blank(path: Path) -> bool:
+    """Whether the text file ``path`` holds nothing but whitespace (read when it is small)."""
+    size = path.stat().st_size
+    if size > 1 << 16:
+        return False
+    with open(path, "rb") as f:
+        return not f.read().strip()
+
+
 class TextFiles:
     """Local text: ``.txt``/``.md`` files are one document each; ``.jsonl``/``.json`` files (JSON
     lines) one document per non-empty line, text under ``text_key``.
@@ -155,17 +164,24 @@ class TextFiles:
         for f in files:
             if f.suffix not in (".jsonl", ".json"):
                 check_text_file(f)
-                self._index.append((f, -1, 0))
+                if not _blank(f):  # an empty document would train on its begin/end tokens alone
+                    self._index.append((f, -1, 0))
                 continue
             with open(f, "rb") as fh:
                 offset = 0
                 for line_no, line in enumerate(fh, start=1):
-                    if line.strip():
-                        self._record_text(parse_json_line(line, f"{f}, line {line_no}"), f"{f}, line {line_no}")
+                    where = f"{f}, line {line_no}"
+                    if line.strip() and self._record_text(parse_json_line(line, where), where).strip():
                         self._index.append((f, offset, line_no))
                     offset += len(line)
-        if not self._index:
+        if not files:
             raise ValueError(f"no documents ({'/'.join(self._SUFFIXES)}) under {str(path)!r}")
+        if not self._index:
+            names = ", ".join(str(f.relative_to(path)) if f != path else f.name for f in files[:3])
+            raise ValueError(
+                f"{str(path)!r} holds no text: its {len(files)} file(s) ({names}{', ...' if len(files) > 3 else ''}) "
+                "are empty or hold only empty records; point training.dataset_path at the data"
+            )
 
     def __len__(self) -> int:
         return len(self._index)
@@ -226,7 +242,7 @@ class HFDiskDataset:
 
 
 def _is_saved_hf_dataset(path: Path) -> bool:
-    return path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json"))
+    return path.is_dir() and any((path / f).is_file() for f in HF_DATASET_MARKERS)
 
 
 def build_dataset(job_config: JobConfig, tokenizer: Tokenizer, split: Split = "train") -> DocumentSource:
@@ -305,6 +321,8 @@ def _source(
                     "set training.chat_template = 'chatml'"
                 )
         return ChatJsonl(p, tokenizer, t.loss_roles, template)
+    if name == "hf":
+        check_saved_hf_dataset(p, f"{section}.{name_key}", f"{section}.{path_key}")
     if name == "hf" or (name != "text" and _is_saved_hf_dataset(p)):
         return HFDiskDataset(p, tokenizer, split)
     return TextFiles(p, tokenizer)

@@ -86,13 +86,13 @@ class ModelFamily:
         family checked every name and shape itself (its names there differ from its own)."""
         return False
 
+    def describe(self, model_cfg) -> str:
+        """The config key that names the model of ``model_cfg`` (the ``[model]`` section), for errors."""
+        return f"model.name = {self.name!r}"
+
     def mismatch_fix(self, what: str) -> str:
         """The fix to name when a checkpoint's shapes are not ``what``'s."""
         return f"point the checkpoint keys at weights of {what}"
-
-    def strict_names(self) -> bool:
-        """Whether a titan_cp checkpoint of this family may hold no parameter the model lacks."""
-        return False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
@@ -110,6 +110,7 @@ class ModelSpec:
     shapes: dict[str, tuple[int, ...]] = field(repr=False)
     args: Any = None
     folder: str | None = None
+    aliases: tuple[str, ...] = ()  # other names a checkpoint may hold the parameters under (tied weights)
 
     def build(self, dims, strategy: str, balance: str, device):
         """The model parallelized for generation on ``dims``' mesh, shards allocated (weights to load)."""

@@ -81,7 +81,7 @@ class HuggingFace(ModelFamily):
         from titan_cp.integrations.hf_parallel import CausalLM  # noqa: PLC0415 - transformers is optional
 
         path = cfg.model.hf_assets_path
-        what = f"model.hf_assets_path = {path!r}"
+        what = self.describe(cfg.model)
         config = hf_trainer.load_hf_config(path)
         model = hf_trainer.meta_model(config)
         if plain_head(model) is None:
@@ -92,8 +92,11 @@ class HuggingFace(ModelFamily):
         rows = model.get_input_embeddings().num_embeddings
         if vocab_size > rows:
             raise ValueError(f"{what}: the tokenizer has {vocab_size} ids but the model's embedding {rows} rows")
-        shapes = {name: tuple(p.shape) for name, p in CausalLM(model).named_parameters()}
-        return ModelSpec(self, what, text_config(config).max_position_embeddings, shapes, folder=path)
+        wrapped = CausalLM(model)
+        shapes = {name: tuple(p.shape) for name, p in wrapped.named_parameters()}
+        aliases = tuple(sorted(set(wrapped.state_dict()) - set(shapes)))  # tied weights, persistent buffers
+        max_len = text_config(config).max_position_embeddings
+        return ModelSpec(self, what, max_len, shapes, folder=path, aliases=aliases)
 
     def build_for_generation(self, spec, dims, strategy, balance, device):
         from titan_cp.generate.hf_runner import build_hf_model  # noqa: PLC0415 - transformers is optional; titan_cp.generate imports the families
@@ -120,6 +123,9 @@ class HuggingFace(ModelFamily):
         """The folder and its ``config.json``; the tensors are compared by name and shape after."""
         hf_checkpoint.check_hf_folder(source.path, source.key)
         return False
+
+    def describe(self, model_cfg) -> str:
+        return f"model.hf_assets_path = {model_cfg.hf_assets_path!r}"
 
     def mismatch_fix(self, what: str) -> str:
         return f"point model.hf_assets_path at the model the checkpoint holds ({what} now)"

@@ -55,7 +55,7 @@ class Llama3(ModelFamily):
         args = model_args(cfg.model.flavor, vocab_size=vocab_size)
         with torch.device("meta"):
             shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
-        return ModelSpec(self, f"model.flavor = {cfg.model.flavor!r}", args.max_seq_len, shapes, args=args)
+        return ModelSpec(self, self.describe(cfg.model), args.max_seq_len, shapes, args=args)
 
     def build_for_generation(self, spec, dims, strategy, balance, device):
         from titan_cp.generate.runners import build_generation_model  # noqa: PLC0415 - titan_cp.generate's engine imports the families
@@ -76,11 +76,11 @@ class Llama3(ModelFamily):
         hf_checkpoint.check_hf_weights(source.path, spec.args, source.key)
         return True
 
+    def describe(self, model_cfg) -> str:
+        return f"model.flavor = {model_cfg.flavor!r}"
+
     def mismatch_fix(self, what: str) -> str:
         return f"set model.flavor to the flavor the checkpoint was trained with ({what} now)"
-
-    def strict_names(self) -> bool:
-        return True
 
 
 LLAMA3 = register_family(Llama3())

@@ -233,6 +233,8 @@ def run(job: GenerateJob) -> list[dict]:
     dims.build_mesh(device.type)
     strategy, balance = p.context_parallel_strategy, p.context_parallel_load_balancer
     model = job.model.build(dims, strategy, balance, device)
+    if rank0:
+        logger.info("loading the weights of %s", job.weights.describe())
     load_weights(job.weights, model, job.model)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[compute_precision(cfg, device.type, rank0)]
     model.to(dtype)

@@ -4,12 +4,14 @@ The model is the one ``model.name``'s family builds (:mod:`titan_cp.families`: t
 ``model.flavor``, or the Hugging Face model of ``model.hf_assets_path``), with the tokenizer's
 vocabulary (:class:`~titan_cp.families.ModelSpec`). Its weights come from, in order (the trainer's keys, read the same way)::
 
-    checkpoint.enable and a step in <job.dump_folder>/<checkpoint.folder>   a titan_cp step (load_step, or the newest)
+    checkpoint.enable and a step in <job.dump_folder>/<checkpoint.folder>   a titan_cp step: checkpoint.load_step, or
+                                                                          the newest (a model-only final step too)
     checkpoint.initial_load_path                                          a DCP folder: titan_cp's or torchtitan's
     checkpoint.initial_load_path with checkpoint.initial_load_in_hf         a Hugging Face folder (safetensors)
 
-Every parameter's shape is checked against the model from the checkpoint's metadata alone, so
-a checkpoint of another model is an error naming the key before anything starts.
+Every parameter's shape is checked against the model from the checkpoint's metadata alone, and a
+checkpoint holding tensors the model does not have (e.g. Qwen3's ``q_norm`` for a Llama) is
+refused, so a checkpoint of another model is an error naming the key before anything starts.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ class WeightSource:
     path: Path
     key: str
 
+    def describe(self) -> str:
+        """Which weights these are, for the log: ``step N of <folder> (steps saved: [...])`` for a step."""
+        if self.key != "checkpoint.folder":
+            return f"{self.where} ({self.kind})"
+        steps = checkpoint.saved_steps(self.path.parent)
+        return f"step {self.path.name.removeprefix('step-')} of {self.path.parent} (steps saved: {steps})"
+
     @property
     def where(self) -> str:
         return f"{self.key} = {str(self.path)!r}" if self.key != "checkpoint.folder" else f"checkpoint {self.path}"
@@ -53,7 +62,7 @@ def weight_source(cfg: JobConfig) -> WeightSource:
     """The checkpoint ``cfg`` names (module docstring); ``ValueError`` when it names none."""
     c = cfg.checkpoint
     if c.enable:
-        path = checkpoint.resume_path(Path(cfg.job.dump_folder) / c.folder, c.load_step)
+        path = checkpoint.weights_path(Path(cfg.job.dump_folder) / c.folder, c.load_step)
         if path is not None:
             return WeightSource("titan_cp", path, "checkpoint.folder")
     if not c.initial_load_path:
@@ -92,9 +101,9 @@ def _saved_shapes(source: WeightSource) -> dict[str, tuple[int, ...]]:
 
 
 def check_weights(source: WeightSource, spec: ModelSpec) -> None:
-    """Every parameter of the model is in ``source`` with its shape, and a titan_cp step holds no other
-    where the family says so (the DCP metadata, or the Hugging Face headers and ``config.json``): a
-    ``ValueError`` names the key, the parameter and both shapes. Reads no weight."""
+    """Every parameter of the model is in ``source`` with its shape, and ``source`` holds no other (the
+    DCP metadata, or the Hugging Face headers and ``config.json``): a ``ValueError`` names the key, the
+    parameter and both shapes. Reads no weight."""
     family = spec.family
     if source.kind == "safetensors" and family.check_hf_weights(source, spec):
         return
@@ -108,9 +117,12 @@ def check_weights(source: WeightSource, spec: ModelSpec) -> None:
                 f"{source.where}: {name} has shape {saved[name]}, but {spec.what} (vocabulary from the tokenizer) "
                 f"makes {shape}; {fix}"
             )
-    extra = sorted(set(saved) - set(spec.shapes))
-    if source.kind == "titan_cp" and family.strict_names() and extra:
-        raise ValueError(f"{source.where} holds {extra[0]}, which {spec.what} does not have; {fix}")
+    extra = sorted(set(saved) - set(spec.shapes) - set(spec.aliases))
+    if source.kind == "torchtitan":  # its DCP folders hold the training state at the top level too
+        extra = [k for k in extra if k.split(".")[0] not in ("optimizer", "lr_scheduler", "dataloader", "train_state")]
+    if extra:
+        more = f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""
+        raise ValueError(f"{source.where} holds {', '.join(extra[:3])}{more}, which {spec.what} does not have; {fix}")
 
 
 def load_weights(source: WeightSource, model: nn.Module, spec: ModelSpec) -> None:
@@ -118,4 +130,5 @@ def load_weights(source: WeightSource, model: nn.Module, spec: ModelSpec) -> Non
     if source.kind == "safetensors":
         spec.family.load_hf([model], source.path, spec.args, key=source.key)
     else:
-        checkpoint.Checkpointer(source.path.parent, [model], [], {}).load_model(source.path, model_only=True)
+        ckpt = checkpoint.Checkpointer(source.path.parent, [model], [], {}, model_what=spec.what)
+        ckpt.load_model(source.path, model_only=True)

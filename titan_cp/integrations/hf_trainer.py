@@ -37,6 +37,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from titan_cp.errors import UserError
+from titan_cp.files import read_json
 from titan_cp.integrations.hf_model import check_supported, hf_model_of, text_config
 from titan_cp.integrations.hf_parallel import CausalLM
 from titan_cp.integrations.transformers import ATTN_IMPLEMENTATION, apply_cp
@@ -87,10 +89,20 @@ def hf_folder(path, key: str = "model.hf_assets_path") -> Path:
 
 
 def load_hf_config(path, key: str = "model.hf_assets_path"):
-    """The ``transformers`` config of the folder ``path`` (read locally; nothing is downloaded)."""
+    """The ``transformers`` config of the folder ``path`` (read locally; nothing is downloaded). A
+    ``config.json`` that is not a JSON object, or that transformers cannot read (no or an unknown
+    ``model_type``), is a ``UserError`` naming ``key`` and the file."""
     from transformers import AutoConfig  # noqa: PLC0415 - optional dependency
 
-    return AutoConfig.from_pretrained(str(hf_folder(path, key)), local_files_only=True)
+    folder = hf_folder(path, key)
+    where = f"{key} = {str(path)!r}: config.json"
+    if not isinstance(read_json(folder / "config.json", where), dict):
+        raise UserError(f"{where} must hold a JSON object (the model's configuration)")
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{where} cannot be read by transformers: {first}") from None
 
 
 def meta_model(config):

@@ -1,7 +1,7 @@
 """The planner: which mesh and CP strategy to run, before spending a GPU-hour.
 
     python -m titan_cp.plan --job.config_file X.toml --ngpu 8 [--gpu h100|h200|a100|cpu]
-        [--nnodes 1] [--doc-mix NAME] [--hbm-gb G] [--matmul-speedup F] [--plot out.png]
+        [--nnodes 1] [--doc-mix NAME] [--hbm-gb G] [--matmul-speedup F] [--plot out.png | FOLDER]
         [--section.key value ...]          # any config key, as in the trainer
 
 For the config's model, ``training.seq_len``, ``training.local_batch_size``, activation
@@ -23,7 +23,7 @@ The parts:
     cli        the command line
 """
 
-from titan_cp.plan.cli import launch_lines, main, overrides, record
+from titan_cp.plan.cli import launch_lines, main, overrides, plot_path, record
 from titan_cp.plan.cost import TITAN_CP_RING, TORCH_2024_RING, Cost, RingImpl, Stack, Transfer, cp_bytes_per_rank
 from titan_cp.plan.devices import GB, GPUS, HEADROOM, INTER, INTRA, Device, device
 from titan_cp.plan.memory import (
@@ -71,6 +71,7 @@ __all__ = [
     "evaluate",
     "launch_lines",
     "main",
+    "plot_path",
     "overrides",
     "plan",
     "record",

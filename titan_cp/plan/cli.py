@@ -16,7 +16,7 @@ from titan_cp.plan.search import Estimate, PlanResult, plan
 USAGE = """The planner: which mesh and CP strategy to run, before spending a GPU-hour.
 
     python -m titan_cp.plan --job.config_file X.toml --ngpu 8 [--gpu h100|h200|a100|cpu]
-        [--nnodes 1] [--doc-mix NAME] [--hbm-gb G] [--matmul-speedup F] [--plot out.png]
+        [--nnodes 1] [--doc-mix NAME] [--hbm-gb G] [--matmul-speedup F] [--plot out.png | --plot FOLDER]
         [--section.key value ...]          # any config key, as in the trainer
 """
 
@@ -124,6 +124,7 @@ def row(r: dict) -> str:
     )
 
 
+PLOT_NAME = "plan.png"  # what --plot FOLDER writes in the folder
 HEADER = (
     f"  {'mesh':<30} {'strategy':<12} {'mem GB':>8} {'fits':>4} {'intra GB':>8} {'inter GB':>8} "
     f"{'c/t':>6} {'step s':>8} {'tok/s/GPU':>10} {'MFU%':>5}"
@@ -166,7 +167,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--doc-mix", default="causal", help=f"document mix of the rows: {sorted(ROW_MIXES)}")
     p.add_argument("--hbm-gb", type=float, default=None, help="memory per GPU, GB (default: the GPU's)")
     p.add_argument("--matmul-speedup", type=float, default=1.0, help="e.g. 1.48 for float8 + compile (see Stack)")
-    p.add_argument("--plot", metavar="PNG")
+    p.add_argument(
+        "--plot", metavar="PNG", help=f"draw the candidates to this .png file, or to {PLOT_NAME} in this folder"
+    )
     p.add_argument("--top", type=int, default=0, help="print only the best N rows (0: all)")
     return p
 
@@ -197,11 +200,35 @@ def check_args(args: argparse.Namespace) -> None:
     if args.top < 0:
         raise ValueError(f"--top must be 0 (every row) or a positive number of rows, got {args.top}")
     if args.plot is not None:
-        folder = Path(args.plot).resolve().parent
-        if not folder.is_dir():
-            raise ValueError(f"--plot {args.plot!r}: the folder {str(folder)!r} does not exist")
-        if not os.access(folder, os.W_OK):
-            raise ValueError(f"--plot {args.plot!r}: the folder {str(folder)!r} is not writable")
+        plot_path(args.plot)
+
+
+def plot_path(value: str) -> Path:
+    """Where ``--plot value`` draws: ``value`` itself when it names a ``.png`` file, ``<value>/plan.png``
+    when it is an existing folder. ``ValueError`` naming the option for anything else (another
+    suffix, a folder that does not exist or cannot be written, the filesystem root), and when
+    matplotlib is missing: all before anything is computed."""
+    given = Path(value)
+    path = given / PLOT_NAME if given.is_dir() else given
+    if path.suffix.lower() != ".png":
+        raise ValueError(
+            f"--plot {value!r}: name a .png file (e.g. --plot {PLOT_NAME}) or an existing folder to write "
+            f"{PLOT_NAME} in"
+        )
+    folder = path.resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"--plot {value!r}: the folder {str(folder)!r} does not exist")
+    if folder.parent == folder:
+        raise ValueError(f"--plot {value!r}: would write {str(path.resolve())!r} at the filesystem root; name another")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--plot {value!r}: the folder {str(folder)!r} is not writable")
+    try:
+        import matplotlib  # noqa: F401, PLC0415 - optional: only the plot needs it
+    except ImportError:
+        raise ValueError(
+            f"--plot {value!r} draws with matplotlib, which is not installed: pip install 'titan_cp[plot]'"
+        ) from None
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nrecommended: {result.reason}")
     if result.recommended:
         _print_launch(result, job_config.job.config_file)
-    if args.plot:
-        plot(records, args.plot)
+    if args.plot is not None:
+        path = plot_path(args.plot)
+        plot(records, str(path))
+        print(f"plot: {path}")
     return 0

@@ -38,6 +38,16 @@ FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 HALF = (torch.float16, torch.bfloat16)
 
 
+def unit_stride(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor as it is when its last dimension has unit stride, else a contiguous copy.
+
+    Flash kernels (ATen's CPU and CUDA ones, flash-attn) index the head dimension as dense
+    memory: a transposed, expanded (stride 0) or otherwise strided last dimension would be read
+    wrong, so every kernel passes its inputs through here first. Other dimensions may have any
+    stride (slices, expanded heads); the kernels take those as they are."""
+    return tuple(x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous() for x in xs)
+
+
 def _offsets(lens: Sequence[int]) -> list[int]:
     out = [0]
     for n in lens:

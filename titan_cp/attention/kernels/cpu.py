@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from titan_cp.attention.kernels.base import FLOATS, AttentionKernel, Segments
+from titan_cp.attention.kernels.base import FLOATS, AttentionKernel, Segments, unit_stride
 
 _ATEN = torch.ops.aten
 
@@ -41,9 +41,11 @@ class CPUFlashKernel(AttentionKernel):
     dtypes = FLOATS
 
     def forward(self, q, k, v, causal, scale):
+        q, k, v = unit_stride(q, k, v)  # the kernel reads the head dimension as dense memory
         return _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
+        dout, q, k, v, out = unit_stride(dout, q, k, v, out)
         return _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_cp.attention.kernels.base import HALF, AttentionKernel, Segments
+from titan_cp.attention.kernels.base import HALF, AttentionKernel, Segments, unit_stride
 
 _ATEN = torch.ops.aten
 
@@ -50,14 +50,14 @@ class CUDAFlashKernel(AttentionKernel):
         return self._rng[device]
 
     def forward(self, q, k, v, causal, scale):
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, S, H, D) views
+        qt, kt, vt = (x.transpose(1, 2) for x in unit_stride(q, k, v))  # (B, S, H, D) views
         res = _ATEN._flash_attention_forward(
             qt, kt, vt, None, None, qt.shape[1], kt.shape[1], 0.0, causal, False, scale=scale
         )
         return res[0].transpose(1, 2), res[1]
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
-        qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in (q, k, v, out, dout))
+        qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in unit_stride(q, k, v, out, dout))
         rng = self._rng_state(q.device)
         dq, dk, dv = _ATEN._flash_attention_backward(
             dot,
@@ -81,6 +81,7 @@ class CUDAFlashKernel(AttentionKernel):
     def varlen_forward(self, q, k, v, seg: Segments, causal, scale):
         if len(seg) == 0:
             return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        q, k, v = unit_stride(q, k, v)
         res = _ATEN._flash_attention_forward(
             q, k, v, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, 0.0, causal, False, scale=scale
         )
@@ -97,6 +98,7 @@ class CUDAFlashKernel(AttentionKernel):
         if len(seg) == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         rng = self._rng_state(q.device)
+        dout, q, k, v, out = unit_stride(dout, q, k, v, out)
         return _ATEN._flash_attention_backward(
             dout,
             q,
