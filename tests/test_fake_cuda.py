@@ -11,10 +11,12 @@ causal flag per ring step, and the bytes sent equal the strategy's minimum. No a
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import pytest
 import torch
 
+from titan_cp.attention.kernels import cuda_flash
 from titan_cp.attention.kernels.cuda_flash import CUDAFlashKernel
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.layout import get_layout
@@ -67,11 +69,13 @@ class _Int64Lengths(CUDAFlashKernel):
 
 
 class _NonContiguousHeadDim(CUDAFlashKernel):
-    """Breaks a precondition on purpose: q strided in its last dim."""
+    """Breaks a precondition on purpose: q strided in its last dim, with the kernel's own copy of
+    strided inputs (``unit_stride``) switched off so that it reaches ATen."""
 
     def varlen_forward(self, q, k, v, seg, causal, scale):
         q = torch.empty(q.shape[0], q.shape[1], 2 * q.shape[2], dtype=q.dtype, device=q.device)[:, :, ::2]
-        return super().varlen_forward(q, k, v, seg, causal, scale)
+        with mock.patch.object(cuda_flash, "unit_stride", lambda *tensors: tensors):
+            return super().varlen_forward(q, k, v, seg, causal, scale)
 
 
 class _ReadsOnTheHost(CUDAFlashKernel):
