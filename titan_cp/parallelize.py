@@ -27,6 +27,7 @@ from titan_cp.mesh import ParallelDims
 from titan_cp.model.llama import ModelArgs, Transformer
 from titan_cp.parallel import apply_ac, apply_compile, apply_fsdp, apply_tp, pipeline_llama
 from titan_cp.parallel.cp import apply_cp
+from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
 
 
 @dataclass
@@ -38,6 +39,10 @@ class ParallelizeOptions:
     cp_kernel: str | None = None
     ac_mode: str = "none"
     ac_every: int = 1
+    ac_cpu_offload: bool = False
+    ac_blocks_per_checkpoint: int = 1
+    tile_tokens: int = 0
+    fsdp_cpu_offload: bool = False
     compile: bool = False
     compile_backend: str = "inductor"
     loss_parallel: bool = False
@@ -56,8 +61,9 @@ def parallelize_llama(model: Transformer, parallel_dims: ParallelDims, options: 
         apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=options.loss_parallel)
     if parallel_dims.cp_enabled:
         apply_cp(model, cp_mesh(parallel_dims), options.cp_strategy, options.cp_balance, options.cp_kernel)
+    apply_tiled_mlp(model, options.tile_tokens)
     if options.ac_mode != "none":
-        apply_ac(model, options.ac_mode, every=options.ac_every)
+        apply_ac(model, options.ac_mode, options.ac_every, options.ac_cpu_offload, options.ac_blocks_per_checkpoint)
     if options.compile:
         apply_compile(model, backend=options.compile_backend)
     if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
@@ -68,6 +74,12 @@ def parallelize_llama(model: Transformer, parallel_dims: ParallelDims, options: 
             mp_param_dtype=options.mp_param_dtype,
             reshard_after_forward=options.reshard_after_forward and not parallel_dims.pp_enabled,
             hsdp=parallel_dims.dp_replicate_enabled,
+            cpu_offload=options.fsdp_cpu_offload,
+        )
+    elif options.fsdp_cpu_offload:
+        raise ValueError(
+            "training.enable_cpu_offload = true offloads FSDP's shards: it needs FSDP (parallelism.data_parallel_shard_"
+            "degree x context_parallel_degree > 1, or data_parallel_replicate_degree > 1)"
         )
 
 
@@ -110,7 +122,7 @@ def build_parallel_model(
 
     def prepare(part: Transformer) -> None:
         parallelize_llama(part, parallel_dims, options)
-        materialize(part, device, seed)
+        materialize(part, "cpu" if options.fsdp_cpu_offload else device, seed)  # offloaded shards live on the host
 
     if parallel_dims.pp_enabled:
         schedule, parts, first, last = pipeline_llama(

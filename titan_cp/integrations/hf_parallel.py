@@ -22,8 +22,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from titan_cp.integrations.hf_model import hf_model_of, layer_list, plain_head, text_config
 from titan_cp.loss import chunked_cross_entropy_sum, chunked_evaluate, token_loss_sum
-from titan_cp.parallel.ac import check_ac, checkpoint_block
-from titan_cp.parallel.fsdp import set_gradient_sum
+from titan_cp.parallel.ac import apply_block_ac
+from titan_cp.parallel.fsdp import offload_policy, set_gradient_sum
+from titan_cp.parallel.tiled_mlp import tile_blocks
 
 
 class CausalLM(nn.Module):
@@ -88,16 +89,31 @@ class CausalLM(nn.Module):
         return chunked_cross_entropy_sum(h, self.head.weight, labels)
 
 
-def apply_ac(model: nn.Module, mode: str = "full", every: int = 1) -> None:
+def apply_ac(
+    model: nn.Module,
+    mode: str = "full",
+    every: int = 1,
+    cpu_offload: bool = False,
+    blocks_per_checkpoint: int = 1,
+    prefetch: int = 1,
+):
     """Activation checkpointing of the decoder layers, in place: ``"full"`` (every layer),
     ``"selective"`` (every ``every``-th layer fully), ``"op"`` (matmul and CP attention outputs
-    saved, the rest recomputed), ``"none"``; as :mod:`titan_cp.parallel.ac`."""
-    if mode == "none":
-        return
-    check_ac(mode, every)
+    saved, the rest recomputed), ``"none"``; ``cpu_offload``: the checkpointed inputs in host memory;
+    ``blocks_per_checkpoint``: layers per checkpoint unit; as :mod:`titan_cp.parallel.ac`.
+    Returns the host store of the inputs (``cpu_offload``), else None."""
     layers = layer_list(model)
-    for i, layer in enumerate(layers):
-        layers[i] = checkpoint_block(layer, mode, i, every)
+    wrapped, store = apply_block_ac(list(layers), mode, every, cpu_offload, blocks_per_checkpoint, prefetch)
+    for i, new in enumerate(wrapped):
+        if new is not layers[i]:
+            layers[i] = new
+    return store
+
+
+def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> None:
+    """Each decoder layer's MLP over tiles of ``tile_tokens`` local tokens, recomputed tile by tile in the
+    backward (:mod:`titan_cp.parallel.tiled_mlp`); 0: off."""
+    tile_blocks(list(layer_list(model)), tile_tokens)
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool = True) -> None:
@@ -114,15 +130,22 @@ def apply_fsdp(
     mp_param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
 ) -> None:
     """Shard ``model`` in place with FSDP2 over ``mesh`` (1-D: the flattened ``dp_shard x cp``
     ranks; 2-D ``(replicate, shard)``: HSDP), gradients summed (module docstring).
 
     mp_param_dtype: compute dtype (e.g. ``torch.bfloat16``), ``None`` keeps the parameters';
-    reduce_dtype: gradient reduction dtype (fp32 by default).
+    reduce_dtype: gradient reduction dtype (fp32 by default); cpu_offload: shards, gradients and optimizer
+    state in host memory (FSDP2's ``CPUOffloadPolicy``: materialise the model on the CPU, its buffers on
+    the device).
     """
     hf = hf_model_of(model)
-    config = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=mp_param_dtype, reduce_dtype=reduce_dtype))
+    config = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=mp_param_dtype, reduce_dtype=reduce_dtype),
+        offload_policy=offload_policy(cpu_offload, mesh),
+    )
     for layer in layer_list(model):
         fully_shard(layer, **config, reshard_after_forward=reshard_after_forward)
     embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()

@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from titan_cp.integrations.hf_model import check_supported, text_config
-from titan_cp.integrations.hf_parallel import CausalLM, apply_ac, apply_compile, apply_fsdp
+from titan_cp.integrations.hf_parallel import CausalLM, apply_ac, apply_compile, apply_fsdp, apply_tiled_mlp
 from titan_cp.integrations.transformers import ATTN_IMPLEMENTATION, apply_cp
 
 logger = logging.getLogger(__name__)
@@ -137,18 +137,27 @@ def build_parallel_model(path, parallel_dims, options, device, fsdp: bool = True
     mesh = cp_mesh(parallel_dims) if parallel_dims.cp_enabled else None
     apply_cp(hf, mesh, options.cp_strategy, options.cp_balance, options.cp_kernel)
     model = CausalLM(hf)
-    apply_ac(model, options.ac_mode, options.ac_every)
+    apply_tiled_mlp(model, options.tile_tokens)
+    apply_ac(model, options.ac_mode, options.ac_every, options.ac_cpu_offload, options.ac_blocks_per_checkpoint)
     if options.compile:
         apply_compile(model, backend=options.compile_backend)
-    if fsdp and (parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled):
+    sharded = fsdp and (parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled)
+    if sharded:
         apply_fsdp(
             model,
             parallel_dims.fsdp_mesh(),
             mp_param_dtype=options.mp_param_dtype,
             reshard_after_forward=options.reshard_after_forward,
+            cpu_offload=options.fsdp_cpu_offload,
         )
+    elif options.fsdp_cpu_offload:
+        raise ValueError("training.enable_cpu_offload = true needs FSDP (a dp_shard x cp mesh larger than 1)")
     ties = _ties(hf)
-    model.to_empty(device=device)
+    model.to_empty(device="cpu" if options.fsdp_cpu_offload else device)  # offloaded shards live on the host
+    if options.fsdp_cpu_offload:
+        for module in model.modules():  # buffers (RoPE frequencies) are computed on the device
+            for name, buf in module.named_buffers(recurse=False):
+                setattr(module, name, buf.to(device))
     _retie(ties)
     with torch.no_grad():
         for module in hf.modules():  # RoPE frequencies and other buffers computed at construction

@@ -55,7 +55,7 @@ from titan_cp.integrations.hf_model import (
     text_config,
     unsupported_features,
 )
-from titan_cp.integrations.hf_parallel import CausalLM, apply_ac, apply_compile, apply_fsdp
+from titan_cp.integrations.hf_parallel import CausalLM, apply_ac, apply_compile, apply_fsdp, apply_tiled_mlp
 from titan_cp.layout import BALANCES
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "apply_compile",
     "apply_cp",
     "apply_fsdp",
+    "apply_tiled_mlp",
     "check_supported",
     "shard_batch",
     "titan_cp_attention",

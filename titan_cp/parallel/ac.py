@@ -10,6 +10,10 @@
                recomputes the cheap elementwise ones (norms, RoPE, SiLU, products), via
                ``create_selective_checkpoint_contexts``.
 
+With ``cpu_offload`` or ``blocks_per_checkpoint > 1`` the checkpoints are made by module hooks
+over units of blocks instead (``titan_cp.parallel.units``: k blocks per stored input, the inputs
+in host memory with ``titan_cp.parallel.offload``).
+
 ``ac_mode_and_every(mode, selective_ac_option)`` maps the ``[activation_checkpoint]`` keys
 to these arguments.
 
@@ -25,9 +29,11 @@ from typing import Literal
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
 from titan_cp.model.llama import Transformer
+from titan_cp.parallel.offload import HostActivationStore
+from titan_cp.parallel.units import apply_units
 
 
 def _save_ops() -> set:
@@ -86,23 +92,70 @@ def checkpoint_block(block: torch.nn.Module, mode: str, index: int = 0, every: i
     return checkpoint_wrapper(block, context_fn=_selective_context_fn, preserve_rng_state=False)  # op-level
 
 
-def check_ac(mode: str, every: int) -> None:
-    """``ValueError`` naming the key for a mode or period :func:`checkpoint_block` does not take."""
+def check_ac(mode: str, every: int, cpu_offload: bool = False, blocks_per_checkpoint: int = 1) -> None:
+    """``ValueError`` naming the key for a mode, period or unit option :func:`apply_ac` does not take."""
     if mode not in ("none", "full", "selective", "op"):
         raise ValueError(f"activation_checkpoint.mode must be 'none', 'full' or 'selective', got {mode!r}")
     if every < 1:
         raise ValueError(f"activation_checkpoint.selective_ac_option must be >= 1, got {every}")
+    if (
+        isinstance(blocks_per_checkpoint, bool)
+        or not isinstance(blocks_per_checkpoint, int)
+        or blocks_per_checkpoint < 1
+    ):
+        raise ValueError(
+            f"activation_checkpoint.blocks_per_checkpoint must be an integer >= 1, got {blocks_per_checkpoint!r}"
+        )
+    if blocks_per_checkpoint > 1 and mode not in ("full", "op"):
+        raise ValueError(
+            f"activation_checkpoint.blocks_per_checkpoint = {blocks_per_checkpoint} needs activation_checkpoint.mode = "
+            f"'full' (or selective_ac_option = 'op'), got mode {mode!r}"
+        )
+    if cpu_offload and mode == "none":
+        raise ValueError(
+            "activation_checkpoint.cpu_offload = true moves checkpointed block inputs to the host: it needs "
+            "activation_checkpoint.mode 'full' or 'selective', got 'none'"
+        )
 
 
-def apply_ac(model: Transformer, mode: Literal["none", "full", "selective", "op"], every: int = 1) -> None:
+def apply_block_ac(
+    blocks: list[torch.nn.Module],
+    mode: str,
+    every: int = 1,
+    cpu_offload: bool = False,
+    blocks_per_checkpoint: int = 1,
+    prefetch: int = 1,
+) -> tuple[list[torch.nn.Module], HostActivationStore | None]:
+    """``blocks`` (in call order) checkpointed for ``mode`` (module doc): the list of blocks to put back
+    in their places, and the host store of their inputs (with ``cpu_offload``; else None)."""
+    if mode == "none":
+        return list(blocks), None
+    check_ac(mode, every, cpu_offload, blocks_per_checkpoint)
+    if not cpu_offload and blocks_per_checkpoint == 1:
+        return [checkpoint_block(b, mode, i, every) for i, b in enumerate(blocks)], None
+    context_fn = _selective_context_fn if mode == "op" else noop_context_fn
+    _, store = apply_units(blocks, mode, every, blocks_per_checkpoint, cpu_offload, prefetch, context_fn)
+    return list(blocks), store
+
+
+def apply_ac(
+    model: Transformer,
+    mode: Literal["none", "full", "selective", "op"],
+    every: int = 1,
+    cpu_offload: bool = False,
+    blocks_per_checkpoint: int = 1,
+    prefetch: int = 1,
+) -> HostActivationStore | None:
     """Wrap ``model.layers`` in place with activation checkpointing (see module doc).
 
     every: for mode "selective", checkpoint blocks 0, every, 2*every, ... (1: every block).
+    cpu_offload: checkpointed inputs in host memory, ``prefetch`` units copied back ahead.
+    blocks_per_checkpoint: blocks per checkpoint unit (mode "full" or "op").
+    Returns the host store (``cpu_offload``), else None.
     """
-    if mode == "none":
-        return
-    check_ac(mode, every)
-    for i, (layer_id, block) in enumerate(list(model.layers.items())):
-        wrapped = checkpoint_block(block, mode, i, every)
-        if wrapped is not block:
-            model.layers.register_module(layer_id, wrapped)
+    items = list(model.layers.items())
+    wrapped, store = apply_block_ac([b for _, b in items], mode, every, cpu_offload, blocks_per_checkpoint, prefetch)
+    for (layer_id, block), new in zip(items, wrapped):
+        if new is not block:
+            model.layers.register_module(layer_id, new)
+    return store
