@@ -7,7 +7,7 @@ arithmetic operation: losses and gradients are asserted bit-identical. Tiles com
 feed-forward from the same numbers, but the weight gradients are sums over tiles (another order of
 the same additions) and a matmul over fewer rows may be blocked differently: fp32, the tiny model's
 gradients move by ~1e-7 absolute; asserted within rtol 1e-5 / atol 1e-6 (losses, gradients and
-the parameters after two AdamW steps).
+the parameters after an AdamW step).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _run(world, combo: dict, **extra):
     built = build_parallel_model(args, pd, options, "cpu", seed=SEED, loss_fn=loss_fn, pp_microbatches=2)
     opt = torch.optim.AdamW([p for part in built.parts for p in part.parameters()], lr=1e-3)
     losses = []
-    for step in range(2):
+    for step in range(1):  # the loss, and the parameters after an AdamW step (they carry the gradients)
         full = make_batch(step)
         loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
         mb = local_microbatch(pd, options, full)
@@ -156,3 +156,30 @@ def test_options_keep_the_losses_of_parallel_runs(dist_pools, world, combo):
     for exact, loss_err, param_err in dist_pools.run(world, _compare, combo, timeout=600):
         assert exact
         assert loss_err <= 1e-5 and param_err <= 1e-6, (loss_err, param_err)
+
+
+# ---- a Hugging Face model -------------------------------------------------------------------------
+
+
+def _hf_step(family: str, tile: int = 0, **ac):
+    from tests.test_hf_integration import hf_model, packed_batch  # noqa: PLC0415 - needs transformers
+    from titan_cp.integrations.transformers import CausalLM, apply_ac, apply_cp, apply_tiled_mlp, shard_batch  # noqa: PLC0415
+
+    lm = CausalLM(apply_cp(hf_model(family, attn="titan_cp"), None))
+    apply_tiled_mlp(lm, tile)
+    store = apply_ac(lm, "full", **ac)
+    local = shard_batch(packed_batch(), None)
+    loss = lm(local["input_ids"], local["position_ids"], local["cp_doc_lens"], local["shift_labels"])
+    loss.backward()
+    return loss.detach(), {_clean(n): p.grad for n, p in lm.named_parameters()}, store
+
+
+def test_hf_model_options_keep_loss_and_gradients(family="qwen3_swa"):  # a sliding and a full layer in one unit
+    want_loss, want_grads, _ = _hf_step(family)
+    loss, grads, store = _hf_step(family, cpu_offload=True, blocks_per_checkpoint=2)
+    assert store.stored == 1 and store.max_device_inputs == 1  # 2 layers, one unit: its hidden states
+    assert torch.equal(loss, want_loss) and all(torch.equal(grads[n], want_grads[n]) for n in want_grads)
+    loss, grads, _ = _hf_step(family, tile=8, cpu_offload=True)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for n, want in want_grads.items():
+        torch.testing.assert_close(grads[n], want, rtol=1e-5, atol=1e-6)

@@ -39,6 +39,7 @@ from titan_cp.metrics import MetricsLogger, StepMetrics, recall_counts, recall_m
 from titan_cp.model import build_model
 from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda
 from titan_cp.parallel.ac import ac_mode_and_every
+from titan_cp.parallel.offload import offload_metrics
 from titan_cp.parallelize import ParallelizeOptions, build_parallel_model, cp_mesh
 from titan_cp.profiling import Profiler
 from titan_cp.step import Microbatch, forward_backward, shard_tokens
@@ -354,6 +355,7 @@ class Trainer:
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss is {loss} at step {step}")
                 record = self.step_metrics.record(step, loss, grad_norm, lr, step_data, dt, self.loader.source_tokens)
+                record.update(offload_metrics(self.parts))
             record["skipped_steps"] = self.state.skipped_steps
             if self.val_loader is not None and step % cfg.validation.freq == 0:
                 record.update(self.validate())

@@ -107,6 +107,8 @@ def apply_ac(
     for i, new in enumerate(wrapped):
         if new is not layers[i]:
             layers[i] = new
+    if store is not None:
+        model.activation_store = store  # the trainer's metrics read it (titan_cp.parallel.offload.offload_metrics)
     return store
 
 

@@ -158,4 +158,6 @@ def apply_ac(
     for (layer_id, block), new in zip(items, wrapped):
         if new is not block:
             model.layers.register_module(layer_id, new)
+    if store is not None:
+        model.activation_store = store  # the trainer's metrics read it (titan_cp.parallel.offload.offload_metrics)
     return store

@@ -202,3 +202,20 @@ class HostActivationStore:
         self._by_id = {k: v for k, v in self._by_id.items() if v[1] is not entry}
         self.host_bytes -= entry.host.numel() * entry.host.element_size()
         entry.prefetched = entry.live = entry.keep = None
+
+
+def offload_metrics(parts) -> dict:
+    """The host stores' figures since the last call, for a step's metrics record: ``host_activation_peak_bytes``
+    (checkpointed inputs in host memory, at most) and ``device_inputs_max`` (units' inputs alive outside
+    the store at once in the backward), summed over ``parts`` (modules with an ``activation_store``); {} when
+    nothing is offloaded. Resets the counts."""
+    stores = [s for s in (getattr(p, "activation_store", None) for p in parts) if s is not None]
+    if not stores:
+        return {}
+    record = {
+        "host_activation_peak_bytes": sum(s.peak_host_bytes for s in stores),
+        "device_inputs_max": sum(s.max_device_inputs for s in stores),
+    }
+    for s in stores:
+        s.reset_counts()
+    return record
