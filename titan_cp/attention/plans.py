@@ -175,6 +175,19 @@ class MaskPlan:
             calls.append(HostCall(causal, q_rows, k_rows, _offsets(lq), _offsets(lk)))
         return tuple(calls)
 
+    def key_row_count(self, batch: int) -> int:
+        """``len(key_rows(batch))`` from the tiles alone (a tile's queries see, together, all of its keys):
+        the planner's count at any length, no per-token tensor."""
+        return sum(self._batch_rows(g, batch) * _union_len([(t.k0, t.k1) for t in g.tiles]) for g in self.groups)
+
+    def query_row_count(self, batch: int) -> int:
+        """``len(query_rows(batch))`` from the tiles alone (see :meth:`key_row_count`)."""
+        return sum(self._batch_rows(g, batch) * _union_len([(t.q0, t.q1) for t in g.tiles]) for g in self.groups)
+
+    @staticmethod
+    def _batch_rows(group: RowTiles, batch: int) -> int:
+        return batch if group.rows is None else len(group.rows)
+
     def key_rows(self, batch: int) -> torch.Tensor:
         """Sorted rows of the key buffer that some query of the plan sees (host, int64)."""
         return self._memo(("keys", batch), lambda: _unique([c.k_rows for c in self.host_calls(batch)]))
@@ -218,6 +231,19 @@ class MaskPlan:
             )
             calls.append(VarlenCall(c.causal, seg, Rows.of(c.q_rows, device), Rows.of(k_rows, device)))
         return PlanIndex(tuple(calls))
+
+
+def _union_len(spans: list[tuple[int, int]]) -> int:
+    """Length of the union of the half-open intervals ``spans``."""
+    total, end = 0, None
+    for a, b in sorted(spans):
+        if b <= a:
+            continue
+        if end is None or a > end:
+            total, end = total + b - a, b
+        elif b > end:
+            total, end = total + b - end, b
+    return total
 
 
 def _unique(parts: list[torch.Tensor]) -> torch.Tensor:

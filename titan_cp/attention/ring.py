@@ -229,8 +229,8 @@ def exchanged_rows(
     sent = recv = 0
     for s in range(1, ring_size):
         src, dst = (ring_rank - s) % ring_size, (ring_rank + s) % ring_size
-        recv += len(make_plan(layout, mine, tuple(members(src)), mask).key_rows(batch))
-        sent += len(make_plan(layout, tuple(members(dst)), mine, mask).key_rows(batch))
+        recv += make_plan(layout, mine, tuple(members(src)), mask).key_row_count(batch)
+        sent += make_plan(layout, tuple(members(dst)), mine, mask).key_row_count(batch)
     return sent, recv
 
 

@@ -176,7 +176,7 @@ def attention_work(seq_len: int, cp: int, ring: int, ulysses: int, balance: str,
     plans = [ring_plans(layout, g, ring, members, CAUSAL) for g in range(ring)]
     rows = b * layout.local_len * ulysses
     pairs = [max(p[s].pairs(b) for p in plans) for s in range(ring)]
-    touched = [max(len(p[s].query_rows(b)) / rows for p in plans) for s in range(ring)]
+    touched = [max(p[s].query_row_count(b) / rows for p in plans) for s in range(ring)]
     return AttentionWork(tuple(pairs), total, min(eff_len, seq_len // ring), tuple(touched))
 
 

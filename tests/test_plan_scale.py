@@ -1,0 +1,70 @@
+"""The planner's compact layout arithmetic against the per-token definitions it replaces: a layout's
+runs computed from its ranks' spans and the documents (``SequenceLayout.runs``) equal the runs of
+the per-token positions (``layout._runs``), and a mask plan's key / query row counts from its tiles
+equal the lengths of its per-token row sets; for every balance, cp degree, document mix, chunked
+and windowed masks."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from titan_cp.attention.plans import Mask, make_plan
+from titan_cp.layout import BALANCES, SequenceLayout, _runs
+
+
+def _rows(rng: random.Random, seq: int, batch: int = 2) -> list[list[int]]:
+    rows = []
+    for _ in range(batch):
+        lens, left = [], seq
+        while left:
+            lens.append(rng.randint(1, min(left, 20)))
+            left -= lens[-1]
+        rows.append(lens)
+    return rows
+
+
+def _layouts():
+    rng = random.Random(0)
+    for balance in BALANCES:
+        for cp in (2, 3, 4):
+            seq = 48 if cp != 3 else 36
+            for doc_lens in (_rows(rng, seq), None):
+                try:
+                    yield SequenceLayout(seq, cp, balance, doc_lens)
+                except ValueError:
+                    continue
+
+
+def test_runs_from_spans_equal_the_per_token_runs():
+    checked = 0
+    for layout in _layouts():
+        cp, seq = layout.cp_size, layout.seq_len
+        for row in (0, 1):
+            key = layout._key(row)
+            lens = torch.tensor(layout._lens[key])
+            doc_of = torch.repeat_interleave(torch.arange(len(lens)), lens)
+            offset = torch.arange(seq) - (torch.cumsum(lens, 0) - lens)[doc_of]
+            for chunk in (None, 4, 7):
+                docs = doc_of if chunk is None else doc_of * (seq // chunk + 1) + offset // chunk
+                orders = [None, *((r,) for r in range(cp)), tuple(range(cp)), tuple(reversed(range(cp)))]
+                for ranks in orders:
+                    pos = torch.arange(seq) if ranks is None else torch.cat([layout._index(key)[r] for r in ranks])
+                    assert layout.runs(ranks, row, chunk) == _runs(pos, docs), (layout.balance, cp, ranks, chunk)
+                    checked += 1
+    assert checked > 200
+
+
+def test_row_counts_from_tiles_equal_the_row_sets():
+    checked = 0
+    for layout in _layouts():
+        cp = layout.cp_size
+        for mask in (Mask(), Mask(window=5), Mask(chunk=4)):
+            for i in range(cp):
+                for j in [*range(cp), None]:
+                    plan = make_plan(layout, (i,), None if j is None else (j,), mask)
+                    assert plan.key_row_count(2) == len(plan.key_rows(2))
+                    assert plan.query_row_count(2) == len(plan.query_rows(2))
+                    checked += 1
+    assert checked > 200
