@@ -36,7 +36,7 @@ from titan_cp.attention.strategy import AxisBytes, get_strategy
 from titan_cp.layout import get_layout
 from titan_cp.model.llama import ModelArgs
 from titan_cp.plan.devices import Device
-from titan_cp.plan.memory import RankModel, Stage, layer_params, stage_param_count
+from titan_cp.plan.memory import RankModel, Stage, layer_params, stage_param_count, unit_inputs
 from titan_cp.plan.problem import Candidate, Workload, pipeline
 
 FP32 = 4
@@ -408,11 +408,40 @@ def collective_transfers(s: Setting, dense: float, compute_step: float) -> dict[
     return out
 
 
+# host <-> GPU bytes/s per GPU and direction: PCIe Gen5 x16 (H100, H200 SXM), NVLink-C2C (GH200)
+HOST_LINK_BW = {"h100": 50e9, "h200": 50e9, "gh200": 400e9}
+DEFAULT_HOST_LINK_BW = 25e9  # PCIe Gen4 x16
+CPU_ADAM_PARAMS_PER_S = 1e9  # AdamW over fp32 shards on the host CPU, per rank (a measured order of magnitude)
+
+
+def host_transfers(s: Setting, compute: float) -> dict[str, Transfer]:
+    """The offloads' host copies and what they leave exposed: checkpointed inputs (to the host in the
+    forward, back in the backward, each hidden behind its pass: a quarter of a fully checkpointed
+    microbatch's compute is its forward) and FSDP's offload (fp32 shards in for every pass, gradients
+    out, hidden behind the step's compute; the optimizer step on the CPU, exposed whole)."""
+    out, host = {}, s.w.host
+    bw = HOST_LINK_BW.get(s.dev.name, DEFAULT_HOST_LINK_BW)
+    units = unit_inputs(s.m, s.m.checkpointed(s.stage.layers))[1]
+    if units:
+        nbytes = int(units * s.w.act_bytes * s.w.args.dim / s.c.tp * s.tokens)
+        copy = nbytes / bw
+        exposed = max(0.0, copy - compute / 4) + max(0.0, copy - 3 * compute / 4)
+        out["host_activations"] = Transfer(2 * nbytes, "host", exposed)
+    if host.fsdp_offload and s.c.fsdp > 1:
+        shard = stage_param_count(s.w.args, s.c.tp, s.stage) * FP32 // s.c.fsdp
+        nbytes = 3 * shard  # in for the forward and the backward, gradients out
+        step = compute * s.microbatches * s.w.accum
+        exposed = max(0.0, nbytes / bw - step) + shard / FP32 / CPU_ADAM_PARAMS_PER_S
+        out["host_fsdp"] = Transfer(nbytes, "host", exposed, False)
+    return out
+
+
 def step_cost(s: Setting) -> Cost:
     """The candidate's :class:`Cost`: one microbatch's compute and transfers, the pipeline's slots."""
     dense = dense_seconds(s)
     attention, transfers, ring = attention_cost(s)
     compute = Compute(dense, attention)
     transfers.update(collective_transfers(s, dense, compute.total * s.microbatches))
+    transfers.update(host_transfers(s, compute.total))
     bubble = pipeline(s.w.schedule, s.microbatches, s.c.pp).bubble
     return Cost(compute, transfers, ring, s.microbatches, bubble, s.w.accum)
