@@ -12,7 +12,8 @@
 
 With ``cpu_offload`` or ``blocks_per_checkpoint > 1`` the checkpoints are made by module hooks
 over units of blocks instead (``titan_cp.parallel.units``: k blocks per stored input, the inputs
-in host memory with ``titan_cp.parallel.offload``).
+in host memory with ``titan_cp.parallel.offload``); with ``cpu_offload`` the model's head (final
+norm and chunked loss, on the stage that holds them) is one more unit.
 
 ``ac_mode_and_every(mode, selective_ac_option)`` maps the ``[activation_checkpoint]`` keys
 to these arguments.
@@ -33,7 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from titan_cp.model.llama import Transformer
 from titan_cp.parallel.offload import HostActivationStore
-from titan_cp.parallel.units import apply_units
+from titan_cp.parallel.units import CheckpointUnit, apply_units
 
 
 def _save_ops() -> set:
@@ -160,4 +161,8 @@ def apply_ac(
             model.layers.register_module(layer_id, new)
     if store is not None:
         model.activation_store = store  # the trainer's metrics read it (titan_cp.parallel.offload.offload_metrics)
+        if model.norm is not None and model.output is not None:
+            # the head is one more unit: the final norm and the chunked loss keep their input on the host too
+            # and are recomputed in the backward (what they save is three hidden-state tensors per token)
+            CheckpointUnit([model.norm, model.output], noop_context_fn, store)
     return store

@@ -36,7 +36,7 @@ from titan_cp.attention.strategy import AxisBytes, get_strategy
 from titan_cp.layout import get_layout
 from titan_cp.model.llama import ModelArgs
 from titan_cp.plan.devices import Device
-from titan_cp.plan.memory import RankModel, Stage, layer_params, stage_param_count, unit_inputs
+from titan_cp.plan.memory import RankModel, Stage, head_offloaded, layer_params, stage_param_count, unit_inputs
 from titan_cp.plan.problem import Candidate, Workload, pipeline
 
 FP32 = 4
@@ -421,7 +421,7 @@ def host_transfers(s: Setting, compute: float) -> dict[str, Transfer]:
     out, hidden behind the step's compute; the optimizer step on the CPU, exposed whole)."""
     out, host = {}, s.w.host
     bw = HOST_LINK_BW.get(s.dev.name, DEFAULT_HOST_LINK_BW)
-    units = unit_inputs(s.m, s.m.checkpointed(s.stage.layers))[1]
+    units = unit_inputs(s.m, s.m.checkpointed(s.stage.layers))[1] + head_offloaded(s.m, s.stage)
     if units:
         nbytes = int(units * s.w.act_bytes * s.w.args.dim / s.c.tp * s.tokens)
         copy = nbytes / bw

@@ -176,8 +176,21 @@ def saved_per_token(m: RankModel, stage: Stage) -> float:
     per = INT64 * stage.first + rope_per_token(m.args)
     per += a * d / m.tp * unit_inputs(m, full)[0] + block_saved_per_token(m) * (stage.layers - full)
     if stage.last:
-        per += (2 * a * d + a) / m.tp + a * d + INT64 + FP32
+        per += INT64 if head_offloaded(m, stage) else head_saved_per_token(m)
     return per
+
+
+def head_saved_per_token(m: RankModel) -> float:
+    """The head's saved bytes per token: final norm (``a (2 D + 1) / tp``), the output's input (``a D``),
+    labels (8) and the loss's lse (4)."""
+    a, d = m.act_bytes, m.args.dim
+    return (2 * a * d + a) / m.tp + a * d + INT64 + FP32
+
+
+def head_offloaded(m: RankModel, stage: Stage) -> bool:
+    """With ``cpu_offload`` the head (final norm and loss) is a checkpoint unit whose input is on the host
+    (``titan_cp.parallel.ac``): recomputed at the start of the backward, before any block's."""
+    return stage.last and m.host.cpu_offload and m.checkpointed(stage.layers) > 0
 
 
 def saved_bytes_per_token(
@@ -300,7 +313,8 @@ def step_peak(
     moments = [StepPeak(saved, others + saved, first_grads, 0, recompute, all_grads)]
     if stage.last:
         loss = loss_bytes(m.args, m.tp, tokens)
-        moments.append(StepPeak(saved, others + saved, held, loss, 0, all_grads))
+        head = int((head_saved_per_token(m) - INT64) * tokens) if head_offloaded(m, stage) else 0
+        moments.append(StepPeak(saved, others + saved, held, loss, head, all_grads))
     if full:
         input_ = m.act_bytes * m.args.dim / m.tp
         blocks = input_ * unit_inputs(m, full)[0] + block_saved_per_token(m) * (stage.layers - full)
@@ -414,6 +428,7 @@ def host_bytes(m: RankModel, stage: Stage, tokens: int, in_flight: int, params: 
     ``in_flight`` microbatches; with FSDP's offload the fp32 shards, their gradients and AdamW's two
     moments (``16 x params / fsdp``)."""
     _, units = unit_inputs(m, m.checkpointed(stage.layers))
+    units += head_offloaded(m, stage)  # the head's input (a D / tp per token, as a block's)
     total = 0
     if units:
         total += int((m.act_bytes * m.args.dim / m.tp * units + rope_per_token(m.args)) * tokens * in_flight)
