@@ -68,3 +68,30 @@ def test_row_counts_from_tiles_equal_the_row_sets():
                     assert plan.query_row_count(2) == len(plan.query_rows(2))
                     checked += 1
     assert checked > 200
+
+
+# ---- the long-context options in the planner ---------------------------------------------------------
+
+
+def test_planner_turns_the_options_on_when_nothing_fits_and_finds_the_longest_row(capsys):
+    import json  # noqa: PLC0415
+
+    from titan_cp.config import load_config  # noqa: PLC0415
+    from titan_cp.plan.cli import main  # noqa: PLC0415
+    from titan_cp.plan.search import plan  # noqa: PLC0415
+
+    argv = ["--model.flavor", "8B", "--training.local_batch_size", "1", "--training.global_batch_size", "1"]
+    at_2m = plan(load_config([*argv, "--training.seq_len", str(2**21)]), 8, "h100")
+    best = at_2m.best.workload
+    assert at_2m.recommended and best.ac == "full" and best.host.cpu_offload
+    assert at_2m.best.host_bytes > 0 and "nothing fits as configured" in at_2m.reason
+    main(["--ngpu", "8", "--gpu", "h100", "--model.flavor", "8B", "--max-seq"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1
+    row = lines[0]
+    assert row["max_seq_len"] == row["seq_len"] >= 5_000_000 and row["fits"] and row["cpu_offload"]
+    assert row["memory_bytes_per_rank"] <= 0.9 * 80e9 and row["host_bytes_per_node"] <= 0.9 * 2000e9
+    # less host memory: a shorter longest row, host-bound
+    main(["--ngpu", "8", "--gpu", "h100", "--model.flavor", "8B", "--max-seq", "--host-gb", "500"])
+    short = json.loads(capsys.readouterr().out)
+    assert short["max_seq_len"] < row["max_seq_len"] and short["host_bytes_per_node"] <= 0.9 * 500e9
