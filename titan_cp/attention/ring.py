@@ -224,14 +224,20 @@ def kv_block_bytes(act_bytes: int, kv_heads: int, head_dim: int, tokens: int) ->
 def exchanged_rows(
     layout: SequenceLayout, ring_rank: int, ring_size: int, members, mask: Mask, batch: int
 ) -> tuple[int, int]:
-    """``(rows sent, rows received)`` of K/V by ring rank ``ring_rank`` over one pass of the ring (host only)."""
-    mine = tuple(members(ring_rank))
-    sent = recv = 0
-    for s in range(1, ring_size):
-        src, dst = (ring_rank - s) % ring_size, (ring_rank + s) % ring_size
-        recv += make_plan(layout, mine, tuple(members(src)), mask).key_row_count(batch)
-        sent += make_plan(layout, tuple(members(dst)), mine, mask).key_row_count(batch)
-    return sent, recv
+    """``(rows sent, rows received)`` of K/V by ring rank ``ring_rank`` over one pass of the ring (host only;
+    cached on the layout: the planner asks it for every candidate mesh and strategy sharing the layout)."""
+    groups = tuple(tuple(members(g)) for g in range(ring_size))
+
+    def build() -> tuple[int, int]:
+        mine = groups[ring_rank]
+        sent = recv = 0
+        for s in range(1, ring_size):
+            src, dst = (ring_rank - s) % ring_size, (ring_rank + s) % ring_size
+            recv += make_plan(layout, mine, groups[src], mask).key_row_count(batch)
+            sent += make_plan(layout, groups[dst], mine, mask).key_row_count(batch)
+        return sent, recv
+
+    return layout.memo(("exchanged_rows", ring_rank, groups, mask, batch), build)
 
 
 def ring_bytes(k, sent: int, recv: int, backward: bool, resend: bool = True) -> int:

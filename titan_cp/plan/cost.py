@@ -285,11 +285,14 @@ class Setting:
 
 def dense_seconds(s: Setting) -> float:
     """The stage's matmuls on one microbatch: ``2 x params`` FLOPs per token forward, twice that backward,
-    the forward again for checkpointed blocks (the embedding is a lookup, not a matmul)."""
+    the forward again for checkpointed blocks (the embedding is a lookup, not a matmul), and with tiles the
+    feed-forward's once more."""
     args, tp = s.w.args, s.c.tp
     layer = layer_params(args, tp)
     matmul_params = s.stage.layers * layer + (args.vocab_size * args.dim // tp) * s.stage.last
     flops = 2 * s.tokens * (3 * matmul_params + s.m.checkpointed(s.stage.layers) * layer)
+    if s.w.host.tile_tokens:  # each tile's feed-forward runs once more, in its own backward
+        flops += 2 * s.tokens * s.stage.layers * 3 * args.dim * args.ffn_hidden_dim // tp
     return flops / (s.dev.matmul_flops * s.stack.matmul_speedup)
 
 
