@@ -95,3 +95,19 @@ def test_planner_turns_the_options_on_when_nothing_fits_and_finds_the_longest_ro
     main(["--ngpu", "8", "--gpu", "h100", "--model.flavor", "8B", "--max-seq", "--host-gb", "500"])
     short = json.loads(capsys.readouterr().out)
     assert short["max_seq_len"] < row["max_seq_len"] and short["host_bytes_per_node"] <= 0.9 * 500e9
+
+
+def test_causal_counts_in_closed_form_equal_the_plans():
+    from titan_cp.attention.plans import CAUSAL, causal_counts  # noqa: PLC0415
+
+    checked = 0
+    for layout in _layouts():
+        cp = layout.cp_size
+        groups = [None, *((r,) for r in range(cp)), tuple(range(cp))]
+        for q in groups:
+            for k in groups:
+                plan = make_plan(layout, q, k, CAUSAL)
+                want = (plan.pairs(2), plan.query_row_count(2), plan.key_row_count(2))
+                assert causal_counts(layout, q, k, 2) == want, (layout.balance, cp, q, k)
+                checked += 1
+    assert checked > 200

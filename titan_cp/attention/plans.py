@@ -286,3 +286,51 @@ def head_major(x: torch.Tensor, batch: int) -> torch.Tensor:
     """Inverse of :func:`token_major`: ``(B*S, H, E)`` -> ``(B, H, S, E)`` view."""
     n, h, e = x.shape
     return x.view(batch, n // batch, h, e).transpose(1, 2)
+
+
+def _causal_prefix(x: int, n: int) -> int:
+    """``sum(min(a, n) for a in range(1, x + 1))`` (0 for ``x <= 0``)."""
+    if x <= 0:
+        return 0
+    if x <= n:
+        return x * (x + 1) // 2
+    return n * (n + 1) // 2 + (x - n) * n
+
+
+def _run_counts(q_runs, k_runs) -> tuple[int, int, int]:
+    """Visible pairs, query rows that see a key and key rows seen, for plain causal masks within documents."""
+    by_doc: dict[int, list] = {}
+    for kr in k_runs:
+        by_doc.setdefault(kr.doc, []).append(kr)
+    first_key = {d: min(r.start for r in runs) for d, runs in by_doc.items()}
+    last_query: dict[int, int] = {}
+    pairs = queries = keys = 0
+    for qr in q_runs:
+        qs, qe = qr.start, qr.start + qr.length
+        last_query[qr.doc] = max(last_query.get(qr.doc, -1), qe - 1)
+        if qr.doc in first_key:
+            queries += max(0, qe - max(qs, first_key[qr.doc]))
+        for kr in by_doc.get(qr.doc, ()):  # key k is seen by query q when k <= q
+            pairs += _causal_prefix(qe - kr.start, kr.length) - _causal_prefix(qs - kr.start, kr.length)
+    for kr in k_runs:
+        if kr.doc in last_query:
+            keys += max(0, min(kr.start + kr.length, last_query[kr.doc] + 1) - kr.start)
+    return pairs, queries, keys
+
+
+def causal_counts(layout: SequenceLayout, q_ranks, k_ranks, batch: int) -> tuple[int, int, int]:
+    """``(pairs, query_row_count, key_row_count)`` of ``make_plan(layout, q_ranks, k_ranks, CAUSAL)`` for
+    ``batch`` rows, from the layout's runs in closed form (no tiles: the planner's counts over every pair of
+    hundreds of ranks)."""
+    q_ranks = None if q_ranks is None else tuple(q_ranks)
+    k_ranks = None if k_ranks is None else tuple(k_ranks)
+
+    def build() -> tuple[int, int, int]:
+        total = (0, 0, 0)
+        for rows in layout.row_groups():
+            n, row = (len(rows), rows[0]) if rows else (batch, None)
+            counts = _run_counts(layout.runs(q_ranks, row), layout.runs(k_ranks, row))
+            total = tuple(t + n * c for t, c in zip(total, counts))
+        return total
+
+    return layout.memo(("causal_counts", q_ranks, k_ranks, batch), build)

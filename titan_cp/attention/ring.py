@@ -44,7 +44,17 @@ from titan_cp.attention.fold import (
 )
 from titan_cp.attention.fused import add_rows
 from titan_cp.attention.merge import sinks_grad
-from titan_cp.attention.plans import CAUSAL, Mask, MaskPlan, PlanIndex, Rows, head_major, make_plan, token_major
+from titan_cp.attention.plans import (
+    CAUSAL,
+    Mask,
+    MaskPlan,
+    PlanIndex,
+    Rows,
+    causal_counts,
+    head_major,
+    make_plan,
+    token_major,
+)
 from titan_cp.attention.strategy import Strategy, register_strategy
 from titan_cp.layout import SequenceLayout, to_device
 
@@ -233,11 +243,18 @@ def exchanged_rows(
         sent = recv = 0
         for s in range(1, ring_size):
             src, dst = (ring_rank - s) % ring_size, (ring_rank + s) % ring_size
-            recv += make_plan(layout, mine, groups[src], mask).key_row_count(batch)
-            sent += make_plan(layout, groups[dst], mine, mask).key_row_count(batch)
+            recv += _key_rows_seen(layout, mine, groups[src], mask, batch)
+            sent += _key_rows_seen(layout, groups[dst], mine, mask, batch)
         return sent, recv
 
     return layout.memo(("exchanged_rows", ring_rank, groups, mask, batch), build)
+
+
+def _key_rows_seen(layout: SequenceLayout, q_ranks, k_ranks, mask: Mask, batch: int) -> int:
+    """Rows of ``k_ranks``' keys that ``q_ranks``' queries see (plain causal masks in closed form)."""
+    if mask == CAUSAL:
+        return causal_counts(layout, q_ranks, k_ranks, batch)[2]
+    return make_plan(layout, q_ranks, k_ranks, mask).key_row_count(batch)
 
 
 def ring_bytes(k, sent: int, recv: int, backward: bool, resend: bool = True) -> int:

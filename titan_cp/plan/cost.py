@@ -30,8 +30,7 @@ from functools import lru_cache
 
 import torch
 
-from titan_cp.attention.plans import CAUSAL, make_plan
-from titan_cp.attention.ring import ring_plans
+from titan_cp.attention.plans import causal_counts
 from titan_cp.attention.strategy import AxisBytes, get_strategy
 from titan_cp.layout import get_layout
 from titan_cp.model.llama import ModelArgs
@@ -167,16 +166,17 @@ def attention_work(seq_len: int, cp: int, ring: int, ulysses: int, balance: str,
     K/V: each rank attends its own queries to the whole row, in one step."""
     layout = get_layout(seq_len, cp, balance, [list(r) for r in rows])
     b = len(rows)
-    total = make_plan(layout, None, None, True).pairs(b)
+    total = causal_counts(layout, None, None, b)[0]
     eff_len = 2 * total / (seq_len * b)  # a causal document of L tokens has L^2 / 2 pairs: L
     if ring * ulysses != cp:
-        steps = (max(make_plan(layout, (r,), None, True).pairs(b) for r in range(cp)),)
+        steps = (max(causal_counts(layout, (r,), None, b)[0] for r in range(cp)),)
         return AttentionWork(steps, total, min(eff_len, seq_len), (1.0,))
-    members = lambda g: tuple(range(g * ulysses, (g + 1) * ulysses))  # noqa: E731
-    plans = [ring_plans(layout, g, ring, members, CAUSAL) for g in range(ring)]
+    groups = [tuple(range(g * ulysses, (g + 1) * ulysses)) for g in range(ring)]
     rows = b * layout.local_len * ulysses
-    pairs = [max(p[s].pairs(b) for p in plans) for s in range(ring)]
-    touched = [max(p[s].query_row_count(b) / rows for p in plans) for s in range(ring)]
+    # step s: group g's queries on the keys of group g - s (the ring's order, titan_cp.attention.ring.ring_plans)
+    counts = [[causal_counts(layout, groups[g], groups[(g - s) % ring], b) for g in range(ring)] for s in range(ring)]
+    pairs = [max(c[0] for c in step) for step in counts]
+    touched = [max(c[1] for c in step) / rows for step in counts]
     return AttentionWork(tuple(pairs), total, min(eff_len, seq_len // ring), tuple(touched))
 
 
