@@ -44,8 +44,7 @@ def _single(n_layers: int, tile: int = 0, **ac):
     return loss.detach(), {_clean(n): p.grad for n, p in model.named_parameters()}, store
 
 
-@pytest.mark.parametrize("n_layers", [2, 6])
-@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("n_layers,prefetch", [(2, 1), (6, 1), (6, 2)])
 def test_offloaded_inputs_are_bounded_on_the_device_and_exact(n_layers, prefetch):
     """During the backward at most ``prefetch + 1`` units' inputs are alive outside the host store,
     whatever the depth; one host copy per unit (plus the RoPE tables, stored once); all freed after."""
