@@ -603,7 +603,17 @@ def test_trainer_trains_a_hugging_face_folder_on_any_mesh_and_exports_it(dist_po
     assert 0 < one[1]["val_loss"] < 2 * one[0]["loss"]  # validation (chunked, argmax predictions) ran
     resumed = tmp_path / "run"
     dist_pools.run(2, _train_until, _trainer_argv(folder, resumed, 2, 1, 4), 2, timeout=600)
-    tail = _losses(run(4, resumed, 2, 2, 4))  # resumes at step 2 on FSDP 2 x CP 2
+    # resumes at step 2 on FSDP 2 x CP 2, with the long-context options on (the straight run had none)
+    long_context = [
+        "--activation_checkpoint.mode", "full",
+        "--activation_checkpoint.cpu_offload", "true",
+        "--activation_checkpoint.blocks_per_checkpoint", "2",
+        "--activation_checkpoint.tile_tokens", "16",
+        "--training.enable_cpu_offload", "true",
+    ]  # fmt: skip
+    records = run(4, resumed, 2, 2, 4, *long_context)
+    assert all(r["host_activation_peak_bytes"] > 0 for r in records)  # the decoder layers' inputs went to the host
+    tail = _losses(records)
     assert tail == pytest.approx(straight[2:], rel=1e-4)
     exported = tmp_path / "straight" / "checkpoint" / "step-4-hf"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(exported), attn_implementation="eager").eval()

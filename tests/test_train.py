@@ -81,27 +81,40 @@ def _losses(dist_pools, world, folder, mesh, stop_after_save=None, extra=()):
     return dist_pools.run(world, _train, argv, timeout=600)[0]
 
 
+# the long-context memory options (activations and FSDP shards on the host, 2-block units, tiles):
+# the run that saves and the one that resumes use them, the straight run does not
+LONG_CONTEXT = [
+    "--activation_checkpoint.mode", "full",
+    "--activation_checkpoint.cpu_offload", "true",
+    "--activation_checkpoint.blocks_per_checkpoint", "2",
+    "--activation_checkpoint.tile_tokens", "48",
+    "--training.enable_cpu_offload", "true",
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "first,second",
+    "first,second,options",
     [
-        ((4, dict(cp=4)), (4, dict(dp=2, cp=2))),
-        ((2, dict(cp=2)), (4, dict(tp=2, cp=2))),
-        ((2, dict(cp=2, strategy="allgather")), (4, dict(pp=2, cp=2, strategy="allgather"))),
+        ((4, dict(cp=4)), (4, dict(dp=2, cp=2)), LONG_CONTEXT),
+        ((2, dict(cp=2)), (4, dict(tp=2, cp=2)), []),
+        ((2, dict(cp=2, strategy="allgather")), (4, dict(pp=2, cp=2, strategy="allgather")), []),
     ],
-    ids=["cp4_to_dp2cp2", "cp2_to_tp2cp2", "cp2_to_pp2cp2"],
+    ids=["cp4_to_dp2cp2_long_context", "cp2_to_tp2cp2", "cp2_to_pp2cp2"],
 )
-def test_resume_on_another_mesh_continues_the_same_training(dist_pools, tmp_path, first, second):
+def test_resume_on_another_mesh_continues_the_same_training(dist_pools, tmp_path, first, second, options):
     straight = _losses(dist_pools, first[0], tmp_path / "straight", first[1], extra=["--checkpoint.enable", "false"])
     run = tmp_path / "run"
-    head = _losses(dist_pools, first[0], run, first[1], stop_after_save=4)
+    head = _losses(dist_pools, first[0], run, first[1], stop_after_save=4, extra=options)
     assert saved_steps(run / "checkpoint") == [4]
-    tail = _losses(dist_pools, second[0], run, second[1])  # resumes from step 4, trains 5..8
+    tail = _losses(dist_pools, second[0], run, second[1], extra=options)  # resumes from step 4, trains 5..8
     assert len(tail) == 4
     assert head == pytest.approx(straight[:4], rel=1e-6)
     assert tail == pytest.approx(straight[4:], rel=1e-4)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert all(r["global_valid_tokens"] > 0 and r["tokens_per_second"] > 0 for r in rows)
+    if options:  # the options were applied: the inputs of the tiny model's 2-block unit and its head went to the host
+        assert all(r["host_activation_peak_bytes"] > 0 and r["device_inputs_max"] == 2 for r in rows), rows
 
 
 def _train_crashing_at_save(rank, world, argv, crash_step):

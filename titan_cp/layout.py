@@ -37,6 +37,7 @@ dense ``S x S`` matrix.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -153,30 +154,56 @@ def spans(starts, lengths) -> torch.Tensor:
     return torch.arange(int(n.sum())) + torch.repeat_interleave(s - (torch.cumsum(n, 0) - n), n)
 
 
-def _row_index(seq_len: int, cp_size: int, balance: str, doc_lens: Sequence[int] | None) -> list[torch.Tensor]:
-    """Global positions held by each rank, in local (layout) order, for one row: one int64 tensor per rank."""
+def _row_spans(seq_len: int, cp_size: int, balance: str, doc_lens: Sequence[int] | None) -> list[list[tuple[int, int]]]:
+    """The ``(start, length)`` spans of global positions each rank holds, in local (layout) order, for one row."""
     n = cp_size
     if balance == "contiguous":
         s = seq_len // n
-        return [torch.arange(r * s, (r + 1) * s) for r in range(n)]
+        return [[(r * s, s)] for r in range(n)]
     if balance == "zigzag":
         c = seq_len // (2 * n)
-        return [spans([r * c, (2 * n - 1 - r) * c], [c, c]) for r in range(n)]
+        return [[(r * c, c), ((2 * n - 1 - r) * c, c)] for r in range(n)]
     if balance == "doc_local":
-        held = doc_local_pieces(doc_lens if doc_lens is not None else (seq_len,), n)
-        return [spans([a for a, _ in p], [b for _, b in p]) for p in held]
+        return [list(p) for p in doc_local_pieces(doc_lens if doc_lens is not None else (seq_len,), n)]
     pieces = _pieces(doc_lens if doc_lens is not None else (seq_len,), n)
-    index = []
-    for r in range(n):
-        head, tail = pieces[r], pieces[2 * n - 1 - r]
-        # document-major order: each document's head piece, then its tail piece
-        merged = sorted(head + tail) if r != 2 * n - 1 - r else head
-        index.append(spans([a for a, _ in merged], [b for _, b in merged]))
-    return index
+    # document-major order: each document's head piece, then its tail piece
+    return [sorted(pieces[r] + pieces[2 * n - 1 - r]) for r in range(n)]
+
+
+def _span_runs(pieces: Sequence[tuple[int, int]], doc_starts: Sequence[int], seq_len: int, chunk: int | None) -> Runs:
+    """:func:`_runs` of the buffer that holds the positions of ``pieces`` in order, from the pieces and the
+    documents' starts alone (no per-token tensor: the planner's layouts at millions of tokens)."""
+    bounds = list(doc_starts) + [seq_len]
+    out: list[Run] = []
+    local = 0
+    for a, n in pieces:
+        p, end = a, a + n
+        while p < end:
+            d = bisect.bisect_right(doc_starts, p) - 1
+            stop = min(end, bounds[d + 1])
+            doc = d
+            if chunk is not None:
+                piece = (p - bounds[d]) // chunk
+                stop = min(stop, bounds[d] + (piece + 1) * chunk)
+                doc = d * (seq_len // chunk + 1) + piece
+            prev = out[-1] if out else None
+            if (
+                prev is not None
+                and prev.doc == doc
+                and prev.start + prev.length == p
+                and prev.local + prev.length == local
+            ):
+                out[-1] = Run(prev.local, prev.start, prev.length + stop - p, doc)
+            else:
+                out.append(Run(local, p, stop - p, doc))
+            local += stop - p
+            p = stop
+    return tuple(out)
 
 
 def _runs(positions: torch.Tensor, doc_of: torch.Tensor) -> Runs:
-    """Maximal stretches of consecutive positions inside one document (vectorised)."""
+    """Maximal stretches of consecutive positions inside one document, per token (vectorised): the
+    definition :func:`_span_runs` computes from spans (``tests/test_layout.py`` checks them equal)."""
     doc = doc_of[positions]
     cut = torch.ones(positions.numel(), dtype=torch.bool)
     cut[1:] = (positions[1:] != positions[:-1] + 1) | (doc[1:] != doc[:-1])
@@ -230,16 +257,13 @@ class SequenceLayout:
         rows = self.doc_lens if self.doc_lens is not None else (None,)
         # rows with the same documents share everything; keep one entry per distinct row
         self._row_keys = [rows.index(row) for row in rows]
-        self._index: dict[int, list[torch.Tensor]] = {}
-        self._doc_of: dict[int, torch.Tensor] = {}
-        self._doc_start: dict[int, torch.Tensor] = {}
+        # per row structure: the ranks' spans and the documents (compact); per-token tensors built when asked
+        self._spans: dict[int, list[list[tuple[int, int]]]] = {}
+        self._lens: dict[int, tuple[int, ...]] = {}
         for key in set(self._row_keys):
             row = rows[key]
-            self._index[key] = _row_index(seq_len, cp_size, balance, row)
-            lens = row if row is not None else (seq_len,)
-            lens_t = torch.tensor(lens, dtype=torch.int64)
-            self._doc_of[key] = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
-            self._doc_start[key] = torch.cumsum(lens_t, 0) - lens_t
+            self._spans[key] = _row_spans(seq_len, cp_size, balance, row)
+            self._lens[key] = tuple(row) if row is not None else (seq_len,)
         self._tensor_cache: dict[tuple, torch.Tensor] = {}
         self._runs_cache: dict[tuple, Runs] = {}
         self._memo: dict[tuple, object] = {}
@@ -288,20 +312,30 @@ class SequenceLayout:
         cache_key = (None if ranks is None else tuple(ranks), self._key(row), chunk)
         if cache_key not in self._runs_cache:
             ranks, key, chunk = cache_key
-            if ranks is None:
-                positions = torch.arange(self.seq_len)
-            else:
-                positions = torch.cat([self._index[key][r] for r in ranks])
-            self._runs_cache[cache_key] = _runs(positions, self._mask_docs(key, chunk))
+            pieces = [(0, self.seq_len)] if ranks is None else [p for r in ranks for p in self._spans[key][r]]
+            self._runs_cache[cache_key] = _span_runs(pieces, self._doc_starts(key), self.seq_len, chunk)
         return self._runs_cache[cache_key]
 
-    def _mask_docs(self, key: int, chunk: int | None) -> torch.Tensor:
-        """The mask's document id of every position: the document, or its ``chunk``-sized piece."""
-        doc_of = self._doc_of[key]
-        if chunk is None:
-            return doc_of
-        offset = torch.arange(self.seq_len) - self._doc_start[key][doc_of]
-        return doc_of * (self.seq_len // chunk + 1) + offset // chunk
+    def _doc_starts(self, key: int) -> list[int]:
+        starts, at = [], 0
+        for n in self._lens[key]:
+            starts.append(at)
+            at += n
+        return starts
+
+    def _index(self, key: int) -> list[torch.Tensor]:
+        """Global positions held by each rank (per-token tensors, built on first use)."""
+        return self.memo(
+            ("index", key), lambda: [spans([a for a, _ in p], [b for _, b in p]) for p in self._spans[key]]
+        )
+
+    def _doc_of(self, key: int) -> torch.Tensor:
+        """The document of every position of the row (built on first use)."""
+        lens = torch.tensor(self._lens[key], dtype=torch.int64)
+        return self.memo(("doc_of", key), lambda: torch.repeat_interleave(torch.arange(len(lens)), lens))
+
+    def _doc_start(self, key: int) -> torch.Tensor:
+        return torch.tensor(self._doc_starts(key), dtype=torch.int64)
 
     # ------------------------------------------------------------------ tensors
     def index(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -331,13 +365,13 @@ class SequenceLayout:
             keys = self._row_keys if self.doc_lens is not None else [0]
             rows = []
             for key in keys:
-                idx = self._index[key][rank]
+                idx = self._index(key)[rank]
                 if kind in ("index", "positions"):
                     rows.append(idx)
                 elif kind == "doc_ids":
-                    rows.append(self._doc_of[key][idx])
+                    rows.append(self._doc_of(key)[idx])
                 else:
-                    rows.append(idx - self._doc_start[key][self._doc_of[key][idx]])
+                    rows.append(idx - self._doc_start(key)[self._doc_of(key)[idx]])
             t = torch.stack(rows).to(device)
             if kind == "index" and self.row_independent:
                 t = t[0]

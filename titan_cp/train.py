@@ -40,6 +40,7 @@ from titan_cp.metrics import MetricsLogger, StepMetrics, recall_counts, recall_m
 from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda, restore_hyperparameters
 from titan_cp.parallel.ac import ac_mode_and_every
 from titan_cp.parallel.build import ParallelizeOptions, cp_mesh
+from titan_cp.parallel.offload import offload_metrics
 from titan_cp.preflight import check_files
 from titan_cp.profiling import Profiler
 from titan_cp.step import Microbatch, forward_backward
@@ -212,6 +213,10 @@ class Trainer:
             cp_strategy=p.context_parallel_strategy,
             cp_balance=p.context_parallel_load_balancer,
             **dict(zip(("ac_mode", "ac_every"), ac_mode_and_every(ac.mode, ac.selective_ac_option))),
+            ac_cpu_offload=ac.cpu_offload,
+            ac_blocks_per_checkpoint=ac.blocks_per_checkpoint,
+            tile_tokens=ac.tile_tokens,
+            fsdp_cpu_offload=cfg.training.enable_cpu_offload,
             compile=cfg.compile.enable and "model" in cfg.compile.components,
             compile_backend=cfg.compile.backend,
             reshard_after_forward=p.fsdp_reshard_after_forward != "never",
@@ -371,6 +376,7 @@ class Trainer:
                 record = self.step_metrics.record(
                     step, loss, grad_norm, lr, step_data, dt, self.loader.source_tokens, self.layouts
                 )
+                record.update(offload_metrics(self.parts))
             record["skipped_steps"] = self.state.skipped_steps
             if self.val_loader is not None and step % cfg.validation.freq == 0:
                 record.update(self.validate())

@@ -175,6 +175,19 @@ class MaskPlan:
             calls.append(HostCall(causal, q_rows, k_rows, _offsets(lq), _offsets(lk)))
         return tuple(calls)
 
+    def key_row_count(self, batch: int) -> int:
+        """``len(key_rows(batch))`` from the tiles alone (a tile's queries see, together, all of its keys):
+        the planner's count at any length, no per-token tensor."""
+        return sum(self._batch_rows(g, batch) * _union_len([(t.k0, t.k1) for t in g.tiles]) for g in self.groups)
+
+    def query_row_count(self, batch: int) -> int:
+        """``len(query_rows(batch))`` from the tiles alone (see :meth:`key_row_count`)."""
+        return sum(self._batch_rows(g, batch) * _union_len([(t.q0, t.q1) for t in g.tiles]) for g in self.groups)
+
+    @staticmethod
+    def _batch_rows(group: RowTiles, batch: int) -> int:
+        return batch if group.rows is None else len(group.rows)
+
     def key_rows(self, batch: int) -> torch.Tensor:
         """Sorted rows of the key buffer that some query of the plan sees (host, int64)."""
         return self._memo(("keys", batch), lambda: _unique([c.k_rows for c in self.host_calls(batch)]))
@@ -220,6 +233,19 @@ class MaskPlan:
         return PlanIndex(tuple(calls))
 
 
+def _union_len(spans: list[tuple[int, int]]) -> int:
+    """Length of the union of the half-open intervals ``spans``."""
+    total, end = 0, None
+    for a, b in sorted(spans):
+        if b <= a:
+            continue
+        if end is None or a > end:
+            total, end = total + b - a, b
+        elif b > end:
+            total, end = total + b - end, b
+    return total
+
+
 def _unique(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)
 
@@ -260,3 +286,51 @@ def head_major(x: torch.Tensor, batch: int) -> torch.Tensor:
     """Inverse of :func:`token_major`: ``(B*S, H, E)`` -> ``(B, H, S, E)`` view."""
     n, h, e = x.shape
     return x.view(batch, n // batch, h, e).transpose(1, 2)
+
+
+def _causal_prefix(x: int, n: int) -> int:
+    """``sum(min(a, n) for a in range(1, x + 1))`` (0 for ``x <= 0``)."""
+    if x <= 0:
+        return 0
+    if x <= n:
+        return x * (x + 1) // 2
+    return n * (n + 1) // 2 + (x - n) * n
+
+
+def _run_counts(q_runs, k_runs) -> tuple[int, int, int]:
+    """Visible pairs, query rows that see a key and key rows seen, for plain causal masks within documents."""
+    by_doc: dict[int, list] = {}
+    for kr in k_runs:
+        by_doc.setdefault(kr.doc, []).append(kr)
+    first_key = {d: min(r.start for r in runs) for d, runs in by_doc.items()}
+    last_query: dict[int, int] = {}
+    pairs = queries = keys = 0
+    for qr in q_runs:
+        qs, qe = qr.start, qr.start + qr.length
+        last_query[qr.doc] = max(last_query.get(qr.doc, -1), qe - 1)
+        if qr.doc in first_key:
+            queries += max(0, qe - max(qs, first_key[qr.doc]))
+        for kr in by_doc.get(qr.doc, ()):  # key k is seen by query q when k <= q
+            pairs += _causal_prefix(qe - kr.start, kr.length) - _causal_prefix(qs - kr.start, kr.length)
+    for kr in k_runs:
+        if kr.doc in last_query:
+            keys += max(0, min(kr.start + kr.length, last_query[kr.doc] + 1) - kr.start)
+    return pairs, queries, keys
+
+
+def causal_counts(layout: SequenceLayout, q_ranks, k_ranks, batch: int) -> tuple[int, int, int]:
+    """``(pairs, query_row_count, key_row_count)`` of ``make_plan(layout, q_ranks, k_ranks, CAUSAL)`` for
+    ``batch`` rows, from the layout's runs in closed form (no tiles: the planner's counts over every pair of
+    hundreds of ranks)."""
+    q_ranks = None if q_ranks is None else tuple(q_ranks)
+    k_ranks = None if k_ranks is None else tuple(k_ranks)
+
+    def build() -> tuple[int, int, int]:
+        total = (0, 0, 0)
+        for rows in layout.row_groups():
+            n, row = (len(rows), rows[0]) if rows else (batch, None)
+            counts = _run_counts(layout.runs(q_ranks, row), layout.runs(k_ranks, row))
+            total = tuple(t + n * c for t, c in zip(total, counts))
+        return total
+
+    return layout.memo(("causal_counts", q_ranks, k_ranks, batch), build)

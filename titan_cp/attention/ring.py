@@ -43,7 +43,17 @@ from titan_cp.attention.fold import (
     make_key_folds,
 )
 from titan_cp.attention.fused import add_rows
-from titan_cp.attention.mask_plans import CAUSAL, Mask, MaskPlan, PlanIndex, Rows, head_major, make_plan, token_major
+from titan_cp.attention.mask_plans import (
+    CAUSAL,
+    Mask,
+    MaskPlan,
+    PlanIndex,
+    Rows,
+    causal_counts,
+    head_major,
+    make_plan,
+    token_major,
+)
 from titan_cp.attention.merge import sinks_grad
 from titan_cp.attention.strategy import Strategy, register_strategy
 from titan_cp.layout import SequenceLayout, to_device
@@ -224,14 +234,27 @@ def kv_block_bytes(act_bytes: int, kv_heads: int, head_dim: int, tokens: int) ->
 def exchanged_rows(
     layout: SequenceLayout, ring_rank: int, ring_size: int, members, mask: Mask, batch: int
 ) -> tuple[int, int]:
-    """``(rows sent, rows received)`` of K/V by ring rank ``ring_rank`` over one pass of the ring (host only)."""
-    mine = tuple(members(ring_rank))
-    sent = recv = 0
-    for s in range(1, ring_size):
-        src, dst = (ring_rank - s) % ring_size, (ring_rank + s) % ring_size
-        recv += len(make_plan(layout, mine, tuple(members(src)), mask).key_rows(batch))
-        sent += len(make_plan(layout, tuple(members(dst)), mine, mask).key_rows(batch))
-    return sent, recv
+    """``(rows sent, rows received)`` of K/V by ring rank ``ring_rank`` over one pass of the ring (host only;
+    cached on the layout: the planner asks it for every candidate mesh and strategy sharing the layout)."""
+    groups = tuple(tuple(members(g)) for g in range(ring_size))
+
+    def build() -> tuple[int, int]:
+        mine = groups[ring_rank]
+        sent = recv = 0
+        for s in range(1, ring_size):
+            src, dst = (ring_rank - s) % ring_size, (ring_rank + s) % ring_size
+            recv += _key_rows_seen(layout, mine, groups[src], mask, batch)
+            sent += _key_rows_seen(layout, groups[dst], mine, mask, batch)
+        return sent, recv
+
+    return layout.memo(("exchanged_rows", ring_rank, groups, mask, batch), build)
+
+
+def _key_rows_seen(layout: SequenceLayout, q_ranks, k_ranks, mask: Mask, batch: int) -> int:
+    """Rows of ``k_ranks``' keys that ``q_ranks``' queries see (plain causal masks in closed form)."""
+    if mask == CAUSAL:
+        return causal_counts(layout, q_ranks, k_ranks, batch)[2]
+    return make_plan(layout, q_ranks, k_ranks, mask).key_row_count(batch)
 
 
 def ring_bytes(k, sent: int, recv: int, backward: bool, resend: bool = True) -> int:

@@ -169,6 +169,7 @@ class JobConfig:
                 f"parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size})"
             )
         _check_seq_len("training.seq_len", t.seq_len, p)
+        _check_long_context_keys(self)
         if v.seq_len != -1:
             _check_seq_len("validation.seq_len", v.seq_len, p)
         if v.enable:
@@ -197,6 +198,29 @@ def section_types() -> dict[str, type[Section]]:
 def known_keys() -> dict[str, Any]:
     """Every titan_cp dotted key -> its field's annotation (bounds included)."""
     return {f"{name}.{field}": hint for name, cls in section_types().items() for field, hint in cls.hints().items()}
+
+
+def _check_long_context_keys(cfg: JobConfig) -> None:
+    """The block-level memory options are hooks and per-instance forwards that ``torch.compile``'d blocks
+    would trace; FSDP's CPU offload needs FSDP."""
+    ac, t, p = cfg.activation_checkpoint, cfg.training, cfg.parallelism
+    used = [
+        key
+        for key, on in (
+            ("activation_checkpoint.cpu_offload", ac.cpu_offload),
+            ("activation_checkpoint.blocks_per_checkpoint", ac.blocks_per_checkpoint > 1),
+            ("activation_checkpoint.tile_tokens", ac.tile_tokens > 0),
+        )
+        if on
+    ]
+    if used and cfg.compile.enable and "model" in cfg.compile.components:
+        raise ValueError(f"{', '.join(used)} cannot be combined with compile.enable (compiled blocks): turn one off")
+    fsdp = p.data_parallel_shard_degree * p.context_parallel_degree * p.data_parallel_replicate_degree
+    if t.enable_cpu_offload and fsdp == 1:
+        raise ValueError(
+            "training.enable_cpu_offload = true offloads FSDP's shards: it needs FSDP (parallelism."
+            "data_parallel_shard_degree x context_parallel_degree, or data_parallel_replicate_degree, larger than 1)"
+        )
 
 
 def _check_seq_len(key: str, seq_len: int, p: Parallelism) -> None:

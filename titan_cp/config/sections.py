@@ -212,11 +212,38 @@ class ActivationCheckpoint(Section, name="activation_checkpoint"):
     (blocks 0, n, 2n, ...; ``1`` is every block) and leaves the others alone; ``op`` checkpoints
     every block op by op (matmul and attention outputs saved, the rest recomputed)."""
 
+    cpu_offload: bool = False
+    """Keep each checkpoint unit's stored input in pinned host memory: copied there on a side stream
+    in the forward, copied back one unit ahead of its backward (``titan_cp.parallel.offload``). The
+    GPU then holds about two units' inputs instead of one per unit. Needs ``mode`` ``full`` or
+    ``selective``."""
+
+    blocks_per_checkpoint: Annotated[int, Positive] = 1
+    """Blocks per checkpoint unit: one stored input per k blocks, the k blocks recomputed together
+    in the backward (``titan_cp.parallel.units``); divides the stored inputs (and host bytes with
+    ``cpu_offload``) by k. k > 1 needs ``mode = "full"`` (or ``selective_ac_option = "op"``)."""
+
+    tile_tokens: Annotated[int, AtLeast(0)] = 0
+    """Run each block's feed-forward over tiles of this many local tokens, recomputed tile by tile
+    in the backward, so that its wide intermediates exist for one tile at a time
+    (``titan_cp.parallel.tiled_mlp``); attention still sees all local tokens. 0: off."""
+
     def check(self) -> None:
         option = self.selective_ac_option
         if self.mode == "selective" and option != "op" and not (option.isdigit() and int(option) > 0):
             raise ValueError(
                 f"activation_checkpoint.selective_ac_option must be a positive integer or 'op', got {option!r}"
+            )
+        if self.cpu_offload and self.mode == "none":
+            raise ValueError(
+                "activation_checkpoint.cpu_offload = true offloads checkpointed inputs: set activation_checkpoint.mode "
+                "to 'full' or 'selective'"
+            )
+        full = self.mode == "full" or (self.mode == "selective" and option == "op")
+        if self.blocks_per_checkpoint > 1 and not full:
+            raise ValueError(
+                f"activation_checkpoint.blocks_per_checkpoint = {self.blocks_per_checkpoint} needs "
+                "activation_checkpoint.mode = 'full' (or selective_ac_option = 'op')"
             )
 
 

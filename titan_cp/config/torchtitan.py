@@ -22,7 +22,7 @@ TORCHTITAN_ONLY: dict[str, tuple[str, ...]] = {
     "metrics": ("save_for_all_ranks", "enable_wandb", "disable_color_printing"),
     "model": ("tokenizer_path", "converters", "print_after_conversion"),
     "optimizer": ("early_step_in_backward",),
-    "training": ("enable_cpu_offload", "dtype", "gc_freq", "gc_debug", "mixed_precision_reduce"),
+    "training": ("dtype", "gc_freq", "gc_debug", "mixed_precision_reduce"),
     "training.dataloader": ("num_workers", "persistent_workers", "pin_memory", "prefetch_factor"),
     "parallelism": (
         "enable_compiled_autograd",

@@ -122,6 +122,12 @@ class Training(Section, name="training"):
     deterministic: bool = False
     """Use deterministic algorithms (slower), for bit-identical reruns."""
 
+    enable_cpu_offload: bool = False
+    """Keep the sharded parameters, their gradients and the optimizer state in host memory (FSDP2's
+    ``CPUOffloadPolicy``, as torchtitan): each block's weights are copied to the GPU for its forward
+    and backward, and the optimizer steps on the CPU. Needs FSDP (a ``dp_shard x cp`` mesh larger
+    than 1)."""
+
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype: FSDP casts the parameters to it; without FSDP (one device, TP or PP alone)
     the forward runs under ``torch.autocast`` with it. ``float32`` on CUDA falls to the dense

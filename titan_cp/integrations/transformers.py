@@ -59,6 +59,7 @@ from titan_cp.integrations.hf_parallel import CausalLM, hf_adapter
 from titan_cp.layout import BALANCES, DEFAULT_BALANCE
 from titan_cp.parallel import apply_ac, apply_compile, apply_cp, apply_fsdp
 from titan_cp.parallel.adapter import register_adapter
+from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -68,6 +69,7 @@ __all__ = [
     "apply_compile",
     "apply_cp",
     "apply_fsdp",
+    "apply_tiled_mlp",
     "check_supported",
     "shard_batch",
     "titan_cp_attention",

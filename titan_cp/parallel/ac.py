@@ -10,6 +10,11 @@
                recomputes the cheap elementwise ones (norms, RoPE, SiLU, products), via
                ``create_selective_checkpoint_contexts``.
 
+With ``cpu_offload`` or ``blocks_per_checkpoint > 1`` the checkpoints are made by module hooks
+over units of blocks instead (``titan_cp.parallel.units``: k blocks per stored input, the inputs
+in host memory with ``titan_cp.parallel.offload``); with ``cpu_offload`` the model's head (final
+norm and chunked loss, on the stage that holds them) is one more unit.
+
 ``ac_mode_and_every(mode, selective_ac_option)`` maps the ``[activation_checkpoint]`` keys
 to these arguments.
 
@@ -26,9 +31,11 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
 from titan_cp.parallel.adapter import adapter_of
+from titan_cp.parallel.offload import HostActivationStore
+from titan_cp.parallel.units import CheckpointUnit, apply_units
 
 
 def _save_ops() -> set:
@@ -87,25 +94,80 @@ def checkpoint_block(block: torch.nn.Module, mode: str, index: int = 0, every: i
     return checkpoint_wrapper(block, context_fn=_selective_context_fn, preserve_rng_state=False)  # op-level
 
 
-def check_ac(mode: str, every: int) -> None:
-    """``ValueError`` naming the key for a mode or period :func:`checkpoint_block` does not take."""
+def check_ac(mode: str, every: int, cpu_offload: bool = False, blocks_per_checkpoint: int = 1) -> None:
+    """``ValueError`` naming the key for a mode, period or unit option :func:`apply_ac` does not take."""
     if mode not in ("none", "full", "selective", "op"):
         raise ValueError(f"activation_checkpoint.mode must be 'none', 'full', 'selective' or 'op', got {mode!r}")
     if every < 1:
         raise ValueError(f"activation_checkpoint.selective_ac_option must be >= 1, got {every}")
+    if (
+        isinstance(blocks_per_checkpoint, bool)
+        or not isinstance(blocks_per_checkpoint, int)
+        or blocks_per_checkpoint < 1
+    ):
+        raise ValueError(
+            f"activation_checkpoint.blocks_per_checkpoint must be an integer >= 1, got {blocks_per_checkpoint!r}"
+        )
+    if blocks_per_checkpoint > 1 and mode not in ("full", "op"):
+        raise ValueError(
+            f"activation_checkpoint.blocks_per_checkpoint = {blocks_per_checkpoint} needs activation_checkpoint.mode = "
+            f"'full' (or selective_ac_option = 'op'), got mode {mode!r}"
+        )
+    if cpu_offload and mode == "none":
+        raise ValueError(
+            "activation_checkpoint.cpu_offload = true moves checkpointed block inputs to the host: it needs "
+            "activation_checkpoint.mode 'full' or 'selective', got 'none'"
+        )
 
 
-def apply_ac(model: nn.Module, mode: Literal["none", "full", "selective", "op"], every: int = 1) -> None:
+def apply_block_ac(
+    blocks: list[torch.nn.Module],
+    mode: str,
+    every: int = 1,
+    cpu_offload: bool = False,
+    blocks_per_checkpoint: int = 1,
+    prefetch: int = 1,
+) -> tuple[list[torch.nn.Module], HostActivationStore | None]:
+    """``blocks`` (in call order) checkpointed for ``mode`` (module doc): the list of blocks to put back
+    in their places, and the host store of their inputs (with ``cpu_offload``; else None)."""
+    if mode == "none":
+        return list(blocks), None
+    check_ac(mode, every, cpu_offload, blocks_per_checkpoint)
+    if not cpu_offload and blocks_per_checkpoint == 1:
+        return [checkpoint_block(b, mode, i, every) for i, b in enumerate(blocks)], None
+    context_fn = _selective_context_fn if mode == "op" else noop_context_fn
+    _, store = apply_units(blocks, mode, every, blocks_per_checkpoint, cpu_offload, prefetch, context_fn)
+    return list(blocks), store
+
+
+def apply_ac(
+    model: nn.Module,
+    mode: Literal["none", "full", "selective", "op"],
+    every: int = 1,
+    cpu_offload: bool = False,
+    blocks_per_checkpoint: int = 1,
+    prefetch: int = 1,
+) -> HostActivationStore | None:
     """Wrap ``model``'s blocks in place with activation checkpointing (see module doc), whatever its
     family (:func:`~titan_cp.parallel.adapter.adapter_of`).
 
     every: for mode "selective", checkpoint blocks 0, every, 2*every, ... (1: every block).
+    cpu_offload: checkpointed inputs in host memory, ``prefetch`` units copied back ahead.
+    blocks_per_checkpoint: blocks per checkpoint unit (mode "full" or "op").
+    Returns the host store (``cpu_offload``), else None.
     """
-    if mode == "none":
-        return
-    check_ac(mode, every)
     adapter = adapter_of(model)
-    for i, (key, block) in enumerate(adapter.block_items()):
-        wrapped = checkpoint_block(block, mode, i, every)
-        if wrapped is not block:
-            adapter.blocks[key] = wrapped
+    items = adapter.block_items()
+    wrapped, store = apply_block_ac([b for _, b in items], mode, every, cpu_offload, blocks_per_checkpoint, prefetch)
+    for (key, block), new in zip(items, wrapped):
+        if new is not block:
+            adapter.blocks[key] = new
+    if store is not None:
+        adapter.root.activation_store = (
+            store  # the trainer's metrics read it (titan_cp.parallel.offload.offload_metrics)
+        )
+        if adapter.head_unit:
+            # the head is one more unit: e.g. the final norm and the chunked loss keep their input on the host
+            # too and are recomputed in the backward (what they save is three hidden-state tensors per token)
+            CheckpointUnit(adapter.head_unit, noop_context_fn, store)
+    return store

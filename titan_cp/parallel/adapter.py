@@ -9,6 +9,8 @@
                 to the output head, which keeps it in the root)
     tail        what runs last in the forward (final norm, output head): one FSDP unit kept
                 gathered after the forward, since the backward starts with it (empty: the root's)
+    head_unit   what runs after the blocks and may be recomputed as one more checkpoint unit when
+                checkpointed inputs go to the host (titan_cp's final norm and chunked-loss head; empty: none)
     attach_cp   ``attach_cp(cp_mesh, strategy, balance, kernel)``: makes every attention core
                 context-parallel (``cp_mesh`` ``None``: one device, documents still masked)
 
@@ -35,6 +37,7 @@ class ParallelAdapter:
     attach_cp: Callable[..., None]
     embedding: nn.Module | None = None
     tail: list[nn.Module] = field(default_factory=list)
+    head_unit: list[nn.Module] = field(default_factory=list)
 
     def block_items(self) -> list[tuple[str | int, nn.Module]]:
         """``(key, block)`` of every block, in order; ``blocks[key] = new`` replaces one in place."""

@@ -2,7 +2,7 @@
 
 Per model part (a whole model, or one pipeline stage)::
 
-    tensor parallel (tp)  ->  context parallel (cp)  ->  activation checkpointing
+    tensor parallel (tp)  ->  context parallel (cp)  ->  tiled MLP  ->  activation checkpointing
         ->  torch.compile  ->  FSDP2 over dp_shard x cp (HSDP with dp_replicate)
 
 CP ranks shard the weights too (FSDP's mesh includes the cp axis): they hold different
@@ -36,6 +36,7 @@ from titan_cp.mesh import ParallelDims
 from titan_cp.model.llama import ModelArgs, Transformer
 from titan_cp.parallel import apply_ac, apply_compile, apply_fsdp, apply_tp, pipeline_llama
 from titan_cp.parallel.cp import apply_cp
+from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
 
 
 @dataclass
@@ -47,6 +48,10 @@ class ParallelizeOptions:
     cp_kernel: str | None = None
     ac_mode: str = "none"
     ac_every: int = 1
+    ac_cpu_offload: bool = False
+    ac_blocks_per_checkpoint: int = 1
+    tile_tokens: int = 0
+    fsdp_cpu_offload: bool = False
     compile: bool = False
     compile_backend: str = "inductor"
     loss_parallel: bool = False
@@ -118,7 +123,8 @@ def parallelize(
     if parallel_dims.tp_enabled:
         builder.tensor_parallel(model, parallel_dims.get_mesh("tp"), options.loss_parallel)
     model = builder.context_parallel(model, cp_mesh(parallel_dims) if parallel_dims.cp_enabled else None, options)
-    apply_ac(model, options.ac_mode, every=options.ac_every)
+    apply_tiled_mlp(model, options.tile_tokens)
+    apply_ac(model, options.ac_mode, options.ac_every, options.ac_cpu_offload, options.ac_blocks_per_checkpoint)
     if options.compile:
         apply_compile(model, backend=options.compile_backend)
     if fsdp and (parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled):
@@ -128,6 +134,12 @@ def parallelize(
             mp_param_dtype=options.mp_param_dtype,
             reshard_after_forward=options.reshard_after_forward and not parallel_dims.pp_enabled,
             hsdp=parallel_dims.dp_replicate_enabled,
+            cpu_offload=options.fsdp_cpu_offload,
+        )
+    elif options.fsdp_cpu_offload:
+        raise ValueError(
+            "training.enable_cpu_offload = true offloads FSDP's shards: it needs FSDP (parallelism.data_parallel_shard_"
+            "degree x context_parallel_degree > 1, or data_parallel_replicate_degree > 1)"
         )
     return model
 
@@ -142,6 +154,14 @@ def materialize(model: Transformer, device: torch.device | str, seed: int | None
     and initialise them in place (``Transformer.init_weights``: the same values on any mesh)."""
     model.to_empty(device=device)
     model.init_weights(seed)
+
+
+def buffers_to(model: nn.Module, device: torch.device | str) -> None:
+    """Move every buffer of ``model`` to ``device`` in place (parameters stay where they are)."""
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None:
+                setattr(module, name, buf.to(device))
 
 
 @dataclass
@@ -179,7 +199,10 @@ def build_parallel_model(
 
     def prepare(part: nn.Module) -> nn.Module:
         part = parallelize(builder, part, parallel_dims, options, fsdp)
-        builder.materialize(part, device, seed)
+        host = options.fsdp_cpu_offload  # FSDP's CPU offload: the shards live on the host
+        builder.materialize(part, "cpu" if host else device, seed)
+        if host:
+            buffers_to(part, device)  # buffers (RoPE frequencies) are not sharded: they compute on the device
         return part
 
     if parallel_dims.pp_enabled:

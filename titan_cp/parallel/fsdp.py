@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from titan_cp.parallel.adapter import adapter_of
 
@@ -29,6 +29,13 @@ def set_gradient_sum(model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
+def offload_policy(cpu_offload: bool, mesh: DeviceMesh) -> OffloadPolicy:
+    """FSDP2's ``CPUOffloadPolicy`` (pinned host memory on CUDA) with ``cpu_offload``, else no offload."""
+    if not cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -36,6 +43,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     hsdp: bool = False,
+    cpu_offload: bool = False,
 ) -> None:
     """Shard ``model`` in place over ``mesh`` (1-D: FSDP over the flattened ``dp_shard x cp`` ranks;
     2-D ``(replicate, shard)``: HSDP), whatever its family (:func:`~titan_cp.parallel.adapter.adapter_of`):
@@ -47,6 +55,8 @@ def apply_fsdp(
     reshard_after_forward: free gathered weights after forward (False for pipeline
         parallelism, which would otherwise all-gather again for every microbatch).
     hsdp: the caller expects hybrid sharding; ``mesh`` must then be 2-D.
+    cpu_offload: shards, gradients and optimizer state in host memory (``CPUOffloadPolicy``; the
+        model must then be materialised on the CPU).
     Parts a pipeline stage deleted are absent from the adapter.
     """
     if hsdp and mesh.ndim != 2:
@@ -56,7 +66,7 @@ def apply_fsdp(
         )
     adapter = adapter_of(model)
     mp_policy = MixedPrecisionPolicy(param_dtype=mp_param_dtype, reduce_dtype=reduce_dtype)
-    config = dict(mesh=mesh, mp_policy=mp_policy)
+    config = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy(cpu_offload, mesh))
     if adapter.embedding is not None:
         fully_shard(adapter.embedding, **config, reshard_after_forward=reshard_after_forward)
     for _, block in adapter.block_items():

@@ -12,7 +12,7 @@ from titan_cp.parallel.cp import llama_cp
 
 def llama_adapter(model: nn.Module) -> ParallelAdapter | None:
     """The adapter of a :class:`Transformer`: blocks ``model.layers``, its own embedding, tail (final
-    norm, output) and CP plan (:func:`~titan_cp.parallel.cp.llama_cp`); ``None`` for any other model."""
+    norm, output; also the head unit when both are there) and CP plan (:func:`~titan_cp.parallel.cp.llama_cp`); ``None`` for any other model."""
     if not isinstance(model, Transformer):
         return None
     tail = [m for m in (model.norm, model.output) if m is not None]  # a pipeline stage may lack them
@@ -22,6 +22,7 @@ def llama_adapter(model: nn.Module) -> ParallelAdapter | None:
         lambda mesh, strategy, balance, kernel: llama_cp(model, mesh, strategy, balance, kernel),
         embedding=model.tok_embeddings,
         tail=tail,
+        head_unit=tail if len(tail) == 2 else [],
     )
 
 

@@ -16,8 +16,14 @@ from titan_cp.plan.search import Estimate, PlanResult, plan
 USAGE = """The planner: which mesh and CP strategy to run, before spending a GPU-hour.
 
     python -m titan_cp.plan --job.config_file X.toml --ngpu 8 [--gpu h100|h200|a100|cpu]
-        [--nnodes 1] [--doc-mix NAME] [--hbm-gb G] [--matmul-speedup F] [--plot out.png | --plot FOLDER]
+        [--nnodes 1] [--doc-mix NAME] [--hbm-gb G] [--host-gb G] [--matmul-speedup F]
+        [--plot out.png | --plot FOLDER] [--max-seq]
         [--section.key value ...]          # any config key, as in the trainer
+
+``--max-seq``: the longest row (``training.seq_len``) that trains, by bisection over multiples of
+65,536 tokens up to 2**24, with every option the planner may turn on (one row per rank,
+full AC, unless the config says otherwise); prints one JSON line, the plan's row with
+``max_seq_len``.
 """
 
 
@@ -32,7 +38,7 @@ def record(e: Estimate, result: PlanResult) -> dict:
     detail = {}
     for name, t in cost.transfers.items():
         nbytes = cost.bytes_per_step(t)
-        comm[t.link] += nbytes
+        comm[t.link] = comm.get(t.link, 0) + nbytes
         detail[name] = {"bytes": int(nbytes), "link": t.link}
     ratio = cost.ring.ratio if cost.ring is not None else None
     out = {
@@ -64,16 +70,43 @@ def record(e: Estimate, result: PlanResult) -> dict:
         "flavor": ctx.flavor,
         "balance": ctx.balance,
         "recommended": bool(e is result.best and result.recommended),
+        **options_record(e),
     }
     if e is result.best:
         out["reason"] = result.reason
     return out
 
 
+def options_record(e: Estimate) -> dict:
+    """The long-context options of ``e``'s plan and the host bytes they take."""
+    w = e.workload
+    return {
+        "activation_checkpoint": w.ac,
+        "cpu_offload": w.host.cpu_offload,
+        "blocks_per_checkpoint": w.host.blocks_per_checkpoint,
+        "tile_tokens": w.host.tile_tokens,
+        "enable_cpu_offload": w.host.fsdp_offload,
+        "host_bytes_per_rank": int(e.host_bytes),
+        "host_bytes_per_node": int(e.host_bytes * min(e.device.gpus_per_node, e.candidate.ngpu)),
+    }
+
+
+def option_lines(e: Estimate) -> list[str]:
+    """The TOML lines of the long-context options ``e``'s plan turns on (none when it needs none)."""
+    w, h = e.workload, e.workload.host
+    if not h.any and w.ac == "none":
+        return []
+    lines = ["[activation_checkpoint]", f'mode = "{w.ac}"']
+    lines += ["cpu_offload = true"] * h.cpu_offload
+    lines += [f"blocks_per_checkpoint = {h.blocks_per_checkpoint}"] * (h.blocks_per_checkpoint > 1)
+    lines += [f"tile_tokens = {h.tile_tokens}"] * (h.tile_tokens > 0)
+    return lines + (["[training]", "enable_cpu_offload = true"] if h.fsdp_offload else [])
+
+
 def overrides(e: Estimate) -> list[str]:
-    """The ``[parallelism]`` TOML lines of ``e``."""
+    """The ``[parallelism]`` TOML lines of ``e`` (and the options' lines)."""
     c = e.candidate
-    lines = ["[parallelism]"]
+    lines = option_lines(e) + ["[parallelism]"]
     lines += [
         f"data_parallel_replicate_degree = {c.dp_replicate}",
         f"data_parallel_shard_degree = {c.dp_shard}",
@@ -166,6 +199,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--doc-mix", default="causal", help=f"document mix of the rows: {sorted(ROW_MIXES)}")
     p.add_argument("--hbm-gb", type=float, default=None, help="memory per GPU, GB (default: the GPU's)")
+    p.add_argument("--host-gb", type=float, default=2000.0, help="host memory per node, GB, for the offloads")
+    p.add_argument("--max-seq", action="store_true", help="print the longest seq_len that trains (one JSON line)")
     p.add_argument("--matmul-speedup", type=float, default=1.0, help="e.g. 1.48 for float8 + compile (see Stack)")
     p.add_argument(
         "--plot", metavar="PNG", help=f"draw the candidates to this .png file, or to {PLOT_NAME} in this folder"
@@ -184,6 +219,29 @@ def _print_launch(result: PlanResult, config_file: str | None) -> None:
         print(several + "   # several nodes (set the degrees for N nodes)")
 
 
+MAX_SEQ_DEFAULTS = {  # --max-seq plans one row per rank under full AC unless the config says otherwise
+    "--training.local_batch_size": "1",
+    "--training.global_batch_size": "1",
+    "--activation_checkpoint.mode": "full",
+}
+
+
+def _print_max_seq(args: argparse.Namespace, rest: list[str]) -> int:
+    from titan_cp.config import load_config  # noqa: PLC0415 - as main
+    from titan_cp.plan.search import max_seq_len  # noqa: PLC0415
+
+    given = {a.split("=")[0] for a in rest}
+    defaults = [x for k, v in MAX_SEQ_DEFAULTS.items() if k not in given for x in (k, v)]
+    job_config = load_config(defaults + rest)
+    n, result = max_seq_len(
+        job_config, args.ngpu, args.gpu, args.nnodes, args.doc_mix, args.hbm_gb, args.matmul_speedup, args.host_gb
+    )
+    if result is None:
+        raise ValueError(f"--max-seq: not even {65536} tokens fit {args.ngpu} {args.gpu} GPUs with every option on")
+    print(json.dumps({"max_seq_len": n, **record(result.best, result)}))
+    return 0
+
+
 def check_args(args: argparse.Namespace) -> None:
     """``ValueError`` naming the option for a value the planner cannot use (before anything is computed)."""
     if args.doc_mix not in ROW_MIXES:
@@ -194,7 +252,11 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value}")
     if args.ngpu % args.nnodes:
         raise ValueError(f"--ngpu ({args.ngpu}) must be a multiple of --nnodes ({args.nnodes})")
-    for name, value in (("--hbm-gb", args.hbm_gb), ("--matmul-speedup", args.matmul_speedup)):
+    for name, value in (
+        ("--hbm-gb", args.hbm_gb),
+        ("--host-gb", args.host_gb),
+        ("--matmul-speedup", args.matmul_speedup),
+    ):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a positive finite number, got {value}")
     if args.top < 0:
@@ -238,8 +300,19 @@ def main(argv: list[str] | None = None) -> int:
 
     args, rest = parser().parse_known_args(argv)
     check_args(args)
+    if args.max_seq:
+        return _print_max_seq(args, rest)
     job_config = load_config(rest)
-    result = plan(job_config, args.ngpu, args.gpu, args.nnodes, args.doc_mix, args.hbm_gb, args.matmul_speedup)
+    result = plan(
+        job_config,
+        args.ngpu,
+        args.gpu,
+        args.nnodes,
+        args.doc_mix,
+        args.hbm_gb,
+        args.matmul_speedup,
+        host_gb=args.host_gb,
+    )
     records = [record(e, result) for e in result.estimates]
     shown = records[: args.top] if args.top else records
     for r in shown:

@@ -30,13 +30,12 @@ from functools import lru_cache
 
 import torch
 
-from titan_cp.attention.mask_plans import CAUSAL, make_plan
-from titan_cp.attention.ring import ring_plans
+from titan_cp.attention.mask_plans import causal_counts
 from titan_cp.attention.strategy import AxisBytes, get_strategy
 from titan_cp.layout import DEFAULT_BALANCE, get_layout
 from titan_cp.model.llama import ModelArgs
 from titan_cp.plan.devices import Device
-from titan_cp.plan.memory import RankModel, Stage, layer_params, stage_param_count
+from titan_cp.plan.memory import RankModel, Stage, head_offloaded, layer_params, stage_param_count, unit_inputs
 from titan_cp.plan.problem import Candidate, Workload, pipeline
 
 FP32 = 4
@@ -167,16 +166,17 @@ def attention_work(seq_len: int, cp: int, ring: int, ulysses: int, balance: str,
     K/V: each rank attends its own queries to the whole row, in one step."""
     layout = get_layout(seq_len, cp, balance, [list(r) for r in rows])
     b = len(rows)
-    total = make_plan(layout, None, None, True).pairs(b)
+    total = causal_counts(layout, None, None, b)[0]
     eff_len = 2 * total / (seq_len * b)  # a causal document of L tokens has L^2 / 2 pairs: L
     if ring * ulysses != cp:
-        steps = (max(make_plan(layout, (r,), None, True).pairs(b) for r in range(cp)),)
+        steps = (max(causal_counts(layout, (r,), None, b)[0] for r in range(cp)),)
         return AttentionWork(steps, total, min(eff_len, seq_len), (1.0,))
-    members = lambda g: tuple(range(g * ulysses, (g + 1) * ulysses))  # noqa: E731
-    plans = [ring_plans(layout, g, ring, members, CAUSAL) for g in range(ring)]
+    groups = [tuple(range(g * ulysses, (g + 1) * ulysses)) for g in range(ring)]
     rows = b * layout.local_len * ulysses
-    pairs = [max(p[s].pairs(b) for p in plans) for s in range(ring)]
-    touched = [max(len(p[s].query_rows(b)) / rows for p in plans) for s in range(ring)]
+    # step s: group g's queries on the keys of group g - s (the ring's order, titan_cp.attention.ring.ring_plans)
+    counts = [[causal_counts(layout, groups[g], groups[(g - s) % ring], b) for g in range(ring)] for s in range(ring)]
+    pairs = [max(c[0] for c in step) for step in counts]
+    touched = [max(c[1] for c in step) / rows for step in counts]
     return AttentionWork(tuple(pairs), total, min(eff_len, seq_len // ring), tuple(touched))
 
 
@@ -285,11 +285,14 @@ class Setting:
 
 def dense_seconds(s: Setting) -> float:
     """The stage's matmuls on one microbatch: ``2 x params`` FLOPs per token forward, twice that backward,
-    the forward again for checkpointed blocks (the embedding is a lookup, not a matmul)."""
+    the forward again for checkpointed blocks (the embedding is a lookup, not a matmul), and with tiles the
+    feed-forward's once more."""
     args, tp = s.w.args, s.c.tp
     layer = layer_params(args, tp)
     matmul_params = s.stage.layers * layer + (args.vocab_size * args.dim // tp) * s.stage.last
     flops = 2 * s.tokens * (3 * matmul_params + s.m.checkpointed(s.stage.layers) * layer)
+    if s.w.host.tile_tokens:  # each tile's feed-forward runs once more, in its own backward
+        flops += 2 * s.tokens * s.stage.layers * 3 * args.dim * args.ffn_hidden_dim // tp
     return flops / (s.dev.matmul_flops * s.stack.matmul_speedup)
 
 
@@ -408,11 +411,40 @@ def collective_transfers(s: Setting, dense: float, compute_step: float) -> dict[
     return out
 
 
+# host <-> GPU bytes/s per GPU and direction: PCIe Gen5 x16 (H100, H200 SXM), NVLink-C2C (GH200)
+HOST_LINK_BW = {"h100": 50e9, "h200": 50e9, "gh200": 400e9}
+DEFAULT_HOST_LINK_BW = 25e9  # PCIe Gen4 x16
+CPU_ADAM_PARAMS_PER_S = 1e9  # AdamW over fp32 shards on the host CPU, per rank (a measured order of magnitude)
+
+
+def host_transfers(s: Setting, compute: float) -> dict[str, Transfer]:
+    """The offloads' host copies and what they leave exposed: checkpointed inputs (to the host in the
+    forward, back in the backward, each hidden behind its pass: a quarter of a fully checkpointed
+    microbatch's compute is its forward) and FSDP's offload (fp32 shards in for every pass, gradients
+    out, hidden behind the step's compute; the optimizer step on the CPU, exposed whole)."""
+    out, host = {}, s.w.host
+    bw = HOST_LINK_BW.get(s.dev.name, DEFAULT_HOST_LINK_BW)
+    units = unit_inputs(s.m, s.m.checkpointed(s.stage.layers))[1] + head_offloaded(s.m, s.stage)
+    if units:
+        nbytes = int(units * s.w.act_bytes * s.w.args.dim / s.c.tp * s.tokens)
+        copy = nbytes / bw
+        exposed = max(0.0, copy - compute / 4) + max(0.0, copy - 3 * compute / 4)
+        out["host_activations"] = Transfer(2 * nbytes, "host", exposed)
+    if host.fsdp_offload and s.c.fsdp > 1:
+        shard = stage_param_count(s.w.args, s.c.tp, s.stage) * FP32 // s.c.fsdp
+        nbytes = 3 * shard  # in for the forward and the backward, gradients out
+        step = compute * s.microbatches * s.w.accum
+        exposed = max(0.0, nbytes / bw - step) + shard / FP32 / CPU_ADAM_PARAMS_PER_S
+        out["host_fsdp"] = Transfer(nbytes, "host", exposed, False)
+    return out
+
+
 def step_cost(s: Setting) -> Cost:
     """The candidate's :class:`Cost`: one microbatch's compute and transfers, the pipeline's slots."""
     dense = dense_seconds(s)
     attention, transfers, ring = attention_cost(s)
     compute = Compute(dense, attention)
     transfers.update(collective_transfers(s, dense, compute.total * s.microbatches))
+    transfers.update(host_transfers(s, compute.total))
     bubble = pipeline(s.w.schedule, s.microbatches, s.c.pp).bubble
     return Cost(compute, transfers, ring, s.microbatches, bubble, s.w.accum)

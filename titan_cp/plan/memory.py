@@ -43,6 +43,7 @@ and ``doc_lens`` (8 bytes per document per row). These equal, byte for byte, wha
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -54,6 +55,24 @@ from titan_cp.parallel.pp import layers_per_stage
 
 FP32 = 4
 INT64 = 8
+
+
+@dataclass(frozen=True)
+class HostOptions:
+    """The long-context memory options (``[activation_checkpoint]`` ``cpu_offload``,
+    ``blocks_per_checkpoint``, ``tile_tokens``; ``training.enable_cpu_offload``) and the host memory
+    they may use (bytes per node). See :func:`unit_inputs`, :func:`ffn_saved_per_token`, :func:`host_bytes`."""
+
+    cpu_offload: bool = False
+    blocks_per_checkpoint: int = 1
+    tile_tokens: int = 0
+    fsdp_offload: bool = False
+    host_bytes_per_node: float = 2000e9
+    prefetch: int = 1
+
+    @property
+    def any(self) -> bool:
+        return self.cpu_offload or self.blocks_per_checkpoint > 1 or self.tile_tokens > 0 or self.fsdp_offload
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,7 @@ class RankModel:
     act_bytes: int = 4
     ac: str = "none"
     ac_every: int = 1
+    host: HostOptions = HostOptions()
 
     @property
     def attention(self):
@@ -109,13 +129,39 @@ def pipeline_stages(args: ModelArgs, pp: int) -> tuple[Stage, ...]:
 # ---------------------------------------------------------------------------- saved for backward
 
 
+def ffn_saved_per_token(m: RankModel) -> float:
+    """The feed-forward's saved bytes per local token: w1 x, w3 x, silu(w1 x), w2's input (a F each) and
+    w1's input (a D); tiled (``tile_tokens``), only the tiles' inputs (views of w1's input, a D)."""
+    a, d = m.act_bytes, m.args.dim
+    f = m.heads[2]
+    return a * d if m.host.tile_tokens else 3 * a * f + a * d + a * f
+
+
+def tile_transient_bytes(m: RankModel, tokens: int) -> int:
+    """One tile's recomputed intermediates and their gradients (``2 x 4 a F`` per tile token), 0 untiled."""
+    t = min(m.host.tile_tokens, tokens)
+    return int(2 * 4 * m.act_bytes * m.heads[2] * t)
+
+
 def block_saved_per_token(m: RankModel) -> float:
     """Bytes one block saves per local token without checkpointing (module docstring)."""
     a, d, e = m.act_bytes, m.args.dim, m.args.head_dim
     h, k, f = m.heads
     norm = (2 * a * d + a) / m.tp
     attn = m.attention.saved_bytes_per_token(a, h, k, e, m.cp, m.ulysses)
-    return norm + a * d + attn + (3 * a * f + a * d + a * f) + norm
+    return norm + a * d + attn + ffn_saved_per_token(m) + norm
+
+
+def unit_inputs(m: RankModel, checkpointed: int) -> tuple[int, int]:
+    """``(on the device, on the host)``: stored checkpoint-unit inputs of ``checkpointed`` blocks --
+    one per ``blocks_per_checkpoint`` blocks (selective: one per block); with ``cpu_offload`` all of
+    them on the host and at most ``prefetch + 1`` on the device (the unit being recomputed and the
+    one prefetched, ``titan_cp.parallel.offload``)."""
+    k = m.host.blocks_per_checkpoint if m.ac == "full" else 1
+    units = math.ceil(checkpointed / k) if checkpointed else 0
+    if not m.host.cpu_offload:
+        return units, 0
+    return min(units, m.host.prefetch + 1), units
 
 
 def rope_per_token(args: ModelArgs) -> int:
@@ -128,10 +174,23 @@ def saved_per_token(m: RankModel, stage: Stage) -> float:
     a, d = m.act_bytes, m.args.dim
     full = m.checkpointed(stage.layers)
     per = INT64 * stage.first + rope_per_token(m.args)
-    per += a * d / m.tp * full + block_saved_per_token(m) * (stage.layers - full)
+    per += a * d / m.tp * unit_inputs(m, full)[0] + block_saved_per_token(m) * (stage.layers - full)
     if stage.last:
-        per += (2 * a * d + a) / m.tp + a * d + INT64 + FP32
+        per += INT64 if head_offloaded(m, stage) else head_saved_per_token(m)
     return per
+
+
+def head_saved_per_token(m: RankModel) -> float:
+    """The head's saved bytes per token: final norm (``a (2 D + 1) / tp``), the output's input (``a D``),
+    labels (8) and the loss's lse (4)."""
+    a, d = m.act_bytes, m.args.dim
+    return (2 * a * d + a) / m.tp + a * d + INT64 + FP32
+
+
+def head_offloaded(m: RankModel, stage: Stage) -> bool:
+    """With ``cpu_offload`` the head (final norm and loss) is a checkpoint unit whose input is on the host
+    (``titan_cp.parallel.ac``): recomputed at the start of the backward, before any block's."""
+    return stage.last and m.host.cpu_offload and m.checkpointed(stage.layers) > 0
 
 
 def saved_bytes_per_token(
@@ -247,15 +306,18 @@ def step_peak(
     others = (in_flight - 1) * saved
     held = all_grads if grads_held else 0
     full = m.checkpointed(stage.layers)
-    recompute = int(block_saved_per_token(m) * tokens) if full else 0
+    k = m.host.blocks_per_checkpoint if m.ac == "full" else 1
+    recompute = int(block_saved_per_token(m) * tokens * min(k, max(full, 1))) if full else 0
+    recompute += tile_transient_bytes(m, tokens)
     first_grads = held + (layer_grad if grads_held else layer_grad + emb_grad * stage.last)
     moments = [StepPeak(saved, others + saved, first_grads, 0, recompute, all_grads)]
     if stage.last:
         loss = loss_bytes(m.args, m.tp, tokens)
-        moments.append(StepPeak(saved, others + saved, held, loss, 0, all_grads))
+        head = int((head_saved_per_token(m) - INT64) * tokens) if head_offloaded(m, stage) else 0
+        moments.append(StepPeak(saved, others + saved, held, loss, head, all_grads))
     if full:
         input_ = m.act_bytes * m.args.dim / m.tp
-        blocks = input_ * full + block_saved_per_token(m) * (stage.layers - full)
+        blocks = input_ * unit_inputs(m, full)[0] + block_saved_per_token(m) * (stage.layers - full)
         left = saved - int((blocks - input_) * tokens)  # block 0's input and what no block owns
         grads = all_grads + layer_grad if grads_held else all_grads - emb_grad * stage.first
         moments.append(StepPeak(saved, others + left, grads, 0, recompute, all_grads))
@@ -298,6 +360,7 @@ class RankMemory:
     optimizer: int
     comm_buffers: int
     step: StepPeak
+    host: int = 0  # bytes in host memory: offloaded checkpoint inputs, FSDP's offloaded shards and optimizer
 
     @property
     def parts(self) -> dict[str, int]:
@@ -354,4 +417,21 @@ def rank_memory(
     tokens = local_tokens * rows
     buffers += m.attention.buffer_bytes(m.act_bytes, h, k, m.args.head_dim, tokens, m.cp, m.ulysses)
     step = step_peak(m, stage, local_tokens, docs_per_row, rows, grad_shards, in_flight, grads_held)
-    return RankMemory(FP32 * params // f, 2 * FP32 * params // f, buffers, step)
+    host = host_bytes(m, stage, local_tokens * rows, in_flight, params, f)
+    if m.host.fsdp_offload and f > 1:  # shards, gradients and AdamW on the host; a block's gradient in buffers
+        return RankMemory(0, 0, buffers, dataclasses.replace(step, gradients=0), host)
+    return RankMemory(FP32 * params // f, 2 * FP32 * params // f, buffers, step, host)
+
+
+def host_bytes(m: RankModel, stage: Stage, tokens: int, in_flight: int, params: int, fsdp: int) -> int:
+    """Host bytes of one rank: every offloaded unit input (``a D / tp`` per token) and the RoPE tables of
+    ``in_flight`` microbatches; with FSDP's offload the fp32 shards, their gradients and AdamW's two
+    moments (``16 x params / fsdp``)."""
+    _, units = unit_inputs(m, m.checkpointed(stage.layers))
+    units += head_offloaded(m, stage)  # the head's input (a D / tp per token, as a block's)
+    total = 0
+    if units:
+        total += int((m.act_bytes * m.args.dim / m.tp * units + rope_per_token(m.args)) * tokens * in_flight)
+    if m.host.fsdp_offload and fsdp > 1:
+        total += 4 * FP32 * params // fsdp
+    return total

@@ -10,7 +10,7 @@ from titan_cp.attention.ring import RING as LOCAL  # attention on one rank: the 
 from titan_cp.attention.strategy import Strategy, get_strategy
 from titan_cp.layout import DEFAULT_BALANCE
 from titan_cp.model.llama import ModelArgs
-from titan_cp.plan.memory import RankModel
+from titan_cp.plan.memory import HostOptions, RankModel
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ class Workload:
     microbatch_rows: int = 1
     schedule: str = "1F1B"
     reshard: bool = True
+    host: HostOptions = HostOptions()  # the long-context memory options, host memory per node
 
     @property
     def docs_per_row(self) -> int:
@@ -100,7 +101,9 @@ class Workload:
         return len(self.rows) // self.microbatches(pp)
 
     def rank_model(self, c: Candidate) -> RankModel:
-        return RankModel(self.args, c.strategy, c.cp, c.tp, c.ulysses, self.act_bytes, self.ac, self.ac_every)
+        return RankModel(
+            self.args, c.strategy, c.cp, c.tp, c.ulysses, self.act_bytes, self.ac, self.ac_every, self.host
+        )
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ memory to spare, in 2 GB steps, then the fastest)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from titan_cp.attention.strategy import get_strategy, strategy_names
@@ -14,7 +15,7 @@ from titan_cp.model.llama import ModelArgs
 from titan_cp.parallel.ac import ac_mode_and_every
 from titan_cp.plan.cost import Cost, Setting, Stack, attention_work, step_cost
 from titan_cp.plan.devices import GB, HEADROOM, Device, device
-from titan_cp.plan.memory import RankMemory, Sharding, pipeline_stages, rank_memory
+from titan_cp.plan.memory import HostOptions, RankMemory, Sharding, pipeline_stages, rank_memory
 from titan_cp.plan.problem import LOCAL, Candidate, Workload, pipeline
 
 NEAR_FASTEST = 0.98  # plans within 2% of the fastest are ranked by memory to spare
@@ -83,8 +84,19 @@ class Estimate:
         return max(self.stages, key=lambda r: r.total)
 
     @property
+    def host_bytes(self) -> int:
+        """Host bytes of the rank that holds the most there (offloads)."""
+        return max(r.host for r in self.stages)
+
+    @property
+    def host_fits(self) -> bool:
+        """A node's ranks' host bytes within its host memory (less the same headroom as the GPUs')."""
+        per_node = self.host_bytes * min(self.device.gpus_per_node, self.candidate.ngpu)
+        return per_node <= (1 - HEADROOM) * self.workload.host.host_bytes_per_node
+
+    @property
     def fits(self) -> bool:
-        return self.memory.total <= (1 - HEADROOM) * self.device.memory_bytes
+        return self.memory.total <= (1 - HEADROOM) * self.device.memory_bytes and self.host_fits
 
     @property
     def headroom_bytes(self) -> int:
@@ -177,7 +189,7 @@ def _rank(estimates: list[Estimate]) -> list[Estimate]:
 def reason(e: Estimate) -> str:
     """Why ``e`` is recommended (or that nothing fits)."""
     if not e.fits:
-        return "nothing fits: raise cp or tp, or turn on full AC"
+        return "nothing fits, even with activations, optimizer and shards on the host: raise cp or tp, or shorten rows"
     why = (
         f"least memory within 2% of the fastest that fits: {e.tokens_per_second_per_gpu:,.0f} tokens/s/GPU, "
         f"{e.memory.total / GB:.1f} of {e.device.memory_bytes / GB:.0f} GB"
@@ -191,7 +203,7 @@ def reason(e: Estimate) -> str:
     return why
 
 
-def workload_of(job_config, gpu: str, doc_mix: str, seed: int) -> tuple[Workload, str]:
+def workload_of(job_config, gpu: str, doc_mix: str, seed: int, host_gb: float = 2000.0) -> tuple[Workload, str]:
     """The config's :class:`Workload` and the activation checkpointing it is planned with
     (op-level selective checkpointing is planned as full: an upper bound on memory and time)."""
     t, p, m = job_config.training, job_config.parallelism, job_config.model
@@ -213,8 +225,44 @@ def workload_of(job_config, gpu: str, doc_mix: str, seed: int) -> tuple[Workload
         microbatch_rows=p.pipeline_parallel_microbatch_size,
         schedule=p.pipeline_parallel_schedule,
         reshard=p.fsdp_reshard_after_forward != "never",
+        host=host_options(job_config, host_gb),
     )
     return w, mode
+
+
+def host_options(job_config, host_gb: float = 2000.0) -> HostOptions:
+    """The config's long-context memory options and ``host_gb`` of host memory per node."""
+    ac = job_config.activation_checkpoint
+    return HostOptions(
+        cpu_offload=ac.cpu_offload,
+        blocks_per_checkpoint=ac.blocks_per_checkpoint,
+        tile_tokens=ac.tile_tokens,
+        fsdp_offload=job_config.training.enable_cpu_offload,
+        host_bytes_per_node=host_gb * GB,
+    )
+
+
+# what the planner turns on, in this order, when nothing fits as configured (each level adds to the last):
+# full AC, the checkpointed inputs on the host, the feed-forward in tiles, FSDP's shards and AdamW on the
+# host, then two blocks per checkpoint (halves the host bytes of the inputs)
+TILE_TOKENS = 8192
+ESCALATION = (
+    dict(ac="full"),
+    dict(cpu_offload=True),
+    dict(tile_tokens=TILE_TOKENS),
+    dict(fsdp_offload=True),
+    dict(blocks_per_checkpoint=2),
+)
+
+
+def escalate(w: Workload, level: int) -> Workload:
+    """``w`` with the first ``level`` steps of :data:`ESCALATION` on (options already on stay on)."""
+    host, ac = w.host, w.ac
+    for step in ESCALATION[:level]:
+        ac = step.get("ac", ac)
+        fields = {k: v for k, v in step.items() if k != "ac" and getattr(host, k) in (False, 0, 1)}
+        host = dataclasses.replace(host, **fields)
+    return dataclasses.replace(w, ac=ac, ac_every=1 if ac == "full" else w.ac_every, host=host)
 
 
 def plan(
@@ -227,9 +275,11 @@ def plan(
     matmul_speedup: float = 1.0,
     seed: int = 0,
     stack: Stack | None = None,
+    host_gb: float = 2000.0,
 ) -> PlanResult:
-    """Every candidate's estimate for ``job_config`` on ``ngpu`` GPUs, the recommended one first."""
-
+    """Every candidate's estimate for ``job_config`` on ``ngpu`` GPUs, the recommended one first. When
+    nothing fits as configured, the options of :data:`ESCALATION` are turned on one by one until
+    something does (the rows then carry the options; the reason says so)."""
     if ngpu < 1:
         raise ValueError(f"--ngpu must be positive, got {ngpu}")
     if nnodes < 1 or ngpu % nnodes:
@@ -240,7 +290,7 @@ def plan(
     balance = p.context_parallel_load_balancer
     if t.seq_len % seq_len_multiple(balance, 1):
         raise ValueError(f"training.seq_len ({t.seq_len}) is odd: no {balance!r} layout divides it")
-    w, ac = workload_of(job_config, gpu, doc_mix, seed)
+    w, ac = workload_of(job_config, gpu, doc_mix, seed, host_gb)
     stack = stack or Stack(matmul_speedup=matmul_speedup)
     cands = candidates(w.args, t.seq_len, ngpu, nnodes, balance, t.local_batch_size, w.microbatch_rows)
     if not cands:
@@ -248,7 +298,14 @@ def plan(
             f"training.seq_len ({t.seq_len}) is divided by no cp degree of {ngpu} GPUs "
             f"for parallelism.context_parallel_load_balancer = {balance!r}"
         )
-    ranked = _rank([evaluate(c, w, dev, stack) for c in cands])
+    ranked, note = _rank([evaluate(c, w, dev, stack) for c in cands]), ""
+    for level in range(1, len(ESCALATION) + 1):
+        if ranked[0].fits:
+            break
+        w = escalate(w, level)
+        ranked = _rank([evaluate(c, w, dev, stack) for c in cands])
+        note = "nothing fits as configured; with " + options_text(w) + ": "
+    ac = w.ac
     takes = get_strategy(p.context_parallel_strategy).takes_ulysses_degree()
     configured = Candidate(
         p.context_parallel_strategy,
@@ -260,4 +317,48 @@ def plan(
         p.context_parallel_ulysses_degree if takes else 1,
     )
     context = Context(gpu, ngpu, nnodes, doc_mix, ac, job_config.model.flavor, balance, configured)
-    return PlanResult(tuple(ranked), context, reason(ranked[0]), ranked[0].fits)
+    return PlanResult(tuple(ranked), context, note + reason(ranked[0]), ranked[0].fits)
+
+
+def options_text(w: Workload) -> str:
+    """The options of ``w`` that are on, as config keys."""
+    h, keys = w.host, [f"activation_checkpoint.mode = {w.ac!r}"]
+    keys += ["activation_checkpoint.cpu_offload = true"] * h.cpu_offload
+    keys += [f"activation_checkpoint.blocks_per_checkpoint = {h.blocks_per_checkpoint}"] * (h.blocks_per_checkpoint > 1)
+    keys += [f"activation_checkpoint.tile_tokens = {h.tile_tokens}"] * (h.tile_tokens > 0)
+    keys += ["training.enable_cpu_offload = true"] * h.fsdp_offload
+    return ", ".join(keys)
+
+
+SEQ_GRANULE = 65536
+
+
+def max_seq_len(
+    job_config,
+    ngpu: int,
+    gpu: str,
+    nnodes: int = 1,
+    doc_mix: str = "causal",
+    hbm_gb=None,
+    matmul_speedup: float = 1.0,
+    host_gb: float = 2000.0,
+) -> tuple[int, PlanResult | None]:
+    """The longest ``training.seq_len`` (a multiple of :data:`SEQ_GRANULE`, at most 2**24) whose plan fits
+    (options escalated as :func:`plan` does), and that plan; ``(0, None)`` when not even one granule fits."""
+    from titan_cp.config.training import MAX_SEQ_LEN  # noqa: PLC0415
+
+    def fitting(n: int) -> PlanResult | None:
+        cfg = dataclasses.replace(job_config, training=dataclasses.replace(job_config.training, seq_len=n))
+        result = plan(cfg, ngpu, gpu, nnodes, doc_mix, hbm_gb, matmul_speedup, host_gb=host_gb)
+        return result if result.recommended else None
+
+    lo, best, hi = 0, None, MAX_SEQ_LEN // SEQ_GRANULE + 1  # in granules: lo fits, hi does not
+    step = 1
+    while step < hi and (r := fitting(step * SEQ_GRANULE)) is not None:  # doubling, then bisection
+        lo, best, step = step, r, step * 2
+    hi = min(hi, step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        r = fitting(mid * SEQ_GRANULE)
+        lo, best, hi = (mid, r, hi) if r is not None else (lo, best, mid)
+    return lo * SEQ_GRANULE, best

@@ -1,0 +1,185 @@
+"""The long-context memory options against the same runs without them: checkpointed inputs on the
+host (``activation_checkpoint.cpu_offload``), k-block checkpoint units (``blocks_per_checkpoint``),
+the tiled feed-forward (``tile_tokens``) and FSDP's CPU offload (``training.enable_cpu_offload``).
+
+Offload and k-block units change where inputs are kept and what is recomputed, never an
+arithmetic operation: losses and gradients are asserted bit-identical. Tiles compute each token's
+feed-forward from the same numbers, but the weight gradients are sums over tiles (another order of
+the same additions) and a matmul over fewer rows may be blocked differently: fp32, the tiny model's
+gradients move by ~1e-7 absolute; asserted within rtol 1e-5 / atol 1e-6 (losses, gradients and
+the parameters after an AdamW step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.test_composition import SEED, _clean, _full, local_microbatch, make_batch
+from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
+from titan_cp.mesh import ParallelDims
+from titan_cp.model import build_model, model_args
+from titan_cp.parallel.ac import apply_ac
+from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model, materialize
+from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
+from titan_cp.step import forward_backward
+
+OPTIONS = dict(ac_cpu_offload=True, ac_blocks_per_checkpoint=2)
+
+
+WIDE = dict(multiple_of=100)  # feed-forward 200 wide: no other tensor of the step is
+
+
+def _single(n_layers: int, tile: int = 0, **ac):
+    """Loss, gradients and the store of one step of the tiny model under full AC with ``ac``."""
+    model = build_model("tiny", n_layers=n_layers, **WIDE)
+    materialize(model, "cpu", SEED)
+    apply_tiled_mlp(model, tile)
+    store = apply_ac(model, "full", **ac)
+    mb = make_batch(0)
+    loss = model(mb.tokens, mb.positions, mb.doc_lens, mb.labels)
+    loss.backward()
+    return loss.detach(), {_clean(n): p.grad for n, p in model.named_parameters()}, store
+
+
+@pytest.mark.parametrize("n_layers,prefetch", [(2, 1), (6, 1), (6, 2)])
+def test_offloaded_inputs_are_bounded_on_the_device_and_exact(n_layers, prefetch):
+    """During the backward at most ``prefetch + 1`` units' inputs are alive outside the host store,
+    whatever the depth; one host copy per unit (plus the RoPE tables, stored once); all freed after."""
+    want_loss, want_grads, _ = _single(n_layers)
+    for k in (1, 2):
+        loss, grads, store = _single(n_layers, cpu_offload=True, blocks_per_checkpoint=k, prefetch=prefetch)
+        units = -(-n_layers // k)
+        assert store.max_device_inputs == min(prefetch + 1, units + 1), (store.max_device_inputs, prefetch, units)
+        # a unit's input each, the head's (final norm and loss, one more unit), cos and sin once
+        assert store.stored == units + 3 and store.fetched == units + 3
+        assert store.host_bytes == 0 and store.peak_host_bytes > 0
+        assert torch.equal(loss, want_loss)
+        assert all(torch.equal(grads[n], want_grads[n]) for n in want_grads)
+
+
+class _WidestFeedForward(TorchDispatchMode):
+    """The most tokens of a SiLU (or its backward) over the feed-forward's ``hidden``-wide intermediates,
+    forward, recomputation and backward."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.hidden, self.rows = hidden, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.silu.default, torch.ops.aten.silu_backward.default):
+            assert out.shape[-1] == self.hidden
+            self.rows = max(self.rows, out.shape[:-1].numel())
+        return out
+
+
+def test_tiled_feed_forward_holds_one_tile_and_matches():
+    args = model_args("tiny", n_layers=2, **WIDE)
+    want_loss, want_grads, _ = _single(2)
+    for tile in (0, 16):
+        with _WidestFeedForward(args.ffn_hidden_dim) as probe:
+            loss, grads, _ = _single(2, tile=tile)
+        assert probe.rows == (16 if tile else make_batch(0).tokens.numel()), probe.rows
+    assert torch.allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for n, want in want_grads.items():
+        torch.testing.assert_close(grads[n], want, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_options_name_the_key():
+    model = build_model("tiny", n_layers=2)
+    with pytest.raises(ValueError, match="blocks_per_checkpoint"):
+        apply_ac(model, "full", blocks_per_checkpoint=0)
+    with pytest.raises(ValueError, match="blocks_per_checkpoint"):
+        apply_ac(model, "selective", every=2, blocks_per_checkpoint=2)
+    with pytest.raises(ValueError, match="tile_tokens"):
+        apply_tiled_mlp(model, -1)
+    from titan_cp.config import load_config  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="activation_checkpoint.cpu_offload"):
+        load_config(["--activation_checkpoint.mode", "none", "--activation_checkpoint.cpu_offload", "true"])
+    with pytest.raises(ValueError, match="enable_cpu_offload"):
+        load_config(["--training.enable_cpu_offload", "true"] + [f"--parallelism.{k}=1" for k in _DEGREES])
+
+
+_DEGREES = ("data_parallel_shard_degree", "context_parallel_degree", "data_parallel_replicate_degree")
+
+
+# ---- CP 2, FSDP 2 x CP 2, PP 2 x CP 2 ----------------------------------------------------------------
+
+
+def _run(world, combo: dict, **extra):
+    pd = ParallelDims(
+        dp_shard=combo.get("dp_shard", 1), cp=combo["cp"], pp=combo.get("pp", 1), tp=1, dp_replicate=1, world_size=world
+    )
+    pd.build_mesh("cpu")
+    options = ParallelizeOptions(cp_strategy="ring", cp_balance="doc_zigzag", ac_mode="full", **extra)
+    loss_fn = GlobalTokenLoss()
+    args = model_args("tiny", n_layers=4)
+    built = build_parallel_model(args, pd, options, "cpu", seed=SEED, loss_fn=loss_fn, pp_microbatches=2)
+    opt = torch.optim.AdamW([p for part in built.parts for p in part.parameters()], lr=1e-3)
+    losses = []
+    for step in range(1):  # the loss, and the parameters after an AdamW step (they carry the gradients)
+        full = make_batch(step)
+        loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
+        mb = local_microbatch(pd, options, full)
+        loss = forward_backward(built.parts, mb, loss_fn, built.schedule, built.has_first, built.has_last)
+        counted = loss.detach() if built.has_last else torch.zeros(())
+        dist.all_reduce(counted)
+        losses.append(counted)
+        opt.step()
+        opt.zero_grad()
+    params = {_clean(n): _full(p.detach()) for part in built.parts for n, p in part.named_parameters()}
+    return losses, params
+
+
+def _compare(rank, world, combo):
+    plain = _run(world, combo)
+    offloaded = _run(world, combo, **OPTIONS, fsdp_cpu_offload=combo.get("dp_shard", 1) > 1)
+    tiled = _run(world, combo, **OPTIONS, tile_tokens=8)
+    exact = all(torch.equal(a, b) for a, b in zip(plain[0], offloaded[0])) and all(
+        torch.equal(plain[1][n], offloaded[1][n]) for n in plain[1]
+    )
+    loss_err = max((a - b).abs().item() for a, b in zip(plain[0], tiled[0]))
+    param_err = max(((plain[1][n] - tiled[1][n]).abs() - 1e-5 * plain[1][n].abs()).max().item() for n in plain[1])
+    return exact, loss_err, param_err
+
+
+@pytest.mark.parametrize(
+    "world,combo",
+    [(2, dict(cp=2)), (4, dict(dp_shard=2, cp=2)), (4, dict(pp=2, cp=2))],
+    ids=["cp2", "fsdp2_cp2", "pp2_cp2"],
+)
+def test_options_keep_the_losses_of_parallel_runs(dist_pools, world, combo):
+    for exact, loss_err, param_err in dist_pools.run(world, _compare, combo, timeout=600):
+        assert exact
+        assert loss_err <= 1e-5 and param_err <= 1e-6, (loss_err, param_err)
+
+
+# ---- a Hugging Face model -------------------------------------------------------------------------
+
+
+def _hf_step(family: str, tile: int = 0, **ac):
+    from tests.test_hf_integration import hf_model, packed_batch  # noqa: PLC0415 - needs transformers
+    from titan_cp.integrations.transformers import CausalLM, apply_ac, apply_cp, apply_tiled_mlp, shard_batch  # noqa: PLC0415
+
+    lm = CausalLM(apply_cp(hf_model(family, attn="titan_cp"), None))
+    apply_tiled_mlp(lm, tile)
+    store = apply_ac(lm, "full", **ac)
+    local = shard_batch(packed_batch(), None)
+    loss = lm(local["input_ids"], local["position_ids"], local["cp_doc_lens"], local["shift_labels"])
+    loss.backward()
+    return loss.detach(), {_clean(n): p.grad for n, p in lm.named_parameters()}, store
+
+
+def test_hf_model_options_keep_loss_and_gradients(family="qwen3_swa"):  # a sliding and a full layer in one unit
+    want_loss, want_grads, _ = _hf_step(family)
+    loss, grads, store = _hf_step(family, cpu_offload=True, blocks_per_checkpoint=2)
+    assert store.stored == 1 and store.max_device_inputs == 1  # 2 layers, one unit: its hidden states
+    assert torch.equal(loss, want_loss) and all(torch.equal(grads[n], want_grads[n]) for n in want_grads)
+    loss, grads, _ = _hf_step(family, tile=8, cpu_offload=True)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for n, want in want_grads.items():
+        torch.testing.assert_close(grads[n], want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,128 @@
+"""Checkpoint units of one or several consecutive blocks, by module hooks, with their inputs on the host.
+
+A unit of k blocks ``b_0 .. b_{k-1}`` keeps one stored input (``b_0``'s arguments) and recomputes
+all k blocks in the backward: the stored inputs are divided by k, one recomputation holds k
+blocks' activations. The blocks stay where they are (in ``model.layers``, under their own names:
+the state dict, FSDP units and weight init are untouched); the unit is made of forward hooks, as
+PyTorch's composable ``checkpoint`` (``torch.distributed._composable``) is, on the same
+non-reentrant checkpoint generator (``torch.utils.checkpoint``):
+
+  b_0's pre-hook     enter the host store's hooks (with ``cpu_offload``), start the checkpoint
+                     with b_0's arguments (their tensors are what the unit stores)
+  b_j's pre-hook     keep b_j's arguments but its hidden states (RoPE tables, masks, which
+                     are shared by the blocks or small) for the recomputation
+  b_{k-1}'s hook     end the checkpoint, leave the store's hooks
+  recomputation      ``h = b_0(*args); h = b_1(h, *rest); ...`` with the hooks above switched off
+                     (FSDP's own hooks run: they gather the weights the recomputation needs)
+
+``k = 1`` is ordinary per-block checkpointing (with ``cpu_offload``: its inputs on the host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
+
+from titan_cp.parallel.offload import HostActivationStore
+
+
+def _with_hidden(args: tuple, kwargs: dict, h: Tensor | None) -> tuple[tuple, dict]:
+    """A block's arguments with its hidden states (the first positional, or ``hidden_states``) set to ``h``."""
+    if args:
+        return (h, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": h}
+
+
+def _hidden(out) -> Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class CheckpointUnit:
+    """The hooks of one unit over ``blocks`` (module doc); ``store``: where its inputs go, or None."""
+
+    def __init__(self, blocks: Sequence[nn.Module], context_fn: Callable, store: HostActivationStore | None):
+        self.blocks, self.context_fn, self.store = list(blocks), context_fn, store
+        self.recomputing = False
+        self.gen = self.store_ctx = None
+        self.rest: list = []  # this call's followers' other arguments
+        self.handles = [blocks[0].register_forward_pre_hook(self._open, with_kwargs=True)]
+        for block in self.blocks[1:]:
+            self.handles.append(block.register_forward_pre_hook(self._follow, with_kwargs=True))
+        self.handles.append(self.blocks[-1].register_forward_hook(self._close))
+
+    def _open(self, module, args, kwargs):
+        if self.recomputing or not torch.is_grad_enabled():
+            return
+        if self.store is not None:
+            self.store_ctx = self.store.unit()
+            self.store_ctx.__enter__()
+        self.rest = []
+        self.gen = _checkpoint_without_reentrant_generator(
+            partial(self._recompute, self.rest), False, self.context_fn, "default", False, True, *args, **kwargs
+        )
+        next(self.gen)
+
+    def _follow(self, module, args, kwargs):
+        """Keep a follower's arguments but its hidden states (RoPE tables, masks: the same for every
+        block of most models, or cast copies of them) for the recomputation."""
+        if not self.recomputing and self.gen is not None:
+            self.rest.append(_with_hidden(args, kwargs, None))
+
+    def _close(self, module, args, output):
+        if self.recomputing or self.gen is None:
+            return
+        gen, self.gen, self.rest = self.gen, None, []
+        try:
+            next(gen)
+        except StopIteration:
+            pass
+        else:
+            raise RuntimeError("checkpoint generator did not finish")  # invariant of the generator
+        if self.store_ctx is not None:
+            ctx, self.store_ctx = self.store_ctx, None
+            ctx.__exit__(None, None, None)
+
+    def _recompute(self, rest: list, *args, **kwargs) -> None:
+        """Run the unit's blocks again from the stored inputs (their hooks here switched off)."""
+        self.recomputing = True
+        try:
+            h = _hidden(self.blocks[0](*args, **kwargs))
+            for block, (a, kw) in zip(self.blocks[1:], rest):
+                a, kw = _with_hidden(a, kw, h)
+                h = _hidden(block(*a, **kw))
+        finally:
+            self.recomputing = False
+
+
+def unit_blocks(n_blocks: int, mode: str, every: int, blocks_per_checkpoint: int) -> list[list[int]]:
+    """The block indices of each checkpoint unit: ``mode`` "full"/"op": consecutive groups of
+    ``blocks_per_checkpoint`` (the last one shorter when it does not divide); "selective": blocks
+    0, every, 2*every, ... alone."""
+    if mode == "selective":
+        return [[i] for i in range(0, n_blocks, every)]
+    k = blocks_per_checkpoint
+    return [list(range(i, min(i + k, n_blocks))) for i in range(0, n_blocks, k)]
+
+
+def apply_units(
+    blocks: Sequence[nn.Module],
+    mode: str,
+    every: int = 1,
+    blocks_per_checkpoint: int = 1,
+    cpu_offload: bool = False,
+    prefetch: int = 1,
+    context_fn: Callable = noop_context_fn,
+) -> tuple[list[CheckpointUnit], HostActivationStore | None]:
+    """Checkpoint ``blocks`` (in call order) as units (:func:`unit_blocks`) by hooks; with
+    ``cpu_offload`` their inputs go to one :class:`HostActivationStore` (``prefetch`` units ahead).
+    Returns the units and the store (None without offload)."""
+    store = HostActivationStore(prefetch) if cpu_offload else None
+    units = [
+        CheckpointUnit([blocks[i] for i in idx], context_fn, store)
+        for idx in unit_blocks(len(blocks), mode, every, blocks_per_checkpoint)
+    ]
+    return units, store
