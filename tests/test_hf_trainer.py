@@ -78,8 +78,9 @@ def _run(rank, world, case: dict, out_dir: str) -> dict:
     common = dict(
         output_dir=f"{out_dir}/{case['name']}-{world}-{cp}", per_device_train_batch_size=per_device,
         per_device_eval_batch_size=case["eval_batch"], gradient_accumulation_steps=case.get("ga", 1),
-        max_steps=STEPS, learning_rate=3e-3, warmup_steps=1, lr_scheduler_type="linear", max_grad_norm=1.0,
-        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
+        max_steps=case.get("steps", STEPS), learning_rate=3e-3, warmup_steps=1, lr_scheduler_type="linear", max_grad_norm=1.0,
+        logging_steps=1, report_to=[], use_cpu=True,
+        save_strategy="steps" if case.get("save_steps") else "no", save_steps=case.get("save_steps", 500), seed=0, data_seed=0,
         train_sampling_strategy="sequential", average_tokens_across_devices=case.get("average", True),
         bf16=case.get("bf16", False), gradient_checkpointing=case.get("gc", False), disable_tqdm=True,
         dataloader_num_workers=0,
@@ -95,9 +96,13 @@ def _run(rank, world, case: dict, out_dir: str) -> dict:
         args = transformers.TrainingArguments(**common)
         collate = transformers.DataCollatorWithFlattening(return_tensors="pt")
         trainer = cls(model=model, args=args, train_dataset=train, eval_dataset=evaluate, data_collator=collate)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=case.get("resume"))
     logs = [r for r in trainer.state.log_history if "loss" in r and "grad_norm" in r]
     result = {"loss": [r["loss"] for r in logs], "grad_norm": [r["grad_norm"] for r in logs]}
+    if case.get("save_model"):
+        trainer.save_model(case["save_model"])
+        result["state"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        return result
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
     return result
 
@@ -109,6 +114,8 @@ def _cases(folders: dict, tmp) -> dict:
             dict(name="sft_qwen3", folder=folders["qwen3"], trainer="sft", batch=2, eval_batch=2, cp=2),
             dict(name="flat_oss", folder=folders["gpt_oss"], trainer="flat", batch=4, eval_batch=2, cp=2, ga=2,
                  average=False, cp_kwargs=dict(strategy="ulysses", balance="doc_zigzag")),
+            dict(name="sft_qwen3_bf16", folder=folders["qwen3"], trainer="sft", batch=2, eval_batch=2, cp=2,
+                 bf16=True),  # TRL's default: autocast; compared with the fp32 run, loosely
         ],
         4: [
             dict(name="sft_llama", folder=folders["llama"], trainer="sft", batch=4, eval_batch=2, cp=2, ga=2),
@@ -140,12 +147,140 @@ def _close(got: dict, want: dict, name: str) -> None:
 def test_trainer_and_sft_trainer_under_cp_equal_one_process(dist_pools, tmp_path):
     folders = {family: make_folder(tmp_path / family, family) for family in FAMILIES}
     cases = _cases(folders, tmp_path)
-    refs = dist_pools.run(1, _all, [_reference(c) for w in cases for c in cases[w]], str(tmp_path))[0]
+    exact = {w: [c for c in cases[w] if not c.get("bf16")] for w in cases}
+    refs = dist_pools.run(1, _all, [_reference(c) for w in cases for c in exact[w]], str(tmp_path))[0]
     got = {w: dist_pools.run(w, _all, cases[w], str(tmp_path), timeout=600) for w in cases}
     i = 0
     for w in cases:
         for j in range(len(cases[w])):
             for r in got[w]:
                 assert r[j] == got[w][0][j]  # every rank logs the same numbers
+            if cases[w][j].get("bf16"):
+                fp32 = got[w][0][0]
+                assert got[w][0][j]["loss"] == pytest.approx(fp32["loss"], abs=0.05)
+                assert got[w][0][j]["loss"] != fp32["loss"]  # it ran in bf16
+                continue
             _close(got[w][0][j], refs[i], cases[w][j]["name"])
             i += 1
+
+
+# ---- what is refused, naming the fix --------------------------------------------------------------
+
+
+def _tiny(attn: str = "titan_cp", family: str = "llama"):
+    name, fields = FAMILIES[family]
+    config = getattr(transformers, name)(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=256, **fields
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def _rows(seed: int = 0, lens=(5, 9, 2, 8)) -> dict:
+    collate = transformers.DataCollatorWithFlattening(return_tensors="pt")
+    g = torch.Generator().manual_seed(seed)
+    return collate([{"input_ids": torch.randint(1, 64, (n,), generator=g).tolist()} for n in lens])
+
+
+def test_misuse_on_one_process_is_refused_naming_the_fix():
+    from titan_cp.integrations.transformers import apply_cp, shard_batch  # noqa: PLC0415
+
+    local = shard_batch(_rows(), None)
+    with pytest.raises(ValueError, match=r"attn_implementation='sdpa' but got a batch from shard_batch.*apply_cp"):
+        _tiny("sdpa")(**local)  # a model apply_cp never bound
+    row = _rows()
+    ids = row["input_ids"]
+    with pytest.raises(ValueError, match=r"labels look already shifted"):  # shifted by the user, then again
+        shard_batch({**row, "labels": torch.roll(ids, -1, 1)}, None)
+    with pytest.raises(ValueError, match=r"shift_labels equal input_ids .* not shifted"):
+        shard_batch({"input_ids": ids, "position_ids": row["position_ids"], "shift_labels": ids}, None)
+    with pytest.raises(ValueError, match=r"position_ids has shape \(1, 23\), input_ids \(1, 24\)"):
+        shard_batch({**row, "position_ids": row["position_ids"][:, 1:]}, None)
+    with pytest.raises(ValueError, match=r"num_items_in_batch = 0: it must be the step's count"):
+        shard_batch(row, None, num_items_in_batch=0)
+    with pytest.raises(ValueError, match=r"no loss-bearing token: every label is -100"):
+        shard_batch({**row, "labels": torch.full_like(ids, -100)}, None)
+    model = apply_cp(_tiny(), None)
+    with pytest.raises(ValueError, match=r"model.generate\(\) after apply_cp: .* titan_cp's generation"):
+        model.generate(ids[:, :4], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"cp_size=2\): the world has 1 ranks, not a multiple"):
+        context_parallel_trainer(transformers.Trainer, cp_size=2)(model=model, args=_args("/tmp/unused"))
+    for kwargs, message in [
+        (dict(cp_size=0), r"cp_size=0\): a positive integer"),
+        (dict(cp_size=2, balance="rows"), r"balance='rows'\): one of"),
+        (dict(cp_size=2, ulysses_degree=2), r"ulysses_degree=2\) is for strategy='hybrid'"),
+        (dict(cp_size=2, activation_checkpointing="all"), r"activation_checkpointing='all'\): one of"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            context_parallel_trainer(transformers.Trainer, **kwargs)
+
+
+def _args(out: str, **fields):
+    return transformers.TrainingArguments(output_dir=out, use_cpu=True, report_to=[], **fields)
+
+
+def test_mixed_qkv_dtypes_under_autocast_run_at_the_autocast_dtype():
+    """Qwen3's q/k norms return fp32 under CPU autocast while v is bf16: run as SDPA would, in bf16."""
+    from titan_cp.integrations.transformers import apply_cp, shard_batch  # noqa: PLC0415
+
+    model = apply_cp(_tiny(family="qwen3"), None)
+    local = shard_batch(_rows(), None)
+    with torch.no_grad():
+        full = model(**local).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(**local).loss
+    assert torch.isfinite(low) and abs(float(low) - float(full)) < 0.05
+
+
+def _misuse_under_cp2(rank, world):
+    from tests.dist_utils import get_mesh  # noqa: PLC0415
+    from titan_cp.integrations.transformers import apply_cp, shard_batch  # noqa: PLC0415
+
+    cp_mesh = get_mesh((2,), ("cp",))
+    model = apply_cp(_tiny(), cp_mesh)
+    found = []
+    for attempt in (
+        lambda: model(**_rows(), use_cache=False),  # the whole batch, never sharded
+        lambda: model(**shard_batch(_rows(), None)),  # sharded for one device
+        lambda: shard_batch(_rows(seed=rank), cp_mesh),  # each cp rank its own rows
+        lambda: shard_batch(_rows(), cp_mesh, dp_mesh=cp_mesh),  # a dp mesh that holds the cp peers
+    ):
+        try:
+            attempt()
+            found.append(None)
+        except ValueError as e:
+            found.append(str(e))
+    return found
+
+
+def test_misuse_under_cp2_is_refused_naming_the_fix(dist_pools):
+    for found in dist_pools.run(2, _misuse_under_cp2):
+        layout, mesh_size, rows, dp = found
+        assert layout and "did not come through the layout (no cp_doc_lens): shard each batch" in layout
+        assert mesh_size and "shard_batch ran over a cp mesh of size 1; pass shard_batch the same cp mesh" in mesh_size
+        assert rows and "passed different rows to shard_batch" in rows and "data-parallel ranks only" in rows
+        assert dp and "dp_mesh holds ranks [0, 1] of this rank's cp group" in dp
+
+
+def test_checkpoints_resume_on_another_cp_size_and_save_model_loads(dist_pools, tmp_path):
+    """CP 2 saves at step 2 and runs to 4; CP 1 resumes from step 2 with the same losses; the
+    folder ``save_model`` writes loads with ``from_pretrained`` (any attention) as the trained weights."""
+    folder = make_folder(tmp_path / "qwen3", "qwen3")
+    base = dict(folder=folder, trainer="flat", batch=2, eval_batch=2, steps=4)
+    saved = tmp_path / "final"
+    straight = dist_pools.run(
+        2, _run, dict(base, name="save", cp=2, save_steps=2, save_model=str(saved)), str(tmp_path), timeout=600
+    )[0]
+    checkpoint = tmp_path / "save-2-2" / "checkpoint-2"
+    assert (checkpoint / "model.safetensors").exists() and (checkpoint / "optimizer.pt").exists()
+    resumed = dist_pools.run(
+        1, _run, dict(base, name="resume", cp=1, resume=str(checkpoint), save_model=str(tmp_path / "r")), str(tmp_path)
+    )[0]
+    assert resumed["loss"][-2:] == pytest.approx(straight["loss"][2:], abs=1e-6)
+    assert resumed["grad_norm"][-2:] == pytest.approx(straight["grad_norm"][2:], rel=1e-5)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(saved), attn_implementation="eager")
+    state = loaded.state_dict()
+    assert set(state) <= set(straight["state"])
+    assert all(torch.equal(state[k], straight["state"][k]) for k in state)
+    initial = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert not torch.equal(initial["model.layers.0.mlp.up_proj.weight"], state["model.layers.0.mlp.up_proj.weight"])
