@@ -121,6 +121,8 @@ def _cases(folders: dict, tmp) -> dict:
             dict(name="sft_llama", folder=folders["llama"], trainer="sft", batch=4, eval_batch=2, cp=2, ga=2),
             dict(name="flat_qwen3", folder=folders["qwen3"], trainer="flat", batch=4, eval_batch=2, cp=2, gc=True,
                  cp_kwargs=dict(strategy="allgather")),
+            dict(name="fsdp_llama", folder=folders["llama"], trainer="flat", batch=4, eval_batch=2, cp=2, ga=2,
+                 cp_kwargs=dict(fsdp=True, activation_checkpointing="full")),
         ],
     }  # fmt: skip
 

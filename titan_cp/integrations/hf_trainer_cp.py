@@ -60,6 +60,7 @@ class CPOptions:
     ulysses_degree: int = 1
     activation_checkpointing: str = "none"
     kernel: str | None = None
+    fsdp: bool = False
 
 
 def _check_options(o: CPOptions) -> None:
@@ -93,6 +94,7 @@ def context_parallel_trainer(
     ulysses_degree: int = 1,
     activation_checkpointing: str = "none",
     kernel: str | None = None,
+    fsdp: bool = False,
 ) -> type:
     """A subclass of ``trainer_class`` (``transformers.Trainer`` or a subclass: TRL's ``SFTTrainer``)
     that trains its model under context parallelism (module docstring).
@@ -107,12 +109,15 @@ def context_parallel_trainer(
             ``"selective"``, ``"op"``: matmul and CP-attention outputs saved) or ``"none"``; the
             Trainer's own ``gradient_checkpointing`` works as well.
         kernel: the local attention kernel (``None``: the fastest for the device and dtype).
+        fsdp: shard the weights with FSDP2 over all ``dp x cp`` ranks (titan_cp's ``apply_fsdp``: one
+            unit per decoder layer) instead of the Trainer's DDP; checkpoints then hold the model
+            only (``save_only_model=True``), and ``save_model`` gathers the whole weights.
     """
     from transformers import Trainer  # noqa: PLC0415 - optional dependency
 
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
         raise ValueError(f"context_parallel_trainer takes a transformers.Trainer subclass, got {trainer_class!r}")
-    options = CPOptions(cp_size, strategy, balance, ulysses_degree, activation_checkpointing, kernel)
+    options = CPOptions(cp_size, strategy, balance, ulysses_degree, activation_checkpointing, kernel, bool(fsdp))
     _check_options(options)
     name = f"ContextParallel{trainer_class.__name__}"
     return type(name, (ContextParallelMixin, trainer_class), {"cp_options": options, "__module__": __name__})
@@ -187,6 +192,27 @@ class ContextParallelMixin:
         apply_cp(model, self.cp_mesh, strategy=o.strategy, balance=o.balance, kernel=o.kernel)
         apply_ac(model, o.activation_checkpointing)
         self.cp_pad_token_id = _pad_token_id(model)
+        if o.fsdp and self.data_mesh is not None:
+            _shard(model, self.data_mesh)
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        """The Trainer's hook for a model that owns its gradient reduction: FSDP2 reduce-scatters once,
+        after the last micro-batch of a step."""
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Under FSDP, the whole weights gathered on every rank (PyTorch's ``get_model_state_dict``), written
+        by the main process with ``save_pretrained``."""
+        if self.cp_options.fsdp and state_dict is None and self.data_mesh is not None:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
+
+            state_dict = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        super()._save(output_dir, state_dict=state_dict)
 
     def get_cp_size(self) -> int:
         """The Trainer's own hook: its batch-size and step arithmetic counts dp ranks as ``world / cp``."""
@@ -381,6 +407,20 @@ def _collective_device(group) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _shard(model: nn.Module, data_mesh) -> None:
+    """FSDP2 over every ``dp x cp`` rank, gradients averaged over them as DDP would (the loss of each
+    rank is scaled for DDP's average); the Trainer then leaves placement and reduction to the model."""
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
+
+    from titan_cp.integrations.hf_parallel import apply_fsdp  # noqa: PLC0415
+
+    apply_fsdp(model, data_mesh._flatten("dp_cp"))
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(data_mesh.size()))
+    model._is_distributed_loading_by_transformers = True
 
 
 def _pad_token_id(model: nn.Module) -> int:
