@@ -190,11 +190,18 @@ def reason(e: Estimate) -> str:
     return why
 
 
+def planned_model(m) -> ModelArgs:
+    """The shapes planned for the ``[model]`` section: the Hugging Face folder's ``config.json`` for
+    ``model.name = "hf"``, titan_cp's flavor otherwise."""
+    from titan_cp.model import model_args
+    from titan_cp.plan.hf import hf_model_args
+
+    return hf_model_args(m.hf_assets_path) if m.name == "hf" else model_args(m.flavor)
+
+
 def workload_of(job_config, gpu: str, doc_mix: str, seed: int) -> tuple[Workload, str]:
     """The config's :class:`Workload` and the activation checkpointing it is planned with
     (op-level selective checkpointing is planned as full: an upper bound on memory and time)."""
-    from titan_cp.model import model_args
-
     t, p, m = job_config.training, job_config.parallelism, job_config.model
     mode, every = ac_mode_and_every(
         job_config.activation_checkpoint.mode, job_config.activation_checkpoint.selective_ac_option
@@ -203,7 +210,7 @@ def workload_of(job_config, gpu: str, doc_mix: str, seed: int) -> tuple[Workload
         mode, every = "full", 1
     rows = tuple(tuple(r) for r in make_rows(doc_mix, t.seq_len, t.local_batch_size, seed))
     w = Workload(
-        args=model_args(m.flavor),
+        args=planned_model(m),
         seq_len=t.seq_len,
         rows=rows,
         balance=p.context_parallel_load_balancer,
@@ -245,6 +252,8 @@ def plan(
     w, ac = workload_of(job_config, gpu, doc_mix, seed)
     stack = stack or Stack(matmul_speedup=matmul_speedup)
     cands = candidates(w.args, t.seq_len, ngpu, nnodes, balance, t.local_batch_size, w.microbatch_rows)
+    if job_config.model.name == "hf":  # tensor and pipeline parallelism are not built for these models
+        cands = [c for c in cands if c.tp == 1 and c.pp == 1]
     if not cands:
         raise ValueError(
             f"training.seq_len ({t.seq_len}) is divided by no cp degree of {ngpu} GPUs "
@@ -261,5 +270,6 @@ def plan(
         p.pipeline_parallel_degree,
         p.context_parallel_ulysses_degree if takes else 1,
     )
-    context = Context(gpu, ngpu, nnodes, doc_mix, ac, job_config.model.flavor, balance, configured)
+    flavor = w.args.name if job_config.model.name == "hf" else job_config.model.flavor
+    context = Context(gpu, ngpu, nnodes, doc_mix, ac, flavor, balance, configured)
     return PlanResult(tuple(ranked), context, reason(ranked[0]), ranked[0].fits)
