@@ -48,3 +48,22 @@ def test_windows_and_sinks_come_from_the_config_and_moe_is_refused(tmp_path):
         hf_model_args(str(tmp_path))
     with pytest.raises(ValueError, match=r"model.hf_assets_path = .* holds no config.json"):
         hf_model_args(str(tmp_path / "missing"))
+
+
+def test_generation_with_the_hf_preset_checks_no_training_data(tmp_path):
+    pytest.importorskip("transformers")
+    from titan_cp.generate.cli import prepare  # noqa: PLC0415
+    from titan_cp.testing.hf import tiny_qwen3_folder  # noqa: PLC0415
+
+    folder = tiny_qwen3_folder(tmp_path / "qwen3")
+    (tmp_path / "p.txt").write_text("hello")
+    argv = [
+        "--job.config_file", "train_configs/hf/qwen3_cp.toml", "--model.hf_assets_path", str(folder),
+        "--checkpoint.initial_load_path", str(folder), "--job.dump_folder", str(tmp_path / "run"),
+        "--parallelism.context_parallel_degree", "1", "--generate.prompt_file", str(tmp_path / "p.txt"),
+        "--training.dataset_path", str(tmp_path / "no_such_data.jsonl"),  # as when run outside the repository
+    ]  # fmt: skip
+    job = prepare(load_config(argv, warn_adjustments=False), 1)
+    assert job is not None
+    with pytest.raises(ValueError, match=r"training.dataset_path"):  # training still checks it
+        load_config(argv, warn_adjustments=False).check_files()

@@ -177,11 +177,12 @@ class JobConfig:
             t.seq_len if v.seq_len == -1 else v.seq_len
         )
 
-    def check_files(self) -> None:
+    def check_files(self, training: bool = True) -> None:
         """What the files on disk and this machine can tell before any process starts: the output
         folder can be written, the tokenizer is JSON, each dataset's path exists, the checkpoint to
         resume (its files whole) or to start from, a microbatch fits the host memory. Raises
-        ``ValueError`` naming the key (and the file). Writes nothing."""
+        ``ValueError`` naming the key (and the file). Writes nothing. ``training=False`` (generation):
+        the datasets and the training microbatch are not checked (they are not read)."""
         from titan_cp.data.tokenizer import check_tokenizer_files  # noqa: PLC0415 - the data package imports torch
 
         _check_dump_folder(self.job.dump_folder)
@@ -191,9 +192,11 @@ class JobConfig:
             from titan_cp.integrations.hf_trainer import check_job  # noqa: PLC0415 - needs transformers
 
             check_job(self)
-        _check_dataset_paths(self.training, self.validation)
+        if training:
+            _check_dataset_paths(self.training, self.validation)
         _check_checkpoint_paths(self.checkpoint, Path(self.job.dump_folder))
-        _check_host_memory(self)
+        if training:
+            _check_host_memory(self)
 
 
 @functools.cache

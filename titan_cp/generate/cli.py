@@ -119,8 +119,8 @@ def _read(cfg: JobConfig, tokenizer, spec: ModelSpec):
 
 def prepare(cfg: JobConfig, world_size: int) -> GenerateJob:
     """Check everything the config and the files can tell for ``world_size`` ranks, before any process
-    group: ``ValueError`` naming the key (and the file and line)."""
-    cfg.check_files()
+    group: ``ValueError`` naming the key (and the file and line); the training data are not checked."""
+    cfg.check_files(training=False)
     p = cfg.parallelism
     dims = ParallelDims.from_config(cfg, world_size)
     if dims.pp_enabled:
