@@ -100,11 +100,24 @@ def _run(rank, world, case: dict, out_dir: str) -> dict:
     logs = [r for r in trainer.state.log_history if "loss" in r and "grad_norm" in r]
     result = {"loss": [r["loss"] for r in logs], "grad_norm": [r["grad_norm"] for r in logs]}
     if case.get("save_model"):
-        trainer.save_model(case["save_model"])
-        result["state"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-        return result
+        trainer.save_model(case["save_model"].format(world=world, cp=cp))
+        if case.get("steps"):  # the checkpoint test: the trained weights, no evaluation
+            result["state"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+            return result
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
+    if case.get("predict"):
+        result["predicted"] = _next_token_logits(trainer.predict(evaluate))
     return result
+
+
+def _next_token_logits(out) -> tuple[float, int]:
+    """Sum over every labelled token of its predecessor's logit for it, and their count: the same
+    however the set is batched, and wrong if a logit lands at another token's place."""
+    logits, labels = torch.as_tensor(out.predictions).double(), torch.as_tensor(out.label_ids)
+    target = labels[:, 1:]
+    valid = target != -100
+    picked = logits[:, :-1].gather(-1, target.clamp_min(0)[..., None])[..., 0]
+    return float(picked[valid].sum()), int(valid.sum())
 
 
 def _cases(folders: dict, tmp) -> dict:
@@ -113,16 +126,16 @@ def _cases(folders: dict, tmp) -> dict:
         2: [
             dict(name="sft_qwen3", folder=folders["qwen3"], trainer="sft", batch=2, eval_batch=2, cp=2),
             dict(name="flat_oss", folder=folders["gpt_oss"], trainer="flat", batch=4, eval_batch=2, cp=2, ga=2,
-                 average=False, cp_kwargs=dict(strategy="ulysses", balance="doc_zigzag")),
+                 average=False, predict=True, cp_kwargs=dict(strategy="ulysses", balance="doc_zigzag")),
             dict(name="sft_qwen3_bf16", folder=folders["qwen3"], trainer="sft", batch=2, eval_batch=2, cp=2,
                  bf16=True),  # TRL's default: autocast; compared with the fp32 run, loosely
         ],
         4: [
             dict(name="sft_llama", folder=folders["llama"], trainer="sft", batch=4, eval_batch=2, cp=2, ga=2),
             dict(name="flat_qwen3", folder=folders["qwen3"], trainer="flat", batch=4, eval_batch=2, cp=2, gc=True,
-                 cp_kwargs=dict(strategy="allgather")),
+                 predict=True, cp_kwargs=dict(strategy="allgather")),
             dict(name="fsdp_llama", folder=folders["llama"], trainer="flat", batch=4, eval_batch=2, cp=2, ga=2,
-                 cp_kwargs=dict(fsdp=True, activation_checkpointing="full")),
+                 save_model=str(tmp / "fsdp-{world}-{cp}"), cp_kwargs=dict(fsdp=True, activation_checkpointing="full")),
         ],
     }  # fmt: skip
 
@@ -144,6 +157,9 @@ def _close(got: dict, want: dict, name: str) -> None:
     assert got["loss"] == pytest.approx(want["loss"], abs=1e-6), name
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), name
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-6), name
+    if "predicted" in want:
+        assert got["predicted"][1] == want["predicted"][1], name
+        assert got["predicted"][0] == pytest.approx(want["predicted"][0], abs=1e-4), name  # ~100 logits of O(1)
 
 
 def test_trainer_and_sft_trainer_under_cp_equal_one_process(dist_pools, tmp_path):
@@ -164,6 +180,11 @@ def test_trainer_and_sft_trainer_under_cp_equal_one_process(dist_pools, tmp_path
                 continue
             _close(got[w][0][j], refs[i], cases[w][j]["name"])
             i += 1
+    # FSDP's save_model gathers the whole weights: the same as one process's after the same steps
+    one = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fsdp-1-0")).state_dict()
+    fsdp = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fsdp-4-2")).state_dict()
+    assert set(one) == set(fsdp)
+    assert max(float((one[k] - fsdp[k]).abs().max() / one[k].abs().max()) for k in one) < 1e-5
 
 
 # ---- what is refused, naming the fix --------------------------------------------------------------

@@ -132,6 +132,7 @@ class _EvalTally:
     step: int = 0
     ce_sum: float = 0.0
     tokens: int = 0
+    masked: torch.Tensor | None = None  # the last batch's labels, -100 on the repeated samples
 
 
 class ContextParallelMixin:
@@ -333,7 +334,17 @@ class ContextParallelMixin:
                 f"an evaluation batch of {len(lens)} samples has {labels.shape[0]} rows: titan_cp cannot tell "
                 "which are repeated; use a collator that keeps one row per sample or flattens them all"
             )
+        tally.masked = labels if key == "labels" else None
         return {**inputs, key: labels}
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The Trainer's step; in the last batch the returned labels are -100 on repeated samples too
+        (a flattened row cannot be cut at a sample, as ``gather_for_metrics`` cuts rows)."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        tally = self._cp_eval
+        if tally is not None and tally.masked is not None and isinstance(labels, torch.Tensor):
+            labels, tally.masked = tally.masked.to(labels.device), None
+        return loss, logits, labels
 
     # ---- evaluation ---------------------------------------------------------------------------
 
