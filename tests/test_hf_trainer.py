@@ -143,8 +143,8 @@ def _cases(folders: dict, tmp) -> dict:
 def _reference(case: dict) -> dict:
     """The same case on one process, the whole step's rows per batch, the eval set in one batch: the stock
     Trainer with eager attention; for gpt-oss the factory's on one process (``transformers``' eager
-    attention lets packed documents see each other in its sliding layers: 6.1644 where each document
-    alone gives 6.1433; titan_cp's one-process attention is checked per document in test_hf_integration)."""
+    gpt-oss does not keep a flattened row's documents apart: 6.1644 where each document alone gives
+    6.1433; titan_cp's one-process attention is checked per document in test_hf_integration)."""
     return {**case, "cp": 1 if "gpt_oss" in case["folder"] else 0, "eval_batch": len(EVAL_DOCS)}
 
 

@@ -146,7 +146,7 @@ def _check_call(module: nn.Module, binding: CPBinding | None, query, key, attent
             "model that apply_cp bound, use titan_cp's generation (python -m titan_cp.generate, "
             "titan_cp.generate.hf), not model.generate()"
         )
-    if binding.cp_size > 1 and kwargs.get("cp_doc_lens") is None:
+    if binding.cp_size > 1 and "cp_doc_lens" not in kwargs:  # None is given on purpose: one document a row
         raise ValueError(
             f"{where} runs under CP {binding.cp_size} but the batch did not come through the layout (no "
             "cp_doc_lens): shard each batch with titan_cp.integrations.transformers.shard_batch(batch, cp_mesh, "
