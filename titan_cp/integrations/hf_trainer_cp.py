@@ -139,6 +139,7 @@ class ContextParallelMixin:
     """The methods :func:`context_parallel_trainer` puts before the Trainer's (module docstring)."""
 
     cp_options: CPOptions
+    loss_is_scaled_for_ga = True  # compute_loss divides by the step's count, over every micro-batch
 
     def __init__(self, model: nn.Module | None = None, args=None, *rest, **kwargs):
         if model is None or kwargs.get("model_init") is not None:
@@ -153,7 +154,11 @@ class ContextParallelMixin:
         self._cp_bind(model)
         self._cp_eval: _EvalTally | None = None
         super().__init__(model, args, *rest, **kwargs)
-        self.loss_is_scaled_for_ga = True  # compute_loss divides by the step's count, over every micro-batch
+        if getattr(self.accelerator, "parallelism_config", None) is not None:
+            raise ValueError(
+                f"{type(self).__name__} builds its own (dp, cp) mesh: drop accelerate's parallelism_config "
+                "(TrainingArguments.parallelism_config / ACCELERATE_* parallelism settings)"
+            )
         if self.compute_loss_func is not None:
             raise ValueError(
                 f"{type(self).__name__} got compute_loss_func: under context parallelism the loss is the model's "

@@ -106,8 +106,9 @@ def _autocast_dtype(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, 
 
 def _check_layout_size(query: Tensor, binding: CPBinding, doc_lens) -> None:
     """The batch's documents (``doc_lens``, summed over a row) must fill ``S_local x cp`` tokens of the
-    mesh ``apply_cp`` bound: another sum means ``shard_batch`` ran over a mesh of another size."""
-    if doc_lens is None:
+    mesh ``apply_cp`` bound: another sum means ``shard_batch`` ran over a mesh of another size (not
+    checked inside ``torch.compile``'d layers, where reading the host tensor would break the graph)."""
+    if doc_lens is None or torch.compiler.is_compiling():
         return
     total, local = int(doc_lens[0].sum()), query.shape[2]
     if total != local * binding.cp_size:
