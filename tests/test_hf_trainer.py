@@ -2,8 +2,8 @@
 
 The oracle is the stock Trainer on one process (eager attention, ``use_cache=False``) on the same
 data: the first three steps' losses and gradient norms, and the eval loss of the whole set. The
-CP runs use the same Trainer class made context-parallel, on CP 2 (2 ranks) and on dp 2 x cp 2
-(4 ranks), each case a different model family, trainer, gradient accumulation and
+CP runs use the same Trainer class made context-parallel, on CP 2 (2 ranks), on dp 2 x cp 2 and
+on one CP 4 group (4 ranks), each case a different model family, trainer, gradient accumulation and
 ``average_tokens_across_devices``, so that each family (Qwen3, Llama, gpt-oss with windows and
 sinks) and each option appears once; one pool call per world size.
 
@@ -134,6 +134,8 @@ def _cases(folders: dict, tmp) -> dict:
             dict(name="sft_llama", folder=folders["llama"], trainer="sft", batch=4, eval_batch=2, cp=2, ga=2),
             dict(name="flat_qwen3", folder=folders["qwen3"], trainer="flat", batch=4, eval_batch=2, cp=2, gc=True,
                  predict=True, cp_kwargs=dict(strategy="allgather")),
+            dict(name="hybrid_qwen3", folder=folders["qwen3"], trainer="sft", batch=2, eval_batch=2, cp=4,
+                 cp_kwargs=dict(strategy="hybrid", ulysses_degree=2, balance="doc_zigzag")),  # one CP 4 group
             dict(name="fsdp_llama", folder=folders["llama"], trainer="flat", batch=4, eval_batch=2, cp=2, ga=2,
                  save_model=str(tmp / "fsdp-{world}-{cp}"), cp_kwargs=dict(fsdp=True, activation_checkpointing="full")),
         ],
