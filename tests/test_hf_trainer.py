@@ -83,7 +83,7 @@ def _run(rank, world, case: dict, out_dir: str) -> dict:
         save_strategy="steps" if case.get("save_steps") else "no", save_steps=case.get("save_steps", 500), seed=0, data_seed=0,
         train_sampling_strategy="sequential", average_tokens_across_devices=case.get("average", True),
         bf16=case.get("bf16", False), gradient_checkpointing=case.get("gc", False), disable_tqdm=True,
-        dataloader_num_workers=0,
+        dataloader_num_workers=0, include_num_input_tokens_seen="all",
     )  # fmt: skip
     train = datasets.Dataset.from_dict({"input_ids": TRAIN_DOCS})
     evaluate = datasets.Dataset.from_dict({"input_ids": EVAL_DOCS})
@@ -99,6 +99,7 @@ def _run(rank, world, case: dict, out_dir: str) -> dict:
     trainer.train(resume_from_checkpoint=case.get("resume"))
     logs = [r for r in trainer.state.log_history if "loss" in r and "grad_norm" in r]
     result = {"loss": [r["loss"] for r in logs], "grad_norm": [r["grad_norm"] for r in logs]}
+    result["tokens_seen"] = trainer.state.num_input_tokens_seen
     if case.get("save_model"):
         trainer.save_model(case["save_model"].format(world=world, cp=cp))
         if case.get("steps"):  # the checkpoint test: the trained weights, no evaluation
@@ -159,6 +160,7 @@ def _close(got: dict, want: dict, name: str) -> None:
     assert got["loss"] == pytest.approx(want["loss"], abs=1e-6), name
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), name
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-6), name
+    assert got["tokens_seen"] == want["tokens_seen"], name
     if "predicted" in want:
         assert got["predicted"][1] == want["predicted"][1], name
         assert got["predicted"][0] == pytest.approx(want["predicted"][0], abs=1e-4), name  # ~100 logits of O(1)

@@ -267,6 +267,12 @@ class ContextParallelMixin:
             n = int(t)
         return torch.tensor(n, dtype=torch.int64, device=device)
 
+    def _track_num_input_tokens(self, inputs) -> None:
+        """The Trainer's count, gathered over every rank, holds each cp group's rows ``cp`` times."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(_model_keys(inputs))
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.cp_size
+
     # ---- the loss -----------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
