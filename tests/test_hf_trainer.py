@@ -107,8 +107,23 @@ def _run(rank, world, case: dict, out_dir: str) -> dict:
             return result
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
     if case.get("predict"):
-        result["predicted"] = _next_token_logits(trainer.predict(evaluate))
+        out = trainer.predict(evaluate)
+        result["predicted"] = _next_token_logits(out)
+        if kind == "flat":  # no labels: the logits alone, the same
+            trainer.data_collator = _without_labels(trainer.data_collator)
+            bare = trainer.predict(evaluate)
+            assert bare.label_ids is None
+            assert torch.equal(torch.as_tensor(bare.predictions), torch.as_tensor(out.predictions))
     return result
+
+
+def _without_labels(collate):
+    def call(features):
+        batch = collate(features)
+        batch.pop("labels")
+        return batch
+
+    return call
 
 
 def _next_token_logits(out) -> tuple[float, int]:

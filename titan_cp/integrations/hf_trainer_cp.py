@@ -351,11 +351,29 @@ class ContextParallelMixin:
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The Trainer's step; in the last batch the returned labels are -100 on repeated samples too
         (a flattened row cannot be cut at a sample, as ``gather_for_metrics`` cuts rows)."""
+        if not any(inputs.get(k) is not None for k in ("labels", "shift_labels", *(self.label_names or ()))):
+            return None, (None if prediction_loss_only else self._cp_logits(model, inputs)), None
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         tally = self._cp_eval
         if tally is not None and tally.masked is not None and isinstance(labels, torch.Tensor):
             labels, tally.masked = tally.masked.to(labels.device), None
         return loss, logits, labels
+
+    def _cp_logits(self, model, inputs) -> torch.Tensor:
+        """Logits ``(B, S, V)`` of a batch without labels, in token order: sharded by the layout, run,
+        gathered over the cp group (the Trainer would run the whole rows, which the attention refuses)."""
+        inputs = _model_keys(self._prepare_inputs(inputs))
+        seq = inputs["input_ids"].shape[1]
+        local = shard_batch(
+            inputs,
+            self.cp_mesh,
+            balance=self.cp_options.balance,
+            pad_token_id=self.cp_pad_token_id,
+            device=self.args.device,
+        )
+        with torch.no_grad(), self.compute_loss_context_manager():
+            logits = model(**local).logits
+        return unshard(logits, local, self.cp_mesh)[:, :seq]
 
     # ---- evaluation ---------------------------------------------------------------------------
 
