@@ -183,7 +183,9 @@ def _check_shifted(shift: Tensor, ids: Tensor) -> None:
     """``shift_labels`` already shifted (``shift_labels[t]`` is token ``t + 1``), not ``input_ids`` itself
     (unshifted: every token would learn to predict itself)."""
     valid = shift != IGNORE_INDEX
-    if int(valid.sum()) > 1 and (shift == ids)[valid].all():
+    ahead = valid[:, :-1]
+    shifted = bool((shift[:, :-1] == ids[:, 1:])[ahead].all()) and not valid[:, -1].any()  # e.g. a run of one token
+    if int(valid.sum()) > 1 and (shift == ids)[valid].all() and not shifted:
         raise ValueError(
             "shift_labels equal input_ids at every labelled token: they are not shifted (each token would be "
             "its own target); pass them as labels (unshifted, HF's convention; shard_batch shifts them), or "
