@@ -3,9 +3,11 @@
 The oracle is the stock Trainer on one process (eager attention, ``use_cache=False``) on the same
 data: the first three steps' losses and gradient norms, and the eval loss of the whole set. The
 CP runs use the same Trainer class made context-parallel, on CP 2 (2 ranks), on dp 2 x cp 2 and
-on one CP 4 group (4 ranks), each case a different model family, trainer, gradient accumulation and
-``average_tokens_across_devices``, so that each family (Qwen3, Llama, gpt-oss with windows and
-sinks) and each option appears once; one pool call per world size.
+on one CP 4 group (4 ranks); the cases share out the model families (Qwen3, Llama, gpt-oss with
+windows and sinks), the two trainers, the strategies (ring, all-gather, Ulysses, hybrid), gradient
+accumulation, ``average_tokens_across_devices`` off, gradient checkpointing, FSDP2, ``predict()``
+and bf16 autocast (run, compared loosely), so that each appears at least once; one pool call per
+world size.
 
 Tolerances: the CP runs add the same fp32 numbers in another order: loss within 1e-6 (absolute, a
 loss of ~6), gradient norm within 1e-5 relative.
