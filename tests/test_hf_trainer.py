@@ -151,7 +151,7 @@ def _cases(folders: dict, tmp) -> dict:
         4: [
             dict(name="sft_llama", folder=folders["llama"], trainer="sft", batch=4, eval_batch=2, cp=2, ga=2),
             dict(name="flat_qwen3", folder=folders["qwen3"], trainer="flat", batch=4, eval_batch=2, cp=2, gc=True,
-                 predict=True, cp_kwargs=dict(strategy="allgather")),
+                 predict=True, cp_kwargs=dict(strategy="allgather", chunked_loss=True)),
             dict(name="hybrid_qwen3", folder=folders["qwen3"], trainer="sft", batch=2, eval_batch=2, cp=4,
                  cp_kwargs=dict(strategy="hybrid", ulysses_degree=2, balance="doc_zigzag")),  # one CP 4 group
             dict(name="fsdp_llama", folder=folders["llama"], trainer="flat", batch=4, eval_batch=2, cp=2, ga=2,
@@ -254,6 +254,8 @@ def test_misuse_on_one_process_is_refused_naming_the_fix():
         cp2(model=model, args=_args("/tmp/unused", label_smoothing_factor=0.1))
     with pytest.raises(ValueError, match=r"train_sampling_strategy = 'batch_rebalance' spreads rows over every rank"):
         cp2(model=model, args=_args("/tmp/unused", train_sampling_strategy="batch_rebalance"))
+    with pytest.raises(ValueError, match=r"chunked_loss=True\) is for transformers.Trainer with DDP: .*SFTTrainer"):
+        context_parallel_trainer(trl.SFTTrainer, cp_size=2, chunked_loss=True)
     for kwargs, message in [
         (dict(cp_size=0), r"cp_size=0\): a positive integer"),
         (dict(cp_size=2, balance="rows"), r"balance='rows'\): one of"),

@@ -61,6 +61,7 @@ class CPOptions:
     activation_checkpointing: str = "none"
     kernel: str | None = None
     fsdp: bool = False
+    chunked_loss: bool = False
 
 
 def _check_options(o: CPOptions) -> None:
@@ -95,6 +96,7 @@ def context_parallel_trainer(
     activation_checkpointing: str = "none",
     kernel: str | None = None,
     fsdp: bool = False,
+    chunked_loss: bool = False,
 ) -> type:
     """A subclass of ``trainer_class`` (``transformers.Trainer`` or a subclass: TRL's ``SFTTrainer``)
     that trains its model under context parallelism (module docstring).
@@ -112,13 +114,25 @@ def context_parallel_trainer(
         fsdp: shard the weights with FSDP2 over all ``dp x cp`` ranks (titan_cp's ``apply_fsdp``: one
             unit per decoder layer) instead of the Trainer's DDP; checkpoints then hold the model
             only (``save_only_model=True``), and ``save_model`` gathers the whole weights.
+        chunked_loss: in training, the loss from the last hidden states and the head's weight a chunk
+            of tokens at a time (``titan_cp.loss.chunked_cross_entropy_sum``): the ``(tokens x
+            vocabulary)`` logits never exist. For ``transformers.Trainer`` with DDP and a plain head
+            (TRL's ``SFTTrainer`` computes its loss with its own fused head already).
     """
     from transformers import Trainer  # noqa: PLC0415 - optional dependency
 
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
         raise ValueError(f"context_parallel_trainer takes a transformers.Trainer subclass, got {trainer_class!r}")
-    options = CPOptions(cp_size, strategy, balance, ulysses_degree, activation_checkpointing, kernel, bool(fsdp))
+    options = CPOptions(
+        cp_size, strategy, balance, ulysses_degree, activation_checkpointing, kernel, bool(fsdp), bool(chunked_loss)
+    )
     _check_options(options)
+    if chunked_loss and (fsdp or any(c.__name__ == "SFTTrainer" for c in trainer_class.__mro__)):
+        raise ValueError(
+            "context_parallel_trainer(chunked_loss=True) is for transformers.Trainer with DDP: "
+            f"{trainer_class.__name__} with fsdp={fsdp} computes its loss another way (SFTTrainer: its own fused "
+            "head; FSDP: the head's weight is sharded outside the forward); drop chunked_loss"
+        )
     name = f"ContextParallel{trainer_class.__name__}"
     return type(name, (ContextParallelMixin, trainer_class), {"cp_options": options, "__module__": __name__})
 
@@ -198,6 +212,16 @@ class ContextParallelMixin:
         apply_cp(model, self.cp_mesh, strategy=o.strategy, balance=o.balance, kernel=o.kernel)
         apply_ac(model, o.activation_checkpointing)
         self.cp_pad_token_id = _pad_token_id(model)
+        self.cp_head = None
+        if o.chunked_loss:
+            from titan_cp.integrations.hf_model import plain_head  # noqa: PLC0415
+
+            self.cp_head = plain_head(model)
+            if self.cp_head is None:
+                raise ValueError(
+                    f"context_parallel_trainer(chunked_loss=True): {type(model).__name__}'s forward does more than "
+                    "logits = lm_head(hidden) (or its head is not a bias-free Linear); drop chunked_loss"
+                )
         if o.fsdp and self.data_mesh is not None:
             _shard(model, self.data_mesh)
 
@@ -298,8 +322,11 @@ class ContextParallelMixin:
         )
         mine = int((local["shift_labels"] != IGNORE_INDEX).sum())
         local["num_items_in_batch"] = torch.tensor(max(mine, 1), dtype=torch.int64, device=self.args.device)
-        result = super().compute_loss(model, local, return_outputs=return_outputs, num_items_in_batch=None)
-        loss, outputs = result if return_outputs else (result, None)
+        if training and self.cp_head is not None:
+            loss, outputs = self._cp_chunked_loss(model, local, mine), None
+        else:
+            result = super().compute_loss(model, local, return_outputs=return_outputs, num_items_in_batch=None)
+            loss, outputs = result if return_outputs else (result, None)
         ce_sum = loss * max(mine, 1) if mine else loss * 0.0  # this rank's summed CE (the model divided by it)
         if training:
             scale = self.accelerator.num_processes if self.args.average_tokens_across_devices else self.cp_size
@@ -309,6 +336,23 @@ class ContextParallelMixin:
             if outputs is not None and getattr(outputs, "logits", None) is not None:
                 outputs["logits"] = unshard(outputs.logits, local, self.cp_mesh)[:, :seq]
         return (loss, outputs) if return_outputs else loss
+
+    def _cp_chunked_loss(self, model, local: dict, mine: int) -> torch.Tensor:
+        """This rank's summed CE over ``max(mine, 1)``, as the model's loss would be, from the decoder's
+        last hidden states (caught by a forward hook while the model runs with no logits kept) and
+        the head's weight, a chunk of tokens at a time."""
+        from titan_cp.loss import chunked_cross_entropy_sum  # noqa: PLC0415
+
+        caught = {}
+        labels = local.pop("shift_labels")
+        for key in ("labels", "num_items_in_batch"):
+            local.pop(key)
+        hook = self.model.get_decoder().register_forward_hook(lambda m, a, out: caught.update(h=out.last_hidden_state))
+        try:
+            model(**local, logits_to_keep=torch.zeros(labels.shape, dtype=torch.bool, device=labels.device))
+        finally:
+            hook.remove()
+        return chunked_cross_entropy_sum(caught["h"], self.cp_head.weight, labels) / max(mine, 1)
 
     def _cp_eval_loss(self, ce_sum: torch.Tensor, mine: int, group_tokens: int) -> torch.Tensor:
         """The batch's mean loss over the cp group (the same on each of its ranks); the tally of the
