@@ -20,17 +20,20 @@ from titan_cp.files import check_saved_hf_dataset
 from titan_cp.model import hf_checkpoint
 
 
-def check_files(cfg: JobConfig) -> None:
+def check_files(cfg: JobConfig, training: bool = True) -> None:
     """The output folder can be written, the tokenizer is JSON, the model family's files, each
     dataset's path exists, the checkpoint to resume (its files whole) or to start from, a
-    microbatch fits the host memory. Raises ``ValueError`` naming the key (and the file). Writes nothing."""
+    microbatch fits the host memory. Raises ``ValueError`` naming the key (and the file). Writes nothing.
+    ``training=False`` (generation): the datasets and the training microbatch are not checked (not read)."""
     _check_dump_folder(cfg.job.dump_folder)
     if cfg.model.hf_assets_path:
         check_tokenizer_files(cfg.model.hf_assets_path)
     get_family(cfg.model.name).check_files(cfg)
-    _check_dataset_paths(cfg.training, cfg.validation)
+    if training:
+        _check_dataset_paths(cfg.training, cfg.validation)
     _check_checkpoint_paths(cfg.checkpoint, Path(cfg.job.dump_folder))
-    _check_host_memory(cfg)
+    if training:
+        _check_host_memory(cfg)
 
 
 def _check_dataset_paths(t: Training, v: Validation) -> None:

@@ -11,6 +11,7 @@ The config, the preflight checks, the trainer and generation never compare a fam
     f.load_hf(parts, path, shapes)        initial weights from a Hugging Face folder
     f.save_hf(parts, folder, shapes, assets)   export as a Hugging Face folder
     f.planner_args(cfg)                   the flavor's shapes for the planner
+    f.builds(axis) / f.plan_label(cfg, shapes)   the meshes it is built for, its name in a plan
     f.generation_spec(cfg, vocab_size)    the model generation builds, with every parameter's shape
     f.build_for_generation(spec, dims, strategy, balance, device)
     f.owns(model) / f.runner(model)       generation's runner of a built model
@@ -64,6 +65,15 @@ class ModelFamily:
             f"model.name = {self.name!r}: the planner has no model of this family's shapes; plan with "
             "model.name = 'llama3' and the model.flavor closest to it"
         )
+
+    def builds(self, axis: str) -> bool:
+        """Whether this family's models are built for the mesh axis ``axis`` (``"tp"``, ``"pp"``; the
+        planner lists no other meshes)."""
+        return True
+
+    def plan_label(self, cfg, shapes) -> str:
+        """The model's name in the planner's output (``shapes``: :meth:`planner_args`'s)."""
+        return cfg.model.flavor
 
     def generation_spec(self, cfg, vocab_size: int):
         """The :class:`~titan_cp.generate.weights.ModelSpec` generation builds for ``cfg``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from titan_cp.families.base import ModelFamily, ModelSpec, register_family
-from titan_cp.model import hf_checkpoint
+from titan_cp.model import hf_checkpoint, hf_shapes
 from titan_cp.parallel.build import ModelParts
 
 _NAME = "model.name = 'hf'"
@@ -74,6 +74,15 @@ class HuggingFace(ModelFamily):
         from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
 
         return hf_trainer.save_weights(parts[0], folder, assets)
+
+    def planner_args(self, cfg):
+        return hf_shapes.hf_model_args(cfg.model.hf_assets_path)  # config.json alone: no transformers
+
+    def builds(self, axis: str) -> bool:
+        return axis not in ("tp", "pp")  # FSDP and context parallelism only
+
+    def plan_label(self, cfg, shapes) -> str:
+        return shapes.name
 
     def generation_spec(self, cfg, vocab_size: int) -> ModelSpec:
         from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional

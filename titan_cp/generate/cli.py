@@ -119,8 +119,8 @@ def _read(cfg: JobConfig, tokenizer, spec: ModelSpec):
 
 def prepare(cfg: JobConfig, world_size: int) -> GenerateJob:
     """Check everything the config and the files can tell for ``world_size`` ranks, before any process
-    group: ``ValueError`` naming the key (and the file and line)."""
-    check_files(cfg)
+    group: ``ValueError`` naming the key (and the file and line); the training data are not checked."""
+    check_files(cfg, training=False)
     p = cfg.parallelism
     dims = cfg.parallel_dims(world_size)
     if dims.pp_enabled:

@@ -111,11 +111,12 @@ def _documents(batch, b: int, s: int) -> list[list[int]]:
         raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ: titan_cp runs self-attention over the same documents")
     p = _host(batch, "position_ids")
     if p is not None:
-        p = p.expand(b, s) if p.dim() == 2 and p.shape[0] == 1 else p
-        if tuple(p.shape) != (b, s):
+        if p.dim() != 2 or p.shape[1] != s or p.shape[0] not in (1, b):
             raise ValueError(
-                f"position_ids has shape {tuple(p.shape)}, input_ids {(b, s)}: give one position per token"
+                f"position_ids has shape {tuple(p.shape)}, input_ids {(b, s)}: give one position per token "
+                "((batch, seq_len), or (1, seq_len) for every row)"
             )
+        p = p.expand(b, s)
     rows = _from_cu(cu, b, s) if cu is not None else None
     if p is not None:
         from_p = _from_positions(p)
@@ -139,12 +140,13 @@ def _doc_ends(rows: list[list[int]]) -> tuple[Tensor, Tensor]:
 
 def _check_unshifted(labels: Tensor, ids: Tensor) -> None:
     """``labels`` in HF's convention (``labels[t]`` is token ``t`` itself, -100 where no loss), not
-    already shifted (``labels[t] == input_ids[t + 1]``), which shifting again would misalign."""
+    already shifted (``labels[t] == input_ids[t + 1]``, whatever the last column holds: a
+    ``torch.roll(input_ids, -1, 1)`` wraps the first token round), which shifting again would misalign."""
     valid = labels != IGNORE_INDEX
     if not valid.any() or (labels == ids)[valid].all():
         return
     ahead = valid[:, :-1]
-    if ahead.any() and (labels[:, :-1] == ids[:, 1:])[ahead].all() and not valid[:, -1].any():
+    if ahead.any() and (labels[:, :-1] == ids[:, 1:])[ahead].all():
         raise ValueError(
             "labels look already shifted (labels[t] == input_ids[t + 1] at every labelled token), and "
             "shard_batch shifts them: pass labels unshifted (input_ids with -100 where no loss, HF's "
@@ -171,9 +173,35 @@ def _shifted_labels(batch, ids: Tensor, rows: list[list[int]]) -> Tensor | None:
         shifted = torch.full_like(labels, IGNORE_INDEX)
         shifted[:, :-1] = labels[:, 1:]
     else:
+        _check_shifted(shift, ids)
         shifted = shift.clone()
     shifted[_doc_ends(rows)] = IGNORE_INDEX
     return shifted
+
+
+def _check_shifted(shift: Tensor, ids: Tensor) -> None:
+    """``shift_labels`` already shifted (``shift_labels[t]`` is token ``t + 1``), not ``input_ids`` itself
+    (unshifted: every token would learn to predict itself)."""
+    valid = shift != IGNORE_INDEX
+    ahead = valid[:, :-1]
+    shifted = bool((shift[:, :-1] == ids[:, 1:])[ahead].all()) and not valid[:, -1].any()  # e.g. a run of one token
+    if int(valid.sum()) > 1 and (shift == ids)[valid].all() and not shifted:
+        raise ValueError(
+            "shift_labels equal input_ids at every labelled token: they are not shifted (each token would be "
+            "its own target); pass them as labels (unshifted, HF's convention; shard_batch shifts them), or "
+            "pass shift_labels[t] = input_ids[t + 1]"
+        )
+
+
+def count_loss_tokens(batch) -> int:
+    """The loss-bearing tokens of ``batch`` (an HF-style mapping as :func:`shard_batch` takes it): targets
+    that are not -100 once the labels are shifted inside each document; what ``shard_batch`` counts."""
+    _check_keys(batch)
+    ids = _host(batch, "input_ids")
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(ids.shape)}")
+    shifted = _shifted_labels(batch, ids, _documents(batch, *ids.shape))
+    return 0 if shifted is None else int((shifted != IGNORE_INDEX).sum())
 
 
 def _global_count(n: int, dp_mesh) -> int:
@@ -188,6 +216,60 @@ def _global_count(n: int, dp_mesh) -> int:
     t = torch.tensor(n, dtype=torch.int64, device=on)
     dist.all_reduce(t, group=group)
     return int(t)
+
+
+def _mesh_ranks(mesh) -> set[int]:
+    """The global ranks of this process's group in ``mesh`` (a ``DeviceMesh`` or a process group)."""
+    if hasattr(mesh, "mesh"):
+        return set(mesh.mesh.flatten().tolist())
+    return set(dist.get_process_group_ranks(mesh))
+
+
+def _check_meshes(cp_mesh, dp_mesh) -> None:
+    """``dp_mesh`` must hold this rank's data-parallel peers only: a cp peer in it would count the
+    step's tokens twice (every cp rank of a group holds the same rows)."""
+    if cp_mesh is None or dp_mesh is None:
+        return
+    shared = _mesh_ranks(cp_mesh) & _mesh_ranks(dp_mesh)
+    if len(shared) > 1:
+        raise ValueError(
+            f"dp_mesh holds ranks {sorted(shared)} of this rank's cp group too: pass the data-parallel mesh "
+            "only (e.g. mesh['dp'] of a (dp, cp) mesh), not the whole world; the cp ranks of a group hold the "
+            "same rows, so counting over them would divide the loss by the cp size"
+        )
+
+
+def _fingerprint(ids: Tensor, shifted: Tensor | None, rows: list[list[int]]) -> Tensor:
+    """A few int64 numbers that differ when two ranks hold different rows (shape, tokens, labels, documents)."""
+    w = torch.arange(1, ids.numel() + 1, dtype=torch.int64).view(ids.shape)
+    labels = torch.zeros_like(ids) if shifted is None else shifted.to(torch.int64)
+    docs = torch.tensor([len(r) for r in rows] + [n * (i + 1) for r in rows for i, n in enumerate(r)])
+    return torch.stack(
+        [
+            torch.tensor(ids.numel()),
+            torch.tensor(ids.shape[0]),
+            (ids * w).sum(),
+            ids.sum(),
+            (labels * w).sum(),
+            docs.sum(),
+        ]
+    )
+
+
+def _check_same_rows(ids: Tensor, shifted: Tensor | None, rows: list[list[int]], cp_mesh) -> None:
+    """Every rank of a cp group must hold the same rows (each takes its shard of them): one small
+    all-gather of fingerprints over the cp group."""
+    group = cp_mesh.get_group() if cp_mesh.ndim == 1 else cp_mesh._flatten().get_group()
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = _fingerprint(ids, shifted, rows).to(on)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    if any(not torch.equal(x, every[0]) for x in every):
+        raise ValueError(
+            "the ranks of a cp group passed different rows to shard_batch: every cp rank must hold the same "
+            "rows (each keeps its shard of them); spread rows over the data-parallel ranks only (a sampler "
+            "over mesh['dp'], or titan_cp.integrations.transformers.context_parallel_trainer for a Trainer)"
+        )
 
 
 def _check_keys(batch) -> None:
@@ -205,6 +287,26 @@ def _check_keys(batch) -> None:
             "attention_mask has padding (zeros): titan_cp runs packed rows without padding masks; pack with "
             "DataCollatorWithFlattening, or make the padding a document of its own with labels -100"
         )
+
+
+def _loss_count(shifted: Tensor, num_items_in_batch: int | None, dp_mesh) -> int:
+    """The step's loss-bearing tokens: ``num_items_in_batch``, or counted in ``shifted`` and summed over
+    ``dp_mesh``; ``ValueError`` when it is not positive."""
+    if num_items_in_batch is None:
+        n = _global_count(int((shifted != IGNORE_INDEX).sum()), dp_mesh)
+        if n <= 0:
+            raise ValueError(
+                "the step has no loss-bearing token: every label is -100 once shifted inside each document, "
+                "over all dp ranks (a document's last token has no target); give labels to some tokens"
+            )
+        return n
+    n = int(num_items_in_batch)
+    if n <= 0:
+        raise ValueError(
+            f"num_items_in_batch = {n}: it must be the step's count of loss-bearing tokens (> 0), over "
+            "every micro-batch and dp rank; pass None to have shard_batch count them"
+        )
+    return n
 
 
 def shard_batch(
@@ -247,6 +349,9 @@ def shard_batch(
     b, s = ids.shape
     rows = _documents(batch, b, s)
     shifted = _shifted_labels(batch, ids, rows)
+    _check_meshes(cp_mesh, dp_mesh)
+    if cp_mesh is not None and cp_mesh.size() > 1:
+        _check_same_rows(ids, shifted, rows, cp_mesh)
     cp = 1 if cp_mesh is None else cp_mesh.size()
     extra = -s % seq_len_multiple(balance, cp)
     if extra:
@@ -267,12 +372,7 @@ def shard_batch(
 
     out = {"input_ids": local(ids), "position_ids": local(_doc_positions(rows))}
     if shifted is not None:
-        if num_items_in_batch is None:
-            n = _global_count(int((shifted != IGNORE_INDEX).sum()), dp_mesh)
-        else:
-            n = int(num_items_in_batch)
-        if n <= 0:
-            raise ValueError("the step has no loss-bearing token (every label is -100, over all dp ranks)")
+        n = _loss_count(shifted, num_items_in_batch, dp_mesh)
         out["labels"] = out["shift_labels"] = local(shifted)
         out["num_items_in_batch"] = torch.tensor(n, dtype=torch.int64, device=device)
     out.update(cp_doc_lens=layout.doc_lens_tensor(), cp_balance=balance, use_cache=False)

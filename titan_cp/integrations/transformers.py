@@ -40,13 +40,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from titan_cp.attention.api import attend, check_mask, check_qkv, register_spec
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
-from titan_cp.integrations.hf_batch import shard_batch, unshard
+from titan_cp.integrations.hf_batch import count_loss_tokens, shard_batch, unshard
 from titan_cp.integrations.hf_model import (
     attention_modules,
     check_supported,
@@ -71,6 +72,8 @@ __all__ = [
     "apply_fsdp",
     "apply_tiled_mlp",
     "check_supported",
+    "context_parallel_trainer",
+    "count_loss_tokens",
     "shard_batch",
     "titan_cp_attention",
     "titan_cp_mask",
@@ -95,10 +98,36 @@ class CPBinding:
     chunk: int | None = None
 
 
+def _autocast_dtype(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Under autocast, q, k, v of mixed dtypes (e.g. fp32 q/k from Qwen3's q/k norms, bf16 v from its
+    projection) run at the autocast dtype, as SDPA would run them; outside autocast they must agree."""
+    kind = query.device.type
+    if len({query.dtype, key.dtype, value.dtype}) == 1 or not torch.is_autocast_enabled(kind):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(kind)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
+def _check_layout_size(query: Tensor, binding: CPBinding, doc_lens) -> None:
+    """The batch's documents (``doc_lens``, summed over a row) must fill ``S_local x cp`` tokens of the
+    mesh ``apply_cp`` bound: another sum means ``shard_batch`` ran over a mesh of another size (not
+    checked inside ``torch.compile``'d layers, where reading the host tensor would break the graph)."""
+    if doc_lens is None or torch.compiler.is_compiling():
+        return
+    total, local = int(doc_lens[0].sum()), query.shape[2]
+    if total != local * binding.cp_size:
+        raise ValueError(
+            f"the batch's rows hold {total} tokens but this rank has {local} of them under the cp size "
+            f"{binding.cp_size} that apply_cp bound: shard_batch ran over a cp mesh of size {total / local:g}; "
+            "pass shard_batch the same cp mesh as apply_cp"
+        )
+
+
 def _cp_attend(query: Tensor, key: Tensor, value: Tensor, binding: CPBinding, doc_lens, scale: float, sinks) -> Tensor:
     """The one call of the CP attention op: causal inside each document of ``doc_lens``, with the
     layer's window or chunks, and ``sinks`` ``(H,)`` (per-head logits in every softmax denominator).
     q ``(B, H, S_local, E)``, k/v ``(B, K, S_local, E)`` -> ``(B, H, S_local, E)`` (token-major storage)."""
+    query, key, value = _autocast_dtype(query, key, value)
     check_qkv(query, key, value)
     mask = check_mask(True, binding.window, binding.chunk, sinks, query.shape[1])
     return attend(query, key, value, binding.handle, doc_lens, True, scale, mask.window, mask.chunk, sinks)
@@ -117,7 +146,17 @@ def _check_call(module: nn.Module, binding: CPBinding | None, query, key, attent
             "(cp_doc_lens), never a dense mask; drop attention_mask (pad with a document of its own instead)"
         )
     if key.shape[2] != query.shape[2]:
-        raise ValueError(f"{where}: titan_cp attention runs without a KV cache; pass use_cache=False")
+        raise ValueError(
+            f"{where}: titan_cp attention trains and scores whole rows, without a KV cache; to generate from a "
+            "model that apply_cp bound, use titan_cp's generation (python -m titan_cp.generate, "
+            "titan_cp.generate.hf_runner), not model.generate()"
+        )
+    if binding.cp_size > 1 and "cp_doc_lens" not in kwargs:  # None is given on purpose: one document a row
+        raise ValueError(
+            f"{where} runs under CP {binding.cp_size} but the batch did not come through the layout (no "
+            "cp_doc_lens): shard each batch with titan_cp.integrations.transformers.shard_batch(batch, cp_mesh, "
+            "balance=...) and call model(**local)"
+        )
     if isinstance(getattr(module, "sinks", None), nn.Parameter) and kwargs.get("s_aux") is None:
         raise ValueError(f"{where} has attention sinks but did not pass them (s_aux): titan_cp cannot run it")
     if kwargs.get("softcap") is not None:
@@ -161,6 +200,7 @@ def titan_cp_attention(
     doc_lens = kwargs.get("cp_doc_lens")
     if doc_lens is not None and not isinstance(doc_lens, Tensor):
         raise ValueError("cp_doc_lens must be the (batch, max_docs) host tensor that shard_batch returns")
+    _check_layout_size(query, binding, doc_lens)
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     out = _cp_attend(query, key, value, binding, doc_lens, scale, kwargs.get("s_aux"))
     return out.transpose(1, 2), None
@@ -177,8 +217,30 @@ def titan_cp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, atte
     return None
 
 
+def _refuse_cp_batches(name: str, attend_fn):
+    """``attend_fn`` (another registered attention implementation) that refuses a batch from
+    :func:`shard_batch`: such a batch is one rank's shard in layout order, which only titan_cp's
+    attention reads right (any other would run it as a short sequence of its own, silently wrong)."""
+
+    def guarded(module, *args, **kwargs):
+        if kwargs.get("cp_doc_lens") is not None:
+            raise ValueError(
+                f"{type(module).__name__} runs attn_implementation={name!r} but got a batch from shard_batch "
+                "(cp_doc_lens): load the model with attn_implementation='titan_cp' and call "
+                "titan_cp.integrations.transformers.apply_cp(model, cp_mesh) before feeding it shard_batch's output"
+            )
+        return attend_fn(module, *args, **kwargs)
+
+    guarded.titan_cp_guarded = True
+    return guarded
+
+
 AttentionInterface.register(ATTN_IMPLEMENTATION, titan_cp_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, titan_cp_mask)
+for _name in [n for n in AttentionInterface._global_mapping if not n.startswith(ATTN_IMPLEMENTATION)]:
+    _fn = AttentionInterface._global_mapping[_name]
+    if not getattr(_fn, "titan_cp_guarded", False):
+        AttentionInterface.register(_name, _refuse_cp_batches(_name, _fn))
 
 
 def bind_cp(model: nn.Module, cp_mesh, strategy: str = DEFAULT_STRATEGY, balance: str = DEFAULT_BALANCE, kernel=None):
@@ -220,6 +282,7 @@ def bind_cp(model: nn.Module, cp_mesh, strategy: str = DEFAULT_STRATEGY, balance
     for module in modules:
         window, chunk = layer_mask(hf.config, module.layer_idx)
         setattr(module, BINDING, CPBinding(handle, strategy, balance, cp_size, window, chunk))
+    hf.generate = _refuse_generate
     return model
 
 
@@ -228,3 +291,14 @@ def _adapter(model: nn.Module):
 
 
 register_adapter(_adapter)
+
+
+def _refuse_generate(*args, **kwargs):
+    raise ValueError(
+        "model.generate() after apply_cp: titan_cp attention trains and scores whole rows, without a KV cache; "
+        "generate with titan_cp's generation (python -m titan_cp.generate, or titan_cp.generate.hf_runner), or with "
+        "a copy of the model loaded with another attn_implementation"
+    )
+
+
+from titan_cp.integrations.hf_trainer_cp import context_parallel_trainer  # noqa: E402 - it binds with apply_cp

@@ -293,6 +293,8 @@ def plan(
     w, ac = workload_of(job_config, gpu, doc_mix, seed, host_gb)
     stack = stack or Stack(matmul_speedup=matmul_speedup)
     cands = candidates(w.args, t.seq_len, ngpu, nnodes, balance, t.local_batch_size, w.microbatch_rows)
+    family = get_family(job_config.model.name)  # only the meshes its models are built for
+    cands = [c for c in cands if (c.tp == 1 or family.builds("tp")) and (c.pp == 1 or family.builds("pp"))]
     if not cands:
         raise ValueError(
             f"training.seq_len ({t.seq_len}) is divided by no cp degree of {ngpu} GPUs "
@@ -316,7 +318,7 @@ def plan(
         p.pipeline_parallel_degree,
         p.context_parallel_ulysses_degree if takes else 1,
     )
-    context = Context(gpu, ngpu, nnodes, doc_mix, ac, job_config.model.flavor, balance, configured)
+    context = Context(gpu, ngpu, nnodes, doc_mix, ac, family.plan_label(job_config, w.args), balance, configured)
     return PlanResult(tuple(ranked), context, note + reason(ranked[0]), ranked[0].fits)
 
 
