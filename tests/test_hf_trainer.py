@@ -149,7 +149,9 @@ def _cases(folders: dict, tmp) -> dict:
                  bf16=True),  # TRL's default: autocast; compared with the fp32 run, loosely
         ],
         4: [
-            dict(name="sft_llama", folder=folders["llama"], trainer="sft", batch=4, eval_batch=2, cp=2, ga=2),
+            dict(name="sft_llama", folder=folders["llama"], trainer="sft", batch=4, eval_batch=2, cp=2, ga=2,
+                 cp_kwargs=dict(activation_checkpointing="full", cpu_offload=True, blocks_per_checkpoint=2,
+                                tile_tokens=8)),  # the memory options: the same numbers
             dict(name="flat_qwen3", folder=folders["qwen3"], trainer="flat", batch=4, eval_batch=2, cp=2, gc=True,
                  predict=True, cp_kwargs=dict(strategy="allgather", chunked_loss=True)),
             dict(name="hybrid_qwen3", folder=folders["qwen3"], trainer="sft", batch=2, eval_batch=2, cp=4,
@@ -261,6 +263,7 @@ def test_misuse_on_one_process_is_refused_naming_the_fix():
         (dict(cp_size=2, balance="rows"), r"balance='rows'\): one of"),
         (dict(cp_size=2, ulysses_degree=2), r"ulysses_degree=2\) is for strategy='hybrid'"),
         (dict(cp_size=2, activation_checkpointing="all"), r"activation_checkpointing='all'\): one of"),
+        (dict(cp_size=2, cpu_offload=True), r"cpu_offload=, blocks_per_checkpoint=\) shape titan_cp's activation"),
     ]:
         with pytest.raises(ValueError, match=message):
             context_parallel_trainer(transformers.Trainer, **kwargs)
