@@ -446,12 +446,27 @@ def op_bytes(func, args, kwargs, out) -> int:
     return sum(map(_nbytes, inputs)) + sum(map(_nbytes, outs))
 
 
+def engine_site() -> str:
+    """Where the engine issued the operation being dispatched: ``module.function`` of the innermost
+    frame in :mod:`titan_cp.attention` or :mod:`titan_cp.layout` (``"other"`` when none is)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("titan_cp.attention.") or name == "titan_cp.layout":
+            return f"{name.rsplit('.', 1)[-1]}.{frame.f_code.co_qualname}"
+        frame = frame.f_back
+    return "other"
+
+
 class TrafficMeter(TorchDispatchMode):
-    """Counts the operations outside the kernel and the HBM bytes they read and write (:func:`op_bytes`)."""
+    """Counts the operations outside the kernel and the HBM bytes they read and write (:func:`op_bytes`);
+    ``sites`` splits them by where the engine issued them and which op it was
+    (``{("fold.Results.fold", "index_copy"): [ops, bytes]}``)."""
 
     def __init__(self, kernel: MeteredFlash):
         super().__init__()
         self.kernel, self.ops, self.bytes = kernel, 0, 0
+        self.sites: dict[tuple[str, str], list[int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -460,6 +475,10 @@ class TrafficMeter(TorchDispatchMode):
             nbytes = op_bytes(func, args, kwargs, out)
             self.bytes += nbytes
             self.ops += nbytes > 0
+            if nbytes:
+                entry = self.sites.setdefault((engine_site(), func.__name__.split(".")[0].rstrip("_")), [0, 0])
+                entry[0] += 1
+                entry[1] += nbytes
         return out
 
 
@@ -476,6 +495,7 @@ class RankTrace:
     segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     outside_ops: int = 0  # operations outside the kernel that move data (views and allocations excluded)
     outside_bytes: int = 0  # HBM bytes they read and write
+    sites: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (site, op): [ops, bytes]
 
     def calls_per_step(self, op: str) -> float:
         return sum(c.op == op for c in self.calls) / self.steps
@@ -536,7 +556,7 @@ def simulate(
                 sent.bytes_sent,
                 list(meter.segments),
             )
-            trace.outside_ops, trace.outside_bytes = traffic.ops, traffic.bytes
+            trace.outside_ops, trace.outside_bytes, trace.sites = traffic.ops, traffic.bytes, traffic.sites
             traces.append(trace)
             aten.violations.clear()
     return traces

@@ -24,13 +24,26 @@ device, as ``gpu_check``'s simulated ring measures it::
 
 ``efficiency`` counts the bytes only (the issue that asked for this model counted them so);
 ``efficiency_with_launches`` adds the per-operation floor: an upper and a lower estimate.
+
+``outside_gb_by_kind`` splits the outside bytes of the rank moving most by what they are for
+(:func:`traffic_kind`, from where in :mod:`titan_cp.attention` each operation was issued)::
+
+    layout        the model's tensors to and from the engine's token-major buffers, heads exchanged
+    repack        q/k/v/out/dout/lse rows gathered for a kernel call, packed results concatenated
+    result        single-segment rows written into the result (input dtype)
+    merge         the forward's fp32 accumulators: allocation, first write, log-sum-exp merges, final write
+    grad_acc      gradients accumulated in fp32 slots and written out
+    buffers       K/V stacked, taken and copied for sending; receive and gradient-return buffers
+    sinks         attention sinks folded in
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from titan_cp.attention.plans import Mask, make_plan
+from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.layout import get_layout
 from titan_cp.plan.devices import GPUS
 from titan_cp.plan.kernels import BWD_FLOPS_PER_PAIR_DIM, FWD_FLOPS_PER_PAIR_DIM
@@ -68,6 +81,40 @@ def one_call_segments(seq_len: int, doc_lens, mask: Mask) -> list:
     rows = 1 if doc_lens is None else len(doc_lens)
     calls = make_plan(layout, None, None, mask).host_calls(rows)
     return [(op, c.causal, c.host_q, c.host_k) for op in ("forward", "backward") for c in calls]
+
+
+_KINDS = {
+    "plans.token_major": "layout", "plans.head_major": "layout", "ulysses": "layout", "hybrid": "layout",
+    "layout": "layout", "allgather.AllGather.forward": "buffers", "allgather.AllGather.backward": "buffers",
+    "plans.Rows.take": "repack", "fold.attend": "repack", "fold.attend_backward": "repack",
+    "fold.Results.__init__": "merge", "fold.Results.finish": "merge", "merge": "merge", "fused.merge_rows": "merge",
+    "fold.Grads": "grad_acc", "ring._add_home": "grad_acc", "ring.ring_backward": "grad_acc",
+    "ring._post_kv": "buffers", "ring.ring_forward": "buffers", "comm": "buffers",
+}  # fmt: skip
+
+
+def traffic_kind(site: str, op: str) -> str:
+    """The kind of an operation outside the kernel (module docstring) from its ``(site, op)``
+    (:attr:`~titan_cp.tools.fake_cuda.RankTrace.sites`): the longest matching site prefix decides."""
+    if site == "fold.Results.fold":
+        return {"index_copy": "result", "merge_rows": "merge", "write_rows": "merge"}.get(op, "merge")
+    if site == "fold.Grads.add" and op == "index_copy":
+        return "result"
+    if site.startswith("ring.ring_backward") and op in ("stack", "clone"):
+        return "buffers"
+    if site.startswith(("merge.apply_sinks_", "merge.sinks_grad")) or op == "logaddexp":
+        return "sinks"
+    best = max((k for k in _KINDS if site.startswith(k)), key=len, default=None)
+    return _KINDS[best] if best else "other"
+
+
+def by_kind(sites: dict) -> dict[str, float]:
+    """GB per :func:`traffic_kind` of a trace's ``sites``, largest first."""
+    out: dict[str, int] = {}
+    for (site, op), (_, nbytes) in sites.items():
+        kind = traffic_kind(site, op)
+        out[kind] = out.get(kind, 0) + nbytes
+    return {k: round(v / 1e9, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
 def predict(
@@ -109,6 +156,7 @@ def predict(
         "one_call_ms": round(1e3 * one, 3),
         "kernel_ms_all_ranks": round(1e3 * sum(kernel), 3),
         "outside_gb_per_rank_max": round(max(t.outside_bytes for t in traces) / 1e9, 3),
+        "outside_gb_by_kind": by_kind(max(traces, key=lambda t: t.outside_bytes).sites),
         "outside_ms_all_ranks": round(1e3 * sum(outside), 3),
         "outside_ops_per_rank_max": max(t.outside_ops for t in traces),
         "comm_gb_per_rank_max": round(max(t.bytes_sent for t in traces) / 1e9, 3),
@@ -117,6 +165,50 @@ def predict(
         "efficiency_with_launches": round(one / (sum(kernel) + sum(outside) + sum(launches)), 4),
         "straggler_efficiency": round(one / (cp * max(a + b for a, b in zip(kernel, outside))), 4),
     }
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    """One row of the model's table: a mix of documents (``None``: one causal document), its layout, a
+    window, the strategies it is counted for and the efficiency bar each must reach."""
+
+    name: str
+    doc_lens: tuple[tuple[int, ...], ...] | None
+    balance: str
+    window: int | None
+    strategies: tuple[str, ...]
+    bar: float
+
+
+def model_rows(seq_len: int = 131072, seed: int = 0) -> list[ModelRow]:
+    """The rows issue 28 bars, drawn with ``seed`` (log-normal lengths, :func:`lognormal_doc_lens`):
+    one causal document; documents of mean 1K (sigma 1), 256 (sigma 1), and heavy-tailed mixes of
+    mean 4K and 16K (sigma 1.5) under ``doc_local``; sliding windows of 1,024 and 4,096 on one document
+    and 1,024 over mean-1K documents."""
+
+    def docs(mean: int, sigma: float) -> tuple[tuple[int, ...], ...]:
+        return (tuple(lognormal_doc_lens(seq_len, mean, seed=seed, sigma=sigma)),)
+
+    every = ("ring", "allgather", "ulysses", "hybrid")
+    return [
+        ModelRow("causal", None, "zigzag", None, ("ring", "allgather"), 0.97),
+        ModelRow("docs_1k", docs(1024, 1.0), "doc_local", None, every, 0.92),
+        ModelRow("docs_256", docs(256, 1.0), "doc_local", None, ("ring",), 0.92),
+        ModelRow("long_tail_4k", docs(4096, 1.5), "doc_local", None, ("ring", "allgather"), 0.85),
+        ModelRow("long_docs_16k", docs(16384, 1.5), "doc_local", None, ("ring",), 0.85),
+        ModelRow("window_1024", None, "zigzag", 1024, ("ring",), 0.85),
+        ModelRow("window_4096", None, "zigzag", 4096, ("ring",), 0.90),
+        ModelRow("window_1024_docs_1k", docs(1024, 1.0), "doc_local", 1024, ("ring",), 0.85),
+    ]
+
+
+def predict_row(row: ModelRow, strategy: str, seq_len: int = 131072, cp: int = 8, fraction: float | None = 0.6):
+    """:func:`predict` of one :class:`ModelRow` with Llama 3 8B heads (32 query, 8 K/V, head_dim 128),
+    hybrid on a Ulysses degree of 2; the record names the row and carries its bar."""
+    docs = None if row.doc_lens is None else [list(r) for r in row.doc_lens]
+    ulysses = 2 if strategy == "hybrid" else 1
+    rec = predict(strategy, seq_len, cp, 32, 8, 128, docs, row.balance, ulysses, window=row.window, fraction=fraction)
+    return {"mix": row.name, "bar": row.bar, **rec}
 
 
 def get_ulysses(strategy: str, cp: int, ulysses_degree: int) -> int:
