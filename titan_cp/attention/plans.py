@@ -183,16 +183,13 @@ class MaskPlan:
         """Sorted rows of the query buffer that see some key of the plan (host, int64)."""
         return self._memo(("queries", batch), lambda: _unique([c.q_rows for c in self.host_calls(batch)]))
 
-    def q_dest(self, batch: int) -> torch.Tensor:
-        """The query row of every packed output row, calls in order (host, int64)."""
-        calls = self.host_calls(batch)
-        return torch.cat([c.q_rows for c in calls]) if calls else torch.zeros(0, dtype=torch.int64)
+    def q_dest(self, batch: int) -> list[torch.Tensor]:
+        """The query row of every packed output row, one tensor per call (host, int64)."""
+        return [c.q_rows for c in self.host_calls(batch)]
 
-    def k_dest(self, batch: int, key_map: torch.Tensor | None = None) -> torch.Tensor:
-        """The key buffer row of every packed key row, calls in order (host, int64; through ``key_map``)."""
-        calls = self.host_calls(batch)
-        rows = torch.cat([c.k_rows for c in calls]) if calls else torch.zeros(0, dtype=torch.int64)
-        return rows if key_map is None else key_map[rows]
+    def k_dest(self, batch: int, key_map: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The key buffer row of every packed key row, one tensor per call (host, int64; through ``key_map``)."""
+        return [c.k_rows if key_map is None else key_map[c.k_rows] for c in self.host_calls(batch)]
 
     def index(self, batch: int, device: torch.device, key_map: tuple | None = None) -> PlanIndex:
         """Device-resident index tensors for ``batch`` rows (cached).

@@ -324,7 +324,7 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
     from titan_cp.attention import fold  # noqa: PLC0415 - the engine
     from titan_cp.attention.fused import add_rows  # noqa: PLC0415
     from titan_cp.attention.plans import Mask, head_major, token_major  # noqa: PLC0415
-    from titan_cp.attention.ring import ring_steps  # noqa: PLC0415
+    from titan_cp.attention.ring import received_grads, ring_steps  # noqa: PLC0415
 
     n, b = layout.cp_size, q.shape[0]
     rings = [ring_steps(layout, r, n, lambda i: (i,), Mask(causal), b, q.device) for r in range(n)]
@@ -358,23 +358,28 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
     if dout is None:
         return out
     dos = shards(dout)
-    dq = [fold.Grads(qs[r], rings[r].folds.multi, rings[r].folds.slots) for r in range(n)]
-    dkv = [[fold.Grads(kv[r][j], rings[r].keys.multi, rings[r].keys.slots) for j in (0, 1)] for r in range(n)]
+    dq = [fold.Grads.of(qs[r], rings[r].folds) for r in range(n)]
+    dkv = [[fold.Grads.of(kv[r][j], rings[r].keys) for j in (0, 1)] for r in range(n)]
+    for r in range(n):  # every rank's own step first: its key gradients are written before any arrive
+        dqs, dks, dvs = fold.attend_backward(
+            dos[r], qs[r], kv[r][0], kv[r][1], outs[r], lses[r], rings[r].steps[0].index, kernel, scale
+        )
+        dq[r].add(0, rings[r].folds.grad[0], dqs)
+        dkv[r][0].add(0, rings[r].keys.steps[0], dks)
+        dkv[r][1].add(0, rings[r].keys.steps[0], dvs)
     for r in range(n):
-        for i in range(n):
+        for i in range(1, n):
             buf, step = received(kv, r, i), rings[r].steps[i]
             if buf is None:
                 continue
-            packed = fold.attend_backward(dos[r], qs[r], buf[0], buf[1], outs[r], lses[r], step.index, kernel, scale)
-            dq[r].add(rings[r].folds.grad[i], packed[0])
+            dqs, dks, dvs = fold.attend_backward(
+                dos[r], qs[r], buf[0], buf[1], outs[r], lses[r], step.index, kernel, scale
+            )
+            dq[r].add(i, rings[r].folds.grad[i], dqs)
+            grad = received_grads(buf, step.grads, dks, dvs)  # the rows received, home to their owner's slots
+            src = (r - i) % n
             for j in (0, 1):
-                if i == 0:
-                    dkv[r][j].add(rings[r].keys.steps[0], packed[1 + j])
-                else:  # the gradients of the rows received, home to their owner's slots
-                    grad = torch.zeros(buf[j].shape, dtype=torch.float32, device=buf.device)
-                    add_rows(grad, step.grads.dst, step.grads.take(packed[1 + j]))
-                    src = (r - i) % n
-                    add_rows(dkv[src][j].acc, rings[src].steps[i].home, grad)
+                add_rows(dkv[src][j].acc, rings[src].steps[i].home, grad[j])
     grads = [unshard([g.finish() for g in dq], q.dtype)]
     grads += [unshard([dkv[r][j].finish() for r in range(n)], x.dtype) for j, x in ((0, k), (1, v))]
     return out, tuple(grads)
