@@ -203,12 +203,22 @@ def model_rows(seq_len: int = 131072, seed: int = 0) -> list[ModelRow]:
     ]
 
 
-def predict_row(row: ModelRow, strategy: str, seq_len: int = 131072, cp: int = 8, fraction: float | None = 0.6):
-    """:func:`predict` of one :class:`ModelRow` with Llama 3 8B heads (32 query, 8 K/V, head_dim 128),
-    hybrid on a Ulysses degree of 2; the record names the row and carries its bar."""
+def predict_row(
+    row: ModelRow,
+    strategy: str,
+    seq_len: int = 131072,
+    cp: int = 8,
+    fraction: float | None = 0.6,
+    heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+) -> dict:
+    """:func:`predict` of one :class:`ModelRow` (``seq_len`` its rows' length), by default with Llama 3 8B
+    heads, hybrid on a Ulysses degree of 2; the record names the row and carries its bar."""
     docs = None if row.doc_lens is None else [list(r) for r in row.doc_lens]
     ulysses = 2 if strategy == "hybrid" else 1
-    rec = predict(strategy, seq_len, cp, 32, 8, 128, docs, row.balance, ulysses, window=row.window, fraction=fraction)
+    shape = (seq_len, cp, heads, kv_heads, head_dim, docs, row.balance, ulysses)
+    rec = predict(strategy, *shape, window=row.window, fraction=fraction)
     return {"mix": row.name, "bar": row.bar, **rec}
 
 
