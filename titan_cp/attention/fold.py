@@ -326,10 +326,22 @@ def attend(q_t, k_t, v_t, idx: PlanIndex, kernel: AttentionKernel, scale: float)
     """Packed ``(out, lse)`` of each of the plan's calls, in order."""
     return [
         kernel.varlen_forward(
-            call.q_rows.take(q_t), call.k_rows.take(k_t), call.k_rows.take(v_t), call.segments, call.causal, scale
+            call.q_rows.take(q_t),
+            call.k_rows.take(k_t),
+            call.k_rows.take(v_t),
+            call.segments,
+            call.causal,
+            scale,
+            **_window(call),
         )
         for call in idx.calls
     ]
+
+
+def _window(call) -> dict:
+    """The window keyword of a call whose tiles the kernel windows itself (none otherwise: every kernel
+    takes the plain call)."""
+    return {} if call.window is None else {"window": call.window}
 
 
 def fold_forward(q_t, k_t, v_t, idx: PlanIndex, kernel: AttentionKernel, scale: float, results: Results, step: int):
@@ -354,6 +366,7 @@ def attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, idx: PlanIndex, kernel: A
                 call.segments,
                 call.causal,
                 scale,
+                **_window(call),
             )
         )
     return tuple(list(g) for g in zip(*grads)) if grads else ([], [], [])

@@ -23,7 +23,7 @@ the key rows in the buffer actually held instead.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -42,6 +42,13 @@ class Mask:
     causal: bool = True
     window: int | None = None
     chunk: int | None = None
+    native_window: bool = False  # the kernel takes the window: a band is one segment (masks.py)
+
+
+def kernel_mask(mask: Mask, kernel) -> Mask:
+    """``mask`` as planned for ``kernel``: windowed tiles where it takes the window (``native_window``)."""
+    native = mask.window is not None and mask.causal and getattr(kernel, "native_window", False)
+    return mask if native == mask.native_window else replace(mask, native_window=native)
 
 
 CAUSAL = Mask()  # plain causal attention: the default
@@ -63,6 +70,7 @@ class HostCall(NamedTuple):
     k_rows: torch.Tensor  # (total_k,) int64 rows of the key buffer (full numbering)
     host_q: tuple[int, ...]
     host_k: tuple[int, ...]
+    window: int | None = None  # the kernel's window (bottom-right causal, each row its last ``window`` keys)
 
 
 class Rows(NamedTuple):
@@ -99,6 +107,7 @@ class VarlenCall:
     segments: Segments
     q_rows: Rows  # (total_q,) rows of the token-major query buffer, packed order
     k_rows: Rows  # (total_k,) rows of the key buffer held
+    window: int | None = None  # passed to the kernel where a tile is windowed (its other tiles are shorter)
 
 
 @dataclass(frozen=True)
@@ -172,7 +181,8 @@ class MaskPlan:
             lk = [t.k1 - t.k0 for _, t in these]
             q_rows = _rows([(b * sq + t.q0, t.q1 - t.q0, 0, t.upper) for b, t in these])
             k_rows = _rows([(b * sk + t.k0, t.k1 - t.k0, 0, t.upper) for b, t in these])
-            calls.append(HostCall(causal, q_rows, k_rows, _offsets(lq), _offsets(lk)))
+            window = next((t.window for _, t in these if t.window is not None), None)
+            calls.append(HostCall(causal, q_rows, k_rows, _offsets(lq), _offsets(lk), window))
         return tuple(calls)
 
     def key_rows(self, batch: int) -> torch.Tensor:
@@ -213,7 +223,7 @@ class MaskPlan:
                 host_q=c.host_q,
                 host_k=c.host_k,
             )
-            calls.append(VarlenCall(c.causal, seg, Rows.of(c.q_rows, device), Rows.of(k_rows, device)))
+            calls.append(VarlenCall(c.causal, seg, Rows.of(c.q_rows, device), Rows.of(k_rows, device), c.window))
         return PlanIndex(tuple(calls))
 
 
@@ -237,7 +247,7 @@ def make_plan(layout: SequenceLayout, q_ranks, k_ranks, mask: Mask | bool) -> Ma
         for rows in layout.row_groups():
             row = rows[0] if rows else None
             q_runs, k_runs = layout.runs(q_ranks, row, mask.chunk), layout.runs(k_ranks, row, mask.chunk)
-            tiles = plan_tiles(q_runs, k_runs, mask.causal, mask.window)
+            tiles = plan_tiles(q_runs, k_runs, mask.causal, mask.window, mask.native_window)
             if tiles:
                 groups.append(RowTiles(rows or None, tiles))
         n = lambda ranks: layout.seq_len if ranks is None else layout.local_len * len(ranks)  # noqa: E731

@@ -374,23 +374,23 @@ class MeteredFlash(CUDAFlashKernel):
     def __init__(self, inner: CUDAFlashKernel | None = None):
         super().__init__()
         self.inner = inner or CUDAFlashKernel()
-        self.segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...]]] = []
+        self.segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...], int | None]] = []
         self.inside = False
 
-    def _run(self, op: str, fn, seg, causal, *args):
-        self.segments.append((op, causal, seg.host_q, seg.host_k))
+    def _run(self, op: str, fn, seg, causal, window, *args):
+        self.segments.append((op, causal, seg.host_q, seg.host_k, window))
         self.inside = True
         try:
-            return fn(*args)
+            return fn(*args, **({} if window is None else {"window": window}))
         finally:
             self.inside = False
 
-    def varlen_forward(self, q, k, v, seg, causal, scale):
-        return self._run("forward", self.inner.varlen_forward, seg, causal, q, k, v, seg, causal, scale)
+    def varlen_forward(self, q, k, v, seg, causal, scale, window=None):
+        return self._run("forward", self.inner.varlen_forward, seg, causal, window, q, k, v, seg, causal, scale)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seg, causal, scale):
+    def varlen_backward(self, dout, q, k, v, out, lse, seg, causal, scale, window=None):
         fn = self.inner.varlen_backward
-        return self._run("backward", fn, seg, causal, dout, q, k, v, out, lse, seg, causal, scale)
+        return self._run("backward", fn, seg, causal, window, dout, q, k, v, out, lse, seg, causal, scale)
 
 
 _VIEWS = {
@@ -492,7 +492,7 @@ class RankTrace:
     calls: list[FlashCall] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     bytes_sent: int = 0
-    segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...], int | None]] = field(default_factory=list)
     outside_ops: int = 0  # operations outside the kernel that move data (views and allocations excluded)
     outside_bytes: int = 0  # HBM bytes they read and write
     sites: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (site, op): [ops, bytes]

@@ -125,7 +125,7 @@ SMALL = Sizes(
     repeats=1,
     model_seq=512,
     model_seed=7,
-    model_cases=("docs_1k", "window_1024"),
+    model_cases=("window_1024_docs_1k",),
     train_steps=3,
     train_args=(
         "--model.flavor",
@@ -335,11 +335,12 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
     """
     from titan_cp.attention import fold  # noqa: PLC0415 - the engine
     from titan_cp.attention.fused import add_rows  # noqa: PLC0415
-    from titan_cp.attention.plans import Mask, head_major, token_major  # noqa: PLC0415
+    from titan_cp.attention.plans import Mask, head_major, kernel_mask, token_major  # noqa: PLC0415
     from titan_cp.attention.ring import received_grads, ring_steps  # noqa: PLC0415
 
     n, b = layout.cp_size, q.shape[0]
-    rings = [ring_steps(layout, r, n, lambda i: (i,), Mask(causal, window), b, q.device) for r in range(n)]
+    mask = kernel_mask(Mask(causal, window), kernel)
+    rings = [ring_steps(layout, r, n, lambda i: (i,), mask, b, q.device) for r in range(n)]
 
     def shards(x):
         return [token_major(layout.shard(x, 2, r)) for r in range(n)]
@@ -506,11 +507,11 @@ def _single_device(q, k, v, dout, doc_lens, kernel: AttentionKernel, scale: floa
     """The whole row on one device through the engine's one-rank route (one variable-length call per
     causal flag): what :func:`titan_cp.tools.gpu_model.one_call_segments` counts. Forward + backward."""
     from titan_cp.attention import fold  # noqa: PLC0415 - the engine
-    from titan_cp.attention.plans import Mask, make_plan, token_major  # noqa: PLC0415
+    from titan_cp.attention.plans import Mask, kernel_mask, make_plan, token_major  # noqa: PLC0415
     from titan_cp.layout import SequenceLayout  # noqa: PLC0415
 
     layout = SequenceLayout(q.shape[2], 1, "contiguous", None if doc_lens is None else [list(doc_lens)])
-    plan = make_plan(layout, None, None, Mask(True, window))
+    plan = make_plan(layout, None, None, kernel_mask(Mask(True, window), kernel))
     qt, kt, vt, dt = (token_major(x) for x in (q, k, v, dout))
     out, lse = fold.plan_forward(qt, kt, vt, 1, plan, kernel, scale)
     return fold.plan_backward(dt, qt, kt, vt, out, lse, 1, plan, kernel, scale)

@@ -40,7 +40,7 @@ device, as ``gpu_check``'s simulated ring measures it::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from titan_cp.attention.plans import Mask, make_plan
 from titan_cp.data.row_mixes import lognormal_doc_lens
@@ -53,34 +53,45 @@ BLOCK = 128  # the flash kernel's tile of queries and keys
 OP_FLOOR_S = 2e-6  # the smallest operation a GPU runs
 
 
-def block_pairs(n: int, m: int, causal: bool) -> int:
-    """Pairs the kernel computes for ``n`` queries on ``m`` keys: the 128 x 128 blocks it visits, whole."""
+def block_pairs(n: int, m: int, causal: bool, window: int | None = None) -> int:
+    """Pairs the kernel computes for ``n`` queries on ``m`` keys: the 128 x 128 blocks it visits, whole.
+    With ``window`` (causal, bottom-right aligned, each row its last ``window`` keys) the blocks from
+    each query block's first visible key to its last."""
     bq, bk = math.ceil(n / BLOCK), math.ceil(m / BLOCK)
-    blocks = bq * (bq + 1) // 2 if causal else bq * bk  # causal segments are square
+    if window is None:
+        blocks = bq * (bq + 1) // 2 if causal else bq * bk  # causal segments are square
+        return blocks * BLOCK * BLOCK
+    off, blocks = m - n, 0
+    for i in range(bq):
+        lo = max(0, i * BLOCK + off - window + 1)
+        hi = min(m - 1, min(n, (i + 1) * BLOCK) - 1 + off)
+        blocks += hi // BLOCK - lo // BLOCK + 1 if hi >= lo else 0
     return blocks * BLOCK * BLOCK
 
 
 def kernel_seconds(segments, heads: int, head_dim: int, device: str = "h200", fraction: float | None = None) -> float:
-    """Seconds of the kernel calls ``segments`` (``(op, causal, host_q, host_k)``, as the meter records them)."""
+    """Seconds of the kernel calls ``segments`` (``(op, causal, host_q, host_k, window)``, as the meter
+    records them)."""
     dev = GPUS[device]
     total = 0.0
-    for op, causal, host_q, host_k in segments:
+    for op, causal, host_q, host_k, window in segments:
         flops_per_pair = (FWD_FLOPS_PER_PAIR_DIM if op == "forward" else BWD_FLOPS_PER_PAIR_DIM) * heads * head_dim
         for (a, b), (c, d) in zip(zip(host_q, host_q[1:]), zip(host_k, host_k[1:])):
             n, m = b - a, d - c
             if not n:
                 continue
             rate = dev.peak_flops * fraction if fraction else dev.attention.rate(m, causal, op == "backward")
-            total += flops_per_pair * block_pairs(n, m, causal) / rate
+            total += flops_per_pair * block_pairs(n, m, causal, window) / rate
     return total
 
 
 def one_call_segments(seq_len: int, doc_lens, mask: Mask) -> list:
-    """The segments of one variable-length call over the whole row on one device, forward and backward."""
+    """The segments of one variable-length call over the whole row on one device, forward and backward
+    (a window taken by the kernel, as ATen's flash kernel takes it)."""
     layout = get_layout(seq_len, 1, "contiguous", doc_lens)
     rows = 1 if doc_lens is None else len(doc_lens)
-    calls = make_plan(layout, None, None, mask).host_calls(rows)
-    return [(op, c.causal, c.host_q, c.host_k) for op in ("forward", "backward") for c in calls]
+    calls = make_plan(layout, None, None, replace(mask, native_window=mask.window is not None)).host_calls(rows)
+    return [(op, c.causal, c.host_q, c.host_k, c.window) for op in ("forward", "backward") for c in calls]
 
 
 _KINDS = {
@@ -220,6 +231,26 @@ def predict_row(
     shape = (seq_len, cp, heads, kv_heads, head_dim, docs, row.balance, ulysses)
     rec = predict(strategy, *shape, window=row.window, fraction=fraction)
     return {"mix": row.name, "bar": row.bar, **rec}
+
+
+def model_records(seq_len: int = 131072, cp: int = 8, seed: int = 7):
+    """The records ``bench_attention.py --cases model`` prints (``docs/model.jsonl``): ring and all-gather
+    on causal rows (zigzag), log-normal documents of mean 1K and 4K (seed = mean) under ``doc_local`` and
+    ``doc_zigzag`` and a 1,024 window; then every :func:`model_rows` row (drawn with ``seed``) for each of
+    its strategies. Each with FlashAttention-2's rates and at a flat 60% of peak."""
+    docs = {mean: [lognormal_doc_lens(seq_len, mean, seed=mean)] for mean in (1024, 4096)}
+    cases = [("causal", "zigzag", None, None)]
+    cases += [(f"docs_{m}", b, docs[m], None) for m in (1024, 4096) for b in ("doc_local", "doc_zigzag")]
+    cases += [("window_1024", "zigzag", None, 1024)]
+    for strategy in ("ring", "allgather"):
+        for name, balance, rows, window in cases:
+            for fraction in (None, 0.6):
+                rec = predict(strategy, seq_len, cp, 32, 8, 128, rows, balance, window=window, fraction=fraction)
+                yield {"mix": name, **rec}
+    for row in model_rows(seq_len, seed):
+        for strategy in row.strategies:
+            for fraction in (None, 0.6):
+                yield {"rows": f"issue28_seed{seed}", **predict_row(row, strategy, seq_len, cp, fraction)}
 
 
 def get_ulysses(strategy: str, cp: int, ulysses_degree: int) -> int:
