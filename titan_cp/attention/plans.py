@@ -45,8 +45,10 @@ class Mask:
     native_window: bool = False  # the kernel takes the window: a band is one segment (masks.py)
 
 
-def kernel_mask(mask: Mask, kernel) -> Mask:
-    """``mask`` as planned for ``kernel``: windowed tiles where it takes the window (``native_window``)."""
+def kernel_mask(mask: Mask | bool, kernel) -> Mask:
+    """``mask`` (or ``causal`` alone) as planned for ``kernel``: windowed tiles where it takes the window
+    (``native_window``)."""
+    mask = mask if isinstance(mask, Mask) else Mask(causal=bool(mask))
     native = mask.window is not None and mask.causal and getattr(kernel, "native_window", False)
     return mask if native == mask.native_window else replace(mask, native_window=native)
 
@@ -172,11 +174,14 @@ class MaskPlan:
     def _host_calls(self, batch: int) -> tuple[HostCall, ...]:
         sq, sk = self.q_len, self.k_len
         items = [(b, t) for g in self.groups for b in (range(batch) if g.rows is None else g.rows) for t in g.tiles]
+        # query order (a call's segments are independent): rows read in order are a view, not a gather
+        items.sort(key=lambda bt: (bt[0], bt[1].q0, bt[1].k0))
+        causal = [bt for bt in items if bt[1].causal]
+        full = [bt for bt in items if not bt[1].causal]
+        groups = [(True, causal)] if causal else []
+        groups += [(False, part) for part in (_split_full(full, sq) if not causal else [full]) if part]
         calls = []
-        for causal in (True, False):
-            these = [(b, t) for b, t in items if t.causal == causal]
-            if not these:
-                continue
+        for causal, these in groups:
             lq = [t.q1 - t.q0 for _, t in these]
             lk = [t.k1 - t.k0 for _, t in these]
             q_rows = _rows([(b * sq + t.q0, t.q1 - t.q0, 0, t.upper) for b, t in these])
@@ -225,6 +230,23 @@ class MaskPlan:
             )
             calls.append(VarlenCall(c.causal, seg, Rows.of(c.q_rows, device), Rows.of(k_rows, device), c.window))
         return PlanIndex(tuple(calls))
+
+
+def _split_full(items: list, sq: int) -> list[list]:
+    """Full tiles (``(row, tile)`` in query order) of a plan with no causal tile as at most two calls:
+    the largest group of tiles whose query rows follow each other, read as a view, and the others."""
+    groups: list[list] = []
+    end = None
+    for b, t in items:
+        start = b * sq + t.q0
+        if end is None or start > end:
+            groups.append([])
+        groups[-1].append((b, t))
+        end = max(end or 0, b * sq + t.q1)
+    if len(groups) < 2:
+        return [items]
+    main = max(groups, key=lambda g: sum(t.q1 - t.q0 for _, t in g))
+    return [main, [bt for g in groups if g is not main for bt in g]]
 
 
 def _unique(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -140,13 +140,14 @@ def ring_steps(
     return layout.memo(("ring_steps", ring_rank, ring_size, tuple(members(ring_rank)), mask, batch, device), build)
 
 
-def _post_kv(comm: PeerComm | None, kv: torch.Tensor, ring: RingPlan, s: int):
-    """Post step ``s``'s K/V exchange (``kv (2, B*S, K, E)``): my rows ``dst`` needs out, ``src``'s in."""
+def _post_kv(comm: PeerComm | None, k_t: torch.Tensor, v_t: torch.Tensor, ring: RingPlan, s: int):
+    """Post step ``s``'s K/V exchange, one ``(2, rows, K, E)`` message each way: my rows ``dst`` needs out
+    (stacked straight from ``k_t, v_t (B*S, K, E)``, only those rows), ``src``'s in."""
     if s >= len(ring):
         return NOTHING
     step = ring.steps[s]
-    send = None if step.send is None else step.send.take(kv, 1)
-    recv = kv.new_empty((2, step.recv) + tuple(kv.shape[2:])) if step.recv else None
+    send = None if step.send is None else torch.stack([step.send.take(k_t), step.send.take(v_t)])
+    recv = k_t.new_empty((2, step.recv) + tuple(k_t.shape[1:])) if step.recv else None
     return comm.exchange(send, step.dst, recv, step.src, tag=0)
 
 
@@ -156,13 +157,12 @@ def ring_forward(q_t, k_t, v_t, group, ring: RingPlan, kernel, scale: float, sin
     Token-major ``q_t (B*S, H, E)``, ``k_t, v_t (B*S, K, E)``; ``ring`` from :func:`ring_steps`.
     """
     comm = PeerComm(group) if len(ring) > 1 else None
-    kv = torch.stack([k_t, v_t])  # one message per step: (2, B*S, K, E)
     results = Results(q_t, ring.folds)
-    pending = _post_kv(comm, kv, ring, 1)
+    pending = _post_kv(comm, k_t, v_t, ring, 1)
     fold_forward(q_t, k_t, v_t, ring.steps[0].index, kernel, scale, results, 0)
     for s in range(1, len(ring)):
         buf = pending.wait()
-        pending = _post_kv(comm, kv, ring, s + 1)
+        pending = _post_kv(comm, k_t, v_t, ring, s + 1)
         if buf is not None:
             fold_forward(q_t, buf[0], buf[1], ring.steps[s].index, kernel, scale, results, s)
     return results.finish(sinks)
@@ -171,10 +171,9 @@ def ring_forward(q_t, k_t, v_t, group, ring: RingPlan, kernel, scale: float, sin
 def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kernel, scale: float):
     """``(dq_t, dk_t, dv_t)`` token-major in the input dtype; ``out_t, lse`` as :func:`ring_forward` returned them."""
     comm = PeerComm(group) if len(ring) > 1 else None
-    kv = torch.stack([k_t, v_t])
     dq = Grads.of(q_t, ring.folds)
     dk, dv = Grads.of(k_t, ring.keys), Grads.of(v_t, ring.keys)
-    pending = _post_kv(comm, kv, ring, 1)
+    pending = _post_kv(comm, k_t, v_t, ring, 1)
     dqs, dks, dvs = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, ring.steps[0].index, kernel, scale)
     dq.add(0, ring.folds.grad[0], dqs)
     dk.add(0, ring.keys.steps[0], dks)
@@ -183,14 +182,14 @@ def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kern
     for s in range(1, len(ring)):
         step = ring.steps[s]
         buf = pending.wait()
-        pending = _post_kv(comm, kv, ring, s + 1)
+        pending = _post_kv(comm, k_t, v_t, ring, s + 1)
         grad = None
         if buf is not None:
             dqs, dks, dvs = attend_backward(dout_t, q_t, buf[0], buf[1], out_t, lse, step.index, kernel, scale)
             dq.add(s, ring.folds.grad[s], dqs)
             grad = received_grads(buf, step.grads, dks, dvs)
         _add_home(dk, dv, returning)
-        recv = kv.new_empty((2, len(step.send)) + tuple(kv.shape[2:]), dtype=torch.float32) if step.send else None
+        recv = k_t.new_empty((2, len(step.send)) + tuple(k_t.shape[1:]), dtype=torch.float32) if step.send else None
         returning = (comm.exchange(grad, step.src, recv, step.dst, tag=1), step)
     _add_home(dk, dv, returning)
     return dq.finish(), dk.finish(), dv.finish()
