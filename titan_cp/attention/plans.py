@@ -94,6 +94,12 @@ class Rows(NamedTuple):
     def __len__(self) -> int:
         return self.stop - self.start if self.index is None else len(self.index)
 
+    def take_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """These rows of ``x`` (dim 0) written into ``out``: one copy, whether a span or gathered."""
+        if self.index is None:
+            return out.copy_(x.narrow(0, self.start, self.stop - self.start))
+        return torch.index_select(x, 0, self.index, out=out)
+
     def take(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """These rows of ``x`` along ``dim``."""
         return (

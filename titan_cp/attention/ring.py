@@ -140,13 +140,33 @@ def ring_steps(
     return layout.memo(("ring_steps", ring_rank, ring_size, tuple(members(ring_rank)), mask, batch, device), build)
 
 
-def _post_kv(comm: PeerComm | None, k_t: torch.Tensor, v_t: torch.Tensor, ring: RingPlan, s: int):
-    """Post step ``s``'s K/V exchange, one ``(2, rows, K, E)`` message each way: my rows ``dst`` needs out
-    (stacked straight from ``k_t, v_t (B*S, K, E)``, only those rows), ``src``'s in."""
+class _KV:
+    """My K/V as the messages take them: ``k_t, v_t (B*S, K, E)``, stacked once ``(2, B*S, K, E)`` the
+    first time a peer needs all of them (then sent as is, every step), else only the rows sent."""
+
+    def __init__(self, k_t: torch.Tensor, v_t: torch.Tensor):
+        self.k_t, self.v_t, self._all = k_t, v_t, None
+
+    def message(self, rows: Rows) -> torch.Tensor:
+        """``(2, len(rows), K, E)``: these rows of K and V, one copy (none after the first whole one)."""
+        if rows.index is None and rows.start == 0 and rows.stop == self.k_t.shape[0]:
+            if self._all is None:
+                self._all = torch.stack([self.k_t, self.v_t])
+            return self._all
+        out = self.k_t.new_empty((2, len(rows)) + tuple(self.k_t.shape[1:]))
+        rows.take_into(self.k_t, out[0])
+        rows.take_into(self.v_t, out[1])
+        return out
+
+
+def _post_kv(comm: PeerComm | None, kv: _KV, ring: RingPlan, s: int):
+    """Post step ``s``'s K/V exchange, one ``(2, rows, K, E)`` message each way: my rows ``dst`` needs out,
+    ``src``'s in."""
     if s >= len(ring):
         return NOTHING
     step = ring.steps[s]
-    send = None if step.send is None else torch.stack([step.send.take(k_t), step.send.take(v_t)])
+    k_t = kv.k_t
+    send = None if step.send is None else kv.message(step.send)
     recv = k_t.new_empty((2, step.recv) + tuple(k_t.shape[1:])) if step.recv else None
     return comm.exchange(send, step.dst, recv, step.src, tag=0)
 
@@ -158,11 +178,12 @@ def ring_forward(q_t, k_t, v_t, group, ring: RingPlan, kernel, scale: float, sin
     """
     comm = PeerComm(group) if len(ring) > 1 else None
     results = Results(q_t, ring.folds)
-    pending = _post_kv(comm, k_t, v_t, ring, 1)
+    kv = _KV(k_t, v_t)
+    pending = _post_kv(comm, kv, ring, 1)
     fold_forward(q_t, k_t, v_t, ring.steps[0].index, kernel, scale, results, 0)
     for s in range(1, len(ring)):
         buf = pending.wait()
-        pending = _post_kv(comm, k_t, v_t, ring, s + 1)
+        pending = _post_kv(comm, kv, ring, s + 1)
         if buf is not None:
             fold_forward(q_t, buf[0], buf[1], ring.steps[s].index, kernel, scale, results, s)
     return results.finish(sinks)
@@ -173,7 +194,8 @@ def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kern
     comm = PeerComm(group) if len(ring) > 1 else None
     dq = Grads.of(q_t, ring.folds)
     dk, dv = Grads.of(k_t, ring.keys), Grads.of(v_t, ring.keys)
-    pending = _post_kv(comm, k_t, v_t, ring, 1)
+    kv = _KV(k_t, v_t)
+    pending = _post_kv(comm, kv, ring, 1)
     dqs, dks, dvs = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, ring.steps[0].index, kernel, scale)
     dq.add(0, ring.folds.grad[0], dqs)
     dk.add(0, ring.keys.steps[0], dks)
@@ -182,7 +204,7 @@ def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kern
     for s in range(1, len(ring)):
         step = ring.steps[s]
         buf = pending.wait()
-        pending = _post_kv(comm, k_t, v_t, ring, s + 1)
+        pending = _post_kv(comm, kv, ring, s + 1)
         grad = None
         if buf is not None:
             dqs, dks, dvs = attend_backward(dout_t, q_t, buf[0], buf[1], out_t, lse, step.index, kernel, scale)

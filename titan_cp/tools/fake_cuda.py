@@ -442,6 +442,8 @@ def op_bytes(func, args, kwargs, out) -> int:
         return 2 * _nbytes(args[2]) + sum(_nbytes(i) for i in args[1] if i is not None)
     if name in ("zeros", "full", "fill", "zero", "new_zeros", "zeros_like", "full_like", "new_full"):
         return sum(map(_nbytes, outs))
+    if name == "copy":  # dst.copy_(src): src read, dst written (not read)
+        return _nbytes(args[1]) + _nbytes(args[0])
     inputs = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
     return sum(map(_nbytes, inputs)) + sum(map(_nbytes, outs))
 

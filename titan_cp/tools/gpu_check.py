@@ -22,6 +22,11 @@ Sections
              ``efficiency = t(one call) / t(simulated ring summed over ranks)``: 1.0 means
              splitting the work over the ring steps costs nothing; the bars are 0.90 (causal)
              and 0.85 (documents of mean length 1K) for forward + backward.
+``model``    :func:`check_model`: each row of :func:`titan_cp.tools.gpu_model.model_rows` (one causal
+             document, document mixes of mean 1K, 256, 4K and 16K, windows of 1,024 and 4,096) at
+             ``model_seq`` tokens: the simulated ring (window included) timed against the whole
+             row on one device through the engine's one-rank route, beside the counting model's
+             predicted efficiency for the same shapes (FlashAttention-2's rates, a flat 60%).
 ``train``    the trainer on the debug model, bf16, one process, a few dozen steps, with
              tokens/s and MFU from its ``metrics.jsonl``.
 

@@ -101,7 +101,8 @@ _KINDS = {
     "fold.Results.__init__": "merge", "fold.Results.finish": "merge", "merge": "merge", "fused.merge_rows": "merge",
     "fold.Grads": "grad_acc", "ring._add_home": "grad_acc", "ring.ring_backward": "grad_acc",
     "fold.accumulate": "grad_acc", "fold.new_acc": "grad_acc", "ring.received_grads": "grad_acc",
-    "ring._post_kv": "buffers", "ring.ring_forward": "buffers", "comm": "buffers",
+    "ring._post_kv": "buffers", "ring.ring_forward": "buffers", "comm": "buffers", "ring._KV": "buffers",
+    "plans.Rows.take_into": "buffers",
 }  # fmt: skip
 
 
