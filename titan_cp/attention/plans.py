@@ -11,9 +11,11 @@ the whole row in natural order (``None``). Buffers are token-major over the batc
 :func:`make_plan` gives a :class:`MaskPlan` (cached on the layout, so every layer of a
 microbatch reuses it); :meth:`MaskPlan.index` turns it, once per device, into a
 :class:`PlanIndex` of device-resident index tensors: one variable-length kernel call per causal
-flag, the packed rows to gather for it, and the accumulator row of each packed output row. An
-*upper* tile (keys ``j >= i``, at a window's edge) joins the causal call with its rows and keys
-gathered in reverse order, where it is a causal square.
+flag (a plan of full tiles only whose query rows are two consecutive groups takes two, each read
+as a view), its segments in query order, the packed rows to gather for it, and the
+accumulator row of each packed output row. An *upper* tile (keys ``j >= i``, at a window's edge)
+joins the causal call with its rows and keys gathered in reverse order, where it is a causal
+square; a *windowed* tile (for a kernel that takes the window) carries the window to its call.
 
 A key buffer may arrive *compact*: only the rows some query of the plan reads
 (:meth:`MaskPlan.key_rows`), as the strategies send them; ``index(..., key_map=...)`` numbers
@@ -122,7 +124,7 @@ class VarlenCall:
 class PlanIndex:
     """A plan's index tensors for one batch size on one device (built once, reused by every layer)."""
 
-    calls: tuple[VarlenCall, ...]  # one per causal flag present
+    calls: tuple[VarlenCall, ...]  # one per causal flag present (two full calls where no causal tile is)
 
 
 def _rows(tiles_rows: Sequence[tuple[int, int, int, bool]]) -> torch.Tensor:
@@ -239,8 +241,9 @@ class MaskPlan:
 
 
 def _split_full(items: list, sq: int) -> list[list]:
-    """Full tiles (``(row, tile)`` in query order) of a plan with no causal tile as at most two calls:
-    the largest group of tiles whose query rows follow each other, read as a view, and the others."""
+    """Full tiles (``(row, tile)`` in query order) of a plan with no causal tile as two calls where their
+    query rows are two groups of rows that follow each other (each then read as a view, not one
+    gather of both); else one call. Never more than two: the host work per step stays constant."""
     groups: list[list] = []
     end = None
     for b, t in items:
@@ -249,10 +252,7 @@ def _split_full(items: list, sq: int) -> list[list]:
             groups.append([])
         groups[-1].append((b, t))
         end = max(end or 0, b * sq + t.q1)
-    if len(groups) < 2:
-        return [items]
-    main = max(groups, key=lambda g: sum(t.q1 - t.q0 for _, t in g))
-    return [main, [bt for g in groups if g is not main for bt in g]]
+    return groups if len(groups) == 2 else [items]
 
 
 def _unique(parts: list[torch.Tensor]) -> torch.Tensor:
