@@ -17,6 +17,10 @@ at full size (``--model-seq-len`` tokens, CP ``--model-cp``, Llama 3 8B heads, b
 CUDA tensors in seconds: kernel and outside-kernel seconds, bytes sent, and the predicted
 efficiency against one variable-length call on the whole row, for causal rows (zigzag),
 log-normal documents of mean 1K and 4K under doc_local and doc_zigzag, and a 1,024-token window;
+then every row of :func:`titan_cp.tools.gpu_model.model_rows` (one causal document, documents of
+mean 1K, 256, 4K and 16K, windows of 1,024 and 4,096 with and without documents) for each strategy
+it is barred for, with its bar; each line carries ``outside_gb_by_kind``, where the bytes outside the
+kernel go (layout copies, repacking, result rows, the fp32 merge, gradient accumulation, buffers);
 with FlashAttention-2's measured rates and with a flat 60% of the H200's peak::
 
     python scripts/bench_attention.py --cases model
@@ -49,7 +53,7 @@ from titan_cp.attention import STRATEGIES, cp_rank, get_strategy, min_bytes_per_
 from titan_cp.attention.comm import count_comm
 from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.testing import DistPool, cp_mesh
-from titan_cp.tools.gpu_model import predict
+from titan_cp.tools.gpu_model import model_records
 from titan_cp.tools.host import host_layer
 
 
@@ -106,6 +110,7 @@ def main(argv=None) -> None:
     p.add_argument("--balance", default="doc_local", help="layout of the docs case")
     p.add_argument("--model-seq-len", type=int, default=131072)
     p.add_argument("--model-cp", type=int, default=8)
+    p.add_argument("--model-seed", type=int, default=7, help="seed of the issue-28 rows (gpu_model.model_rows)")
     p.add_argument("--host-seq-len", type=int, default=131072)
     p.add_argument("--host-doc-mean", type=int, default=1024)
     p.add_argument("--host-world", type=int, default=8)
@@ -184,16 +189,10 @@ def _host(args: dict) -> None:
 
 
 def _model(args: dict) -> None:
+    torch.set_num_threads(1)  # the fake layers run small host-side ops: a second thread only waits
     seq, cp = args["model_seq_len"], args["model_cp"]
-    docs = {mean: [lognormal_doc_lens(seq, mean, seed=mean)] for mean in (1024, 4096)}
-    cases = [("causal", "zigzag", None, None)]
-    cases += [(f"docs_{m}", b, docs[m], None) for m in (1024, 4096) for b in ("doc_local", "doc_zigzag")]
-    cases += [("window_1024", "zigzag", None, 1024)]
-    for strategy in ("ring", "allgather"):
-        for name, balance, rows, window in cases:
-            for fraction in (None, 0.6):
-                record = predict(strategy, seq, cp, 32, 8, 128, rows, balance, window=window, fraction=fraction)
-                print(json.dumps({"case": "model", "mix": name, **record}), flush=True)
+    for record in model_records(seq, cp, args["model_seed"]):
+        print(json.dumps({"case": "model", **record}), flush=True)
 
 
 if __name__ == "__main__":

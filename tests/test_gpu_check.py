@@ -24,18 +24,25 @@ def test_lognormal_doc_lens_sum_to_the_row():
     assert lens == gpu_check.lognormal_doc_lens(131072, 1024, seed=1)
 
 
-@pytest.mark.parametrize("balance,doc_lens", [("zigzag", None), ("doc_zigzag", [[50, 3, 1, 74, 64, 40]])])
-def test_simulated_ring_equals_full_attention(balance, doc_lens):
-    """All ranks' ring steps in one process give full-sequence attention and its gradients (fp32)."""
+@pytest.mark.parametrize(
+    "balance,doc_lens,window",
+    [("zigzag", None, None), ("doc_zigzag", [[50, 3, 1, 74, 64, 40]], None), ("doc_local", [[90, 3, 75, 64]], 20)],
+)
+def test_simulated_ring_equals_full_attention(balance, doc_lens, window):
+    """All ranks' ring steps in one process give full-sequence attention and its gradients (fp32),
+    sliding window included."""
     s, h, kh, e, n = 232, 4, 2, 8, 4
     g = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(1, h, s, e, generator=g) for _ in range(2))
     k, v = (torch.randn(1, kh, s, e, generator=g) for _ in range(2))
     layout = SequenceLayout(s, n, balance, doc_lens)
     kern = get_kernel("math", torch.device("cpu"), torch.float32)
-    out, grads = gpu_check.simulated_ring(q, k, v, layout, kern, True, 0.3, dout)
+    out, grads = gpu_check.simulated_ring(q, k, v, layout, kern, True, 0.3, dout, window)
     lens = doc_lens[0] if doc_lens else [s]
     mask = gpu_check._visible(lens, lens, True, "cpu")
+    if window is not None:
+        pos = torch.arange(s)
+        mask &= pos[:, None] - pos[None, :] < window
     qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
     ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=0.3, enable_gqa=True)
     want = torch.autograd.grad(ref, (qs, ks, vs), dout)
@@ -55,6 +62,12 @@ def test_small_cpu_run_passes_every_section():
     ring = [r for r in records if r.get("section") == "ring"]
     assert [r["case"] for r in ring] == ["causal", "docs_32", "docs_32_doc_zigzag"]
     assert all(r["efficiency"]["fwd_bwd"] > 0 for r in ring)
+    model = [r for r in records if r.get("section") == "model"]
+    assert [r["case"] for r in model] == list(gpu_check.SMALL.model_cases)
+    for r in model:  # the measured efficiency beside the counting model's, for the same shapes
+        assert r["measured_efficiency"] > 0 and set(r["predicted_efficiency"]) == {"fa2_rates", "flat_60"}
+        assert 0 < r["predicted_efficiency"]["flat_60"] <= r["predicted_efficiency"]["fa2_rates"]
+    assert set(summary["model_efficiency"]) == set(gpu_check.SMALL.model_cases)
     train = next(r for r in records if r.get("section") == "train")
     assert train["steps_logged"] == 3 and train["tokens_per_second"] > 0 and train["mfu"] > 0
 

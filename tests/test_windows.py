@@ -2,7 +2,9 @@
 dense mask (documents, causal, window, chunk) and the sinks in the softmax denominator: output and the
 gradients of q, k, v and the sinks (each rank's share summed over the cp ranks), worlds 1-4, packed
 documents; windows of 1, 7, shorter and longer than a shard; chunk sizes that do and do not divide the
-documents. Tolerance as in test_attention.py: fp32 summation order only."""
+documents. The windows also with the ``math`` kernel, which takes the window itself (as the CUDA flash
+kernel does): a band is then one windowed segment. Tolerance as in test_attention.py: fp32 summation
+order only."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ HEADS = {1: (4, 2), 2: (4, 2), 3: (6, 3), 4: (8, 2)}
 DOCS = [[5, 17, 1, 25], [48]]  # one-token document, one longer than a shard at every world > 1
 
 
-def _cases(strategy: str, world: int, ulysses: int) -> list[dict]:
+def _cases(strategy: str, world: int, ulysses: int, kernel: str | None = None) -> list[dict]:
     heads, kv_heads = HEADS[world]
     shard = SEQ // world
     masks = [
@@ -33,6 +35,8 @@ def _cases(strategy: str, world: int, ulysses: int) -> list[dict]:
     ]
     cases = []
     for i, extra in enumerate(masks):
+        if kernel is not None and "window" not in extra:
+            continue
         for balance in ("zigzag", "doc_local") if i % 2 == 0 else ("doc_zigzag", "contiguous"):
             cases.append(
                 dict(
@@ -46,14 +50,15 @@ def _cases(strategy: str, world: int, ulysses: int) -> list[dict]:
                     balance=balance,
                     doc_lens=DOCS,
                     seed=world * 10 + i,
+                    kernel=kernel,
                     **extra,
                 )
             )
     return cases
 
 
-def _check(rank, world, strategy, ulysses):
-    cases = _cases(strategy, world, ulysses)
+def _check(rank, world, strategy, ulysses, kernel=None):
+    cases = _cases(strategy, world, ulysses, kernel)
     return [max_errors(*run_case(case, world)) for case in cases]
 
 
@@ -73,9 +78,21 @@ def _check(rank, world, strategy, ulysses):
     ],
 )
 def test_windows_chunks_and_sinks_match_the_dense_reference(dist_pools, strategy, world, ulysses):
-    cases = _cases(strategy, world, ulysses)
+    _assert_exact(dist_pools, strategy, world, ulysses, None)
+
+
+@pytest.mark.parametrize(
+    "strategy,world,ulysses", [("ring", 2, 1), ("ring", 4, 1), ("allgather", 3, 1), ("ulysses", 2, 1), ("hybrid", 4, 2)]
+)
+def test_windows_taken_by_the_kernel_match_the_dense_reference(dist_pools, strategy, world, ulysses):
+    """``math`` takes the window natively: windowed tiles, bottom-right aligned, one segment per band."""
+    _assert_exact(dist_pools, strategy, world, ulysses, "math")
+
+
+def _assert_exact(dist_pools, strategy, world, ulysses, kernel):
+    cases = _cases(strategy, world, ulysses, kernel)
     failures = []
-    for rank, results in enumerate(dist_pools.run(world, _check, strategy, ulysses)):
+    for rank, results in enumerate(dist_pools.run(world, _check, strategy, ulysses, kernel)):
         for case, errs in zip(cases, results):
             bad = {k: v for k, v in errs.items() if not v <= TOL}
             if bad:

@@ -10,16 +10,19 @@ over N. Deterministic from ``doc_lens`` alone, so every rank computes the same l
 
     1. big documents (work > beta * share), heaviest first, are split head-tail over the m ranks
        with the least work and room for them: 2m pieces, the k-th of those ranks takes pieces
-       k and 2m-1-k (equal work and tokens on each), m = max(2, work / (beta * share), L / C)
-       rounded up, at most N;
+       k and 2m-1-k (equal work and tokens on each), m = max(2, work / (gamma * share), L / C)
+       rounded up, at most N, for a spread ``gamma >= beta``;
     2. the other documents, longest first, go whole to the rank with the most work still to
        take per token of room, (share - work_r) / room_r, among those with room for them;
     3. a document that fits nowhere whole is cut into contiguous parts over the ranks with
        room, in the same order (its later parts see the earlier ones' keys).
 
-``beta`` is the first of :data:`BETAS` (fewest documents split first) whose result keeps every
-rank's work within :data:`BALANCE` of the mean; the last, 0, splits every document over all
-ranks as ``doc_zigzag`` does. One document longer than a rank is split over all ranks: on one
+``beta`` and ``gamma`` run over :data:`BETAS` (fewest documents split, over fewest ranks, first);
+of the results that keep every rank's work within :data:`BALANCE` of the mean, the one whose
+splits move least is kept (:func:`_choose`: the cost of a split is what it sends and merges, not
+only its work); the last beta, 0, splits every document over all ranks as ``doc_zigzag`` does.
+Within a rank, whole documents come first and the pieces of split ones after them, so what other
+ranks see of a rank, and the rows whose results merge, are one span of its buffer. One document longer than a rank is split over all ranks: on one
 document the layout is ``zigzag`` and sends what it sends.
 """
 
@@ -30,6 +33,7 @@ from collections.abc import Sequence
 
 BALANCE = 1.02  # most causal work of a rank over the mean, where reachable
 BETAS = (float("inf"), 2.0, 1.0, 0.5, 0.25, 0.12, 0.06, 0.03, 0.0)
+LOOK_FURTHER = 2  # betas tried after the first balanced one, for splits that move less
 
 
 def work(length: int, offset: int = 0) -> int:
@@ -45,6 +49,7 @@ class _Fill:
         self.room, self.work = [self.capacity] * n, [0] * n
         self.share = sum(work(length) for length in doc_lens) / n
         self.pieces: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        self.moved = 0  # tokens of split documents times the other ranks holding them (see ``_choose``)
 
     def give(self, r: int, start: int, length: int, offset: int) -> None:
         """Rank ``r`` takes global positions ``[start, start + length)``, at ``offset`` in their document."""
@@ -61,6 +66,7 @@ class _Fill:
         while length:
             r = self.hungriest([r for r in range(self.n) if self.room[r]])
             m = min(length, self.room[r])
+            self.moved += m * (offset > 0)  # a later part reads the earlier ones' keys
             self.give(r, start, m, offset)
             start, offset, length = start + m, offset + m, length - m
 
@@ -81,15 +87,17 @@ def _zigzag_pieces(length: int, m: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _split_over_ranks(fill: _Fill, start: int, length: int, beta: float) -> None:
-    """Step 1 for one document: head-tail over the least-loaded ranks with room."""
+def _split_over_ranks(fill: _Fill, start: int, length: int, gamma: float) -> None:
+    """Step 1 for one document: head-tail over the least-loaded ranks with room, as many as its work
+    over ``gamma`` shares (all of them for ``gamma = 0``)."""
     n = fill.n
-    m = n if beta == 0 else min(n, max(2, math.ceil(work(length) / (beta * fill.share)), -(-length // fill.capacity)))
+    m = n if gamma == 0 else min(n, max(2, math.ceil(work(length) / (gamma * fill.share)), -(-length // fill.capacity)))
     ranks = sorted((r for r in range(n) if fill.room[r] >= -(-length // m)), key=lambda r: (fill.work[r], r))
     while len(ranks) < m and m < n:
         m += 1
         ranks = sorted((r for r in range(n) if fill.room[r] >= -(-length // m)), key=lambda r: (fill.work[r], r))
     ranks = ranks[:m] if len(ranks) >= m else sorted(range(n), key=lambda r: (-fill.room[r], r))[:m]
+    fill.moved += length * (m - 1)
     for slot, offset, size in _zigzag_pieces(length, m):
         r = ranks[min(slot, 2 * m - 1 - slot)]
         take = min(size, fill.room[r])
@@ -99,7 +107,7 @@ def _split_over_ranks(fill: _Fill, start: int, length: int, beta: float) -> None
             fill.cut_into_room(start + offset + take, offset + take, size - take)
 
 
-def _fill(doc_lens: Sequence[int], n: int, beta: float) -> _Fill:
+def _fill(doc_lens: Sequence[int], n: int, beta: float, gamma: float | None = None) -> _Fill:
     fill = _Fill(doc_lens, n)
     starts = [0]
     for length in doc_lens[:-1]:
@@ -107,7 +115,7 @@ def _fill(doc_lens: Sequence[int], n: int, beta: float) -> _Fill:
     order = sorted(range(len(doc_lens)), key=lambda d: (-doc_lens[d], d))
     big = {d for d in order if beta == 0 or work(doc_lens[d]) > beta * fill.share}
     for d in (d for d in order if d in big):
-        _split_over_ranks(fill, starts[d], doc_lens[d], beta)
+        _split_over_ranks(fill, starts[d], doc_lens[d], beta if gamma is None else gamma)
     leftovers = []
     for d in (d for d in order if d not in big):
         fits = [r for r in range(n) if fill.room[r] >= doc_lens[d]]
@@ -121,13 +129,42 @@ def _fill(doc_lens: Sequence[int], n: int, beta: float) -> _Fill:
     return fill
 
 
-def doc_local_pieces(doc_lens: Sequence[int], cp_size: int) -> list[list[tuple[int, int]]]:
-    """The ``(start, length)`` pieces of global positions each rank holds, sorted (module docstring)."""
-    best = None
+def _choose(doc_lens: list[int], n: int) -> _Fill:
+    """The assignment to keep. For each ``beta`` (which documents are split) the spreads ``gamma >= beta``
+    of :data:`BETAS` (how many ranks each split takes: fewer for a larger ``gamma``) are tried; of the
+    assignments within :data:`BALANCE`, found at the first balanced ``beta`` and the :data:`LOOK_FURTHER`
+    after it, the one whose splits move least (tokens of split documents times the other ranks holding
+    them: the K/V rows a split sends and the query rows whose results merge). Where none is within
+    :data:`BALANCE`, the best balanced."""
+    best, cheapest, left = None, None, None
     for beta in BETAS:
-        fill = _fill(list(doc_lens), cp_size, beta)
-        if best is None or fill.imbalance() < best.imbalance():
-            best = fill
-        if fill.imbalance() <= BALANCE:
-            break
-    return [sorted(p) for p in best.pieces]
+        for gamma in [g for g in BETAS if g >= beta and (g > 0 or beta == 0)][::-1]:
+            fill = _fill(doc_lens, n, beta, gamma)
+            if best is None or fill.imbalance() < best.imbalance():
+                best = fill
+            if fill.imbalance() <= BALANCE and (cheapest is None or fill.moved < cheapest.moved):
+                cheapest = fill
+        left = LOOK_FURTHER if cheapest is not None and left is None else left
+        if left is not None:
+            if not left:
+                break
+            left -= 1
+    return cheapest or best
+
+
+def _buffer_order(pieces: list[tuple[int, int]], whole: set[tuple[int, int]]) -> list[tuple[int, int]]:
+    """A rank's pieces in buffer order: its whole documents first, then the pieces of split documents,
+    each group by position. The rows other ranks see (and whose results merge) are then one span of
+    the buffer, read as a view, and the whole documents a span whose results need no merge."""
+    return sorted(p for p in pieces if p in whole) + sorted(p for p in pieces if p not in whole)
+
+
+def doc_local_pieces(doc_lens: Sequence[int], cp_size: int) -> list[list[tuple[int, int]]]:
+    """The ``(start, length)`` pieces of global positions each rank holds, in buffer order: whole
+    documents, then pieces of split ones, each by position (module docstring)."""
+    best = _choose(list(doc_lens), cp_size)
+    starts = [0]
+    for length in doc_lens[:-1]:
+        starts.append(starts[-1] + length)
+    whole = set(zip(starts, doc_lens))
+    return [_buffer_order(p, whole) for p in best.pieces]

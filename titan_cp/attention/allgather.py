@@ -133,12 +133,12 @@ class AllGather(Strategy):
         g = gather_plan(ctx.layout, ctx.rank, ctx.mask, batch, q.device)
         dout_t, q_t, out_t = token_major(dout), token_major(q), token_major(out)
         local = q_t.shape[0]
-        dq = Grads(q_t, g.folds.multi, g.folds.slots)
-        dk, dv = (Grads(keys[:local, i], g.keys.multi, g.keys.slots) for i in (0, 1))
-        packed = attend_backward(dout_t, q_t, keys[:, 0], keys[:, 1], out_t, lse, g.index, ctx.kernel, ctx.scale)
-        dq.add(g.folds.grad[0], packed[0])
-        dk.add(g.keys.steps[0], packed[1])
-        dv.add(g.keys.steps[0], packed[2])
+        dq = Grads.of(q_t, g.folds)
+        dk, dv = (Grads.of(keys[:local, i], g.keys) for i in (0, 1))
+        dqs, dks, dvs = attend_backward(dout_t, q_t, keys[:, 0], keys[:, 1], out_t, lse, g.index, ctx.kernel, ctx.scale)
+        dq.add(0, g.folds.grad[0], dqs)
+        dk.add(0, g.keys.steps[0], dks)
+        dv.add(0, g.keys.steps[0], dvs)
         if g.active:  # each peer's gradients of the rows it received go back to it
             back = torch.stack([dk.acc[g.keys.own :], dv.acc[g.keys.own :]], dim=1)
             home = back.new_empty((len(g.send),) + tuple(back.shape[1:]))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_cp.attention.kernels import AttentionKernel
-from titan_cp.attention.mask_plans import Mask
+from titan_cp.attention.mask_plans import Mask, kernel_mask
 from titan_cp.layout import SequenceLayout
 
 
@@ -43,6 +43,10 @@ class CPContext:
     q_heads: int
     kv_heads: int
     sinks: torch.Tensor | None = None
+
+    def __post_init__(self):
+        # a kernel that takes the window itself gets windowed tiles (one segment per band)
+        object.__setattr__(self, "mask", kernel_mask(self.mask, self.kernel))
 
     @property
     def causal(self) -> bool:

@@ -48,7 +48,7 @@ class Part:
 
 @dataclass(frozen=True)
 class StepFold:
-    """Where one step's packed rows go: ``final`` rows of the result, ``first`` accumulator slots
+    """Where one kernel call's packed rows go: ``final`` rows of the result, ``first`` accumulator slots
     (written), ``merge`` slots (``Part`` of the distinct slots touched and each row's place among them)."""
 
     final: Part | None
@@ -57,14 +57,28 @@ class StepFold:
 
 
 @dataclass(frozen=True)
-class Folds:
-    """A strategy call's plan of where results go: one :class:`StepFold` per step for the forward,
-    one ``(final, slots)`` pair of parts per step for the gradient (every non-final packed row with its
-    slot); ``multi``: the result row of each fp32 accumulator slot (device)."""
+class GradFold:
+    """Where one kernel call's packed gradient rows go: ``final`` rows (copied), ``first`` fp32 slots
+    written (their first contribution), ``add`` slots added into."""
 
-    steps: tuple[StepFold, ...]
-    grad: tuple[tuple[Part | None, Part | None], ...]
+    final: Part | None
+    first: Part | None
+    add: Part | None
+
+
+@dataclass(frozen=True)
+class Folds:
+    """A strategy call's plan of where results go: per step, one :class:`StepFold` per kernel call for the
+    forward and one :class:`GradFold` per call for the gradient; ``multi``: the result row of each fp32
+    accumulator slot (device); ``adopt``: the ``(step, call)`` whose packed rows are the whole buffer in
+    order (its output *is* the result: nothing copied), or ``None``; ``fresh``: every slot's first
+    contribution is a write (the accumulators need no initial value)."""
+
+    steps: tuple[tuple[StepFold, ...], ...]
+    grad: tuple[tuple[GradFold, ...], ...]
     multi: torch.Tensor
+    adopt: tuple[int, int] | None = None
+    fresh: bool = False
 
     @property
     def slots(self) -> int:
@@ -78,42 +92,71 @@ def _part(src: torch.Tensor, dst: torch.Tensor, n: int, device) -> Part | None:
     return Part(None if whole else Rows.of(src, device), to_device(dst, device))
 
 
-def make_folds(dests: list[torch.Tensor], size: int, device: torch.device) -> Folds:
-    """:class:`Folds` of steps whose packed rows go to result rows ``dests[s]`` (host int64) of ``size`` rows."""
-    count = sum((torch.bincount(d, minlength=size) for d in dests), torch.zeros(size, dtype=torch.int64))
+def _is_whole(d: torch.Tensor, size: int) -> bool:
+    """Whether packed rows ``d`` are rows ``0 .. size-1`` in order."""
+    return len(d) == size and bool((d == torch.arange(size)).all())
+
+
+def _first_writes(slots: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
+    """Which packed rows (of fp32 slots ``slots``) are their slot's first contribution, alone in the call."""
+    here = torch.bincount(slots, minlength=len(written))[slots] if len(slots) else slots
+    return ~written[slots] & (here == 1)
+
+
+def _whole_call(dests: list[list[torch.Tensor]], size: int) -> tuple[int, int] | None:
+    return next(((s, c) for s, ds in enumerate(dests) for c, d in enumerate(ds) if _is_whole(d, size)), None)
+
+
+def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device) -> Folds:
+    """:class:`Folds` of steps whose calls' packed rows go to result rows ``dests[s][c]`` (host int64) of
+    ``size`` rows."""
+    count = torch.zeros(size, dtype=torch.int64)
+    for d in (d for ds in dests for d in ds):
+        count += torch.bincount(d, minlength=size)
     single = count == 1
     slot = torch.cumsum(~single, 0) - 1  # accumulator slot of each multi row
-    seen = torch.zeros(size, dtype=torch.bool)
-    steps, grad = [], []
-    for d in dests:
-        here = torch.bincount(d, minlength=size)[d] if len(d) else d
-        final = single[d]
-        first = ~final & ~seen[d] & (here == 1)
-        rest = ~final & ~first
-        merge = None
-        if rest.any():
-            src = torch.nonzero(rest).flatten()
-            slots, local = torch.unique(slot[d[src]], return_inverse=True)
-            merge = (Part(Rows.of(src, device), to_device(slots, device)), to_device(local, device))
-        f, fi, acc = (torch.nonzero(m).flatten() for m in (final, first, ~final))
-        final_part = _part(f, d[f], len(d), device)
-        steps.append(StepFold(final_part, _part(fi, slot[d[fi]], len(d), device), merge))
-        grad.append((final_part, _part(acc, slot[d[acc]], len(d), device)))
-        seen[d] = True
-    return Folds(tuple(steps), tuple(grad), to_device(torch.nonzero(~single).flatten(), device))
+    written = torch.zeros(int((~single).sum()), dtype=torch.bool)
+    fresh, steps, grad = True, [], []
+    for ds in dests:
+        step, step_grad = [], []
+        for d in ds:
+            final = single[d]
+            acc = torch.nonzero(~final).flatten()
+            first = torch.zeros(len(d), dtype=torch.bool)
+            first[acc] = _first_writes(slot[d[acc]], written)
+            rest = ~final & ~first
+            fresh &= bool(written[slot[d[rest]]].all())
+            merge = None
+            if rest.any():
+                src = torch.nonzero(rest).flatten()
+                slots, local = torch.unique(slot[d[src]], return_inverse=True)
+                merge = (Part(Rows.of(src, device), to_device(slots, device)), to_device(local, device))
+            f, fi, r = (torch.nonzero(m).flatten() for m in (final, first, rest))
+            final_part, first_part = _part(f, d[f], len(d), device), _part(fi, slot[d[fi]], len(d), device)
+            step.append(StepFold(final_part, first_part, merge))
+            step_grad.append(GradFold(final_part, first_part, _part(r, slot[d[r]], len(d), device)))
+            written[slot[d[acc]]] = True
+        steps.append(tuple(step))
+        grad.append(tuple(step_grad))
+    multi = to_device(torch.nonzero(~single).flatten(), device)
+    return Folds(tuple(steps), tuple(grad), multi, _whole_call(dests, size), fresh and bool(written.all()))
 
 
 @dataclass(frozen=True)
 class KeyFold:
-    """Where the packed key rows of each step's calls send their gradients: ``final`` rows of the key
-    gradient (read once), or ``acc`` fp32 slots; ``slots`` in all, the first ``own`` of them the key
-    buffer's own rows ``multi`` (the rest, if any, received rows whose gradients go back)."""
+    """Where the packed key rows of each step's calls send their gradients (:class:`GradFold` per call):
+    ``final`` rows of the key gradient (read once), or fp32 slots; ``slots`` in all, the first ``own`` of
+    them the key buffer's own rows ``multi`` (the rest, if any, received rows whose gradients go back);
+    ``adopt`` and ``fresh`` as in :class:`Folds` (``fresh``: no slot is added into before it is written,
+    gradients arriving from other ranks included)."""
 
-    steps: tuple[tuple[Part | None, Part | None], ...]
+    steps: tuple[tuple[GradFold, ...], ...]
     multi: torch.Tensor
     own: int
     slots: int
     multi_rows: torch.Tensor  # ``multi`` on the host
+    adopt: tuple[int, int] | None = None
+    fresh: bool = False
 
     def slots_of(self, rows: torch.Tensor) -> torch.Tensor:
         """The accumulator slots of own rows ``rows`` (host; each must be a multi row)."""
@@ -124,66 +167,103 @@ class KeyFold:
         return out
 
 
-def make_key_folds(
-    dests: list[torch.Tensor], own: int, extra: list[torch.Tensor], device, received: int | None = None
-) -> KeyFold:
-    """Key folds: ``dests[s]`` the key rows of step ``s``'s packed keys, rows ``< own`` the own buffer's
-    (final where read once overall), rows ``>= own`` received (always accumulated, in slots after the own
-    multi rows; ``received`` of them, by default as many as the keys reach); ``extra``: own rows whose
-    gradients also arrive from other ranks (always accumulated)."""
+def _key_slots(dests, own: int, extra: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(single, slot_of, n_multi)``: own rows read once overall, the slot of each own row (and one
+    padding entry, looked up by received rows), the number of own multi rows."""
     count = torch.zeros(own, dtype=torch.int64)
-    for d in dests:
+    for d in (d for ds in dests for d in ds):
         count += torch.bincount(d[d < own], minlength=own)
     for rows in extra:
         count[rows] += 2
     single = count == 1
     n_multi = int((~single).sum())
-    slot_of = torch.zeros(own + 1, dtype=torch.int64)  # one padding entry, looked up by received rows
+    slot_of = torch.zeros(own + 1, dtype=torch.int64)
     slot_of[:own][~single] = torch.arange(n_multi)
-    single = torch.cat([single, torch.zeros(1, dtype=torch.bool)])
-    steps, reached = [], 0
-    for d in dests:
-        mine = d < own
-        lookup = torch.where(mine, d, torch.full_like(d, own))
-        slot = torch.where(mine, slot_of[lookup], n_multi + d - own)
-        to_final = single[lookup]
-        f, a = torch.nonzero(to_final).flatten(), torch.nonzero(~to_final).flatten()
-        steps.append((_part(f, d[f], len(d), device), _part(a, slot[a], len(d), device)))
-        if len(d) and int(d.max()) >= own:
-            reached = max(reached, int(d.max()) + 1 - own)
-    multi = torch.nonzero(~single[:own]).flatten()
+    return torch.cat([single, torch.zeros(1, dtype=torch.bool)]), slot_of, n_multi
+
+
+def make_key_folds(
+    dests: list[list[torch.Tensor]], own: int, extra: list[torch.Tensor], device, received: int | None = None
+) -> KeyFold:
+    """Key folds: ``dests[s][c]`` the key rows of step ``s``'s call ``c``'s packed keys, rows ``< own`` the
+    own buffer's (final where read once overall), rows ``>= own`` received (always accumulated, in slots
+    after the own multi rows; ``received`` of them, by default as many as the keys reach); ``extra``: own
+    rows whose gradients also arrive from other ranks, after these steps (always accumulated)."""
+    single, slot_of, n_multi = _key_slots(dests, own, extra)
+    reached = max((int(d.max()) + 1 - own for ds in dests for d in ds if len(d) and int(d.max()) >= own), default=0)
     received = reached if received is None else received
-    return KeyFold(tuple(steps), to_device(multi, device), n_multi, n_multi + received, multi)
+    written = torch.zeros(n_multi + received, dtype=torch.bool)
+    fresh, steps = True, []
+    for ds in dests:
+        parts = []
+        for d in ds:
+            mine = d < own
+            lookup = torch.where(mine, d, torch.full_like(d, own))
+            slot = torch.where(mine, slot_of[lookup], n_multi + d - own)
+            to_final = single[lookup]
+            acc = torch.nonzero(~to_final).flatten()
+            first = torch.zeros(len(d), dtype=torch.bool)
+            first[acc] = _first_writes(slot[acc], written)
+            rest = ~to_final & ~first
+            fresh &= bool(written[slot[rest]].all())
+            written[slot[acc]] = True
+            f, fi, r = (torch.nonzero(m).flatten() for m in (to_final, first, rest))
+            parts.append(GradFold(*(_part(x, y, len(d), device) for x, y in ((f, d[f]), (fi, slot[fi]), (r, slot[r])))))
+        steps.append(tuple(parts))
+    multi = torch.nonzero(~single[:own]).flatten()
+    adopt = _whole_call(dests, own) if own else None
+    fresh = fresh and bool(written.all())
+    return KeyFold(tuple(steps), to_device(multi, device), n_multi, n_multi + received, multi, adopt, fresh)
 
 
 # ---------------------------------------------------------------------------- results
+def _adoptable(out: torch.Tensor, like: torch.Tensor) -> bool:
+    """Whether a kernel's packed output can serve as the result buffer itself (dense, same shape and dtype)."""
+    return out.is_contiguous() and out.shape == like.shape and out.dtype == like.dtype
+
+
 class Results:
     """The forward's results being built: ``out`` (input dtype) and ``lse`` (fp32) of every row, and
-    fp32 accumulators for the rows several segments reach (slots of :class:`Folds`)."""
+    fp32 accumulators for the rows several segments reach (slots of :class:`Folds`). Where one call's
+    packed rows are the whole buffer in order (``folds.adopt``), its output is taken as the result."""
 
     def __init__(self, q_t: torch.Tensor, folds: Folds):
         n, h, e = q_t.shape
-        self.folds = folds
-        self.out = q_t.new_empty((n, h, e))
-        self.lse = torch.empty((h, n), dtype=torch.float32, device=q_t.device)
-        self.acc_out = torch.zeros(folds.slots, h, e, dtype=torch.float32, device=q_t.device)
-        self.acc_lse = torch.full((h, folds.slots), float("-inf"), dtype=torch.float32, device=q_t.device)
+        self.folds, self._q = folds, q_t
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+        if folds.fresh:
+            self.acc_out = torch.empty(folds.slots, h, e, dtype=torch.float32, device=q_t.device)
+            self.acc_lse = torch.empty((h, folds.slots), dtype=torch.float32, device=q_t.device)
+        else:
+            self.acc_out = torch.zeros(folds.slots, h, e, dtype=torch.float32, device=q_t.device)
+            self.acc_lse = torch.full((h, folds.slots), float("-inf"), dtype=torch.float32, device=q_t.device)
 
-    def fold(self, step: int, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """Fold step ``step``'s packed ``(out, lse)`` in (see the module docstring)."""
-        f = self.folds.steps[step]
-        if f.final is not None:
-            self.out.index_copy_(0, f.final.dst, f.final.take(out))
-            self.lse.index_copy_(1, f.final.dst, f.final.take(lse, 1))
-        if f.first is not None:
-            write_rows(self.acc_out, f.first.dst, f.first.take(out))
-            self.acc_lse.index_copy_(1, f.first.dst, f.first.take(lse, 1))
-        if f.merge is not None:
-            part, local = f.merge
-            merge_rows(self.acc_out, self.acc_lse, part.take(out), part.take(lse, 1), part.dst, local)
+    def _alloc(self) -> None:
+        if self.out is None:
+            n, h, e = self._q.shape
+            self.out = self._q.new_empty((n, h, e))
+            self.lse = torch.empty((h, n), dtype=torch.float32, device=self._q.device)
+
+    def fold(self, step: int, packed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Fold step ``step``'s packed ``(out, lse)`` of each call in (see the module docstring)."""
+        for c, (f, (out, lse)) in enumerate(zip(self.folds.steps[step], packed)):
+            if self.folds.adopt == (step, c) and self.out is None and _adoptable(out, self._q):
+                self.out, self.lse = out, lse.contiguous()
+            elif f.final is not None:
+                self._alloc()
+                self.out.index_copy_(0, f.final.dst, f.final.take(out))
+                self.lse.index_copy_(1, f.final.dst, f.final.take(lse, 1))
+            if f.first is not None:
+                write_rows(self.acc_out, f.first.dst, f.first.take(out))
+                self.acc_lse.index_copy_(1, f.first.dst, f.first.take(lse, 1))
+            if f.merge is not None:
+                part, local = f.merge
+                merge_rows(self.acc_out, self.acc_lse, part.take(out), part.take(lse, 1), part.dst, local)
 
     def finish(self, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` of every row: the accumulated rows written in, then the sinks folded in."""
+        self._alloc()
         if self.folds.slots:
             write_rows(self.out, self.folds.multi, self.acc_out)
             self.lse.index_copy_(1, self.folds.multi, self.acc_lse)
@@ -194,52 +274,84 @@ class Results:
         return self.out, self.lse
 
 
+def accumulate(acc: torch.Tensor, fold: GradFold, grad: torch.Tensor) -> None:
+    """One call's packed gradient rows into fp32 slots ``acc``: first contributions written, the rest added."""
+    if fold.first is not None:
+        write_rows(acc, fold.first.dst, fold.first.take(grad))
+    if fold.add is not None:
+        add_rows(acc, fold.add.dst, fold.add.take(grad))
+
+
+def new_acc(shape, like: torch.Tensor, fresh: bool) -> torch.Tensor:
+    """fp32 accumulator slots: uninitialised when every slot is written before it is added into."""
+    return (torch.empty if fresh else torch.zeros)(shape, dtype=torch.float32, device=like.device)
+
+
 class Grads:
-    """A gradient being built: ``final`` rows copied once (input dtype), the others added into fp32 slots."""
+    """A gradient being built: ``final`` rows copied once (input dtype), the others accumulated in fp32
+    slots; the packed gradient of the ``adopt`` call, the whole buffer in order, is taken as is."""
 
-    def __init__(self, like: torch.Tensor, multi: torch.Tensor, slots: int):
-        self.final = like.new_empty(like.shape)
-        self.multi = multi
-        self.acc = torch.zeros((slots,) + tuple(like.shape[1:]), dtype=torch.float32, device=like.device)
+    def __init__(self, like: torch.Tensor, multi: torch.Tensor, slots: int, adopt=None, fresh: bool = False):
+        self.like, self.multi, self.adopt = like, multi, adopt
+        self.final: torch.Tensor | None = None
+        self.acc = new_acc((slots,) + tuple(like.shape[1:]), like, fresh)
 
-    def add(self, parts: tuple[Part | None, Part | None], grad: torch.Tensor) -> None:
-        final, acc = parts
-        if final is not None:
-            self.final.index_copy_(0, final.dst, final.take(grad))
-        if acc is not None:
-            add_rows(self.acc, acc.dst, acc.take(grad))
+    @classmethod
+    def of(cls, like: torch.Tensor, folds: Folds | KeyFold) -> Grads:
+        return cls(like, folds.multi, folds.slots, folds.adopt, folds.fresh)
+
+    def add(self, step: int, folds: tuple[GradFold, ...], grads: list[torch.Tensor]) -> None:
+        """Step ``step``'s packed gradient of each call in."""
+        for c, (fold, grad) in enumerate(zip(folds, grads)):
+            if self.adopt == (step, c) and self.final is None and _adoptable(grad, self.like):
+                self.final = grad
+            elif fold.final is not None:
+                self._alloc()
+                self.final.index_copy_(0, fold.final.dst, fold.final.take(grad))
+            accumulate(self.acc, fold, grad)
+
+    def _alloc(self) -> None:
+        if self.final is None:
+            self.final = self.like.new_empty(self.like.shape)
 
     def finish(self) -> torch.Tensor:
+        self._alloc()
         if len(self.multi):
             write_rows(self.final, self.multi, self.acc[: len(self.multi)])
         return self.final
 
 
 # ---------------------------------------------------------------------------- one key buffer
-def attend(q_t, k_t, v_t, idx: PlanIndex, kernel: AttentionKernel, scale: float):
-    """Packed ``(out, lse)`` of the plan's calls on one key buffer (calls in order), or ``None``."""
-    outs, lses = [], []
-    for call in idx.calls:
-        out, lse = kernel.varlen_forward(
-            call.q_rows.take(q_t), call.k_rows.take(k_t), call.k_rows.take(v_t), call.segments, call.causal, scale
+def attend(q_t, k_t, v_t, idx: PlanIndex, kernel: AttentionKernel, scale: float) -> list:
+    """Packed ``(out, lse)`` of each of the plan's calls, in order."""
+    return [
+        kernel.varlen_forward(
+            call.q_rows.take(q_t),
+            call.k_rows.take(k_t),
+            call.k_rows.take(v_t),
+            call.segments,
+            call.causal,
+            scale,
+            **_window(call),
         )
-        outs.append(out)
-        lses.append(lse)
-    if not outs:
-        return None
-    return (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses, dim=1))
+        for call in idx.calls
+    ]
+
+
+def _window(call) -> dict:
+    """The window keyword of a call whose tiles the kernel windows itself (none otherwise: every kernel
+    takes the plain call)."""
+    return {} if call.window is None else {"window": call.window}
 
 
 def fold_forward(q_t, k_t, v_t, idx: PlanIndex, kernel: AttentionKernel, scale: float, results: Results, step: int):
     """Fold attention of ``q_t`` on ``(k_t, v_t)`` under a plan's ``idx`` into ``results`` as step ``step``."""
-    packed = attend(q_t, k_t, v_t, idx, kernel, scale)
-    if packed is not None:
-        results.fold(step, *packed)
+    results.fold(step, attend(q_t, k_t, v_t, idx, kernel, scale))
 
 
 def attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, idx: PlanIndex, kernel: AttentionKernel, scale: float):
-    """Packed ``(dq, dk, dv)`` of the plan's calls (calls in order, like :meth:`MaskPlan.q_dest` and
-    :meth:`~titan_cp.attention.mask_plans.MaskPlan.k_dest`), or ``None``. ``out_t, lse`` are the final results."""
+    """Packed ``(dq, dk, dv)`` of each of the plan's calls, in order (like :meth:`MaskPlan.q_dest` and
+    :meth:`~titan_cp.attention.mask_plans.MaskPlan.k_dest`), as three lists. ``out_t, lse`` are the final results."""
     grads = []
     for call in idx.calls:
         qr, kr = call.q_rows, call.k_rows
@@ -254,11 +366,10 @@ def attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, idx: PlanIndex, kernel: A
                 call.segments,
                 call.causal,
                 scale,
+                **_window(call),
             )
         )
-    if not grads:
-        return None
-    return grads[0] if len(grads) == 1 else tuple(torch.cat(g) for g in zip(*grads))
+    return tuple(list(g) for g in zip(*grads)) if grads else ([], [], [])
 
 
 # ---------------------------------------------------------------------------- one key buffer, whole
@@ -287,11 +398,9 @@ def plan_forward(q_t, k_t, v_t, batch: int, plan: MaskPlan, kernel: AttentionKer
 def plan_backward(dout_t, q_t, k_t, v_t, out_t, lse, batch: int, plan: MaskPlan, kernel: AttentionKernel, scale):
     """``(dq_t, dk_t, dv_t)`` in the input dtype for :func:`plan_forward`."""
     index, folds, key_folds = single_step(plan, batch, q_t.device)
-    dq = Grads(q_t, folds.multi, folds.slots)
-    dk, dv = Grads(k_t, key_folds.multi, key_folds.slots), Grads(v_t, key_folds.multi, key_folds.slots)
-    packed = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, index, kernel, scale)
-    if packed is not None:
-        dq.add(folds.grad[0], packed[0])
-        dk.add(key_folds.steps[0], packed[1])
-        dv.add(key_folds.steps[0], packed[2])
+    dq, dk, dv = Grads.of(q_t, folds), Grads.of(k_t, key_folds), Grads.of(v_t, key_folds)
+    dqs, dks, dvs = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, index, kernel, scale)
+    dq.add(0, folds.grad[0], dqs)
+    dk.add(0, key_folds.steps[0], dks)
+    dv.add(0, key_folds.steps[0], dvs)
     return dq.finish(), dk.finish(), dv.finish()

@@ -33,6 +33,7 @@ from titan_cp.attention.ring import (
 from titan_cp.attention.strategy import AxisBytes, Strategy, kv_heads_per_shard, register_strategy
 from titan_cp.attention.ulysses import (
     ULYSSES,
+    concat_to_stacked,
     gather_heads,
     head_index,
     head_shard_saved_bytes,
@@ -42,6 +43,7 @@ from titan_cp.attention.ulysses import (
     kv_from_heads,
     kv_to_heads,
     scatter_heads,
+    stacked_to_concat,
 )
 
 
@@ -57,17 +59,6 @@ def hybrid_rank(mesh) -> int:
     """This rank's cp rank in the layout: ``ring_rank * ulysses_size + ulysses_rank``."""
     ring_dim, uly_dim = hybrid_dims(mesh)
     return mesh.get_local_rank(ring_dim) * mesh.size(uly_dim) + mesh.get_local_rank(uly_dim)
-
-
-def _stacked_to_concat(x: torch.Tensor, batch: int) -> torch.Tensor:
-    """``(U, B*S, ...)`` stacked by member -> ``(B*U*S, ...)``: each row holds the members' shards in order."""
-    u, n = x.shape[:2]
-    return x.reshape(u, batch, n // batch, *x.shape[2:]).transpose(0, 1).reshape(u * n, *x.shape[2:])
-
-
-def _concat_to_stacked(x: torch.Tensor, batch: int, u: int) -> torch.Tensor:
-    n = x.shape[0] // u
-    return x.reshape(batch, u, n // batch, *x.shape[1:]).transpose(0, 1).reshape(u, n, *x.shape[1:])
 
 
 def _axes(ctx: CPContext, batch: int, device):
@@ -115,11 +106,11 @@ class Hybrid(Strategy):
         b = q.shape[0]
         ring_group, uly_group, u, part, steps = _axes(ctx, b, q.device)
         heads = head_index(ctx.layout, ctx.q_heads, ctx.kv_heads, u, q.device)
-        q_h = _stacked_to_concat(scatter_heads(token_major(q), u, uly_group), b)  # (B*U*S, H/U, E)
-        kv_h = _stacked_to_concat(kv_to_heads(token_major(k), token_major(v), heads, u, uly_group), b)
+        q_h = stacked_to_concat(scatter_heads(token_major(q), u, uly_group), b)  # (B*U*S, H/U, E)
+        kv_h = stacked_to_concat(kv_to_heads(token_major(k), token_major(v), heads, u, uly_group), b)
         sinks = head_slice(ctx.sinks, part, u)
         out_h, lse_h = ring_forward(q_h, kv_h[:, :, 0], kv_h[:, :, 1], ring_group, steps, ctx.kernel, ctx.scale, sinks)
-        out = gather_heads(_concat_to_stacked(out_h, b, u), uly_group)
+        out = gather_heads(concat_to_stacked(out_h, b, u), uly_group)
         return head_major(out, b), (q_h, kv_h, out_h, lse_h)
 
     def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
@@ -127,12 +118,12 @@ class Hybrid(Strategy):
         b = dout.shape[0]
         ring_group, uly_group, u, part, steps = _axes(ctx, b, dout.device)
         heads = head_index(ctx.layout, ctx.q_heads, ctx.kv_heads, u, dout.device)
-        dout_h = _stacked_to_concat(scatter_heads(token_major(dout), u, uly_group), b)
+        dout_h = stacked_to_concat(scatter_heads(token_major(dout), u, uly_group), b)
         dq_h, dk_h, dv_h = ring_backward(
             dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, ring_group, steps, ctx.kernel, ctx.scale
         )
-        dq = gather_heads(_concat_to_stacked(dq_h, b, u), uly_group)
-        dkv = kv_from_heads(_concat_to_stacked(torch.stack([dk_h, dv_h], dim=2), b, u), heads, ctx.kv_heads, uly_group)
+        dq = gather_heads(concat_to_stacked(dq_h, b, u), uly_group)
+        dkv = kv_from_heads(concat_to_stacked(torch.stack([dk_h, dv_h], dim=2), b, u), heads, ctx.kv_heads, uly_group)
         dsinks = None
         if ctx.sinks is not None:
             grad = sinks_grad(dout_h, out_h, lse_h, head_slice(ctx.sinks, part, u))

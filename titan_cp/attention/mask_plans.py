@@ -11,9 +11,11 @@ the whole row in natural order (``None``). Buffers are token-major over the batc
 :func:`make_plan` gives a :class:`MaskPlan` (cached on the layout, so every layer of a
 microbatch reuses it); :meth:`MaskPlan.index` turns it, once per device, into a
 :class:`PlanIndex` of device-resident index tensors: one variable-length kernel call per causal
-flag, the packed rows to gather for it, and the accumulator row of each packed output row. An
-*upper* tile (keys ``j >= i``, at a window's edge) joins the causal call with its rows and keys
-gathered in reverse order, where it is a causal square.
+flag (a plan of full tiles only whose query rows are two consecutive groups takes two, each read
+as a view), its segments in query order, the packed rows to gather for it, and the
+accumulator row of each packed output row. An *upper* tile (keys ``j >= i``, at a window's edge)
+joins the causal call with its rows and keys gathered in reverse order, where it is a causal
+square; a *windowed* tile (for a kernel that takes the window) carries the window to its call.
 
 A key buffer may arrive *compact*: only the rows some query of the plan reads
 (:meth:`MaskPlan.key_rows`), as the strategies send them; ``index(..., key_map=...)`` numbers
@@ -23,7 +25,7 @@ the key rows in the buffer actually held instead.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -42,6 +44,15 @@ class Mask:
     causal: bool = True
     window: int | None = None
     chunk: int | None = None
+    native_window: bool = False  # the kernel takes the window: a band is one segment (masks.py)
+
+
+def kernel_mask(mask: Mask | bool, kernel) -> Mask:
+    """``mask`` (or ``causal`` alone) as planned for ``kernel``: windowed tiles where it takes the window
+    (``native_window``)."""
+    mask = mask if isinstance(mask, Mask) else Mask(causal=bool(mask))
+    native = mask.window is not None and mask.causal and getattr(kernel, "native_window", False)
+    return mask if native == mask.native_window else replace(mask, native_window=native)
 
 
 CAUSAL = Mask()  # plain causal attention: the default
@@ -63,6 +74,7 @@ class HostCall(NamedTuple):
     k_rows: torch.Tensor  # (total_k,) int64 rows of the key buffer (full numbering)
     host_q: tuple[int, ...]
     host_k: tuple[int, ...]
+    window: int | None = None  # the kernel's window (bottom-right causal, each row its last ``window`` keys)
 
 
 class Rows(NamedTuple):
@@ -84,6 +96,12 @@ class Rows(NamedTuple):
     def __len__(self) -> int:
         return self.stop - self.start if self.index is None else len(self.index)
 
+    def take_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """These rows of ``x`` (dim 0) written into ``out``: one copy, whether a span or gathered."""
+        if self.index is None:
+            return out.copy_(x.narrow(0, self.start, self.stop - self.start))
+        return torch.index_select(x, 0, self.index, out=out)
+
     def take(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """These rows of ``x`` along ``dim``."""
         return (
@@ -99,13 +117,14 @@ class VarlenCall:
     segments: Segments
     q_rows: Rows  # (total_q,) rows of the token-major query buffer, packed order
     k_rows: Rows  # (total_k,) rows of the key buffer held
+    window: int | None = None  # passed to the kernel where a tile is windowed (its other tiles are shorter)
 
 
 @dataclass(frozen=True)
 class PlanIndex:
     """A plan's index tensors for one batch size on one device (built once, reused by every layer)."""
 
-    calls: tuple[VarlenCall, ...]  # one per causal flag present
+    calls: tuple[VarlenCall, ...]  # one per causal flag present (two full calls where no causal tile is)
 
 
 def _rows(tiles_rows: Sequence[tuple[int, int, int, bool]]) -> torch.Tensor:
@@ -163,16 +182,20 @@ class MaskPlan:
     def _host_calls(self, batch: int) -> tuple[HostCall, ...]:
         sq, sk = self.q_len, self.k_len
         items = [(b, t) for g in self.groups for b in (range(batch) if g.rows is None else g.rows) for t in g.tiles]
+        # query order (a call's segments are independent): rows read in order are a view, not a gather
+        items.sort(key=lambda bt: (bt[0], bt[1].q0, bt[1].k0))
+        causal = [bt for bt in items if bt[1].causal]
+        full = [bt for bt in items if not bt[1].causal]
+        groups = [(True, causal)] if causal else []
+        groups += [(False, part) for part in (_split_full(full, sq) if not causal else [full]) if part]
         calls = []
-        for causal in (True, False):
-            these = [(b, t) for b, t in items if t.causal == causal]
-            if not these:
-                continue
+        for causal, these in groups:
             lq = [t.q1 - t.q0 for _, t in these]
             lk = [t.k1 - t.k0 for _, t in these]
             q_rows = _rows([(b * sq + t.q0, t.q1 - t.q0, 0, t.upper) for b, t in these])
             k_rows = _rows([(b * sk + t.k0, t.k1 - t.k0, 0, t.upper) for b, t in these])
-            calls.append(HostCall(causal, q_rows, k_rows, _offsets(lq), _offsets(lk)))
+            window = next((t.window for _, t in these if t.window is not None), None)
+            calls.append(HostCall(causal, q_rows, k_rows, _offsets(lq), _offsets(lk), window))
         return tuple(calls)
 
     def key_row_count(self, batch: int) -> int:
@@ -196,16 +219,13 @@ class MaskPlan:
         """Sorted rows of the query buffer that see some key of the plan (host, int64)."""
         return self._memo(("queries", batch), lambda: _unique([c.q_rows for c in self.host_calls(batch)]))
 
-    def q_dest(self, batch: int) -> torch.Tensor:
-        """The query row of every packed output row, calls in order (host, int64)."""
-        calls = self.host_calls(batch)
-        return torch.cat([c.q_rows for c in calls]) if calls else torch.zeros(0, dtype=torch.int64)
+    def q_dest(self, batch: int) -> list[torch.Tensor]:
+        """The query row of every packed output row, one tensor per call (host, int64)."""
+        return [c.q_rows for c in self.host_calls(batch)]
 
-    def k_dest(self, batch: int, key_map: torch.Tensor | None = None) -> torch.Tensor:
-        """The key buffer row of every packed key row, calls in order (host, int64; through ``key_map``)."""
-        calls = self.host_calls(batch)
-        rows = torch.cat([c.k_rows for c in calls]) if calls else torch.zeros(0, dtype=torch.int64)
-        return rows if key_map is None else key_map[rows]
+    def k_dest(self, batch: int, key_map: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The key buffer row of every packed key row, one tensor per call (host, int64; through ``key_map``)."""
+        return [c.k_rows if key_map is None else key_map[c.k_rows] for c in self.host_calls(batch)]
 
     def index(self, batch: int, device: torch.device, key_map: tuple | None = None) -> PlanIndex:
         """Device-resident index tensors for ``batch`` rows (cached).
@@ -229,7 +249,7 @@ class MaskPlan:
                 host_q=c.host_q,
                 host_k=c.host_k,
             )
-            calls.append(VarlenCall(c.causal, seg, Rows.of(c.q_rows, device), Rows.of(k_rows, device)))
+            calls.append(VarlenCall(c.causal, seg, Rows.of(c.q_rows, device), Rows.of(k_rows, device), c.window))
         return PlanIndex(tuple(calls))
 
 
@@ -244,6 +264,21 @@ def _union_len(spans: list[tuple[int, int]]) -> int:
         elif b > end:
             total, end = total + b - end, b
     return total
+
+
+def _split_full(items: list, sq: int) -> list[list]:
+    """Full tiles (``(row, tile)`` in query order) of a plan with no causal tile as two calls where their
+    query rows are two groups of rows that follow each other (each then read as a view, not one
+    gather of both); else one call. Never more than two: the host work per step stays constant."""
+    groups: list[list] = []
+    end = None
+    for b, t in items:
+        start = b * sq + t.q0
+        if end is None or start > end:
+            groups.append([])
+        groups[-1].append((b, t))
+        end = max(end or 0, b * sq + t.q1)
+    return groups if len(groups) == 2 else [items]
 
 
 def _unique(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -266,7 +301,7 @@ def make_plan(layout: SequenceLayout, q_ranks, k_ranks, mask: Mask | bool) -> Ma
         for rows in layout.row_groups():
             row = rows[0] if rows else None
             q_runs, k_runs = layout.runs(q_ranks, row, mask.chunk), layout.runs(k_ranks, row, mask.chunk)
-            tiles = plan_tiles(q_runs, k_runs, mask.causal, mask.window)
+            tiles = plan_tiles(q_runs, k_runs, mask.causal, mask.window, mask.native_window)
             if tiles:
                 groups.append(RowTiles(rows or None, tiles))
         n = lambda ranks: layout.seq_len if ranks is None else layout.local_len * len(ranks)  # noqa: E731

@@ -22,7 +22,11 @@ rectangle, a causal square or an upper square; an upper square is a causal squar
 rows and keys in reverse order, which is how the kernels run it (:mod:`.block`).
 
 Every causal tile is square and aligned on its diagonal, so kernels that align causal
-masks top-left (PyTorch's) and bottom-right (flash-attn) agree. Query/key pairs in
+masks top-left (PyTorch's) and bottom-right (flash-attn) agree. The one exception is a kernel
+that takes the window itself (``native_window``: flash's ``window_size_left``): for it a query
+run on the keys of its own run is one *windowed* tile, bottom-right aligned (the last query on
+the last key), each row seeing its last ``window`` keys of the tile, so a band of any length is
+one segment and no row meets two. Query/key pairs in
 different documents, and keys after the query or out of the window, produce no tile at
 all: empty blocks are skipped, never computed and masked. Full tiles of one query range
 whose key ranges touch are coalesced into one kernel call.
@@ -50,12 +54,23 @@ class Tile:
     k1: int
     causal: bool
     upper: bool = False
+    window: int | None = None  # a windowed tile: bottom-right aligned, each row its last ``window`` keys
 
     @property
     def pairs(self) -> int:
         """Visible (query, key) pairs in the tile: the attention work it carries."""
         n, m = self.q1 - self.q0, self.k1 - self.k0
+        if self.window is not None:
+            return window_pairs(n, m, self.window)
         return n * (n + 1) // 2 if self.causal else n * m
+
+
+def window_pairs(n: int, m: int, window: int) -> int:
+    """Pairs of ``n`` queries on ``m >= n`` keys, bottom-right aligned, each row seeing at most its last
+    ``window`` keys: row ``i`` sees ``min(i + m - n + 1, window)``."""
+    off = m - n
+    t = max(0, min(n, window - off))  # rows that see every key up to theirs
+    return t * off + t * (t + 1) // 2 + (n - t) * window
 
 
 def _coalesce(full: list[tuple[int, int, int, int]]) -> list[Tile]:
@@ -97,11 +112,17 @@ def _band(pa: int, pb: int, window: int, tiles: list[tuple[str, int, int, int, i
             tiles.append(("full", a, a + n, a - window + 1 + m, a))
 
 
-def run_pair_tiles(qs: int, qe: int, ks: int, ke: int, causal: bool, window: int | None):
+def run_pair_tiles(qs: int, qe: int, ks: int, ke: int, causal: bool, window: int | None, native: bool = False):
     """``(kind, q0, q1, k0, k1)`` in global positions: the visible pairs of query positions
-    ``[qs, qe)`` on key positions ``[ks, ke)`` of one document, exactly once."""
+    ``[qs, qe)`` on key positions ``[ks, ke)`` of one document, exactly once. ``native``: the kernel
+    takes the window, so the rows inside the key run are one ``"window"`` tile."""
     if not causal:
         return [("full", qs, qe, ks, ke)]
+    if native and window is not None:
+        a, b = max(qs, ks), min(qe, ke)
+        tiles = [("window", a, b, max(ks, a - window + 1), b)] if a < b else []
+        past = max(qs, ke)  # rows after the key run: the band's edge, as tiles
+        return tiles + (run_pair_tiles(past, qe, ks, ke, causal, window) if past < qe else [])
     tiles: list[tuple[str, int, int, int, int]] = []
     cuts = _breaks(qs, qe, ks, ke, window)
     for pa, pb in zip(cuts, cuts[1:]):
@@ -130,8 +151,11 @@ def run_pair_tiles(qs: int, qe: int, ks: int, ke: int, causal: bool, window: int
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_tiles(q_runs: Runs, k_runs: Runs, causal: bool, window: int | None = None) -> tuple[Tile, ...]:
-    """The tiles that compute exact (document-, window-)masked attention of a query buffer on a key buffer."""
+def plan_tiles(
+    q_runs: Runs, k_runs: Runs, causal: bool, window: int | None = None, native: bool = False
+) -> tuple[Tile, ...]:
+    """The tiles that compute exact (document-, window-)masked attention of a query buffer on a key buffer
+    (``native``: for a kernel that takes the window, see the module docstring)."""
     by_doc: dict[int, list] = {}
     for kr in k_runs:
         by_doc.setdefault(kr.doc, []).append(kr)
@@ -141,10 +165,12 @@ def plan_tiles(q_runs: Runs, k_runs: Runs, causal: bool, window: int | None = No
         qs, qe = qr.start, qr.start + qr.length
         for kr in by_doc.get(qr.doc, ()):
             ks, ke = kr.start, kr.start + kr.length
-            for kind, q0, q1, k0, k1 in run_pair_tiles(qs, qe, ks, ke, causal, window):
+            for kind, q0, q1, k0, k1 in run_pair_tiles(qs, qe, ks, ke, causal, window, native):
                 local = (qr.local + q0 - qs, qr.local + q1 - qs, kr.local + k0 - ks, kr.local + k1 - ks)
                 if kind == "full":
                     full.append(local)
+                elif kind == "window":
+                    squares.append(Tile(*local, causal=True, window=window))
                 else:
                     squares.append(Tile(*local, causal=True, upper=kind == "upper"))
     return tuple(squares + _coalesce(full))

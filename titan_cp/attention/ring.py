@@ -35,12 +35,13 @@ from titan_cp.attention.fold import (
     Folds,
     Grads,
     KeyFold,
-    Part,
     Results,
+    accumulate,
     attend_backward,
     fold_forward,
     make_folds,
     make_key_folds,
+    new_acc,
 )
 from titan_cp.attention.fused import add_rows
 from titan_cp.attention.mask_plans import (
@@ -64,7 +65,7 @@ class RingStep:
     """Step ``s`` of one rank's ring: my queries on what I need of ring rank ``src``'s K/V.
 
     ``recv``: rows of ``src``'s buffer received (0: nothing, the step is skipped), ``grads``: where the
-    packed keys' gradients go in the fp32 buffer of those rows sent back; ``send``: the rows of my buffer
+    packed keys' gradients of each call go in the fp32 buffer of those rows sent back; ``send``: the rows of my buffer
     ``dst`` needs (``None``: nothing to send), ``home``: their accumulator slots (their gradients return).
     """
 
@@ -73,7 +74,7 @@ class RingStep:
     plan: MaskPlan
     index: PlanIndex
     recv: int
-    grads: Part | None
+    grads: KeyFold | None
     send: Rows | None
     home: torch.Tensor | None
 
@@ -112,7 +113,7 @@ def _step(layout, mine, src: int, dst: int, s: int, members, mask, batch, device
     need = plan.key_rows(batch)
     key_map = (("recv", s), _key_map(need, size))
     index = plan.index(batch, device, key_map)
-    grads = make_key_folds([plan.k_dest(batch, key_map[1])], 0, [], device).steps[0][1]
+    grads = make_key_folds([plan.k_dest(batch, key_map[1])], 0, [], device)
     rows = make_plan(layout, tuple(members(dst)), mine, mask).key_rows(batch)
     send = Rows.of(rows, device) if len(rows) else None
     return RingStep(src, dst, plan, index, len(need), grads, send, None), rows
@@ -149,13 +150,34 @@ def ring_steps(
     return layout.memo(("ring_steps", ring_rank, ring_size, tuple(members(ring_rank)), mask, batch, device), build)
 
 
-def _post_kv(comm: PeerComm | None, kv: torch.Tensor, ring: RingPlan, s: int):
-    """Post step ``s``'s K/V exchange (``kv (2, B*S, K, E)``): my rows ``dst`` needs out, ``src``'s in."""
+class _KV:
+    """My K/V as the messages take them: ``k_t, v_t (B*S, K, E)``, stacked once ``(2, B*S, K, E)`` the
+    first time a peer needs all of them (then sent as is, every step), else only the rows sent."""
+
+    def __init__(self, k_t: torch.Tensor, v_t: torch.Tensor):
+        self.k_t, self.v_t, self._all = k_t, v_t, None
+
+    def message(self, rows: Rows) -> torch.Tensor:
+        """``(2, len(rows), K, E)``: these rows of K and V, one copy (none after the first whole one)."""
+        if rows.index is None and rows.start == 0 and rows.stop == self.k_t.shape[0]:
+            if self._all is None:
+                self._all = torch.stack([self.k_t, self.v_t])
+            return self._all
+        out = self.k_t.new_empty((2, len(rows)) + tuple(self.k_t.shape[1:]))
+        rows.take_into(self.k_t, out[0])
+        rows.take_into(self.v_t, out[1])
+        return out
+
+
+def _post_kv(comm: PeerComm | None, kv: _KV, ring: RingPlan, s: int):
+    """Post step ``s``'s K/V exchange, one ``(2, rows, K, E)`` message each way: my rows ``dst`` needs out,
+    ``src``'s in."""
     if s >= len(ring):
         return NOTHING
     step = ring.steps[s]
-    send = None if step.send is None else step.send.take(kv, 1)
-    recv = kv.new_empty((2, step.recv) + tuple(kv.shape[2:])) if step.recv else None
+    k_t = kv.k_t
+    send = None if step.send is None else kv.message(step.send)
+    recv = k_t.new_empty((2, step.recv) + tuple(k_t.shape[1:])) if step.recv else None
     return comm.exchange(send, step.dst, recv, step.src, tag=0)
 
 
@@ -165,8 +187,8 @@ def ring_forward(q_t, k_t, v_t, group, ring: RingPlan, kernel, scale: float, sin
     Token-major ``q_t (B*S, H, E)``, ``k_t, v_t (B*S, K, E)``; ``ring`` from :func:`ring_steps`.
     """
     comm = PeerComm(group) if len(ring) > 1 else None
-    kv = torch.stack([k_t, v_t])  # one message per step: (2, B*S, K, E)
     results = Results(q_t, ring.folds)
+    kv = _KV(k_t, v_t)
     pending = _post_kv(comm, kv, ring, 1)
     fold_forward(q_t, k_t, v_t, ring.steps[0].index, kernel, scale, results, 0)
     for s in range(1, len(ring)):
@@ -180,14 +202,14 @@ def ring_forward(q_t, k_t, v_t, group, ring: RingPlan, kernel, scale: float, sin
 def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kernel, scale: float):
     """``(dq_t, dk_t, dv_t)`` token-major in the input dtype; ``out_t, lse`` as :func:`ring_forward` returned them."""
     comm = PeerComm(group) if len(ring) > 1 else None
-    kv = torch.stack([k_t, v_t])
-    dq = Grads(q_t, ring.folds.multi, ring.folds.slots)
-    dk, dv = (Grads(x, ring.keys.multi, ring.keys.slots) for x in (k_t, v_t))
+    dq = Grads.of(q_t, ring.folds)
+    dk, dv = Grads.of(k_t, ring.keys), Grads.of(v_t, ring.keys)
+    kv = _KV(k_t, v_t)
     pending = _post_kv(comm, kv, ring, 1)
-    packed = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, ring.steps[0].index, kernel, scale)
-    dq.add(ring.folds.grad[0], packed[0])
-    dk.add(ring.keys.steps[0], packed[1])
-    dv.add(ring.keys.steps[0], packed[2])
+    dqs, dks, dvs = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, ring.steps[0].index, kernel, scale)
+    dq.add(0, ring.folds.grad[0], dqs)
+    dk.add(0, ring.keys.steps[0], dks)
+    dv.add(0, ring.keys.steps[0], dvs)
     returning = None  # (exchange, step): dK/dV of my rows on their way home from that step's dst
     for s in range(1, len(ring)):
         step = ring.steps[s]
@@ -195,16 +217,24 @@ def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kern
         pending = _post_kv(comm, kv, ring, s + 1)
         grad = None
         if buf is not None:
-            packed = attend_backward(dout_t, q_t, buf[0], buf[1], out_t, lse, step.index, kernel, scale)
-            dq.add(ring.folds.grad[s], packed[0])
-            grad = torch.zeros(buf.shape, dtype=torch.float32, device=buf.device)
-            for i in (0, 1):
-                add_rows(grad[i], step.grads.dst, step.grads.take(packed[1 + i]))
+            dqs, dks, dvs = attend_backward(dout_t, q_t, buf[0], buf[1], out_t, lse, step.index, kernel, scale)
+            dq.add(s, ring.folds.grad[s], dqs)
+            grad = received_grads(buf, step.grads, dks, dvs)
         _add_home(dk, dv, returning)
-        recv = kv.new_empty((2, len(step.send)) + tuple(kv.shape[2:]), dtype=torch.float32) if step.send else None
+        recv = k_t.new_empty((2, len(step.send)) + tuple(k_t.shape[1:]), dtype=torch.float32) if step.send else None
         returning = (comm.exchange(grad, step.src, recv, step.dst, tag=1), step)
     _add_home(dk, dv, returning)
     return dq.finish(), dk.finish(), dv.finish()
+
+
+def received_grads(buf: torch.Tensor, folds: KeyFold, dks: list, dvs: list) -> torch.Tensor:
+    """``(2, R, K, E)`` fp32: the gradients of the ``R`` received K/V rows ``buf`` from each call's packed
+    ``dks, dvs``, to be sent home (each row written by its first contribution, the others added)."""
+    grad = new_acc(buf.shape, buf, folds.fresh)
+    for i, grads in enumerate((dks, dvs)):
+        for fold, g in zip(folds.steps[0], grads):
+            accumulate(grad[i], fold, g)
+    return grad
 
 
 def _add_home(dk: Grads, dv: Grads, returning) -> None:

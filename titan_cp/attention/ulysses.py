@@ -76,8 +76,45 @@ def kv_from_heads(dkv_h: torch.Tensor, heads: torch.Tensor | None, kv_heads: int
     return out.index_add_(1, heads, dkv)  # replicas' gradients summed
 
 
-def _plan(ctx: CPContext):
-    return make_plan(ctx.layout, None, None, ctx.mask)
+MERGED_SHARE = 0.25  # most rows reached by several segments for which the shards' order is kept
+
+
+def stacked_to_concat(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """``(U, B*S, ...)`` stacked by member -> ``(B*U*S, ...)``: each row holds the members' shards in order
+    (a view for one row)."""
+    u, n = x.shape[:2]
+    return x.reshape(u, batch, n // batch, *x.shape[2:]).transpose(0, 1).reshape(u * n, *x.shape[2:])
+
+
+def concat_to_stacked(x: torch.Tensor, batch: int, u: int) -> torch.Tensor:
+    """Inverse of :func:`stacked_to_concat`."""
+    n = x.shape[0] // u
+    return x.reshape(batch, u, n // batch, *x.shape[1:]).transpose(0, 1).reshape(u, n, *x.shape[1:])
+
+
+def _plan(ctx: CPContext, batch: int):
+    """``(plan, inward, outward)``: the mask plan over the full row and the maps from the all-to-all's
+    stacked shards to its buffer and back. The buffer is the shards in rank order (no reordering) when
+    at most :data:`MERGED_SHARE` of its rows are then reached by several segments (documents mostly whole
+    on their rank, as ``doc_local`` keeps them: only the split ones merge); else the natural order, one
+    gather in and one scatter out, where every document is one run."""
+    layout, n = ctx.layout, ctx.layout.cp_size
+    ranks = tuple(range(n))
+    concat = make_plan(layout, ranks, ranks, ctx.mask)
+    merged = layout.memo(("ulysses_merged", ctx.mask, batch), lambda: _merged_rows(concat, batch))
+    if merged <= MERGED_SHARE * batch * layout.seq_len:
+        return concat, (lambda x: stacked_to_concat(x, batch)), (lambda x: concat_to_stacked(x, batch, n))
+    return (
+        make_plan(layout, None, None, ctx.mask),
+        lambda x: layout.stacked_to_natural(x, batch),
+        lambda x: layout.natural_to_stacked(x, batch),
+    )
+
+
+def _merged_rows(plan, batch: int) -> int:
+    """Query rows of ``plan`` that several segments reach (host)."""
+    rows = torch.cat(plan.q_dest(batch)) if plan.q_dest(batch) else torch.zeros(0, dtype=torch.int64)
+    return int((torch.bincount(rows) > 1).sum()) if len(rows) else 0
 
 
 def head_slice(sinks: torch.Tensor | None, part: int, parts: int) -> torch.Tensor | None:
@@ -128,13 +165,13 @@ class Ulysses(Strategy):
     def forward(self, ctx: CPContext, q, k, v):
         batch, group, n, layout = q.shape[0], ctx.group, ctx.layout.cp_size, ctx.layout
         heads = head_index(layout, ctx.q_heads, ctx.kv_heads, n, q.device)
-        # natural token order: each document is one run, one causal tile
-        q_h = layout.stacked_to_natural(scatter_heads(token_major(q), n, group), batch)  # (B*S_full, H/N, E)
-        kv_h = layout.stacked_to_natural(kv_to_heads(token_major(k), token_major(v), heads, n, group), batch)
+        plan, inward, outward = _plan(ctx, batch)
+        q_h = inward(scatter_heads(token_major(q), n, group))  # (B*S_full, H/N, E)
+        kv_h = inward(kv_to_heads(token_major(k), token_major(v), heads, n, group))
         k_h, v_h = kv_h[:, :, 0], kv_h[:, :, 1]
         sinks = head_slice(ctx.sinks, ctx.rank, n)
-        out_h, lse_h = plan_forward(q_h, k_h, v_h, batch, _plan(ctx), ctx.kernel, ctx.scale, sinks)
-        out = gather_heads(layout.natural_to_stacked(out_h, batch), group)  # (B*S, H, E)
+        out_h, lse_h = plan_forward(q_h, k_h, v_h, batch, plan, ctx.kernel, ctx.scale, sinks)
+        out = gather_heads(outward(out_h), group)  # (B*S, H, E)
         return head_major(out, batch), (q_h, kv_h, out_h, lse_h)
 
     def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
@@ -142,14 +179,13 @@ class Ulysses(Strategy):
         layout, group, n = ctx.layout, ctx.group, ctx.layout.cp_size
         batch = dout.shape[0]
         heads = head_index(layout, ctx.q_heads, ctx.kv_heads, n, dout.device)
-        dout_h = layout.stacked_to_natural(scatter_heads(token_major(dout), n, group), batch)
+        plan, inward, outward = _plan(ctx, batch)
+        dout_h = inward(scatter_heads(token_major(dout), n, group))
         dq_h, dk_h, dv_h = plan_backward(
-            dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, batch, _plan(ctx), ctx.kernel, ctx.scale
+            dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, batch, plan, ctx.kernel, ctx.scale
         )
-        dq = gather_heads(layout.natural_to_stacked(dq_h, batch), group)
-        dkv = kv_from_heads(
-            layout.natural_to_stacked(torch.stack([dk_h, dv_h], dim=2), batch), heads, ctx.kv_heads, group
-        )
+        dq = gather_heads(outward(dq_h), group)
+        dkv = kv_from_heads(outward(torch.stack([dk_h, dv_h], dim=2)), heads, ctx.kv_heads, group)
         dsinks = None
         if ctx.sinks is not None:
             grad = sinks_grad(dout_h, out_h, lse_h, head_slice(ctx.sinks, ctx.rank, n))

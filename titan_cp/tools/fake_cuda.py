@@ -374,23 +374,23 @@ class MeteredFlash(CUDAFlashKernel):
     def __init__(self, inner: CUDAFlashKernel | None = None):
         super().__init__()
         self.inner = inner or CUDAFlashKernel()
-        self.segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...]]] = []
+        self.segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...], int | None]] = []
         self.inside = False
 
-    def _run(self, op: str, fn, seg, causal, *args):
-        self.segments.append((op, causal, seg.host_q, seg.host_k))
+    def _run(self, op: str, fn, seg, causal, window, *args):
+        self.segments.append((op, causal, seg.host_q, seg.host_k, window))
         self.inside = True
         try:
-            return fn(*args)
+            return fn(*args, **({} if window is None else {"window": window}))
         finally:
             self.inside = False
 
-    def varlen_forward(self, q, k, v, seg, causal, scale):
-        return self._run("forward", self.inner.varlen_forward, seg, causal, q, k, v, seg, causal, scale)
+    def varlen_forward(self, q, k, v, seg, causal, scale, window=None):
+        return self._run("forward", self.inner.varlen_forward, seg, causal, window, q, k, v, seg, causal, scale)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seg, causal, scale):
+    def varlen_backward(self, dout, q, k, v, out, lse, seg, causal, scale, window=None):
         fn = self.inner.varlen_backward
-        return self._run("backward", fn, seg, causal, dout, q, k, v, out, lse, seg, causal, scale)
+        return self._run("backward", fn, seg, causal, window, dout, q, k, v, out, lse, seg, causal, scale)
 
 
 _VIEWS = {
@@ -442,16 +442,33 @@ def op_bytes(func, args, kwargs, out) -> int:
         return 2 * _nbytes(args[2]) + sum(_nbytes(i) for i in args[1] if i is not None)
     if name in ("zeros", "full", "fill", "zero", "new_zeros", "zeros_like", "full_like", "new_full"):
         return sum(map(_nbytes, outs))
+    if name == "copy":  # dst.copy_(src): src read, dst written (not read)
+        return _nbytes(args[1]) + _nbytes(args[0])
     inputs = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
     return sum(map(_nbytes, inputs)) + sum(map(_nbytes, outs))
 
 
+def engine_site() -> str:
+    """Where the engine issued the operation being dispatched: ``module.function`` of the innermost
+    frame in :mod:`titan_cp.attention` or :mod:`titan_cp.layout` (``"other"`` when none is)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("titan_cp.attention.") or name == "titan_cp.layout":
+            return f"{name.rsplit('.', 1)[-1]}.{frame.f_code.co_qualname}"
+        frame = frame.f_back
+    return "other"
+
+
 class TrafficMeter(TorchDispatchMode):
-    """Counts the operations outside the kernel and the HBM bytes they read and write (:func:`op_bytes`)."""
+    """Counts the operations outside the kernel and the HBM bytes they read and write (:func:`op_bytes`);
+    ``sites`` splits them by where the engine issued them and which op it was
+    (``{("fold.Results.fold", "index_copy"): [ops, bytes]}``)."""
 
     def __init__(self, kernel: MeteredFlash):
         super().__init__()
         self.kernel, self.ops, self.bytes = kernel, 0, 0
+        self.sites: dict[tuple[str, str], list[int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -460,6 +477,10 @@ class TrafficMeter(TorchDispatchMode):
             nbytes = op_bytes(func, args, kwargs, out)
             self.bytes += nbytes
             self.ops += nbytes > 0
+            if nbytes:
+                entry = self.sites.setdefault((engine_site(), func.__name__.split(".")[0].rstrip("_")), [0, 0])
+                entry[0] += 1
+                entry[1] += nbytes
         return out
 
 
@@ -473,9 +494,10 @@ class RankTrace:
     calls: list[FlashCall] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     bytes_sent: int = 0
-    segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...], int | None]] = field(default_factory=list)
     outside_ops: int = 0  # operations outside the kernel that move data (views and allocations excluded)
     outside_bytes: int = 0  # HBM bytes they read and write
+    sites: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (site, op): [ops, bytes]
 
     def calls_per_step(self, op: str) -> float:
         return sum(c.op == op for c in self.calls) / self.steps
@@ -536,7 +558,7 @@ def simulate(
                 sent.bytes_sent,
                 list(meter.segments),
             )
-            trace.outside_ops, trace.outside_bytes = traffic.ops, traffic.bytes
+            trace.outside_ops, trace.outside_bytes, trace.sites = traffic.ops, traffic.bytes, traffic.sites
             traces.append(trace)
             aten.violations.clear()
     return traces

@@ -22,6 +22,11 @@ Sections
              ``efficiency = t(one call) / t(simulated ring summed over ranks)``: 1.0 means
              splitting the work over the ring steps costs nothing; the bars are 0.90 (causal)
              and 0.85 (documents of mean length 1K) for forward + backward.
+``model``    :func:`check_model`: each row of :func:`titan_cp.tools.gpu_model.model_rows` (one causal
+             document, document mixes of mean 1K, 256, 4K and 16K, windows of 1,024 and 4,096) at
+             ``model_seq`` tokens: the simulated ring (window included) timed against the whole
+             row on one device through the engine's one-rank route, beside the counting model's
+             predicted efficiency for the same shapes (FlashAttention-2's rates, a flat 60%).
 ``train``    the trainer on the debug model, bf16, one process, a few dozen steps, with
              tokens/s and MFU from its ``metrics.jsonl``.
 
@@ -32,6 +37,7 @@ builds the layout's plans, as the first layer of a microbatch does); the fastest
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -56,7 +62,7 @@ from titan_cp.attention.kernels import (
 )
 from titan_cp.data.row_mixes import lognormal_doc_lens
 
-SECTIONS = ("kernels", "ring", "train")
+SECTIONS = ("kernels", "ring", "model", "train")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -79,6 +85,10 @@ class Sizes:
     cp: int
     doc_means: tuple[int, ...]
     repeats: int
+    # model: issue 28's rows (gpu_model.model_rows) at model_seq tokens, timed beside the counting model
+    model_seq: int
+    model_seed: int
+    model_cases: tuple[str, ...]  # names of the rows to run (empty: all)
     # train
     train_steps: int
     train_args: tuple[str, ...]
@@ -98,6 +108,9 @@ FULL = Sizes(
     cp=8,
     doc_means=(1024, 4096),
     repeats=3,
+    model_seq=32768,
+    model_seed=7,
+    model_cases=(),
     train_steps=30,
     train_args=(),
 )
@@ -115,6 +128,9 @@ SMALL = Sizes(
     cp=4,
     doc_means=(32,),
     repeats=1,
+    model_seq=512,
+    model_seed=7,
+    model_cases=("window_1024_docs_1k",),
     train_steps=3,
     train_args=(
         "--model.flavor",
@@ -309,7 +325,7 @@ def check_kernels(device: torch.device, sizes: Sizes, dtype=torch.bfloat16) -> l
 
 
 # ---------------------------------------------------------------------------- section: ring
-def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale: float, dout=None):
+def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale: float, dout=None, window=None):
     """Every rank's ring steps of one attention layer, run one after another in this process.
 
     q: ``(B, H, S, E)``; k, v: ``(B, K, S, E)``; dout like q; the whole sequence in natural
@@ -319,15 +335,17 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
     (backward: the gradients of those rows go home to ``src``'s accumulators, as the ring sends
     them). Nothing is communicated: the time is the sum over ranks of what each rank computes.
 
-    Returns ``out (B, H, S, E)`` in natural order, and with ``dout`` also ``(dq, dk, dv)``.
+    ``window``: a sliding window (keys at most ``window - 1`` positions back). Returns
+    ``out (B, H, S, E)`` in natural order, and with ``dout`` also ``(dq, dk, dv)``.
     """
     from titan_cp.attention import fold  # noqa: PLC0415 - the engine
     from titan_cp.attention.fused import add_rows  # noqa: PLC0415
-    from titan_cp.attention.mask_plans import Mask, head_major, token_major  # noqa: PLC0415
-    from titan_cp.attention.ring import ring_steps  # noqa: PLC0415
+    from titan_cp.attention.mask_plans import Mask, head_major, kernel_mask, token_major  # noqa: PLC0415
+    from titan_cp.attention.ring import received_grads, ring_steps  # noqa: PLC0415
 
     n, b = layout.cp_size, q.shape[0]
-    rings = [ring_steps(layout, r, n, lambda i: (i,), Mask(causal), b, q.device) for r in range(n)]
+    mask = kernel_mask(Mask(causal, window), kernel)
+    rings = [ring_steps(layout, r, n, lambda i: (i,), mask, b, q.device) for r in range(n)]
 
     def shards(x):
         return [token_major(layout.shard(x, 2, r)) for r in range(n)]
@@ -358,23 +376,28 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
     if dout is None:
         return out
     dos = shards(dout)
-    dq = [fold.Grads(qs[r], rings[r].folds.multi, rings[r].folds.slots) for r in range(n)]
-    dkv = [[fold.Grads(kv[r][j], rings[r].keys.multi, rings[r].keys.slots) for j in (0, 1)] for r in range(n)]
+    dq = [fold.Grads.of(qs[r], rings[r].folds) for r in range(n)]
+    dkv = [[fold.Grads.of(kv[r][j], rings[r].keys) for j in (0, 1)] for r in range(n)]
+    for r in range(n):  # every rank's own step first: its key gradients are written before any arrive
+        dqs, dks, dvs = fold.attend_backward(
+            dos[r], qs[r], kv[r][0], kv[r][1], outs[r], lses[r], rings[r].steps[0].index, kernel, scale
+        )
+        dq[r].add(0, rings[r].folds.grad[0], dqs)
+        dkv[r][0].add(0, rings[r].keys.steps[0], dks)
+        dkv[r][1].add(0, rings[r].keys.steps[0], dvs)
     for r in range(n):
-        for i in range(n):
+        for i in range(1, n):
             buf, step = received(kv, r, i), rings[r].steps[i]
             if buf is None:
                 continue
-            packed = fold.attend_backward(dos[r], qs[r], buf[0], buf[1], outs[r], lses[r], step.index, kernel, scale)
-            dq[r].add(rings[r].folds.grad[i], packed[0])
+            dqs, dks, dvs = fold.attend_backward(
+                dos[r], qs[r], buf[0], buf[1], outs[r], lses[r], step.index, kernel, scale
+            )
+            dq[r].add(i, rings[r].folds.grad[i], dqs)
+            grad = received_grads(buf, step.grads, dks, dvs)  # the rows received, home to their owner's slots
+            src = (r - i) % n
             for j in (0, 1):
-                if i == 0:
-                    dkv[r][j].add(rings[r].keys.steps[0], packed[1 + j])
-                else:  # the gradients of the rows received, home to their owner's slots
-                    grad = torch.zeros(buf[j].shape, dtype=torch.float32, device=buf.device)
-                    add_rows(grad, step.grads.dst, step.grads.take(packed[1 + j]))
-                    src = (r - i) % n
-                    add_rows(dkv[src][j].acc, rings[src].steps[i].home, grad)
+                add_rows(dkv[src][j].acc, rings[src].steps[i].home, grad[j])
     grads = [unshard([g.finish() for g in dq], q.dtype)]
     grads += [unshard([dkv[r][j].finish() for r in range(n)], x.dtype) for j, x in ((0, k), (1, v))]
     return out, tuple(grads)
@@ -475,6 +498,65 @@ def check_ring(device: torch.device, sizes: Sizes, kernel_name: str | None = Non
                 max_abs_diff_vs_one_call=diff,
                 # bf16 outputs of the two routes differ by rounding of the fp32 merge only
                 status="ok" if diff <= 0.05 else "fail",
+            )
+        except Exception as exc:  # noqa: BLE001
+            rec.update(status="error", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc(limit=6))
+        records.append(rec)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return records
+
+
+# ---------------------------------------------------------------------------- section: model
+def _single_device(q, k, v, dout, doc_lens, kernel: AttentionKernel, scale: float, window):
+    """The whole row on one device through the engine's one-rank route (one variable-length call per
+    causal flag): what :func:`titan_cp.tools.gpu_model.one_call_segments` counts. Forward + backward."""
+    from titan_cp.attention import fold  # noqa: PLC0415 - the engine
+    from titan_cp.attention.mask_plans import Mask, kernel_mask, make_plan, token_major  # noqa: PLC0415
+    from titan_cp.layout import SequenceLayout  # noqa: PLC0415
+
+    layout = SequenceLayout(q.shape[2], 1, "contiguous", None if doc_lens is None else [list(doc_lens)])
+    plan = make_plan(layout, None, None, kernel_mask(Mask(True, window), kernel))
+    qt, kt, vt, dt = (token_major(x) for x in (q, k, v, dout))
+    out, lse = fold.plan_forward(qt, kt, vt, 1, plan, kernel, scale)
+    return fold.plan_backward(dt, qt, kt, vt, out, lse, 1, plan, kernel, scale)
+
+
+def check_model(device: torch.device, sizes: Sizes, kernel_name: str | None = None, dtype=torch.bfloat16) -> list[dict]:
+    """Section ``model``: each row of :func:`titan_cp.tools.gpu_model.model_rows` (one causal document,
+    document mixes, sliding windows) at ``sizes.model_seq`` tokens on ``sizes.cp`` ranks: the simulated
+    ring's forward + backward timed against the whole row on one device, beside the counting model's
+    prediction for the same shapes (FlashAttention-2's rates and a flat 60% of peak)."""
+    from titan_cp.layout import SequenceLayout  # noqa: PLC0415
+    from titan_cp.tools.gpu_model import model_rows, predict_row  # noqa: PLC0415
+
+    s, n = sizes.model_seq, sizes.cp
+    h, kh, e = sizes.ring_heads, sizes.ring_kv_heads, sizes.ring_head_dim
+    kern = check_kernel(kernel_name, device, dtype, e)
+    scale, g = 1 / math.sqrt(e), torch.Generator().manual_seed(2)
+    q, dout = (torch.randn(1, s, h, e, generator=g).to(device, dtype).transpose(1, 2) for _ in range(2))
+    k, v = (torch.randn(1, s, kh, e, generator=g).to(device, dtype).transpose(1, 2) for _ in range(2))
+    records = []
+    for row in (r for r in model_rows(s, sizes.model_seed) if r.name in sizes.model_cases or not sizes.model_cases):
+        rec = dict(section="model", case=row.name, kernel=kern.name, seq=s, cp=n, balance=row.balance)
+        rec.update(window=row.window, documents=None if row.doc_lens is None else len(row.doc_lens[0]))
+        try:
+            docs = None if row.doc_lens is None else row.doc_lens[0]
+            layout = SequenceLayout(s, n, row.balance, None if docs is None else [list(docs)])
+            w = row.window
+            ring = functools.partial(simulated_ring, q, k, v, layout, kern, True, scale, dout, w)
+            t_ring = timed(ring, device, sizes.repeats)
+            t_one = timed(functools.partial(_single_device, q, k, v, dout, docs, kern, scale, w), device, sizes.repeats)
+            shape = dict(seq_len=s, cp=n, heads=h, kv_heads=kh, head_dim=e)
+            predicted = {
+                name: predict_row(row, "ring", fraction=fraction, **shape)["efficiency"]
+                for name, fraction in (("fa2_rates", None), ("flat_60", 0.6))
+            }
+            rec.update(
+                seconds={"one_device": t_one["min"], "ring": t_ring["min"]},
+                measured_efficiency=t_one["min"] / t_ring["min"],
+                predicted_efficiency=predicted,
+                status="ok",
             )
         except Exception as exc:  # noqa: BLE001
             rec.update(status="error", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc(limit=6))
@@ -597,6 +679,11 @@ def summarize(records: list[dict], dev: torch.device, timing: dict, seconds: flo
             r["case"]: r["efficiency"] for r in records if r.get("section") == "ring" and "efficiency" in r
         },
         ring_below_bar=below,
+        model_efficiency={
+            r["case"]: {"measured": r["measured_efficiency"], "predicted": r["predicted_efficiency"]}
+            for r in records
+            if r.get("section") == "model" and "measured_efficiency" in r
+        },
         train={k: train.get(k) for k in ("tokens_per_second", "mfu", "last_loss")} if train else None,
         section_seconds=timing,
         seconds=seconds,
@@ -650,6 +737,8 @@ def run(
             out = check_kernels(dev, sizes)
         elif section == "ring":
             out = check_ring(dev, sizes, ring_kernel)
+        elif section == "model":
+            out = check_model(dev, sizes, ring_kernel)
         else:
             out = [check_train(dev, sizes)]
         for rec in out:

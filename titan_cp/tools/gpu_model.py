@@ -24,13 +24,27 @@ device, as ``gpu_check``'s simulated ring measures it::
 
 ``efficiency`` counts the bytes only (the issue that asked for this model counted them so);
 ``efficiency_with_launches`` adds the per-operation floor: an upper and a lower estimate.
+
+``outside_gb_by_kind`` splits the outside bytes of the rank moving most by what they are for
+(:func:`traffic_kind`, from where in :mod:`titan_cp.attention` each operation was issued)::
+
+    layout        the model's tensors to and from the engine's token-major buffers, heads exchanged
+    repack        q/k/v/out/dout/lse rows gathered for a kernel call, packed results concatenated
+    result        single-segment rows written into the result (input dtype)
+    merge         the forward's fp32 accumulators: allocation, first write, log-sum-exp merges, final write
+    grad_acc      gradients accumulated in fp32 slots and written out
+    buffers       K/V stacked, taken and copied for sending; receive and gradient-return buffers
+    sinks         attention sinks folded in
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 from titan_cp.attention.mask_plans import Mask, make_plan
+from titan_cp.attention.strategy import get_strategy
+from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.layout import get_layout
 from titan_cp.plan.devices import GPUS
 from titan_cp.plan.kernels import BWD_FLOPS_PER_PAIR_DIM, FWD_FLOPS_PER_PAIR_DIM
@@ -40,34 +54,81 @@ BLOCK = 128  # the flash kernel's tile of queries and keys
 OP_FLOOR_S = 2e-6  # the smallest operation a GPU runs
 
 
-def block_pairs(n: int, m: int, causal: bool) -> int:
-    """Pairs the kernel computes for ``n`` queries on ``m`` keys: the 128 x 128 blocks it visits, whole."""
+def block_pairs(n: int, m: int, causal: bool, window: int | None = None) -> int:
+    """Pairs the kernel computes for ``n`` queries on ``m`` keys: the 128 x 128 blocks it visits, whole.
+    With ``window`` (causal, bottom-right aligned, each row its last ``window`` keys) the blocks from
+    each query block's first visible key to its last."""
     bq, bk = math.ceil(n / BLOCK), math.ceil(m / BLOCK)
-    blocks = bq * (bq + 1) // 2 if causal else bq * bk  # causal segments are square
+    if window is None:
+        blocks = bq * (bq + 1) // 2 if causal else bq * bk  # causal segments are square
+        return blocks * BLOCK * BLOCK
+    off, blocks = m - n, 0
+    for i in range(bq):
+        lo = max(0, i * BLOCK + off - window + 1)
+        hi = min(m - 1, min(n, (i + 1) * BLOCK) - 1 + off)
+        blocks += hi // BLOCK - lo // BLOCK + 1 if hi >= lo else 0
     return blocks * BLOCK * BLOCK
 
 
 def kernel_seconds(segments, heads: int, head_dim: int, device: str = "h200", fraction: float | None = None) -> float:
-    """Seconds of the kernel calls ``segments`` (``(op, causal, host_q, host_k)``, as the meter records them)."""
+    """Seconds of the kernel calls ``segments`` (``(op, causal, host_q, host_k, window)``, as the meter
+    records them)."""
     dev = GPUS[device]
     total = 0.0
-    for op, causal, host_q, host_k in segments:
+    for op, causal, host_q, host_k, window in segments:
         flops_per_pair = (FWD_FLOPS_PER_PAIR_DIM if op == "forward" else BWD_FLOPS_PER_PAIR_DIM) * heads * head_dim
         for (a, b), (c, d) in zip(zip(host_q, host_q[1:]), zip(host_k, host_k[1:])):
             n, m = b - a, d - c
             if not n:
                 continue
             rate = dev.peak_flops * fraction if fraction else dev.attention.rate(m, causal, op == "backward")
-            total += flops_per_pair * block_pairs(n, m, causal) / rate
+            total += flops_per_pair * block_pairs(n, m, causal, window) / rate
     return total
 
 
 def one_call_segments(seq_len: int, doc_lens, mask: Mask) -> list:
-    """The segments of one variable-length call over the whole row on one device, forward and backward."""
+    """The segments of one variable-length call over the whole row on one device, forward and backward
+    (a window taken by the kernel, as ATen's flash kernel takes it)."""
     layout = get_layout(seq_len, 1, "contiguous", doc_lens)
     rows = 1 if doc_lens is None else len(doc_lens)
-    calls = make_plan(layout, None, None, mask).host_calls(rows)
-    return [(op, c.causal, c.host_q, c.host_k) for op in ("forward", "backward") for c in calls]
+    calls = make_plan(layout, None, None, replace(mask, native_window=mask.window is not None)).host_calls(rows)
+    return [(op, c.causal, c.host_q, c.host_k, c.window) for op in ("forward", "backward") for c in calls]
+
+
+_KINDS = {
+    "mask_plans.token_major": "layout", "mask_plans.head_major": "layout", "ulysses": "layout", "hybrid": "layout",
+    "layout": "layout", "allgather.AllGather.forward": "buffers", "allgather.AllGather.backward": "buffers",
+    "mask_plans.Rows.take": "repack", "fold.attend": "repack", "fold.attend_backward": "repack",
+    "fold.Results.__init__": "merge", "fold.Results.finish": "merge", "merge": "merge", "fused.merge_rows": "merge",
+    "fold.Grads": "grad_acc", "ring._add_home": "grad_acc", "ring.ring_backward": "grad_acc",
+    "fold.accumulate": "grad_acc", "fold.new_acc": "grad_acc", "ring.received_grads": "grad_acc",
+    "ring._post_kv": "buffers", "ring.ring_forward": "buffers", "comm": "buffers", "ring._KV": "buffers",
+    "mask_plans.Rows.take_into": "buffers",
+}  # fmt: skip
+
+
+def traffic_kind(site: str, op: str) -> str:
+    """The kind of an operation outside the kernel (module docstring) from its ``(site, op)``
+    (:attr:`~titan_cp.tools.fake_cuda.RankTrace.sites`): the longest matching site prefix decides."""
+    if site == "fold.Results.fold":
+        return {"index_copy": "result", "merge_rows": "merge", "write_rows": "merge"}.get(op, "merge")
+    if site == "fold.Grads.add" and op == "index_copy":
+        return "result"
+    if site.startswith("ring.ring_backward") and op in ("stack", "clone"):
+        return "buffers"
+    if site.startswith(("merge.apply_sinks_", "merge.sinks_grad")) or op == "logaddexp":
+        return "sinks"
+    best = max((k for k in _KINDS if site.startswith(k)), key=len, default=None)
+    return _KINDS[best] if best else "other"
+
+
+def by_kind(sites: dict) -> dict[str, float]:
+    """GB per :func:`traffic_kind` of a trace's ``sites``, largest first."""
+    out: dict[str, int] = {}
+    for (site, op), (_, nbytes) in sites.items():
+        kind = traffic_kind(site, op)
+        out[kind] = out.get(kind, 0) + nbytes
+    return {k: round(v / 1e9, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
 def predict(
@@ -109,6 +170,7 @@ def predict(
         "one_call_ms": round(1e3 * one, 3),
         "kernel_ms_all_ranks": round(1e3 * sum(kernel), 3),
         "outside_gb_per_rank_max": round(max(t.outside_bytes for t in traces) / 1e9, 3),
+        "outside_gb_by_kind": by_kind(max(traces, key=lambda t: t.outside_bytes).sites),
         "outside_ms_all_ranks": round(1e3 * sum(outside), 3),
         "outside_ops_per_rank_max": max(t.outside_ops for t in traces),
         "comm_gb_per_rank_max": round(max(t.bytes_sent for t in traces) / 1e9, 3),
@@ -119,8 +181,81 @@ def predict(
     }
 
 
+@dataclass(frozen=True)
+class ModelRow:
+    """One row of the model's table: a mix of documents (``None``: one causal document), its layout, a
+    window, the strategies it is counted for and the efficiency bar each must reach."""
+
+    name: str
+    doc_lens: tuple[tuple[int, ...], ...] | None
+    balance: str
+    window: int | None
+    strategies: tuple[str, ...]
+    bar: float
+
+
+def model_rows(seq_len: int = 131072, seed: int = 0) -> list[ModelRow]:
+    """The rows issue 28 bars, drawn with ``seed`` (log-normal lengths, :func:`lognormal_doc_lens`):
+    one causal document; documents of mean 1K (sigma 1), 256 (sigma 1), and heavy-tailed mixes of
+    mean 4K and 16K (sigma 1.5) under ``doc_local``; sliding windows of 1,024 and 4,096 on one document
+    and 1,024 over mean-1K documents."""
+
+    def docs(mean: int, sigma: float) -> tuple[tuple[int, ...], ...]:
+        return (tuple(lognormal_doc_lens(seq_len, mean, seed=seed, sigma=sigma)),)
+
+    every = ("ring", "allgather", "ulysses", "hybrid")
+    return [
+        ModelRow("causal", None, "zigzag", None, ("ring", "allgather"), 0.97),
+        ModelRow("docs_1k", docs(1024, 1.0), "doc_local", None, every, 0.92),
+        ModelRow("docs_256", docs(256, 1.0), "doc_local", None, ("ring",), 0.92),
+        ModelRow("long_tail_4k", docs(4096, 1.5), "doc_local", None, ("ring", "allgather"), 0.85),
+        ModelRow("long_docs_16k", docs(16384, 1.5), "doc_local", None, ("ring",), 0.85),
+        ModelRow("window_1024", None, "zigzag", 1024, ("ring",), 0.85),
+        ModelRow("window_4096", None, "zigzag", 4096, ("ring",), 0.90),
+        ModelRow("window_1024_docs_1k", docs(1024, 1.0), "doc_local", 1024, ("ring",), 0.85),
+    ]
+
+
+def predict_row(
+    row: ModelRow,
+    strategy: str,
+    seq_len: int = 131072,
+    cp: int = 8,
+    fraction: float | None = 0.6,
+    heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+) -> dict:
+    """:func:`predict` of one :class:`ModelRow` (``seq_len`` its rows' length), by default with Llama 3 8B
+    heads, hybrid on a Ulysses degree of 2; the record names the row and carries its bar."""
+    docs = None if row.doc_lens is None else [list(r) for r in row.doc_lens]
+    ulysses = 2 if get_strategy(strategy).takes_ulysses_degree() else 1
+    shape = (seq_len, cp, heads, kv_heads, head_dim, docs, row.balance, ulysses)
+    rec = predict(strategy, *shape, window=row.window, fraction=fraction)
+    return {"mix": row.name, "bar": row.bar, **rec}
+
+
+def model_records(seq_len: int = 131072, cp: int = 8, seed: int = 7):
+    """The records ``bench_attention.py --cases model`` prints (``docs/model.jsonl``): ring and all-gather
+    on causal rows (zigzag), log-normal documents of mean 1K and 4K (seed = mean) under ``doc_local`` and
+    ``doc_zigzag`` and a 1,024 window; then every :func:`model_rows` row (drawn with ``seed``) for each of
+    its strategies. Each with FlashAttention-2's rates and at a flat 60% of peak."""
+    docs = {mean: [lognormal_doc_lens(seq_len, mean, seed=mean)] for mean in (1024, 4096)}
+    cases = [("causal", "zigzag", None, None)]
+    cases += [(f"docs_{m}", b, docs[m], None) for m in (1024, 4096) for b in ("doc_local", "doc_zigzag")]
+    cases += [("window_1024", "zigzag", None, 1024)]
+    for strategy in ("ring", "allgather"):
+        for name, balance, rows, window in cases:
+            for fraction in (None, 0.6):
+                rec = predict(strategy, seq_len, cp, 32, 8, 128, rows, balance, window=window, fraction=fraction)
+                yield {"mix": name, **rec}
+    for row in model_rows(seq_len, seed):
+        for strategy in row.strategies:
+            for fraction in (None, 0.6):
+                yield {"rows": f"issue28_seed{seed}", **predict_row(row, strategy, seq_len, cp, fraction)}
+
+
 def get_ulysses(strategy: str, cp: int, ulysses_degree: int) -> int:
     """Ranks that split each rank's heads (the kernel runs ``heads / this`` heads)."""
-    from titan_cp.attention.strategy import get_strategy  # noqa: PLC0415
 
     return get_strategy(strategy).ulysses_size(cp, ulysses_degree)

@@ -35,6 +35,7 @@ class CUDAFlashKernel(AttentionKernel):
 
     name = "cuda_flash"
     native_varlen = True
+    native_window = True  # window_size_left: a windowed tile is one segment
     devices = ("cuda",)
     dtypes = HALF
     max_head_dim = 256
@@ -78,12 +79,12 @@ class CUDAFlashKernel(AttentionKernel):
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
-    def varlen_forward(self, q, k, v, seg: Segments, causal, scale):
+    def varlen_forward(self, q, k, v, seg: Segments, causal, scale, window: int | None = None):
         if len(seg) == 0:
             return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
         q, k, v = unit_stride(q, k, v)
         res = _ATEN._flash_attention_forward(
-            q, k, v, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, 0.0, causal, False, scale=scale
+            q, k, v, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, 0.0, causal, False, scale=scale, **_window(window)
         )
         out, lse = res[0], res[1]
         if tuple(lse.shape) != (q.shape[1], q.shape[0]):
@@ -94,7 +95,7 @@ class CUDAFlashKernel(AttentionKernel):
             )
         return out, lse
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seg: Segments, causal, scale):
+    def varlen_backward(self, dout, q, k, v, out, lse, seg: Segments, causal, scale, window: int | None = None):
         if len(seg) == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         rng = self._rng_state(q.device)
@@ -115,4 +116,10 @@ class CUDAFlashKernel(AttentionKernel):
             rng,
             rng,
             scale=scale,
+            **_window(window),
         )
+
+
+def _window(window: int | None) -> dict:
+    """The flash ops' window keywords: each query sees its last ``window`` keys (bottom-right aligned)."""
+    return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
