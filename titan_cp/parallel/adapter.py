@@ -9,6 +9,7 @@
                 to the output head, which keeps it in the root)
     tail        what runs last in the forward (final norm, output head): one FSDP unit kept
                 gathered after the forward, since the backward starts with it (empty: the root's)
+    mlp_name    the attribute of each block that holds its feed-forward (tiled MLP)
     head_unit   what runs after the blocks and may be recomputed as one more checkpoint unit when
                 checkpointed inputs go to the host (titan_cp's final norm and chunked-loss head; empty: none)
     attach_cp   ``attach_cp(cp_mesh, strategy, balance, kernel)``: makes every attention core
@@ -38,12 +39,31 @@ class ParallelAdapter:
     embedding: nn.Module | None = None
     tail: list[nn.Module] = field(default_factory=list)
     head_unit: list[nn.Module] = field(default_factory=list)
+    mlp_name: str = "mlp"
 
     def block_items(self) -> list[tuple[str | int, nn.Module]]:
         """``(key, block)`` of every block, in order; ``blocks[key] = new`` replaces one in place."""
         if isinstance(self.blocks, nn.ModuleDict):
             return list(self.blocks.items())
         return list(enumerate(self.blocks))
+
+    def mlps(self) -> list[nn.Module]:
+        """Every block's feed-forward module (looked up through AC and compile wrappers), in order;
+        ``ValueError`` for a block without one."""
+        found = []
+        for _, block in self.block_items():
+            inner = [block, getattr(block, "_checkpoint_wrapped_module", None), getattr(block, "_orig_mod", None)]
+            mlp = next(
+                (getattr(m, self.mlp_name) for m in inner if isinstance(getattr(m, self.mlp_name, None), nn.Module)),
+                None,
+            )
+            if mlp is None:
+                raise ValueError(
+                    f"{type(block).__name__} has no feed-forward module {self.mlp_name!r}: set "
+                    "activation_checkpoint.tile_tokens = 0 for this model"
+                )
+            found.append(mlp)
+        return found
 
 
 _PROVIDERS: list[Callable[[nn.Module], ParallelAdapter | None]] = []

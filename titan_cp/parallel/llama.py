@@ -23,6 +23,7 @@ def llama_adapter(model: nn.Module) -> ParallelAdapter | None:
         embedding=model.tok_embeddings,
         tail=tail,
         head_unit=tail if len(tail) == 2 else [],
+        mlp_name="feed_forward",
     )
 
 

@@ -30,9 +30,6 @@ from torch.utils.checkpoint import checkpoint
 
 from titan_cp.parallel.adapter import adapter_of
 
-# where the feed-forward lives in a block: titan_cp's Llama, then Hugging Face decoder layers
-MLP_NAMES = ("feed_forward", "mlp")
-
 
 def tiled(forward: Callable[[Tensor], Tensor], tile_tokens: int, x: Tensor) -> Tensor:
     """``forward(x)`` for x ``(..., D)``, computed over tiles of ``tile_tokens`` tokens (the
@@ -47,31 +44,17 @@ def tiled(forward: Callable[[Tensor], Tensor], tile_tokens: int, x: Tensor) -> T
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def mlp_of(block: nn.Module) -> nn.Module:
-    """The feed-forward module of a transformer block (looked through wrappers)."""
-    for inner in (block, getattr(block, "_checkpoint_wrapped_module", None), getattr(block, "_orig_mod", None)):
-        for name in MLP_NAMES:
-            mlp = getattr(inner, name, None) if inner is not None else None
-            if isinstance(mlp, nn.Module):
-                return mlp
-    raise ValueError(
-        f"activation_checkpoint.tile_tokens: {type(block).__name__} has no feed-forward module named one of "
-        f"{MLP_NAMES}: set activation_checkpoint.tile_tokens = 0 for this model"
-    )
-
-
 def check_tile_tokens(tile_tokens: int) -> None:
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 0:
         raise ValueError(f"activation_checkpoint.tile_tokens must be an integer >= 0 (0: off), got {tile_tokens!r}")
 
 
-def tile_blocks(blocks, tile_tokens: int) -> None:
-    """Run the feed-forward of each of ``blocks`` over tiles of ``tile_tokens`` tokens (module doc); 0: no-op."""
+def tile_mlps(mlps: list[nn.Module], tile_tokens: int) -> None:
+    """Run each feed-forward module of ``mlps`` over tiles of ``tile_tokens`` tokens (module doc); 0: no-op."""
     check_tile_tokens(tile_tokens)
     if tile_tokens == 0:
         return
-    for block in blocks:
-        mlp = mlp_of(block)
+    for mlp in mlps:
         original = getattr(mlp, "_untiled_forward", mlp.forward)
         mlp._untiled_forward = original
         mlp.forward = partial(tiled, original, tile_tokens)
@@ -79,5 +62,7 @@ def tile_blocks(blocks, tile_tokens: int) -> None:
 
 def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> None:
     """``model``'s feed-forwards over tiles of ``tile_tokens`` local tokens (module doc), whatever its
-    family (:func:`~titan_cp.parallel.adapter.adapter_of`); 0: off."""
-    tile_blocks([block for _, block in adapter_of(model).block_items()], tile_tokens)
+    family (:func:`~titan_cp.parallel.adapter.adapter_of`: each block's ``mlp_name``); 0: off."""
+    check_tile_tokens(tile_tokens)
+    if tile_tokens:
+        tile_mlps(adapter_of(model).mlps(), tile_tokens)
