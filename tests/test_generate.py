@@ -566,10 +566,10 @@ def _hf_folder(path, family: str):
 
 def _hf_generator(folder, dims=None, strategy="ring", balance="doc_local"):
     from titan_cp.generate.hf_runner import build_hf_model
-    from titan_cp.integrations.hf_trainer import load_weights
+    from titan_cp.integrations.hf_trainer import load_hf_weights
 
     model = build_hf_model(folder, dims, strategy, balance)
-    load_weights(model, folder)
+    load_hf_weights(model, folder)
     return Generator(model) if dims is None else Generator.on_mesh(model, dims, strategy, balance)
 
 
@@ -657,7 +657,7 @@ def test_generation_loads_the_newest_step_a_model_only_final_one_too(tmp_path):
     """A finished run: step 2 with the whole state, step 3 (checkpoint.last_save_model_only) the
     model alone with other weights. Generation loads step 3 (the trainer resumes from step 2),
     checkpoint.load_step 2 still picks step 2, and the log names the step."""
-    from titan_cp.generate.weights import load_weights
+    from titan_cp.generate.weights import load_generation_weights
 
     folder = tmp_path / "run" / "checkpoint"
     older, (newest, newest_state) = _tiny_state()[1], _tiny_state()
@@ -671,7 +671,7 @@ def test_generation_loads_the_newest_step_a_model_only_final_one_too(tmp_path):
     job = _prepare(argv)
     assert job.weights.path == folder / "step-3"
     assert job.weights.describe() == f"step 3 of {folder} (steps saved: [2, 3])"
-    load_weights(job.weights, newest, job.model)
+    load_generation_weights(job.weights, newest, job.model)
     for name, value in get_model_state_dict(newest).items():
         torch.testing.assert_close(value, newest_state[name], rtol=0, atol=0)
     assert _prepare([*argv, "--checkpoint.load_step", "2"]).weights.path == folder / "step-2"

@@ -559,7 +559,7 @@ def _built_like_the_trainer(rank, world, folder):
     dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, world_size=world)
     dims.build_mesh("cpu")
     model, _ = hf_trainer.build_parallel_hf_model(folder, dims, ParallelizeOptions(ac_mode="full"), "cpu")
-    hf_trainer.load_weights(model, folder)
+    hf_trainer.load_hf_weights(model, folder)
     reference_model = transformers.AutoModelForCausalLM.from_pretrained(
         str(folder), attn_implementation="eager", dtype=torch.float32
     )

@@ -67,7 +67,7 @@ class HuggingFace(ModelFamily):
     def load_hf(self, parts, path, shapes, key="checkpoint.initial_load_path") -> None:
         from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
 
-        hf_trainer.load_weights(parts[0], path, key=key)
+        hf_trainer.load_hf_weights(parts[0], path, key=key)
 
     def save_hf(self, parts, folder, shapes, assets=None):
         """Safetensors under ``transformers``' own names, ``config.json`` and the tokenizer files of ``assets``."""

@@ -33,7 +33,14 @@ from titan_cp.generate.engine import Generator
 from titan_cp.generate.needle import accuracy_grid, draw_heatmap, needle_case, needle_eval
 from titan_cp.generate.prompts import PromptRecord, read_prompts
 from titan_cp.generate.sampling import Sampling
-from titan_cp.generate.weights import ModelSpec, WeightSource, check_weights, load_weights, model_spec, weight_source
+from titan_cp.generate.weights import (
+    ModelSpec,
+    WeightSource,
+    check_weights,
+    load_generation_weights,
+    model_spec,
+    weight_source,
+)
 from titan_cp.preflight import check_files
 from titan_cp.train import compute_precision, init_distributed
 
@@ -235,7 +242,7 @@ def run(job: GenerateJob) -> list[dict]:
     model = job.model.build(dims, strategy, balance, device)
     if rank0:
         logger.info("loading the weights of %s", job.weights.describe())
-    load_weights(job.weights, model, job.model)
+    load_generation_weights(job.weights, model, job.model)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[compute_precision(cfg, device.type, rank0)]
     model.to(dtype)
     records = TASKS[cfg.generate.task](job, Generator.on_mesh(model, dims, strategy, balance))

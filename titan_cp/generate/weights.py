@@ -125,7 +125,7 @@ def check_weights(source: WeightSource, spec: ModelSpec) -> None:
         raise ValueError(f"{source.where} holds {', '.join(extra[:3])}{more}, which {spec.what} does not have; {fix}")
 
 
-def load_weights(source: WeightSource, model: nn.Module, spec: ModelSpec) -> None:
+def load_generation_weights(source: WeightSource, model: nn.Module, spec: ModelSpec) -> None:
     """Load ``source`` into ``model`` (plain, or sharded by tensor parallelism), in place."""
     if source.kind == "safetensors":
         spec.family.load_hf([model], source.path, spec.args, key=source.key)

@@ -14,7 +14,7 @@
    (:func:`build_parallel_hf_model`, through :func:`titan_cp.parallel.build.build_parallel_model`);
 3. loads the weights shard by shard (``checkpoint.initial_load_path`` with
    ``checkpoint.initial_load_in_hf``): every rank reads only its slices of the safetensors, by
-   ``transformers``' own parameter names, after checking every name and shape (:func:`load_weights`);
+   ``transformers``' own parameter names, after checking every name and shape (:func:`load_hf_weights`);
 4. saves DCP checkpoints under the same names (``titan_cp.checkpoint``: they resume on another
    mesh), and with ``checkpoint.last_save_in_hf`` exports a folder that ``from_pretrained`` reads:
    safetensors consolidated from every rank's shards, ``config.json`` and the tokenizer files
@@ -159,7 +159,7 @@ class HFBuilder(ModelBuilder):
     def materialize(self, model, device, seed) -> None:
         """``to_empty``, tied weights tied again, and the buffers ``transformers`` computes at
         construction (RoPE frequencies) restored by the model's own ``_init_weights``; the weights
-        themselves are loaded after (:func:`load_weights`)."""
+        themselves are loaded after (:func:`load_hf_weights`)."""
         hf = hf_model_of(model)
         ties = _ties(hf)
         model.to_empty(device=device)
@@ -172,7 +172,7 @@ class HFBuilder(ModelBuilder):
 
 def build_parallel_hf_model(path, parallel_dims, options, device, fsdp: bool = True) -> tuple[CausalLM, HFModelArgs]:
     """The HF model of folder ``path``, parallelized as the trainer's options say, this rank's shards
-    allocated on ``device`` (weights not loaded yet: :func:`load_weights`); and its :class:`HFModelArgs`.
+    allocated on ``device`` (weights not loaded yet: :func:`load_hf_weights`); and its :class:`HFModelArgs`.
     ``fsdp`` false: no FSDP whatever the mesh (generation keeps the weights whole on every cp rank)."""
     builder = HFBuilder(str(path))
     built = parallel_build.build_parallel_model(builder, parallel_dims, options, device, fsdp=fsdp)
@@ -225,7 +225,7 @@ def _unique_state(model) -> dict:
 
 
 @torch.no_grad()
-def load_weights(model, path, key: str = "checkpoint.initial_load_path") -> None:
+def load_hf_weights(model, path, key: str = "checkpoint.initial_load_path") -> None:
     """Load the safetensors of the Hugging Face folder ``path`` into ``model`` (sharded on any mesh):
     each rank reads only its own slices. Every name and shape is checked first (``ValueError`` naming
     ``key``, the parameter and both shapes; nothing loaded). No collectives."""

@@ -2,14 +2,14 @@
 microbatches and CP meshes (:mod:`.batches`). Document-length rows and mixes live in the package,
 :mod:`titan_cp.data.row_mixes`."""
 
-from titan_cp.testing.batches import cp_mesh, doc_lens_tensor, labels_and_positions, packed_batch
+from titan_cp.testing.batches import doc_lens_tensor, labels_and_positions, packed_batch, strategy_mesh
 from titan_cp.testing.pool import DistPool, PoolCache, RankError
 
 __all__ = [
     "DistPool",
     "PoolCache",
     "RankError",
-    "cp_mesh",
+    "strategy_mesh",
     "doc_lens_tensor",
     "labels_and_positions",
     "packed_batch",

@@ -51,7 +51,7 @@ def packed_batch(rows: Sequence[Sequence[int]], vocab_size: int, seed: int = 0) 
     return Microbatch(tokens, labels, positions, doc_lens_tensor(rows))
 
 
-def cp_mesh(strategy: str, world: int, ulysses: int = 1, device_type: str = "cpu"):
+def strategy_mesh(strategy: str, world: int, ulysses: int = 1, device_type: str = "cpu"):
     """The CP mesh a strategy runs on over all ``world`` ranks: 1-D ``("cp",)``, or for
     ``hybrid`` the 2-D ``("cp_ring", "cp_ulysses")`` with ``ulysses`` inner ranks."""
     from torch.distributed.device_mesh import init_device_mesh

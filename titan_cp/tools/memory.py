@@ -368,13 +368,13 @@ def _rank_fn(rank: int, world: int, cfg: dict) -> dict:
     from titan_cp.model import build_model
     from titan_cp.parallel import apply_ac
     from titan_cp.parallel.cp import apply_cp
-    from titan_cp.testing import cp_mesh
+    from titan_cp.testing import strategy_mesh
 
     torch.manual_seed(0)
     model = build_model(cfg["flavor"], device="cpu", vocab_size=cfg["vocab_size"])
     cp_r = 0
     if world > 1:
-        mesh = cp_mesh(cfg["strategy"], world, cfg.get("ulysses", 1))
+        mesh = strategy_mesh(cfg["strategy"], world, cfg.get("ulysses", 1))
         apply_cp(model, mesh, cfg["strategy"], cfg["balance"])
         cp_r = cp_rank(mesh, cfg["strategy"])
     apply_ac(model, cfg.get("ac", "none"))
