@@ -151,15 +151,21 @@ def verify_files(path: Path, metadata, what: str, fix: str) -> None:
             raise UserError(f"{what}: {file} is truncated ({have} bytes, the checkpoint lists {size}); {fix}")
 
 
+def _requested_steps(folder: Path, step: int) -> list[int]:
+    """The steps saved in ``folder``; a ``UserError`` when ``step`` (not -1, the newest) is not one of them."""
+    steps = saved_steps(folder)
+    if step != -1 and step not in steps:
+        held = f"steps {steps}" if steps else "no checkpoint"
+        raise UserError(f"checkpoint.load_step = {step}, but {folder} holds {held}")
+    return steps
+
+
 def resume_path(folder: Path, step: int = -1) -> Path | None:
     """The checkpoint a resume from ``folder`` loads: ``step-<step>``, or for ``-1`` the newest one
     holding the whole state (else the newest model-only one); ``None`` when ``step`` is -1 and
     there is none. A requested step that is not there, or a newest one that cannot be read, is a
     ``UserError``."""
-    steps = saved_steps(folder)
-    if step != -1 and step not in steps:
-        held = f"steps {steps}" if steps else "no checkpoint"
-        raise UserError(f"checkpoint.load_step = {step}, but {folder} holds {held}")
+    steps = _requested_steps(folder, step)
     if not steps:
         return None
     if step != -1:
@@ -174,10 +180,7 @@ def weights_path(folder: Path, step: int = -1) -> Path | None:
     """The checkpoint whose model weights ``step`` names for generation: ``step-<step>``, or for ``-1``
     the newest step, a model-only final save included (every step holds the model); ``None`` when
     ``step`` is -1 and there is none. A requested step that is not there is a ``UserError``."""
-    steps = saved_steps(folder)
-    if step != -1 and step not in steps:
-        held = f"steps {steps}" if steps else "no checkpoint"
-        raise UserError(f"checkpoint.load_step = {step}, but {folder} holds {held}")
+    steps = _requested_steps(folder, step)
     if not steps:
         return None
     return folder / f"step-{steps[-1] if step == -1 else step}"
