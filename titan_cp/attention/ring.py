@@ -116,9 +116,8 @@ def _key_map(rows: torch.Tensor, size: int) -> torch.Tensor:
 
 def _read_once(plan: MaskPlan, batch: int) -> str:
     """``"input"`` when every key row ``plan`` reads is read by one packed key row of one call (its
-    gradient is one kernel output, exact in the input dtype), else ``"fp32"`` (host)."""
-    rows = torch.cat(plan.k_dest(batch)) if plan.k_dest(batch) else torch.zeros(0, dtype=torch.int64)
-    return "input" if len(rows) == len(torch.unique(rows)) else "fp32"
+    gradient is one kernel output, exact in the input dtype), else ``"fp32"`` (host, from the tiles)."""
+    return "input" if plan.packed_key_count(batch) == plan.key_row_count(batch) else "fp32"
 
 
 def _step(layout, mine, src: int, dst: int, s: int, members, mask, batch, device, size):
@@ -311,7 +310,7 @@ def fp32_returned_rows(layout: SequenceLayout, ring_rank: int, ring_size: int, m
         mine, total = groups[ring_rank], 0
         for s in range(1, ring_size):
             plan = make_plan(layout, mine, groups[(ring_rank - s) % ring_size], mask)
-            total += len(plan.key_rows(batch)) if _read_once(plan, batch) == "fp32" else 0
+            total += plan.key_row_count(batch) if _read_once(plan, batch) == "fp32" else 0
         return total
 
     return layout.memo(("fp32_returned_rows", ring_rank, groups, mask, batch), build)
