@@ -8,11 +8,13 @@ the computation::
 
     forward    out_r = merge_s attn(q_r, kv_{r-s}[need(r, r-s)])    and sends kv_r[need(r+s, r)] to r+s
     backward   dq_r  = sum_s dattn_q(q_r, kv_{r-s}[need(r, r-s)])    the same K/V sent again
-               dkv_r[need(r+s, r)] += dattn_kv from rank r+s         each gradient goes straight home (fp32)
+               dkv_r[need(r+s, r)] += dattn_kv from rank r+s         each gradient goes straight home
 
 ``need(i, j)``: the rows of rank ``j``'s K/V that some query of rank ``i`` can see, from the
 layout and the mask (every rank computes every ``need``, so no size is ever exchanged). Only
-those rows travel: without documents under ``zigzag`` a rank needs all of a later rank's K/V and
+those rows travel, and their gradients go home in the input dtype where each row is read by one
+packed key row of its step (that one kernel output: exact), in fp32 where several are summed.
+Without documents under ``zigzag`` a rank needs all of a later rank's K/V and
 half of an earlier one's; under ``doc_local`` a document whole on one rank never leaves it; with
 a sliding window only the rows a neighbour's window reaches. A step with nothing to receive
 computes nothing, one with nothing to send sends nothing.
