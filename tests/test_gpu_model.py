@@ -9,7 +9,9 @@ CP 8, Llama 3 8B heads (32 query, 8 K/V, head_dim 128), bf16, one layer's forwar
   least 0.85 on the mean-1K mix and 0.95 causal without documents;
 - issue 28's rows (``model_rows``, drawn with seed 7, independent of the mix above), counted at a flat
   60% of peak: their efficiency bars, bytes sent never above what the engine sent before that work,
-  and the per-kind breakdown of the bytes outside the kernel accounting for all of them.
+  and the per-kind breakdown of the bytes outside the kernel accounting for all of them; rows of other
+  draws (seeds 11, 23) whose bars hold;
+- the gradients of a peer's K/V rows read once go home in the input dtype, agreed on both ends.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from titan_cp.attention.mask_plans import CAUSAL
+from titan_cp.attention.ring import ring_steps
 from titan_cp.data.row_mixes import lognormal_doc_lens
+from titan_cp.layout import get_layout
 from titan_cp.tools.fake_cuda import simulate
 from titan_cp.tools.gpu_model import model_rows, predict, predict_row
 
@@ -88,6 +93,17 @@ def test_issue_rows_meet_their_bars_and_send_no_more(row_records, key):
     assert record["comm_gb_per_rank_max"] <= sent_before, record
 
 
+# Rows drawn with other seeds whose bars hold (the README lists the ones that do not yet)
+OTHER_SEEDS = [(11, "docs_1k", "ring"), (11, "docs_1k", "allgather"), (23, "window_1024_docs_1k", "ring")]
+
+
+@pytest.mark.parametrize("seed,name,strategy", OTHER_SEEDS, ids=[f"{s}-{n}-{t}" for s, n, t in OTHER_SEEDS])
+def test_rows_of_other_draws_meet_their_bars(one_thread, seed, name, strategy):
+    row = {r.name: r for r in model_rows(SEQ, seed=seed)}[name]
+    record = predict_row(row, strategy)
+    assert record["efficiency"] >= row.bar, record
+
+
 def test_the_breakdown_accounts_for_every_byte_outside_the_kernel(row_records):
     for record in row_records.values():
         kinds = record["outside_gb_by_kind"]
@@ -96,3 +112,20 @@ def test_the_breakdown_accounts_for_every_byte_outside_the_kernel(row_records):
     docs_256 = row_records[("docs_256", "ring")]["outside_gb_by_kind"]
     # every document whole on its rank: the kernel's output is the result, nothing repacked or merged
     assert sum(docs_256.get(k, 0) for k in ("repack", "result", "merge")) <= 0.01, docs_256
+
+
+@pytest.mark.parametrize("balance,docs", [("doc_local", DOCS_1K), ("zigzag", None)], ids=["documents_1k", "causal"])
+def test_gradients_of_rows_read_once_travel_in_the_input_dtype(balance, docs):
+    """A peer's K/V rows that one packed key row of a step reads get their gradient back as that kernel
+    output, in the input dtype; both ends of every exchange agree on the dtype (planned apart); the bytes
+    sent are below the fp32 return's."""
+    layout, cp = get_layout(SEQ, CP, balance, docs), CP
+    rings = [ring_steps(layout, r, cp, lambda i: (i,), CAUSAL, 1, torch.device("cpu")) for r in range(cp)]
+    for r, ring in enumerate(rings):
+        for s, step in enumerate(ring.steps[1:], start=1):
+            assert step.grad_dtype == rings[step.src].steps[s].home_dtype, (r, s)
+    dtypes = {step.grad_dtype for ring in rings for step in ring.steps[1:] if step.recv}
+    assert "input" in dtypes, dtypes  # split documents' rows and zigzag's halves: read once
+    # bytes the ring sent when every gradient went home in fp32 (0.111 GB and 1.409 GB): a sixth less now
+    before = {"doc_local": 110_829_568, "zigzag": 1_409_286_144}[balance]
+    assert _sent("ring", balance, docs) <= 0.85 * before

@@ -282,9 +282,10 @@ def accumulate(acc: torch.Tensor, fold: GradFold, grad: torch.Tensor) -> None:
         add_rows(acc, fold.add.dst, fold.add.take(grad))
 
 
-def new_acc(shape, like: torch.Tensor, fresh: bool) -> torch.Tensor:
-    """fp32 accumulator slots: uninitialised when every slot is written before it is added into."""
-    return (torch.empty if fresh else torch.zeros)(shape, dtype=torch.float32, device=like.device)
+def new_acc(shape, like: torch.Tensor, fresh: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Accumulator slots (fp32 unless ``dtype`` says): uninitialised when every slot is written before it
+    is added into."""
+    return (torch.empty if fresh else torch.zeros)(shape, dtype=dtype, device=like.device)
 
 
 class Grads:

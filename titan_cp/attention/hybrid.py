@@ -24,6 +24,7 @@ from titan_cp.attention.merge import sinks_grad
 from titan_cp.attention.ring import (
     RING,
     exchanged_rows,
+    fp32_returned_rows,
     kv_block_bytes,
     ring_backward,
     ring_bytes,
@@ -156,8 +157,15 @@ class Hybrid(Strategy):
             ring = RING.min_bytes(q, k_ring, cp // u, backward=backward)
         else:
             groups = range(cp // u) if rank is None else (rank // u,)
-            sent, recv = max(exchanged_rows(layout, g, cp // u, _members(u), mask, b) for g in groups)
-            ring = ring_bytes(k_ring, sent, recv, backward)
+            ring = max(
+                ring_bytes(
+                    k_ring,
+                    *exchanged_rows(layout, g, cp // u, _members(u), mask, b),
+                    backward,
+                    fp32=fp32_returned_rows(layout, g, cp // u, _members(u), mask, b) if backward else None,
+                )
+                for g in groups
+            )
         return AxisBytes("cp_ring", cp // u, ring, cp // u > 1), AxisBytes("cp_ulysses", u, uly, False)
 
     def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1) -> float:

@@ -198,6 +198,11 @@ class MaskPlan:
             calls.append(HostCall(causal, q_rows, k_rows, _offsets(lq), _offsets(lk), window))
         return tuple(calls)
 
+    def packed_key_count(self, batch: int) -> int:
+        """Packed key rows over the plan's calls (a key row counted once per tile reading it), from the
+        tiles alone: equal to :meth:`key_row_count` exactly when every key row is read once."""
+        return sum(self._batch_rows(g, batch) * sum(t.k1 - t.k0 for t in g.tiles) for g in self.groups)
+
     def key_row_count(self, batch: int) -> int:
         """``len(key_rows(batch))`` from the tiles alone (a tile's queries see, together, all of its keys):
         the planner's count at any length, no per-token tensor."""

@@ -8,11 +8,13 @@ the computation::
 
     forward    out_r = merge_s attn(q_r, kv_{r-s}[need(r, r-s)])    and sends kv_r[need(r+s, r)] to r+s
     backward   dq_r  = sum_s dattn_q(q_r, kv_{r-s}[need(r, r-s)])    the same K/V sent again
-               dkv_r[need(r+s, r)] += dattn_kv from rank r+s         each gradient goes straight home (fp32)
+               dkv_r[need(r+s, r)] += dattn_kv from rank r+s         each gradient goes straight home
 
 ``need(i, j)``: the rows of rank ``j``'s K/V that some query of rank ``i`` can see, from the
 layout and the mask (every rank computes every ``need``, so no size is ever exchanged). Only
-those rows travel: without documents under ``zigzag`` a rank needs all of a later rank's K/V and
+those rows travel, and their gradients go home in the input dtype where each row is read by one
+packed key row of its step (that one kernel output: exact), in fp32 where several are summed.
+Without documents under ``zigzag`` a rank needs all of a later rank's K/V and
 half of an earlier one's; under ``doc_local`` a document whole on one rank never leaves it; with
 a sliding window only the rows a neighbour's window reaches. A step with nothing to receive
 computes nothing, one with nothing to send sends nothing.
@@ -65,8 +67,11 @@ class RingStep:
     """Step ``s`` of one rank's ring: my queries on what I need of ring rank ``src``'s K/V.
 
     ``recv``: rows of ``src``'s buffer received (0: nothing, the step is skipped), ``grads``: where the
-    packed keys' gradients of each call go in the fp32 buffer of those rows sent back; ``send``: the rows of my buffer
+    packed keys' gradients of each call go in the buffer of those rows sent back; ``send``: the rows of my buffer
     ``dst`` needs (``None``: nothing to send), ``home``: their accumulator slots (their gradients return).
+    ``grad_dtype`` / ``home_dtype``: whether the gradients of the rows received / sent travel in the input
+    dtype (``"input"``: every such row is read by one packed key row of the step, so its gradient is that one
+    kernel output, already in the input dtype) or in fp32 (``"fp32"``: several contributions summed).
     """
 
     src: int
@@ -77,6 +82,12 @@ class RingStep:
     grads: KeyFold | None
     send: Rows | None
     home: torch.Tensor | None
+    grad_dtype: str = "fp32"
+    home_dtype: str = "fp32"
+
+    def dtype(self, which: str, like: torch.Tensor) -> torch.dtype:
+        """The dtype of the gradients of the rows received (``which="grad"``) or sent (``"home"``)."""
+        return like.dtype if getattr(self, f"{which}_dtype") == "input" else torch.float32
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,12 @@ def _key_map(rows: torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
+def _read_once(plan: MaskPlan, batch: int) -> str:
+    """``"input"`` when every key row ``plan`` reads is read by one packed key row of one call (its
+    gradient is one kernel output, exact in the input dtype), else ``"fp32"`` (host, from the tiles)."""
+    return "input" if plan.packed_key_count(batch) == plan.key_row_count(batch) else "fp32"
+
+
 def _step(layout, mine, src: int, dst: int, s: int, members, mask, batch, device, size):
     """Step ``s``'s plan, its device index and what it exchanges (host rows sent, for the key folds)."""
     plan = make_plan(layout, mine, tuple(members(src)), mask)
@@ -114,9 +131,13 @@ def _step(layout, mine, src: int, dst: int, s: int, members, mask, batch, device
     key_map = (("recv", s), _key_map(need, size))
     index = plan.index(batch, device, key_map)
     grads = make_key_folds([plan.k_dest(batch, key_map[1])], 0, [], device)
-    rows = make_plan(layout, tuple(members(dst)), mine, mask).key_rows(batch)
+    peer = make_plan(layout, tuple(members(dst)), mine, mask)  # dst's step s: the same plan on both ends
+    rows = peer.key_rows(batch)
     send = Rows.of(rows, device) if len(rows) else None
-    return RingStep(src, dst, plan, index, len(need), grads, send, None), rows
+    step = RingStep(
+        src, dst, plan, index, len(need), grads, send, None, _read_once(plan, batch), _read_once(peer, batch)
+    )
+    return step, rows
 
 
 def ring_steps(
@@ -219,18 +240,20 @@ def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kern
         if buf is not None:
             dqs, dks, dvs = attend_backward(dout_t, q_t, buf[0], buf[1], out_t, lse, step.index, kernel, scale)
             dq.add(s, ring.folds.grad[s], dqs)
-            grad = received_grads(buf, step.grads, dks, dvs)
+            grad = received_grads(buf, step.grads, dks, dvs, step.dtype("grad", buf))
         _add_home(dk, dv, returning)
-        recv = k_t.new_empty((2, len(step.send)) + tuple(k_t.shape[1:]), dtype=torch.float32) if step.send else None
+        shape = (2, len(step.send)) + tuple(k_t.shape[1:]) if step.send else None
+        recv = k_t.new_empty(shape, dtype=step.dtype("home", k_t)) if step.send else None
         returning = (comm.exchange(grad, step.src, recv, step.dst, tag=1), step)
     _add_home(dk, dv, returning)
     return dq.finish(), dk.finish(), dv.finish()
 
 
-def received_grads(buf: torch.Tensor, folds: KeyFold, dks: list, dvs: list) -> torch.Tensor:
-    """``(2, R, K, E)`` fp32: the gradients of the ``R`` received K/V rows ``buf`` from each call's packed
-    ``dks, dvs``, to be sent home (each row written by its first contribution, the others added)."""
-    grad = new_acc(buf.shape, buf, folds.fresh)
+def received_grads(buf: torch.Tensor, folds: KeyFold, dks: list, dvs: list, dtype=torch.float32) -> torch.Tensor:
+    """``(2, R, K, E)`` in ``dtype``: the gradients of the ``R`` received K/V rows ``buf`` from each call's
+    packed ``dks, dvs``, to be sent home (each row written by its first contribution, the others added;
+    the input dtype only where every row has one contribution, :attr:`RingStep.grad_dtype`)."""
+    grad = new_acc(buf.shape, buf, folds.fresh, dtype)
     for i, grads in enumerate((dks, dvs)):
         for fold, g in zip(folds.steps[0], grads):
             accumulate(grad[i], fold, g)
@@ -280,6 +303,21 @@ def exchanged_rows(
     return layout.memo(("exchanged_rows", ring_rank, groups, mask, batch), build)
 
 
+def fp32_returned_rows(layout: SequenceLayout, ring_rank: int, ring_size: int, members, mask: Mask, batch: int) -> int:
+    """Rows ring rank ``ring_rank`` receives whose gradients go home in fp32 (read by several packed key rows
+    of their step, :func:`_read_once`); the others' go home in the input dtype (host; cached)."""
+    groups = tuple(tuple(members(g)) for g in range(ring_size))
+
+    def build() -> int:
+        mine, total = groups[ring_rank], 0
+        for s in range(1, ring_size):
+            plan = make_plan(layout, mine, groups[(ring_rank - s) % ring_size], mask)
+            total += plan.key_row_count(batch) if _read_once(plan, batch) == "fp32" else 0
+        return total
+
+    return layout.memo(("fp32_returned_rows", ring_rank, groups, mask, batch), build)
+
+
 def _key_rows_seen(layout: SequenceLayout, q_ranks, k_ranks, mask: Mask, batch: int) -> int:
     """Rows of ``k_ranks``' keys that ``q_ranks``' queries see (plain causal masks in closed form)."""
     if mask == CAUSAL:
@@ -287,13 +325,15 @@ def _key_rows_seen(layout: SequenceLayout, q_ranks, k_ranks, mask: Mask, batch: 
     return make_plan(layout, q_ranks, k_ranks, mask).key_row_count(batch)
 
 
-def ring_bytes(k, sent: int, recv: int, backward: bool, resend: bool = True) -> int:
+def ring_bytes(k, sent: int, recv: int, backward: bool, resend: bool = True, fp32: int | None = None) -> int:
     """Bytes a rank sends: its K/V rows (forward, and again in the backward when they are not kept:
-    ``resend``), and the fp32 gradients of the rows it received."""
+    ``resend``), and the gradients of the rows it received: ``fp32`` of them (all by default) in fp32, the
+    rest in the input dtype."""
     row = 2 * k.shape[1] * k.shape[3]  # K and V elements of one token
+    fp32 = recv if fp32 is None else fp32
     total = sent * row * k.element_size()
     if backward:
-        total += sent * row * k.element_size() * resend + recv * row * 4
+        total += sent * row * k.element_size() * resend + fp32 * row * 4 + (recv - fp32) * row * k.element_size()
     return total
 
 
@@ -339,12 +379,21 @@ class Ring(Strategy):
 
     def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=CAUSAL) -> int:
         """K/V rows sent to the ranks that need them, and the gradients of the rows received sent home
-        (:func:`ring_bytes`). Without a layout every rank needs all of every other rank's K/V."""
+        (:func:`ring_bytes`). Without a layout every rank needs all of every other rank's K/V (their
+        gradients counted in fp32: an upper bound)."""
         if layout is None:
             sent = recv = (cp - 1) * k.shape[0] * k.shape[2]
         else:
             ranks = range(cp) if rank is None else (rank,)
-            sent, recv = max(exchanged_rows(layout, r, cp, lambda i: (i,), mask, k.shape[0]) for r in ranks)
+            return max(
+                ring_bytes(
+                    k,
+                    *exchanged_rows(layout, r, cp, lambda i: (i,), mask, k.shape[0]),
+                    backward,
+                    fp32=fp32_returned_rows(layout, r, cp, lambda i: (i,), mask, k.shape[0]) if backward else None,
+                )
+                for r in ranks
+            )
         return ring_bytes(k, sent, recv, backward)
 
     def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1) -> float:

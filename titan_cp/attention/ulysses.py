@@ -61,10 +61,14 @@ def kv_to_heads(k_t, v_t, heads: torch.Tensor | None, n: int, group) -> torch.Te
 
     ``heads``: :func:`head_index` (``None`` when the K/V heads split evenly over the ``n`` ranks).
     """
-    kv = torch.stack([k_t, v_t], dim=2)  # (T, K, 2, E): a head carries its K and V
     if heads is not None:
-        kv = kv.index_select(1, heads)  # one head per destination
-    return scatter_heads(kv, n, group)
+        kv = torch.stack([k_t, v_t], dim=2).index_select(1, heads)  # (T, N, 2, E): one head per destination
+        return scatter_heads(kv, n, group)
+    t, kv_heads = k_t.shape[:2]
+    kv = k_t.new_empty((n, t, kv_heads // n, 2) + tuple(k_t.shape[2:]))  # the send buffer, head groups first
+    for i, x in enumerate((k_t, v_t)):  # one copy each into it: a head carries its K and V
+        kv[:, :, :, i].copy_(x.reshape(t, n, kv_heads // n, *x.shape[2:]).transpose(0, 1))
+    return all_to_all(kv, group)
 
 
 def kv_from_heads(dkv_h: torch.Tensor, heads: torch.Tensor | None, kv_heads: int, group) -> torch.Tensor:

@@ -394,7 +394,9 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
                 dos[r], qs[r], buf[0], buf[1], outs[r], lses[r], step.index, kernel, scale
             )
             dq[r].add(i, rings[r].folds.grad[i], dqs)
-            grad = received_grads(buf, step.grads, dks, dvs)  # the rows received, home to their owner's slots
+            grad = received_grads(
+                buf, step.grads, dks, dvs, step.dtype("grad", buf)
+            )  # the rows received, home to their owner's slots
             src = (r - i) % n
             for j in (0, 1):
                 add_rows(dkv[src][j].acc, rings[src].steps[i].home, grad[j])
