@@ -31,6 +31,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
@@ -86,8 +87,31 @@ class LiveBytes(TorchDispatchMode):
             self._keys[st] = key
             self.sizes[key] = st.nbytes()
             self.events.append((key, st.nbytes()))
-            weakref.finalize(st, self.events.append, (key, -st.nbytes()))
+            weakref.finalize(st, self._release, key)
         return key
+
+    def _release(self, key: int) -> None:
+        self.events.append((key, -self.sizes[key]))
+        self.sizes[key] = 0
+
+    @contextlib.contextmanager
+    def resizes(self):
+        """Storages resized in place (FSDP2 frees and re-allocates its unsharded parameters so) recorded."""
+        real = torch.UntypedStorage.resize_
+
+        def resize_(st, size):
+            key = self._keys.get(st)
+            out = real(st, size)
+            if key is not None:
+                self.events.append((key, st.nbytes() - self.sizes[key]))
+                self.sizes[key] = st.nbytes()
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        try:
+            yield
+        finally:
+            torch.UntypedStorage.resize_ = real
 
     def mark_host(self, t: torch.Tensor | None) -> None:
         """``t``'s storage is in host memory."""
@@ -140,6 +164,40 @@ def fake_world(world_size: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+class _DeviceRMSNorm(torch.autograd.Function):
+    """What ``F.rms_norm`` is on the GPU: ``aten._fused_rms_norm``'s CUDA kernel, which saves the input and
+    the fp32 ``rstd (..., 1)`` and whose backward (``_fused_rms_norm_backward``) writes ``dx`` and ``dw``
+    alone. On a CPU-only build the op falls back to its composite form (fp32 copies of the whole input:
+    ``x.float()``, ``pow``, ``mul``, and as many in the backward), which a GPU never allocates; on fake
+    tensors only the shapes matter, so the kernel's outputs are allocated as the kernel allocates them."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+        ctx.save_for_backward(x, rstd, weight)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, _, weight = ctx.saved_tensors
+        return torch.empty_like(x), None if weight is None else torch.empty_like(weight), None
+
+
+def _device_rms_norm(x, normalized_shape, weight=None, eps=None):
+    return _DeviceRMSNorm.apply(x, weight, eps)
+
+
+@contextlib.contextmanager
+def _device_kernels():
+    """``F.rms_norm`` as the GPU runs it (:class:`_DeviceRMSNorm`)."""
+    real = F.rms_norm
+    F.rms_norm = _device_rms_norm
+    try:
+        yield
+    finally:
+        F.rms_norm = real
 
 
 @contextlib.contextmanager
@@ -224,7 +282,13 @@ def measure_full_step(cfg, ngpu: int) -> dict:
 
 
 def _measure(cfg, dims, local: Microbatch, tracker: LiveBytes) -> dict:
-    with FakeTensorMode(allow_non_fake_inputs=True), tracker, _host_copies(tracker):
+    with (
+        FakeTensorMode(allow_non_fake_inputs=True),
+        tracker,
+        tracker.resizes(),
+        _host_copies(tracker),
+        _device_kernels(),
+    ):
         parts, optimizers = _build(cfg, dims, tracker)
         loss_fn = GlobalTokenLoss()
         loss_fn.global_valid_tokens = cfg.training.seq_len
