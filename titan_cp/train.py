@@ -220,7 +220,7 @@ class Trainer:
     def _build_model(self) -> None:
         """The model parts of this rank (pipeline stages, or the one model), parallelized and
         initialised; the loss; the compute precision (FSDP's, or autocast's without FSDP)."""
-        cfg, p = self.cfg, self.cfg.parallelism
+        cfg = self.cfg
         if cfg.compile.enable and "loss" in cfg.compile.components and self.rank0:
             logger.info("compile.components: 'loss' is not compiled by titan_cp (only 'model' is)")
         self.loss_fn = GlobalTokenLoss()

@@ -424,14 +424,16 @@ def rank_memory(
 
 
 def host_bytes(m: RankModel, stage: Stage, tokens: int, in_flight: int, params: int, fsdp: int) -> int:
-    """Host bytes of one rank: every offloaded unit input (``a D / tp`` per token) and the RoPE tables of
-    ``in_flight`` microbatches; with FSDP's offload the fp32 shards, their gradients and AdamW's two
-    moments (``16 x params / fsdp``)."""
+    """Host bytes of one rank at their peak: every offloaded unit input (``a D / tp`` per token) and the RoPE
+    tables of ``in_flight`` microbatches; with FSDP's offload also the fp32 shards and AdamW's two moments
+    (``12 x params / fsdp``), and the shards' fp32 gradients (``4 x params / fsdp``), which the backward
+    writes as it frees the unit inputs: the peak is the larger of the inputs and the gradients (measured on
+    the whole step by ``titan_cp.tools.full_step``)."""
     _, units = unit_inputs(m, m.checkpointed(stage.layers))
     units += head_offloaded(m, stage)  # the head's input (a D / tp per token, as a block's)
-    total = 0
+    inputs = 0
     if units:
-        total += int((m.act_bytes * m.args.dim / m.tp * units + rope_per_token(m.args)) * tokens * in_flight)
+        inputs = int((m.act_bytes * m.args.dim / m.tp * units + rope_per_token(m.args)) * tokens * in_flight)
     if m.host.fsdp_offload and fsdp > 1:
-        total += 4 * FP32 * params // fsdp
-    return total
+        return 3 * FP32 * params // fsdp + max(inputs, FP32 * params // fsdp)
+    return inputs

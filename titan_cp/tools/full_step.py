@@ -27,6 +27,7 @@ zero gradients first, as at any step after the first).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 
 import torch
@@ -242,13 +243,23 @@ def _step_rows(cfg, dims) -> Microbatch:
     return mb.shard(dims.cp, 0, cfg.parallelism.context_parallel_load_balancer)
 
 
-def _build(cfg, dims, tracker: LiveBytes):
+def model_args(cfg, layers: int | None = None):
+    """The config's model shapes (the planner's), with ``layers`` blocks when given (a model of the same
+    width cut in depth)."""
+    args = get_family(cfg.model.name).planner_args(cfg)
+    if layers is None:
+        return args
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"layers must be a positive integer, got {layers!r}")
+    return dataclasses.replace(args, n_layers=layers)
+
+
+def _build(cfg, dims, args):
     """This rank's model parts and optimizers, the optimizer's state made (one update of zero gradients)."""
     from titan_cp.train import compute_precision, parallelize_options  # noqa: PLC0415 - the trainer's own choice
 
     if cfg.model.name != "llama3":
         raise ValueError(f"model.name = {cfg.model.name!r}: the full-step measurement builds titan_cp's Llama only")
-    args = get_family(cfg.model.name).planner_args(cfg)
     mp = {"bfloat16": torch.bfloat16, "float32": None}[compute_precision(cfg, "cuda", announce=False)]
     if mp is not None and not (dims.fsdp_enabled or dims.dp_replicate_enabled):
         raise ValueError(
@@ -268,20 +279,20 @@ def _build(cfg, dims, tracker: LiveBytes):
     return built.parts, optimizers
 
 
-def measure_full_step(cfg, ngpu: int) -> dict:
+def measure_full_step(cfg, ngpu: int, layers: int | None = None) -> dict:
     """Device and host bytes of one rank's whole step for ``cfg`` on ``ngpu`` ranks (module docstring):
     ``device_peak_bytes`` (the most live on the device at once during the step: parameters,
     gradients, optimizer state, saved and recomputed tensors, buffers), ``host_bytes`` (the most in
-    host memory), ``device_start_bytes`` (held when the step starts)."""
+    host memory), ``device_start_bytes`` (held when the step starts). ``layers``: see :func:`model_args`."""
     dims = cfg.parallel_dims(ngpu)
     tracker = LiveBytes()
     local = _step_rows(cfg, dims)
     with fake_world(ngpu):
         dims.build_mesh("cpu")
-        return _measure(cfg, dims, local, tracker)
+        return _measure(cfg, dims, model_args(cfg, layers), local, tracker)
 
 
-def _measure(cfg, dims, local: Microbatch, tracker: LiveBytes) -> dict:
+def _measure(cfg, dims, args, local: Microbatch, tracker: LiveBytes) -> dict:
     with (
         FakeTensorMode(allow_non_fake_inputs=True),
         tracker,
@@ -289,7 +300,7 @@ def _measure(cfg, dims, local: Microbatch, tracker: LiveBytes) -> dict:
         _host_copies(tracker),
         _device_kernels(),
     ):
-        parts, optimizers = _build(cfg, dims, tracker)
+        parts, optimizers = _build(cfg, dims, args)
         loss_fn = GlobalTokenLoss()
         loss_fn.global_valid_tokens = cfg.training.seq_len
         tracker.mark("step")
@@ -305,13 +316,14 @@ def _measure(cfg, dims, local: Microbatch, tracker: LiveBytes) -> dict:
     return tracker.timeline("step")
 
 
-def planned(cfg, ngpu: int, gpu: str, host_gb: float = 2000.0) -> dict:
+def planned(cfg, ngpu: int, gpu: str, host_gb: float = 2000.0, layers: int | None = None) -> dict:
     """The planner's figures for the same config (:func:`titan_cp.plan.search.evaluate` of its mesh)."""
     from titan_cp.plan import Candidate, Stack, device, evaluate  # noqa: PLC0415
     from titan_cp.plan.search import workload_of  # noqa: PLC0415
 
     p = cfg.parallelism
     w, _ = workload_of(cfg, gpu, "causal", 0, host_gb)
+    w = dataclasses.replace(w, args=model_args(cfg, layers))
     takes = p.strategy().takes_ulysses_degree()
     c = Candidate(
         p.context_parallel_strategy,
@@ -326,11 +338,13 @@ def planned(cfg, ngpu: int, gpu: str, host_gb: float = 2000.0) -> dict:
     return {"planned_device_bytes": e.memory.total, "planned_host_bytes": e.host_bytes, "planned_parts": e.memory.parts}
 
 
-def full_step_row(cfg, ngpu: int, gpu: str, host_gb: float = 2000.0) -> dict:
-    """One JSON row: the config, the measurement and the planner's figures, and their ratios."""
+def full_step_row(cfg, ngpu: int, gpu: str, host_gb: float = 2000.0, layers: int | None = None) -> dict:
+    """One JSON row: the config, the measurement and the planner's figures, and their ratios (``layers``:
+    the model cut to that many blocks, in both)."""
     ac, p = cfg.activation_checkpoint, cfg.parallelism
     row = {
         "flavor": cfg.model.flavor,
+        "layers": model_args(cfg, layers).n_layers,
         "seq_len": cfg.training.seq_len,
         "ngpu": ngpu,
         "gpu": gpu,
@@ -342,8 +356,52 @@ def full_step_row(cfg, ngpu: int, gpu: str, host_gb: float = 2000.0) -> dict:
         "tile_tokens": ac.tile_tokens,
         "enable_cpu_offload": cfg.training.enable_cpu_offload,
     }
-    row.update(measure_full_step(cfg, ngpu))
-    row.update(planned(cfg, ngpu, gpu, host_gb))
+    row.update(measure_full_step(cfg, ngpu, layers))
+    row.update(planned(cfg, ngpu, gpu, host_gb, layers))
     row["device_over_planned"] = row["device_peak_bytes"] / row["planned_device_bytes"]
     row["host_over_planned"] = row["host_bytes"] / row["planned_host_bytes"] if row["planned_host_bytes"] else None
     return row
+
+
+BASE = (
+    "--training.local_batch_size", "1", "--training.global_batch_size", "1",
+    "--activation_checkpoint.mode", "full", "--parallelism.data_parallel_shard_degree", "-1",
+)  # fmt: skip
+
+
+def plan_overrides(e) -> list[str]:
+    """The config overrides of the planner's estimate ``e`` (its mesh, strategy and options)."""
+    c, h, w = e.candidate, e.workload.host, e.workload
+    out = [
+        "--training.seq_len", str(w.seq_len),
+        "--parallelism.data_parallel_shard_degree", str(c.dp_shard),
+        "--parallelism.data_parallel_replicate_degree", str(c.dp_replicate),
+        "--parallelism.context_parallel_degree", str(c.cp),
+        "--parallelism.tensor_parallel_degree", str(c.tp),
+        "--parallelism.pipeline_parallel_degree", str(c.pp),
+        "--parallelism.context_parallel_strategy", c.strategy,
+        "--parallelism.context_parallel_load_balancer", w.balance,
+        "--activation_checkpoint.mode", w.ac,
+        "--activation_checkpoint.cpu_offload", str(h.cpu_offload).lower(),
+        "--activation_checkpoint.blocks_per_checkpoint", str(h.blocks_per_checkpoint),
+        "--activation_checkpoint.tile_tokens", str(h.tile_tokens),
+        "--training.enable_cpu_offload", str(h.fsdp_offload).lower(),
+    ]  # fmt: skip
+    if c.ulysses > 1:
+        out += ["--parallelism.context_parallel_ulysses_degree", str(c.ulysses)]
+    return out
+
+
+def default_cases(flavor: str = "8B", ngpu: int = 8) -> list[tuple[str, list[str]]]:
+    """``(gpu, overrides)``: ``flavor`` at 131072 tokens on CP ``ngpu`` with nothing offloaded (H100), and the
+    planner's longest length on ``ngpu`` H100 and H200 (``python -m titan_cp.plan --max-seq``) with its plan."""
+    from titan_cp.config import load_config  # noqa: PLC0415
+    from titan_cp.plan.search import max_seq_len  # noqa: PLC0415
+
+    base = [*BASE, "--model.flavor", flavor]
+    cases = [("h100", [*base, "--training.seq_len", "131072", "--parallelism.context_parallel_degree", str(ngpu)])]
+    for gpu in ("h100", "h200"):
+        _, result = max_seq_len(load_config(base), ngpu, gpu)
+        if result is not None:
+            cases.append((gpu, [*base, *plan_overrides(result.best)]))
+    return cases
