@@ -133,6 +133,6 @@ def test_longest_section_on_cpu():
     records = gpu_check.longest_section(torch.device("cpu"), small=True)
     assert [r["config"] for r in records] == ["plain", "offload"]
     for r in records:
-        assert r["status"] == "ok" and r["longest_seq_len"] == 1024
+        assert r["status"] == "ok" and r["longest_seq_len"] == 512
         assert r["step_seconds_at_start"] > 0 and r["step_seconds_at_longest"] > 0
     assert records[1]["cpu_offload"] and records[1]["tile_tokens"] == 64 and not records[0]["cpu_offload"]

@@ -29,7 +29,7 @@ from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
 
 CONFIGS = {"plain": False, "offload": True}  # the long-context options off / on
 TOY = dict(  # check_longest's arguments for a CPU at toy sizes (gpu_check --small)
-    layers=2, start=256, granule=128, cap=2048, limit_tokens=1024, tile_tokens=64, dtype=torch.float32,
+    layers=1, start=128, granule=128, cap=1024, limit_tokens=512, tile_tokens=64, dtype=torch.float32,
     dim=64, n_heads=4, n_kv_heads=2, vocab_size=259, multiple_of=32,
 )  # fmt: skip
 
