@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from titan_cp.families import get_family
+from titan_cp.families.llama3 import Llama3
 from titan_cp.loss import GlobalTokenLoss
 from titan_cp.optim import build_optimizers, clip_grad_norm_
 from titan_cp.parallel.build import LlamaBuilder, build_parallel_model
@@ -258,7 +259,7 @@ def _build(cfg, dims, args):
     """This rank's model parts and optimizers, the optimizer's state made (one update of zero gradients)."""
     from titan_cp.train import compute_precision, parallelize_options  # noqa: PLC0415 - the trainer's own choice
 
-    if cfg.model.name != "llama3":
+    if not isinstance(get_family(cfg.model.name), Llama3):
         raise ValueError(f"model.name = {cfg.model.name!r}: the full-step measurement builds titan_cp's Llama only")
     mp = {"bfloat16": torch.bfloat16, "float32": None}[compute_precision(cfg, "cuda", announce=False)]
     if mp is not None and not (dims.fsdp_enabled or dims.dp_replicate_enabled):
