@@ -270,7 +270,9 @@ def _build(cfg, dims, args):
     if built.schedule is not None:
         raise ValueError("parallelism.pipeline_parallel_degree > 1: the full-step measurement runs one stage's model")
     o = cfg.optimizer
-    optimizers = build_optimizers(built.parts, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, "foreach")
+    optimizers = build_optimizers(
+        built.parts, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, o.implementation
+    )
     for part in built.parts:
         for p in part.parameters():
             p.grad = torch.zeros_like(p)
