@@ -58,6 +58,18 @@ forward + loss + backward while two exact counters watch it. One JSON object per
     the groups whose own scaling ``bytes(1) / (cp * bytes(cp))`` is below 0.9, largest excess
     ``bytes(cp) - bytes(1)/cp`` first, with their tensors' dtypes and shapes.
 
+``--case full-step`` runs one rank's whole training step at full size on fake tensors and a fake process
+group (``titan_cp.tools.full_step``: parameters, optimizer state, saved and recomputed tensors, buffers,
+the checkpoint store's host copies, FSDP's CPU offload) and prints one JSON line per configuration: the
+device bytes' peak and the host bytes measured, beside the planner's ``planned_device_bytes`` and
+``planned_host_bytes`` for the same config. Without config overrides it runs the default cases (Llama 3 8B
+at 131072 tokens on CP 8 with nothing offloaded, and the planner's longest lengths on 8 H100 and 8 H200);
+with them (the trainer's ``--section.key value``), that one configuration::
+
+    python scripts/bench_memory.py --case full-step
+    python scripts/bench_memory.py --case full-step --gpu h200 --model.flavor 8B --training.seq_len 1048576 \
+        --parallelism.context_parallel_degree 8 --activation_checkpoint.mode full
+
 ``--ac full`` checkpoints every block (``saved_bytes`` then holds each block's input, kept by
 the checkpoint, instead of the block's own saved tensors). The counting lives in
 ``titan_cp.tools.memory``; the planner (``python -m titan_cp.plan``) predicts ``saved_bytes``
@@ -79,6 +91,7 @@ import json
 
 import torch
 
+from titan_cp.tools.full_step import BASE, default_cases, full_step_row
 from titan_cp.tools.memory import BYTE_VOCAB, measure_cp, measure_loss_memory, summarize
 
 
@@ -114,9 +127,20 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def full_step(args, rest: list[str]) -> None:
+    from titan_cp.config import load_config
+
+    cases = [(args.gpu, [*BASE, *rest])] if rest else default_cases(ngpu=args.ngpu)
+    for gpu, overrides in cases:
+        row = full_step_row(load_config(overrides), args.ngpu, gpu)
+        print(json.dumps(row), flush=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--case", choices=("cp", "loss"), default="cp")
+    p.add_argument("--case", choices=("cp", "loss", "full-step"), default="cp")
+    p.add_argument("--ngpu", type=int, default=8, help="--case full-step: ranks of the mesh")
+    p.add_argument("--gpu", default="h100", help="--case full-step: the GPU planned for (with overrides)")
     p.add_argument("--tokens", type=int, default=16384, help="--case loss: tokens")
     p.add_argument("--vocab", type=int, default=128256, help="--case loss: vocabulary")
     p.add_argument("--dim", type=int, default=512, help="--case loss: model dim")
@@ -140,7 +164,12 @@ def main(argv=None) -> None:
     p.add_argument("--ac", choices=("none", "full"), default="none", help="activation checkpointing of every block")
     p.add_argument("--top", type=int, default=8, help="non_shrinking entries per row")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of bytes per rank vs cp")
-    args = p.parse_args(argv)
+    args, rest = p.parse_known_args(argv)
+    if rest and args.case != "full-step":
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.case == "full-step":
+        full_step(args, rest)
+        return
     if args.case == "loss":
         row = measure_loss_memory(
             args.tokens,

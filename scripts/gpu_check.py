@@ -3,6 +3,7 @@ call, and a short bf16 training run; JSON lines, a summary line last.
 
     python scripts/gpu_check.py                        # one CUDA device, < 4 minutes on an H200
     python scripts/gpu_check.py --device cpu --small   # the same logic on CPU at toy sizes
+    python scripts/gpu_check.py --sections longest     # the longest row the GPU trains (8B's width, 4 blocks)
 
 Without a CUDA device (and without --device cpu) it prints one line saying so and exits 0.
 The summary's status is ``ok``, ``below_bar`` (everything correct, a ring efficiency under its
@@ -19,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from titan_cp.tools.gpu_check import SECTIONS, exit_code, print_json, run  # noqa: E402
+from titan_cp.tools.gpu_check import OPTIONAL_SECTIONS, SECTIONS, exit_code, print_json, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--small", action="store_true", help="toy sizes (for CPU and tests)")
     parser.add_argument(
-        "--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}"
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS + OPTIONAL_SECTIONS)} (default: {','.join(SECTIONS)})",
     )
     parser.add_argument(
         "--ring-kernel", default=None, help="kernel for the ring section (default: the device's default)"

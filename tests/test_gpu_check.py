@@ -122,3 +122,30 @@ def test_cli_exits_1_when_a_check_fails(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         runpy.run_path(str(SCRIPT), run_name="__main__")
     assert exit_.value.code == 1
+
+
+def test_longest_search_finds_the_boundary():
+    from titan_cp.tools.gpu_longest import longest
+
+    seen = []
+
+    def fits(n):
+        seen.append(n)
+        return n <= 5 * 65536 + 3
+
+    assert longest(fits, 65536, 65536, 2**24) == 5 * 65536
+    assert seen[:4] == [65536, 131072, 262144, 524288]  # doubling, then bisection
+    assert longest(lambda n: True, 65536, 65536, 4 * 65536) == 4 * 65536  # the cap
+    assert longest(lambda n: False, 65536, 65536, 2**24) == 0
+    with pytest.raises(ValueError, match="multiple of granule"):
+        longest(fits, 1000, 65536, 2**24)
+
+
+def test_longest_section_on_cpu():
+    """Section ``longest`` at toy sizes: both configurations train up to the stand-in limit, with times."""
+    records = gpu_check.longest_section(torch.device("cpu"), small=True)
+    assert [r["config"] for r in records] == ["plain", "offload"]
+    for r in records:
+        assert r["status"] == "ok" and r["longest_seq_len"] == 512
+        assert r["step_seconds_at_start"] > 0 and r["step_seconds_at_longest"] > 0
+    assert records[1]["cpu_offload"] and records[1]["tile_tokens"] == 64 and not records[0]["cpu_offload"]

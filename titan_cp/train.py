@@ -118,6 +118,25 @@ def compute_precision(cfg: JobConfig, device_type: str, announce: bool) -> str:
     return "float32"
 
 
+def parallelize_options(cfg: JobConfig, mp_param_dtype: torch.dtype | None) -> ParallelizeOptions:
+    """The config's :class:`ParallelizeOptions` (``[parallelism]``, ``[activation_checkpoint]``, ``[compile]``,
+    ``training.enable_cpu_offload``) with FSDP's compute dtype ``mp_param_dtype``."""
+    p, ac = cfg.parallelism, cfg.activation_checkpoint
+    return ParallelizeOptions(
+        cp_strategy=p.context_parallel_strategy,
+        cp_balance=p.context_parallel_load_balancer,
+        **dict(zip(("ac_mode", "ac_every"), ac_mode_and_every(ac.mode, ac.selective_ac_option))),
+        ac_cpu_offload=ac.cpu_offload,
+        ac_blocks_per_checkpoint=ac.blocks_per_checkpoint,
+        tile_tokens=ac.tile_tokens,
+        fsdp_cpu_offload=cfg.training.enable_cpu_offload,
+        compile=cfg.compile.enable and "model" in cfg.compile.components,
+        compile_backend=cfg.compile.backend,
+        reshard_after_forward=p.fsdp_reshard_after_forward != "never",
+        mp_param_dtype=mp_param_dtype,  # the loss is vocabulary-parallel over tp, a plain tensor
+    )
+
+
 class Trainer:
     """Everything a run holds; ``train()`` runs it to ``training.steps``.
 
@@ -201,27 +220,14 @@ class Trainer:
     def _build_model(self) -> None:
         """The model parts of this rank (pipeline stages, or the one model), parallelized and
         initialised; the loss; the compute precision (FSDP's, or autocast's without FSDP)."""
-        cfg, p = self.cfg, self.cfg.parallelism
+        cfg = self.cfg
         if cfg.compile.enable and "loss" in cfg.compile.components and self.rank0:
             logger.info("compile.components: 'loss' is not compiled by titan_cp (only 'model' is)")
         self.loss_fn = GlobalTokenLoss()
         self.family = get_family(cfg.model.name)
         precision = compute_precision(cfg, self.device.type, announce=self.rank0)
         mp = {"bfloat16": torch.bfloat16, "float32": None}[precision]
-        ac = cfg.activation_checkpoint
-        options = ParallelizeOptions(
-            cp_strategy=p.context_parallel_strategy,
-            cp_balance=p.context_parallel_load_balancer,
-            **dict(zip(("ac_mode", "ac_every"), ac_mode_and_every(ac.mode, ac.selective_ac_option))),
-            ac_cpu_offload=ac.cpu_offload,
-            ac_blocks_per_checkpoint=ac.blocks_per_checkpoint,
-            tile_tokens=ac.tile_tokens,
-            fsdp_cpu_offload=cfg.training.enable_cpu_offload,
-            compile=cfg.compile.enable and "model" in cfg.compile.components,
-            compile_backend=cfg.compile.backend,
-            reshard_after_forward=p.fsdp_reshard_after_forward != "never",
-            mp_param_dtype=mp,  # the loss is vocabulary-parallel over tp, a plain tensor
-        )
+        options = parallelize_options(cfg, mp)
         # FSDP computes in mp's dtype itself; without it (one device, TP or PP alone) autocast does, as torchtitan
         sharded = self.dims.fsdp_enabled or self.dims.dp_replicate_enabled
         self.amp = (

@@ -91,6 +91,7 @@ class RankModel:
     ac: str = "none"
     ac_every: int = 1
     host: HostOptions = HostOptions()
+    fused_norm: bool = False  # RMSNorm as the GPU's fused kernel (:func:`norm_saved_per_token`)
 
     @property
     def attention(self):
@@ -143,11 +144,19 @@ def tile_transient_bytes(m: RankModel, tokens: int) -> int:
     return int(2 * 4 * m.act_bytes * m.heads[2] * t)
 
 
+def norm_saved_per_token(m: RankModel) -> float:
+    """An RMSNorm's saved bytes per token: on a GPU (``fused_norm``: ``aten._fused_rms_norm``'s kernel) its
+    input (``a D / tp``) and the fp32 ``rstd``; in the composite form (a CPU) also the normalised input
+    before the weight (``a (2 D + 1) / tp``). Its output is saved by the linear that reads it."""
+    a, d = m.act_bytes, m.args.dim
+    return (a * d + FP32) / m.tp if m.fused_norm else (2 * a * d + a) / m.tp
+
+
 def block_saved_per_token(m: RankModel) -> float:
     """Bytes one block saves per local token without checkpointing (module docstring)."""
     a, d, e = m.act_bytes, m.args.dim, m.args.head_dim
     h, k, f = m.heads
-    norm = (2 * a * d + a) / m.tp
+    norm = norm_saved_per_token(m)
     attn = m.attention.saved_bytes_per_token(a, h, k, e, m.cp, m.ulysses)
     return norm + a * d + attn + ffn_saved_per_token(m) + norm
 
@@ -181,10 +190,10 @@ def saved_per_token(m: RankModel, stage: Stage) -> float:
 
 
 def head_saved_per_token(m: RankModel) -> float:
-    """The head's saved bytes per token: final norm (``a (2 D + 1) / tp``), the output's input (``a D``),
-    labels (8) and the loss's lse (4)."""
+    """The head's saved bytes per token: final norm (:func:`norm_saved_per_token`), the output's input
+    (``a D``), labels (8) and the loss's lse (4)."""
     a, d = m.act_bytes, m.args.dim
-    return (2 * a * d + a) / m.tp + a * d + INT64 + FP32
+    return norm_saved_per_token(m) + a * d + INT64 + FP32
 
 
 def head_offloaded(m: RankModel, stage: Stage) -> bool:
@@ -424,14 +433,16 @@ def rank_memory(
 
 
 def host_bytes(m: RankModel, stage: Stage, tokens: int, in_flight: int, params: int, fsdp: int) -> int:
-    """Host bytes of one rank: every offloaded unit input (``a D / tp`` per token) and the RoPE tables of
-    ``in_flight`` microbatches; with FSDP's offload the fp32 shards, their gradients and AdamW's two
-    moments (``16 x params / fsdp``)."""
+    """Host bytes of one rank at their peak: every offloaded unit input (``a D / tp`` per token) and the RoPE
+    tables of ``in_flight`` microbatches; with FSDP's offload also the fp32 shards and AdamW's two moments
+    (``12 x params / fsdp``), and the shards' fp32 gradients (``4 x params / fsdp``), which the backward
+    writes as it frees the unit inputs: the peak is the larger of the inputs and the gradients (measured on
+    the whole step by ``titan_cp.tools.full_step``)."""
     _, units = unit_inputs(m, m.checkpointed(stage.layers))
     units += head_offloaded(m, stage)  # the head's input (a D / tp per token, as a block's)
-    total = 0
+    inputs = 0
     if units:
-        total += int((m.act_bytes * m.args.dim / m.tp * units + rope_per_token(m.args)) * tokens * in_flight)
+        inputs = int((m.act_bytes * m.args.dim / m.tp * units + rope_per_token(m.args)) * tokens * in_flight)
     if m.host.fsdp_offload and fsdp > 1:
-        total += 4 * FP32 * params // fsdp
-    return total
+        return 3 * FP32 * params // fsdp + max(inputs, FP32 * params // fsdp)
+    return inputs

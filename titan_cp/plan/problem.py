@@ -88,6 +88,7 @@ class Workload:
     schedule: str = "1F1B"
     reshard: bool = True
     host: HostOptions = HostOptions()  # the long-context memory options, host memory per node
+    fused_norm: bool = False  # on a GPU: RMSNorm as its fused kernel (titan_cp.plan.memory.norm_saved_per_token)
 
     @property
     def docs_per_row(self) -> int:
@@ -102,7 +103,16 @@ class Workload:
 
     def rank_model(self, c: Candidate) -> RankModel:
         return RankModel(
-            self.args, c.strategy, c.cp, c.tp, c.ulysses, self.act_bytes, self.ac, self.ac_every, self.host
+            self.args,
+            c.strategy,
+            c.cp,
+            c.tp,
+            c.ulysses,
+            self.act_bytes,
+            self.ac,
+            self.ac_every,
+            self.host,
+            self.fused_norm,
         )
 
 

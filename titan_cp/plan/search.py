@@ -226,6 +226,7 @@ def workload_of(job_config, gpu: str, doc_mix: str, seed: int, host_gb: float = 
         schedule=p.pipeline_parallel_schedule,
         reshard=p.fsdp_reshard_after_forward != "never",
         host=host_options(job_config, host_gb),
+        fused_norm=gpu != "cpu",
     )
     return w, mode
 

@@ -62,7 +62,8 @@ from titan_cp.attention.kernels import (
 )
 from titan_cp.data.row_mixes import lognormal_doc_lens
 
-SECTIONS = ("kernels", "ring", "model", "train")
+SECTIONS = ("kernels", "ring", "model", "train")  # run by default
+OPTIONAL_SECTIONS = ("longest",)  # run when named (titan_cp.tools.gpu_longest: the longest row one device trains)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -630,6 +631,13 @@ def check_train(device: torch.device, sizes: Sizes, timeout: float = 170.0) -> d
     return rec
 
 
+def longest_section(device: torch.device, small: bool) -> list[dict]:
+    """Section ``longest`` (:func:`titan_cp.tools.gpu_longest.check_longest`; toy sizes with ``small``)."""
+    from titan_cp.tools.gpu_longest import TOY, check_longest  # noqa: PLC0415
+
+    return check_longest(device, **(TOY if small else {}))
+
+
 # ---------------------------------------------------------------------------- driver
 def environment(device: torch.device) -> dict:
     """Versions, the device, and the schemas of the ATen flash ops the ``cuda_flash`` kernel calls."""
@@ -722,9 +730,9 @@ def run(
         )
         emit(rec)
         return rec
-    unknown = set(sections) - set(SECTIONS)
+    unknown = set(sections) - set(SECTIONS + OPTIONAL_SECTIONS)
     if unknown:
-        raise ValueError(f"unknown gpu_check sections {sorted(unknown)}; choose from {SECTIONS}")
+        raise ValueError(f"unknown gpu_check sections {sorted(unknown)}; choose from {SECTIONS + OPTIONAL_SECTIONS}")
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -741,6 +749,8 @@ def run(
             out = check_ring(dev, sizes, ring_kernel)
         elif section == "model":
             out = check_model(dev, sizes, ring_kernel)
+        elif section == "longest":
+            out = longest_section(dev, small)
         else:
             out = [check_train(dev, sizes)]
         for rec in out:
