@@ -12,6 +12,8 @@ the parameters after an AdamW step).
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,6 +26,7 @@ from titan_cp.model import build_model, model_args
 from titan_cp.parallel.ac import apply_ac
 from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model, materialize
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
+from titan_cp.parallel.units import unit_blocks
 from titan_cp.step import forward_backward
 
 OPTIONS = dict(ac_cpu_offload=True, ac_blocks_per_checkpoint=2)
@@ -74,6 +77,38 @@ class _WidestFeedForward(TorchDispatchMode):
             assert out.shape[-1] == self.hidden
             self.rows = max(self.rows, out.shape[:-1].numel())
         return out
+
+
+class _LiveFeedForwards(TorchDispatchMode):
+    """Counts the feed-forward's SiLU outputs (saved for its backward, one per block's forward or
+    recomputation): ``calls`` in all, ``most_alive`` the most alive at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive, self.calls, self.most_alive = [], 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.silu.default:
+            self.alive = [r for r in self.alive if r() is not None] + [weakref.ref(out)]
+            self.calls += 1
+            self.most_alive = max(self.most_alive, len(self.alive))
+        return out
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_k_block_units_recompute_one_block_at_a_time_and_match(k, n_layers=5):
+    """A k-block unit's recomputation keeps only its blocks' inputs: each block's internals are
+    recomputed by the block's own checkpoint, one block alive at a time, for k - 1 more block
+    forwards per unit of k; losses and gradients bit-identical to per-block checkpointing."""
+    want_loss, want_grads, _ = _single(n_layers)
+    with _LiveFeedForwards() as probe:
+        loss, grads, _ = _single(n_layers, blocks_per_checkpoint=k)
+    sizes = [len(u) for u in unit_blocks(n_layers, "full", 1, k)]
+    assert probe.calls == n_layers + sum(2 * s - 1 for s in sizes), (probe.calls, sizes)
+    assert probe.most_alive == 1, probe.most_alive
+    assert torch.equal(loss, want_loss)
+    assert all(torch.equal(grads[n], want_grads[n]) for n in want_grads)
 
 
 def test_tiled_feed_forward_holds_one_tile_and_matches():

@@ -15,6 +15,14 @@ non-reentrant checkpoint generator (``torch.utils.checkpoint``):
   recomputation      ``h = b_0(*args); h = b_1(h, *rest); ...`` with the hooks above switched off
                      (FSDP's own hooks run: they gather the weights the recomputation needs)
 
+With ``k > 1`` each block is checkpointed again inside the unit (nested non-reentrant checkpoints,
+``torch.utils.checkpoint``'s rules: an inner checkpoint's inputs are what its parent saves): b_j's
+pre-hook also starts b_j's own checkpoint, b_j's forward hook ends it, and the recomputation runs
+each block under the same inner checkpoint. The unit's recomputation then keeps only the k block
+inputs ``(B, S_local, D)`` on the device (it stops after the last one) and each block's internals
+are recomputed by its own checkpoint when its backward needs them, one block at a time: one more
+forward of the unit's blocks than a single checkpoint, for a device peak of one block's internals.
+
 ``k = 1`` is ordinary per-block checkpointing (with ``cpu_offload``: its inputs on the host).
 """
 
@@ -41,6 +49,15 @@ def _hidden(out) -> Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _finish(gen) -> None:
+    """End a checkpoint generator's forward."""
+    try:
+        next(gen)
+    except StopIteration:
+        return
+    raise RuntimeError("checkpoint generator did not finish")  # invariant of the generator
+
+
 class CheckpointUnit:
     """The hooks of one unit over ``blocks`` (module doc); ``store``: where its inputs go, or None."""
 
@@ -49,10 +66,49 @@ class CheckpointUnit:
         self.recomputing = False
         self.gen = self.store_ctx = None
         self.rest: list = []  # this call's followers' other arguments
+        self.inner = None  # the running block's own checkpoint (k > 1)
         self.handles = [blocks[0].register_forward_pre_hook(self._open, with_kwargs=True)]
         for block in self.blocks[1:]:
             self.handles.append(block.register_forward_pre_hook(self._follow, with_kwargs=True))
+        if len(self.blocks) > 1:
+            for block in self.blocks:
+                self.handles.append(block.register_forward_pre_hook(self._open_inner, with_kwargs=True))
+                self.handles.append(block.register_forward_hook(self._close_inner))
         self.handles.append(self.blocks[-1].register_forward_hook(self._close))
+
+    def _generator(self, fn: Callable, args: tuple, kwargs: dict):
+        """A started non-reentrant checkpoint of ``fn(*args, **kwargs)`` (ended by :func:`_finish`)."""
+        gen = _checkpoint_without_reentrant_generator(
+            fn, False, self.context_fn, "default", False, True, *args, **kwargs
+        )
+        next(gen)
+        return gen
+
+    def _open_inner(self, module, args, kwargs):
+        if not self.recomputing and self.gen is not None:
+            self.inner = self._generator(partial(self._rerun, module), args, kwargs)
+
+    def _close_inner(self, module, args, output):
+        if not self.recomputing and self.inner is not None:
+            gen, self.inner = self.inner, None
+            _finish(gen)
+
+    def _rerun(self, block: nn.Module, *args, **kwargs) -> None:
+        """One block's own recomputation (its unit's hooks switched off)."""
+        was, self.recomputing = self.recomputing, True
+        try:
+            block(*args, **kwargs)
+        finally:
+            self.recomputing = was
+
+    def _run(self, block: nn.Module, args: tuple, kwargs: dict):
+        """``block(*args, **kwargs)`` in the unit's recomputation: under its own checkpoint when k > 1."""
+        if len(self.blocks) == 1:
+            return block(*args, **kwargs)
+        gen = self._generator(partial(self._rerun, block), args, kwargs)
+        out = block(*args, **kwargs)
+        _finish(gen)
+        return out
 
     def _open(self, module, args, kwargs):
         if self.recomputing or not torch.is_grad_enabled():
@@ -61,10 +117,7 @@ class CheckpointUnit:
             self.store_ctx = self.store.unit()
             self.store_ctx.__enter__()
         self.rest = []
-        self.gen = _checkpoint_without_reentrant_generator(
-            partial(self._recompute, self.rest), False, self.context_fn, "default", False, True, *args, **kwargs
-        )
-        next(self.gen)
+        self.gen = self._generator(partial(self._recompute, self.rest), args, kwargs)
 
     def _follow(self, module, args, kwargs):
         """Keep a follower's arguments but its hidden states (RoPE tables, masks: the same for every
@@ -76,26 +129,21 @@ class CheckpointUnit:
         if self.recomputing or self.gen is None:
             return
         gen, self.gen, self.rest = self.gen, None, []
-        try:
-            next(gen)
-        except StopIteration:
-            pass
-        else:
-            raise RuntimeError("checkpoint generator did not finish")  # invariant of the generator
+        _finish(gen)
         if self.store_ctx is not None:
             ctx, self.store_ctx = self.store_ctx, None
             ctx.__exit__(None, None, None)
 
     def _recompute(self, rest: list, *args, **kwargs) -> None:
         """Run the unit's blocks again from the stored inputs (their hooks here switched off)."""
-        self.recomputing = True
+        was, self.recomputing = self.recomputing, True
         try:
-            h = _hidden(self.blocks[0](*args, **kwargs))
+            h = _hidden(self._run(self.blocks[0], args, kwargs))
             for block, (a, kw) in zip(self.blocks[1:], rest):
                 a, kw = _with_hidden(a, kw, h)
-                h = _hidden(block(*a, **kw))
+                h = _hidden(self._run(block, a, kw))
         finally:
-            self.recomputing = False
+            self.recomputing = was
 
 
 def unit_blocks(n_blocks: int, mode: str, every: int, blocks_per_checkpoint: int) -> list[list[int]]:
