@@ -35,12 +35,12 @@ OPTIONS = dict(ac_cpu_offload=True, ac_blocks_per_checkpoint=2)
 WIDE = dict(multiple_of=100)  # feed-forward 200 wide: no other tensor of the step is
 
 
-def _single(n_layers: int, tile: int = 0, **ac):
-    """Loss, gradients and the store of one step of the tiny model under full AC with ``ac``."""
+def _single(n_layers: int, tile: int = 0, mode: str = "full", **ac):
+    """Loss, gradients and the store of one step of the tiny model under AC ``mode`` with ``ac``."""
     model = build_model("tiny", n_layers=n_layers, **WIDE)
     materialize(model, "cpu", SEED)
     apply_tiled_mlp(model, tile)
-    store = apply_ac(model, "full", **ac)
+    store = apply_ac(model, mode, **ac)
     mb = make_batch(0)
     loss = model(mb.tokens, mb.positions, mb.doc_lens, mb.labels)
     loss.backward()
@@ -96,14 +96,14 @@ class _LiveFeedForwards(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("k", [2, 3])
-def test_k_block_units_recompute_one_block_at_a_time_and_match(k, n_layers=5):
+@pytest.mark.parametrize("mode,k", [("full", 2), ("full", 3), ("op", 2)])
+def test_k_block_units_recompute_one_block_at_a_time_and_match(mode, k, n_layers=5):
     """A k-block unit's recomputation keeps only its blocks' inputs: each block's internals are
     recomputed by the block's own checkpoint, one block alive at a time, for k - 1 more block
     forwards per unit of k; losses and gradients bit-identical to per-block checkpointing."""
-    want_loss, want_grads, _ = _single(n_layers)
+    want_loss, want_grads, _ = _single(n_layers, mode=mode)
     with _LiveFeedForwards() as probe:
-        loss, grads, _ = _single(n_layers, blocks_per_checkpoint=k)
+        loss, grads, _ = _single(n_layers, mode=mode, blocks_per_checkpoint=k)
     sizes = [len(u) for u in unit_blocks(n_layers, "full", 1, k)]
     assert probe.calls == n_layers + sum(2 * s - 1 for s in sizes), (probe.calls, sizes)
     assert probe.most_alive == 1, probe.most_alive

@@ -279,8 +279,8 @@ class Setting:
 
     @property
     def forward_passes(self) -> float:
-        """Forwards per backward: 1, plus the checkpointed blocks' recomputation."""
-        return 1 + self.m.checkpointed(self.stage.layers) / self.stage.layers
+        """Forwards per backward: 1, plus the checkpointed blocks' recomputation (:meth:`RankModel.recomputed`)."""
+        return 1 + self.m.recomputed(self.stage.layers) / self.stage.layers
 
 
 def dense_seconds(s: Setting) -> float:
@@ -290,7 +290,7 @@ def dense_seconds(s: Setting) -> float:
     args, tp = s.w.args, s.c.tp
     layer = layer_params(args, tp)
     matmul_params = s.stage.layers * layer + (args.vocab_size * args.dim // tp) * s.stage.last
-    flops = 2 * s.tokens * (3 * matmul_params + s.m.checkpointed(s.stage.layers) * layer)
+    flops = 2 * s.tokens * (3 * matmul_params + s.m.recomputed(s.stage.layers) * layer)
     if s.w.host.tile_tokens:  # each tile's feed-forward runs once more, in its own backward
         flops += 2 * s.tokens * s.stage.layers * 3 * args.dim * args.ffn_hidden_dim // tp
     return flops / (s.dev.matmul_flops * s.stack.matmul_speedup)
@@ -399,7 +399,7 @@ def collective_transfers(s: Setting, dense: float, compute_step: float) -> dict[
         link = dev.link(c.span("dp_replicate"))
         out["dp_replicate"] = Transfer(nbytes, link, dev.seconds(nbytes, link), False)
     if c.tp > 1:  # two all-gathers and two reduce-scatters of the block's activations per pass
-        passes = s.stage.layers * 2 + s.m.checkpointed(s.stage.layers)
+        passes = s.stage.layers * 2 + s.m.recomputed(s.stage.layers)
         nbytes = int(4 * passes * (c.tp - 1) * s.tokens * w.args.dim * a / c.tp)
         link = dev.link(c.span("tp"))
         t = dev.seconds(nbytes, link)

@@ -103,6 +103,15 @@ class RankModel:
             return layers
         return math.ceil(layers / self.ac_every) if self.ac == "selective" else 0
 
+    def recomputed(self, layers: int) -> int:
+        """Block forwards the backward runs again over ``layers`` blocks: one per checkpointed block,
+        plus, in a unit of ``s > 1`` blocks (``titan_cp.parallel.units``), ``s - 1`` more (the unit's
+        recomputation runs its first ``s - 1`` blocks for their inputs, each block's own checkpoint all
+        ``s``): ``2 layers - units`` under full AC."""
+        if self.ac != "full":
+            return self.checkpointed(layers)
+        return 2 * layers - math.ceil(layers / self.host.blocks_per_checkpoint)
+
     @property
     def heads(self) -> tuple[int, int, int]:
         """``(query heads, K/V heads, SwiGLU width)`` on this rank."""
@@ -316,7 +325,11 @@ def step_peak(
     held = all_grads if grads_held else 0
     full = m.checkpointed(stage.layers)
     k = m.host.blocks_per_checkpoint if m.ac == "full" else 1
-    recompute = int(block_saved_per_token(m) * tokens * min(k, max(full, 1))) if full else 0
+    # a unit of k > 1 blocks recomputes its k block inputs, then one block's internals at a time (units.py;
+    # measured by tools/full_step: k inputs beside the stored one, not k - 1)
+    inputs = min(k, max(full, 1))
+    per_token = block_saved_per_token(m) + m.act_bytes * m.args.dim / m.tp * (inputs if inputs > 1 else 0)
+    recompute = int(per_token * tokens) if full else 0
     recompute += tile_transient_bytes(m, tokens)
     first_grads = held + (layer_grad if grads_held else layer_grad + emb_grad * stage.last)
     moments = [StepPeak(saved, others + saved, first_grads, 0, recompute, all_grads)]
