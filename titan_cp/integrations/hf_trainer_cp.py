@@ -46,10 +46,10 @@ from titan_cp.integrations.hf_batch import count_loss_tokens, shard_batch, unsha
 from titan_cp.layout import BALANCES, DEFAULT_BALANCE
 from titan_cp.loss import IGNORE_INDEX
 from titan_cp.parallel import apply_ac, apply_cp, apply_fsdp
+from titan_cp.parallel.ac import AC_MODES
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
 
 SAMPLE_LENS = "titan_cp_sample_lens"  # the eval collator's per-sample token counts (dropped before the model)
-AC_MODES = ("none", "full", "selective", "op")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ from titan_cp.parallel.adapter import adapter_of
 from titan_cp.parallel.offload import HostActivationStore
 from titan_cp.parallel.units import CheckpointUnit, apply_units
 
+AC_MODES = ("none", "full", "selective", "op")
+"""The values of ``activation_checkpoint.mode`` (module docstring)."""
+
 
 def _save_ops() -> set:
     """Ops whose outputs are saved under op-level selective checkpointing."""
@@ -96,7 +99,7 @@ def checkpoint_block(block: torch.nn.Module, mode: str, index: int = 0, every: i
 
 def check_ac(mode: str, every: int, cpu_offload: bool = False, blocks_per_checkpoint: int = 1) -> None:
     """``ValueError`` naming the key for a mode, period or unit option :func:`apply_ac` does not take."""
-    if mode not in ("none", "full", "selective", "op"):
+    if mode not in AC_MODES:
         raise ValueError(f"activation_checkpoint.mode must be 'none', 'full', 'selective' or 'op', got {mode!r}")
     if every < 1:
         raise ValueError(f"activation_checkpoint.selective_ac_option must be >= 1, got {every}")

@@ -37,6 +37,7 @@ builds the layout's plans, as the first layer of a microbatch does); the fastest
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -325,6 +326,20 @@ def check_kernels(device: torch.device, sizes: Sizes, dtype=torch.bfloat16) -> l
     return records
 
 
+@contextlib.contextmanager
+def _case(records: list, rec: dict, device: torch.device):
+    """One case of a section: an exception in it is its result (``status = "error"`` with the trace),
+    not the end of the check; ``rec`` is appended to ``records`` and the device's cache freed after."""
+    try:
+        yield rec
+    except Exception as exc:  # noqa: BLE001 - a failing case is a result
+        rec.update(status="error", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc(limit=6))
+    finally:
+        records.append(rec)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------- section: ring
 def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale: float, dout=None, window=None):
     """Every rank's ring steps of one attention layer, run one after another in this process.
@@ -457,7 +472,7 @@ def check_ring(device: torch.device, sizes: Sizes, kernel_name: str | None = Non
         )
         if case["doc_lens"] is not None:
             rec.update(doc_mean=case["doc_mean"], documents=len(case["doc_lens"]))
-        try:
+        with _case(records, rec, device):
             doc_rows = None if case["doc_lens"] is None else [case["doc_lens"]]
             layout = SequenceLayout(s, n, case["balance"], doc_rows)
             lens = case["doc_lens"]
@@ -502,11 +517,6 @@ def check_ring(device: torch.device, sizes: Sizes, kernel_name: str | None = Non
                 # bf16 outputs of the two routes differ by rounding of the fp32 merge only
                 status="ok" if diff <= 0.05 else "fail",
             )
-        except Exception as exc:  # noqa: BLE001
-            rec.update(status="error", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc(limit=6))
-        records.append(rec)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     return records
 
 
@@ -543,7 +553,7 @@ def check_model(device: torch.device, sizes: Sizes, kernel_name: str | None = No
     for row in (r for r in model_rows(s, sizes.model_seed) if r.name in sizes.model_cases or not sizes.model_cases):
         rec = dict(section="model", case=row.name, kernel=kern.name, seq=s, cp=n, balance=row.balance)
         rec.update(window=row.window, documents=None if row.doc_lens is None else len(row.doc_lens[0]))
-        try:
+        with _case(records, rec, device):
             docs = None if row.doc_lens is None else row.doc_lens[0]
             layout = SequenceLayout(s, n, row.balance, None if docs is None else [list(docs)])
             w = row.window
@@ -561,11 +571,6 @@ def check_model(device: torch.device, sizes: Sizes, kernel_name: str | None = No
                 predicted_efficiency=predicted,
                 status="ok",
             )
-        except Exception as exc:  # noqa: BLE001
-            rec.update(status="error", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc(limit=6))
-        records.append(rec)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     return records
 
 
