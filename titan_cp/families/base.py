@@ -15,10 +15,11 @@ The config, the preflight checks, the trainer and generation never compare a fam
     f.generation_spec(cfg, vocab_size)    the model generation builds, with every parameter's shape
     f.build_for_generation(spec, dims, strategy, balance, device)
     f.owns(model) / f.runner(model)       generation's runner of a built model
+    f.describe(model_cfg) / f.mismatch_fix(what)   the key naming its model in errors, and the fix
 
 ``shapes`` is what the trainer's metrics and the planner ask of a model's size
 (``training_flops``, ``n_layers``, ``n_heads``, ``head_dim``): the Llama's ``ModelArgs``, or
-``HFModelArgs`` read from a Hugging Face model. The job config arrives as the object
+``HFModelArgs`` read from a Hugging Face model (the planner's: ``HFShapes`` from ``config.json``). The job config arrives as the object
 ``load_config`` returns (this package sits below ``titan_cp.config`` and does not import it).
 
 A third family is one subclass and one :func:`register_family` call.
