@@ -19,8 +19,10 @@ over N. Deterministic from ``doc_lens`` alone, so every rank computes the same l
 
 ``beta`` and ``gamma`` run over :data:`BETAS` (fewest documents split, over fewest ranks, first);
 of the results that keep every rank's work within :data:`BALANCE` of the mean, the one whose
-splits move least is kept (:func:`_choose`: the cost of a split is what it sends and merges, not
-only its work); the last beta, 0, splits every document over all ranks as ``doc_zigzag`` does.
+slowest rank costs least is kept (:func:`_choose`): a rank's cost is its causal work plus what its
+split pieces move, in pairs of work (:data:`MERGE_PAIRS` per query token merged with one more
+rank's results, :data:`SEND_PAIRS` per key token sent to one more rank); the last beta, 0, splits
+every document over all ranks as ``doc_zigzag`` does.
 Within a rank, whole documents come first and the pieces of split ones after them, so what other
 ranks see of a rank, and the rows whose results merge, are one span of its buffer. One document longer than a rank is split over all ranks: on one
 document the layout is ``zigzag`` and sends what it sends.
@@ -31,9 +33,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-BALANCE = 1.02  # most causal work of a rank over the mean, where reachable
+BALANCE = 1.05  # most causal work of a rank over the mean, where reachable
 BETAS = (float("inf"), 2.0, 1.0, 0.5, 0.25, 0.12, 0.06, 0.03, 0.0)
 LOOK_FURTHER = 2  # betas tried after the first balanced one, for splits that move less
+# What a split moves, in pairs of causal work (the kernel's 14 H E FLOPs a pair, forward and backward,
+# at 60% of an H100's or H200's peak, against HBM bytes at their bandwidth: one byte per element of a
+# token's H x E is about 9 pairs). A query token whose document has earlier pieces on one more rank
+# gets one more partial result: about 20 bytes per element merged in fp32 (forward) and accumulated
+# (its dq, backward). A key token read by one more rank is copied out and its gradient added home:
+# about 7 bytes per query element with grouped K/V heads.
+MERGE_PAIRS = 180
+SEND_PAIRS = 60
 
 
 def work(length: int, offset: int = 0) -> int:
@@ -49,11 +59,13 @@ class _Fill:
         self.room, self.work = [self.capacity] * n, [0] * n
         self.share = sum(work(length) for length in doc_lens) / n
         self.pieces: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-        self.moved = 0  # tokens of split documents times the other ranks holding them (see ``_choose``)
+        self.moved = 0  # tokens of split documents times the other ranks holding them
+        self.docs: dict[int, list[tuple[int, int, int]]] = {}  # document start: (rank, offset, length)
 
     def give(self, r: int, start: int, length: int, offset: int) -> None:
         """Rank ``r`` takes global positions ``[start, start + length)``, at ``offset`` in their document."""
         self.pieces[r].append((start, length))
+        self.docs.setdefault(start - offset, []).append((r, offset, length))
         self.room[r] -= length
         self.work[r] += work(length, offset)
 
@@ -69,6 +81,18 @@ class _Fill:
             self.moved += m * (offset > 0)  # a later part reads the earlier ones' keys
             self.give(r, start, m, offset)
             start, offset, length = start + m, offset + m, length - m
+
+    def rank_costs(self) -> list[float]:
+        """Each rank's causal work plus what its pieces of split documents move (module docstring): a
+        piece's queries merge with every other rank holding earlier tokens of its document, and its keys
+        are sent to every other rank holding later ones."""
+        cost = [float(w) for w in self.work]
+        for pieces in (p for p in self.docs.values() if len({r for r, _, _ in p}) > 1):
+            for r, offset, length in pieces:
+                earlier = {q for q, o, _ in pieces if q != r and o < offset + length}
+                later = {q for q, o, n in pieces if q != r and o + n > offset}
+                cost[r] += length * (MERGE_PAIRS * len(earlier) + SEND_PAIRS * len(later))
+        return cost
 
     def imbalance(self) -> float:
         mean = sum(self.work) / self.n
@@ -133,23 +157,24 @@ def _choose(doc_lens: list[int], n: int) -> _Fill:
     """The assignment to keep. For each ``beta`` (which documents are split) the spreads ``gamma >= beta``
     of :data:`BETAS` (how many ranks each split takes: fewer for a larger ``gamma``) are tried; of the
     assignments within :data:`BALANCE`, found at the first balanced ``beta`` and the :data:`LOOK_FURTHER`
-    after it, the one whose splits move least (tokens of split documents times the other ranks holding
-    them: the K/V rows a split sends and the query rows whose results merge). Where none is within
-    :data:`BALANCE`, the best balanced."""
+    after it, the one whose costliest rank (:meth:`_Fill.rank_costs`: work and what its splits move)
+    costs least. Where none is within :data:`BALANCE`, the best balanced."""
     best, cheapest, left = None, None, None
     for beta in BETAS:
         for gamma in [g for g in BETAS if g >= beta and (g > 0 or beta == 0)][::-1]:
             fill = _fill(doc_lens, n, beta, gamma)
             if best is None or fill.imbalance() < best.imbalance():
                 best = fill
-            if fill.imbalance() <= BALANCE and (cheapest is None or fill.moved < cheapest.moved):
-                cheapest = fill
+            if fill.imbalance() <= BALANCE:
+                cost = max(fill.rank_costs())
+                if cheapest is None or cost < cheapest[0]:
+                    cheapest = (cost, fill)
         left = LOOK_FURTHER if cheapest is not None and left is None else left
         if left is not None:
             if not left:
                 break
             left -= 1
-    return cheapest or best
+    return cheapest[1] if cheapest else best
 
 
 def _buffer_order(pieces: list[tuple[int, int]], whole: set[tuple[int, int]]) -> list[tuple[int, int]]:
