@@ -9,25 +9,64 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from titan_cp.attention import fused, merge
 
 
-def _case(seed: int = 0):
+def _case(seed: int = 0, into_acc: bool = False):
+    """Two steps' packed partials and an earlier partial merged into 8 of 20 result rows (bf16), or into
+    fp32 slots read back from the destination itself (``into_acc``)."""
     g = torch.Generator().manual_seed(seed)
-    n, t, h, e = 20, 30, 4, 8
-    out_acc = torch.randn(n, h, e, generator=g)
-    lse_acc = torch.randn(h, n, generator=g)
-    lse_acc[:, :5] = float("-inf")  # rows nothing reached yet
-    out = torch.randn(t, h, e, generator=g).bfloat16()
-    lse = torch.randn(h, t, generator=g)
+    n, h, e = 20, 4, 8
+    acc_out, acc_lse = torch.randn(n, h, e, generator=g), torch.randn(h, n, generator=g)
     rows = torch.tensor([1, 3, 4, 7, 9, 12, 15, 19])
-    local = torch.randint(0, len(rows), (t,), generator=g)
-    return out_acc, lse_acc, out, lse, rows, local
+    prior = torch.tensor([2, -1, 5, 0, -1, 11, -1, 3])  # some rows have an earlier partial
+    outs, lses, srcs, places = [], [], [], []
+    for t in (30, 11):
+        outs.append(torch.randn(t, h, e, generator=g).bfloat16())
+        lse = torch.randn(h, t, generator=g)
+        lse[:, :3] = float("-inf")  # rows that saw no key in this partial
+        lses.append(lse)
+        srcs.append(torch.randperm(t, generator=g)[: t - 4])
+        places.append(torch.randint(0, len(rows), (t - 4,), generator=g))  # repeats allowed
+    if into_acc:  # slots, an earlier partial read from the slot itself where it has one
+        slots = torch.tensor([2, 6, 5, 0, 8, 11, 10, 3])
+        return acc_out, acc_lse, slots, None, None, torch.where(prior >= 0, slots, -1), outs, lses, srcs, places
+    dst_out, dst_lse = torch.zeros(n, h, e, dtype=torch.bfloat16), torch.zeros(h, n)
+    return dst_out, dst_lse, rows, acc_out, acc_lse, prior, outs, lses, srcs, places
 
 
 def test_compiled_merge_equals_eager():
-    eager, compiled = _case(), _case()
-    merge.merge_rows_(*eager)
-    fused._compiled(merge.merge_rows_)(*compiled)
-    torch.testing.assert_close(compiled[0], eager[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(compiled[1], eager[1], atol=1e-5, rtol=1e-5)
+    for into_acc in (False, True):
+        eager, compiled = _case(into_acc=into_acc), _case(into_acc=into_acc)
+        merge.merge_into_(*eager)
+        fused._compiled(merge.merge_into_)(*compiled)
+        torch.testing.assert_close(compiled[0], eager[0], atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(compiled[1], eager[1], atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_group_sum_equals_eager_when_a_partial_is_the_destination():
+    """The call whose packed gradient is the whole buffer is adopted as the result and is also a partial of
+    the merge that writes into it: every row is read before it is written."""
+    g = torch.Generator().manual_seed(2)
+    acc = torch.randn(6, 3, 4, generator=g)
+    rows, prior = torch.tensor([0, 2, 5, 7]), torch.tensor([1, -1, 4, 0])
+
+    def case():
+        adopted = torch.randn(9, 3, 4, generator=torch.Generator().manual_seed(3)).bfloat16()
+        other = torch.randn(5, 3, 4, generator=torch.Generator().manual_seed(4)).bfloat16()
+        return (
+            adopted,
+            [adopted, other],
+            [rows.clone(), torch.tensor([4, 1, 0])],
+            [torch.arange(4), torch.tensor([1, 1, 3])],
+        )
+
+    adopted, grads, srcs, places = case()
+    want = adopted.float().clone()
+    want[rows] = adopted.float()[rows] + torch.where((prior >= 0).view(-1, 1, 1), acc[prior.clamp(min=0)], 0.0)
+    want[rows] += torch.zeros(4, 3, 4).index_add_(0, places[1], grads[1][srcs[1]].float())
+    merge.add_into_(adopted, rows, acc, prior, grads, srcs, places)
+    torch.testing.assert_close(adopted.float(), want.bfloat16().float())
+    adopted_c, grads_c, srcs_c, places_c = case()
+    fused._compiled(merge.add_into_)(adopted_c, rows, acc, prior, grads_c, srcs_c, places_c)
+    torch.testing.assert_close(adopted_c, adopted)
 
 
 def test_compiled_add_and_write_equal_eager():
@@ -56,10 +95,13 @@ class _Ops(TorchDispatchMode):
 
 
 def test_each_update_is_one_operation():
-    out_acc, lse_acc, out, lse, rows, local = _case()
-    index, src, dst, acc = local[:5], out[:5], torch.empty(20, 4, 8), out_acc[: len(rows)]
+    args = _case()
+    dst, rows, acc = torch.empty(20, 4, 8), args[2], args[3]
+    src, part = args[6][0][: len(rows)], acc[: len(rows)]
     with _Ops() as ops:
-        fused.merge_rows(out_acc, lse_acc, out, lse, rows, local)
-        fused.add_rows(out_acc, index, src)
-        fused.write_rows(dst, rows, acc)
-    assert ops.names == ["titan_cp.merge_rows.default", "titan_cp.add_rows.default", "titan_cp.write_rows.default"]
+        fused.merge_into(*args)
+        fused.add_into(dst, rows, acc, args[5], args[6], args[8], args[9])
+        fused.add_rows(acc, rows, src)
+        fused.write_rows(dst, rows, part)
+    names = ["titan_cp.merge_into.default", "titan_cp.add_into.default", "titan_cp.add_rows.default"]
+    assert ops.names == names + ["titan_cp.write_rows.default"]

@@ -32,6 +32,7 @@ from titan_cp.attention.fold import (
     Folds,
     Grads,
     KeyFold,
+    QueryGrads,
     Results,
     attend_backward,
     fold_forward,
@@ -133,10 +134,10 @@ class AllGather(Strategy):
         g = gather_plan(ctx.layout, ctx.rank, ctx.mask, batch, q.device)
         dout_t, q_t, out_t = token_major(dout), token_major(q), token_major(out)
         local = q_t.shape[0]
-        dq = Grads.of(q_t, g.folds)
+        dq = QueryGrads(q_t, g.folds)
         dk, dv = (Grads.of(keys[:local, i], g.keys) for i in (0, 1))
         dqs, dks, dvs = attend_backward(dout_t, q_t, keys[:, 0], keys[:, 1], out_t, lse, g.index, ctx.kernel, ctx.scale)
-        dq.add(0, g.folds.grad[0], dqs)
+        dq.add(0, dqs)
         dk.add(0, g.keys.steps[0], dks)
         dv.add(0, g.keys.steps[0], dvs)
         if g.active:  # each peer's gradients of the rows it received go back to it

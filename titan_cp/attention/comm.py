@@ -59,8 +59,9 @@ class Exchange:
     def __init__(self, reqs, recv: torch.Tensor | None):
         self._reqs, self._recv = reqs, recv
 
-    def wait(self) -> torch.Tensor | None:
-        """The received buffer (``None`` when nothing was to be received), once the transfers are done."""
+    def wait(self):
+        """The received buffer or tuple of buffers (``None`` when nothing was to be received), once the
+        transfers are done."""
         for req in self._reqs:
             req.wait()
         self._reqs = []
@@ -70,11 +71,17 @@ class Exchange:
 NOTHING = Exchange([], None)
 
 
+def _parts(x) -> tuple[torch.Tensor, ...]:
+    """A message's tensors: ``None`` (nothing), one tensor, or a tuple of them (sent in order)."""
+    return () if x is None else (x,) if isinstance(x, torch.Tensor) else tuple(x)
+
+
 class PeerComm:
     """Point-to-point transport between the ranks of ``group``.
 
     ``exchange(send, dst, recv, src)`` posts ``isend(send -> dst)`` and ``irecv(src -> recv)``
-    (an empty buffer of the expected shape) together and returns at once; computation proceeds while the
+    (an empty buffer of the expected shape) together and returns at once (a message may be a tuple of
+    tensors, e.g. K rows and V rows as views where they lie, sent and received in order); computation proceeds while the
     transfer is in flight, and ``Exchange.wait()`` hands over the received buffer (double
     buffering: the buffer in use and the one arriving are different tensors). Either side may be
     absent (``send=None``, ``recv=None``): what to send and receive is known on both ends
@@ -89,12 +96,12 @@ class PeerComm:
 
     def exchange(self, send, dst: int, recv, src: int, tag: int = 0) -> Exchange:
         ops = []
-        if send is not None:
-            send = send.contiguous()
-            ops.append(dist.P2POp(dist.isend, send, group=self.group, group_peer=dst, tag=tag))
-            _count(_nbytes(send))
-        if recv is not None:
-            ops.append(dist.P2POp(dist.irecv, recv, group=self.group, group_peer=src, tag=tag))
+        for t in _parts(send):
+            t = t.contiguous()
+            ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=dst, tag=tag))
+            _count(_nbytes(t))
+        for t in _parts(recv):
+            ops.append(dist.P2POp(dist.irecv, t, group=self.group, group_peer=src, tag=tag))
         if not ops:
             return NOTHING
         return Exchange(dist.batch_isend_irecv(ops), recv)

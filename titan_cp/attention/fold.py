@@ -13,13 +13,18 @@ flag, its rows read as views where they are consecutive, else with one gather pe
 Where its results go is planned once per microbatch over all the steps of a strategy
 (:func:`make_folds`). A row that exactly one segment of one step reaches (a query of a document
 whole on its rank) is *final*: the kernel's output and lse are written into the result, in the
-input dtype, and never touch fp32. Only the other rows have fp32 accumulators, one slot each
-(compact): the first segment reaching a row is written into its slot, the later ones merged
-through their log-sum-exp, reading and writing only the slots they touch; at the end the slots
-are written into the result. Each of these row updates is one operation, fused on CUDA
-(:mod:`titan_cp.attention.fused`). The backward is the same plan: final rows' gradients are copied, the others added into
-fp32 slots. Key rows alike (:class:`KeyFold`): a key row only its own rank's one segment reads
-gets its gradient written once; rows read by several segments or other ranks accumulate.
+input dtype, and never touch fp32. The other rows merge: the steps are taken in *groups* of
+consecutive steps, as large as keep the memory held no higher than a merge per step held (one
+step's output and an fp32 slot for every merged row); the group's packed
+partials are kept until its last step and merged then in one operation (fused on CUDA,
+:mod:`titan_cp.attention.fused`), each row read once per partial and written once: straight into
+the result where the group brings a row's last contributions, else into an fp32 accumulator slot
+(only rows reached again in a later group have one), which the later group reads back. Where every
+step fits one group (a document split over few ranks) nothing is accumulated in fp32 at all: a
+merged row costs a read of each partial and one write, where a merge per step read and wrote an
+fp32 row each time. The query gradient is the same plan (:class:`QueryGrads`). Key rows
+(:class:`KeyFold`): a key row only its own rank's one segment reads gets its gradient written once;
+rows read by several segments or other ranks accumulate in fp32 slots.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_cp.attention.fused import add_rows, merge_rows, write_rows
+from titan_cp.attention.fused import add_into, add_rows, merge_into, write_rows
 from titan_cp.attention.kernels import AttentionKernel
 from titan_cp.attention.mask_plans import MaskPlan, PlanIndex, Rows
 from titan_cp.attention.merge import apply_sinks_
@@ -47,16 +52,6 @@ class Part:
 
 
 @dataclass(frozen=True)
-class StepFold:
-    """Where one kernel call's packed rows go: ``final`` rows of the result, ``first`` accumulator slots
-    (written), ``merge`` slots (``Part`` of the distinct slots touched and each row's place among them)."""
-
-    final: Part | None
-    first: Part | None
-    merge: tuple[Part, torch.Tensor] | None
-
-
-@dataclass(frozen=True)
 class GradFold:
     """Where one kernel call's packed gradient rows go: ``final`` rows (copied), ``first`` fp32 slots
     written (their first contribution), ``add`` slots added into."""
@@ -67,22 +62,38 @@ class GradFold:
 
 
 @dataclass(frozen=True)
+class Flush:
+    """One merge at the end of a group of steps (module docstring): rows ``dst`` (device) of the result
+    (``to_acc`` false: the group brings their last contributions) or fp32 accumulator slots (true: later
+    groups reach them again); ``prior``: each row's slot holding an earlier group's partial (-1: none;
+    ``None``: no row has one); ``lanes``: ``(step, call, src, place)`` per kernel call of the group, its
+    packed rows ``src`` merged into place ``place`` among ``dst`` (device int64)."""
+
+    to_acc: bool
+    dst: torch.Tensor
+    prior: torch.Tensor | None
+    lanes: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...]
+
+    def inputs(self, pending: dict) -> tuple[list, list, list]:
+        """``(tensors, srcs, places)`` of the lanes, ``pending[(step, call)]`` each call's packed tensor."""
+        return [pending[(s, c)] for s, c, _, _ in self.lanes], [x[2] for x in self.lanes], [x[3] for x in self.lanes]
+
+
+@dataclass(frozen=True)
 class Folds:
-    """A strategy call's plan of where results go: per step, one :class:`StepFold` per kernel call for the
-    forward and one :class:`GradFold` per call for the gradient; ``multi``: the result row of each fp32
-    accumulator slot (device); ``adopt``: the ``(step, call)`` whose packed rows are the whole buffer in
-    order (its output *is* the result: nothing copied), or ``None``; ``fresh``: every slot's first
-    contribution is a write (the accumulators need no initial value)."""
+    """A strategy call's plan of where query results go (module docstring): per step, per kernel call,
+    the ``final`` rows written straight into the result (a :class:`Part`, or ``None``) and whether the
+    call's packed rows are ``kept`` for a merge; per step, the :class:`Flush` es run after it (its group's
+    last step); ``slots``: the fp32 accumulator rows; ``adopt``: the ``(step, call)`` whose packed rows are
+    the whole buffer in order (its output *is* the result: nothing copied), or ``None``; ``unseen``: rows
+    no call reaches (device; ``None``: none), which see no key (output and gradient 0, lse -inf)."""
 
-    steps: tuple[tuple[StepFold, ...], ...]
-    grad: tuple[tuple[GradFold, ...], ...]
-    multi: torch.Tensor
+    final: tuple[tuple[Part | None, ...], ...]
+    kept: tuple[tuple[bool, ...], ...]
+    flushes: tuple[tuple[Flush, ...], ...]
+    slots: int
     adopt: tuple[int, int] | None = None
-    fresh: bool = False
-
-    @property
-    def slots(self) -> int:
-        return len(self.multi)
+    unseen: torch.Tensor | None = None
 
 
 def _part(src: torch.Tensor, dst: torch.Tensor, n: int, device) -> Part | None:
@@ -107,39 +118,96 @@ def _whole_call(dests: list[list[torch.Tensor]], size: int) -> tuple[int, int] |
     return next(((s, c) for s, ds in enumerate(dests) for c, d in enumerate(ds) if _is_whole(d, size)), None)
 
 
-def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device) -> Folds:
+def _groups(merged: list[int], budget: int) -> list[list[int]]:
+    """Consecutive steps in groups of at most ``budget`` held packed rows (a step alone may exceed it);
+    a group's merges run after its last step that has a kernel call (a strategy skips the others)."""
+    groups: list[list[int]] = []
+    held = 0
+    for s, n in enumerate(merged):
+        if not groups or held + n > budget:
+            groups.append([])
+            held = 0
+        groups[-1].append(s)
+        held += n
+    return groups
+
+
+def _flush(dests, group: list[int], gi: int, sel, first, slot, size: int, to_acc: bool, device) -> Flush:
+    """The :class:`Flush` of group ``gi`` (steps ``group``) into rows ``sel`` (host)."""
+    place_of = torch.full((size,), -1, dtype=torch.int64)
+    place_of[sel] = torch.arange(len(sel))
+    lanes = []
+    for s in group:
+        for c, d in enumerate(dests[s]):
+            keep = torch.nonzero(place_of[d] >= 0).flatten()
+            if len(keep):
+                lanes.append((s, c, to_device(keep, device), to_device(place_of[d[keep]], device)))
+    prior = torch.where(first[sel] < gi, slot[sel], -1)
+    dst = slot[sel] if to_acc else sel
+    return Flush(to_acc, to_device(dst, device), to_device(prior, device) if (prior >= 0).any() else None, tuple(lanes))
+
+
+def _reach(dests, groups, single, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and last group reaching each row that merges (host)."""
+    first = torch.full((size,), len(groups), dtype=torch.int64)
+    last = torch.full((size,), -1, dtype=torch.int64)
+    for gi, group in enumerate(groups):
+        for d in (d for s in group for d in dests[s]):
+            rows = d[~single[d]]
+            first[rows] = torch.minimum(first[rows], torch.tensor(gi))
+            last[rows] = gi
+    return first, last
+
+
+def _plan_groups(dests, single, count, size: int, budget: int | None):
+    """``(groups, first, last, again)``: the largest groups whose memory stays within a merge per step's.
+
+    A group holds its kept calls' packed outputs (bf16, every row of each) and the fp32 slots of the
+    rows a later group reaches again (two bf16 rows each); a merge per step held one step's output and
+    a slot for every row that merges. Budgets (packed rows a group holds) are tried from all steps at
+    once down to one step a group, and the first whose peak is no higher is kept (``budget``: that one)."""
+    held = [sum(len(d) for d in ds if (~single[d]).any()) for ds in dests]
+    old_peak = 2 * int(((~single) & (count > 0)).sum()) + max((sum(len(d) for d in ds) for ds in dests), default=0)
+    tries = [budget] if budget is not None else [sum(held), 4 * size, 2 * size, size, size // 2, 1]
+    for b in tries:
+        groups = _groups(held, max(1, b))
+        first, last = _reach(dests, groups, single, size)
+        again = (~single) & (count > 0) & (first < last)  # rows a later group reaches again: a slot each
+        peak = 2 * int(again.sum()) + max(sum(held[s] for s in g) for g in groups)
+        if peak <= old_peak or b == tries[-1]:
+            return groups, first, last, again
+    raise AssertionError("unreachable")
+
+
+def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device, budget: int | None = None) -> Folds:
     """:class:`Folds` of steps whose calls' packed rows go to result rows ``dests[s][c]`` (host int64) of
-    ``size`` rows."""
+    ``size`` rows; a group of steps holds at most ``budget`` packed rows of its kept calls (by default the
+    most that keeps the memory of a merge per step, :func:`_plan_groups`)."""
     count = torch.zeros(size, dtype=torch.int64)
     for d in (d for ds in dests for d in ds):
         count += torch.bincount(d, minlength=size)
     single = count == 1
-    slot = torch.cumsum(~single, 0) - 1  # accumulator slot of each multi row
-    written = torch.zeros(int((~single).sum()), dtype=torch.bool)
-    fresh, steps, grad = True, [], []
-    for ds in dests:
-        step, step_grad = [], []
-        for d in ds:
-            final = single[d]
-            acc = torch.nonzero(~final).flatten()
-            first = torch.zeros(len(d), dtype=torch.bool)
-            first[acc] = _first_writes(slot[d[acc]], written)
-            rest = ~final & ~first
-            fresh &= bool(written[slot[d[rest]]].all())
-            merge = None
-            if rest.any():
-                src = torch.nonzero(rest).flatten()
-                slots, local = torch.unique(slot[d[src]], return_inverse=True)
-                merge = (Part(Rows.of(src, device), to_device(slots, device)), to_device(local, device))
-            f, fi, r = (torch.nonzero(m).flatten() for m in (final, first, rest))
-            final_part, first_part = _part(f, d[f], len(d), device), _part(fi, slot[d[fi]], len(d), device)
-            step.append(StepFold(final_part, first_part, merge))
-            step_grad.append(GradFold(final_part, first_part, _part(r, slot[d[r]], len(d), device)))
-            written[slot[d[acc]]] = True
-        steps.append(tuple(step))
-        grad.append(tuple(step_grad))
-    multi = to_device(torch.nonzero(~single).flatten(), device)
-    return Folds(tuple(steps), tuple(grad), multi, _whole_call(dests, size), fresh and bool(written.all()))
+    groups, first, last, again = _plan_groups(dests, single, count, size, budget)
+    slot = torch.full((size,), -1, dtype=torch.int64)
+    slot[again] = torch.arange(int(again.sum()))
+    flushes: list[tuple[Flush, ...]] = [() for _ in dests]
+    for gi, group in enumerate(groups):
+        touched = [d[~single[d]] for s in group for d in dests[s]]
+        touched = torch.unique(torch.cat(touched)) if touched else torch.zeros(0, dtype=torch.int64)
+        parts = [touched[(last[touched] > gi) == to_acc] for to_acc in (False, True)]
+        end = max((s for s in group if dests[s]), default=group[-1])  # a step with no call may be skipped
+        flushes[end] = tuple(
+            _flush(dests, group, gi, sel, first, slot, size, to_acc, device)
+            for sel, to_acc in zip(parts, (False, True))
+            if len(sel)
+        )
+    final = tuple(
+        tuple(_part(f, d[f], len(d), device) for d in ds for f in [torch.nonzero(single[d]).flatten()]) for ds in dests
+    )
+    kept = tuple(tuple(bool((~single[d]).any()) for d in ds) for ds in dests)
+    unseen = torch.nonzero(count == 0).flatten()
+    unseen = to_device(unseen, device) if len(unseen) else None
+    return Folds(final, kept, tuple(flushes), int(again.sum()), _whole_call(dests, size), unseen)
 
 
 @dataclass(frozen=True)
@@ -223,21 +291,18 @@ def _adoptable(out: torch.Tensor, like: torch.Tensor) -> bool:
 
 
 class Results:
-    """The forward's results being built: ``out`` (input dtype) and ``lse`` (fp32) of every row, and
-    fp32 accumulators for the rows several segments reach (slots of :class:`Folds`). Where one call's
-    packed rows are the whole buffer in order (``folds.adopt``), its output is taken as the result."""
+    """The forward's results being built: ``out`` (input dtype) and ``lse`` (fp32) of every row, and the
+    fp32 accumulator slots of :class:`Folds`. Where one call's packed rows are the whole buffer in order
+    (``folds.adopt``), its output is taken as the result."""
 
     def __init__(self, q_t: torch.Tensor, folds: Folds):
         n, h, e = q_t.shape
         self.folds, self._q = folds, q_t
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
-        if folds.fresh:
-            self.acc_out = torch.empty(folds.slots, h, e, dtype=torch.float32, device=q_t.device)
-            self.acc_lse = torch.empty((h, folds.slots), dtype=torch.float32, device=q_t.device)
-        else:
-            self.acc_out = torch.zeros(folds.slots, h, e, dtype=torch.float32, device=q_t.device)
-            self.acc_lse = torch.full((h, folds.slots), float("-inf"), dtype=torch.float32, device=q_t.device)
+        self.acc_out = torch.empty(folds.slots, h, e, dtype=torch.float32, device=q_t.device)
+        self.acc_lse = torch.empty((h, folds.slots), dtype=torch.float32, device=q_t.device)
+        self._pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _alloc(self) -> None:
         if self.out is None:
@@ -247,31 +312,80 @@ class Results:
 
     def fold(self, step: int, packed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fold step ``step``'s packed ``(out, lse)`` of each call in (see the module docstring)."""
-        for c, (f, (out, lse)) in enumerate(zip(self.folds.steps[step], packed)):
+        for c, (final, (out, lse)) in enumerate(zip(self.folds.final[step], packed)):
             if self.folds.adopt == (step, c) and self.out is None and _adoptable(out, self._q):
                 self.out, self.lse = out, lse.contiguous()
-            elif f.final is not None:
+            elif final is not None:
                 self._alloc()
-                self.out.index_copy_(0, f.final.dst, f.final.take(out))
-                self.lse.index_copy_(1, f.final.dst, f.final.take(lse, 1))
-            if f.first is not None:
-                write_rows(self.acc_out, f.first.dst, f.first.take(out))
-                self.acc_lse.index_copy_(1, f.first.dst, f.first.take(lse, 1))
-            if f.merge is not None:
-                part, local = f.merge
-                merge_rows(self.acc_out, self.acc_lse, part.take(out), part.take(lse, 1), part.dst, local)
+                self.out.index_copy_(0, final.dst, final.take(out))
+                self.lse.index_copy_(1, final.dst, final.take(lse, 1))
+            if self.folds.kept[step][c]:
+                self._pending[(step, c)] = (out, lse)
+        for flush in self.folds.flushes[step]:
+            pairs, srcs, places = flush.inputs(self._pending)
+            outs, lses = [p[0] for p in pairs], [p[1] for p in pairs]
+            if flush.to_acc:  # an earlier partial of a row is in its own slot
+                merge_into(self.acc_out, self.acc_lse, flush.dst, None, None, flush.prior, outs, lses, srcs, places)
+            else:
+                self._alloc()
+                acc = (self.acc_out, self.acc_lse)
+                merge_into(self.out, self.lse, flush.dst, *acc, flush.prior, outs, lses, srcs, places)
+        if self.folds.flushes[step]:
+            self._pending.clear()
 
     def finish(self, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of every row: the accumulated rows written in, then the sinks folded in."""
+        """``(out, lse)`` of every row, the sinks folded in."""
         self._alloc()
-        if self.folds.slots:
-            write_rows(self.out, self.folds.multi, self.acc_out)
-            self.lse.index_copy_(1, self.folds.multi, self.acc_lse)
+        if self.folds.unseen is not None:
+            self.out.index_fill_(0, self.folds.unseen, 0.0)
+            self.lse.index_fill_(1, self.folds.unseen, float("-inf"))
         if sinks is not None:
             out = self.out.float()
             apply_sinks_(out, self.lse, sinks)
             self.out.copy_(out)
         return self.out, self.lse
+
+
+class QueryGrads:
+    """The query gradient being built on the plan of :class:`Folds` (module docstring): final rows copied
+    once (input dtype), the others summed per group of steps, straight into the result where the group
+    brings their last contributions; the ``adopt`` call's packed gradient is taken as the result."""
+
+    def __init__(self, like: torch.Tensor, folds: Folds):
+        self.like, self.folds = like, folds
+        self.final: torch.Tensor | None = None
+        self.acc = torch.empty((folds.slots,) + tuple(like.shape[1:]), dtype=torch.float32, device=like.device)
+        self._pending: dict[tuple[int, int], torch.Tensor] = {}
+
+    def add(self, step: int, grads: list[torch.Tensor]) -> None:
+        """Step ``step``'s packed gradient of each call in."""
+        for c, (final, grad) in enumerate(zip(self.folds.final[step], grads)):
+            if self.folds.adopt == (step, c) and self.final is None and _adoptable(grad, self.like):
+                self.final = grad
+            elif final is not None:
+                self._alloc()
+                self.final.index_copy_(0, final.dst, final.take(grad))
+            if self.folds.kept[step][c]:
+                self._pending[(step, c)] = grad
+        for flush in self.folds.flushes[step]:
+            tensors, srcs, places = flush.inputs(self._pending)
+            if flush.to_acc:
+                add_into(self.acc, flush.dst, None, flush.prior, tensors, srcs, places)
+            else:
+                self._alloc()
+                add_into(self.final, flush.dst, self.acc, flush.prior, tensors, srcs, places)
+        if self.folds.flushes[step]:
+            self._pending.clear()
+
+    def _alloc(self) -> None:
+        if self.final is None:
+            self.final = self.like.new_empty(self.like.shape)
+
+    def finish(self) -> torch.Tensor:
+        self._alloc()
+        if self.folds.unseen is not None:
+            self.final.index_fill_(0, self.folds.unseen, 0.0)
+        return self.final
 
 
 def accumulate(acc: torch.Tensor, fold: GradFold, grad: torch.Tensor) -> None:
@@ -289,7 +403,7 @@ def new_acc(shape, like: torch.Tensor, fresh: bool, dtype: torch.dtype = torch.f
 
 
 class Grads:
-    """A gradient being built: ``final`` rows copied once (input dtype), the others accumulated in fp32
+    """A key gradient being built: ``final`` rows copied once (input dtype), the others accumulated in fp32
     slots; the packed gradient of the ``adopt`` call, the whole buffer in order, is taken as is."""
 
     def __init__(self, like: torch.Tensor, multi: torch.Tensor, slots: int, adopt=None, fresh: bool = False):
@@ -298,7 +412,7 @@ class Grads:
         self.acc = new_acc((slots,) + tuple(like.shape[1:]), like, fresh)
 
     @classmethod
-    def of(cls, like: torch.Tensor, folds: Folds | KeyFold) -> Grads:
+    def of(cls, like: torch.Tensor, folds: KeyFold) -> Grads:
         return cls(like, folds.multi, folds.slots, folds.adopt, folds.fresh)
 
     def add(self, step: int, folds: tuple[GradFold, ...], grads: list[torch.Tensor]) -> None:
@@ -399,9 +513,9 @@ def plan_forward(q_t, k_t, v_t, batch: int, plan: MaskPlan, kernel: AttentionKer
 def plan_backward(dout_t, q_t, k_t, v_t, out_t, lse, batch: int, plan: MaskPlan, kernel: AttentionKernel, scale):
     """``(dq_t, dk_t, dv_t)`` in the input dtype for :func:`plan_forward`."""
     index, folds, key_folds = single_step(plan, batch, q_t.device)
-    dq, dk, dv = Grads.of(q_t, folds), Grads.of(k_t, key_folds), Grads.of(v_t, key_folds)
+    dq, dk, dv = QueryGrads(q_t, folds), Grads.of(k_t, key_folds), Grads.of(v_t, key_folds)
     dqs, dks, dvs = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, index, kernel, scale)
-    dq.add(0, folds.grad[0], dqs)
+    dq.add(0, dqs)
     dk.add(0, key_folds.steps[0], dks)
     dv.add(0, key_folds.steps[0], dvs)
     return dq.finish(), dk.finish(), dv.finish()

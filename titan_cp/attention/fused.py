@@ -1,13 +1,15 @@
 """The engine's row updates as single operations: fused on CUDA, plain on CPU.
 
-Three updates touch the fp32 accumulators outside the kernel, each a few elementwise passes
+The updates that touch the fp32 accumulators outside the kernel, each a few elementwise passes
 when written in eager PyTorch::
 
-    merge_rows   fold packed (out, lse) into accumulator rows through their log-sum-exp
+    merge_into   several steps' packed (out, lse) and an earlier partial, merged at once into the
+                 result rows (or accumulator slots) through their log-sum-exp
     add_rows     acc[index] += src in fp32 (src in any dtype)
+    add_into     several steps' packed gradients and an earlier partial, summed at once in fp32
     write_rows   dst[index] = acc in dst's dtype
 
-Each is one ``torch.library`` custom op (``titan_cp::merge_rows``, ...), so that autograd, compile
+Each is one ``torch.library`` custom op (``titan_cp::merge_into``, ...), so that autograd, compile
 and dispatch modes see one operation with the bytes it must move: on CUDA its body is compiled
 by ``torch.compile`` (inductor: the gathers, the arithmetic and the scatter of one update fused
 into generated kernels, not one pass per elementwise step); on CPU it runs the eager code.
@@ -41,14 +43,44 @@ def _run(fn, *args) -> None:
     (_compiled(fn) if args[0].device.type == "cuda" else fn)(*args)
 
 
-@torch.library.custom_op("titan_cp::merge_rows", mutates_args=("out_acc", "lse_acc"))
-def merge_rows(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor, rows: Tensor, local: Tensor) -> None:
-    """:func:`titan_cp.attention.merge.merge_rows_` as one operation (shapes there)."""
-    _run(merge.merge_rows_, out_acc, lse_acc, out, lse, rows, local)
+@torch.library.custom_op("titan_cp::merge_into", mutates_args=("dst_out", "dst_lse"))
+def merge_into(
+    dst_out: Tensor,
+    dst_lse: Tensor,
+    dst_rows: Tensor,
+    acc_out: Tensor | None,
+    acc_lse: Tensor | None,
+    acc_rows: Tensor | None,
+    outs: list[Tensor],
+    lses: list[Tensor],
+    srcs: list[Tensor],
+    places: list[Tensor],
+) -> None:
+    """:func:`titan_cp.attention.merge.merge_into_` as one operation (shapes there)."""
+    _run(merge.merge_into_, dst_out, dst_lse, dst_rows, acc_out, acc_lse, acc_rows, outs, lses, srcs, places)
 
 
-@merge_rows.register_fake
-def _(out_acc, lse_acc, out, lse, rows, local) -> None:
+@merge_into.register_fake
+def _(dst_out, dst_lse, dst_rows, acc_out, acc_lse, acc_rows, outs, lses, srcs, places) -> None:
+    return None
+
+
+@torch.library.custom_op("titan_cp::add_into", mutates_args=("dst",))
+def add_into(
+    dst: Tensor,
+    dst_rows: Tensor,
+    acc: Tensor | None,
+    acc_rows: Tensor | None,
+    grads: list[Tensor],
+    srcs: list[Tensor],
+    places: list[Tensor],
+) -> None:
+    """:func:`titan_cp.attention.merge.add_into_` as one operation (shapes there)."""
+    _run(merge.add_into_, dst, dst_rows, acc, acc_rows, grads, srcs, places)
+
+
+@add_into.register_fake
+def _(dst, dst_rows, acc, acc_rows, grads, srcs, places) -> None:
     return None
 
 

@@ -37,6 +37,7 @@ from titan_cp.attention.fold import (
     Folds,
     Grads,
     KeyFold,
+    QueryGrads,
     Results,
     accumulate,
     attend_backward,
@@ -172,33 +173,35 @@ def ring_steps(
 
 
 class _KV:
-    """My K/V as the messages take them: ``k_t, v_t (B*S, K, E)``, stacked once ``(2, B*S, K, E)`` the
-    first time a peer needs all of them (then sent as is, every step), else only the rows sent."""
+    """My K/V as the messages take them: ``k_t, v_t (B*S, K, E)``; a message is a pair ``(K rows, V rows)``,
+    two views where the rows sent are one span (no copy), else one gather of each into a new buffer."""
 
     def __init__(self, k_t: torch.Tensor, v_t: torch.Tensor):
-        self.k_t, self.v_t, self._all = k_t, v_t, None
+        self.k_t, self.v_t = k_t, v_t
 
-    def message(self, rows: Rows) -> torch.Tensor:
-        """``(2, len(rows), K, E)``: these rows of K and V, one copy (none after the first whole one)."""
-        if rows.index is None and rows.start == 0 and rows.stop == self.k_t.shape[0]:
-            if self._all is None:
-                self._all = torch.stack([self.k_t, self.v_t])
-            return self._all
+    def message(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(K rows, V rows)``, each ``(len(rows), K, E)``."""
+        if rows.index is None:
+            n = rows.stop - rows.start
+            return self.k_t.narrow(0, rows.start, n), self.v_t.narrow(0, rows.start, n)
         out = self.k_t.new_empty((2, len(rows)) + tuple(self.k_t.shape[1:]))
         rows.take_into(self.k_t, out[0])
         rows.take_into(self.v_t, out[1])
-        return out
+        return out[0], out[1]
 
 
 def _post_kv(comm: PeerComm | None, kv: _KV, ring: RingPlan, s: int):
-    """Post step ``s``'s K/V exchange, one ``(2, rows, K, E)`` message each way: my rows ``dst`` needs out,
+    """Post step ``s``'s K/V exchange, one ``(K rows, V rows)`` message each way: my rows ``dst`` needs out,
     ``src``'s in."""
     if s >= len(ring):
         return NOTHING
     step = ring.steps[s]
     k_t = kv.k_t
     send = None if step.send is None else kv.message(step.send)
-    recv = k_t.new_empty((2, step.recv) + tuple(k_t.shape[1:])) if step.recv else None
+    recv = None
+    if step.recv:
+        buf = k_t.new_empty((2, step.recv) + tuple(k_t.shape[1:]))
+        recv = (buf[0], buf[1])
     return comm.exchange(send, step.dst, recv, step.src, tag=0)
 
 
@@ -223,12 +226,12 @@ def ring_forward(q_t, k_t, v_t, group, ring: RingPlan, kernel, scale: float, sin
 def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kernel, scale: float):
     """``(dq_t, dk_t, dv_t)`` token-major in the input dtype; ``out_t, lse`` as :func:`ring_forward` returned them."""
     comm = PeerComm(group) if len(ring) > 1 else None
-    dq = Grads.of(q_t, ring.folds)
+    dq = QueryGrads(q_t, ring.folds)
     dk, dv = Grads.of(k_t, ring.keys), Grads.of(v_t, ring.keys)
     kv = _KV(k_t, v_t)
     pending = _post_kv(comm, kv, ring, 1)
     dqs, dks, dvs = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, ring.steps[0].index, kernel, scale)
-    dq.add(0, ring.folds.grad[0], dqs)
+    dq.add(0, dqs)
     dk.add(0, ring.keys.steps[0], dks)
     dv.add(0, ring.keys.steps[0], dvs)
     returning = None  # (exchange, step): dK/dV of my rows on their way home from that step's dst
@@ -239,8 +242,8 @@ def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kern
         grad = None
         if buf is not None:
             dqs, dks, dvs = attend_backward(dout_t, q_t, buf[0], buf[1], out_t, lse, step.index, kernel, scale)
-            dq.add(s, ring.folds.grad[s], dqs)
-            grad = received_grads(buf, step.grads, dks, dvs, step.dtype("grad", buf))
+            dq.add(s, dqs)
+            grad = received_grads(buf, step.grads, dks, dvs, step.dtype("grad", buf[0]))
         _add_home(dk, dv, returning)
         shape = (2, len(step.send)) + tuple(k_t.shape[1:]) if step.send else None
         recv = k_t.new_empty(shape, dtype=step.dtype("home", k_t)) if step.send else None
@@ -249,11 +252,11 @@ def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kern
     return dq.finish(), dk.finish(), dv.finish()
 
 
-def received_grads(buf: torch.Tensor, folds: KeyFold, dks: list, dvs: list, dtype=torch.float32) -> torch.Tensor:
-    """``(2, R, K, E)`` in ``dtype``: the gradients of the ``R`` received K/V rows ``buf`` from each call's
+def received_grads(buf, folds: KeyFold, dks: list, dvs: list, dtype=torch.float32) -> torch.Tensor:
+    """``(2, R, K, E)`` in ``dtype``: the gradients of the ``R`` received K/V rows ``buf`` (a pair) from each call's
     packed ``dks, dvs``, to be sent home (each row written by its first contribution, the others added;
     the input dtype only where every row has one contribution, :attr:`RingStep.grad_dtype`)."""
-    grad = new_acc(buf.shape, buf, folds.fresh, dtype)
+    grad = new_acc((2,) + tuple(buf[0].shape), buf[0], folds.fresh, dtype)
     for i, grads in enumerate((dks, dvs)):
         for fold, g in zip(folds.steps[0], grads):
             accumulate(grad[i], fold, g)

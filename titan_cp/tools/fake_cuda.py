@@ -410,22 +410,37 @@ def _rows_of(x: torch.Tensor, dim: int, n: int) -> int:
 
 
 def _fused_bytes(name: str, args) -> int:
-    """Bytes of the engine's fused row updates (:mod:`titan_cp.attention.fused`): each row it touches read
-    and written once, its inputs read once."""
-    if name == "merge_rows":
-        out_acc, lse_acc, out, lse, rows, local = args
-        touched = _rows_of(out_acc, 0, rows.numel()) + _rows_of(lse_acc, 1, rows.numel())
-        return 2 * touched + _nbytes(out) + _nbytes(lse) + _nbytes(rows) + _nbytes(local)
+    """Bytes of the engine's fused row updates ``add_rows`` and ``write_rows``
+    (:mod:`titan_cp.attention.fused`): each row it touches read and written once, its inputs read once."""
     acc_or_dst, index, src = args
     touched = _rows_of(acc_or_dst, 0, index.numel())
     return _nbytes(src) + _nbytes(index) + touched * (2 if name == "add_rows" else 1)
 
 
+def _gathered_bytes(name: str, args) -> int:
+    """Bytes of the engine's group merges (``merge_into``, ``add_into``): the packed rows of each partial
+    read once (with their lse), each earlier partial's row read once, each destination row written once."""
+    if name == "merge_into":
+        dst_out, dst_lse, dst_rows, acc_out, acc_lse, prior, outs, lses, srcs, _ = args
+        acc_out, acc_lse = (dst_out, dst_lse) if acc_out is None else (acc_out, acc_lse)
+        parts = sum(_rows_of(o, 0, i.numel()) + _rows_of(lse, 1, i.numel()) for o, lse, i in zip(outs, lses, srcs))
+        held = 0 if prior is None else _rows_of(acc_out, 0, prior.numel()) + _rows_of(acc_lse, 1, prior.numel())
+        written = _rows_of(dst_out, 0, dst_rows.numel()) + _rows_of(dst_lse, 1, dst_rows.numel())
+        return parts + held + written + sum(map(_nbytes, [dst_rows, prior, *srcs, *args[9]]))
+    dst, dst_rows, acc, prior, grads, srcs, places = args
+    acc = dst if acc is None else acc
+    parts = sum(_rows_of(g, 0, i.numel()) for g, i in zip(grads, srcs))
+    held = 0 if prior is None else _rows_of(acc, 0, prior.numel())
+    return parts + held + _rows_of(dst, 0, dst_rows.numel()) + sum(map(_nbytes, [dst_rows, prior, *srcs, *places]))
+
+
 def op_bytes(func, args, kwargs, out) -> int:
     """HBM bytes an operation reads and writes, an index operation counted by the rows it touches."""
     name = func.__name__.split(".")[0].rstrip("_")
-    if func.namespace == "titan_cp" and name in ("merge_rows", "add_rows", "write_rows"):
+    if func.namespace == "titan_cp" and name in ("add_rows", "write_rows"):
         return _fused_bytes(name, args)
+    if func.namespace == "titan_cp" and name in ("merge_into", "add_into"):
+        return _gathered_bytes(name, args)
     outs = [t for t in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(t, torch.Tensor)]
     if not outs:  # queries (a device, a size) move no data
         return 0

@@ -392,13 +392,13 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
     if dout is None:
         return out
     dos = shards(dout)
-    dq = [fold.Grads.of(qs[r], rings[r].folds) for r in range(n)]
+    dq = [fold.QueryGrads(qs[r], rings[r].folds) for r in range(n)]
     dkv = [[fold.Grads.of(kv[r][j], rings[r].keys) for j in (0, 1)] for r in range(n)]
     for r in range(n):  # every rank's own step first: its key gradients are written before any arrive
         dqs, dks, dvs = fold.attend_backward(
             dos[r], qs[r], kv[r][0], kv[r][1], outs[r], lses[r], rings[r].steps[0].index, kernel, scale
         )
-        dq[r].add(0, rings[r].folds.grad[0], dqs)
+        dq[r].add(0, dqs)
         dkv[r][0].add(0, rings[r].keys.steps[0], dks)
         dkv[r][1].add(0, rings[r].keys.steps[0], dvs)
     for r in range(n):
@@ -409,9 +409,9 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
             dqs, dks, dvs = fold.attend_backward(
                 dos[r], qs[r], buf[0], buf[1], outs[r], lses[r], step.index, kernel, scale
             )
-            dq[r].add(i, rings[r].folds.grad[i], dqs)
+            dq[r].add(i, dqs)
             grad = received_grads(
-                buf, step.grads, dks, dvs, step.dtype("grad", buf)
+                buf, step.grads, dks, dvs, step.dtype("grad", buf[0])
             )  # the rows received, home to their owner's slots
             src = (r - i) % n
             for j in (0, 1):

@@ -31,8 +31,10 @@ device, as ``gpu_check``'s simulated ring measures it::
     layout        the model's tensors to and from the engine's token-major buffers, heads exchanged
     repack        q/k/v/out/dout/lse rows gathered for a kernel call, packed results concatenated
     result        single-segment rows written into the result (input dtype)
-    merge         the forward's fp32 accumulators: allocation, first write, log-sum-exp merges, final write
-    grad_acc      gradients accumulated in fp32 slots and written out
+    merge         the forward's merges: each group of steps' partials merged at once (log-sum-exp) into
+                  the result or fp32 slots
+    grad_acc      gradients summed per group of steps into the result or fp32 slots, key gradients
+                  accumulated in fp32 slots and written out
     buffers       K/V stacked, taken and copied for sending; receive and gradient-return buffers
     sinks         attention sinks folded in
 """
@@ -99,8 +101,8 @@ _KINDS = {
     "mask_plans.token_major": "layout", "mask_plans.head_major": "layout", "ulysses": "layout", "hybrid": "layout",
     "layout": "layout", "allgather.AllGather.forward": "buffers", "allgather.AllGather.backward": "buffers",
     "mask_plans.Rows.take": "repack", "fold.attend": "repack", "fold.attend_backward": "repack",
-    "fold.Results.__init__": "merge", "fold.Results.finish": "merge", "merge": "merge", "fused.merge_rows": "merge",
-    "fold.Grads": "grad_acc", "ring._add_home": "grad_acc", "ring.ring_backward": "grad_acc",
+    "fold.Results.__init__": "merge", "fold.Results.finish": "merge", "merge": "merge", "fused.merge_into": "merge",
+    "fold.Grads": "grad_acc", "fold.QueryGrads": "grad_acc", "ring._add_home": "grad_acc", "ring.ring_backward": "grad_acc",
     "fold.accumulate": "grad_acc", "fold.new_acc": "grad_acc", "ring.received_grads": "grad_acc",
     "ring._post_kv": "buffers", "ring.ring_forward": "buffers", "comm": "buffers", "ring._KV": "buffers",
     "mask_plans.Rows.take_into": "buffers",
@@ -111,8 +113,8 @@ def traffic_kind(site: str, op: str) -> str:
     """The kind of an operation outside the kernel (module docstring) from its ``(site, op)``
     (:attr:`~titan_cp.tools.fake_cuda.RankTrace.sites`): the longest matching site prefix decides."""
     if site == "fold.Results.fold":
-        return {"index_copy": "result", "merge_rows": "merge", "write_rows": "merge"}.get(op, "merge")
-    if site == "fold.Grads.add" and op == "index_copy":
+        return {"index_copy": "result"}.get(op, "merge")
+    if site in ("fold.Grads.add", "fold.QueryGrads.add") and op == "index_copy":
         return "result"
     if site.startswith("ring.ring_backward") and op in ("stack", "clone"):
         return "buffers"
