@@ -176,9 +176,10 @@ def _all(rank, world, cases, out_dir):
 
 def _close(got: dict, want: dict, name: str) -> None:
     assert len(got["loss"]) == len(want["loss"]) == STEPS, name
-    assert got["loss"] == pytest.approx(want["loss"], abs=1e-6), name
+    # fp32 summation order only: a loss near 6.4 is exact to about 1e-6, relative 2e-7
+    assert got["loss"] == pytest.approx(want["loss"], rel=3e-7, abs=1e-6), name
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), name
-    assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-6), name
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=3e-7, abs=1e-6), name
     assert got["tokens_seen"] == want["tokens_seen"], name
     if "predicted" in want:
         assert got["predicted"][1] == want["predicted"][1], name
