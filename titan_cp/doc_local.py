@@ -39,11 +39,12 @@ LOOK_FURTHER = 2  # betas tried after the first balanced one, for splits that mo
 # What a split moves, in pairs of causal work (the kernel's 14 H E FLOPs a pair, forward and backward,
 # at 60% of an H100's or H200's peak, against HBM bytes at their bandwidth: one byte per element of a
 # token's H x E is about 9 pairs). A query token whose document has earlier pieces on one more rank
-# gets one more partial result: about 20 bytes per element merged in fp32 (forward) and accumulated
-# (its dq, backward). A key token read by one more rank is copied out and its gradient added home:
-# about 7 bytes per query element with grouped K/V heads.
-MERGE_PAIRS = 180
-SEND_PAIRS = 60
+# gets one more partial result: about 40 bytes per element around the kernel (its rows gathered for
+# the kernel in the forward and the backward, its partial merged, its dq summed) and smaller kernel
+# tiles. A key token read by one more rank is sent and its gradient added home: about a third of that
+# with grouped K/V heads.
+MERGE_PAIRS = 360
+SEND_PAIRS = 120
 
 
 def work(length: int, offset: int = 0) -> int:
