@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_cp.attention.fold import QueryGrads, Results, make_folds
+from titan_cp.attention.fold import Grads, Results, make_folds
 
 SIZE, H, E = 24, 3, 4
 
@@ -66,7 +66,7 @@ def test_group_merges_match_one_merge_of_every_partial(seed, budget):
     if budget == 10_000:
         assert folds.slots == 0  # one group: nothing in fp32 slots
     q = torch.empty(SIZE, H, E)
-    results, dq = Results(q, folds), QueryGrads(q, folds)
+    results, dq = Results(q, folds), Grads(q, folds)
     for s, calls in enumerate(steps):
         if calls:  # as the ring does: a step with nothing received is not folded
             results.fold(s, [(c[1], c[2]) for c in calls])

@@ -10,8 +10,12 @@ whole row) reads it::
 
     keys       = [kv_r, kv_j[need(r, j)] for j != r]            sum_i |need(i, r)| rows out of rank r
     forward    out_r = attn(q_r, keys)
-    backward   dkv_r[need(i, r)] += the dual collective of dkeys[received]  (fp32, each peer's share)
-               dkv_r             += dkeys[own part];  dq_r = dattn_q(q_r, keys)
+    backward   dkv_r = dkeys[own part] + the dual collective of dkeys[received]  (fp32, each peer's share)
+               dq_r  = dattn_q(q_r, keys)
+
+Each gradient is summed in one pass (:func:`titan_cp.attention.fused.add_into`): the received rows'
+straight into the buffer the dual collective sends, the own rows' from the kernel's packed output
+and what the peers sent back, written once; a row only one packed row reads is copied.
 
 Without documents every rank needs nearly all of the earlier ranks' K/V, as the classic all-gather
 moves them; under
@@ -31,15 +35,11 @@ from titan_cp.attention.context import CPContext
 from titan_cp.attention.fold import (
     Folds,
     Grads,
-    KeyFold,
-    QueryGrads,
     Results,
     attend_backward,
     fold_forward,
     make_folds,
-    make_key_folds,
 )
-from titan_cp.attention.fused import add_rows
 from titan_cp.attention.mask_plans import CAUSAL, Mask, PlanIndex, head_major, make_plan, token_major
 from titan_cp.attention.merge import sinks_grad
 from titan_cp.attention.ring import exchanged_rows, ring_bytes
@@ -53,17 +53,19 @@ class Gather:
 
     ``send``: device rows of my buffer sent to the other ranks, what each needs, in rank order;
     ``send_splits``/``recv_splits``: rows to and from each rank (0 to and from myself);
-    ``home``: the accumulator slots of the rows sent, where each peer's gradients of them are added;
+    ``folds``: where the queries' results go; ``own``: where the gradients of my K/V rows come from (the
+    packed key rows of each call, then the rows the peers send back, in ``send`` order);
+    ``received_folds``: where those of the received rows come from (the packed key rows of each call);
     ``active``: whether any rank exports anything (the collective runs on every rank, or on none).
     """
 
     send: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
-    home: torch.Tensor
     index: PlanIndex
     folds: Folds
-    keys: KeyFold
+    own: Folds
+    received_folds: Folds
     active: bool
 
     @property
@@ -89,14 +91,14 @@ def gather_plan(layout: SequenceLayout, rank: int, mask: Mask, batch: int, devic
         folds = make_folds([plan.q_dest(batch)], local, device)
         given = [need(i, rank) if i != rank else torch.zeros(0, dtype=torch.int64) for i in range(n)]
         send = torch.cat(given)
-        keys = make_key_folds([plan.k_dest(batch, key_map)], local, [send], device, received=offset - local)
-        home = keys.slots_of(send) if len(send) else send
+        keys = plan.k_dest(batch, key_map)
+        minus = torch.tensor(-1)
+        own = make_folds([[torch.where(d < local, d, minus) for d in keys] + [send]], local, device)
+        received = make_folds([[torch.where(d >= local, d - local, minus) for d in keys]], offset - local, device)
         send_splits = [len(g) for g in given]
         recv_splits = [0 if j == rank else len(wanted[j]) for j in range(n)]
         active = any(len(need(i, j)) for i in range(n) for j in range(n) if i != j)
-        return Gather(
-            to_device(send, device), send_splits, recv_splits, to_device(home, device), index, folds, keys, active
-        )
+        return Gather(to_device(send, device), send_splits, recv_splits, index, folds, own, received, active)
 
     return layout.memo(("gather", rank, mask, batch, torch.device(device)), build)
 
@@ -134,18 +136,18 @@ class AllGather(Strategy):
         g = gather_plan(ctx.layout, ctx.rank, ctx.mask, batch, q.device)
         dout_t, q_t, out_t = token_major(dout), token_major(q), token_major(out)
         local = q_t.shape[0]
-        dq = QueryGrads(q_t, g.folds)
-        dk, dv = (Grads.of(keys[:local, i], g.keys) for i in (0, 1))
         dqs, dks, dvs = attend_backward(dout_t, q_t, keys[:, 0], keys[:, 1], out_t, lse, g.index, ctx.kernel, ctx.scale)
+        dq = Grads(q_t, g.folds)
         dq.add(0, dqs)
-        dk.add(0, g.keys.steps[0], dks)
-        dv.add(0, g.keys.steps[0], dvs)
+        back = keys.new_empty((g.received, 2) + tuple(keys.shape[2:]), dtype=torch.float32)  # what goes home
+        for i, grads in enumerate((dks, dvs)):
+            Grads(back[:, i], g.received_folds, out=back[:, i]).add(0, grads)
+        home = back.new_empty((len(g.send),) + tuple(back.shape[1:]))
         if g.active:  # each peer's gradients of the rows it received go back to it
-            back = torch.stack([dk.acc[g.keys.own :], dv.acc[g.keys.own :]], dim=1)
-            home = back.new_empty((len(g.send),) + tuple(back.shape[1:]))
             all_to_all_uneven(back, g.recv_splits, g.send_splits, ctx.group, home)
-            add_rows(dk.acc, g.home, home[:, 0])
-            add_rows(dv.acc, g.home, home[:, 1])
+        dk, dv = (Grads(keys[:local, i], g.own) for i in (0, 1))
+        dk.add(0, dks + [home[:, 0]])
+        dv.add(0, dvs + [home[:, 1]])
         dsinks = None if ctx.sinks is None else sinks_grad(dout_t, out_t, lse, ctx.sinks)
         return head_major(dq.finish(), batch), head_major(dk.finish(), batch), head_major(dv.finish(), batch), dsinks
 

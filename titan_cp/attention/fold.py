@@ -22,7 +22,8 @@ the result where the group brings a row's last contributions, else into an fp32 
 (only rows reached again in a later group have one), which the later group reads back. Where every
 step fits one group (a document split over few ranks) nothing is accumulated in fp32 at all: a
 merged row costs a read of each partial and one write, where a merge per step read and wrote an
-fp32 row each time. The query gradient is the same plan (:class:`QueryGrads`). Key rows
+fp32 row each time. The query gradient is the same plan (:class:`Grads`), as are the all-gather's
+key gradients (the peers' returns one more partial). The ring's key rows
 (:class:`KeyFold`): a key row only its own rank's one segment reads gets its gradient written once;
 rows read by several segments or other ranks accumulate in fp32 slots.
 """
@@ -118,6 +119,13 @@ def _whole_call(dests: list[list[torch.Tensor]], size: int) -> tuple[int, int] |
     return next(((s, c) for s, ds in enumerate(dests) for c, d in enumerate(ds) if _is_whole(d, size)), None)
 
 
+def _at(mask: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``mask`` at rows ``d`` (host), false where ``d`` is -1 (a packed row whose result goes elsewhere)."""
+    if not len(mask):
+        return torch.zeros(d.shape, dtype=torch.bool)
+    return mask[d.clamp(min=0)] & (d >= 0)
+
+
 def _groups(merged: list[int], budget: int) -> list[list[int]]:
     """Consecutive steps in groups of at most ``budget`` held packed rows (a step alone may exceed it);
     a group's merges run after its last step that has a kernel call (a strategy skips the others)."""
@@ -139,7 +147,7 @@ def _flush(dests, group: list[int], gi: int, sel, first, slot, size: int, to_acc
     lanes = []
     for s in group:
         for c, d in enumerate(dests[s]):
-            keep = torch.nonzero(place_of[d] >= 0).flatten()
+            keep = torch.nonzero(_at(place_of >= 0, d)).flatten()
             if len(keep):
                 lanes.append((s, c, to_device(keep, device), to_device(place_of[d[keep]], device)))
     prior = torch.where(first[sel] < gi, slot[sel], -1)
@@ -153,7 +161,7 @@ def _reach(dests, groups, single, size: int) -> tuple[torch.Tensor, torch.Tensor
     last = torch.full((size,), -1, dtype=torch.int64)
     for gi, group in enumerate(groups):
         for d in (d for s in group for d in dests[s]):
-            rows = d[~single[d]]
+            rows = d[_at(~single, d)]
             first[rows] = torch.minimum(first[rows], torch.tensor(gi))
             last[rows] = gi
     return first, last
@@ -166,7 +174,7 @@ def _plan_groups(dests, single, count, size: int, budget: int | None):
     rows a later group reaches again (two bf16 rows each); a merge per step held one step's output and
     a slot for every row that merges. Budgets (packed rows a group holds) are tried from all steps at
     once down to one step a group, and the first whose peak is no higher is kept (``budget``: that one)."""
-    held = [sum(len(d) for d in ds if (~single[d]).any()) for ds in dests]
+    held = [sum(len(d) for d in ds if _at(~single, d).any()) for ds in dests]
     old_peak = 2 * int(((~single) & (count > 0)).sum()) + max((sum(len(d) for d in ds) for ds in dests), default=0)
     tries = [budget] if budget is not None else [sum(held), 4 * size, 2 * size, size, size // 2, 1]
     for b in tries:
@@ -180,19 +188,19 @@ def _plan_groups(dests, single, count, size: int, budget: int | None):
 
 
 def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device, budget: int | None = None) -> Folds:
-    """:class:`Folds` of steps whose calls' packed rows go to result rows ``dests[s][c]`` (host int64) of
-    ``size`` rows; a group of steps holds at most ``budget`` packed rows of its kept calls (by default the
+    """:class:`Folds` of steps whose calls' packed rows go to result rows ``dests[s][c]`` (host int64; -1: a
+    packed row whose result goes elsewhere) of ``size`` rows; a group of steps holds at most ``budget`` packed rows of its kept calls (by default the
     most that keeps the memory of a merge per step, :func:`_plan_groups`)."""
     count = torch.zeros(size, dtype=torch.int64)
     for d in (d for ds in dests for d in ds):
-        count += torch.bincount(d, minlength=size)
+        count += torch.bincount(d[d >= 0], minlength=size)
     single = count == 1
     groups, first, last, again = _plan_groups(dests, single, count, size, budget)
     slot = torch.full((size,), -1, dtype=torch.int64)
     slot[again] = torch.arange(int(again.sum()))
     flushes: list[tuple[Flush, ...]] = [() for _ in dests]
     for gi, group in enumerate(groups):
-        touched = [d[~single[d]] for s in group for d in dests[s]]
+        touched = [d[_at(~single, d)] for s in group for d in dests[s]]
         touched = torch.unique(torch.cat(touched)) if touched else torch.zeros(0, dtype=torch.int64)
         parts = [touched[(last[touched] > gi) == to_acc] for to_acc in (False, True)]
         end = max((s for s in group if dests[s]), default=group[-1])  # a step with no call may be skipped
@@ -202,9 +210,10 @@ def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device,
             if len(sel)
         )
     final = tuple(
-        tuple(_part(f, d[f], len(d), device) for d in ds for f in [torch.nonzero(single[d]).flatten()]) for ds in dests
+        tuple(_part(f, d[f], len(d), device) for d in ds for f in [torch.nonzero(_at(single, d)).flatten()])
+        for ds in dests
     )
-    kept = tuple(tuple(bool((~single[d]).any()) for d in ds) for ds in dests)
+    kept = tuple(tuple(bool(_at(~single, d).any()) for d in ds) for ds in dests)
     unseen = torch.nonzero(count == 0).flatten()
     unseen = to_device(unseen, device) if len(unseen) else None
     return Folds(final, kept, tuple(flushes), int(again.sum()), _whole_call(dests, size), unseen)
@@ -346,14 +355,15 @@ class Results:
         return self.out, self.lse
 
 
-class QueryGrads:
-    """The query gradient being built on the plan of :class:`Folds` (module docstring): final rows copied
+class Grads:
+    """A gradient being built on the plan of :class:`Folds` (module docstring; the queries', or the keys' of
+    one all-gather step), into ``out`` if given (e.g. an fp32 buffer to send): final rows copied
     once (input dtype), the others summed per group of steps, straight into the result where the group
     brings their last contributions; the ``adopt`` call's packed gradient is taken as the result."""
 
-    def __init__(self, like: torch.Tensor, folds: Folds):
+    def __init__(self, like: torch.Tensor, folds: Folds, out: torch.Tensor | None = None):
         self.like, self.folds = like, folds
-        self.final: torch.Tensor | None = None
+        self.final: torch.Tensor | None = out  # where to write the gradient (``None``: a new tensor or adopted)
         self.acc = torch.empty((folds.slots,) + tuple(like.shape[1:]), dtype=torch.float32, device=like.device)
         self._pending: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -364,7 +374,11 @@ class QueryGrads:
                 self.final = grad
             elif final is not None:
                 self._alloc()
-                self.final.index_copy_(0, final.dst, final.take(grad))
+                rows = final.take(grad)
+                if rows.dtype == self.final.dtype:
+                    self.final.index_copy_(0, final.dst, rows)
+                else:  # an fp32 buffer of gradients to send: converted as they are written
+                    write_rows(self.final, final.dst, rows)
             if self.folds.kept[step][c]:
                 self._pending[(step, c)] = grad
         for flush in self.folds.flushes[step]:
@@ -402,7 +416,7 @@ def new_acc(shape, like: torch.Tensor, fresh: bool, dtype: torch.dtype = torch.f
     return (torch.empty if fresh else torch.zeros)(shape, dtype=dtype, device=like.device)
 
 
-class Grads:
+class KeyGrads:
     """A key gradient being built: ``final`` rows copied once (input dtype), the others accumulated in fp32
     slots; the packed gradient of the ``adopt`` call, the whole buffer in order, is taken as is."""
 
@@ -412,7 +426,7 @@ class Grads:
         self.acc = new_acc((slots,) + tuple(like.shape[1:]), like, fresh)
 
     @classmethod
-    def of(cls, like: torch.Tensor, folds: KeyFold) -> Grads:
+    def of(cls, like: torch.Tensor, folds: KeyFold) -> KeyGrads:
         return cls(like, folds.multi, folds.slots, folds.adopt, folds.fresh)
 
     def add(self, step: int, folds: tuple[GradFold, ...], grads: list[torch.Tensor]) -> None:
@@ -513,7 +527,7 @@ def plan_forward(q_t, k_t, v_t, batch: int, plan: MaskPlan, kernel: AttentionKer
 def plan_backward(dout_t, q_t, k_t, v_t, out_t, lse, batch: int, plan: MaskPlan, kernel: AttentionKernel, scale):
     """``(dq_t, dk_t, dv_t)`` in the input dtype for :func:`plan_forward`."""
     index, folds, key_folds = single_step(plan, batch, q_t.device)
-    dq, dk, dv = QueryGrads(q_t, folds), Grads.of(k_t, key_folds), Grads.of(v_t, key_folds)
+    dq, dk, dv = Grads(q_t, folds), KeyGrads.of(k_t, key_folds), KeyGrads.of(v_t, key_folds)
     dqs, dks, dvs = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, index, kernel, scale)
     dq.add(0, dqs)
     dk.add(0, key_folds.steps[0], dks)

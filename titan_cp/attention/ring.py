@@ -37,7 +37,7 @@ from titan_cp.attention.fold import (
     Folds,
     Grads,
     KeyFold,
-    QueryGrads,
+    KeyGrads,
     Results,
     accumulate,
     attend_backward,
@@ -226,8 +226,8 @@ def ring_forward(q_t, k_t, v_t, group, ring: RingPlan, kernel, scale: float, sin
 def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kernel, scale: float):
     """``(dq_t, dk_t, dv_t)`` token-major in the input dtype; ``out_t, lse`` as :func:`ring_forward` returned them."""
     comm = PeerComm(group) if len(ring) > 1 else None
-    dq = QueryGrads(q_t, ring.folds)
-    dk, dv = Grads.of(k_t, ring.keys), Grads.of(v_t, ring.keys)
+    dq = Grads(q_t, ring.folds)
+    dk, dv = KeyGrads.of(k_t, ring.keys), KeyGrads.of(v_t, ring.keys)
     kv = _KV(k_t, v_t)
     pending = _post_kv(comm, kv, ring, 1)
     dqs, dks, dvs = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, ring.steps[0].index, kernel, scale)
@@ -263,7 +263,7 @@ def received_grads(buf, folds: KeyFold, dks: list, dvs: list, dtype=torch.float3
     return grad
 
 
-def _add_home(dk: Grads, dv: Grads, returning) -> None:
+def _add_home(dk: KeyGrads, dv: KeyGrads, returning) -> None:
     """Add the gradients of my rows that a peer computed (``(exchange, step)``) into their slots."""
     if returning is None:
         return

@@ -392,8 +392,8 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
     if dout is None:
         return out
     dos = shards(dout)
-    dq = [fold.QueryGrads(qs[r], rings[r].folds) for r in range(n)]
-    dkv = [[fold.Grads.of(kv[r][j], rings[r].keys) for j in (0, 1)] for r in range(n)]
+    dq = [fold.Grads(qs[r], rings[r].folds) for r in range(n)]
+    dkv = [[fold.KeyGrads.of(kv[r][j], rings[r].keys) for j in (0, 1)] for r in range(n)]
     for r in range(n):  # every rank's own step first: its key gradients are written before any arrive
         dqs, dks, dvs = fold.attend_backward(
             dos[r], qs[r], kv[r][0], kv[r][1], outs[r], lses[r], rings[r].steps[0].index, kernel, scale
