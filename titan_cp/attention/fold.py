@@ -22,10 +22,9 @@ the result where the group brings a row's last contributions, else into an fp32 
 (only rows reached again in a later group have one), which the later group reads back. Where every
 step fits one group (a document split over few ranks) nothing is accumulated in fp32 at all: a
 merged row costs a read of each partial and one write, where a merge per step read and wrote an
-fp32 row each time. The query gradient is the same plan (:class:`Grads`), as are the all-gather's
-key gradients (the peers' returns one more partial). The ring's key rows
-(:class:`KeyFold`): a key row only its own rank's one segment reads gets its gradient written once;
-rows read by several segments or other ranks accumulate in fp32 slots.
+fp32 row each time. Every gradient is the same plan (:class:`Grads`): the queries', and the keys'
+(the packed key rows of each call; what peers send back of the rows they read is one more partial,
+at the step it returns): a key row only one segment reads gets its gradient copied once.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_cp.attention.fused import add_into, add_rows, merge_into, write_rows
+from titan_cp.attention.fused import add_into, merge_into, write_rows
 from titan_cp.attention.kernels import AttentionKernel
 from titan_cp.attention.mask_plans import MaskPlan, PlanIndex, Rows
 from titan_cp.attention.merge import apply_sinks_
@@ -50,16 +49,6 @@ class Part:
 
     def take(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return x if self.src is None else self.src.take(x, dim)
-
-
-@dataclass(frozen=True)
-class GradFold:
-    """Where one kernel call's packed gradient rows go: ``final`` rows (copied), ``first`` fp32 slots
-    written (their first contribution), ``add`` slots added into."""
-
-    final: Part | None
-    first: Part | None
-    add: Part | None
 
 
 @dataclass(frozen=True)
@@ -107,12 +96,6 @@ def _part(src: torch.Tensor, dst: torch.Tensor, n: int, device) -> Part | None:
 def _is_whole(d: torch.Tensor, size: int) -> bool:
     """Whether packed rows ``d`` are rows ``0 .. size-1`` in order."""
     return len(d) == size and bool((d == torch.arange(size)).all())
-
-
-def _first_writes(slots: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
-    """Which packed rows (of fp32 slots ``slots``) are their slot's first contribution, alone in the call."""
-    here = torch.bincount(slots, minlength=len(written))[slots] if len(slots) else slots
-    return ~written[slots] & (here == 1)
 
 
 def _whole_call(dests: list[list[torch.Tensor]], size: int) -> tuple[int, int] | None:
@@ -217,80 +200,6 @@ def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device,
     unseen = torch.nonzero(count == 0).flatten()
     unseen = to_device(unseen, device) if len(unseen) else None
     return Folds(final, kept, tuple(flushes), int(again.sum()), _whole_call(dests, size), unseen)
-
-
-@dataclass(frozen=True)
-class KeyFold:
-    """Where the packed key rows of each step's calls send their gradients (:class:`GradFold` per call):
-    ``final`` rows of the key gradient (read once), or fp32 slots; ``slots`` in all, the first ``own`` of
-    them the key buffer's own rows ``multi`` (the rest, if any, received rows whose gradients go back);
-    ``adopt`` and ``fresh`` as in :class:`Folds` (``fresh``: no slot is added into before it is written,
-    gradients arriving from other ranks included)."""
-
-    steps: tuple[tuple[GradFold, ...], ...]
-    multi: torch.Tensor
-    own: int
-    slots: int
-    multi_rows: torch.Tensor  # ``multi`` on the host
-    adopt: tuple[int, int] | None = None
-    fresh: bool = False
-
-    def slots_of(self, rows: torch.Tensor) -> torch.Tensor:
-        """The accumulator slots of own rows ``rows`` (host; each must be a multi row)."""
-        slot = torch.full((int(self.multi_rows.max()) + 1 if len(self.multi_rows) else 0,), -1, dtype=torch.int64)
-        slot[self.multi_rows] = torch.arange(len(self.multi_rows))
-        out = slot[rows]
-        assert bool((out >= 0).all()), "a row whose gradient arrives from another rank must have a slot"
-        return out
-
-
-def _key_slots(dests, own: int, extra: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(single, slot_of, n_multi)``: own rows read once overall, the slot of each own row (and one
-    padding entry, looked up by received rows), the number of own multi rows."""
-    count = torch.zeros(own, dtype=torch.int64)
-    for d in (d for ds in dests for d in ds):
-        count += torch.bincount(d[d < own], minlength=own)
-    for rows in extra:
-        count[rows] += 2
-    single = count == 1
-    n_multi = int((~single).sum())
-    slot_of = torch.zeros(own + 1, dtype=torch.int64)
-    slot_of[:own][~single] = torch.arange(n_multi)
-    return torch.cat([single, torch.zeros(1, dtype=torch.bool)]), slot_of, n_multi
-
-
-def make_key_folds(
-    dests: list[list[torch.Tensor]], own: int, extra: list[torch.Tensor], device, received: int | None = None
-) -> KeyFold:
-    """Key folds: ``dests[s][c]`` the key rows of step ``s``'s call ``c``'s packed keys, rows ``< own`` the
-    own buffer's (final where read once overall), rows ``>= own`` received (always accumulated, in slots
-    after the own multi rows; ``received`` of them, by default as many as the keys reach); ``extra``: own
-    rows whose gradients also arrive from other ranks, after these steps (always accumulated)."""
-    single, slot_of, n_multi = _key_slots(dests, own, extra)
-    reached = max((int(d.max()) + 1 - own for ds in dests for d in ds if len(d) and int(d.max()) >= own), default=0)
-    received = reached if received is None else received
-    written = torch.zeros(n_multi + received, dtype=torch.bool)
-    fresh, steps = True, []
-    for ds in dests:
-        parts = []
-        for d in ds:
-            mine = d < own
-            lookup = torch.where(mine, d, torch.full_like(d, own))
-            slot = torch.where(mine, slot_of[lookup], n_multi + d - own)
-            to_final = single[lookup]
-            acc = torch.nonzero(~to_final).flatten()
-            first = torch.zeros(len(d), dtype=torch.bool)
-            first[acc] = _first_writes(slot[acc], written)
-            rest = ~to_final & ~first
-            fresh &= bool(written[slot[rest]].all())
-            written[slot[acc]] = True
-            f, fi, r = (torch.nonzero(m).flatten() for m in (to_final, first, rest))
-            parts.append(GradFold(*(_part(x, y, len(d), device) for x, y in ((f, d[f]), (fi, slot[fi]), (r, slot[r])))))
-        steps.append(tuple(parts))
-    multi = torch.nonzero(~single[:own]).flatten()
-    adopt = _whole_call(dests, own) if own else None
-    fresh = fresh and bool(written.all())
-    return KeyFold(tuple(steps), to_device(multi, device), n_multi, n_multi + received, multi, adopt, fresh)
 
 
 # ---------------------------------------------------------------------------- results
@@ -402,54 +311,6 @@ class Grads:
         return self.final
 
 
-def accumulate(acc: torch.Tensor, fold: GradFold, grad: torch.Tensor) -> None:
-    """One call's packed gradient rows into fp32 slots ``acc``: first contributions written, the rest added."""
-    if fold.first is not None:
-        write_rows(acc, fold.first.dst, fold.first.take(grad))
-    if fold.add is not None:
-        add_rows(acc, fold.add.dst, fold.add.take(grad))
-
-
-def new_acc(shape, like: torch.Tensor, fresh: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Accumulator slots (fp32 unless ``dtype`` says): uninitialised when every slot is written before it
-    is added into."""
-    return (torch.empty if fresh else torch.zeros)(shape, dtype=dtype, device=like.device)
-
-
-class KeyGrads:
-    """A key gradient being built: ``final`` rows copied once (input dtype), the others accumulated in fp32
-    slots; the packed gradient of the ``adopt`` call, the whole buffer in order, is taken as is."""
-
-    def __init__(self, like: torch.Tensor, multi: torch.Tensor, slots: int, adopt=None, fresh: bool = False):
-        self.like, self.multi, self.adopt = like, multi, adopt
-        self.final: torch.Tensor | None = None
-        self.acc = new_acc((slots,) + tuple(like.shape[1:]), like, fresh)
-
-    @classmethod
-    def of(cls, like: torch.Tensor, folds: KeyFold) -> KeyGrads:
-        return cls(like, folds.multi, folds.slots, folds.adopt, folds.fresh)
-
-    def add(self, step: int, folds: tuple[GradFold, ...], grads: list[torch.Tensor]) -> None:
-        """Step ``step``'s packed gradient of each call in."""
-        for c, (fold, grad) in enumerate(zip(folds, grads)):
-            if self.adopt == (step, c) and self.final is None and _adoptable(grad, self.like):
-                self.final = grad
-            elif fold.final is not None:
-                self._alloc()
-                self.final.index_copy_(0, fold.final.dst, fold.final.take(grad))
-            accumulate(self.acc, fold, grad)
-
-    def _alloc(self) -> None:
-        if self.final is None:
-            self.final = self.like.new_empty(self.like.shape)
-
-    def finish(self) -> torch.Tensor:
-        self._alloc()
-        if len(self.multi):
-            write_rows(self.final, self.multi, self.acc[: len(self.multi)])
-        return self.final
-
-
 # ---------------------------------------------------------------------------- one key buffer
 def attend(q_t, k_t, v_t, idx: PlanIndex, kernel: AttentionKernel, scale: float) -> list:
     """Packed ``(out, lse)`` of each of the plan's calls, in order."""
@@ -510,7 +371,7 @@ def single_step(plan: MaskPlan, batch: int, device: torch.device, key_size: int 
         folds = make_folds([plan.q_dest(batch)], batch * plan.q_len, device)
         k_rows = plan.k_dest(batch, None if key_map is None else key_map[1])
         size = batch * plan.k_len if key_size is None else key_size
-        return index, folds, make_key_folds([k_rows], size, [], device)
+        return index, folds, make_folds([k_rows], size, device)
 
     name = None if key_map is None else key_map[0]
     return plan._memo(("single", batch, torch.device(device), key_size, name), build)
@@ -527,9 +388,9 @@ def plan_forward(q_t, k_t, v_t, batch: int, plan: MaskPlan, kernel: AttentionKer
 def plan_backward(dout_t, q_t, k_t, v_t, out_t, lse, batch: int, plan: MaskPlan, kernel: AttentionKernel, scale):
     """``(dq_t, dk_t, dv_t)`` in the input dtype for :func:`plan_forward`."""
     index, folds, key_folds = single_step(plan, batch, q_t.device)
-    dq, dk, dv = Grads(q_t, folds), KeyGrads.of(k_t, key_folds), KeyGrads.of(v_t, key_folds)
+    dq, dk, dv = Grads(q_t, folds), Grads(k_t, key_folds), Grads(v_t, key_folds)
     dqs, dks, dvs = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, index, kernel, scale)
     dq.add(0, dqs)
-    dk.add(0, key_folds.steps[0], dks)
-    dv.add(0, key_folds.steps[0], dvs)
+    dk.add(0, dks)
+    dv.add(0, dvs)
     return dq.finish(), dk.finish(), dv.finish()

@@ -27,7 +27,7 @@ Ulysses group, and its buffer the concatenation of the group members' shards.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -36,17 +36,11 @@ from titan_cp.attention.context import CPContext
 from titan_cp.attention.fold import (
     Folds,
     Grads,
-    KeyFold,
-    KeyGrads,
     Results,
-    accumulate,
     attend_backward,
     fold_forward,
     make_folds,
-    make_key_folds,
-    new_acc,
 )
-from titan_cp.attention.fused import add_rows
 from titan_cp.attention.mask_plans import (
     CAUSAL,
     Mask,
@@ -60,7 +54,7 @@ from titan_cp.attention.mask_plans import (
 )
 from titan_cp.attention.merge import sinks_grad
 from titan_cp.attention.strategy import Strategy, register_strategy
-from titan_cp.layout import SequenceLayout, to_device
+from titan_cp.layout import SequenceLayout
 
 
 @dataclass(frozen=True)
@@ -69,7 +63,7 @@ class RingStep:
 
     ``recv``: rows of ``src``'s buffer received (0: nothing, the step is skipped), ``grads``: where the
     packed keys' gradients of each call go in the buffer of those rows sent back; ``send``: the rows of my buffer
-    ``dst`` needs (``None``: nothing to send), ``home``: their accumulator slots (their gradients return).
+    ``dst`` needs (``None``: nothing to send; their gradients return, a partial of my key gradients).
     ``grad_dtype`` / ``home_dtype``: whether the gradients of the rows received / sent travel in the input
     dtype (``"input"``: every such row is read by one packed key row of the step, so its gradient is that one
     kernel output, already in the input dtype) or in fp32 (``"fp32"``: several contributions summed).
@@ -80,9 +74,8 @@ class RingStep:
     plan: MaskPlan
     index: PlanIndex
     recv: int
-    grads: KeyFold | None
+    grads: Folds | None
     send: Rows | None
-    home: torch.Tensor | None
     grad_dtype: str = "fp32"
     home_dtype: str = "fp32"
 
@@ -94,11 +87,12 @@ class RingStep:
 @dataclass(frozen=True)
 class RingPlan:
     """One rank's ring, planned once per microbatch: its steps, where the results and the own K/V's
-    gradients go (:mod:`titan_cp.attention.fold`)."""
+    gradients go (:mod:`titan_cp.attention.fold`; ``keys``: step 0's packed key rows, then at each later
+    step the rows sent, whose gradients return)."""
 
     steps: tuple[RingStep, ...]
     folds: Folds
-    keys: KeyFold
+    keys: Folds
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -127,17 +121,15 @@ def _step(layout, mine, src: int, dst: int, s: int, members, mask, batch, device
     """Step ``s``'s plan, its device index and what it exchanges (host rows sent, for the key folds)."""
     plan = make_plan(layout, mine, tuple(members(src)), mask)
     if s == 0:
-        return RingStep(src, dst, plan, plan.index(batch, device), 0, None, None, None), None
+        return RingStep(src, dst, plan, plan.index(batch, device), 0, None, None), None
     need = plan.key_rows(batch)
     key_map = (("recv", s), _key_map(need, size))
     index = plan.index(batch, device, key_map)
-    grads = make_key_folds([plan.k_dest(batch, key_map[1])], 0, [], device)
+    grads = make_folds([plan.k_dest(batch, key_map[1])], len(need), device)
     peer = make_plan(layout, tuple(members(dst)), mine, mask)  # dst's step s: the same plan on both ends
     rows = peer.key_rows(batch)
     send = Rows.of(rows, device) if len(rows) else None
-    step = RingStep(
-        src, dst, plan, index, len(need), grads, send, None, _read_once(plan, batch), _read_once(peer, batch)
-    )
+    step = RingStep(src, dst, plan, index, len(need), grads, send, _read_once(plan, batch), _read_once(peer, batch))
     return step, rows
 
 
@@ -162,11 +154,8 @@ def ring_steps(
             steps.append(step)
             sent.append(rows)
         folds = make_folds([st.plan.q_dest(batch) for st in steps], size, device)
-        keys = make_key_folds([steps[0].plan.k_dest(batch)], size, [r for r in sent if r is not None], device)
-        steps = [
-            st if rows is None or not len(rows) else replace(st, home=to_device(keys.slots_of(rows), device))
-            for st, rows in zip(steps, sent)
-        ]
+        returned = [[rows] if rows is not None and len(rows) else [] for rows in sent[1:]]
+        keys = make_folds([steps[0].plan.k_dest(batch)] + returned, size, device)
         return RingPlan(tuple(steps), folds, keys)
 
     return layout.memo(("ring_steps", ring_rank, ring_size, tuple(members(ring_rank)), mask, batch, device), build)
@@ -227,13 +216,13 @@ def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kern
     """``(dq_t, dk_t, dv_t)`` token-major in the input dtype; ``out_t, lse`` as :func:`ring_forward` returned them."""
     comm = PeerComm(group) if len(ring) > 1 else None
     dq = Grads(q_t, ring.folds)
-    dk, dv = KeyGrads.of(k_t, ring.keys), KeyGrads.of(v_t, ring.keys)
+    dk, dv = Grads(k_t, ring.keys), Grads(v_t, ring.keys)
     kv = _KV(k_t, v_t)
     pending = _post_kv(comm, kv, ring, 1)
     dqs, dks, dvs = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, ring.steps[0].index, kernel, scale)
     dq.add(0, dqs)
-    dk.add(0, ring.keys.steps[0], dks)
-    dv.add(0, ring.keys.steps[0], dvs)
+    dk.add(0, dks)
+    dv.add(0, dvs)
     returning = None  # (exchange, step): dK/dV of my rows on their way home from that step's dst
     for s in range(1, len(ring)):
         step = ring.steps[s]
@@ -247,31 +236,30 @@ def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kern
         _add_home(dk, dv, returning)
         shape = (2, len(step.send)) + tuple(k_t.shape[1:]) if step.send else None
         recv = k_t.new_empty(shape, dtype=step.dtype("home", k_t)) if step.send else None
-        returning = (comm.exchange(grad, step.src, recv, step.dst, tag=1), step)
+        returning = (comm.exchange(grad, step.src, recv, step.dst, tag=1), s)
     _add_home(dk, dv, returning)
     return dq.finish(), dk.finish(), dv.finish()
 
 
-def received_grads(buf, folds: KeyFold, dks: list, dvs: list, dtype=torch.float32) -> torch.Tensor:
+def received_grads(buf, folds: Folds, dks: list, dvs: list, dtype=torch.float32) -> torch.Tensor:
     """``(2, R, K, E)`` in ``dtype``: the gradients of the ``R`` received K/V rows ``buf`` (a pair) from each call's
-    packed ``dks, dvs``, to be sent home (each row written by its first contribution, the others added;
-    the input dtype only where every row has one contribution, :attr:`RingStep.grad_dtype`)."""
-    grad = new_acc((2,) + tuple(buf[0].shape), buf[0], folds.fresh, dtype)
+    packed ``dks, dvs``, to be sent home, each row summed in one pass (the input dtype only where every row
+    has one contribution, :attr:`RingStep.grad_dtype`)."""
+    grad = buf[0].new_empty((2,) + tuple(buf[0].shape), dtype=dtype)
     for i, grads in enumerate((dks, dvs)):
-        for fold, g in zip(folds.steps[0], grads):
-            accumulate(grad[i], fold, g)
+        Grads(grad[i], folds, out=grad[i]).add(0, grads)
     return grad
 
 
-def _add_home(dk: KeyGrads, dv: KeyGrads, returning) -> None:
-    """Add the gradients of my rows that a peer computed (``(exchange, step)``) into their slots."""
+def _add_home(dk: Grads, dv: Grads, returning) -> None:
+    """The gradients of my rows that a peer computed at step ``s`` (``(exchange, s)``), one more partial."""
     if returning is None:
         return
-    exchange, step = returning
+    exchange, s = returning
     grad = exchange.wait()
     if grad is not None:
-        add_rows(dk.acc, step.home, grad[0])
-        add_rows(dv.acc, step.home, grad[1])
+        dk.add(s, [grad[0]])
+        dv.add(s, [grad[1]])
 
 
 def _steps(ctx: CPContext, batch: int, device) -> RingPlan:

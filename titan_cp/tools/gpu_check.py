@@ -355,7 +355,6 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
     ``out (B, H, S, E)`` in natural order, and with ``dout`` also ``(dq, dk, dv)``.
     """
     from titan_cp.attention import fold  # noqa: PLC0415 - the engine
-    from titan_cp.attention.fused import add_rows  # noqa: PLC0415
     from titan_cp.attention.mask_plans import Mask, head_major, kernel_mask, token_major  # noqa: PLC0415
     from titan_cp.attention.ring import received_grads, ring_steps  # noqa: PLC0415
 
@@ -393,16 +392,16 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
         return out
     dos = shards(dout)
     dq = [fold.Grads(qs[r], rings[r].folds) for r in range(n)]
-    dkv = [[fold.KeyGrads.of(kv[r][j], rings[r].keys) for j in (0, 1)] for r in range(n)]
-    for r in range(n):  # every rank's own step first: its key gradients are written before any arrive
+    dkv = [[fold.Grads(kv[r][j], rings[r].keys) for j in (0, 1)] for r in range(n)]
+    for r in range(n):  # every rank's own step first: a plan's steps are added in order
         dqs, dks, dvs = fold.attend_backward(
             dos[r], qs[r], kv[r][0], kv[r][1], outs[r], lses[r], rings[r].steps[0].index, kernel, scale
         )
         dq[r].add(0, dqs)
-        dkv[r][0].add(0, rings[r].keys.steps[0], dks)
-        dkv[r][1].add(0, rings[r].keys.steps[0], dvs)
-    for r in range(n):
-        for i in range(1, n):
+        dkv[r][0].add(0, dks)
+        dkv[r][1].add(0, dvs)
+    for i in range(1, n):
+        for r in range(n):
             buf, step = received(kv, r, i), rings[r].steps[i]
             if buf is None:
                 continue
@@ -410,12 +409,10 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
                 dos[r], qs[r], buf[0], buf[1], outs[r], lses[r], step.index, kernel, scale
             )
             dq[r].add(i, dqs)
-            grad = received_grads(
-                buf, step.grads, dks, dvs, step.dtype("grad", buf[0])
-            )  # the rows received, home to their owner's slots
+            grad = received_grads(buf, step.grads, dks, dvs, step.dtype("grad", buf[0]))  # home to the owner
             src = (r - i) % n
             for j in (0, 1):
-                add_rows(dkv[src][j].acc, rings[src].steps[i].home, grad[j])
+                dkv[src][j].add(i, [grad[j]])
     grads = [unshard([g.finish() for g in dq], q.dtype)]
     grads += [unshard([dkv[r][j].finish() for r in range(n)], x.dtype) for j, x in ((0, k), (1, v))]
     return out, tuple(grads)

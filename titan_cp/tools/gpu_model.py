@@ -33,8 +33,8 @@ device, as ``gpu_check``'s simulated ring measures it::
     result        single-segment rows written into the result (input dtype)
     merge         the forward's merges: each group of steps' partials merged at once (log-sum-exp) into
                   the result or fp32 slots
-    grad_acc      gradients summed per group of steps into the result or fp32 slots, key gradients
-                  accumulated in fp32 slots and written out
+    grad_acc      gradients summed per group of steps into the result, fp32 slots or the buffers
+                  sent home
     buffers       K/V stacked, taken and copied for sending; receive and gradient-return buffers
     sinks         attention sinks folded in
 """
@@ -102,8 +102,8 @@ _KINDS = {
     "layout": "layout", "allgather.AllGather.forward": "buffers", "allgather.AllGather.backward": "buffers",
     "mask_plans.Rows.take": "repack", "fold.attend": "repack", "fold.attend_backward": "repack",
     "fold.Results.__init__": "merge", "fold.Results.finish": "merge", "merge": "merge", "fused.merge_into": "merge",
-    "fold.KeyGrads": "grad_acc", "fold.Grads": "grad_acc", "ring._add_home": "grad_acc", "ring.ring_backward": "grad_acc",
-    "fold.accumulate": "grad_acc", "fold.new_acc": "grad_acc", "ring.received_grads": "grad_acc",
+    "fold.Grads": "grad_acc", "ring._add_home": "grad_acc", "ring.ring_backward": "grad_acc",
+    "ring.received_grads": "grad_acc",
     "ring._post_kv": "buffers", "ring.ring_forward": "buffers", "comm": "buffers", "ring._KV": "buffers",
     "mask_plans.Rows.take_into": "buffers",
 }  # fmt: skip
@@ -114,7 +114,7 @@ def traffic_kind(site: str, op: str) -> str:
     (:attr:`~titan_cp.tools.fake_cuda.RankTrace.sites`): the longest matching site prefix decides."""
     if site == "fold.Results.fold":
         return {"index_copy": "result"}.get(op, "merge")
-    if site in ("fold.KeyGrads.add", "fold.Grads.add") and op == "index_copy":
+    if site == "fold.Grads.add" and op == "index_copy":
         return "result"
     if site.startswith("ring.ring_backward") and op in ("stack", "clone"):
         return "buffers"
