@@ -203,9 +203,10 @@ def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device,
 
 
 # ---------------------------------------------------------------------------- results
-def _adoptable(out: torch.Tensor, like: torch.Tensor) -> bool:
-    """Whether a kernel's packed output can serve as the result buffer itself (dense, same shape and dtype)."""
-    return out.is_contiguous() and out.shape == like.shape and out.dtype == like.dtype
+def _adoptable(out: torch.Tensor, like: torch.Tensor, dtype=None) -> bool:
+    """Whether a kernel's packed output can serve as the result buffer itself (dense, ``like``'s shape, and
+    ``dtype``, by default ``like``'s)."""
+    return out.is_contiguous() and out.shape == like.shape and out.dtype == (dtype or like.dtype)
 
 
 class Results:
@@ -266,12 +267,13 @@ class Results:
 
 class Grads:
     """A gradient being built on the plan of :class:`Folds` (module docstring; the queries', or the keys' of
-    one all-gather step), into ``out`` if given (e.g. an fp32 buffer to send): final rows copied
+    one all-gather step), into ``out`` if given (e.g. an fp32 buffer to send), in ``dtype`` (by default
+    ``like``'s): final rows copied
     once (input dtype), the others summed per group of steps, straight into the result where the group
     brings their last contributions; the ``adopt`` call's packed gradient is taken as the result."""
 
-    def __init__(self, like: torch.Tensor, folds: Folds, out: torch.Tensor | None = None):
-        self.like, self.folds = like, folds
+    def __init__(self, like: torch.Tensor, folds: Folds, out: torch.Tensor | None = None, dtype=None):
+        self.like, self.folds, self.dtype = like, folds, dtype or like.dtype
         self.final: torch.Tensor | None = out  # where to write the gradient (``None``: a new tensor or adopted)
         self.acc = torch.empty((folds.slots,) + tuple(like.shape[1:]), dtype=torch.float32, device=like.device)
         self._pending: dict[tuple[int, int], torch.Tensor] = {}
@@ -279,7 +281,7 @@ class Grads:
     def add(self, step: int, grads: list[torch.Tensor]) -> None:
         """Step ``step``'s packed gradient of each call in."""
         for c, (final, grad) in enumerate(zip(self.folds.final[step], grads)):
-            if self.folds.adopt == (step, c) and self.final is None and _adoptable(grad, self.like):
+            if self.folds.adopt == (step, c) and self.final is None and _adoptable(grad, self.like, self.dtype):
                 self.final = grad
             elif final is not None:
                 self._alloc()
@@ -302,7 +304,7 @@ class Grads:
 
     def _alloc(self) -> None:
         if self.final is None:
-            self.final = self.like.new_empty(self.like.shape)
+            self.final = self.like.new_empty(self.like.shape, dtype=self.dtype)
 
     def finish(self) -> torch.Tensor:
         self._alloc()

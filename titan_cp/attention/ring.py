@@ -234,21 +234,27 @@ def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kern
             dq.add(s, dqs)
             grad = received_grads(buf, step.grads, dks, dvs, step.dtype("grad", buf[0]))
         _add_home(dk, dv, returning)
-        shape = (2, len(step.send)) + tuple(k_t.shape[1:]) if step.send else None
-        recv = k_t.new_empty(shape, dtype=step.dtype("home", k_t)) if step.send else None
+        recv = None
+        if step.send:  # dK and dV of my rows that dst read, two messages
+            home = k_t.new_empty((2, len(step.send)) + tuple(k_t.shape[1:]), dtype=step.dtype("home", k_t))
+            recv = (home[0], home[1])
         returning = (comm.exchange(grad, step.src, recv, step.dst, tag=1), s)
     _add_home(dk, dv, returning)
     return dq.finish(), dk.finish(), dv.finish()
 
 
-def received_grads(buf, folds: Folds, dks: list, dvs: list, dtype=torch.float32) -> torch.Tensor:
-    """``(2, R, K, E)`` in ``dtype``: the gradients of the ``R`` received K/V rows ``buf`` (a pair) from each call's
-    packed ``dks, dvs``, to be sent home, each row summed in one pass (the input dtype only where every row
-    has one contribution, :attr:`RingStep.grad_dtype`)."""
-    grad = buf[0].new_empty((2,) + tuple(buf[0].shape), dtype=dtype)
-    for i, grads in enumerate((dks, dvs)):
-        Grads(grad[i], folds, out=grad[i]).add(0, grads)
-    return grad
+def received_grads(buf, folds: Folds, dks: list, dvs: list, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dK, dV)``, each ``(R, K, E)`` in ``dtype``: the gradients of the ``R`` received K/V rows ``buf`` (a
+    pair) from each call's packed ``dks, dvs``, to be sent home, each row summed in one pass (the input
+    dtype only where every row has one contribution, :attr:`RingStep.grad_dtype`; then a call whose packed
+    keys are the received rows in order is sent as it is)."""
+    return tuple(_grads_of(buf[i], folds, grads, dtype) for i, grads in enumerate((dks, dvs)))
+
+
+def _grads_of(like: torch.Tensor, folds: Folds, grads: list, dtype) -> torch.Tensor:
+    g = Grads(like, folds, dtype=dtype)
+    g.add(0, grads)
+    return g.finish()
 
 
 def _add_home(dk: Grads, dv: Grads, returning) -> None:
