@@ -52,7 +52,7 @@ from titan_cp import SequenceLayout, cp_attention
 from titan_cp.attention import STRATEGIES, cp_rank, get_strategy, min_bytes_per_rank
 from titan_cp.attention.comm import count_comm
 from titan_cp.data.row_mixes import lognormal_doc_lens
-from titan_cp.testing import DistPool, cp_mesh
+from titan_cp.testing import DistPool, strategy_mesh
 from titan_cp.tools.gpu_model import model_records
 from titan_cp.tools.host import host_layer
 
@@ -61,7 +61,7 @@ def _run(rank, world, args: dict, case: str, strategy: str):
     import torch.distributed as dist
 
     ulysses = min(args["hybrid_ulysses"], world) if get_strategy(strategy).takes_ulysses_degree() else 1
-    mesh = cp_mesh(strategy, world, ulysses)
+    mesh = strategy_mesh(strategy, world, ulysses)
     r = cp_rank(mesh, strategy)
     seq, docs = args["seq_len"], None
     if case == "docs":
