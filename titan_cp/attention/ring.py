@@ -1,8 +1,8 @@
 """Ring attention: each rank attends its own queries while the K/V it needs arrive, one peer per step.
 
 Step ``s`` of ``N``: rank ``r`` holds what it needs of the K/V of rank ``r - s`` (its own at step
-0), received directly from that rank, and folds its attention into fp32 accumulators
-(log-sum-exp merge); meanwhile the next step's K/V are already on their way (double buffering:
+0), received directly from that rank, and folds its attention into the results (log-sum-exp
+merges, a group of steps at a time: :mod:`titan_cp.attention.fold`); meanwhile the next step's K/V are already on their way (double buffering:
 the buffer being read and the one arriving are different tensors), so the transfer hides behind
 the computation::
 

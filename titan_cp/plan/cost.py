@@ -68,7 +68,9 @@ class RingImpl:
 
 # titan_cp's ring: per step one vectorised log-sum-exp merge of the block into fp32 accumulators
 # (read acc 4 + write 4 + read the block's output 2); the backward scatter-adds dq into fp32
-# (10) and dK, dV into fp32 accumulators (10 each per K element); K/V at their own heads.
+# (10) and dK, dV into fp32 accumulators (10 each per K element); K/V at their own heads. An upper
+# bound: the engine merges a group of steps at once where the memory allows (titan_cp.attention.fold:
+# 2 per element per step and one write where a group holds all of a row's steps).
 # Only the K/V rows another rank can see travel (needed_only), and a step's merge touches only
 # the query rows its plan reaches (the merge bytes scale with those rows).
 TITAN_CP_RING = RingImpl("titan_cp", needed_only=True)
