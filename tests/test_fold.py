@@ -77,3 +77,37 @@ def test_group_merges_match_one_merge_of_every_partial(seed, budget):
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dq.finish().double(), want_dq, atol=1e-5, rtol=1e-5)
     assert bool((out[-2:] == 0).all()) and bool(torch.isneginf(lse[:, -2:]).all())  # rows no call reaches
+
+
+@pytest.mark.parametrize("mean,seed,ranks", [(1024, 23, 4), (4096, 11, 4), (16384, 11, 2)])
+def test_groups_hold_no_more_than_a_merge_per_step(mean, seed, ranks):
+    """On every rank's ring plan (CP 8, 131072 tokens of log-normal documents under doc_local): the partials
+    a group keeps and its fp32 slots never exceed what a merge per step held (one step's packed output, the
+    adopted one aside, and an fp32 slot, two rows' bytes, for every row reached twice or more) by more than
+    a quarter of the query buffer; and on ``ranks`` ranks or more some merged rows need no fp32 slot at all
+    (fewer of them with documents long enough to span most ranks)."""
+    from titan_cp.attention.mask_plans import CAUSAL
+    from titan_cp.attention.ring import ring_steps
+    from titan_cp.data.row_mixes import lognormal_doc_lens
+    from titan_cp.layout import get_layout
+
+    layout = get_layout(131072, 8, "doc_local", [lognormal_doc_lens(131072, mean, seed=seed, sigma=1.5)])
+    fewer = 0
+    for r in range(8):
+        ring = ring_steps(layout, r, 8, lambda i: (i,), CAUSAL, 1, torch.device("cpu"))
+        for dests, folds in [([st.plan.q_dest(1) for st in ring.steps], ring.folds)]:
+            count = torch.zeros(layout.local_len, dtype=torch.int64)
+            for d in (d for ds in dests for d in ds):
+                count += torch.bincount(d, minlength=layout.local_len)
+            merging = int((count > 1).sum())
+            whole = [(s, c) for s, ds in enumerate(dests) for c, d in enumerate(ds) if len(d) == len(count)]
+            adopted = (
+                whole[0]
+                if whole and bool((dests[whole[0][0]][whole[0][1]] == torch.arange(len(count))).all())
+                else None
+            )
+            step_out = max(sum(len(d) for c, d in enumerate(ds) if (s, c) != adopted) for s, ds in enumerate(dests))
+            per_step = 2 * merging + step_out
+            assert folds.peak_rows <= per_step + layout.local_len // 4, (r, folds.peak_rows, per_step)
+            fewer += folds.slots < merging
+    assert fewer >= ranks

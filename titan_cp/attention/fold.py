@@ -14,8 +14,8 @@ Where its results go is planned once per microbatch over all the steps of a stra
 (:func:`make_folds`). A row that exactly one segment of one step reaches (a query of a document
 whole on its rank) is *final*: the kernel's output and lse are written into the result, in the
 input dtype, and never touch fp32. The other rows merge: the steps are taken in *groups* of
-consecutive steps, as large as keep the memory held no higher than a merge per step held (one
-step's output and an fp32 slot for every merged row); the group's packed
+consecutive steps, as large as hold at most a quarter of the query buffer more than a merge per
+step held (one step's output and an fp32 slot for every merged row); the group's packed
 partials are kept until its last step and merged then in one operation (fused on CUDA,
 :mod:`titan_cp.attention.fused`), each row read once per partial and written once: straight into
 the result where the group brings a row's last contributions, else into an fp32 accumulator slot
@@ -84,6 +84,7 @@ class Folds:
     slots: int
     adopt: tuple[int, int] | None = None
     unseen: torch.Tensor | None = None
+    peak_rows: int = 0  # the most rows held at once: kept partials, and two for each fp32 slot
 
 
 def _part(src: torch.Tensor, dst: torch.Tensor, n: int, device) -> Part | None:
@@ -150,24 +151,35 @@ def _reach(dests, groups, single, size: int) -> tuple[torch.Tensor, torch.Tensor
     return first, last
 
 
-def _plan_groups(dests, single, count, size: int, budget: int | None):
-    """``(groups, first, last, again)``: the largest groups whose memory stays within a merge per step's.
+HELD_EXTRA = 0.25  # the rows a group may hold beyond a merge per step's, as a share of the query buffer
 
-    A group holds its kept calls' packed outputs (bf16, every row of each) and the fp32 slots of the
-    rows a later group reaches again (two bf16 rows each); a merge per step held one step's output and
-    a slot for every row that merges. Budgets (packed rows a group holds) are tried from all steps at
-    once down to one step a group, and the first whose peak is no higher is kept (``budget``: that one)."""
-    held = [sum(len(d) for d in ds if _at(~single, d).any()) for ds in dests]
-    old_peak = 2 * int(((~single) & (count > 0)).sum()) + max((sum(len(d) for d in ds) for ds in dests), default=0)
-    tries = [budget] if budget is not None else [sum(held), 4 * size, 2 * size, size, size // 2, 1]
-    for b in tries:
+
+def _plan_groups(dests, single, count, size: int, budget: int | None):
+    """``(groups, first, last, again, peak)``: the largest groups whose memory stays within a merge per
+    step's.
+
+    A group holds its kept calls' packed outputs (every row of each; the adopted call's output is the
+    result, nothing more) and the fp32 slots of the rows a later group reaches again (two rows' bytes
+    each); a merge per step held one step's output and a slot for every row that merges. Budgets (packed
+    rows a group holds) are tried from all steps at once down to one step a group (never more than a
+    merge per step), and the first whose ``peak`` (in rows) is at most :data:`HELD_EXTRA` of the buffer
+    above a merge per step's is kept; ``budget``: that one."""
+    adopt = _whole_call(dests, size)  # that call's output is the result itself: it costs nothing held
+
+    def rows(s: int, c: int, d: torch.Tensor) -> int:
+        return 0 if (s, c) == adopt else len(d)
+
+    held = [sum(rows(s, c, d) for c, d in enumerate(ds) if _at(~single, d).any()) for s, ds in enumerate(dests)]
+    step_out = max((sum(rows(s, c, d) for c, d in enumerate(ds)) for s, ds in enumerate(dests)), default=0)
+    old_peak = 2 * int(((~single) & (count > 0)).sum()) + step_out
+    for b in [budget] if budget is not None else [sum(held), 4 * size, 2 * size, size, size // 2, 1]:
         groups = _groups(held, max(1, b))
         first, last = _reach(dests, groups, single, size)
         again = (~single) & (count > 0) & (first < last)  # rows a later group reaches again: a slot each
         peak = 2 * int(again.sum()) + max(sum(held[s] for s in g) for g in groups)
-        if peak <= old_peak or b == tries[-1]:
-            return groups, first, last, again
-    raise AssertionError("unreachable")
+        if peak <= old_peak + HELD_EXTRA * size:
+            break
+    return groups, first, last, again, peak
 
 
 def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device, budget: int | None = None) -> Folds:
@@ -178,7 +190,7 @@ def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device,
     for d in (d for ds in dests for d in ds):
         count += torch.bincount(d[d >= 0], minlength=size)
     single = count == 1
-    groups, first, last, again = _plan_groups(dests, single, count, size, budget)
+    groups, first, last, again, peak = _plan_groups(dests, single, count, size, budget)
     slot = torch.full((size,), -1, dtype=torch.int64)
     slot[again] = torch.arange(int(again.sum()))
     flushes: list[tuple[Flush, ...]] = [() for _ in dests]
@@ -199,7 +211,7 @@ def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device,
     kept = tuple(tuple(bool(_at(~single, d).any()) for d in ds) for ds in dests)
     unseen = torch.nonzero(count == 0).flatten()
     unseen = to_device(unseen, device) if len(unseen) else None
-    return Folds(final, kept, tuple(flushes), int(again.sum()), _whole_call(dests, size), unseen)
+    return Folds(final, kept, tuple(flushes), int(again.sum()), _whole_call(dests, size), unseen, peak)
 
 
 # ---------------------------------------------------------------------------- results
