@@ -105,3 +105,22 @@ def test_each_update_is_one_operation():
         fused.write_rows(dst, rows, part)
     names = ["titan_cp.merge_into.default", "titan_cp.add_into.default", "titan_cp.add_rows.default"]
     assert ops.names == names + ["titan_cp.write_rows.default"]
+
+
+def test_compiled_group_updates_take_any_number_of_partials():
+    """On CUDA the group updates run compiled with ``fullgraph``, where every new list length is a new
+    variant and dynamo fails hard past its recompile limit (8): twelve different numbers of partials
+    compile into a few padded variants and equal the eager sums."""
+    g = torch.Generator().manual_seed(5)
+    acc = torch.randn(6, 3, 4, generator=g)
+    rows, prior = torch.tensor([0, 2, 5, 7]), torch.tensor([1, -1, 4, 0])
+    for n in range(1, 13):
+        grads = [torch.randn(5, 3, 4, generator=g).bfloat16() for _ in range(n)]
+        srcs = [torch.tensor([4, 1, 0]) for _ in range(n)]
+        places = [torch.tensor([1, 1, 3]) for _ in range(n)]
+        want, got = torch.zeros(9, 3, 4), torch.zeros(9, 3, 4)
+        merge.add_into_(want, rows, acc, prior, grads, srcs, places)
+        fused.compiled_call(merge.add_into_, got, rows, acc, prior, grads, srcs, places)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    args = _case(into_acc=True)
+    fused.compiled_call(merge.merge_into_, *args[:6], args[6] * 3, args[7] * 3, args[8] * 3, args[9] * 3)

@@ -38,9 +38,32 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
+RECOMPILE_LIMIT = 64  # compiled variants of one update: padded lane counts times optional arguments
+_LIST_DIMS = {merge.merge_into_: (0, 1, 0, 0), merge.add_into_: (0, 0, 0)}  # the row dim of each list's entries
+
+
+def _pad(x: list[Tensor], n: int, dim: int = 0) -> list[Tensor]:
+    """``x`` padded to ``n`` entries with empty views of its first (zero rows along ``dim``: nothing added)."""
+    return x + [x[0].narrow(dim, 0, 0)] * (n - len(x))
+
+
+def compiled_call(fn, *args) -> None:
+    """``fn(*args)`` compiled (inductor: the gathers, the arithmetic and the scatter fused). The list
+    arguments of the group updates (one entry per partial) are padded to a power of two with empty
+    entries, so one compiled variant serves every group of up to that many partials (each list length
+    is a variant of its own, and ``fullgraph`` fails hard past dynamo's recompile limit)."""
+    lists = [i for i, a in enumerate(args) if isinstance(a, list)]
+    if lists and args[lists[0]]:
+        n = 1 << (len(args[lists[0]]) - 1).bit_length()
+        dims = dict(zip(lists, _LIST_DIMS[fn]))
+        args = tuple(_pad(a, n, dims[i]) if i in dims else a for i, a in enumerate(args))
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        _compiled(fn)(*args)
+
+
 def _run(fn, *args) -> None:
-    """``fn(*args)``, compiled on CUDA (fused), eager elsewhere."""
-    (_compiled(fn) if args[0].device.type == "cuda" else fn)(*args)
+    """``fn(*args)``, compiled on CUDA (fused, :func:`compiled_call`), eager elsewhere."""
+    (compiled_call if args[0].device.type == "cuda" else lambda f, *a: f(*a))(fn, *args)
 
 
 @torch.library.custom_op("titan_cp::merge_into", mutates_args=("dst_out", "dst_lse"))
