@@ -110,12 +110,12 @@ def _at(mask: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return mask[d.clamp(min=0)] & (d >= 0)
 
 
-def _groups(merged: list[int], budget: int) -> list[list[int]]:
+def _groups(held_rows: list[int], budget: int) -> list[list[int]]:
     """Consecutive steps in groups of at most ``budget`` held packed rows (a step alone may exceed it);
     a group's merges run after its last step that has a kernel call (a strategy skips the others)."""
     groups: list[list[int]] = []
     held = 0
-    for s, n in enumerate(merged):
+    for s, n in enumerate(held_rows):
         if not groups or held + n > budget:
             groups.append([])
             held = 0
@@ -156,7 +156,7 @@ HELD_EXTRA = 0.25  # the rows a group may hold beyond a merge per step's, as a s
 
 def _plan_groups(dests, single, count, size: int, budget: int | None):
     """``(groups, first, last, again, peak)``: the largest groups whose memory stays within a merge per
-    step's.
+    step's and :data:`HELD_EXTRA`.
 
     A group holds its kept calls' packed outputs (every row of each; the adopted call's output is the
     result, nothing more) and the fp32 slots of the rows a later group reaches again (two rows' bytes
@@ -184,8 +184,8 @@ def _plan_groups(dests, single, count, size: int, budget: int | None):
 
 def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device, budget: int | None = None) -> Folds:
     """:class:`Folds` of steps whose calls' packed rows go to result rows ``dests[s][c]`` (host int64; -1: a
-    packed row whose result goes elsewhere) of ``size`` rows; a group of steps holds at most ``budget`` packed rows of its kept calls (by default the
-    most that keeps the memory of a merge per step, :func:`_plan_groups`)."""
+    packed row whose result goes elsewhere) of ``size`` rows; a group of steps holds at most ``budget``
+    packed rows of its kept calls (by default as many as :func:`_plan_groups` allows)."""
     count = torch.zeros(size, dtype=torch.int64)
     for d in (d for ds in dests for d in ds):
         count += torch.bincount(d[d >= 0], minlength=size)
