@@ -60,7 +60,6 @@ class _Fill:
         self.room, self.work = [self.capacity] * n, [0] * n
         self.share = sum(work(length) for length in doc_lens) / n
         self.pieces: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-        self.moved = 0  # tokens of split documents times the other ranks holding them
         self.docs: dict[int, list[tuple[int, int, int]]] = {}  # document start: (rank, offset, length)
 
     def give(self, r: int, start: int, length: int, offset: int) -> None:
@@ -79,7 +78,6 @@ class _Fill:
         while length:
             r = self.hungriest([r for r in range(self.n) if self.room[r]])
             m = min(length, self.room[r])
-            self.moved += m * (offset > 0)  # a later part reads the earlier ones' keys
             self.give(r, start, m, offset)
             start, offset, length = start + m, offset + m, length - m
 
@@ -122,7 +120,6 @@ def _split_over_ranks(fill: _Fill, start: int, length: int, gamma: float) -> Non
         m += 1
         ranks = sorted((r for r in range(n) if fill.room[r] >= -(-length // m)), key=lambda r: (fill.work[r], r))
     ranks = ranks[:m] if len(ranks) >= m else sorted(range(n), key=lambda r: (-fill.room[r], r))[:m]
-    fill.moved += length * (m - 1)
     for slot, offset, size in _zigzag_pieces(length, m):
         r = ranks[min(slot, 2 * m - 1 - slot)]
         take = min(size, fill.room[r])

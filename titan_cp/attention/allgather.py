@@ -137,19 +137,16 @@ class AllGather(Strategy):
         dout_t, q_t, out_t = token_major(dout), token_major(q), token_major(out)
         local = q_t.shape[0]
         dqs, dks, dvs = attend_backward(dout_t, q_t, keys[:, 0], keys[:, 1], out_t, lse, g.index, ctx.kernel, ctx.scale)
-        dq = Grads(q_t, g.folds)
-        dq.add(0, dqs)
         back = keys.new_empty((g.received, 2) + tuple(keys.shape[2:]), dtype=torch.float32)  # what goes home
         for i, grads in enumerate((dks, dvs)):
-            Grads(back[:, i], g.received_folds, out=back[:, i]).add(0, grads)
+            Grads.summed(back[:, i], g.received_folds, grads, out=back[:, i])
         home = back.new_empty((len(g.send),) + tuple(back.shape[1:]))
         if g.active:  # each peer's gradients of the rows it received go back to it
             all_to_all_uneven(back, g.recv_splits, g.send_splits, ctx.group, home)
-        dk, dv = (Grads(keys[:local, i], g.own) for i in (0, 1))
-        dk.add(0, dks + [home[:, 0]])
-        dv.add(0, dvs + [home[:, 1]])
+        dk, dv = (Grads.summed(keys[:local, i], g.own, grads + [home[:, i]]) for i, grads in enumerate((dks, dvs)))
+        dq = Grads.summed(q_t, g.folds, dqs)
         dsinks = None if ctx.sinks is None else sinks_grad(dout_t, out_t, lse, ctx.sinks)
-        return head_major(dq.finish(), batch), head_major(dk.finish(), batch), head_major(dv.finish(), batch), dsinks
+        return head_major(dq, batch), head_major(dk, batch), head_major(dv, batch), dsinks
 
     def saved_like(self, ctx: CPContext, q, k, v):
         """The key buffer's length depends on the documents (what other ranks can see): a dynamic size."""

@@ -314,6 +314,13 @@ class Grads:
         if self.folds.flushes[step]:
             self._pending.clear()
 
+    @classmethod
+    def summed(cls, like: torch.Tensor, folds: Folds, grads: list, out=None, dtype=None) -> torch.Tensor:
+        """The gradient of a one-step plan: its calls' packed ``grads`` summed, finished."""
+        g = cls(like, folds, out, dtype)
+        g.add(0, grads)
+        return g.finish()
+
     def _alloc(self) -> None:
         if self.final is None:
             self.final = self.like.new_empty(self.like.shape, dtype=self.dtype)
@@ -402,9 +409,5 @@ def plan_forward(q_t, k_t, v_t, batch: int, plan: MaskPlan, kernel: AttentionKer
 def plan_backward(dout_t, q_t, k_t, v_t, out_t, lse, batch: int, plan: MaskPlan, kernel: AttentionKernel, scale):
     """``(dq_t, dk_t, dv_t)`` in the input dtype for :func:`plan_forward`."""
     index, folds, key_folds = single_step(plan, batch, q_t.device)
-    dq, dk, dv = Grads(q_t, folds), Grads(k_t, key_folds), Grads(v_t, key_folds)
     dqs, dks, dvs = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, index, kernel, scale)
-    dq.add(0, dqs)
-    dk.add(0, dks)
-    dv.add(0, dvs)
-    return dq.finish(), dk.finish(), dv.finish()
+    return Grads.summed(q_t, folds, dqs), Grads.summed(k_t, key_folds, dks), Grads.summed(v_t, key_folds, dvs)

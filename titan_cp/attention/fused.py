@@ -63,7 +63,10 @@ def compiled_call(fn, *args) -> None:
 
 def _run(fn, *args) -> None:
     """``fn(*args)``, compiled on CUDA (fused, :func:`compiled_call`), eager elsewhere."""
-    (compiled_call if args[0].device.type == "cuda" else lambda f, *a: f(*a))(fn, *args)
+    if args[0].device.type == "cuda":
+        compiled_call(fn, *args)
+    else:
+        fn(*args)
 
 
 @torch.library.custom_op("titan_cp::merge_into", mutates_args=("dst_out", "dst_lse"))

@@ -185,13 +185,15 @@ def _post_kv(comm: PeerComm | None, kv: _KV, ring: RingPlan, s: int):
     if s >= len(ring):
         return NOTHING
     step = ring.steps[s]
-    k_t = kv.k_t
     send = None if step.send is None else kv.message(step.send)
-    recv = None
-    if step.recv:
-        buf = k_t.new_empty((2, step.recv) + tuple(k_t.shape[1:]))
-        recv = (buf[0], buf[1])
+    recv = _pair(kv.k_t, step.recv) if step.recv else None
     return comm.exchange(send, step.dst, recv, step.src, tag=0)
+
+
+def _pair(like: torch.Tensor, rows: int, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two empty ``(rows, K, E)`` buffers (K's and V's) in one allocation, to receive a pair into."""
+    buf = like.new_empty((2, rows) + tuple(like.shape[1:]), dtype=dtype)
+    return buf[0], buf[1]
 
 
 def ring_forward(q_t, k_t, v_t, group, ring: RingPlan, kernel, scale: float, sinks=None):
@@ -234,10 +236,7 @@ def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kern
             dq.add(s, dqs)
             grad = received_grads(buf, step.grads, dks, dvs, step.dtype("grad", buf[0]))
         _add_home(dk, dv, returning)
-        recv = None
-        if step.send:  # dK and dV of my rows that dst read, two messages
-            home = k_t.new_empty((2, len(step.send)) + tuple(k_t.shape[1:]), dtype=step.dtype("home", k_t))
-            recv = (home[0], home[1])
+        recv = _pair(k_t, len(step.send), step.dtype("home", k_t)) if step.send else None  # dK, dV dst read
         returning = (comm.exchange(grad, step.src, recv, step.dst, tag=1), s)
     _add_home(dk, dv, returning)
     return dq.finish(), dk.finish(), dv.finish()
@@ -248,13 +247,7 @@ def received_grads(buf, folds: Folds, dks: list, dvs: list, dtype=torch.float32)
     pair) from each call's packed ``dks, dvs``, to be sent home, each row summed in one pass (the input
     dtype only where every row has one contribution, :attr:`RingStep.grad_dtype`; then a call whose packed
     keys are the received rows in order is sent as it is)."""
-    return tuple(_grads_of(buf[i], folds, grads, dtype) for i, grads in enumerate((dks, dvs)))
-
-
-def _grads_of(like: torch.Tensor, folds: Folds, grads: list, dtype) -> torch.Tensor:
-    g = Grads(like, folds, dtype=dtype)
-    g.add(0, grads)
-    return g.finish()
+    return tuple(Grads.summed(buf[i], folds, grads, dtype=dtype) for i, grads in enumerate((dks, dvs)))
 
 
 def _add_home(dk: Grads, dv: Grads, returning) -> None:

@@ -421,17 +421,17 @@ def _gathered_bytes(name: str, args) -> int:
     """Bytes of the engine's group merges (``merge_into``, ``add_into``): the packed rows of each partial
     read once (with their lse), each earlier partial's row read once, each destination row written once."""
     if name == "merge_into":
-        dst_out, dst_lse, dst_rows, acc_out, acc_lse, prior, outs, lses, srcs, _ = args
-        acc_out, acc_lse = (dst_out, dst_lse) if acc_out is None else (acc_out, acc_lse)
-        parts = sum(_rows_of(o, 0, i.numel()) + _rows_of(lse, 1, i.numel()) for o, lse, i in zip(outs, lses, srcs))
-        held = 0 if prior is None else _rows_of(acc_out, 0, prior.numel()) + _rows_of(acc_lse, 1, prior.numel())
-        written = _rows_of(dst_out, 0, dst_rows.numel()) + _rows_of(dst_lse, 1, dst_rows.numel())
-        return parts + held + written + sum(map(_nbytes, [dst_rows, prior, *srcs, *args[9]]))
-    dst, dst_rows, acc, prior, grads, srcs, places = args
-    acc = dst if acc is None else acc
-    parts = sum(_rows_of(g, 0, i.numel()) for g, i in zip(grads, srcs))
-    held = 0 if prior is None else _rows_of(acc, 0, prior.numel())
-    return parts + held + _rows_of(dst, 0, dst_rows.numel()) + sum(map(_nbytes, [dst_rows, prior, *srcs, *places]))
+        dst_out, dst_lse, dst_rows, acc_out, acc_lse, prior, outs, lses, srcs, places = args
+        dst, acc, parts = [(dst_out, 0), (dst_lse, 1)], [(acc_out, 0), (acc_lse, 1)], zip(outs, lses)
+        parts = [[(o, 0), (lse, 1)] for o, lse in parts]
+    else:
+        dst_out, dst_rows, acc_out, prior, grads, srcs, places = args
+        dst, acc, parts = [(dst_out, 0)], [(acc_out, 0)], [[(g, 0)] for g in grads]
+    acc = dst if acc_out is None else acc  # an earlier partial held in the destination itself
+    read = sum(_rows_of(t, d, i.numel()) for lane, i in zip(parts, srcs) for t, d in lane)
+    held = 0 if prior is None else sum(_rows_of(t, d, prior.numel()) for t, d in acc)
+    written = sum(_rows_of(t, d, dst_rows.numel()) for t, d in dst)
+    return read + held + written + sum(map(_nbytes, [dst_rows, prior, *srcs, *places]))
 
 
 def op_bytes(func, args, kwargs, out) -> int:
