@@ -19,12 +19,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_cp.attention.mask_plans import CAUSAL
+from titan_cp.attention.mask_plans import CAUSAL, Mask, make_plan
 from titan_cp.attention.ring import ring_steps
 from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.layout import get_layout
 from titan_cp.tools.fake_cuda import simulate
-from titan_cp.tools.gpu_model import model_rows, predict, predict_row
+from titan_cp.tools.gpu_model import ModelRow, model_rows, predict, predict_row
 
 SEQ, CP, HEADS, KV_HEADS, DIM = 131072, 8, 32, 8, 128
 
@@ -142,3 +142,17 @@ def test_gradients_of_rows_read_once_travel_in_the_input_dtype(balance, docs):
     # bytes the ring sent when every gradient went home in fp32 (0.111 GB and 1.409 GB): a sixth less now
     before = {"doc_local": 110_829_568, "zigzag": 1_409_286_144}[balance]
     assert _sent("ring", balance, docs) <= 0.85 * before
+
+
+def test_a_window_over_documents_held_in_two_pieces_reads_its_rows_in_place():
+    """A rank holding two pieces of one document sees, at a 4,096 window's edge, an upper tile of the later
+    piece on the earlier: it goes in a call of its own, and the rest of the step's causal tiles cover the
+    shard once, in order, read as a view (before: one call gathering every row, 0.881 of the kernel's
+    limit on this draw)."""
+    docs = (tuple(lognormal_doc_lens(SEQ, 1024, seed=4, sigma=1.0)),)
+    layout = get_layout(SEQ, CP, "doc_local", [list(docs[0])])
+    calls = make_plan(layout, (3,), (3,), Mask(True, 4096, None, native_window=True)).host_calls(1)
+    assert [c.causal for c in calls] == [True, True]
+    assert torch.equal(calls[0].q_rows, torch.arange(SEQ // CP)) and any(c.q_rows.numel() < 1000 for c in calls)
+    record = predict_row(ModelRow("window_4096_docs_1k", docs, "doc_local", 4096, ("ring",), 0.90), "ring")
+    assert record["efficiency"] >= 0.90, record
