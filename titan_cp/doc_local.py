@@ -24,8 +24,9 @@ split pieces move, in pairs of work (:data:`MERGE_PAIRS` per query token merged 
 rank's results, :data:`SEND_PAIRS` per key token sent to one more rank); the last beta, 0, splits
 every document over all ranks as ``doc_zigzag`` does.
 Within a rank, whole documents come first and the pieces of split ones after them, so what other
-ranks see of a rank, and the rows whose results merge, are one span of its buffer. One document longer than a rank is split over all ranks: on one
-document the layout is ``zigzag`` and sends what it sends.
+ranks see of a rank, and the rows whose results merge, are one span of its buffer. One document
+longer than a rank is split over all ranks: on one document the layout is ``zigzag`` and sends
+what it sends.
 """
 
 from __future__ import annotations

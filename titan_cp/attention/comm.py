@@ -80,9 +80,9 @@ class PeerComm:
     """Point-to-point transport between the ranks of ``group``.
 
     ``exchange(send, dst, recv, src)`` posts ``isend(send -> dst)`` and ``irecv(src -> recv)``
-    (an empty buffer of the expected shape) together and returns at once (a message may be a tuple of
-    tensors, e.g. K rows and V rows as views where they lie, sent and received in order); computation proceeds while the
-    transfer is in flight, and ``Exchange.wait()`` hands over the received buffer (double
+    (an empty buffer of the expected shape) together and returns at once (a message may be a tuple
+    of tensors, e.g. K rows and V rows as views where they lie, sent and received in order);
+    computation proceeds while the transfer is in flight, and ``Exchange.wait()`` hands over the received buffer (double
     buffering: the buffer in use and the one arriving are different tensors). Either side may be
     absent (``send=None``, ``recv=None``): what to send and receive is known on both ends
     from the layout, so no size is ever exchanged. ``tag`` keeps two concurrent streams (K/V and

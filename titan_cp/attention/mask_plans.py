@@ -13,8 +13,8 @@ microbatch reuses it); :meth:`MaskPlan.index` turns it, once per device, into a
 :class:`PlanIndex` of device-resident index tensors: one variable-length kernel call per causal
 flag (a plan of full tiles only whose query rows are two consecutive groups takes two, each read
 as a view; a plan of causal tiles only that cover the query rows once in order but for a few takes
-two, those read as a view and the few gathered), its segments in query order, the packed rows to gather for it, and the
-accumulator row of each packed output row. An *upper* tile (keys ``j >= i``, at a window's edge)
+two, those read as a view and the few gathered), its segments in query order, the packed rows to
+gather for it, and the accumulator row of each packed output row. An *upper* tile (keys ``j >= i``, at a window's edge)
 joins the causal call with its rows and keys gathered in reverse order, where it is a causal
 square; a *windowed* tile (for a kernel that takes the window) carries the window to its call.
 

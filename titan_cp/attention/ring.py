@@ -2,9 +2,9 @@
 
 Step ``s`` of ``N``: rank ``r`` holds what it needs of the K/V of rank ``r - s`` (its own at step
 0), received directly from that rank, and folds its attention into the results (log-sum-exp
-merges, a group of steps at a time: :mod:`titan_cp.attention.fold`); meanwhile the next step's K/V are already on their way (double buffering:
-the buffer being read and the one arriving are different tensors), so the transfer hides behind
-the computation::
+merges, a group of steps at a time: :mod:`titan_cp.attention.fold`); meanwhile the next step's
+K/V are already on their way (double buffering: the buffer being read and the one arriving are
+different tensors), so the transfer hides behind the computation::
 
     forward    out_r = merge_s attn(q_r, kv_{r-s}[need(r, r-s)])    and sends kv_r[need(r+s, r)] to r+s
     backward   dq_r  = sum_s dattn_q(q_r, kv_{r-s}[need(r, r-s)])    the same K/V sent again

@@ -222,7 +222,8 @@ class ActivationCheckpoint(Section, name="activation_checkpoint"):
     """Blocks per checkpoint unit: one stored input per k blocks, each block checkpointed again inside
     the unit, so its recomputation keeps k block inputs and one block's activations at a time
     (``titan_cp.parallel.units``; one more forward of k - 1 blocks per unit); divides the stored
-    inputs (and host bytes with ``cpu_offload``) by k. k > 1 needs ``mode = "full"`` (or ``selective_ac_option = "op"``)."""
+    inputs (and host bytes with ``cpu_offload``) by k. k > 1 needs ``mode = "full"`` (or
+    ``selective_ac_option = "op"``)."""
 
     tile_tokens: Annotated[int, AtLeast(0)] = 0
     """Run each block's feed-forward over tiles of this many local tokens, recomputed tile by tile

@@ -19,8 +19,8 @@ The config, the preflight checks, the trainer and generation never compare a fam
 
 ``shapes`` is what the trainer's metrics and the planner ask of a model's size
 (``training_flops``, ``n_layers``, ``n_heads``, ``head_dim``): the Llama's ``ModelArgs``, or
-``HFModelArgs`` read from a Hugging Face model (the planner's: ``HFShapes`` from ``config.json``). The job config arrives as the object
-``load_config`` returns (this package sits below ``titan_cp.config`` and does not import it).
+``HFModelArgs`` read from a Hugging Face model (the planner's: ``HFShapes`` from ``config.json``).
+The job config arrives as the object ``load_config`` returns (this package sits below ``titan_cp.config`` and does not import it).
 
 A third family is one subclass and one :func:`register_family` call.
 """

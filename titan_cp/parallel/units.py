@@ -2,8 +2,9 @@
 
 A unit of k blocks ``b_0 .. b_{k-1}`` keeps one stored input (``b_0``'s arguments) and recomputes
 all k blocks in the backward: the stored inputs are divided by k, one recomputation holds k
-block inputs and one block's activations (below). The blocks stay where they are (in ``model.layers``, under their own names:
-the state dict, FSDP units and weight init are untouched); the unit is made of forward hooks, as
+block inputs and one block's activations (below). The blocks stay where they are (in
+``model.layers``, under their own names: the state dict, FSDP units and weight init are
+untouched); the unit is made of forward hooks, as
 PyTorch's composable ``checkpoint`` (``torch.distributed._composable``) is, on the same
 non-reentrant checkpoint generator (``torch.utils.checkpoint``):
 
