@@ -15,6 +15,9 @@ from hypothesis import strategies as st
 from tests.dist_utils import cp_mesh, make_inputs, max_errors, run_case
 from titan_cp import SequenceLayout, cp_attention
 from titan_cp.attention import cp_rank
+from titan_cp.attention.mask_plans import CAUSAL, Mask
+from titan_cp.attention.ring import merged_query_rows
+from titan_cp.attention.ulysses import stays_home
 
 SEQ = 48
 TOL = 5e-5
@@ -130,3 +133,60 @@ def test_no_leakage_across_documents(dist_pools, strategy, world, ulysses, balan
         assert moved == [0.0, 0.0, 0.0, 0.0], moved  # bit-identical outside the perturbed document
         any_changed |= min(changed) > 0
     assert any_changed  # and the perturbation did reach the document it touched
+
+
+# ---------------------------------------------------------------------------- head exchanges with documents
+HEAD_EXCHANGES = [("ulysses", 1, 1), ("ulysses", 2, 1), ("ulysses", 3, 1), ("ulysses", 4, 1), ("hybrid", 2, 2)]
+HEAD_EXCHANGES += [("hybrid", 3, 1), ("hybrid", 4, 2)]
+SCHEDULE_CASES = [  # (doc rows, balance, mask): short documents, one spanning the row, two rows, masks
+    ([[5, 17, 3, 9, 14]], "doc_local", dict(causal=True, sinks=True)),
+    ([[48]], "zigzag", dict(causal=True)),
+    ([[30, 18], [7, 7, 34]], "doc_zigzag", dict(causal=False)),
+    ([[20, 28]], "doc_local", dict(causal=True, window=6)),
+    ([[48]], "doc_local", dict(causal=True, chunk=10, sinks=True)),
+]
+
+
+def _schedules(rank, world, strategy, ulysses, home_merges):
+    """Every case under ``HOME_MERGES = home_merges`` (-1: the head exchange always, inf: the ring's
+    schedule always, None: as the layout decides); the schedule each took, and the errors."""
+    from titan_cp.attention import ulysses as module
+
+    saved = module.HOME_MERGES
+    if home_merges is not None:
+        module.HOME_MERGES = home_merges
+    try:
+        heads, kv_heads = HEADS[world]
+        results = []
+        for i, (rows, balance, mask) in enumerate(SCHEDULE_CASES):
+            case = dict(strategy=strategy, ulysses=ulysses, seq=SEQ, batch=len(rows), heads=heads, kv_heads=kv_heads)
+            case.update(balance=balance, doc_lens=rows, seed=i, **mask)
+            layout = SequenceLayout(SEQ, world, balance, rows)
+            plan_mask = Mask(mask["causal"], mask.get("window"), mask.get("chunk"))
+            results.append((module.stays_home(layout, plan_mask, len(rows)), max_errors(*run_case(case, world))))
+        return results
+    finally:
+        module.HOME_MERGES = saved
+
+
+@pytest.mark.parametrize("strategy,world,ulysses", HEAD_EXCHANGES)
+def test_head_exchanges_with_documents_match_the_reference_on_either_schedule(dist_pools, strategy, world, ulysses):
+    """Ulysses and hybrid with documents run the ring's schedule where documents stay home and exchange
+    heads elsewhere (keeping only a ring's tensors, the head shards sent again in the backward): each
+    schedule, forced and as the layout chooses, matches the fp64 reference, forward and every gradient
+    (the sinks' included), on short documents, one spanning the row, two rows, windows and chunks."""
+    for home_merges, expect in ((-1.0, False), (float("inf"), True), (None, None)):
+        for results in dist_pools.run(world, _schedules, strategy, ulysses, home_merges):
+            for (home, errs), case in zip(results, SCHEDULE_CASES):
+                assert all(e <= TOL for e in errs.values()), (home_merges, case, errs)
+                assert expect is None or home == expect, (home_merges, case)
+
+
+def test_the_layout_chooses_the_schedule_by_what_the_ring_would_merge():
+    """Short documents kept whole by ``doc_local`` stay home; one document over four ranks (each query
+    merging two or three ranks' partials) exchanges heads; a split document over two ranks stays home."""
+    short = SequenceLayout(4096, 4, "doc_local", [[64] * 64])
+    long = SequenceLayout(4096, 4, "zigzag", [[4096]])
+    pair = SequenceLayout(4096, 2, "zigzag", [[4096]])
+    assert stays_home(short, CAUSAL, 1) and not stays_home(long, CAUSAL, 1) and stays_home(pair, CAUSAL, 1)
+    assert sum(merged_query_rows(long, r, CAUSAL, 1) for r in range(4)) == 9 * 4096 // 4  # 18 of 8 pieces

@@ -16,6 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.dist_utils import cp_mesh, make_inputs
 from titan_cp import SequenceLayout
 from titan_cp.attention import api, cp_rank
+from titan_cp.attention.mask_plans import CAUSAL
+from titan_cp.attention.ulysses import stays_home
 from titan_cp.tools.host import counting_kernel
 
 SEQ = 4096
@@ -45,9 +47,10 @@ def _docs(n: int, seed: int = 0) -> list[int]:
     return [b - a for a, b in zip([0] + cuts, cuts + [SEQ])]
 
 
-def _steps(strategy: str, mesh) -> int:
-    """Blocks of keys each rank attends in turn: ring steps, or one gathered buffer."""
-    if strategy == "ring":
+def _steps(strategy: str, mesh, layout) -> int:
+    """Blocks of keys each rank attends in turn: ring steps, or one gathered buffer; the head exchanges
+    run the ring over every cp rank where the documents stay home."""
+    if strategy == "ring" or (strategy in ("ulysses", "hybrid") and stays_home(layout, CAUSAL, 1)):
         return mesh.size()
     if strategy == "hybrid":
         return mesh.size(0)
@@ -68,7 +71,7 @@ def _count(rank, world, strategy, ulysses, n_docs):
         out, saved = module.forward(ctx, q, k, v)
         module.backward(ctx, dout, q, k, v, out, saved)
     calls = {"forward": KERNEL.calls["varlen_forward"], "backward": KERNEL.calls["varlen_backward"]}
-    return calls, counter.ops, _steps(strategy, mesh)
+    return calls, counter.ops, _steps(strategy, mesh, layout)
 
 
 STRATEGY_MESHES = [("ring", 4, 1), ("allgather", 4, 1), ("ulysses", 2, 1), ("hybrid", 4, 2)]

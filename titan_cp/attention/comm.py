@@ -87,21 +87,26 @@ class PeerComm:
     absent (``send=None``, ``recv=None``): what to send and receive is known on both ends
     from the layout, so no size is ever exchanged. ``tag`` keeps two concurrent streams (K/V and
     their gradients) apart; every rank posts its operations in the same order, as NCCL requires.
+
+    ``peers``: where the ranks a strategy numbers (``dst``, ``src``) are not ``group``'s own, each one's
+    rank in ``group`` (e.g. every cp rank of a 2-D mesh in layout order, its global rank, with
+    ``group=None``: the default group, which holds them all and needs no group created).
     """
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+    def __init__(self, group: dist.ProcessGroup | None, peers: tuple[int, ...] | None = None):
+        self.group, self.peers = group, peers
+
+    def _peer(self, rank: int) -> int:
+        return rank if self.peers is None else self.peers[rank]
 
     def exchange(self, send, dst: int, recv, src: int, tag: int = 0) -> Exchange:
         ops = []
         for t in _parts(send):
             t = t.contiguous()
-            ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=dst, tag=tag))
+            ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=self._peer(dst), tag=tag))
             _count(_nbytes(t))
         for t in _parts(recv):
-            ops.append(dist.P2POp(dist.irecv, t, group=self.group, group_peer=src, tag=tag))
+            ops.append(dist.P2POp(dist.irecv, t, group=self.group, group_peer=self._peer(src), tag=tag))
         if not ops:
             return NOTHING
         return Exchange(dist.batch_isend_irecv(ops), recv)

@@ -5,7 +5,8 @@ Every strategy (:mod:`titan_cp.attention.strategy`) has the same shape::
     forward(ctx, q, k, v)                       -> (out, saved)
     backward(ctx, dout, q, k, v, out, saved)     -> (dq, dk, dv, dsinks or None)
     saved_like(ctx, q, k, v)                     -> empty tensors shaped like ``saved``
-    keeps: the inputs/outputs among ("q", "k", "v", "out") its backward reads (others arrive as None)
+    kept(documents): the inputs/outputs among ("q", "k", "v", "out") its backward reads (others arrive
+                 as None), for a call with or without documents
 
 ``q, out, dout`` are ``(batch, q_heads, seq_local, head_dim)``, ``k, v`` ``(batch, kv_heads,
 seq_local, head_dim)``; ``saved`` is what the backward needs beyond them (the log-sum-exp,
@@ -33,6 +34,7 @@ class CPContext:
     mask: causal, window and chunk (:class:`~titan_cp.attention.mask_plans.Mask`).
     q_heads, kv_heads: the local head counts of q and k/v (the backward may see neither tensor).
     sinks: ``(q_heads,)`` per-head sink logits, or ``None``.
+    documents: whether the call has documents (``doc_lens``): known where ``layout`` is not (the fake op).
     """
 
     mesh: object
@@ -43,10 +45,13 @@ class CPContext:
     q_heads: int
     kv_heads: int
     sinks: torch.Tensor | None = None
+    documents: bool | None = None  # by default: whether the layout has documents
 
     def __post_init__(self):
         # a kernel that takes the window itself gets windowed tiles (one segment per band)
         object.__setattr__(self, "mask", kernel_mask(self.mask, self.kernel))
+        if self.documents is None:
+            object.__setattr__(self, "documents", self.layout is not None and self.layout.doc_lens is not None)
 
     @property
     def causal(self) -> bool:

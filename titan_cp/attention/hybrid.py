@@ -9,6 +9,10 @@ their union; those unions then run the ring among the ``R`` groups::
     out       = all_to_all over ulysses (scatter seq, gather heads)
     backward: the ring's backward between the dual all-to-alls
 
+With documents that mostly lie whole on one rank the call runs the ring's schedule over every cp
+rank instead, as Ulysses does (:class:`~titan_cp.attention.ulysses.HeadExchange`): each rank attends
+its own queries over every head, addressing the other cp ranks by their global ranks.
+
 Ulysses needs fast links (it moves every activation once) and caps at the head count;
 the ring needs only neighbour bandwidth and scales past it. The usual placement is
 Ulysses inside a node and the ring across nodes.
@@ -16,11 +20,13 @@ Ulysses inside a node and the ring across nodes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from titan_cp.attention.comm import PeerComm
 from titan_cp.attention.context import CPContext
-from titan_cp.attention.mask_plans import CAUSAL, head_major, make_plan, token_major
-from titan_cp.attention.merge import sinks_grad
+from titan_cp.attention.mask_plans import CAUSAL, make_plan
 from titan_cp.attention.ring import (
     RING,
     exchanged_rows,
@@ -31,19 +37,13 @@ from titan_cp.attention.ring import (
     ring_forward,
     ring_steps,
 )
-from titan_cp.attention.strategy import AxisBytes, Strategy, kv_heads_per_shard, register_strategy
+from titan_cp.attention.strategy import AxisBytes, kv_heads_per_shard, register_strategy
 from titan_cp.attention.ulysses import (
-    ULYSSES,
+    HeadExchange,
+    Heads,
     concat_to_stacked,
-    gather_heads,
+    exchange_bytes,
     head_index,
-    head_shard_saved_bytes,
-    head_shards_like,
-    head_slice,
-    head_slice_grad,
-    kv_from_heads,
-    kv_to_heads,
-    scatter_heads,
     stacked_to_concat,
 )
 
@@ -62,6 +62,15 @@ def hybrid_rank(mesh) -> int:
     return mesh.get_local_rank(ring_dim) * mesh.size(uly_dim) + mesh.get_local_rank(uly_dim)
 
 
+@functools.lru_cache(maxsize=8)
+def layout_peers(mesh) -> tuple[int, ...]:
+    """The global rank of each cp rank of a 2-D mesh, in layout order (:func:`hybrid_rank`)."""
+    grid = mesh.mesh.tolist()  # [d0][d1]
+    if hybrid_dims(mesh) == (1, 0):
+        grid = [list(col) for col in zip(*grid)]
+    return tuple(r for row in grid for r in row)
+
+
 def _axes(ctx: CPContext, batch: int, device):
     ring_dim, uly_dim = hybrid_dims(ctx.mesh)
     ring_size, uly_size = ctx.mesh.size(ring_dim), ctx.mesh.size(uly_dim)
@@ -75,7 +84,7 @@ def _members(u: int):
     return lambda g: tuple(range(g * u, (g + 1) * u))
 
 
-class Hybrid(Strategy):
+class Hybrid(HeadExchange):
     """Ulysses inside each group of the ``cp_ulysses`` axis, the ring across ``cp_ring`` (module docstring)."""
 
     name = "hybrid"
@@ -103,39 +112,38 @@ class Hybrid(Strategy):
     def mesh_ulysses_degree(self, mesh) -> int:
         return mesh.size(hybrid_dims(mesh)[1])
 
-    def forward(self, ctx: CPContext, q, k, v):
-        b = q.shape[0]
-        ring_group, uly_group, u, part, steps = _axes(ctx, b, q.device)
-        heads = head_index(ctx.layout, ctx.q_heads, ctx.kv_heads, u, q.device)
-        q_h = stacked_to_concat(scatter_heads(token_major(q), u, uly_group), b)  # (B*U*S, H/U, E)
-        kv_h = stacked_to_concat(kv_to_heads(token_major(k), token_major(v), heads, u, uly_group), b)
-        sinks = head_slice(ctx.sinks, part, u)
-        out_h, lse_h = ring_forward(q_h, kv_h[:, :, 0], kv_h[:, :, 1], ring_group, steps, ctx.kernel, ctx.scale, sinks)
-        out = gather_heads(concat_to_stacked(out_h, b, u), uly_group)
-        return head_major(out, b), (q_h, kv_h, out_h, lse_h)
-
-    def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
-        q_h, kv_h, out_h, lse_h = saved
-        b = dout.shape[0]
-        ring_group, uly_group, u, part, steps = _axes(ctx, b, dout.device)
-        heads = head_index(ctx.layout, ctx.q_heads, ctx.kv_heads, u, dout.device)
-        dout_h = stacked_to_concat(scatter_heads(token_major(dout), u, uly_group), b)
-        dq_h, dk_h, dv_h = ring_backward(
-            dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, ring_group, steps, ctx.kernel, ctx.scale
+    def heads(self, ctx: CPContext, batch: int, device) -> Heads:
+        ring_group, uly_group, u, part, steps = _axes(ctx, batch, device)
+        kv = head_index(ctx.layout, ctx.q_heads, ctx.kv_heads, u, device)
+        return Heads(
+            u,
+            uly_group,
+            part,
+            kv,
+            lambda x: stacked_to_concat(x, batch),
+            lambda x: concat_to_stacked(x, batch, u),
+            (ring_group, steps),
         )
-        dq = gather_heads(concat_to_stacked(dq_h, b, u), uly_group)
-        dkv = kv_from_heads(concat_to_stacked(torch.stack([dk_h, dv_h], dim=2), b, u), heads, ctx.kv_heads, uly_group)
-        dsinks = None
-        if ctx.sinks is not None:
-            grad = sinks_grad(dout_h, out_h, lse_h, head_slice(ctx.sinks, part, u))
-            dsinks = head_slice_grad(grad, ctx.sinks, part, u)
-        return head_major(dq, b), head_major(dkv[:, :, 0], b), head_major(dkv[:, :, 1], b), dsinks
 
-    def saved_like(self, ctx: CPContext, q, k, v):
-        return head_shards_like(q, k, self.mesh_ulysses_degree(ctx.mesh))
+    def attend(self, ctx: CPContext, x: Heads, q_h, k_h, v_h, batch: int, sinks):
+        ring_group, steps = x.attend
+        return ring_forward(q_h, k_h, v_h, ring_group, steps, ctx.kernel, ctx.scale, sinks)
+
+    def attend_backward(self, ctx: CPContext, x: Heads, dout_h, q_h, k_h, v_h, out_h, lse_h, batch: int):
+        ring_group, steps = x.attend
+        return ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, ring_group, steps, ctx.kernel, ctx.scale)
+
+    def ring_group(self, ctx: CPContext):
+        """Every cp rank of the 2-D mesh in layout order, addressed by its global rank in the default group
+        (no group is created: the op may run on some stages of a pipeline only)."""
+        return None if ctx.cp_size == 1 else PeerComm(None, layout_peers(ctx.mesh))
 
     def local_head_pairs(self, layout, rank, mask, batch, q_heads, ulysses_degree=1) -> int:
-        """The Ulysses group's queries against every key, for 1/U of the heads."""
+        """The Ulysses group's queries against every key, for 1/U of the heads (or, where documents stay
+        home, the ring's)."""
+        home = self.home_pairs(layout, rank, mask, batch, q_heads)
+        if home is not None:
+            return home
         u = ulysses_degree
         return make_plan(layout, _members(u)(rank // u), None, mask).pairs(batch) * q_heads // u
 
@@ -148,9 +156,17 @@ class Hybrid(Strategy):
     def min_bytes_by_axis(
         self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=CAUSAL
     ) -> tuple[AxisBytes, ...]:
-        """The ring among groups on ``cp_ring``, the all-to-alls inside a group on ``cp_ulysses``."""
+        """The ring among groups on ``cp_ring``, the all-to-alls inside a group on ``cp_ulysses``; where
+        documents stay home the ring over every cp rank, on ``cp_ring`` (its neighbours are mostly in other
+        groups) unless there is one group."""
         u = ulysses_degree
-        uly = ULYSSES.min_bytes(q, k, u, backward=backward)
+        home = self.home_bytes(q, k, cp, backward, layout, rank, mask)
+        if home is not None:
+            on_ring = cp // u > 1
+            return AxisBytes("cp_ring", cp // u, home if on_ring else 0, True), AxisBytes(
+                "cp_ulysses", u, 0 if on_ring else home, not on_ring
+            )
+        uly = exchange_bytes(q, k, u, backward, layout is not None and layout.doc_lens is not None)
         b, _, s, d = k.shape
         k_ring = torch.empty(b, kv_heads_per_shard(q.shape[1], k.shape[1], u), s * u, d, dtype=k.dtype, device="meta")
         if layout is None:
@@ -168,10 +184,7 @@ class Hybrid(Strategy):
             )
         return AxisBytes("cp_ring", cp // u, ring, cp // u > 1), AxisBytes("cp_ulysses", u, uly, False)
 
-    def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1) -> float:
-        return head_shard_saved_bytes(act_bytes, q_heads, kv_heads, head_dim, ulysses_degree)
-
-    def buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1) -> int:
+    def exchange_buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1):
         """The ring's two K/V blocks and two fp32 dK/dV accumulators, on the group's union."""
         if cp == 1:
             return 0

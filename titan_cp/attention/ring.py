@@ -196,12 +196,18 @@ def _pair(like: torch.Tensor, rows: int, dtype=None) -> tuple[torch.Tensor, torc
     return buf[0], buf[1]
 
 
+def _comm(group) -> PeerComm:
+    """The ring's transport: ``group`` (a process group whose ranks are the ring's) or a :class:`PeerComm`
+    that numbers them itself."""
+    return group if isinstance(group, PeerComm) else PeerComm(group)
+
+
 def ring_forward(q_t, k_t, v_t, group, ring: RingPlan, kernel, scale: float, sinks=None):
     """``(out_t, lse)``: ``(B*S, H, E)`` output in q's dtype and ``(H, B*S)`` fp32 lse (sinks folded in).
 
     Token-major ``q_t (B*S, H, E)``, ``k_t, v_t (B*S, K, E)``; ``ring`` from :func:`ring_steps`.
     """
-    comm = PeerComm(group) if len(ring) > 1 else None
+    comm = _comm(group) if len(ring) > 1 else None
     results = Results(q_t, ring.folds)
     kv = _KV(k_t, v_t)
     pending = _post_kv(comm, kv, ring, 1)
@@ -216,7 +222,7 @@ def ring_forward(q_t, k_t, v_t, group, ring: RingPlan, kernel, scale: float, sin
 
 def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kernel, scale: float):
     """``(dq_t, dk_t, dv_t)`` token-major in the input dtype; ``out_t, lse`` as :func:`ring_forward` returned them."""
-    comm = PeerComm(group) if len(ring) > 1 else None
+    comm = _comm(group) if len(ring) > 1 else None
     dq = Grads(q_t, ring.folds)
     dk, dv = Grads(k_t, ring.keys), Grads(v_t, ring.keys)
     kv = _KV(k_t, v_t)
@@ -261,8 +267,52 @@ def _add_home(dk: Grads, dv: Grads, returning) -> None:
         dv.add(s, [grad[1]])
 
 
-def _steps(ctx: CPContext, batch: int, device) -> RingPlan:
-    return ring_steps(ctx.layout, ctx.rank, ctx.layout.cp_size, lambda r: (r,), ctx.mask, batch, device)
+def _steps(ctx: CPContext, rank: int, batch: int, device) -> RingPlan:
+    return ring_steps(ctx.layout, rank, ctx.layout.cp_size, _alone, ctx.mask, batch, device)
+
+
+def _alone(r: int) -> tuple[int, ...]:
+    return (r,)
+
+
+def ring_attention(ctx: CPContext, q, k, v, group, rank: int):
+    """The ring strategy's ``(out, (lse,))`` over every cp rank, on ``group`` (or a :class:`PeerComm`), this
+    process being layout rank ``rank``."""
+    b = q.shape[0]
+    steps = _steps(ctx, rank, b, q.device)
+    out_t, lse = ring_forward(
+        token_major(q), token_major(k), token_major(v), group, steps, ctx.kernel, ctx.scale, ctx.sinks
+    )
+    return head_major(out_t, b), (lse,)
+
+
+def ring_attention_backward(ctx: CPContext, dout, q, k, v, out, saved, group, rank: int):
+    """The backward of :func:`ring_attention`: ``(dq, dk, dv, dsinks)``."""
+    b = q.shape[0]
+    dout_t, out_t, lse = token_major(dout), token_major(out), saved[0]
+    steps = _steps(ctx, rank, b, q.device)
+    grads = ring_backward(
+        dout_t, token_major(q), token_major(k), token_major(v), out_t, lse, group, steps, ctx.kernel, ctx.scale
+    )
+    dsinks = None if ctx.sinks is None else sinks_grad(dout_t, out_t, lse, ctx.sinks)
+    return (*(head_major(g, b) for g in grads), dsinks)
+
+
+def merged_query_rows(layout: SequenceLayout, rank: int, mask: Mask, batch: int) -> int:
+    """Query rows of ``rank`` that see another rank's keys, once per rank they see (each one more partial
+    to merge and one more dq to sum in the ring over every cp rank; host only, cached on the layout)."""
+
+    def build() -> int:
+        n, total = layout.cp_size, 0
+        for s in range(1, n):
+            src = (rank - s) % n
+            if mask == CAUSAL:
+                total += causal_counts(layout, (rank,), (src,), batch)[1]
+            else:
+                total += make_plan(layout, (rank,), (src,), mask).query_row_count(batch)
+        return total
+
+    return layout.memo(("merged_query_rows", rank, mask, batch), build)
 
 
 def _group(ctx: CPContext):
@@ -337,31 +387,10 @@ class Ring(Strategy):
         return cp
 
     def forward(self, ctx: CPContext, q, k, v):
-        b = q.shape[0]
-        steps = _steps(ctx, b, q.device)
-        out_t, lse = ring_forward(
-            token_major(q), token_major(k), token_major(v), _group(ctx), steps, ctx.kernel, ctx.scale, ctx.sinks
-        )
-        return head_major(out_t, b), (lse,)
+        return ring_attention(ctx, q, k, v, _group(ctx), ctx.rank)
 
     def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
-        b = q.shape[0]
-        dout_t, out_t, lse = token_major(dout), token_major(out), saved[0]
-        steps = _steps(ctx, b, q.device)
-        grads = ring_backward(
-            dout_t,
-            token_major(q),
-            token_major(k),
-            token_major(v),
-            out_t,
-            lse,
-            _group(ctx),
-            steps,
-            ctx.kernel,
-            ctx.scale,
-        )
-        dsinks = None if ctx.sinks is None else sinks_grad(dout_t, out_t, lse, ctx.sinks)
-        return (*(head_major(g, b) for g in grads), dsinks)
+        return ring_attention_backward(ctx, dout, q, k, v, out, saved, _group(ctx), ctx.rank)
 
     def saved_like(self, ctx: CPContext, q, k, v):
         b, h, s, _ = q.shape

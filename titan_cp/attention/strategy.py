@@ -17,7 +17,8 @@ benchmarks never compare a strategy's name; they ask its :class:`Strategy`::
 Shapes as in :mod:`titan_cp.attention.context`: ``q, out, dout (B, H, S_local, E)``,
 ``k, v (B, K, S_local, E)``; ``saved`` is what the backward needs beyond them. The
 ``keeps`` tuple names the inputs and outputs among ``("q", "k", "v", "out")`` that the
-backward reads (the others arrive as ``None`` and are not kept alive).
+backward reads (the others arrive as ``None`` and are not kept alive); :meth:`Strategy.kept` may
+make it depend on whether the call has documents.
 
 A fifth strategy is one subclass and one :func:`register_strategy` call.
 """
@@ -72,6 +73,11 @@ class Strategy:
     name: ClassVar[str]
     mesh_ndim: ClassVar[int] = 1
     keeps: ClassVar[tuple[str, ...]] = ()
+
+    def kept(self, documents: bool) -> tuple[str, ...]:
+        """:attr:`keeps` for a call with or without documents (``doc_lens``): what the op keeps may depend on
+        that, which is known when the op is traced, but on nothing the documents hold."""
+        return self.keeps
 
     # ------------------------------------------------------------------ sizes
     def ulysses_size(self, cp: int, ulysses_degree: int = 1) -> int:
@@ -135,7 +141,7 @@ class Strategy:
 
     def backward(self, ctx, dout, q, k, v, out, saved) -> tuple:
         """``(dq, dk, dv, dsinks)`` (``dsinks`` ``None`` without sinks: else this rank's share, ``(q_heads,)``
-        fp32); only the inputs named in :attr:`keeps` are given (others ``None``)."""
+        fp32); only the inputs named in :meth:`kept` are given (others ``None``)."""
         raise NotImplementedError
 
     def saved_like(self, ctx, q, k, v) -> tuple[torch.Tensor, ...]:

@@ -17,17 +17,33 @@ query head count; the backward sums the replicas' gradients.
 
 The head shards are kept for the backward (the same bytes as the local q, k, v, out
 they replace), so the backward moves only ``dout`` in and the gradients out.
+
+With packed documents most of them lie whole on one rank under ``doc_local``, and such a
+document needs nothing from another rank: exchanging its heads would copy every token in and
+out of the exchange's buffers for no key it lacks. Where the layout keeps documents so
+(:func:`stays_home`, priced per rank from the layout alone) the call runs the ring's schedule
+instead, each rank attending its own queries over every head while only the split documents'
+K/V travel (:class:`HeadExchange`, shared with hybrid).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from titan_cp.attention.comm import all_to_all
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.fold import plan_backward, plan_forward
-from titan_cp.attention.mask_plans import head_major, make_plan, token_major
+from titan_cp.attention.mask_plans import CAUSAL, Mask, head_major, make_plan, token_major
 from titan_cp.attention.merge import sinks_grad
+from titan_cp.attention.ring import (
+    RING,
+    merged_query_rows,
+    ring_attention,
+    ring_attention_backward,
+)
 from titan_cp.attention.strategy import Strategy, kv_head_map, kv_heads_per_shard, register_strategy
 from titan_cp.layout import SequenceLayout, to_device
 
@@ -158,7 +174,195 @@ def head_shard_saved_bytes(act_bytes: int, q_heads: int, kv_heads: int, head_dim
     return 2 * a * h * e + 2 * a * kv_heads_per_shard(h, kv_heads, n) * n * e + 4 * h + a * h * e
 
 
-class Ulysses(Strategy):
+@dataclass(frozen=True)
+class Heads:
+    """How one call exchanges heads: over ``group`` of ``n`` ranks (this one ``part``), K/V heads picked by
+    ``kv`` (:func:`head_index`), the received shards put in the attention's buffer order by ``inward`` and
+    back by ``outward``; ``attend``: what the strategy attends with (its plan, or its ring)."""
+
+    n: int
+    group: object
+    part: int
+    kv: torch.Tensor | None
+    inward: Callable
+    outward: Callable
+    attend: object
+
+
+def lse_to_heads(x: Heads, lse: torch.Tensor) -> torch.Tensor:
+    """``(H, B*S)`` local log-sum-exp -> ``(H/N, B*S*N)`` of my heads in the attention's buffer order."""
+    y = all_to_all(lse.view(x.n, lse.shape[0] // x.n, -1), x.group)  # (N, H/N, B*S): rank j's rows of my heads
+    return x.inward(y.transpose(1, 2)).t().contiguous()
+
+
+def lse_from_heads(x: Heads, lse_h: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`lse_to_heads`: ``(H/N, B*S*N)`` -> ``(H, B*S)`` (every head of my rows)."""
+    y = all_to_all(x.outward(lse_h.t()).transpose(1, 2), x.group)  # (N, H/N, B*S): my rows of head group j
+    return y.reshape(-1, y.shape[-1])
+
+
+# Query rows merged with another rank's partial in the ring's schedule, summed over the ranks, per
+# token of the row, up to which that schedule moves less around the kernel than the head exchange
+# (counted, tools.gpu_model at 128K tokens on 8 ranks: log-normal mixes of mean 1K merge 0.1-0.4 a
+# token, and the ring moves 8-10x fewer bytes; long tails of mean 4K merging 0.66 and 1.54 a token
+# come out 0.04 and 0.015 of the kernel's limit better on the ring, ones merging 1.94 and 2.55 0.04
+# better exchanging heads: there long documents split over many ranks gather their tiles at every
+# step, while the head exchange moves the same bytes for any documents).
+HOME_MERGES = 1.6
+
+
+def stays_home(layout: SequenceLayout, mask: Mask, batch: int) -> bool:
+    """Whether ``layout``'s documents mostly stay whole on their ranks, so that the ring's schedule over every
+    cp rank (each rank attends its own queries, only the split documents' K/V travel) moves less around
+    the kernel than the head exchange (every token's heads exchanged): then Ulysses and hybrid run it.
+    Host only, the same on every rank, cached on the layout."""
+
+    def build() -> bool:
+        merged = sum(merged_query_rows(layout, r, mask, batch) for r in range(layout.cp_size))
+        return merged <= HOME_MERGES * batch * layout.seq_len
+
+    return layout.memo(("stays_home", mask, batch), build)
+
+
+class HeadExchange(Strategy):
+    """A strategy that attends on head shards: Ulysses, and hybrid's Ulysses groups.
+
+    Without documents every token's heads are exchanged and the head shards are kept for the
+    backward. With documents (``doc_lens``) a document whole on one rank needs nothing from any other,
+    so where the layout keeps most documents whole (:func:`stays_home`, ``doc_local``'s packed rows)
+    the call runs the ring's schedule over every cp rank instead: each rank attends its own queries
+    over every head, and only the split documents' K/V travel. Either way the op then keeps its own
+    q, k, v, out and the log-sum-exp (what it keeps cannot depend on the documents' lengths, which the
+    traced op does not know), and the head exchange sends q, K/V and out again in the backward.
+    """
+
+    def kept(self, documents: bool) -> tuple[str, ...]:
+        return ("q", "k", "v", "out") if documents else ()
+
+    # ------------------------------------------------------------------ the strategy's part
+    def heads(self, ctx: CPContext, batch: int, device) -> Heads:
+        """The exchange of one call on ``ctx``'s layout."""
+        raise NotImplementedError
+
+    def attend(self, ctx: CPContext, x: Heads, q_h, k_h, v_h, batch: int, sinks):
+        """``(out_h, lse_h)`` on the head shards."""
+        raise NotImplementedError
+
+    def attend_backward(self, ctx: CPContext, x: Heads, dout_h, q_h, k_h, v_h, out_h, lse_h, batch: int):
+        """``(dq_h, dk_h, dv_h)`` on the head shards."""
+        raise NotImplementedError
+
+    def ring_group(self, ctx: CPContext):
+        """The transport of a ring over every cp rank in layout order: a process group or a
+        :class:`~titan_cp.attention.comm.PeerComm`."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the op
+    def _home(self, ctx: CPContext, batch: int) -> bool:
+        return ctx.documents and stays_home(ctx.layout, ctx.mask, batch)
+
+    def _to_heads(self, x: Heads, q_t, k_t, v_t):
+        return x.inward(scatter_heads(q_t, x.n, x.group)), x.inward(kv_to_heads(k_t, v_t, x.kv, x.n, x.group))
+
+    def forward(self, ctx: CPContext, q, k, v):
+        batch = q.shape[0]
+        if self._home(ctx, batch):
+            return ring_attention(ctx, q, k, v, self.ring_group(ctx), self.layout_rank(ctx.mesh))
+        x = self.heads(ctx, batch, q.device)
+        q_h, kv_h = self._to_heads(x, token_major(q), token_major(k), token_major(v))
+        sinks = head_slice(ctx.sinks, x.part, x.n)
+        out_h, lse_h = self.attend(ctx, x, q_h, kv_h[:, :, 0], kv_h[:, :, 1], batch, sinks)
+        out = head_major(gather_heads(x.outward(out_h), x.group), batch)
+        if ctx.documents:
+            return out, (lse_from_heads(x, lse_h),)
+        return out, (q_h, kv_h, out_h, lse_h)
+
+    def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
+        batch = dout.shape[0]
+        if self._home(ctx, batch):
+            return ring_attention_backward(
+                ctx, dout, q, k, v, out, saved, self.ring_group(ctx), self.layout_rank(ctx.mesh)
+            )
+        x = self.heads(ctx, batch, dout.device)
+        if ctx.documents:  # the head shards were not kept: sent again
+            q_h, kv_h = self._to_heads(x, token_major(q), token_major(k), token_major(v))
+            out_h = x.inward(scatter_heads(token_major(out), x.n, x.group))
+            lse_h = lse_to_heads(x, saved[0])
+        else:
+            q_h, kv_h, out_h, lse_h = saved
+        dout_h = x.inward(scatter_heads(token_major(dout), x.n, x.group))
+        dq_h, dk_h, dv_h = self.attend_backward(ctx, x, dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, batch)
+        dq = gather_heads(x.outward(dq_h), x.group)
+        dkv = kv_from_heads(x.outward(torch.stack([dk_h, dv_h], dim=2)), x.kv, ctx.kv_heads, x.group)
+        dsinks = None
+        if ctx.sinks is not None:
+            grad = sinks_grad(dout_h, out_h, lse_h, head_slice(ctx.sinks, x.part, x.n))
+            dsinks = head_slice_grad(grad, ctx.sinks, x.part, x.n)
+        return head_major(dq, batch), head_major(dkv[:, :, 0], batch), head_major(dkv[:, :, 1], batch), dsinks
+
+    def saved_like(self, ctx: CPContext, q, k, v):
+        if ctx.documents:
+            return (q.new_empty((q.shape[1], q.shape[0] * q.shape[2]), dtype=torch.float32),)
+        return head_shards_like(q, k, self.ulysses_size(ctx.cp_size, self.mesh_ulysses_degree(ctx.mesh)))
+
+    # ------------------------------------------------------------------ costs
+    def saved_bytes_per_token(
+        self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1, documents: bool = True
+    ) -> float:
+        """With documents (a trainer's batches always carry ``doc_lens``) what a ring keeps, whichever
+        schedule runs; without, the head shards (:func:`head_shard_saved_bytes`)."""
+        if documents:
+            return RING.saved_bytes_per_token(act_bytes, q_heads, kv_heads, head_dim, cp)
+        return head_shard_saved_bytes(act_bytes, q_heads, kv_heads, head_dim, self.ulysses_size(cp, ulysses_degree))
+
+    def exchange_buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1):
+        """The head exchange's buffers alive during the op (its part of :meth:`buffer_bytes`)."""
+        raise NotImplementedError
+
+    def buffer_bytes(
+        self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1, documents: bool = True
+    ) -> int:
+        """The head exchange's buffers; with documents the larger of the ring's and those, plus the head
+        shards of q, out and dout the backward exchanges again (each the bytes of the local q)."""
+        shape = (act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree)
+        own = self.exchange_buffer_bytes(*shape)
+        if not documents or cp == 1:
+            return own
+        resent = 3 * act_bytes * q_heads * head_dim * local_tokens
+        return max(own + resent, RING.buffer_bytes(*shape[:-1]))
+
+    def home_pairs(self, layout, rank, mask, batch, q_heads) -> int | None:
+        """The ring schedule's pairs of ``rank`` where documents stay home (:func:`stays_home`), else ``None``."""
+        if layout.doc_lens is None or not stays_home(layout, mask, batch):
+            return None
+        return RING.local_head_pairs(layout, rank, mask, batch, q_heads)
+
+    def home_bytes(self, q, k, cp, backward, layout, rank, mask) -> int | None:
+        """The ring schedule's bytes where documents stay home (:func:`stays_home`), else ``None``."""
+        if layout is None or layout.doc_lens is None or not stays_home(layout, mask, q.shape[0]):
+            return None
+        return RING.min_bytes(q, k, cp, backward=backward, layout=layout, rank=rank, mask=mask)
+
+
+def exchange_bytes(q, k, n: int, backward: bool, documents: bool) -> int:
+    """Bytes one rank sends through the head exchange over ``n`` ranks: q, the K/V each rank must ship and
+    the output; the backward moves ``dout`` in and the gradients out, and with documents (the head shards
+    not kept) q, K/V, out and the fp32 log-sum-exp again (each all-to-all keeps ``1/n`` of its buffer)."""
+    if n == 1:
+        return 0
+    kv_heads = max(k.shape[1], n) if kv_head_map(q.shape[1], k.shape[1], n) else k.shape[1]
+    kv = 2 * kv_heads * k[:, :1].numel() * k.element_size()
+    qb = q.numel() * q.element_size()
+    lse = 4 * q.shape[0] * q.shape[1] * q.shape[2] if documents else 0
+    part = lambda nbytes: nbytes * (n - 1) // n  # noqa: E731 - one all-to-all's share sent away
+    fwd = 2 * part(qb) + part(kv) + part(lse)
+    if not backward:
+        return fwd
+    bwd = 2 * part(qb) + part(kv)  # dout in; dq, dK/dV out
+    return fwd + bwd + (2 * part(qb) + part(kv) + part(lse) if documents else 0)
+
+
+class Ulysses(HeadExchange):
     """All-to-all from sequence shards to head shards and back (module docstring)."""
 
     name = "ulysses"
@@ -166,58 +370,37 @@ class Ulysses(Strategy):
     def ulysses_size(self, cp: int, ulysses_degree: int = 1) -> int:
         return cp
 
-    def forward(self, ctx: CPContext, q, k, v):
-        batch, group, n, layout = q.shape[0], ctx.group, ctx.layout.cp_size, ctx.layout
-        heads = head_index(layout, ctx.q_heads, ctx.kv_heads, n, q.device)
+    def heads(self, ctx: CPContext, batch: int, device) -> Heads:
+        n = ctx.layout.cp_size
         plan, inward, outward = _plan(ctx, batch)
-        q_h = inward(scatter_heads(token_major(q), n, group))  # (B*S_full, H/N, E)
-        kv_h = inward(kv_to_heads(token_major(k), token_major(v), heads, n, group))
-        k_h, v_h = kv_h[:, :, 0], kv_h[:, :, 1]
-        sinks = head_slice(ctx.sinks, ctx.rank, n)
-        out_h, lse_h = plan_forward(q_h, k_h, v_h, batch, plan, ctx.kernel, ctx.scale, sinks)
-        out = gather_heads(outward(out_h), group)  # (B*S, H, E)
-        return head_major(out, batch), (q_h, kv_h, out_h, lse_h)
+        kv = head_index(ctx.layout, ctx.q_heads, ctx.kv_heads, n, device)
+        return Heads(n, ctx.group, ctx.rank, kv, inward, outward, plan)
 
-    def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
-        q_h, kv_h, out_h, lse_h = saved
-        layout, group, n = ctx.layout, ctx.group, ctx.layout.cp_size
-        batch = dout.shape[0]
-        heads = head_index(layout, ctx.q_heads, ctx.kv_heads, n, dout.device)
-        plan, inward, outward = _plan(ctx, batch)
-        dout_h = inward(scatter_heads(token_major(dout), n, group))
-        dq_h, dk_h, dv_h = plan_backward(
-            dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, batch, plan, ctx.kernel, ctx.scale
-        )
-        dq = gather_heads(outward(dq_h), group)
-        dkv = kv_from_heads(outward(torch.stack([dk_h, dv_h], dim=2)), heads, ctx.kv_heads, group)
-        dsinks = None
-        if ctx.sinks is not None:
-            grad = sinks_grad(dout_h, out_h, lse_h, head_slice(ctx.sinks, ctx.rank, n))
-            dsinks = head_slice_grad(grad, ctx.sinks, ctx.rank, n)
-        return head_major(dq, batch), head_major(dkv[:, :, 0], batch), head_major(dkv[:, :, 1], batch), dsinks
+    def attend(self, ctx: CPContext, x: Heads, q_h, k_h, v_h, batch: int, sinks):
+        return plan_forward(q_h, k_h, v_h, batch, x.attend, ctx.kernel, ctx.scale, sinks)
 
-    def saved_like(self, ctx: CPContext, q, k, v):
-        return head_shards_like(q, k, ctx.cp_size)
+    def attend_backward(self, ctx: CPContext, x: Heads, dout_h, q_h, k_h, v_h, out_h, lse_h, batch: int):
+        return plan_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, batch, x.attend, ctx.kernel, ctx.scale)
+
+    def ring_group(self, ctx: CPContext):
+        return ctx.group if ctx.cp_size > 1 else None
 
     def local_head_pairs(self, layout, rank, mask, batch, q_heads, ulysses_degree=1) -> int:
-        """The whole row's pairs for 1/N of the heads."""
+        """The whole row's pairs for 1/N of the heads (or, where documents stay home, the ring's)."""
+        home = self.home_pairs(layout, rank, mask, batch, q_heads)
+        if home is not None:
+            return home
         return make_plan(layout, None, None, mask).pairs(batch) * q_heads // layout.cp_size
 
-    def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=None) -> int:
-        """All-to-all traffic: (N-1)/N of q, of the K/V each rank must ship, and of the output; the
-        backward moves the same amounts the other way. The layout does not change it (heads move, not rows)."""
-        if cp == 1:
-            return 0
-        kv_heads = max(k.shape[1], cp) if kv_head_map(q.shape[1], k.shape[1], cp) else k.shape[1]
-        kv = 2 * kv_heads * k[:, :1].numel() * k.element_size()
-        qb = q.numel() * q.element_size()
-        fwd = (2 * qb + kv) * (cp - 1) // cp
-        return fwd * (2 if backward else 1)
+    def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=CAUSAL) -> int:
+        """All-to-all traffic (:func:`exchange_bytes`): the layout changes it only where documents stay home
+        (the ring's bytes then, :func:`stays_home`), or with documents (the backward sends more)."""
+        home = self.home_bytes(q, k, cp, backward, layout, rank, mask)
+        if home is not None:
+            return home
+        return exchange_bytes(q, k, cp, backward, layout is not None and layout.doc_lens is not None)
 
-    def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1) -> float:
-        return head_shard_saved_bytes(act_bytes, q_heads, kv_heads, head_dim, cp)
-
-    def buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1) -> int:
+    def exchange_buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1):
         """The all-to-all's send and receive copies of the local K/V, and the stacked pair."""
         if cp == 1:
             return 0

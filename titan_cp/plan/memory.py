@@ -30,7 +30,8 @@ width over ``tp``; sequence parallelism shards the norms' tensors and a block's 
     attention_norm   input, output (a D / tp each), rstd (a / tp)       ffn_norm: the same
     wq               its input (a D; wk and wv share it)
     attention        the strategy's own figure (Strategy.saved_bytes_per_token):
-                     ring: q, out (a H E each), k, v (a K E each), lse (4 H)
+                     ring: q, out (a H E each), k, v (a K E each), lse (4 H); Ulysses and
+                     hybrid the same, as with documents (a trainer's batches carry them)
     feed_forward     w1 x, w3 x, silu(w1 x) (a F each); w1 input (a D); w2 input (a F)
   + once per token: tokens (8, first stage), RoPE cos and sin (2 x 4 E/2), final norm
     (a (2 D + 1) / tp), output input (a D), labels (8), loss lse (4) (last stage)

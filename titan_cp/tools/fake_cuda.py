@@ -86,6 +86,15 @@ class FakeMesh:
         d = 0 if dim is None else dim
         return FakeGroup(self._coords[d], self._sizes[d])
 
+    @property
+    def mesh(self) -> SimpleNamespace:
+        """The ranks in the mesh's shape, as ``DeviceMesh.mesh.tolist()`` gives them (the simulation's global
+        ranks are the coordinates, flat; no tensor is made inside the fake mode)."""
+        rows = [
+            list(range(i * self._sizes[-1], (i + 1) * self._sizes[-1])) for i in range(self.size() // self._sizes[-1])
+        ]
+        return SimpleNamespace(tolist=lambda: rows if self.ndim == 2 else rows[0])
+
 
 def fake_meshes(strategy: str, cp: int, ulysses_degree: int = 1) -> list[FakeMesh]:
     """The cp mesh of every rank, ordered by the rank's place in the layout."""
@@ -368,17 +377,17 @@ def fake_cuda():
 
 # ---------------------------------------------------------------------------- counting
 class MeteredFlash(CUDAFlashKernel):
-    """The ``cuda_flash`` kernel, recording every variable-length call's segments (host offsets) and
-    marking its own operations (``inside``) so that a traffic meter can leave them out."""
+    """The ``cuda_flash`` kernel, recording every variable-length call's segments (host offsets, and the
+    heads it runs) and marking its own operations (``inside``) so that a traffic meter can leave them out."""
 
     def __init__(self, inner: CUDAFlashKernel | None = None):
         super().__init__()
         self.inner = inner or CUDAFlashKernel()
-        self.segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...], int | None]] = []
+        self.segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...], int | None, int]] = []
         self.inside = False
 
     def _run(self, op: str, fn, seg, causal, window, *args):
-        self.segments.append((op, causal, seg.host_q, seg.host_k, window))
+        self.segments.append((op, causal, seg.host_q, seg.host_k, window, args[0].shape[1]))
         self.inside = True
         try:
             return fn(*args, **({} if window is None else {"window": window}))
@@ -509,7 +518,7 @@ class RankTrace:
     calls: list[FlashCall] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     bytes_sent: int = 0
-    segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...], int | None]] = field(default_factory=list)
+    segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...], int | None, int]] = field(default_factory=list)
     outside_ops: int = 0  # operations outside the kernel that move data (views and allocations excluded)
     outside_bytes: int = 0  # HBM bytes they read and write
     sites: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (site, op): [ops, bytes]

@@ -73,12 +73,13 @@ def block_pairs(n: int, m: int, causal: bool, window: int | None = None) -> int:
 
 
 def kernel_seconds(segments, heads: int, head_dim: int, device: str = "h200", fraction: float | None = None) -> float:
-    """Seconds of the kernel calls ``segments`` (``(op, causal, host_q, host_k, window)``, as the meter
-    records them)."""
+    """Seconds of the kernel calls ``segments`` (``(op, causal, host_q, host_k, window, heads)``, as the meter
+    records them; ``heads`` where a call does not say)."""
     dev = GPUS[device]
     total = 0.0
-    for op, causal, host_q, host_k, window in segments:
-        flops_per_pair = (FWD_FLOPS_PER_PAIR_DIM if op == "forward" else BWD_FLOPS_PER_PAIR_DIM) * heads * head_dim
+    for op, causal, host_q, host_k, window, *call_heads in segments:
+        h = call_heads[0] if call_heads else heads
+        flops_per_pair = (FWD_FLOPS_PER_PAIR_DIM if op == "forward" else BWD_FLOPS_PER_PAIR_DIM) * h * head_dim
         for (a, b), (c, d) in zip(zip(host_q, host_q[1:]), zip(host_k, host_k[1:])):
             n, m = b - a, d - c
             if not n:
