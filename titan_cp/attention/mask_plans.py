@@ -12,8 +12,9 @@ the whole row in natural order (``None``). Buffers are token-major over the batc
 microbatch reuses it); :meth:`MaskPlan.index` turns it, once per device, into a
 :class:`PlanIndex` of device-resident index tensors: one variable-length kernel call per causal
 flag (a plan of full tiles only whose query rows are two consecutive groups takes two, each read
-as a view; a plan of causal tiles only that cover the query rows once in order but for a few takes
-two, those read as a view and the few gathered), its segments in query order, the packed rows to
+as a view; causal tiles that cover the query rows once in order but for a few take two, those read
+as a view and the few gathered: with full tiles beside them, three calls), its segments in query
+order, the packed rows to
 gather for it, and the accumulator row of each packed output row. An *upper* tile (keys ``j >= i``, at a window's edge)
 joins the causal call with its rows and keys gathered in reverse order, where it is a causal
 square; a *windowed* tile (for a kernel that takes the window) carries the window to its call.
@@ -187,7 +188,7 @@ class MaskPlan:
         items.sort(key=lambda bt: (bt[0], bt[1].q0, bt[1].k0))
         causal = [bt for bt in items if bt[1].causal]
         full = [bt for bt in items if not bt[1].causal]
-        groups = [(True, part) for part in (_split_causal(causal, sq) if not full else [causal]) if part]
+        groups = [(True, part) for part in _split_causal(causal, sq) if part]
         groups += [(False, part) for part in (_split_full(full, sq) if not causal else [full]) if part]
         calls = []
         for causal, these in groups:
@@ -288,7 +289,7 @@ def _split_full(items: list, sq: int) -> list[list]:
 
 
 def _split_causal(items: list, sq: int) -> list[list]:
-    """Causal tiles (``(row, tile)`` in query order) of a plan with no full tile as two calls where all but
+    """Causal tiles (``(row, tile)`` in query order) of a plan as two calls where all but
     a few of them cover their query rows once, in order, as one span (then read as a view, and the
     call's output is the result): those, and the others (an upper tile at a window's edge, a piece's
     tile on an earlier piece of its document held by the same rank), gathered. Else one call."""

@@ -189,18 +189,6 @@ class Heads:
     attend: object
 
 
-def lse_to_heads(x: Heads, lse: torch.Tensor) -> torch.Tensor:
-    """``(H, B*S)`` local log-sum-exp -> ``(H/N, B*S*N)`` of my heads in the attention's buffer order."""
-    y = all_to_all(lse.view(x.n, lse.shape[0] // x.n, -1), x.group)  # (N, H/N, B*S): rank j's rows of my heads
-    return x.inward(y.transpose(1, 2)).t().contiguous()
-
-
-def lse_from_heads(x: Heads, lse_h: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`lse_to_heads`: ``(H/N, B*S*N)`` -> ``(H, B*S)`` (every head of my rows)."""
-    y = all_to_all(x.outward(lse_h.t()).transpose(1, 2), x.group)  # (N, H/N, B*S): my rows of head group j
-    return y.reshape(-1, y.shape[-1])
-
-
 # Query rows merged with another rank's partial in the ring's schedule, summed over the ranks, per
 # token of the row, up to which that schedule moves less around the kernel than the head exchange
 # (counted, tools.gpu_model at 128K tokens on 8 ranks: log-normal mixes of mean 1K merge 0.1-0.4 a
@@ -273,8 +261,8 @@ class HeadExchange(Strategy):
         sinks = head_slice(ctx.sinks, x.part, x.n)
         out_h, lse_h = self.attend(ctx, x, q_h, kv_h[:, :, 0], kv_h[:, :, 1], batch, sinks)
         out = head_major(gather_heads(x.outward(out_h), x.group), batch)
-        if ctx.documents:
-            return out, (lse_from_heads(x, lse_h),)
+        if ctx.documents:  # kept as the (H, B*S) tensor the op declares: the same numbers, not moved
+            return out, (lse_h.view(-1, lse_h.shape[1] // x.n),)
         return out, (q_h, kv_h, out_h, lse_h)
 
     def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
@@ -287,7 +275,7 @@ class HeadExchange(Strategy):
         if ctx.documents:  # the head shards were not kept: sent again
             q_h, kv_h = self._to_heads(x, token_major(q), token_major(k), token_major(v))
             out_h = x.inward(scatter_heads(token_major(out), x.n, x.group))
-            lse_h = lse_to_heads(x, saved[0])
+            lse_h = saved[0].view(-1, saved[0].shape[1] * x.n)
         else:
             q_h, kv_h, out_h, lse_h = saved
         dout_h = x.inward(scatter_heads(token_major(dout), x.n, x.group))
@@ -347,19 +335,14 @@ class HeadExchange(Strategy):
 def exchange_bytes(q, k, n: int, backward: bool, documents: bool) -> int:
     """Bytes one rank sends through the head exchange over ``n`` ranks: q, the K/V each rank must ship and
     the output; the backward moves ``dout`` in and the gradients out, and with documents (the head shards
-    not kept) q, K/V, out and the fp32 log-sum-exp again (each all-to-all keeps ``1/n`` of its buffer)."""
+    not kept) q, K/V and out again (each all-to-all keeps ``1/n`` of its buffer)."""
     if n == 1:
         return 0
     kv_heads = max(k.shape[1], n) if kv_head_map(q.shape[1], k.shape[1], n) else k.shape[1]
     kv = 2 * kv_heads * k[:, :1].numel() * k.element_size()
     qb = q.numel() * q.element_size()
-    lse = 4 * q.shape[0] * q.shape[1] * q.shape[2] if documents else 0
-    part = lambda nbytes: nbytes * (n - 1) // n  # noqa: E731 - one all-to-all's share sent away
-    fwd = 2 * part(qb) + part(kv) + part(lse)
-    if not backward:
-        return fwd
-    bwd = 2 * part(qb) + part(kv)  # dout in; dq, dK/dV out
-    return fwd + bwd + (2 * part(qb) + part(kv) + part(lse) if documents else 0)
+    one = (2 * qb + kv) * (n - 1) // n  # q (or dout) and K/V one way, the output (or dq) back
+    return one * ((3 if documents else 2) if backward else 1)
 
 
 class Ulysses(HeadExchange):
