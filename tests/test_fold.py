@@ -79,7 +79,7 @@ def test_group_merges_match_one_merge_of_every_partial(seed, budget):
     assert bool((out[-2:] == 0).all()) and bool(torch.isneginf(lse[:, -2:]).all())  # rows no call reaches
 
 
-@pytest.mark.parametrize("mean,seed,ranks", [(1024, 23, 4), (4096, 11, 4), (16384, 11, 2)])
+@pytest.mark.parametrize("mean,seed,ranks", [(1024, 23, 3), (4096, 11, 4), (16384, 11, 2)])
 def test_groups_hold_no_more_than_a_merge_per_step(mean, seed, ranks):
     """On every rank's ring plan (CP 8, 131072 tokens of log-normal documents under doc_local): the partials
     a group keeps and its fp32 slots never exceed what a merge per step held (one step's packed output, the

@@ -150,11 +150,11 @@ def test_gradients_of_rows_read_once_travel_in_the_input_dtype(balance, docs):
 def test_a_window_reaching_an_earlier_piece_beside_full_tiles_still_reads_the_shard_in_place():
     """Where the same step also has full tiles (the band of a piece reaching its document's earlier piece
     on the same rank, past the window's sliding part), the causal tiles that cover the shard once, in
-    order, are still one call read as a view: three calls, not one gathering every row (0.888 of the
-    kernel's limit on this draw before, under the 0.90 bar)."""
-    docs = (tuple(lognormal_doc_lens(SEQ, 1024, seed=5, sigma=1.0)),)
+    order, are still one call read as a view: three calls, not one gathering every row (0.872 of the
+    kernel's limit on this draw so, under the 0.90 bar)."""
+    docs = (tuple(lognormal_doc_lens(SEQ, 1024, seed=13, sigma=1.0)),)
     layout = get_layout(SEQ, CP, "doc_local", [list(docs[0])])
-    calls = make_plan(layout, (7,), (7,), Mask(True, 4096, None, native_window=True)).host_calls(1)
+    calls = make_plan(layout, (5,), (5,), Mask(True, 4096, None, native_window=True)).host_calls(1)
     assert [c.causal for c in calls] == [True, True, False]
     assert torch.equal(calls[0].q_rows, torch.arange(SEQ // CP))
     record = predict_row(ModelRow("window_4096_docs_1k", docs, "doc_local", 4096, ("ring",), 0.90), "ring")

@@ -172,6 +172,6 @@ def test_doc_local_cuts_a_split_document_at_whole_kernel_blocks_where_that_sends
 
     one_call = sum(doc_local.block_work(n) for n in lens)
     assert blocks(fill.docs.values()) <= 1.002 * one_call
-    even = doc_local._fill(list(lens), 8, 0.25, 0.25, blocked=False)
+    even = doc_local._fill(list(lens), 8, 0.25, 0.25, "even")
     assert blocks(even.docs.values()) >= 1.05 * one_call  # the even cut of the same assignment
     assert all(a <= b for a, b in zip(fill.sends(), even.sends()))

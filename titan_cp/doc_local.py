@@ -10,7 +10,7 @@ over N. Deterministic from ``doc_lens`` alone, so every rank computes the same l
 
     1. big documents (work > beta * share), heaviest first, are split head-tail over the m ranks
        with the least work and room for them: 2m pieces, the k-th of those ranks takes pieces
-       k and 2m-1-k (equal work and tokens on each; or cut at whole kernel blocks, 128 tokens, the
+       k and 2m-1-k (equal work and tokens on each; or cut at whole kernel blocks of 128 tokens, the
        last piece taking the rest), m = max(2, work / (gamma * share), L / C) rounded up, at most N,
        for a spread ``gamma >= beta``;
     2. the other documents, longest first, go whole to the rank with the most work still to
@@ -78,6 +78,15 @@ class _Fill:
         """The rank with the most work still to take per token of room (ties: the lowest rank)."""
         return max(ranks, key=lambda r: ((self.share - self.work[r]) / self.room[r], -r))
 
+    def hungriest_with_room(self, length: int) -> int | None:
+        """:meth:`hungriest` of the ranks with room for ``length`` tokens (``None``: none has), in one pass
+        (every whole document of every candidate assignment asks it)."""
+        best, key = None, 0.0
+        for r, room in enumerate(self.room):
+            if room >= length and (best is None or (self.share - self.work[r]) / room > key):
+                best, key = r, (self.share - self.work[r]) / room
+        return best
+
     def cut_into_room(self, start: int, offset: int, length: int) -> None:
         """Positions ``[start, start + length)`` (``offset`` in their document) as contiguous parts, hungriest first."""
         while length:
@@ -133,23 +142,33 @@ def block_work(length: int, earlier: Sequence[int] = ()) -> int:
     return (b * (b + 1) // 2 + b * sum(-(-n // BLOCK) for n in earlier)) * BLOCK * BLOCK
 
 
-def _zigzag_pieces(length: int, m: int, blocked: bool) -> list[tuple[int, int, int]]:
-    """``(slot, offset, size)`` of a document cut into 2m head-tail pieces of equal length (extra tokens to
-    the first) or, ``blocked``, each of those but the last cut down to whole kernel blocks
-    (:data:`BLOCK` tokens), the last taking what they leave. Every tile between two blocked pieces
-    covers whole blocks, as one call over the document does, where pieces of any length each end in a
-    partly empty block (a document of 20,588 tokens in 16 pieces: 19% more blocks); no rank holds more
-    of the document's earlier tokens than evenly (what it sends), and the rank of the last piece holds
-    up to a block per piece more of its latest ones (more work: the balance decides)."""
+CUTS = ("even", "pieces", "pairs")  # how a split document is cut (:func:`_zigzag_pieces`)
+
+
+def _zigzag_pieces(length: int, m: int, cut: str) -> list[tuple[int, int, int]]:
+    """``(slot, offset, size)`` of a document cut into 2m head-tail pieces: ``even`` (equal lengths, extra
+    tokens to the first), or at whole kernel blocks (:data:`BLOCK` tokens): ``pieces``, each of those but
+    the last cut down to whole blocks; ``pairs``, each pair k, 2m-1-k that one rank takes cut down to
+    whole blocks and shared as evenly as blocks allow, the first piece cut down too; the last piece
+    takes what they leave. Every tile between two blocked pieces covers whole blocks, as one call over
+    the document does, where pieces of any length each end in a partly empty block (a document of
+    20,588 tokens in 16 pieces: 19% more blocks). No rank holds more of the document than evenly but
+    the last piece's, which holds up to a block per piece (``pieces``: no rank sends more) or per pair
+    (``pairs``: nearer the even balance) more of its latest tokens, sent to no one."""
     sizes = [length // (2 * m) + (slot < length % (2 * m)) for slot in range(2 * m)]
-    if blocked:
-        sizes = [n // BLOCK * BLOCK for n in sizes[:-1]]
-        sizes.append(length - sum(sizes))
+    if cut == "pieces":
+        sizes[:-1] = [n // BLOCK * BLOCK for n in sizes[:-1]]
+    elif cut == "pairs":
+        for k in range(1, m):
+            pair = (sizes[k] + sizes[2 * m - 1 - k]) // BLOCK
+            sizes[k], sizes[2 * m - 1 - k] = pair // 2 * BLOCK, (pair - pair // 2) * BLOCK
+        sizes[0] = sizes[0] // BLOCK * BLOCK
+    sizes[-1] = length - sum(sizes[:-1])
     offsets = [sum(sizes[:slot]) for slot in range(2 * m)]
     return [(slot, offsets[slot], size) for slot, size in enumerate(sizes) if size]
 
 
-def _split_over_ranks(fill: _Fill, start: int, length: int, gamma: float, blocked: bool) -> None:
+def _split_over_ranks(fill: _Fill, start: int, length: int, gamma: float, cut: str) -> None:
     """Step 1 for one document: head-tail over the least-loaded ranks with room, as many as its work
     over ``gamma`` shares (all of them for ``gamma = 0``)."""
     n = fill.n
@@ -159,7 +178,7 @@ def _split_over_ranks(fill: _Fill, start: int, length: int, gamma: float, blocke
         m += 1
         ranks = sorted((r for r in range(n) if fill.room[r] >= -(-length // m)), key=lambda r: (fill.work[r], r))
     ranks = ranks[:m] if len(ranks) >= m else sorted(range(n), key=lambda r: (-fill.room[r], r))[:m]
-    for slot, offset, size in _zigzag_pieces(length, m, blocked):
+    for slot, offset, size in _zigzag_pieces(length, m, cut):
         r = ranks[min(slot, 2 * m - 1 - slot)]
         take = min(size, fill.room[r])
         if take:
@@ -168,7 +187,7 @@ def _split_over_ranks(fill: _Fill, start: int, length: int, gamma: float, blocke
             fill.cut_into_room(start + offset + take, offset + take, size - take)
 
 
-def _fill(doc_lens: Sequence[int], n: int, beta: float, gamma: float | None = None, blocked: bool = False) -> _Fill:
+def _fill(doc_lens: Sequence[int], n: int, beta: float, gamma: float | None = None, cut: str = "even") -> _Fill:
     fill = _Fill(doc_lens, n)
     starts = [0]
     for length in doc_lens[:-1]:
@@ -176,12 +195,12 @@ def _fill(doc_lens: Sequence[int], n: int, beta: float, gamma: float | None = No
     order = sorted(range(len(doc_lens)), key=lambda d: (-doc_lens[d], d))
     big = {d for d in order if beta == 0 or work(doc_lens[d]) > beta * fill.share}
     for d in (d for d in order if d in big):
-        _split_over_ranks(fill, starts[d], doc_lens[d], beta if gamma is None else gamma, blocked)
+        _split_over_ranks(fill, starts[d], doc_lens[d], beta if gamma is None else gamma, cut)
     leftovers = []
     for d in (d for d in order if d not in big):
-        fits = [r for r in range(n) if fill.room[r] >= doc_lens[d]]
-        if fits:
-            fill.give(fill.hungriest(fits), starts[d], doc_lens[d], 0)
+        r = fill.hungriest_with_room(doc_lens[d])
+        if r is not None:
+            fill.give(r, starts[d], doc_lens[d], 0)
         else:
             leftovers.append(d)
     for d in leftovers:
@@ -199,24 +218,24 @@ def _choose(doc_lens: list[int], n: int) -> _Fill:
     edges: work and what its splits move) costs least sets how much may be sent (:meth:`_Fill.sends`);
     of all those sending no more, the one whose costliest rank costs least, the blocks' edges counted.
     Where no evenly cut one is within :data:`BALANCE`, the best balanced of those."""
-    best, balanced, left = None, [], None  # (blocked, fill) within BALANCE; betas left after the first even one
+    best, balanced, left = None, [], None  # (cut, fill) within BALANCE; betas left after the first even one
     for beta in BETAS:
         gammas = [g for g in BETAS if g >= beta and (g > 0 or beta == 0)][::-1]
-        cuts = (False, True) if beta < float("inf") else (False,)  # blocked cuts need a split document
-        for gamma, blocked in ((g, b) for g in gammas for b in cuts):
-            fill = _fill(doc_lens, n, beta, gamma, blocked)
-            if not blocked and (best is None or fill.imbalance() < best.imbalance()):
+        cuts = CUTS if beta < float("inf") else CUTS[:1]  # blocked cuts need a split document
+        for gamma, cut in ((g, c) for g in gammas for c in cuts):
+            fill = _fill(doc_lens, n, beta, gamma, cut)
+            if cut == "even" and (best is None or fill.imbalance() < best.imbalance()):
                 best = fill
             if fill.imbalance() <= BALANCE:
-                balanced.append((blocked, fill))
-        left = LOOK_FURTHER if any(not b for b, _ in balanced) and left is None else left
+                balanced.append((cut, fill))
+        left = LOOK_FURTHER if any(c == "even" for c, _ in balanced) and left is None else left
         if left is not None:
             if not left:
                 break
             left -= 1
-    if not any(not b for b, _ in balanced):
+    if not any(c == "even" for c, _ in balanced):
         return best
-    even = min((f for blocked, f in balanced if not blocked), key=lambda f: max(f.rank_costs(blocks=False)))
+    even = min((f for cut, f in balanced if cut == "even"), key=lambda f: max(f.rank_costs(blocks=False)))
     cap = even.sends()
     allowed = [f for _, f in balanced if all(a <= b for a, b in zip(f.sends(), cap))]
     return min(allowed, key=lambda f: max(f.rank_costs()))
