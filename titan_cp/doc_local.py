@@ -74,13 +74,10 @@ class _Fill:
         self.room[r] -= length
         self.work[r] += work(length, offset)
 
-    def hungriest(self, ranks) -> int:
-        """The rank with the most work still to take per token of room (ties: the lowest rank)."""
-        return max(ranks, key=lambda r: ((self.share - self.work[r]) / self.room[r], -r))
-
-    def hungriest_with_room(self, length: int) -> int | None:
-        """:meth:`hungriest` of the ranks with room for ``length`` tokens (``None``: none has), in one pass
-        (every whole document of every candidate assignment asks it)."""
+    def hungriest(self, length: int = 1) -> int | None:
+        """Of the ranks with room for ``length`` tokens, the one with the most work still to take per token
+        of room (ties: the lowest rank; ``None``: none has room), in one pass (every whole document of
+        every candidate assignment asks it)."""
         best, key = None, 0.0
         for r, room in enumerate(self.room):
             if room >= length and (best is None or (self.share - self.work[r]) / room > key):
@@ -90,7 +87,7 @@ class _Fill:
     def cut_into_room(self, start: int, offset: int, length: int) -> None:
         """Positions ``[start, start + length)`` (``offset`` in their document) as contiguous parts, hungriest first."""
         while length:
-            r = self.hungriest([r for r in range(self.n) if self.room[r]])
+            r = self.hungriest()
             m = min(length, self.room[r])
             self.give(r, start, m, offset)
             start, offset, length = start + m, offset + m, length - m
@@ -198,7 +195,7 @@ def _fill(doc_lens: Sequence[int], n: int, beta: float, gamma: float | None = No
         _split_over_ranks(fill, starts[d], doc_lens[d], beta if gamma is None else gamma, cut)
     leftovers = []
     for d in (d for d in order if d not in big):
-        r = fill.hungriest_with_room(doc_lens[d])
+        r = fill.hungriest(doc_lens[d])
         if r is not None:
             fill.give(r, starts[d], doc_lens[d], 0)
         else:
