@@ -190,3 +190,28 @@ def test_the_layout_chooses_the_schedule_by_what_the_ring_would_merge():
     pair = SequenceLayout(4096, 2, "zigzag", [[4096]])
     assert stays_home(short, CAUSAL, 1) and not stays_home(long, CAUSAL, 1) and stays_home(pair, CAUSAL, 1)
     assert sum(merged_query_rows(long, r, CAUSAL, 1) for r in range(4)) == 9 * 4096 // 4  # 18 of 8 pieces
+
+
+def _saved_form(rank, world, strategy, ulysses, rows):
+    """What the op saves for the backward on ``rows`` (the number of tensors beyond q, k, v, out)."""
+    from titan_cp.attention import api
+
+    mesh = cp_mesh(strategy, world, ulysses)
+    layout = SequenceLayout(SEQ, world, "doc_local", rows)
+    heads, kv_heads = HEADS[world]
+    q, k, v, _ = (
+        layout.shard(x, 2, cp_rank(mesh, strategy)) for x in make_inputs(0, len(rows), heads, kv_heads, SEQ, 8)
+    )
+    handle = api.register_spec(mesh, strategy, layout.balance, None)
+    ctx, module = api._context(handle, q, k.shape[1], layout.doc_lens_tensor(), True, 0.35)
+    return len(module.forward(ctx, q, k, v)[1]), module.kept(ctx.documents)
+
+
+@pytest.mark.parametrize("strategy,ulysses", [("ulysses", 1), ("hybrid", 2)])
+def test_one_document_a_row_keeps_the_head_shards(dist_pools, strategy, ulysses):
+    """A ``doc_lens`` of one document a row is the causal row itself: the head exchange keeps its head
+    shards (nothing sent again in the backward, no copy of q, k, v, out kept), as without ``doc_lens``;
+    with several documents a row it keeps what a ring keeps."""
+    for rows, form in (([[SEQ]], (4, ())), ([[SEQ], [SEQ]], (4, ())), ([[20, 28]], (1, ("q", "k", "v", "out")))):
+        for saved, kept in dist_pools.run(4, _saved_form, strategy, ulysses, rows):
+            assert (saved, kept) == form, (rows, saved, kept)

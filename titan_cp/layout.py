@@ -286,6 +286,12 @@ class SequenceLayout:
         return None if self.doc_lens is None else len(self.doc_lens)
 
     @property
+    def packs_documents(self) -> bool:
+        """Whether some row holds more than one document (``doc_lens`` of one document a row is the
+        causal row itself; the attention op tells them apart by the ``doc_lens`` tensor's width)."""
+        return self.doc_lens is not None and max(len(row) for row in self.doc_lens) > 1
+
+    @property
     def row_independent(self) -> bool:
         """True when every row uses the same permutation (so any dim may be the batch)."""
         return len(set(self._row_keys)) == 1 or self.balance not in DOCUMENT_BALANCES

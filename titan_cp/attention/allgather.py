@@ -166,7 +166,7 @@ class AllGather(Strategy):
             for r in ranks
         )
 
-    def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1) -> float:
+    def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1, documents=True):
         """Local q, out and lse, and the key buffer: at most ``cp`` tokens' K/V per local token (all of them
         when every row is seen by another rank; fewer under ``doc_local`` or a window)."""
         a, h, e = act_bytes, q_heads, head_dim

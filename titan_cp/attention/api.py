@@ -142,8 +142,14 @@ def _context(
     cp = 1 if spec.mesh is None else spec.mesh.size()
     layout = None if fake else _layout(spec, q.shape[2] * cp, cp, doc_lens)
     kernel = None if fake else check_kernel(spec.kernel, q.device, q.dtype, q.shape[-1])
-    ctx = CPContext(spec.mesh, layout, mask, scale, kernel, q.shape[1], k_heads, sinks, doc_lens is not None)
+    ctx = CPContext(spec.mesh, layout, mask, scale, kernel, q.shape[1], k_heads, sinks, _documents(doc_lens))
     return ctx, _strategy(spec)
+
+
+def _documents(doc_lens: Tensor | None) -> bool:
+    """Whether a row may hold several documents: the ``(B, max_docs)`` tensor is wider than one column
+    (its shape, known when the op is traced; one document a row is the causal row itself)."""
+    return doc_lens is not None and doc_lens.shape[-1] > 1
 
 
 def _bshe_like(x: Tensor) -> Tensor:
@@ -235,7 +241,7 @@ _ARGS = ("doc_lens", "sinks", "handle", "causal", "window", "chunk", "scale")
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *rest = inputs
-    keeps = _strategy(_SPECS[rest[_ARGS.index("handle")]]).kept(rest[_ARGS.index("doc_lens")] is not None)
+    keeps = _strategy(_SPECS[rest[_ARGS.index("handle")]]).kept(_documents(rest[_ARGS.index("doc_lens")]))
     kept = [t if name in keeps else None for name, t in (("q", q), ("k", k), ("v", v), ("out", output[0]))]
     ctx.kept = [name for name, t in zip(("q", "k", "v", "out"), kept) if t is not None]
     ctx.save_for_backward(*(t for t in kept if t is not None), *output[1:])

@@ -34,7 +34,8 @@ class CPContext:
     mask: causal, window and chunk (:class:`~titan_cp.attention.mask_plans.Mask`).
     q_heads, kv_heads: the local head counts of q and k/v (the backward may see neither tensor).
     sinks: ``(q_heads,)`` per-head sink logits, or ``None``.
-    documents: whether the call has documents (``doc_lens``): known where ``layout`` is not (the fake op).
+    documents: whether some row of the call holds several documents (``doc_lens`` wider than one
+        column): known where ``layout`` is not (the fake op).
     """
 
     mesh: object
@@ -45,13 +46,13 @@ class CPContext:
     q_heads: int
     kv_heads: int
     sinks: torch.Tensor | None = None
-    documents: bool | None = None  # by default: whether the layout has documents
+    documents: bool | None = None  # by default: the layout's packs_documents
 
     def __post_init__(self):
         # a kernel that takes the window itself gets windowed tiles (one segment per band)
         object.__setattr__(self, "mask", kernel_mask(self.mask, self.kernel))
         if self.documents is None:
-            object.__setattr__(self, "documents", self.layout is not None and self.layout.doc_lens is not None)
+            object.__setattr__(self, "documents", self.layout is not None and self.layout.packs_documents)
 
     @property
     def causal(self) -> bool:

@@ -166,7 +166,7 @@ class Hybrid(HeadExchange):
             return AxisBytes("cp_ring", cp // u, home if on_ring else 0, True), AxisBytes(
                 "cp_ulysses", u, 0 if on_ring else home, not on_ring
             )
-        uly = exchange_bytes(q, k, u, backward, layout is not None and layout.doc_lens is not None)
+        uly = exchange_bytes(q, k, u, backward, layout is not None and layout.packs_documents)
         b, _, s, d = k.shape
         k_ring = torch.empty(b, kv_heads_per_shard(q.shape[1], k.shape[1], u), s * u, d, dtype=k.dtype, device="meta")
         if layout is None:

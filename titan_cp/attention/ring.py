@@ -415,12 +415,12 @@ class Ring(Strategy):
             )
         return ring_bytes(k, sent, recv, backward)
 
-    def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1) -> float:
+    def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1, documents=True):
         """q, out, k, v as stored locally and the fp32 lse."""
         a, h, e = act_bytes, q_heads, head_dim
         return 2 * a * h * e + 2 * a * kv_heads * e + 4 * h
 
-    def buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1) -> int:
+    def buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1, documents=True):
         """At most two K/V blocks (the one read, the one arriving) and two fp32 dK/dV blocks."""
         if cp == 1:
             return 0

@@ -169,9 +169,17 @@ class Strategy:
         return (AxisBytes(axis, size, nbytes, ring),)
 
     def saved_bytes_per_token(
-        self, act_bytes: int, q_heads: int, kv_heads: int, head_dim: int, cp: int, ulysses_degree: int = 1
+        self,
+        act_bytes: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        cp: int,
+        ulysses_degree: int = 1,
+        documents: bool = True,
     ) -> float:
-        """Bytes the op keeps for backward per local token: its kept inputs/outputs and ``saved``.
+        """Bytes the op keeps for backward per local token: its kept inputs/outputs and ``saved``, with
+        ``documents`` (several a row) or not (what the head exchanges keep depends on it).
 
         When the op does not keep ``out``, the output projection saves its input instead; that
         is counted here too, so every strategy's figure covers the same tensors.
@@ -196,8 +204,10 @@ class Strategy:
         local_tokens: int,
         cp: int,
         ulysses_degree: int = 1,
+        documents: bool = True,
     ) -> int:
-        """Receive buffers alive while the op runs (beyond what it saves), for ``local_tokens`` tokens."""
+        """Receive buffers alive while the op runs (beyond what it saves), for ``local_tokens`` tokens
+        (``documents`` as for :meth:`saved_bytes_per_token`)."""
         return 0
 
     def __repr__(self) -> str:

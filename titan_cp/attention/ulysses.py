@@ -215,13 +215,14 @@ def stays_home(layout: SequenceLayout, mask: Mask, batch: int) -> bool:
 class HeadExchange(Strategy):
     """A strategy that attends on head shards: Ulysses, and hybrid's Ulysses groups.
 
-    Without documents every token's heads are exchanged and the head shards are kept for the
-    backward. With documents (``doc_lens``) a document whole on one rank needs nothing from any other,
-    so where the layout keeps most documents whole (:func:`stays_home`, ``doc_local``'s packed rows)
-    the call runs the ring's schedule over every cp rank instead: each rank attends its own queries
-    over every head, and only the split documents' K/V travel. Either way the op then keeps its own
-    q, k, v, out and the log-sum-exp (what it keeps cannot depend on the documents' lengths, which the
-    traced op does not know), and the head exchange sends q, K/V and out again in the backward.
+    Without documents (or one a row) every token's heads are exchanged and the head shards are kept
+    for the backward. With documents (``doc_lens`` of several a row) a document whole on one rank
+    needs nothing from any other, so where the layout keeps most documents whole (:func:`stays_home`,
+    ``doc_local``'s packed rows) the call runs the ring's schedule over every cp rank instead: each
+    rank attends its own queries over every head, and only the split documents' K/V travel. Either
+    way the op then keeps its own q, k, v, out and the log-sum-exp (what it keeps may depend on the
+    ``doc_lens`` tensor's width, known when the op is traced, not on the lengths), and the head
+    exchange sends q, K/V and out again in the backward.
     """
 
     def kept(self, documents: bool) -> tuple[str, ...]:
@@ -297,8 +298,8 @@ class HeadExchange(Strategy):
     def saved_bytes_per_token(
         self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1, documents: bool = True
     ) -> float:
-        """With documents (a trainer's batches always carry ``doc_lens``) what a ring keeps, whichever
-        schedule runs; without, the head shards (:func:`head_shard_saved_bytes`)."""
+        """With documents (several a row) what a ring keeps, whichever schedule runs; without (or one a
+        row), the head shards (:func:`head_shard_saved_bytes`)."""
         if documents:
             return RING.saved_bytes_per_token(act_bytes, q_heads, kv_heads, head_dim, cp)
         return head_shard_saved_bytes(act_bytes, q_heads, kv_heads, head_dim, self.ulysses_size(cp, ulysses_degree))
@@ -321,13 +322,13 @@ class HeadExchange(Strategy):
 
     def home_pairs(self, layout, rank, mask, batch, q_heads) -> int | None:
         """The ring schedule's pairs of ``rank`` where documents stay home (:func:`stays_home`), else ``None``."""
-        if layout.doc_lens is None or not stays_home(layout, mask, batch):
+        if not layout.packs_documents or not stays_home(layout, mask, batch):
             return None
         return RING.local_head_pairs(layout, rank, mask, batch, q_heads)
 
     def home_bytes(self, q, k, cp, backward, layout, rank, mask) -> int | None:
         """The ring schedule's bytes where documents stay home (:func:`stays_home`), else ``None``."""
-        if layout is None or layout.doc_lens is None or not stays_home(layout, mask, q.shape[0]):
+        if layout is None or not layout.packs_documents or not stays_home(layout, mask, q.shape[0]):
             return None
         return RING.min_bytes(q, k, cp, backward=backward, layout=layout, rank=rank, mask=mask)
 
@@ -381,7 +382,7 @@ class Ulysses(HeadExchange):
         home = self.home_bytes(q, k, cp, backward, layout, rank, mask)
         if home is not None:
             return home
-        return exchange_bytes(q, k, cp, backward, layout is not None and layout.doc_lens is not None)
+        return exchange_bytes(q, k, cp, backward, layout is not None and layout.packs_documents)
 
     def exchange_buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1):
         """The all-to-all's send and receive copies of the local K/V, and the stacked pair."""

@@ -31,7 +31,7 @@ width over ``tp``; sequence parallelism shards the norms' tensors and a block's 
     wq               its input (a D; wk and wv share it)
     attention        the strategy's own figure (Strategy.saved_bytes_per_token):
                      ring: q, out (a H E each), k, v (a K E each), lse (4 H); Ulysses and
-                     hybrid the same, as with documents (a trainer's batches carry them)
+                     hybrid the same with several documents a row, else their head shards
     feed_forward     w1 x, w3 x, silu(w1 x) (a F each); w1 input (a D); w2 input (a F)
   + once per token: tokens (8, first stage), RoPE cos and sin (2 x 4 E/2), final norm
     (a (2 D + 1) / tp), output input (a D), labels (8), loss lse (4) (last stage)
@@ -93,6 +93,7 @@ class RankModel:
     ac_every: int = 1
     host: HostOptions = HostOptions()
     fused_norm: bool = False  # RMSNorm as the GPU's fused kernel (:func:`norm_saved_per_token`)
+    documents: bool = True  # several documents a row (what Ulysses and hybrid keep depends on it)
 
     @property
     def attention(self):
@@ -167,7 +168,7 @@ def block_saved_per_token(m: RankModel) -> float:
     a, d, e = m.act_bytes, m.args.dim, m.args.head_dim
     h, k, f = m.heads
     norm = norm_saved_per_token(m)
-    attn = m.attention.saved_bytes_per_token(a, h, k, e, m.cp, m.ulysses)
+    attn = m.attention.saved_bytes_per_token(a, h, k, e, m.cp, m.ulysses, documents=m.documents)
     return norm + a * d + attn + ffn_saved_per_token(m) + norm
 
 
@@ -245,7 +246,7 @@ def saved_bytes(
     last: bool = True,
 ) -> int:
     """Bytes saved for backward by one microbatch of ``rows`` rows on one rank (:func:`stage_saved_bytes`)."""
-    m = RankModel(args, strategy, cp, tp, ulysses, act_bytes, ac)
+    m = RankModel(args, strategy, cp, tp, ulysses, act_bytes, ac, documents=docs_per_row > 1)
     stage = Stage(args.n_layers if layers is None else layers, first, last)
     return stage_saved_bytes(m, stage, local_tokens, docs_per_row, rows)
 
@@ -362,7 +363,7 @@ def step_peak_bytes(
 ) -> dict:
     """``{"saved", "peak", "grads"}`` of one forward + backward of the whole model (:func:`step_peak`)."""
     p = step_peak(
-        RankModel(args, strategy, cp, tp, ulysses, act_bytes, ac),
+        RankModel(args, strategy, cp, tp, ulysses, act_bytes, ac, documents=docs_per_row > 1),
         Stage(args.n_layers),
         local_tokens,
         docs_per_row,
@@ -438,7 +439,7 @@ def rank_memory(
         buffers, grad_shards = m.act_bytes * params + FP32 * layer, f
     h, k, _ = m.heads
     tokens = local_tokens * rows
-    buffers += m.attention.buffer_bytes(m.act_bytes, h, k, m.args.head_dim, tokens, m.cp, m.ulysses)
+    buffers += m.attention.buffer_bytes(m.act_bytes, h, k, m.args.head_dim, tokens, m.cp, m.ulysses, m.documents)
     step = step_peak(m, stage, local_tokens, docs_per_row, rows, grad_shards, in_flight, grads_held)
     host = host_bytes(m, stage, local_tokens * rows, in_flight, params, f)
     if m.host.fsdp_offload and f > 1:  # shards, gradients and AdamW on the host; a block's gradient in buffers

@@ -113,6 +113,7 @@ class Workload:
             self.ac_every,
             self.host,
             self.fused_norm,
+            self.docs_per_row > 1,
         )
 
 
