@@ -174,7 +174,8 @@ def test_head_exchanges_with_documents_match_the_reference_on_either_schedule(di
     """Ulysses and hybrid with documents run the ring's schedule where documents stay home and exchange
     heads elsewhere (keeping only a ring's tensors, the head shards sent again in the backward): each
     schedule, forced and as the layout chooses, matches the fp64 reference, forward and every gradient
-    (the sinks' included), on short documents, one spanning the row, two rows, windows and chunks."""
+    (the sinks' included), on short documents, two rows, windows and chunks; a row of one document
+    (``doc_lens`` one column wide) runs the plain head exchange, and matches it too."""
     for home_merges, expect in ((-1.0, False), (float("inf"), True), (None, None)):
         for results in dist_pools.run(world, _schedules, strategy, ulysses, home_merges):
             for (home, errs), case in zip(results, SCHEDULE_CASES):
