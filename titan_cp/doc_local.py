@@ -93,10 +93,12 @@ class _Fill:
             start, offset, length = start + m, offset + m, length - m
 
     def _split(self):
-        """``(rank, offset, length, pieces)`` of every piece of a split document."""
+        """``(rank, offset, length, pieces, later)`` of every piece of a split document; ``later``: the other
+        ranks holding later tokens of it (those its keys are sent to)."""
         for pieces in (p for p in self.docs.values() if len({r for r, _, _ in p}) > 1):
             for r, offset, length in pieces:
-                yield r, offset, length, pieces
+                later = {q for q, o, n in pieces if q != r and o + n > offset}
+                yield r, offset, length, pieces, later
 
     def rank_costs(self, blocks: bool = True) -> list[float]:
         """Each rank's causal work plus what its pieces of split documents cost beyond their pairs
@@ -104,9 +106,8 @@ class _Fill:
         every other rank holding later ones, and (``blocks``) the kernel's partly empty blocks at the
         pieces' edges (:func:`block_work`, against the pairs themselves)."""
         cost = [float(w) for w in self.work]
-        for r, offset, length, pieces in self._split():
+        for r, offset, length, pieces, later in self._split():
             earlier = {q for q, o, _ in pieces if q != r and o < offset + length}
-            later = {q for q, o, n in pieces if q != r and o + n > offset}
             cost[r] += length * (MERGE_PAIRS * len(earlier) + SEND_PAIRS * len(later))
             if blocks:
                 cost[r] += block_work(length, [n for _, o, n in pieces if o < offset]) - work(length, offset)
@@ -117,8 +118,7 @@ class _Fill:
         tokens of their document, and the gradients of the tokens it reads from other ranks back) and as
         the all-gather does (each token some other rank reads, once into its compact buffer)."""
         ring, gather = [0] * self.n, [0] * self.n
-        for r, offset, length, pieces in self._split():
-            later = {q for q, o, n in pieces if q != r and o + n > offset}
+        for r, offset, length, pieces, later in self._split():
             ring[r] += length * len(later)
             gather[r] += length if later else 0
             last = max(o for q, o, _ in pieces if q == r)

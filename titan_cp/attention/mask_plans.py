@@ -14,10 +14,10 @@ microbatch reuses it); :meth:`MaskPlan.index` turns it, once per device, into a
 flag (a plan of full tiles only whose query rows are two consecutive groups takes two, each read
 as a view; causal tiles that cover the query rows once in order but for a few take two, those read
 as a view and the few gathered: with full tiles beside them, three calls), its segments in query
-order, the packed rows to
-gather for it, and the accumulator row of each packed output row. An *upper* tile (keys ``j >= i``, at a window's edge)
-joins the causal call with its rows and keys gathered in reverse order, where it is a causal
-square; a *windowed* tile (for a kernel that takes the window) carries the window to its call.
+order, the packed rows to gather for it, and the accumulator row of each packed output row. An
+*upper* tile (keys ``j >= i``, at a window's edge) joins the causal call with its rows and keys
+gathered in reverse order, where it is a causal square; a *windowed* tile (for a kernel that takes
+the window) carries the window to its call.
 
 A key buffer may arrive *compact*: only the rows some query of the plan reads
 (:meth:`MaskPlan.key_rows`), as the strategies send them; ``index(..., key_map=...)`` numbers

@@ -303,14 +303,8 @@ def merged_query_rows(layout: SequenceLayout, rank: int, mask: Mask, batch: int)
     to merge and one more dq to sum in the ring over every cp rank; host only, cached on the layout)."""
 
     def build() -> int:
-        n, total = layout.cp_size, 0
-        for s in range(1, n):
-            src = (rank - s) % n
-            if mask == CAUSAL:
-                total += causal_counts(layout, (rank,), (src,), batch)[1]
-            else:
-                total += make_plan(layout, (rank,), (src,), mask).query_row_count(batch)
-        return total
+        n = layout.cp_size
+        return sum(_rows_seen(layout, (rank,), ((rank - s) % n,), mask, batch)[0] for s in range(1, n))
 
     return layout.memo(("merged_query_rows", rank, mask, batch), build)
 
@@ -358,11 +352,18 @@ def fp32_returned_rows(layout: SequenceLayout, ring_rank: int, ring_size: int, m
     return layout.memo(("fp32_returned_rows", ring_rank, groups, mask, batch), build)
 
 
-def _key_rows_seen(layout: SequenceLayout, q_ranks, k_ranks, mask: Mask, batch: int) -> int:
-    """Rows of ``k_ranks``' keys that ``q_ranks``' queries see (plain causal masks in closed form)."""
+def _rows_seen(layout: SequenceLayout, q_ranks, k_ranks, mask: Mask, batch: int) -> tuple[int, int]:
+    """``(query rows, key rows)``: ``q_ranks``' queries that see some key of ``k_ranks``, and the keys they
+    see (plain causal masks in closed form)."""
     if mask == CAUSAL:
-        return causal_counts(layout, q_ranks, k_ranks, batch)[2]
-    return make_plan(layout, q_ranks, k_ranks, mask).key_row_count(batch)
+        return causal_counts(layout, q_ranks, k_ranks, batch)[1:]
+    plan = make_plan(layout, q_ranks, k_ranks, mask)
+    return plan.query_row_count(batch), plan.key_row_count(batch)
+
+
+def _key_rows_seen(layout: SequenceLayout, q_ranks, k_ranks, mask: Mask, batch: int) -> int:
+    """Rows of ``k_ranks``' keys that ``q_ranks``' queries see."""
+    return _rows_seen(layout, q_ranks, k_ranks, mask, batch)[1]
 
 
 def ring_bytes(k, sent: int, recv: int, backward: bool, resend: bool = True, fp32: int | None = None) -> int:

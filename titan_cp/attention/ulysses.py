@@ -212,6 +212,12 @@ def stays_home(layout: SequenceLayout, mask: Mask, batch: int) -> bool:
     return layout.memo(("stays_home", mask, batch), build)
 
 
+def runs_home(layout: SequenceLayout | None, mask: Mask, batch: int) -> bool:
+    """Whether a head exchange on ``layout`` runs the ring's schedule: several documents a row, mostly
+    whole on their ranks (:func:`stays_home`)."""
+    return layout is not None and layout.packs_documents and stays_home(layout, mask, batch)
+
+
 class HeadExchange(Strategy):
     """A strategy that attends on head shards: Ulysses, and hybrid's Ulysses groups.
 
@@ -321,14 +327,12 @@ class HeadExchange(Strategy):
         return max(own + resent, RING.buffer_bytes(*shape[:-1]))
 
     def home_pairs(self, layout, rank, mask, batch, q_heads) -> int | None:
-        """The ring schedule's pairs of ``rank`` where documents stay home (:func:`stays_home`), else ``None``."""
-        if not layout.packs_documents or not stays_home(layout, mask, batch):
-            return None
-        return RING.local_head_pairs(layout, rank, mask, batch, q_heads)
+        """The ring schedule's pairs of ``rank`` where documents stay home (:func:`runs_home`), else ``None``."""
+        return RING.local_head_pairs(layout, rank, mask, batch, q_heads) if runs_home(layout, mask, batch) else None
 
     def home_bytes(self, q, k, cp, backward, layout, rank, mask) -> int | None:
-        """The ring schedule's bytes where documents stay home (:func:`stays_home`), else ``None``."""
-        if layout is None or not layout.packs_documents or not stays_home(layout, mask, q.shape[0]):
+        """The ring schedule's bytes where documents stay home (:func:`runs_home`), else ``None``."""
+        if not runs_home(layout, mask, q.shape[0]):
             return None
         return RING.min_bytes(q, k, cp, backward=backward, layout=layout, rank=rank, mask=mask)
 
