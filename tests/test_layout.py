@@ -175,3 +175,67 @@ def test_doc_local_cuts_a_split_document_at_whole_kernel_blocks_where_that_sends
     even = doc_local._fill(list(lens), 8, 0.25, 0.25, "even")
     assert blocks(even.docs.values()) >= 1.05 * one_call  # the even cut of the same assignment
     assert all(a <= b for a, b in zip(fill.sends(), even.sends()))
+
+
+@pytest.mark.parametrize("mean,sigma,seed,window", [(4096, 1.8, 4, None), (1024, 1.0, 23, 1024), (256, 1.2, 8, 128)])
+def test_doc_local_counts_the_rows_the_exchange_sends(mean, sigma, seed, window):
+    """The layout's send guard counts exactly the K/V rows the exchanges send, causal and under a window (each
+    token to every other rank holding later tokens of its document that it can see), and the gradients
+    they send back of the rows they read; the all-gather's gradients go home in fp32, twice the bytes of
+    16-bit K/V, and its count is exactly its bytes. On the long-tail row of seed 4, a guard counting those
+    gradients once kept a blocked cut whose all-gather sent 2.6% more than the even cut: 1,030,250,496
+    bytes against 1,003,683,840 on its busiest rank."""
+    from titan_cp import doc_local
+    from titan_cp.attention.mask_plans import Mask
+    from titan_cp.attention.ring import exchanged_rows, ring_bytes
+    from titan_cp.data.row_mixes import lognormal_doc_lens
+
+    lens = lognormal_doc_lens(131072, mean, seed=seed, sigma=sigma)
+    layout = SequenceLayout(131072, 8, "doc_local", [list(lens)])
+    rows = [exchanged_rows(layout, r, 8, lambda i: (i,), Mask(window=window), 1) for r in range(8)]
+    k = torch.empty(1, 8, 131072 // 8, 128, dtype=torch.bfloat16, device="meta")
+    gather = max(ring_bytes(k, s, g, True, resend=False) for s, g in rows)
+    sends = doc_local._choose(list(lens), 8).sends(window)
+    assert sends == (max(s + g for s, g in rows), gather // ring_bytes(k, 1, 0, backward=False))
+    if window is None and seed == 4:
+        assert gather <= 1_003_683_840
+
+
+def test_doc_local_of_two_near_costs_keeps_the_one_sending_no_more_under_windows():
+    """The layout is made before any layer's mask is known. On mean-1K documents of seed 23, two blocked cuts
+    of one assignment cost within 0.3% of each other; the cheaper sent more than the even cut under windows
+    of 128 to 1,024 keys (the ring's busiest rank under a 1,024 window: 34,545,664 bytes against
+    33,890,304). Of costs that close, the layout keeps the one sending no more under any window
+    (33,394,688 bytes), and still no more than the even cut under causal masks."""
+    from titan_cp import doc_local
+    from titan_cp.data.row_mixes import lognormal_doc_lens
+
+    lens = lognormal_doc_lens(131072, 1024, seed=23, sigma=1.0)
+    fill, even = doc_local._choose(list(lens), 8), doc_local._fill(list(lens), 8, 0.5, 0.5, "even")
+    assert fill.pieces != even.pieces and max(fill.rank_costs()) < max(even.rank_costs())
+    for reach in doc_local.REACHES:
+        assert all(a <= b for a, b in zip(fill.sends(reach), even.sends(reach))), reach
+
+
+def test_doc_local_sets_its_send_cap_by_the_even_cut_sending_least_under_windows():
+    """On mean-1K documents of seed 3, two even cuts cost within 0.2% of each other; the cheaper sends 1.8x
+    the rows of the other under a 1,024 window. Capping sends by it, the ring's busiest rank under that
+    window sent 32,608,256 bytes; capped by the even cut nearest the least under every window, 13,963,264,
+    under the 18,489,344 the code sent as issue 28 was filed."""
+    from titan_cp.attention.mask_plans import Mask
+    from titan_cp.attention.ring import exchanged_rows, fp32_returned_rows, ring_bytes
+    from titan_cp.data.row_mixes import lognormal_doc_lens
+
+    layout = SequenceLayout(131072, 8, "doc_local", [lognormal_doc_lens(131072, 1024, seed=3, sigma=1.0)])
+    k = torch.empty(1, 8, 131072 // 8, 128, dtype=torch.bfloat16, device="meta")
+    window, ranks = Mask(window=1024), lambda i: (i,)
+    sent = max(
+        ring_bytes(
+            k,
+            *exchanged_rows(layout, r, 8, ranks, window, 1),
+            True,
+            fp32=fp32_returned_rows(layout, r, 8, ranks, window, 1),
+        )
+        for r in range(8)
+    )
+    assert sent <= 18_489_344, sent

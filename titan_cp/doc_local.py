@@ -23,9 +23,13 @@ each with even and block cuts; of the results that keep every rank's work within
 of the mean, the one whose slowest rank costs least is kept (:func:`_choose`): a rank's cost is its
 causal work plus what its split pieces move, in pairs of work (:data:`MERGE_PAIRS` per query token
 merged with one more rank's results, :data:`SEND_PAIRS` per key token sent to one more rank), and
-the pairs of the kernel's blocks the pieces' edges leave partly empty. Block cuts are kept only
-where no rank then sends more than the cheapest even cut (by that cost without the blocks) would
-have; the last beta, 0, splits every document over all ranks as ``doc_zigzag`` does.
+the pairs of the kernel's blocks the pieces' edges leave partly empty. Results are kept only where
+no rank then sends more under causal masks than under the even cut measured against: of the even
+cuts costing within :data:`NEAR` of the cheapest (by that cost without the blocks), the one sending
+nearest the least under every mask of :data:`REACHES`. Of the results kept and costing within
+:data:`NEAR` of the cheapest, the cheapest sending no more under those windows either (the layout is
+made before any layer's mask is known). The last beta, 0, splits every document over all ranks as
+``doc_zigzag`` does.
 Within a rank, whole documents come first and the pieces of split ones after them, so what other
 ranks see of a rank, and the rows whose results merge, are one span of its buffer. One document
 longer than a rank is split over all ranks: on one document the layout is ``zigzag`` and sends
@@ -50,6 +54,10 @@ LOOK_FURTHER = 2  # betas tried after the first balanced one, for splits that mo
 MERGE_PAIRS = 360
 SEND_PAIRS = 120
 BLOCK = 128  # the flash kernels' tile of queries and of keys: split points fall on its multiples
+# The masks whose sends a layout is checked under (it is built from the documents alone, before any layer's
+# mask is known): causal, and sliding windows of every power of two from 128 to 65,536 keys
+REACHES = (None,) + tuple(2**k for k in range(7, 17))
+NEAR = 1.01  # costs this close are one to the cost model: of them, one sending no more under any window
 
 
 def work(length: int, offset: int = 0) -> int:
@@ -113,18 +121,23 @@ class _Fill:
                 cost[r] += block_work(length, [n for _, o, n in pieces if o < offset]) - work(length, offset)
         return cost
 
-    def sends(self) -> tuple[int, int]:
-        """Rows the rank sending most sends, as the ring does (its tokens to each other rank holding later
-        tokens of their document, and the gradients of the tokens it reads from other ranks back) and as
-        the all-gather does (each token some other rank reads, once into its compact buffer)."""
-        ring, gather = [0] * self.n, [0] * self.n
-        for r, offset, length, pieces, later in self._split():
-            ring[r] += length * len(later)
-            gather[r] += length if later else 0
-            last = max(o for q, o, _ in pieces if q == r)
-            if offset == last:  # the earlier tokens of other ranks this rank reads, once per document
-                ring[r] += sum(n for q, o, n in pieces if q != r and o < offset)
-        return max(ring), max(gather)
+    def sends(self, reach: int | None = None) -> tuple[int, int]:
+        """What the rank sending most sends, in K/V rows: its tokens to each other rank holding later tokens of
+        their document, those of them that rank's queries can see (``reach``: a sliding window of that many
+        keys; ``None``: causal), and the gradients of the tokens it reads from other ranks back. Counted with
+        the gradients at one row each, and at two (the all-gather's, in fp32 against 16-bit K/V: exactly
+        what it sends). The ring sends its rows again in the backward; its count is left at one row each:
+        what a blocked cut saves in kernel blocks outweighs the few rows it moves between ranks."""
+        sent, read = [0] * self.n, [0] * self.n
+        for pieces in (p for p in self.docs.values() if len({r for r, _, _ in p}) > 1):
+            first = {}  # rank: its earliest piece after the one at hand
+            for r, offset, length in sorted(pieces, key=lambda p: -p[1]):
+                for q, later in first.items():
+                    if q != r:
+                        rows = length if reach is None else min(length, max(0, offset + length - later + reach - 1))
+                        sent[r], read[q] = sent[r] + rows, read[q] + rows
+                first[r] = offset
+        return max(map(sum, zip(sent, read))), max(s + 2 * g for s, g in zip(sent, read))
 
     def imbalance(self) -> float:
         mean = sum(self.work) / self.n
@@ -211,10 +224,13 @@ def _choose(doc_lens: list[int], n: int) -> _Fill:
     of :data:`BETAS` (how many ranks each split takes: fewer for a larger ``gamma``) are tried, each with
     split documents cut evenly and at whole kernel blocks; the assignments within :data:`BALANCE` are
     those found at the first ``beta`` balanced with even cuts and the :data:`LOOK_FURTHER` after it.
-    Of the evenly cut ones, the one whose costliest rank (:meth:`_Fill.rank_costs` without the blocks'
-    edges: work and what its splits move) costs least sets how much may be sent (:meth:`_Fill.sends`);
-    of all those sending no more, the one whose costliest rank costs least, the blocks' edges counted.
-    Where no evenly cut one is within :data:`BALANCE`, the best balanced of those."""
+    Of the evenly cut ones whose costliest rank (:meth:`_Fill.rank_costs` without the blocks' edges: work
+    and what its splits move) costs within :data:`NEAR` of the least, the one sending nearest the least
+    under every mask (:func:`_least_regret`) sets how much may be sent (:meth:`_Fill.sends`). Of all those
+    sending no more under causal masks, the one whose costliest rank costs least, the blocks' edges
+    counted; or, of those costing within :data:`NEAR` of it, the cheapest sending no more under any
+    window of :data:`REACHES` either. Where no evenly cut one is within :data:`BALANCE`, the best
+    balanced of those."""
     best, balanced, left = None, [], None  # (cut, fill) within BALANCE; betas left after the first even one
     for beta in BETAS:
         gammas = [g for g in BETAS if g >= beta and (g > 0 or beta == 0)][::-1]
@@ -232,10 +248,23 @@ def _choose(doc_lens: list[int], n: int) -> _Fill:
             left -= 1
     if not any(c == "even" for c, _ in balanced):
         return best
-    even = min((f for cut, f in balanced if cut == "even"), key=lambda f: max(f.rank_costs(blocks=False)))
-    cap = even.sends()
-    allowed = [f for _, f in balanced if all(a <= b for a, b in zip(f.sends(), cap))]
-    return min(allowed, key=lambda f: max(f.rank_costs()))
+    evens = sorted((f for cut, f in balanced if cut == "even"), key=lambda f: max(f.rank_costs(blocks=False)))
+    low = max(evens[0].rank_costs(blocks=False))
+    even = _least_regret([f for f in evens if max(f.rank_costs(blocks=False)) <= NEAR * low])
+    cap = {reach: even.sends(reach) for reach in REACHES}
+    no_more = lambda f, reaches: all(a <= b for w in reaches for a, b in zip(f.sends(w), cap[w]))  # noqa: E731
+    ranked = sorted((f for _, f in balanced if no_more(f, REACHES[:1])), key=lambda f: max(f.rank_costs()))
+    near = [f for f in ranked if max(f.rank_costs()) <= NEAR * max(ranked[0].rank_costs())]
+    return next((f for f in near if no_more(f, REACHES[1:])), ranked[0])
+
+
+def _least_regret(fills: list[_Fill]) -> _Fill:
+    """Of ``fills`` (costing alike), the one whose sends under its worst mask of :data:`REACHES` come nearest
+    the least any of them sends under that mask (ties: the first)."""
+    sends = [[f.sends(w) for w in REACHES] for f in fills]
+    least = [[min(s[i][j] for s in sends) for j in range(2)] for i in range(len(REACHES))]
+    regret = [max(a / max(b, 1) for row, low in zip(s, least) for a, b in zip(row, low)) for s in sends]
+    return fills[regret.index(min(regret))]
 
 
 def _buffer_order(pieces: list[tuple[int, int]], whole: set[tuple[int, int]]) -> list[tuple[int, int]]:
