@@ -262,7 +262,7 @@ def _least_regret(fills: list[_Fill]) -> _Fill:
     """Of ``fills`` (costing alike), the one whose sends under its worst mask of :data:`REACHES` come nearest
     the least any of them sends under that mask (ties: the first)."""
     sends = [[f.sends(w) for w in REACHES] for f in fills]
-    least = [[min(s[i][j] for s in sends) for j in range(2)] for i in range(len(REACHES))]
+    least = [list(map(min, zip(*at))) for at in zip(*sends)]  # under each mask, each figure's least
     regret = [max(a / max(b, 1) for row, low in zip(s, least) for a, b in zip(row, low)) for s in sends]
     return fills[regret.index(min(regret))]
 

@@ -72,14 +72,13 @@ def block_pairs(n: int, m: int, causal: bool, window: int | None = None) -> int:
     return blocks * BLOCK * BLOCK
 
 
-def kernel_seconds(segments, heads: int, head_dim: int, device: str = "h200", fraction: float | None = None) -> float:
+def kernel_seconds(segments, head_dim: int, device: str = "h200", fraction: float | None = None) -> float:
     """Seconds of the kernel calls ``segments`` (``(op, causal, host_q, host_k, window, heads)``, as the meter
-    records them; ``heads`` where a call does not say)."""
+    records them: each call says the heads it runs)."""
     dev = GPUS[device]
     total = 0.0
-    for op, causal, host_q, host_k, window, *call_heads in segments:
-        h = call_heads[0] if call_heads else heads
-        flops_per_pair = (FWD_FLOPS_PER_PAIR_DIM if op == "forward" else BWD_FLOPS_PER_PAIR_DIM) * h * head_dim
+    for op, causal, host_q, host_k, window, heads in segments:
+        flops_per_pair = (FWD_FLOPS_PER_PAIR_DIM if op == "forward" else BWD_FLOPS_PER_PAIR_DIM) * heads * head_dim
         for (a, b), (c, d) in zip(zip(host_q, host_q[1:]), zip(host_k, host_k[1:])):
             n, m = b - a, d - c
             if not n:
@@ -89,13 +88,13 @@ def kernel_seconds(segments, heads: int, head_dim: int, device: str = "h200", fr
     return total
 
 
-def one_call_segments(seq_len: int, doc_lens, mask: Mask) -> list:
+def one_call_segments(seq_len: int, doc_lens, mask: Mask, heads: int) -> list:
     """The segments of one variable-length call over the whole row on one device, forward and backward
     (a window taken by the kernel, as ATen's flash kernel takes it)."""
     layout = get_layout(seq_len, 1, "contiguous", doc_lens)
     rows = 1 if doc_lens is None else len(doc_lens)
     calls = make_plan(layout, None, None, replace(mask, native_window=mask.window is not None)).host_calls(rows)
-    return [(op, c.causal, c.host_q, c.host_k, c.window) for op in ("forward", "backward") for c in calls]
+    return [(op, c.causal, c.host_q, c.host_k, c.window, heads) for op in ("forward", "backward") for c in calls]
 
 
 _KINDS = {
@@ -154,12 +153,11 @@ def predict(
     traces = simulate(
         strategy, seq_len, cp, heads, kv_heads, head_dim, doc_lens, balance, ulysses_degree, window=window, chunk=chunk
     )
-    heads_local = heads // get_ulysses(strategy, cp, ulysses_degree)
-    kernel = [kernel_seconds(t.segments, heads_local, head_dim, device, fraction) for t in traces]
+    kernel = [kernel_seconds(t.segments, head_dim, device, fraction) for t in traces]
     outside = [t.outside_bytes / dev.hbm_bandwidth for t in traces]
     launches = [t.outside_ops * OP_FLOOR_S for t in traces]
     one = kernel_seconds(
-        one_call_segments(seq_len, doc_lens, Mask(True, window, chunk)), heads, head_dim, device, fraction
+        one_call_segments(seq_len, doc_lens, Mask(True, window, chunk), heads), head_dim, device, fraction
     )
     return {
         "strategy": strategy,
@@ -256,9 +254,3 @@ def model_records(seq_len: int = 131072, cp: int = 8, seed: int = 7):
         for strategy in row.strategies:
             for fraction in (None, 0.6):
                 yield {"rows": f"issue28_seed{seed}", **predict_row(row, strategy, seq_len, cp, fraction)}
-
-
-def get_ulysses(strategy: str, cp: int, ulysses_degree: int) -> int:
-    """Ranks that split each rank's heads (the kernel runs ``heads / this`` heads)."""
-
-    return get_strategy(strategy).ulysses_size(cp, ulysses_degree)
