@@ -120,8 +120,9 @@ def test_chat_records_are_documents_and_only_their_roles_carry_loss(tmp_path):
     records = [random_chat(rng) for _ in range(40)]
     write_chats(tmp_path / "chats.jsonl", records)
     source = ChatJsonl(tmp_path / "chats.jsonl", TOK)
-    assert len(source) == 40
-    docs = [render_chat(r["messages"], TOK) for r in records]
+    kept = [r for r in records if any(m["role"] == "assistant" for m in r["messages"])]
+    assert len(source) == len(kept) == 40 - source.dropped and 0 < source.dropped < 40
+    docs = [render_chat(r["messages"], TOK) for r in kept]  # the records without an assistant turn are dropped
     packer = BestFitPacker(source, 512, lookahead=8, pad_id=TOK.pad_id)
     for _ in range(6):
         before = packer.state_dict()
@@ -169,6 +170,84 @@ def test_chat_validation_and_loss_tokens_through_the_loader(tmp_path):
         step = next(build_dataloader(cfg, TOK, 0, 1, split))
         assert step.global_valid_tokens == fit * per_doc  # only the masked-in tokens count
         assert step.padding_tokens == 512 - fit * len(doc.tokens)
+
+
+def _long_prompt_first(path, answers=30):
+    """The first record a 50,000-character user turn and no assistant turn (teaches nothing), a short
+    user-only record among ``answers`` ordinary question-answer records."""
+    prompt = {"messages": [{"role": "system", "content": "Read."}, {"role": "user", "content": "word " * 10_000}]}
+    qa = [
+        {"messages": [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}"}]}
+        for i in range(answers)
+    ]
+    write_chats(path, [prompt, *qa[:10], {"messages": [{"role": "user", "content": "no answer"}]}, *qa[10:]])
+    return qa
+
+
+@pytest.mark.parametrize("packing", ["stream", "best_fit"])
+def test_chat_records_without_a_loss_turn_are_dropped_not_packed(tmp_path, caplog, packing):
+    """A first record of 50,000 characters of user turn filled ~49 rows of 1,024 tokens with nothing
+    to learn (the run stopped at step 7 on training.max_skipped_fraction): it is dropped when the file
+    is read, so the first rows hold the other records and every row carries loss; the count is logged
+    once, naming the roles trained on."""
+    path = tmp_path / "chat.jsonl"
+    qa = _long_prompt_first(path)
+    argv = ["--training.dataset", "chat", "--training.dataset_path", str(path), "--training.seq_len", "1024"]
+    argv += ["--training.local_batch_size", "2", "--training.packing", packing, "--training.packing_lookahead", "4"]
+    cfg = load_config(argv)
+    loader = build_dataloader(cfg, TOK, 0, 1)
+    rows = [row for _ in range(3) for mb in next(loader).microbatches for row in mb.tokens]
+    text = "".join(TOK.decode(row.tolist()) for row in rows)
+    assert "word word" not in text and "no answer" not in text  # neither dropped record is packed
+    assert text.count("<|im_start|>assistant\nanswer 0<|im_end|>") >= 1  # the first kept record is in the first rows
+    loader = build_dataloader(cfg, TOK, 0, 1)
+    for _ in range(6):
+        step = next(loader)
+        assert all(int((labels != IGNORE_INDEX).sum()) > 0 for mb in step.microbatches for labels in mb.labels)
+    with caplog.at_level("INFO", logger="titan_cp"):
+        source = build_dataset(cfg, TOK, announce=True)
+        build_dataset(cfg, TOK)  # the other ranks: quiet
+    assert (len(source), source.dropped, source.records) == (len(qa), 2, len(qa) + 2)
+    (record,) = caplog.records
+    assert record.levelname == "WARNING"
+    assert record.getMessage() == (
+        f"{path}: dropped 2 of 32 chat records with no loss-bearing token (roles trained on: assistant, "
+        "training.loss_roles); they are not packed"
+    )
+
+
+@pytest.mark.parametrize("packing", ["stream", "best_fit"])
+def test_dropped_chat_records_keep_a_resume_exact(tmp_path, packing):
+    """The loader's position counts kept records only: a run resumed from the saved state reads the
+    rows the straight run reads (dropped records ahead of, among and behind the position)."""
+    path = tmp_path / "chat.jsonl"
+    _long_prompt_first(path, answers=12)
+    kw = dict(packing=packing, lookahead=4, pad_id=TOK.pad_id)
+    straight = _rows(PackedDataLoader(ChatJsonl(path, TOK), 128, 2, 1, **kw), 12)
+    first = PackedDataLoader(ChatJsonl(path, TOK), 128, 2, 1, **kw)
+    got = _rows(first, 5)
+    resumed = PackedDataLoader(ChatJsonl(path, TOK), 128, 2, 1, **kw)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    got.update(_rows(resumed, 7))
+    assert sorted(got) == sorted(straight) == list(range(24))  # 12 steps: past the file's end (a wrap)
+    assert all(torch.equal(got[r][0], straight[r][0]) and torch.equal(got[r][1], straight[r][1]) for r in straight)
+
+
+def test_chat_file_without_a_loss_turn_is_one_error(tmp_path):
+    """Every record dropped: one error naming the file, the roles looked for and the roles there are
+    (not a run of skipped steps, not a hang)."""
+    path = tmp_path / "prompts.jsonl"
+    prompt = [{"role": "system", "content": "Read."}, {"role": "user", "content": "word " * 1000}]
+    write_chats(path, [{"messages": prompt}] * 3)
+    cfg = load_config(["--training.dataset", "chat", "--training.dataset_path", str(path)])
+    with pytest.raises(ValueError) as e:
+        build_dataloader(cfg, TOK, 0, 1)
+    assert str(e.value) == (
+        f"{str(path)!r}: none of its 3 chat records has a turn of training.loss_roles = ['assistant'] (their roles: "
+        "system, user), so no token carries loss; set training.loss_roles to roles the records have, or point the "
+        "dataset path at records with such turns"
+    )
+    assert len(ChatJsonl(path, TOK, ["user"])) == 3  # the roles decide
 
 
 @pytest.mark.parametrize(

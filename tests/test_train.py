@@ -278,14 +278,16 @@ def _train_until_logged(rank, world, argv, crash_after):
 
 
 def test_steps_without_loss_bearing_tokens_are_skipped_and_a_resume_lists_each_step_once(dist_pools, tmp_path):
-    """Chat records without a loss-bearing turn (no assistant turn, a user turn longer than a row)
-    mixed with records that have one, on CP 2: steps whose rows hold no target are skipped and
-    counted, the others train with the loader's exact global count; a run that crashed after
-    step 8 resumes from step 4, and metrics.jsonl then lists steps 1 to 12 once each."""
+    """Chat records whose user turn is longer than a row (rows of it hold no target), among records
+    without an assistant turn (dropped when read) and short question-answer records, on CP 2: steps
+    whose rows hold no target are skipped and counted, the others train with the loader's exact
+    global count; a run that crashed after step 8 resumes from step 4, and metrics.jsonl then lists
+    steps 1 to 12 once each."""
     data = tmp_path / "data"
     data.mkdir()
-    prompt = [{"role": "user", "content": "question: " + "words " * 100}]  # 600+ tokens: over two rows of 256
-    (data / "prompts.jsonl").write_text("".join(json.dumps({"messages": prompt}) + "\n" for _ in range(8)))
+    prompt = [{"role": "user", "content": "question: " + "words " * 120}, {"role": "assistant", "content": "ok"}]
+    lines = [line for i in range(8) for line in [prompt] + [prompt[:1]] * (i % 3 == 0)]  # 720+ tokens: 3 rows of 256
+    (data / "prompts.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in lines))
     answer = [{"role": "user", "content": "q?"}, {"role": "assistant", "content": "an answer"}]
     (data / "answers.jsonl").write_text("".join(json.dumps({"messages": answer}) + "\n" for _ in range(8)))
     run = tmp_path / "run"
@@ -322,14 +324,12 @@ def test_steps_without_loss_bearing_tokens_are_skipped_and_a_resume_lists_each_s
 
 
 def _messages(rank, world, argvs):
-    """``main(argv)`` of each argv: the ``UserError`` message it stopped with, else its records."""
-    from titan_cp.errors import UserError
-
+    """``main(argv)`` of each argv: the user error (a ``ValueError``) it stopped with, else its records."""
     out = []
     for argv in argvs:
         try:
             out.append(main(argv))
-        except UserError as e:
+        except ValueError as e:
             out.append(str(e))
     return out
 
@@ -337,8 +337,9 @@ def _messages(rank, world, argvs):
 def test_a_run_that_cannot_train_stops_with_one_message(dist_pools, tmp_path):
     """Weights that give no gradient (all zero: the uniform loss and grad norm 0 of a damaged
     checkpoint) stop after 3 steps; a diverging run (lr 1e30) stops at its first non-finite loss;
-    chat records without a loss-bearing turn stop once more than training.max_skipped_fraction of
-    the steps were skipped, naming the roles."""
+    chat records whose user turn fills the rows stop once more than training.max_skipped_fraction of
+    the steps were skipped, naming the roles; chat records without a loss-bearing turn at all stop
+    before the first step, naming the file and the roles."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -347,16 +348,21 @@ def test_a_run_that_cannot_train_stops_with_one_message(dist_pools, tmp_path):
 
     zeros = {k: torch.zeros(v.shape) for k, v in get_model_state_dict(build_model("tiny", vocab_size=259)).items()}
     dcp.save({"model": zeros}, checkpoint_id=str(tmp_path / "zeros"))
-    chat = tmp_path / "chat.jsonl"
-    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi " * 50}]}) + "\n")
+    long_prompt = [{"role": "user", "content": "hi " * 2000}, {"role": "assistant", "content": "ok"}]
+    chat = tmp_path / "chat.jsonl"  # loss in the last of 24 rows of 256 tokens
+    chat.write_text(json.dumps({"messages": long_prompt}) + "\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi " * 50}]}) + "\n")
     argv = tiny_run_args(steps=6) + ["--parallelism.context_parallel_degree", "1"]
     argvs = [
         [*argv, "--checkpoint.initial_load_path", str(tmp_path / "zeros"), "--job.dump_folder", str(tmp_path / "a")],
         [*argv, "--optimizer.lr", "1e30", "--job.dump_folder", str(tmp_path / "b")],
         [*argv, "--training.dataset", "chat", "--training.dataset_path", str(chat),
          "--job.dump_folder", str(tmp_path / "c")],
+        [*argv, "--training.dataset", "chat", "--training.dataset_path", str(prompts),
+         "--job.dump_folder", str(tmp_path / "d")],
     ]  # fmt: skip
-    zero, diverged, skipped = dist_pools.run(1, _messages, argvs, timeout=600)[0]
+    zero, diverged, skipped, no_loss = dist_pools.run(1, _messages, argvs, timeout=600)[0]
     assert zero.startswith("step 3: the grad norm has been exactly 0 for 3 steps (loss 5.5568)"), zero
     assert "the weights are damaged" in zero
     assert re.match(r"step \d: the loss is \S+ and the grad norm \S+: the run diverged; lower optimizer.lr", diverged)
@@ -365,6 +371,7 @@ def test_a_run_that_cannot_train_stops_with_one_message(dist_pools, tmp_path):
         "step 4: 4 steps skipped (of training.steps = 6), more than training.max_skipped_fraction"
     )
     assert "training.loss_roles = ['assistant']" in skipped
+    assert no_loss.startswith(f"{str(prompts)!r}: none of its 1 chat records has a turn of training.loss_roles = ")
 
 
 def test_resume_applies_the_configs_lr_and_keeps_the_history(dist_pools, tmp_path):

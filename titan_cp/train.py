@@ -207,9 +207,9 @@ class Trainer:
         """The tokenizer, this dp rank's training loader and, with validation, its validation loader."""
         cfg = self.cfg
         self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
-        self.loader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "train")
+        self.loader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "train", self.rank0)
         self.val_loader = (
-            build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "validation")
+            build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "validation", self.rank0)
             if cfg.validation.enable
             else None
         )
@@ -422,13 +422,14 @@ class Trainer:
 
     def _skipped(self, step: int, lr: float, step_data) -> dict:
         """Count, announce and describe step ``step``, whose rows hold no loss-bearing token (e.g.
-        chat records without a turn of ``training.loss_roles``, or a user turn longer than a row):
-        no update, no schedule step; its rows are consumed (the data position advances)."""
+        chat records whose turns before their first turn of ``training.loss_roles`` fill whole rows;
+        records without such a turn are dropped when read): no update, no schedule step; its rows
+        are consumed (the data position advances)."""
         self.state.skipped_steps += 1
         if self.rank0:
             logger.warning(
-                "step %d skipped: its %d rows hold no loss-bearing token (e.g. chat records without a turn of "
-                "training.loss_roles); no update (%d skipped so far)",
+                "step %d skipped: its %d rows hold no loss-bearing token (e.g. a chat record's turns before its "
+                "first turn of training.loss_roles fill them); no update (%d skipped so far)",
                 step,
                 self.loader.global_batch_size,
                 self.state.skipped_steps,
@@ -438,8 +439,8 @@ class Trainer:
             raise UserError(
                 f"step {step}: {self.state.skipped_steps} steps skipped (of training.steps = {t.steps}), more than "
                 f"training.max_skipped_fraction = {t.max_skipped_fraction}: their rows hold no loss-bearing token. "
-                f"Loss is taken on the turns of training.loss_roles = {list(t.loss_roles)} (chat records); check that "
-                "the data has such turns, that a row holds them (training.seq_len), or change the roles"
+                f"Loss is taken on the turns of training.loss_roles = {list(t.loss_roles)} (chat records); the turns "
+                "before them fill whole rows: raise training.seq_len, shorten those turns, or change the roles"
             )
         return self.step_metrics.skipped_record(step, lr, step_data, self.loader.source_tokens)
 

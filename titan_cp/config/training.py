@@ -80,7 +80,8 @@ class Training(Section, name="training"):
     loss_roles: Annotated[list[Literal["system", "user", "assistant", "tool"]], NonEmpty(NO_LOSS)] = field(
         default_factory=lambda: ["assistant"]
     )
-    """For ``chat`` records: the roles whose turns carry loss; the other turns are context only."""
+    """For ``chat`` records: the roles whose turns carry loss; the other turns are context only. A
+    record without such a turn is dropped (counted in the log); a file of only those is an error."""
 
     chat_template: Literal["chatml", "tokenizer"] = "chatml"
     """For ``chat`` records: ``chatml`` (built in, see ``titan_cp.data.chat``) or ``tokenizer``
@@ -113,7 +114,8 @@ class Training(Section, name="training"):
 
     max_skipped_fraction: Annotated[float, InRange(0, 1)] = 0.5
     """The share of ``training.steps`` that may be skipped for holding no loss-bearing token (e.g.
-    chat records without a turn of ``training.loss_roles``): the run stops with an error naming the
+    chat records whose turns before their first turn of ``training.loss_roles`` fill whole rows;
+    records without such a turn are dropped when read): the run stops with an error naming the
     roles as soon as more steps than that were skipped, and always when every step was."""
 
     seed: Annotated[int, AtLeast(0)] = 0

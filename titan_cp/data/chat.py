@@ -30,18 +30,29 @@ empty conversation is a ``ValueError`` naming the file, the line number and the 
 again later (records are not kept in memory) is checked again, so a file changed during the run
 fails the same way. Blank lines are not records and are passed over.
 
-A record without a turn of ``loss_roles`` (or whose loss turns a row boundary leaves out) is
-context only: a step whose rows hold no loss-bearing token at all is skipped by the trainer.
+A record without a turn of ``loss_roles`` has no loss-bearing token: it teaches nothing, so it is
+dropped when the file is read (never packed; the source's documents are the other records, so a
+run resumed with the same roles reads the records a straight run reads: a resume with other
+roles keeps other records, as another file would), and the count is logged once per job
+("dropped 3 of 1,000 chat records ..."); a file where every record is dropped is a ``ValueError``
+naming the file and the roles. A kept record always has a target under the built-in template (its
+loss turns' end marker at least); a tokenizer template that writes nothing for an empty loss turn
+can leave one without. A row whose loss turns a row boundary leaves out (a user turn longer than a
+row) still holds none: a step whose rows hold no loss-bearing token at all is skipped by the
+trainer.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 from titan_cp.data.document import Document
 from titan_cp.data.tokenizer import Tokenizer
 from titan_cp.files import parse_json_line
+
+logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
 TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
@@ -143,9 +154,11 @@ class ChatJsonl:
     """Chat/trajectory records from ``.jsonl`` files: one record per non-blank line.
 
     ``path`` is a file or a folder (searched recursively for ``*.jsonl``, in sorted order). Every
-    line is checked at construction (see the module docstring); records are indexed by (file, byte
-    offset) and read again on demand, so memory does not grow with the data. ``chat_template``:
-    ``None`` for the built-in template, or the Jinja source of a tokenizer's chat template.
+    line is checked at construction (see the module docstring); records with a turn of
+    ``loss_roles`` are indexed by (file, byte offset) and read again on demand, so memory does not
+    grow with the data; the others are dropped (``dropped`` of ``records``; ``announce``: log the
+    count, on one rank). ``chat_template``: ``None`` for the built-in template, or the Jinja source
+    of a tokenizer's chat template.
     """
 
     def __init__(
@@ -154,6 +167,7 @@ class ChatJsonl:
         tokenizer: Tokenizer,
         loss_roles: Sequence[str] = ("assistant",),
         chat_template: str | None = None,
+        announce: bool = False,
     ):
         unknown = [r for r in loss_roles if r not in ROLES]
         if unknown:
@@ -162,31 +176,58 @@ class ChatJsonl:
         files = [path] if path.is_file() else sorted(path.rglob("*.jsonl"))
         self.tokenizer, self.loss_roles = tokenizer, tuple(loss_roles)
         self._template = compile_template(chat_template) if chat_template is not None else None
-        self._index: list[tuple[Path, int, int]] = []  # (file, byte offset, line number)
+        self._index: list[tuple[Path, int, int]] = []  # (file, byte offset, line number) of the kept records
+        self.records, roles_seen = 0, set()
         for f in files:
             with open(f, "rb") as fh:
                 offset = 0
                 for line_no, line in enumerate(fh, start=1):
                     if line.strip():
                         where = f"{f}, line {line_no}"
-                        check_record(parse_json_line(line, where), where)
-                        self._index.append((f, offset, line_no))
+                        record = parse_json_line(line, where)
+                        check_record(record, where)
+                        self.records += 1
+                        roles = {m["role"] for m in record["messages"]}
+                        roles_seen |= roles
+                        if not roles.isdisjoint(self.loss_roles):
+                            self._index.append((f, offset, line_no))
                     offset += len(line)
-        if not self._index:
+        if not self.records:
             raise ValueError(f"no chat records (*.jsonl lines) under {str(path)!r}")
+        self.dropped = self.records - len(self._index)
+        if not self._index:
+            raise ValueError(
+                f"{str(path)!r}: none of its {self.records:,} chat records has a turn of training.loss_roles = "
+                f"{list(self.loss_roles)} (their roles: {', '.join(r for r in ROLES if r in roles_seen)}), so no "
+                "token carries loss; set training.loss_roles to roles the records have, or point the dataset "
+                "path at records with such turns"
+            )
+        if self.dropped and announce:
+            logger.warning(
+                "%s: dropped %s of %s chat records with no loss-bearing token (roles trained on: %s, "
+                "training.loss_roles); they are not packed",
+                path,
+                f"{self.dropped:,}",
+                f"{self.records:,}",
+                ", ".join(self.loss_roles),
+            )
         if self._template is not None:
             self.document(0)  # a template that cannot be used fails now, not mid-run
 
     def __len__(self) -> int:
+        """The kept records (those with a turn of ``loss_roles``)."""
         return len(self._index)
 
     def messages(self, index: int) -> list[dict]:
+        """The messages of kept record ``index`` (wrapping around)."""
         file, offset, line_no = self._index[index % len(self._index)]
         where = f"{file}, line {line_no} (read again: did the file change after the run started?)"
         with open(file, "rb") as fh:
             fh.seek(offset)
             record = parse_json_line(fh.readline(), where)
         check_record(record, where)
+        if all(m["role"] not in self.loss_roles for m in record["messages"]):
+            raise ValueError(f"{where}: no turn of training.loss_roles = {list(self.loss_roles)} any more")
         return record["messages"]
 
     def document(self, index: int) -> Document:

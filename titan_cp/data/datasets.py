@@ -245,7 +245,9 @@ def _is_saved_hf_dataset(path: Path) -> bool:
     return path.is_dir() and any((path / f).is_file() for f in HF_DATASET_MARKERS)
 
 
-def build_dataset(job_config: JobConfig, tokenizer: Tokenizer, split: Split = "train") -> DocumentSource:
+def build_dataset(
+    job_config: JobConfig, tokenizer: Tokenizer, split: Split = "train", announce: bool = False
+) -> DocumentSource:
     """The source named by ``training.dataset`` (``split="train"``) or ``validation.dataset``.
 
     ``synthetic_recall`` is built in (seeded by ``training.seed``; validation is its held-out
@@ -253,7 +255,8 @@ def build_dataset(job_config: JobConfig, tokenizer: Tokenizer, split: Split = "t
     the roles in ``training.loss_roles``. ``mixture`` (training only) draws from the sources of
     ``training.mixture`` by weight, seeded by ``training.seed``. Any other name (e.g. torchtitan's
     ``c4``) needs ``*.dataset_path`` too, and is read as a saved HF dataset or as text/JSONL files,
-    whichever the path holds.
+    whichever the path holds. ``announce``: log what a source drops (chat records without a loss
+    turn), on one rank.
     """
     section = "training" if split == "train" else "validation"
     cfg = getattr(job_config, section)
@@ -270,7 +273,15 @@ def build_dataset(job_config: JobConfig, tokenizer: Tokenizer, split: Split = "t
                 (
                     m.name,
                     _source(
-                        m.kind, m.path, f"training.mixture[{m.name!r}]", "kind", "path", job_config, tokenizer, split
+                        m.kind,
+                        m.path,
+                        f"training.mixture[{m.name!r}]",
+                        "kind",
+                        "path",
+                        job_config,
+                        tokenizer,
+                        split,
+                        announce,
                     ),
                     m.weight,
                 )
@@ -283,7 +294,9 @@ def build_dataset(job_config: JobConfig, tokenizer: Tokenizer, split: Split = "t
             f"training.mixture lists sources but training.dataset = {t.dataset!r}: set training.dataset = "
             "'mixture' to train on them, or remove the table"
         )
-    return _source(cfg.dataset, cfg.dataset_path, section, "dataset", "dataset_path", job_config, tokenizer, split)
+    return _source(
+        cfg.dataset, cfg.dataset_path, section, "dataset", "dataset_path", job_config, tokenizer, split, announce
+    )
 
 
 def _source(
@@ -295,6 +308,7 @@ def _source(
     job_config: JobConfig,
     tokenizer: Tokenizer,
     split: Split,
+    announce: bool = False,
 ) -> DocumentSource:
     """One source of kind ``name`` at ``path``; errors name ``{section}.{name_key}`` / ``{section}.{path_key}``."""
     if name == "synthetic_recall":
@@ -320,7 +334,7 @@ def _source(
                     f"{job_config.model.hf_assets_path!r}) has no chat_template in its tokenizer_config.json; "
                     "set training.chat_template = 'chatml'"
                 )
-        return ChatJsonl(p, tokenizer, t.loss_roles, template)
+        return ChatJsonl(p, tokenizer, t.loss_roles, template, announce)
     if name == "hf":
         check_saved_hf_dataset(p, f"{section}.{name_key}", f"{section}.{path_key}")
     if name == "hf" or (name != "text" and _is_saved_hf_dataset(p)):

@@ -189,17 +189,23 @@ class PackedDataLoader:
 
 
 def build_dataloader(
-    job_config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, split: Split = "train"
+    job_config: JobConfig,
+    tokenizer: Tokenizer,
+    dp_rank: int,
+    dp_degree: int,
+    split: Split = "train",
+    announce: bool = False,
 ) -> PackedDataLoader:
     """The loader of ``split`` for dp rank ``dp_rank`` of ``dp_degree`` (the ``"dp"`` mesh view).
 
     Training steps take ``training.global_batch_size`` rows; validation steps take
     ``validation.local_batch_size x dp_degree`` rows (no accumulation). Both pack with
     ``training.packing`` (``training.packing_lookahead`` pieces ahead, padding with the
-    tokenizer's PAD id).
+    tokenizer's PAD id). ``announce``: log what the source drops (chat records without a loss
+    turn), on one rank.
     """
     t, v = job_config.training, job_config.validation
-    source = build_dataset(job_config, tokenizer, split)
+    source = build_dataset(job_config, tokenizer, split, announce)
     packing = dict(packing=t.packing, lookahead=t.packing_lookahead, pad_id=tokenizer.pad_id)
     if split == "train":
         global_batch_size, _ = job_config.resolve_batch_sizes(dp_degree)
