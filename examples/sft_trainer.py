@@ -1,7 +1,7 @@
 """TRL's ``SFTTrainer`` under context parallelism, offline: a tiny random Qwen3 on packed text.
 
     torchrun --nproc-per-node 1 examples/sft_trainer.py   # the reference: the stock SFTTrainer, one process
-    torchrun --nproc-per-node 2 examples/sft_trainer.py   # CP 2: the same losses and gradient norms
+    torchrun --nproc-per-node 2 examples/sft_trainer.py   # CP 2: the same losses and gradient norms (fp32)
 
 On a CPU the processes train together over gloo (``use_cpu=True``) in fp32; on GPUs over NCCL in bf16
 (TRL's default). ``MODEL=<folder>`` trains a Hugging Face folder instead of the tiny model.
