@@ -481,7 +481,7 @@ def test_a_jsonl_file_given_as_a_hugging_face_dataset_is_one_line(tmp_path, caps
 )
 def test_a_hugging_face_config_that_is_not_json_is_one_line(tmp_path, content, fragment):
     pytest.importorskip("transformers")
-    from titan_cp.testing.hf_folders import byte_tokenizer
+    from titan_cp.integrations.hf_tiny import byte_tokenizer
 
     byte_tokenizer(tmp_path)
     (tmp_path / "config.json").write_bytes(content)

@@ -547,7 +547,7 @@ HF_FAMILIES = {
 def _hf_folder(path, family: str):
     """A random tiny ``family`` model with a byte-level BPE tokenizer, saved as a Hugging Face folder."""
     transformers = pytest.importorskip("transformers")
-    from titan_cp.testing.hf_folders import byte_tokenizer
+    from titan_cp.integrations.hf_tiny import byte_tokenizer
 
     tokenizer = byte_tokenizer(path)
     name, fields = HF_FAMILIES[family]

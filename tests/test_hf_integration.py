@@ -574,7 +574,7 @@ def _built_like_the_trainer(rank, world, folder):
 def test_the_trainers_model_is_the_folders_model(dist_pools, tmp_path):
     """Built on meta with FSDP (world 2) and without (world 1, where allocating unties the tied
     embedding and titan_cp ties it again), from an fp32 and a bf16 folder."""
-    from titan_cp.testing.hf_folders import tiny_qwen3_folder  # noqa: PLC0415
+    from titan_cp.integrations.hf_tiny import tiny_qwen3_folder  # noqa: PLC0415
 
     for dtype in (torch.float32, torch.bfloat16):
         folder = tiny_qwen3_folder(tmp_path / str(dtype), dtype=dtype)
@@ -584,7 +584,7 @@ def test_the_trainers_model_is_the_folders_model(dist_pools, tmp_path):
 
 
 def test_trainer_trains_a_hugging_face_folder_on_any_mesh_and_exports_it(dist_pools, tmp_path):
-    from titan_cp.testing.hf_folders import tiny_qwen3_folder  # noqa: PLC0415
+    from titan_cp.integrations.hf_tiny import tiny_qwen3_folder  # noqa: PLC0415
 
     folder = tiny_qwen3_folder(tmp_path / "qwen3")
 
@@ -653,7 +653,7 @@ def _hf_job(folder, *extra):
 
 def test_trainer_config_errors_name_the_key(tmp_path):
     from titan_cp.config import load_config  # noqa: PLC0415
-    from titan_cp.testing.hf_folders import byte_tokenizer, tiny_qwen3_folder  # noqa: PLC0415
+    from titan_cp.integrations.hf_tiny import byte_tokenizer, tiny_qwen3_folder  # noqa: PLC0415
 
     with pytest.raises(ValueError, match=r"model.name = 'hf' needs model.hf_assets_path"):
         load_config(["--model.name", "hf"], warn_adjustments=False)
@@ -720,7 +720,7 @@ def _run_readme_loop(rank, world, code, folder):
 
 
 def test_the_readme_loop_runs_fsdp2_x_cp2_and_on_one_process(dist_pools, tmp_path):
-    from titan_cp.testing.hf_folders import tiny_qwen3_folder  # noqa: PLC0415
+    from titan_cp.integrations.hf_tiny import tiny_qwen3_folder  # noqa: PLC0415
 
     code = _readme_loop()
     assert 25 <= len(code.strip().splitlines()) <= 40

@@ -16,6 +16,7 @@ loss of ~6), gradient norm within 1e-5 relative.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -46,7 +47,7 @@ FAMILIES = {
 
 def make_folder(path, family: str, seed: int = 0):
     """A random tiny ``family`` model (hidden 32, 2 layers) with a byte-level tokenizer, saved to ``path``."""
-    from titan_cp.testing.hf_folders import byte_tokenizer  # noqa: PLC0415
+    from titan_cp.integrations.hf_tiny import byte_tokenizer  # noqa: PLC0415
 
     tokenizer = byte_tokenizer(path)
     name, fields = FAMILIES[family]
@@ -289,7 +290,7 @@ def test_mixed_qkv_dtypes_under_autocast_run_at_the_autocast_dtype():
 
 def _misuse_under_cp2(rank, world):
     from tests.dist_utils import get_mesh  # noqa: PLC0415
-    from titan_cp.integrations.transformers import apply_cp, shard_batch  # noqa: PLC0415
+    from titan_cp.integrations.transformers import apply_cp, shard_batch, tiny_qwen3_folder  # noqa: PLC0415
 
     cp_mesh = get_mesh((2,), ("cp",))
     model = apply_cp(_tiny(), cp_mesh)
@@ -299,6 +300,8 @@ def _misuse_under_cp2(rank, world):
         lambda: model(**shard_batch(_rows(), None)),  # sharded for one device
         lambda: shard_batch(_rows(seed=rank), cp_mesh),  # each cp rank its own rows
         lambda: shard_batch(_rows(), cp_mesh, dp_mesh=cp_mesh),  # a dp mesh that holds the cp peers
+        lambda: _default_args_trainer(rank, world),  # torchrun on a CPU, use_cpu not set: each process alone
+        lambda: tiny_qwen3_folder(tempfile.mkdtemp()),  # after the process group started: rank 0 alone writes
     ):
         try:
             attempt()
@@ -308,13 +311,26 @@ def _misuse_under_cp2(rank, world):
     return found
 
 
+def _default_args_trainer(rank: int, world: int):
+    """The factory's Trainer with default ``TrainingArguments`` in a 2-process launch on a CPU:
+    ``accelerate`` sees no distributed run (no accelerator, ``use_cpu=False``) and would set up no DDP."""
+    _env(rank, world)
+    args = transformers.TrainingArguments(output_dir="/tmp/unused", report_to=[])
+    context_parallel_trainer(transformers.Trainer, cp_size=2)(model=_tiny(), args=args)
+
+
 def test_misuse_under_cp2_is_refused_naming_the_fix(dist_pools):
-    for found in dist_pools.run(2, _misuse_under_cp2):
-        layout, mesh_size, rows, dp = found
+    for rank, found in enumerate(dist_pools.run(2, _misuse_under_cp2)):
+        layout, mesh_size, rows, dp, alone, folder = found
         assert layout and "did not come through the layout (no cp_doc_lens): shard each batch" in layout
         assert mesh_size and "shard_batch ran over a cp mesh of size 1; pass shard_batch the same cp mesh" in mesh_size
         assert rows and "passed different rows to shard_batch" in rows and "data-parallel ranks only" in rows
         assert dp and "dp_mesh holds ranks [0, 1] of this rank's cp group" in dp
+        assert alone and "2 processes were launched but accelerate runs 1 of them together" in alone
+        assert "on a CPU set use_cpu=True" in alone
+        assert (
+            (folder is None) if rank == 0 else ("build the folder in every process before init_process_group" in folder)
+        )
 
 
 def test_checkpoints_resume_on_another_cp_size_and_save_model_loads(dist_pools, tmp_path):

@@ -54,7 +54,7 @@ def test_windows_and_sinks_come_from_the_config_and_moe_is_refused(tmp_path):
 def test_generation_with_the_hf_preset_checks_no_training_data(tmp_path):
     pytest.importorskip("transformers")
     from titan_cp.generate.cli import prepare  # noqa: PLC0415
-    from titan_cp.testing.hf_folders import tiny_qwen3_folder  # noqa: PLC0415
+    from titan_cp.integrations.hf_tiny import tiny_qwen3_folder  # noqa: PLC0415
 
     folder = tiny_qwen3_folder(tmp_path / "qwen3")
     (tmp_path / "p.txt").write_text("hello")

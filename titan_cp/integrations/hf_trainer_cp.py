@@ -27,7 +27,9 @@ schedule, logging, checkpoints) and changes what context parallelism needs:
   carry no loss); logits are gathered over the cp group and put back in token order, and
   predictions are gathered over the dp ranks only.
 
-What it refuses (``ValueError`` naming the argument): a world the cp size does not divide, label
+What it refuses (``ValueError`` naming the argument): more processes launched than ``accelerate``
+runs together (torchrun on a CPU without ``use_cpu=True``: each would train alone), a world the cp
+size does not divide, label
 smoothing and ``compute_loss_func`` (they would shift the already shifted labels), the
 ``batch_rebalance`` sampler (it spreads over every rank), ``model_init`` (the model is bound once).
 """
@@ -35,6 +37,7 @@ smoothing and ``compute_loss_func`` (they would shift the already shifted labels
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -191,6 +194,7 @@ class ContextParallelMixin:
         if args is None:
             raise ValueError(f"{type(self).__name__} needs args= (TrainingArguments or SFTConfig)")
         _check_args(args, self.cp_options)
+        _check_launch(args, type(self).__name__)
         self._cp_build_meshes(args.device.type)
         self._cp_bind(model)
         self._cp_eval: _EvalTally | None = None
@@ -543,6 +547,19 @@ def _pad_token_id(model: nn.Module) -> int:
     if isinstance(pad, (list, tuple)):
         pad = pad[0] if pad else None
     return 0 if pad is None else int(pad)
+
+
+def _check_launch(args, name: str) -> None:
+    """Every process the launcher started is a rank of ``accelerate``'s run. Without an accelerator and
+    without ``use_cpu=True``, ``accelerate`` runs each torchrun process alone (``ParallelMode.NOT_PARALLEL``):
+    no DDP, so every rank would step on its own gradients and log its own share of the loss."""
+    launched = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != args.world_size:
+        raise ValueError(
+            f"{name}: {launched} processes were launched but accelerate runs {args.world_size} of them together "
+            f"({args.parallel_mode}), so no gradient would be reduced across them; on a CPU set use_cpu=True in "
+            "the TrainingArguments / SFTConfig (accelerate then joins them over gloo)"
+        )
 
 
 def _check_args(args, o: CPOptions) -> None:

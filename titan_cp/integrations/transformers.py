@@ -57,6 +57,7 @@ from titan_cp.integrations.hf_model import (
     unsupported_features,
 )
 from titan_cp.integrations.hf_parallel import CausalLM, hf_adapter
+from titan_cp.integrations.hf_tiny import byte_tokenizer, tiny_qwen3_folder
 from titan_cp.layout import BALANCES, DEFAULT_BALANCE
 from titan_cp.parallel import apply_ac, apply_compile, apply_cp, apply_fsdp
 from titan_cp.parallel.adapter import register_adapter
@@ -71,12 +72,14 @@ __all__ = [
     "apply_cp",
     "apply_fsdp",
     "apply_tiled_mlp",
+    "byte_tokenizer",
     "check_supported",
     "context_parallel_trainer",
     "count_loss_tokens",
     "shard_batch",
     "titan_cp_attention",
     "titan_cp_mask",
+    "tiny_qwen3_folder",
     "unshard",
     "unsupported_features",
 ]

@@ -1,4 +1,15 @@
-"""Tiny Hugging Face model folders for tests: what ``save_pretrained`` writes, nothing downloaded."""
+"""Tiny random Hugging Face model folders, built offline: what ``save_pretrained`` writes, nothing
+downloaded. The examples (``examples/``) train them when no ``MODEL`` folder is given; the tests use them.
+
+::
+
+    path = tiny_qwen3_folder(tempfile.mkdtemp())   # config.json, model.safetensors, tokenizer files
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="titan_cp")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+The same ``seed`` gives the same weights and tokenizer in every process; build the folder before the
+process group starts (``save_pretrained`` then writes on rank 0 only).
+"""
 
 from __future__ import annotations
 
@@ -51,4 +62,9 @@ def tiny_qwen3_folder(path: str | Path, seed: int = 0, tied: bool = True, dtype=
         for name, p in model.named_parameters():
             p.copy_(0.2 * torch.randn_like(p) + (1.0 if "norm" in name else 0.0))
     model.to(dtype).save_pretrained(str(path))
+    if not (path / "config.json").exists():
+        raise ValueError(
+            f"tiny_qwen3_folder({str(path)!r}): transformers' save_pretrained writes on rank 0 only once a process "
+            "group has started; build the folder in every process before init_process_group / init_device_mesh"
+        )
     return path
