@@ -225,3 +225,50 @@ def test_a_rank_exits_when_its_launcher_is_killed(tmp_path):
         os.kill(pid, 9)
         pytest.fail("the rank outlived its launcher")
     assert (tmp_path / "err").read_text().startswith("error (rank 3): the launcher (pid ")
+
+
+def test_the_launcher_ends_a_user_error_on_its_line_with_status_2(tmp_path):
+    """``python -m titan_cp.run --nproc-per-node 2 -m titan_cp.train ...`` (the README's launcher) with a
+    misspelt key: rank 0's line, then only the agent's log lines naming the failed rank (no traceback,
+    the other rank quiet), and exit status 2. Stock torchrun ends the same run on its ChildFailedError
+    traceback and status 1."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for name in (errors.DEBUG_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    argv = ["--nproc-per-node", "2", "-m", "titan_cp.train", *MISSPELT, "--job.dump_folder", str(tmp_path / "out")]
+    done = subprocess.run(
+        [sys.executable, "-m", "titan_cp.run", *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "Traceback" not in output and "ChildFailedError" not in output, output
+    lines = done.stderr.splitlines()
+    ours = [i for i, line in enumerate(lines) if line.startswith("error")]
+    assert len(ours) == 1 and lines[ours[0]].startswith(HINT), output  # rank 0's line, once
+    after = lines[ours[0] + 1 :]
+    assert all("torch/distributed/elastic/" in line for line in after), after  # the agent's log lines only
+    assert any("failed (exitcode: 2) local_rank: 0" in line for line in after), after
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_launchers_exit_status_is_the_root_causes():
+    """The first failure's status; a rank killed by a signal: 128 + the signal, as a shell reports it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from titan_cp.run import exit_status
+
+    def failed(*code_and_time: tuple[int, int]) -> ChildFailedError:
+        failures = {}
+        for rank, (code, at) in enumerate(code_and_time):
+            failures[rank] = ProcessFailure(rank, 100 + rank, code, "<N/A>")
+            failures[rank].timestamp = at
+        return ChildFailedError("titan_cp.train", failures)
+
+    assert exit_status(failed((2, 5), (-15, 6))) == 2  # rank 0's user error; rank 1 stopped by the launcher
+    assert exit_status(failed((-15, 6), (1, 5))) == 1  # rank 1 failed first
+    assert exit_status(failed((-9, 4), (-15, 6))) == 137  # killed (SIGKILL)
