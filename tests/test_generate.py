@@ -456,6 +456,23 @@ def _prepare(argv, world=1):
     return prepare(load_config(argv), world)
 
 
+def test_lengths_beyond_a_flavors_informational_max_seq_len_run(tmp_path):
+    """The tiny flavor's max_seq_len (4096) is informational, as in training (the main job trains it on
+    8192-token rows): the README's needle lengths, a longer prompt and its generation are taken."""
+    _write_checkpoints(tmp_path)
+    ok = ["--model.flavor", "tiny", "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable"]
+    (tmp_path / "long.txt").write_text("x" * 5000)
+    _prepare([*ok, "--generate.task", "needle", "--generate.needle_lengths", "512,1024,2048,4096,8192"])  # no error
+    assert len(_prepare([*ok, "--generate.prompt_file", str(tmp_path / "long.txt")]).prompts[0]) == 5001
+    model = build_generation_model(args_of("tiny"))
+    assert model.args.max_seq_len == 4096
+    prompt = torch.randint(0, 256, (4100,), generator=torch.Generator().manual_seed(0)).tolist()
+    (res,) = Generator(model).generate([prompt], 2, keep_logits=True)
+    with torch.no_grad():
+        want = model(torch.tensor(prompt + res.tokens[:1])[None])[0, len(prompt) - 1 :]
+    assert (torch.stack(res.logits) - want).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -478,7 +495,6 @@ def test_bad_input_is_named_before_any_process_group(tmp_path, capsys):
         "empty.txt": "",
         "empty.jsonl": "\n\n",
         "bad.jsonl": '{"prompt": "x"}\n{"text": "y"}\n',
-        "long.txt": "x" * 5000,
     }
     for name, content in files.items():
         (tmp_path / name).write_text(content)
@@ -489,9 +505,9 @@ def test_bad_input_is_named_before_any_process_group(tmp_path, capsys):
         (["--generate.prompt_file", str(tmp_path / "bad.jsonl")], r"bad.jsonl', line 2: no 'prompt' key"),
         (["--generate.prompt_file", str(tmp_path / "nope.txt")], "generate.prompt_file = .* does not exist"),
         ([], "generate.task = 'generate' needs generate.prompt_file"),
-        (["--generate.prompt_file", str(tmp_path / "long.txt")], "5001 tokens, more than the max_seq_len 4096"),
-        (["--generate.prompt_file", str(tmp_path / "ok.txt"), "--generate.max_new_tokens", "4095"],
-         "reach position 4099, beyond the max_seq_len 4096"),
+        (["--generate.prompt_file", str(tmp_path / "ok.txt"), "--generate.max_new_tokens", str(2**24)],
+         r"6 tokens, with generate.max_new_tokens = 16777216, reach position 16777220, beyond the 16777216 "
+         r"positions of model.flavor = 'tiny' \(RoPE's float32 positions, exact up to 2\*\*24"),
         (["--generate.prompt_file", str(tmp_path / "ok.txt"), "--generate.task", "score"],
          "scoring reads JSON lines"),
         (["--generate.prompt_file", str(tmp_path / "ok.txt"), "--generate.stop_tokens", "300"],

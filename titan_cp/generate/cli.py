@@ -9,8 +9,9 @@ results and writes one JSON line per prompt (per trial) to ``generate.output_fil
 The ranks are ``cp x tp``: each prompt batch is sharded over cp by the layout
 (``parallelism.context_parallel_load_balancer``, strategy ``context_parallel_strategy``), heads
 over tp. Everything the config and the files can tell is checked before any process group
-starts (:func:`prepare`): bad keys, the prompt file, each prompt's length against the model's
-``max_seq_len``, the stop tokens, the output folder, the checkpoint and its shapes.
+starts (:func:`prepare`): bad keys, the prompt file, each prompt's length against the positions the
+model takes (RoPE's exact range for titan_cp's Llama, whose flavors' ``max_seq_len`` is
+informational; ``max_position_embeddings`` for a Hugging Face model), the stop tokens, the output folder, the checkpoint and its shapes.
 """
 
 from __future__ import annotations
@@ -89,14 +90,12 @@ def _stop_tokens(g: Generate, tokenizer) -> tuple[int, ...]:
 
 
 def _check_length(where: str, tokens: int, reach: int, spec: ModelSpec, hint: str) -> None:
-    """Positions ``0 .. reach - 1`` of a sequence of ``tokens`` input tokens fit the model's ``max_seq_len``."""
+    """Positions ``0 .. reach - 1`` of a sequence of ``tokens`` input tokens fit the model (``spec.max_seq_len``)."""
+    limit = f"the {spec.max_seq_len} positions of {spec.what} ({spec.bound})"
     if tokens > spec.max_seq_len:
-        raise ValueError(f"{where}: {tokens} tokens, more than the max_seq_len {spec.max_seq_len} of {spec.what}")
+        raise ValueError(f"{where}: {tokens} tokens, more than {limit}")
     if reach > spec.max_seq_len:
-        raise ValueError(
-            f"{where}: {tokens} tokens, {hint}, reach position {reach - 1}, beyond the max_seq_len "
-            f"{spec.max_seq_len} of {spec.what}"
-        )
+        raise ValueError(f"{where}: {tokens} tokens, {hint}, reach position {reach - 1}, beyond {limit}")
 
 
 def _read(cfg: JobConfig, tokenizer, spec: ModelSpec):

@@ -118,7 +118,8 @@ def _find(index: Tensor, wanted: Tensor) -> tuple[Tensor, Tensor]:
 
 def _check_prompts(name: str, prompts, model, extra: int = 0) -> None:
     """Each of ``prompts`` is a non-empty list of token ids of the ``model``'s (a runner's) vocabulary
-    whose length (plus ``extra`` positions) fits its ``max_seq_len``; ``ValueError`` naming ``name[i]``."""
+    whose length (plus ``extra`` positions) fits the positions it takes (``max_seq_len``); ``ValueError``
+    naming ``name[i]``."""
     if not prompts:
         raise ValueError(f"{name} is empty: give at least one token list")
     for i, p in enumerate(prompts):
@@ -127,7 +128,7 @@ def _check_prompts(name: str, prompts, model, extra: int = 0) -> None:
         if len(p) + extra > model.max_seq_len:
             raise ValueError(
                 f"{name}[{i}] has {len(p)} tokens{f' (+ {extra} to generate)' if extra else ''}, more than the "
-                f"model's max_seq_len {model.max_seq_len}"
+                f"{model.max_seq_len} positions the model takes"
             )
         if not all(isinstance(t, int) and 0 <= t < model.vocab_size for t in p):
             raise ValueError(
