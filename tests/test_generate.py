@@ -473,6 +473,24 @@ def test_lengths_beyond_a_flavors_informational_max_seq_len_run(tmp_path):
     assert (torch.stack(res.logits) - want).abs().max().item() <= 1e-5
 
 
+def test_each_task_writes_its_own_file_by_default(tmp_path):
+    """Scoring after generation (or the needle evaluation) keeps generation's results: the default
+    output is ``<task>.jsonl``; a given ``generate.output_file`` is taken as it is."""
+    _write_checkpoints(tmp_path)
+    ok = ["--model.flavor", "tiny", "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable"]
+    (tmp_path / "p.txt").write_text("hello")
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "Recall @", "continuation": "q1"}) + "\n")
+    runs = {
+        "generate": ["--generate.prompt_file", str(tmp_path / "p.txt")],
+        "score": ["--generate.task", "score", "--generate.prompt_file", str(tmp_path / "pairs.jsonl")],
+        "needle": ["--generate.task", "needle", "--generate.needle_lengths", "64"],
+    }
+    outputs = {task: _prepare(ok + argv).output for task, argv in runs.items()}
+    assert outputs == {task: tmp_path / "run" / f"{task}.jsonl" for task in runs}
+    given = _prepare([*ok, *runs["score"], "--generate.output_file", "mine.jsonl"]).output
+    assert given == tmp_path / "run" / "mine.jsonl"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -4,7 +4,8 @@ The trainer's config (model, tokenizer, checkpoint, mesh) with a ``[generate]`` 
 (:class:`titan_cp.config.Generate`): ``generate.task`` is ``generate`` (continue each prompt of
 ``generate.prompt_file``), ``score`` (log-likelihood of each record's continuation) or
 ``needle`` (needle in a haystack over lengths x depths, with a heatmap). Rank 0 prints the
-results and writes one JSON line per prompt (per trial) to ``generate.output_file``.
+results and writes one JSON line per prompt (per trial) to ``generate.output_file`` (default
+``<task>.jsonl``).
 
 The ranks are ``cp x tp``: each prompt batch is sharded over cp by the layout
 (``parallelism.context_parallel_load_balancer``, strategy ``context_parallel_strategy``), heads
@@ -141,7 +142,8 @@ def prepare(cfg: JobConfig, world_size: int) -> GenerateJob:
     spec = model_spec(cfg, tokenizer.vocab_size)
     stop = _stop_tokens(cfg.generate, tokenizer)
     records, prompts, continuations = _read(cfg, tokenizer, spec)
-    output = _output_path(cfg, "output_file", cfg.generate.output_file)
+    g = cfg.generate
+    output = _output_path(cfg, "output_file", f"{g.task}.jsonl" if g.output_file is None else g.output_file)
     heatmap = None
     if cfg.generate.task == "needle":
         heatmap = _output_path(cfg, "heatmap_file", cfg.generate.heatmap_file)
