@@ -100,6 +100,15 @@ class ParallelDims:
     def _describe(self, skip: str = "") -> str:
         return " x ".join(f"{_KEYS[a]}={getattr(self, a)}" for a in AXES if a != skip)
 
+    def summary(self) -> str:
+        """The mesh in words, for the log: ``dp_shard`` and ``cp`` always, the other axes where larger
+        than 1, a hybrid cp axis with its two factors: ``"dp_shard 1 x cp 2"``,
+        ``"pp 2 x dp_shard 1 x cp 4 = ring 2 x ulysses 2 x tp 2"``."""
+        parts = [f"{a} {getattr(self, a)}" for a in AXES if a in ("dp_shard", "cp") or getattr(self, a) > 1]
+        if self.hybrid_cp:
+            parts[parts.index(f"cp {self.cp}")] += f" = ring {self.cp_ring} x ulysses {self.cp_ulysses}"
+        return " x ".join(parts)
+
     # ---- degrees ----------------------------------------------------------------------------
 
     @property

@@ -45,7 +45,7 @@ from titan_cp.preflight import check_files
 from titan_cp.profiling import Profiler
 from titan_cp.step import Microbatch, forward_backward
 
-__all__ = ["Trainer", "compute_precision", "init_distributed", "main"]
+__all__ = ["Trainer", "compute_precision", "init_distributed", "main", "mesh_line"]
 
 logger = logging.getLogger("titan_cp")
 ZERO_GRAD_STEPS = 3
@@ -118,6 +118,14 @@ def compute_precision(cfg: JobConfig, device_type: str, announce: bool) -> str:
     return "float32"
 
 
+def mesh_line(dims, cfg: JobConfig) -> str:
+    """The mesh the run builds, for the log: ``"dp_shard 1 x cp 2 (ring, doc_local)"`` (the CP
+    strategy and layout where cp is larger than 1; :meth:`titan_cp.mesh.ParallelDims.summary`)."""
+    p = cfg.parallelism
+    cp = f" ({p.context_parallel_strategy}, {p.context_parallel_load_balancer})" if dims.cp_enabled else ""
+    return dims.summary() + cp
+
+
 def parallelize_options(cfg: JobConfig, mp_param_dtype: torch.dtype | None) -> ParallelizeOptions:
     """The config's :class:`ParallelizeOptions` (``[parallelism]``, ``[activation_checkpoint]``, ``[compile]``,
     ``training.enable_cpu_offload``) with FSDP's compute dtype ``mp_param_dtype``."""
@@ -164,6 +172,7 @@ class Trainer:
         """Everything but the mesh and the dump folder's lock (the class docstring's order)."""
         if self.rank0:
             logger.info("job: %s (%s)", cfg.job.description, cfg.job.config_file or "no config file")
+            logger.info("mesh: %s", mesh_line(self.dims, cfg))
             if cfg.job.print_config:
                 logger.info("config:\n%s", json.dumps(cfg.to_dict(), indent=2))
         self._build_data()

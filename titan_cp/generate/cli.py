@@ -44,7 +44,7 @@ from titan_cp.generate.weights import (
     weight_source,
 )
 from titan_cp.preflight import check_files
-from titan_cp.train import compute_precision, init_distributed
+from titan_cp.train import compute_precision, init_distributed, mesh_line
 
 logger = logging.getLogger("titan_cp")
 
@@ -242,6 +242,7 @@ def run(job: GenerateJob) -> list[dict]:
     strategy, balance = p.context_parallel_strategy, p.context_parallel_load_balancer
     model = job.model.build(dims, strategy, balance, device)
     if rank0:
+        logger.info("mesh: %s", mesh_line(dims, cfg))
         logger.info("loading the weights of %s", job.weights.describe())
     load_generation_weights(job.weights, model, job.model)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[compute_precision(cfg, device.type, rank0)]
