@@ -107,6 +107,22 @@ def test_exit_status_of_a_main_that_returns_one_and_of_an_interrupt(capsys):
     assert capsys.readouterr().err == "interrupted\n"
 
 
+def test_counts_in_messages_agree_with_their_nouns():
+    """``plural``, and messages built with it at a count of 1 (they said "1 ranks", "1 steps")."""
+    from titan_cp.config import JobConfig, Training
+    from titan_cp.data import ByteTokenizer
+    from titan_cp.generate.needle import needle_case
+
+    assert (errors.plural(1, "rank"), errors.plural(0, "rank"), errors.plural(4, "GPU")) == (
+        "1 rank",
+        "0 ranks",
+        "4 GPUs",
+    )
+    assert JobConfig(training=Training(steps=1)).reconcile()[0].endswith("warming up over 1 step")
+    with pytest.raises(ValueError, match="generate.needle_lengths: 1 token cannot hold"):
+        needle_case(ByteTokenizer(), 1, 0.0, 0)
+
+
 def test_error_exit_as_a_context_manager(capsys):
     with pytest.raises(SystemExit) as info, error_exit():
         raise UserError("--top must be >= 0, got -3")

@@ -52,6 +52,12 @@ class UserError(ValueError):
     names what is wrong and how to fix it. A ``ValueError``, so code that catches those catches it."""
 
 
+def plural(n: int, noun: str) -> str:
+    """``n`` and ``noun`` agreeing, for messages: ``plural(1, "rank")`` is ``"1 rank"``, ``plural(4, "rank")``
+    ``"4 ranks"`` (nouns whose plural adds an s)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def is_user_error(exc: BaseException) -> bool:
     """Whether ``exc`` is bad input (see the module docstring): a :class:`UserError`, or a
     ``ValueError`` whose innermost frame is a ``raise`` statement in titan_cp's own code."""

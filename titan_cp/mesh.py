@@ -36,6 +36,8 @@ from math import prod
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from titan_cp.errors import plural
+
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 HYBRID_AXES = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
 
@@ -172,8 +174,8 @@ class ParallelDims:
             raise RuntimeError("build_mesh needs torch.distributed to be initialised")
         if dist.get_world_size() != self.world_size:
             raise ValueError(
-                f"the parallelism degrees are for {self.world_size} ranks ({self._describe()}), but "
-                f"{dist.get_world_size()} ranks were launched"
+                f"the parallelism degrees are for {plural(self.world_size, 'rank')} ({self._describe()}), but "
+                f"{plural(dist.get_world_size(), 'rank')} {'was' if dist.get_world_size() == 1 else 'were'} launched"
             )
         if self.hybrid_cp:
             names, cp_axes = HYBRID_AXES, ("cp_ring", "cp_ulysses")

@@ -32,7 +32,7 @@ from titan_cp.attention import cp_rank
 from titan_cp.checkpoint import Checkpointer
 from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
-from titan_cp.errors import UserError, run_cli
+from titan_cp.errors import UserError, plural, run_cli
 from titan_cp.families import get_family
 from titan_cp.lock import DumpLock, watch_launcher
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
@@ -445,7 +445,7 @@ class Trainer:
         t = self.cfg.training
         if self.state.skipped_steps > t.max_skipped_fraction * t.steps or self.state.skipped_steps == t.steps:
             raise UserError(
-                f"step {step}: {self.state.skipped_steps} steps skipped (of training.steps = {t.steps}), more than "
+                f"step {step}: {plural(self.state.skipped_steps, 'step')} skipped (of training.steps = {t.steps}), more than "
                 f"training.max_skipped_fraction = {t.max_skipped_fraction}: their rows hold no loss-bearing token. "
                 f"Loss is taken on the turns of training.loss_roles = {list(t.loss_roles)} (chat records); check that "
                 "the data has such turns, that a row holds them (training.seq_len), or change the roles"

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from titan_cp.config import Generate, JobConfig, load_config
 from titan_cp.data import build_tokenizer
-from titan_cp.errors import run_cli
+from titan_cp.errors import plural, run_cli
 from titan_cp.generate.engine import Generator
 from titan_cp.generate.needle import accuracy_grid, draw_heatmap, needle_case, needle_eval
 from titan_cp.generate.prompts import PromptRecord, read_prompts
@@ -136,7 +136,7 @@ def prepare(cfg: JobConfig, world_size: int) -> GenerateJob:
         raise ValueError(
             f"titan_cp.generate runs on context x tensor parallel ranks, but {world_size} ranks give a data-parallel "
             f"degree of {dims.dp_degree}: launch parallelism.context_parallel_degree x tensor_parallel_degree = "
-            f"{p.context_parallel_degree * p.tensor_parallel_degree} ranks"
+            f"{plural(p.context_parallel_degree * p.tensor_parallel_degree, 'rank')}"
         )
     tokenizer = build_tokenizer(cfg.model.hf_assets_path)
     spec = model_spec(cfg, tokenizer.vocab_size)
@@ -225,7 +225,7 @@ def _report(job: GenerateJob, records: list[dict], world: int) -> None:
         print("depth \\ tokens " + " ".join(f"{n:>7}" for n in g.needle_lengths))
         for d, row in zip(g.needle_depths, grid):
             print(f"{100 * d:>13.0f}% " + " ".join(f"{a:>7.2f}" for a in row))
-        title = f"needle in a haystack: {job.model.what}, {world} ranks (cp {p.context_parallel_degree})"
+        title = f"needle in a haystack: {job.model.what}, {plural(world, 'rank')} (cp {p.context_parallel_degree})"
         job.heatmap.parent.mkdir(parents=True, exist_ok=True)
         draw_heatmap(grid, g.needle_lengths, g.needle_depths, str(job.heatmap), title)
         logger.info("heatmap: %s", job.heatmap)
