@@ -466,6 +466,10 @@ def test_lengths_beyond_a_flavors_informational_max_seq_len_run(tmp_path):
     (tmp_path / "long.txt").write_text("x" * 5000)
     _prepare([*ok, "--generate.task", "needle", "--generate.needle_lengths", "512,1024,2048,4096,8192"])  # no error
     assert len(_prepare([*ok, "--generate.prompt_file", str(tmp_path / "long.txt")]).prompts[0]) == 5001
+    from titan_cp.config.training import MAX_SEQ_LEN
+    from titan_cp.model.llama import MAX_POSITIONS
+
+    assert MAX_POSITIONS == MAX_SEQ_LEN  # generation's bound is training's
     model = build_generation_model(args_of("tiny"))
     assert model.args.max_seq_len == 4096
     prompt = torch.randint(0, 256, (4100,), generator=torch.Generator().manual_seed(0)).tolist()
