@@ -107,6 +107,22 @@ def test_exit_status_of_a_main_that_returns_one_and_of_an_interrupt(capsys):
     assert capsys.readouterr().err == "interrupted\n"
 
 
+def test_counts_in_messages_agree_with_their_nouns():
+    """``plural``, and messages built with it at a count of 1 (they said "1 ranks", "1 steps")."""
+    from titan_cp.config import JobConfig, Training
+    from titan_cp.data import ByteTokenizer
+    from titan_cp.generate.needle import needle_case
+
+    assert (errors.plural(1, "rank"), errors.plural(0, "rank"), errors.plural(4, "GPU")) == (
+        "1 rank",
+        "0 ranks",
+        "4 GPUs",
+    )
+    assert JobConfig(training=Training(steps=1)).reconcile()[0].endswith("warming up over 1 step")
+    with pytest.raises(ValueError, match="generate.needle_lengths: 1 token cannot hold"):
+        needle_case(ByteTokenizer(), 1, 0.0, 0)
+
+
 def test_error_exit_as_a_context_manager(capsys):
     with pytest.raises(SystemExit) as info, error_exit():
         raise UserError("--top must be >= 0, got -3")
@@ -225,3 +241,50 @@ def test_a_rank_exits_when_its_launcher_is_killed(tmp_path):
         os.kill(pid, 9)
         pytest.fail("the rank outlived its launcher")
     assert (tmp_path / "err").read_text().startswith("error (rank 3): the launcher (pid ")
+
+
+def test_the_launcher_ends_a_user_error_on_its_line_with_status_2(tmp_path):
+    """``python -m titan_cp.run --nproc-per-node 2 -m titan_cp.train ...`` (the README's launcher) with a
+    misspelt key: rank 0's line, then only the agent's log lines naming the failed rank (no traceback,
+    the other rank quiet), and exit status 2. Stock torchrun ends the same run on its ChildFailedError
+    traceback and status 1."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for name in (errors.DEBUG_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    argv = ["--nproc-per-node", "2", "-m", "titan_cp.train", *MISSPELT, "--job.dump_folder", str(tmp_path / "out")]
+    done = subprocess.run(
+        [sys.executable, "-m", "titan_cp.run", *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "Traceback" not in output and "ChildFailedError" not in output, output
+    lines = done.stderr.splitlines()
+    ours = [i for i, line in enumerate(lines) if line.startswith("error")]
+    assert len(ours) == 1 and lines[ours[0]].startswith(HINT), output  # rank 0's line, once
+    after = lines[ours[0] + 1 :]
+    assert all("torch/distributed/elastic/" in line for line in after), after  # the agent's log lines only
+    assert any("failed (exitcode: 2) local_rank: 0" in line for line in after), after
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_launchers_exit_status_is_the_root_causes():
+    """The first failure's status; a rank killed by a signal: 128 + the signal, as a shell reports it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from titan_cp.run import exit_status
+
+    def failed(*code_and_time: tuple[int, int]) -> ChildFailedError:
+        failures = {}
+        for rank, (code, at) in enumerate(code_and_time):
+            failures[rank] = ProcessFailure(rank, 100 + rank, code, "<N/A>")
+            failures[rank].timestamp = at
+        return ChildFailedError("titan_cp.train", failures)
+
+    assert exit_status(failed((2, 5), (-15, 6))) == 2  # rank 0's user error; rank 1 stopped by the launcher
+    assert exit_status(failed((-15, 6), (1, 5))) == 1  # rank 1 failed first
+    assert exit_status(failed((-9, 4), (-15, 6))) == 137  # killed (SIGKILL)

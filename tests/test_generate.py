@@ -151,7 +151,7 @@ def test_decoding_past_the_prefills_plan_is_an_error():
     gen = Generator(build_generation_model(args_of("tiny")))
     logits, state = gen.prefill([[1, 2, 3]], new_tokens=2)  # room for the one token fed back
     gen.decode(state, [0], logits.argmax(-1).tolist())
-    with pytest.raises(ValueError, match="prompt 0 has fed the 1 tokens the prefill planned for"):
+    with pytest.raises(ValueError, match="prompt 0 has fed the 1 token the prefill planned for"):
         gen.decode(state, [0], [5])
     with pytest.raises(ValueError, match="distinct ascending prompt indices below 1"):
         gen.decode(state, [1], [5])
@@ -161,8 +161,10 @@ def test_decoding_past_the_prefills_plan_is_an_error():
         gen.generate([[1], []], 2)
     with pytest.raises(ValueError, match=r"prompts\[0\] holds a token that is not an id below the vocabulary size 256"):
         gen.generate([[1, 256]], 2)
-    with pytest.raises(ValueError, match=r"prompts\[0\] has 4000 tokens \(\+ 99 to generate\), more than"):
-        gen.generate([[1] * 4000], 100)
+    with pytest.raises(
+        ValueError, match=r"prompts\[0\] has 1 token \(\+ 16777216 to generate\), more than the 16777216"
+    ):
+        gen.generate([[1]], 2**24 + 1)  # RoPE's exact positions; the flavor's max_seq_len (4096) is informational
 
 
 def test_scores_equal_the_training_cross_entropy_sum():
@@ -456,6 +458,45 @@ def _prepare(argv, world=1):
     return prepare(load_config(argv), world)
 
 
+def test_lengths_beyond_a_flavors_informational_max_seq_len_run(tmp_path):
+    """The tiny flavor's max_seq_len (4096) is informational, as in training (the main job trains it on
+    8192-token rows): the README's needle lengths, a longer prompt and its generation are taken."""
+    _write_checkpoints(tmp_path)
+    ok = ["--model.flavor", "tiny", "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable"]
+    (tmp_path / "long.txt").write_text("x" * 5000)
+    _prepare([*ok, "--generate.task", "needle", "--generate.needle_lengths", "512,1024,2048,4096,8192"])  # no error
+    assert len(_prepare([*ok, "--generate.prompt_file", str(tmp_path / "long.txt")]).prompts[0]) == 5001
+    from titan_cp.config.training import MAX_SEQ_LEN
+    from titan_cp.model.llama import MAX_POSITIONS
+
+    assert MAX_POSITIONS == MAX_SEQ_LEN  # generation's bound is training's
+    model = build_generation_model(args_of("tiny"))
+    assert model.args.max_seq_len == 4096
+    prompt = torch.randint(0, 256, (4100,), generator=torch.Generator().manual_seed(0)).tolist()
+    (res,) = Generator(model).generate([prompt], 2, keep_logits=True)
+    with torch.no_grad():
+        want = model(torch.tensor(prompt + res.tokens[:1])[None])[0, len(prompt) - 1 :]
+    assert (torch.stack(res.logits) - want).abs().max().item() <= 1e-5
+
+
+def test_each_task_writes_its_own_file_by_default(tmp_path):
+    """Scoring after generation (or the needle evaluation) keeps generation's results: the default
+    output is ``<task>.jsonl``; a given ``generate.output_file`` is taken as it is."""
+    _write_checkpoints(tmp_path)
+    ok = ["--model.flavor", "tiny", "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable"]
+    (tmp_path / "p.txt").write_text("hello")
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "Recall @", "continuation": "q1"}) + "\n")
+    runs = {
+        "generate": ["--generate.prompt_file", str(tmp_path / "p.txt")],
+        "score": ["--generate.task", "score", "--generate.prompt_file", str(tmp_path / "pairs.jsonl")],
+        "needle": ["--generate.task", "needle", "--generate.needle_lengths", "64"],
+    }
+    outputs = {task: _prepare(ok + argv).output for task, argv in runs.items()}
+    assert outputs == {task: tmp_path / "run" / f"{task}.jsonl" for task in runs}
+    given = _prepare([*ok, *runs["score"], "--generate.output_file", "mine.jsonl"]).output
+    assert given == tmp_path / "run" / "mine.jsonl"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -478,7 +519,6 @@ def test_bad_input_is_named_before_any_process_group(tmp_path, capsys):
         "empty.txt": "",
         "empty.jsonl": "\n\n",
         "bad.jsonl": '{"prompt": "x"}\n{"text": "y"}\n',
-        "long.txt": "x" * 5000,
     }
     for name, content in files.items():
         (tmp_path / name).write_text(content)
@@ -489,9 +529,9 @@ def test_bad_input_is_named_before_any_process_group(tmp_path, capsys):
         (["--generate.prompt_file", str(tmp_path / "bad.jsonl")], r"bad.jsonl', line 2: no 'prompt' key"),
         (["--generate.prompt_file", str(tmp_path / "nope.txt")], "generate.prompt_file = .* does not exist"),
         ([], "generate.task = 'generate' needs generate.prompt_file"),
-        (["--generate.prompt_file", str(tmp_path / "long.txt")], "5001 tokens, more than the max_seq_len 4096"),
-        (["--generate.prompt_file", str(tmp_path / "ok.txt"), "--generate.max_new_tokens", "4095"],
-         "reach position 4099, beyond the max_seq_len 4096"),
+        (["--generate.prompt_file", str(tmp_path / "ok.txt"), "--generate.max_new_tokens", str(2**24)],
+         r"6 tokens, with generate.max_new_tokens = 16777216, reach position 16777220, beyond the 16777216 "
+         r"positions of model.flavor = 'tiny' \(RoPE's float32 positions, exact up to 2\*\*24"),
         (["--generate.prompt_file", str(tmp_path / "ok.txt"), "--generate.task", "score"],
          "scoring reads JSON lines"),
         (["--generate.prompt_file", str(tmp_path / "ok.txt"), "--generate.stop_tokens", "300"],

@@ -252,7 +252,7 @@ def test_misuse_on_one_process_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"model.generate\(\) after apply_cp: .* titan_cp's generation"):
         model.generate(ids[:, :4], max_new_tokens=2)
     cp2 = context_parallel_trainer(transformers.Trainer, cp_size=2)
-    with pytest.raises(ValueError, match=r"cp_size=2\): the world has 1 ranks, not a multiple"):
+    with pytest.raises(ValueError, match=r"cp_size=2\): the world has 1 rank, not a multiple"):
         cp2(model=model, args=_args("/tmp/unused"))
     with pytest.raises(ValueError, match=r"label_smoothing_factor = 0.1: the label smoother shifts labels again"):
         cp2(model=model, args=_args("/tmp/unused", label_smoothing_factor=0.1))

@@ -90,6 +90,26 @@ def test_from_config():
         cfg.parallel_dims(world_size=6)
 
 
+def test_the_logs_mesh_line_is_the_mesh_built():
+    """The line names the degrees the mesh has (dp_shard -1 resolved, CP from the command line), not
+    the config file's: ``cpu_main.toml`` (CP 4) run on 2 ranks with CP 2."""
+    from titan_cp.train import mesh_line
+
+    cfg = load_config(
+        ["--job.config_file", "train_configs/cpu_main.toml", "--parallelism.context_parallel_degree", "2"]
+    )
+    assert mesh_line(cfg.parallel_dims(2), cfg) == "dp_shard 1 x cp 2 (ring, doc_local)"
+    assert "CP 4" not in cfg.job.description  # the job line says nothing the mesh line contradicts
+    assert mesh_line(cfg.parallel_dims(8), cfg) == "dp_shard 4 x cp 2 (ring, doc_local)"
+    cfg = load_config(["--parallelism.context_parallel_degree", "1", "--parallelism.tensor_parallel_degree", "2"])
+    assert mesh_line(cfg.parallel_dims(4), cfg) == "dp_shard 2 x cp 1 x tp 2"
+    hybrid = ["--parallelism.context_parallel_strategy", "hybrid", "--parallelism.context_parallel_ulysses_degree", "2"]
+    cfg = load_config(
+        ["--parallelism.context_parallel_degree", "4", "--parallelism.pipeline_parallel_degree", "2", *hybrid]
+    )
+    assert mesh_line(cfg.parallel_dims(8), cfg) == "pp 2 x dp_shard 1 x cp 4 = ring 2 x ulysses 2 (hybrid, doc_local)"
+
+
 def test_get_mesh_before_build_is_an_error():
     with pytest.raises(RuntimeError, match="build_mesh"):
         dims(1).get_mesh("dp")

@@ -438,3 +438,39 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_folder_and_the_step_ke
         messages[0],
     ), messages[0]
     assert saved_steps(run / "checkpoint") == [2] and not (run / "checkpoint" / "step-4.tmp").exists()
+
+
+def _log_of(rank, world, argv):
+    """``main(argv)``'s info lines of the ``titan_cp`` logger."""
+    import logging
+
+    lines, logger = [], logging.getLogger("titan_cp")
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        main(argv)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return lines
+
+
+def test_the_log_names_the_mesh_the_run_built(dist_pools, tmp_path):
+    """The main job's config (CP 4 in its file) run on 2 ranks with CP 2: the log's mesh line says CP 2,
+    and the job line does not say otherwise."""
+    argv = [
+        "--job.config_file", "train_configs/cpu_main.toml",
+        "--parallelism.context_parallel_degree", "2",
+        "--training.seq_len", "256",
+        "--training.steps", "1",
+        "--validation.enable", "false",
+        "--checkpoint.enable", "false",
+        "--job.dump_folder", str(tmp_path / "run"),
+    ]  # fmt: skip
+    lines = dist_pools.run(2, _log_of, argv, timeout=600)[0]
+    assert "mesh: dp_shard 1 x cp 2 (ring, doc_local)" in lines, lines
+    (job,) = [line for line in lines if line.startswith("job: ")]
+    assert not re.search(r"\bcp\s*\d", job, re.IGNORECASE), job  # the degree is the mesh line's to say

@@ -16,6 +16,10 @@ is kept. ``--debug`` on the command line (removed before
 ``main`` sees it) or ``TITAN_CP_DEBUG=1`` prints the full traceback of a user error too, for
 people reporting a bug.
 
+Under a launcher the rank's exit status is the launcher's to report: ``python -m titan_cp.run``
+(:mod:`titan_cp.run`) exits with it and adds no traceback of its own; stock ``torchrun`` follows
+any failure with its ``ChildFailedError`` traceback and exits 1.
+
 Why the other ranks wait before exiting: under ``torchrun`` every rank usually meets the same
 bad input, and the first process to exit makes the launcher stop the rest. A rank other than 0
 therefore waits up to :data:`PEER_GRACE_SECONDS` for that (so rank 0's line is printed, and
@@ -46,6 +50,12 @@ _PACKAGE = Path(__file__).resolve().parent
 class UserError(ValueError):
     """Bad input from the user (a config key, an argument, a data file, a checkpoint): the message
     names what is wrong and how to fix it. A ``ValueError``, so code that catches those catches it."""
+
+
+def plural(n: int, noun: str) -> str:
+    """``n`` and ``noun`` agreeing, for messages: ``plural(1, "rank")`` is ``"1 rank"``, ``plural(4, "rank")``
+    ``"4 ranks"`` (nouns whose plural adds an s)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def is_user_error(exc: BaseException) -> bool:

@@ -36,6 +36,8 @@ from math import prod
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from titan_cp.errors import plural
+
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 HYBRID_AXES = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
 
@@ -100,6 +102,15 @@ class ParallelDims:
     def _describe(self, skip: str = "") -> str:
         return " x ".join(f"{_KEYS[a]}={getattr(self, a)}" for a in AXES if a != skip)
 
+    def summary(self) -> str:
+        """The mesh in words, for the log: ``dp_shard`` and ``cp`` always, the other axes where larger
+        than 1, a hybrid cp axis with its two factors: ``"dp_shard 1 x cp 2"``,
+        ``"pp 2 x dp_shard 1 x cp 4 = ring 2 x ulysses 2 x tp 2"``."""
+        parts = [f"{a} {getattr(self, a)}" for a in AXES if a in ("dp_shard", "cp") or getattr(self, a) > 1]
+        if self.hybrid_cp:
+            parts[parts.index(f"cp {self.cp}")] += f" = ring {self.cp_ring} x ulysses {self.cp_ulysses}"
+        return " x ".join(parts)
+
     # ---- degrees ----------------------------------------------------------------------------
 
     @property
@@ -163,8 +174,8 @@ class ParallelDims:
             raise RuntimeError("build_mesh needs torch.distributed to be initialised")
         if dist.get_world_size() != self.world_size:
             raise ValueError(
-                f"the parallelism degrees are for {self.world_size} ranks ({self._describe()}), but "
-                f"{dist.get_world_size()} ranks were launched"
+                f"the parallelism degrees are for {plural(self.world_size, 'rank')} ({self._describe()}), but "
+                f"{plural(dist.get_world_size(), 'rank')} {'was' if dist.get_world_size() == 1 else 'were'} launched"
             )
         if self.hybrid_cp:
             names, cp_axes = HYBRID_AXES, ("cp_ring", "cp_ulysses")

@@ -32,7 +32,7 @@ from titan_cp.attention import cp_rank
 from titan_cp.checkpoint import Checkpointer
 from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
-from titan_cp.errors import UserError, run_cli
+from titan_cp.errors import UserError, plural, run_cli
 from titan_cp.families import get_family
 from titan_cp.lock import DumpLock, watch_launcher
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
@@ -45,7 +45,7 @@ from titan_cp.preflight import check_files
 from titan_cp.profiling import Profiler
 from titan_cp.step import Microbatch, forward_backward
 
-__all__ = ["Trainer", "compute_precision", "init_distributed", "main"]
+__all__ = ["Trainer", "compute_precision", "init_distributed", "main", "mesh_line"]
 
 logger = logging.getLogger("titan_cp")
 ZERO_GRAD_STEPS = 3
@@ -118,6 +118,14 @@ def compute_precision(cfg: JobConfig, device_type: str, announce: bool) -> str:
     return "float32"
 
 
+def mesh_line(dims, cfg: JobConfig) -> str:
+    """The mesh the run builds, for the log: ``"dp_shard 1 x cp 2 (ring, doc_local)"`` (the CP
+    strategy and layout where cp is larger than 1; :meth:`titan_cp.mesh.ParallelDims.summary`)."""
+    p = cfg.parallelism
+    cp = f" ({p.context_parallel_strategy}, {p.context_parallel_load_balancer})" if dims.cp_enabled else ""
+    return dims.summary() + cp
+
+
 def parallelize_options(cfg: JobConfig, mp_param_dtype: torch.dtype | None) -> ParallelizeOptions:
     """The config's :class:`ParallelizeOptions` (``[parallelism]``, ``[activation_checkpoint]``, ``[compile]``,
     ``training.enable_cpu_offload``) with FSDP's compute dtype ``mp_param_dtype``."""
@@ -164,6 +172,7 @@ class Trainer:
         """Everything but the mesh and the dump folder's lock (the class docstring's order)."""
         if self.rank0:
             logger.info("job: %s (%s)", cfg.job.description, cfg.job.config_file or "no config file")
+            logger.info("mesh: %s", mesh_line(self.dims, cfg))
             if cfg.job.print_config:
                 logger.info("config:\n%s", json.dumps(cfg.to_dict(), indent=2))
         self._build_data()
@@ -437,7 +446,7 @@ class Trainer:
         t = self.cfg.training
         if self.state.skipped_steps > t.max_skipped_fraction * t.steps or self.state.skipped_steps == t.steps:
             raise UserError(
-                f"step {step}: {self.state.skipped_steps} steps skipped (of training.steps = {t.steps}), more than "
+                f"step {step}: {plural(self.state.skipped_steps, 'step')} skipped (of training.steps = {t.steps}), more than "
                 f"training.max_skipped_fraction = {t.max_skipped_fraction}: their rows hold no loss-bearing token. "
                 f"Loss is taken on the turns of training.loss_roles = {list(t.loss_roles)} (chat records); the turns "
                 "before them fill whole rows: raise training.seq_len, shorten those turns, or change the roles"

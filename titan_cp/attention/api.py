@@ -129,8 +129,8 @@ def _layout(spec: CPSpec, seq_len: int, cp: int, doc_lens) -> SequenceLayout:
         return get_layout(seq_len, cp, spec.balance, doc_lens)
     if (layout.seq_len, layout.cp_size) != (seq_len, cp):
         raise ValueError(
-            f"the batch's layout splits {layout.seq_len} tokens over {layout.cp_size} ranks, but the attention "
-            f"runs {seq_len // cp} tokens on each of {cp} ranks: shard the batch over this cp mesh"
+            f"the batch's layout splits {layout.seq_len} tokens at cp size {layout.cp_size}, but the attention "
+            f"runs {seq_len // cp} tokens per rank at cp size {cp}: shard the batch over this cp mesh"
         )
     return layout
 

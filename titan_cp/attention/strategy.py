@@ -127,7 +127,7 @@ class Strategy:
                 f"{mesh.mesh_dim_names}"
             )
         if mesh.size() != cp_size:
-            raise ValueError(f"the cp mesh has {mesh.size()} ranks but the layout was built for cp_size {cp_size}")
+            raise ValueError(f"the cp mesh's size is {mesh.size()} but the layout was built for cp_size {cp_size}")
         self.check_heads(q_heads, kv_heads, mesh.size(), self.mesh_ulysses_degree(mesh))
 
     def mesh_ulysses_degree(self, mesh) -> int:

@@ -43,9 +43,10 @@ class Generate(Section, name="generate"):
     stop_tokens: list[Annotated[int, AtLeast(0)]] = field(default_factory=list)
     """More token ids that end a prompt's generation (comma-separated on the command line)."""
 
-    output_file: str = "generate.jsonl"
+    output_file: str | None = None
     """JSON lines written by rank 0, one record per prompt (per needle trial), relative to
-    ``job.dump_folder`` unless absolute."""
+    ``job.dump_folder`` unless absolute. Default: ``<task>.jsonl`` (``generate.jsonl``, ``score.jsonl``,
+    ``needle.jsonl``), so one task's run does not overwrite another's results."""
 
     needle_lengths: Annotated[list[int], IncreasingPositive] = field(default_factory=lambda: [256, 512, 1024, 2048])
     """``task = "needle"``: context lengths in tokens (the question included)."""
@@ -64,5 +65,5 @@ class Generate(Section, name="generate"):
 
     def check(self) -> None:
         for key, value in (("output_file", self.output_file), ("heatmap_file", self.heatmap_file)):
-            if not value.strip():
+            if value is not None and not value.strip():
                 raise ValueError(f"generate.{key} is empty; name a file")

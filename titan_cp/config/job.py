@@ -37,6 +37,7 @@ from titan_cp.config.sections import (
 )
 from titan_cp.config.training import Training, check_microbatch_tokens
 from titan_cp.config.values import Section
+from titan_cp.errors import plural
 from titan_cp.families import get_family
 from titan_cp.layout import seq_len_multiple
 from titan_cp.mesh import ParallelDims
@@ -154,7 +155,7 @@ class JobConfig:
         if s.warmup_steps > t.steps:
             notes.append(
                 f"lr_scheduler.warmup_steps ({s.warmup_steps}) is longer than training.steps ({t.steps}): "
-                f"warming up over {t.steps} steps"
+                f"warming up over {plural(t.steps, 'step')}"
             )
             self.lr_scheduler = dataclasses.replace(s, warmup_steps=t.steps)
         if t.chat_template == "tokenizer" and not m.hf_assets_path:

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy, strategy_names
 from titan_cp.config.values import OneOf, Positive, PositiveOrAuto, Section
+from titan_cp.errors import plural
 from titan_cp.layout import BALANCES, DEFAULT_BALANCE
 
 ULYSSES_KEY = "parallelism.context_parallel_ulysses_degree"
@@ -113,6 +114,6 @@ class Parallelism(Section, name="parallelism"):
         if self.pipeline_parallel_degree > 1 and n_layers < stages:
             raise ValueError(
                 f"parallelism.pipeline_parallel_degree ({self.pipeline_parallel_degree}) with schedule "
-                f"{self.pipeline_parallel_schedule!r} makes {stages} stages, more than the {n_layers} layers "
+                f"{self.pipeline_parallel_schedule!r} makes {stages} stages, more than the {plural(n_layers, 'layer')} "
                 f"of model.flavor = {flavor!r}"
             )

@@ -112,8 +112,9 @@ class ModelFamily:
 @dataclass(frozen=True)
 class ModelSpec:
     """The model generation builds: its ``family``; ``what`` names it in errors (the config key);
-    ``shapes``: every parameter's name (as checkpoints store it) and shape; ``args`` (the Llama's
-    ``ModelArgs``) or ``folder`` (a Hugging Face folder)."""
+    ``max_seq_len``: the longest sequence (prompt and generated tokens) it takes, ``bound`` what sets
+    that (for errors); ``shapes``: every parameter's name (as checkpoints store it) and shape; ``args``
+    (the Llama's ``ModelArgs``) or ``folder`` (a Hugging Face folder)."""
 
     family: ModelFamily
     what: str
@@ -122,6 +123,7 @@ class ModelSpec:
     args: Any = None
     folder: str | None = None
     aliases: tuple[str, ...] = ()  # other names a checkpoint may hold the parameters under (tied weights)
+    bound: str = "max_seq_len"
 
     def build(self, dims, strategy: str, balance: str, device):
         """The model parallelized for generation on ``dims``' mesh, shards allocated (weights to load)."""

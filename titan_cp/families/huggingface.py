@@ -105,7 +105,8 @@ class HuggingFace(ModelFamily):
         shapes = {name: tuple(p.shape) for name, p in wrapped.named_parameters()}
         aliases = tuple(sorted(set(wrapped.state_dict()) - set(shapes)))  # tied weights, persistent buffers
         max_len = text_config(config).max_position_embeddings
-        return ModelSpec(self, what, max_len, shapes, folder=path, aliases=aliases)
+        bound = "config.json's max_position_embeddings"
+        return ModelSpec(self, what, max_len, shapes, folder=path, aliases=aliases, bound=bound)
 
     def build_for_generation(self, spec, dims, strategy, balance, device):
         from titan_cp.generate.hf_runner import build_hf_model  # noqa: PLC0415 - transformers is optional; titan_cp.generate imports the families

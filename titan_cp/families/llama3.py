@@ -11,8 +11,11 @@ import torch
 from titan_cp.families.base import ModelFamily, ModelSpec, register_family
 from titan_cp.model import hf_checkpoint
 from titan_cp.model.flavors import FLAVORS, model_args
-from titan_cp.model.llama import Transformer
+from titan_cp.model.llama import MAX_POSITIONS, Transformer
 from titan_cp.parallel.build import build_parallel_model
+
+BOUND = "RoPE's float32 positions, exact up to 2**24; the flavor's max_seq_len is informational"
+"""What bounds the sequences the Llama takes (:data:`titan_cp.model.llama.MAX_POSITIONS`), for errors."""
 
 
 class Llama3(ModelFamily):
@@ -55,7 +58,7 @@ class Llama3(ModelFamily):
         args = model_args(cfg.model.flavor, vocab_size=vocab_size)
         with torch.device("meta"):
             shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
-        return ModelSpec(self, self.describe(cfg.model), args.max_seq_len, shapes, args=args)
+        return ModelSpec(self, self.describe(cfg.model), MAX_POSITIONS, shapes, args=args, bound=BOUND)
 
     def build_for_generation(self, spec, dims, strategy, balance, device):
         from titan_cp.generate.runners import build_generation_model  # noqa: PLC0415 - titan_cp.generate's engine imports the families

@@ -4,13 +4,15 @@ The trainer's config (model, tokenizer, checkpoint, mesh) with a ``[generate]`` 
 (:class:`titan_cp.config.Generate`): ``generate.task`` is ``generate`` (continue each prompt of
 ``generate.prompt_file``), ``score`` (log-likelihood of each record's continuation) or
 ``needle`` (needle in a haystack over lengths x depths, with a heatmap). Rank 0 prints the
-results and writes one JSON line per prompt (per trial) to ``generate.output_file``.
+results and writes one JSON line per prompt (per trial) to ``generate.output_file`` (default
+``<task>.jsonl``).
 
 The ranks are ``cp x tp``: each prompt batch is sharded over cp by the layout
 (``parallelism.context_parallel_load_balancer``, strategy ``context_parallel_strategy``), heads
 over tp. Everything the config and the files can tell is checked before any process group
-starts (:func:`prepare`): bad keys, the prompt file, each prompt's length against the model's
-``max_seq_len``, the stop tokens, the output folder, the checkpoint and its shapes.
+starts (:func:`prepare`): bad keys, the prompt file, each prompt's length against the positions the
+model takes (RoPE's exact range for titan_cp's Llama, whose flavors' ``max_seq_len`` is
+informational; ``max_position_embeddings`` for a Hugging Face model), the stop tokens, the output folder, the checkpoint and its shapes.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.distributed as dist
 
 from titan_cp.config import Generate, JobConfig, load_config
 from titan_cp.data import build_tokenizer
-from titan_cp.errors import run_cli
+from titan_cp.errors import plural, run_cli
 from titan_cp.generate.engine import Generator
 from titan_cp.generate.needle import accuracy_grid, draw_heatmap, needle_case, needle_eval
 from titan_cp.generate.prompts import PromptRecord, read_prompts
@@ -42,7 +44,7 @@ from titan_cp.generate.weights import (
     weight_source,
 )
 from titan_cp.preflight import check_files
-from titan_cp.train import compute_precision, init_distributed
+from titan_cp.train import compute_precision, init_distributed, mesh_line
 
 logger = logging.getLogger("titan_cp")
 
@@ -89,14 +91,12 @@ def _stop_tokens(g: Generate, tokenizer) -> tuple[int, ...]:
 
 
 def _check_length(where: str, tokens: int, reach: int, spec: ModelSpec, hint: str) -> None:
-    """Positions ``0 .. reach - 1`` of a sequence of ``tokens`` input tokens fit the model's ``max_seq_len``."""
+    """Positions ``0 .. reach - 1`` of a sequence of ``tokens`` input tokens fit the model (``spec.max_seq_len``)."""
+    limit = f"the {spec.max_seq_len} positions of {spec.what} ({spec.bound})"
     if tokens > spec.max_seq_len:
-        raise ValueError(f"{where}: {tokens} tokens, more than the max_seq_len {spec.max_seq_len} of {spec.what}")
+        raise ValueError(f"{where}: {tokens} tokens, more than {limit}")
     if reach > spec.max_seq_len:
-        raise ValueError(
-            f"{where}: {tokens} tokens, {hint}, reach position {reach - 1}, beyond the max_seq_len "
-            f"{spec.max_seq_len} of {spec.what}"
-        )
+        raise ValueError(f"{where}: {tokens} tokens, {hint}, reach position {reach - 1}, beyond {limit}")
 
 
 def _read(cfg: JobConfig, tokenizer, spec: ModelSpec):
@@ -136,13 +136,14 @@ def prepare(cfg: JobConfig, world_size: int) -> GenerateJob:
         raise ValueError(
             f"titan_cp.generate runs on context x tensor parallel ranks, but {world_size} ranks give a data-parallel "
             f"degree of {dims.dp_degree}: launch parallelism.context_parallel_degree x tensor_parallel_degree = "
-            f"{p.context_parallel_degree * p.tensor_parallel_degree} ranks"
+            f"{plural(p.context_parallel_degree * p.tensor_parallel_degree, 'rank')}"
         )
     tokenizer = build_tokenizer(cfg.model.hf_assets_path)
     spec = model_spec(cfg, tokenizer.vocab_size)
     stop = _stop_tokens(cfg.generate, tokenizer)
     records, prompts, continuations = _read(cfg, tokenizer, spec)
-    output = _output_path(cfg, "output_file", cfg.generate.output_file)
+    g = cfg.generate
+    output = _output_path(cfg, "output_file", f"{g.task}.jsonl" if g.output_file is None else g.output_file)
     heatmap = None
     if cfg.generate.task == "needle":
         heatmap = _output_path(cfg, "heatmap_file", cfg.generate.heatmap_file)
@@ -224,7 +225,7 @@ def _report(job: GenerateJob, records: list[dict], world: int) -> None:
         print("depth \\ tokens " + " ".join(f"{n:>7}" for n in g.needle_lengths))
         for d, row in zip(g.needle_depths, grid):
             print(f"{100 * d:>13.0f}% " + " ".join(f"{a:>7.2f}" for a in row))
-        title = f"needle in a haystack: {job.model.what}, {world} ranks (cp {p.context_parallel_degree})"
+        title = f"needle in a haystack: {job.model.what}, {plural(world, 'rank')} (cp {p.context_parallel_degree})"
         job.heatmap.parent.mkdir(parents=True, exist_ok=True)
         draw_heatmap(grid, g.needle_lengths, g.needle_depths, str(job.heatmap), title)
         logger.info("heatmap: %s", job.heatmap)
@@ -241,6 +242,7 @@ def run(job: GenerateJob) -> list[dict]:
     strategy, balance = p.context_parallel_strategy, p.context_parallel_load_balancer
     model = job.model.build(dims, strategy, balance, device)
     if rank0:
+        logger.info("mesh: %s", mesh_line(dims, cfg))
         logger.info("loading the weights of %s", job.weights.describe())
     load_generation_weights(job.weights, model, job.model)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[compute_precision(cfg, device.type, rank0)]

@@ -33,6 +33,7 @@ from torch import Tensor
 from titan_cp.attention import check_kernel, cp_rank
 from titan_cp.attention.decode import KeyRanges, decode_attention
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
+from titan_cp.errors import plural
 from titan_cp.families import family_of
 from titan_cp.generate.cache import ShardedKVCache, plan_owners
 from titan_cp.generate.sampling import Sampling, sample_next
@@ -118,7 +119,8 @@ def _find(index: Tensor, wanted: Tensor) -> tuple[Tensor, Tensor]:
 
 def _check_prompts(name: str, prompts, model, extra: int = 0) -> None:
     """Each of ``prompts`` is a non-empty list of token ids of the ``model``'s (a runner's) vocabulary
-    whose length (plus ``extra`` positions) fits its ``max_seq_len``; ``ValueError`` naming ``name[i]``."""
+    whose length (plus ``extra`` positions) fits the positions it takes (``max_seq_len``); ``ValueError``
+    naming ``name[i]``."""
     if not prompts:
         raise ValueError(f"{name} is empty: give at least one token list")
     for i, p in enumerate(prompts):
@@ -126,8 +128,8 @@ def _check_prompts(name: str, prompts, model, extra: int = 0) -> None:
             raise ValueError(f"{name}[{i}] has no tokens")
         if len(p) + extra > model.max_seq_len:
             raise ValueError(
-                f"{name}[{i}] has {len(p)} tokens{f' (+ {extra} to generate)' if extra else ''}, more than the "
-                f"model's max_seq_len {model.max_seq_len}"
+                f"{name}[{i}] has {plural(len(p), 'token')}{f' (+ {extra} to generate)' if extra else ''}, more than the "
+                f"{model.max_seq_len} positions the model takes"
             )
         if not all(isinstance(t, int) and 0 <= t < model.vocab_size for t in p):
             raise ValueError(
@@ -229,12 +231,12 @@ class Generator:
         ):
             raise ValueError(
                 f"decode takes distinct ascending prompt indices below {len(state.fed)} and one token each, got "
-                f"prompts {list(prompts)} and {len(tokens)} tokens"
+                f"prompts {list(prompts)} and {plural(len(tokens), 'token')}"
             )
         for b in prompts:
             if state.fed[b] >= len(state.owners[b]):
                 raise ValueError(
-                    f"prompt {b} has fed the {len(state.owners[b])} tokens the prefill planned for; "
+                    f"prompt {b} has fed the {plural(len(state.owners[b]), 'token')} the prefill planned for; "
                     "prefill with a larger new_tokens"
                 )
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from titan_cp.data.datasets import _KEYS, _VALUE_CHARS, _sentence
 from titan_cp.data.tokenizer import Tokenizer
+from titan_cp.errors import plural
 from titan_cp.generate.engine import Generator
 
 HEADER = "Remember these facts.\n"
@@ -59,7 +60,7 @@ def needle_case(tokenizer: Tokenizer, length: int, depth: float, trial: int, see
     room = length - len(fixed)
     if room < 0:
         raise ValueError(
-            f"generate.needle_lengths: {length} tokens cannot hold the header, the fact and the question "
+            f"generate.needle_lengths: {plural(length, 'token')} cannot hold the header, the fact and the question "
             f"({len(fixed)} tokens); give lengths of at least {len(fixed)}"
         )
     pool = [tokenizer.encode(_sentence(rng)) for _ in range(rng.randint(4, 12))]

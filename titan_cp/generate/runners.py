@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.layout import DEFAULT_BALANCE
-from titan_cp.model.llama import ModelArgs, Transformer, rope_cos_sin, rope_frequencies
+from titan_cp.model.llama import MAX_POSITIONS, ModelArgs, Transformer, rope_cos_sin, rope_frequencies
 from titan_cp.parallel.build import cp_mesh
 from titan_cp.parallel.cp import apply_cp
 from titan_cp.parallel.tp import apply_tp
@@ -42,7 +42,7 @@ class LlamaRunner:
 
     def __init__(self, model: Transformer):
         self.model, args = model, model.args
-        self.max_seq_len, self.vocab_size = args.max_seq_len, args.vocab_size
+        self.max_seq_len, self.vocab_size = MAX_POSITIONS, args.vocab_size  # args.max_seq_len is informational
         self.device = model.norm.weight.device
         self.freqs = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling, self.device)
         self.inner = [layer.attention.inner_attention for layer in model.layers.values()]

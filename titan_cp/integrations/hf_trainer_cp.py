@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
+from titan_cp.errors import plural
 from titan_cp.integrations.hf_batch import count_loss_tokens, shard_batch, unshard
 from titan_cp.layout import BALANCES, DEFAULT_BALANCE
 from titan_cp.loss import IGNORE_INDEX
@@ -219,7 +220,7 @@ class ContextParallelMixin:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world % o.cp_size:
             raise ValueError(
-                f"context_parallel_trainer(cp_size={o.cp_size}): the world has {world} ranks, not a multiple of "
+                f"context_parallel_trainer(cp_size={o.cp_size}): the world has {plural(world, 'rank')}, not a multiple of "
                 "cp_size; launch a multiple of it (torchrun --nproc-per-node, accelerate launch --num_processes)"
             )
         self.cp_size, self.dp_size = o.cp_size, world // o.cp_size
@@ -418,7 +419,7 @@ class ContextParallelMixin:
             labels[:, sum(lens[: tally.last_real]) :] = IGNORE_INDEX
         else:
             raise ValueError(
-                f"an evaluation batch of {len(lens)} samples has {labels.shape[0]} rows: titan_cp cannot tell "
+                f"an evaluation batch of {plural(len(lens), 'sample')} has {plural(labels.shape[0], 'row')}: titan_cp cannot tell "
                 "which are repeated; use a collator that keeps one row per sample or flattens them all"
             )
         tally.masked = labels if key == "labels" else None

@@ -142,6 +142,12 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RoPEScaling | None, d
     return torch.where((wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen), scaled, freqs_out)
 
 
+MAX_POSITIONS = 2**24
+"""Positions the model computes exactly: RoPE turns them into float32 angles (:func:`rope_cos_sin`),
+and float32 holds every integer exactly only up to 2**24. ``ModelArgs.max_seq_len`` is no limit:
+there is no position table (the trainer's ``training.seq_len`` has the same bound)."""
+
+
 def rope_cos_sin(positions: Tensor, freqs: Tensor) -> tuple[Tensor, Tensor]:
     """``positions`` (B, S) int -> ``cos, sin`` (B, S, E/2) fp32 of the angles ``p * freq_j``."""
     angles_BSE2 = positions.to(torch.float32)[..., None] * freqs

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.data.row_mixes import ROW_MIXES
+from titan_cp.errors import plural
 from titan_cp.plan.devices import GB, GPUS, INTER, INTRA, device
 from titan_cp.plan.search import Estimate, PlanResult, plan
 
@@ -237,7 +238,9 @@ def _print_max_seq(args: argparse.Namespace, rest: list[str]) -> int:
         job_config, args.ngpu, args.gpu, args.nnodes, args.doc_mix, args.hbm_gb, args.matmul_speedup, args.host_gb
     )
     if result is None:
-        raise ValueError(f"--max-seq: not even {65536} tokens fit {args.ngpu} {args.gpu} GPUs with every option on")
+        raise ValueError(
+            f"--max-seq: not even 65536 tokens fit {plural(args.ngpu, args.gpu + ' GPU')} with every option on"
+        )
     print(json.dumps({"max_seq_len": n, **record(result.best, result)}))
     return 0
 

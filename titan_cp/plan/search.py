@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from titan_cp.attention.strategy import get_strategy, strategy_names
 from titan_cp.data.row_mixes import make_rows
+from titan_cp.errors import plural
 from titan_cp.families import get_family
 from titan_cp.layout import seq_len_multiple
 from titan_cp.model.llama import ModelArgs
@@ -298,7 +299,7 @@ def plan(
     cands = [c for c in cands if (c.tp == 1 or family.builds("tp")) and (c.pp == 1 or family.builds("pp"))]
     if not cands:
         raise ValueError(
-            f"training.seq_len ({t.seq_len}) is divided by no cp degree of {ngpu} GPUs "
+            f"training.seq_len ({t.seq_len}) is divided by no cp degree of {plural(ngpu, 'GPU')} "
             f"for parallelism.context_parallel_load_balancer = {balance!r}"
         )
     ranked, note = _rank([evaluate(c, w, dev, stack) for c in cands]), ""
