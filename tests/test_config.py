@@ -738,3 +738,47 @@ def test_validation_changes_nothing_and_reconcile_adjusts(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_config(["--training.steps", "5"], warn_adjustments=False).lr_scheduler.warmup_steps == 5
+
+
+@pytest.mark.parametrize(
+    "schedule,local_batch_size,rows,refusal",
+    [
+        ("1F1B", 1, 1, r"'1F1B' needs at least as many microbatches as its 2 pipeline stages, got 1 microbatch "
+         r"\(training.local_batch_size 1 / parallelism.pipeline_parallel_microbatch_size 1\): raise "
+         r"training.local_batch_size to 2 or more$"),
+        ("1F1B", 2, 2, r"got 1 microbatch .*: raise training.local_batch_size to 4 or more or lower "
+         r"parallelism.pipeline_parallel_microbatch_size$"),
+        ("DualPipeV", 3, 1, r"'DualPipeV' needs at least as many microbatches as its 4 pipeline stages, got 3"),
+        ("Interleaved1F1B", 5, 1, r"'Interleaved1F1B' needs the microbatches to be a multiple of its rounds "
+         r"\(5 // parallelism.pipeline_parallel_degree 2 = 2\), got 5 microbatches .*: set "
+         r"training.local_batch_size to 4 or 6$"),
+        ("InterleavedZeroBubble", 7, 1, r"multiple of its rounds \(7 // .* = 3\), .* to 6 or 8$"),
+        # what the schedules run (tests/test_composition.py runs Interleaved1F1B's 4 stages on 2 microbatches)
+        ("1F1B", 2, 1, None),
+        ("GPipe", 1, 1, None),
+        ("Interleaved1F1B", 3, 1, None),
+        ("Interleaved1F1B", 6, 1, None),
+        ("ZBVZeroBubble", 1, 1, None),
+        ("DualPipeV", 4, 1, None),
+    ],
+)  # fmt: skip
+def test_pipeline_microbatches_the_schedule_cannot_take_are_refused_before_start(
+    schedule, local_batch_size, rows, refusal
+):
+    """PP 2 x CP 2: ``torch.distributed.pipelining``'s schedules refuse too few microbatches (1F1B, DualPipeV) or a
+    count their rounds do not divide (the interleaved ones) when they are built, after the process groups; the
+    config refuses them first, in one line naming the keys."""
+    argv = [
+        "--model.flavor", "debugmodel",
+        "--parallelism.pipeline_parallel_degree", "2",
+        "--parallelism.context_parallel_degree", "2",
+        "--parallelism.pipeline_parallel_schedule", schedule,
+        "--parallelism.pipeline_parallel_microbatch_size", str(rows),
+        "--training.local_batch_size", str(local_batch_size),
+    ]  # fmt: skip
+    if refusal is None:
+        load_config(argv)
+        return
+    with pytest.raises(ValueError, match=r"^parallelism.pipeline_parallel_schedule = " + ".*" + refusal) as e:
+        load_config(argv)
+    assert "\n" not in str(e.value)

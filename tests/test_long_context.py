@@ -12,6 +12,7 @@ the parameters after an AdamW step).
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import pytest
@@ -20,12 +21,13 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.test_composition import SEED, _clean, _full, local_microbatch, make_batch
+from titan_cp.config import load_config
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
 from titan_cp.model import build_model, model_args
-from titan_cp.parallel.ac import apply_ac
+from titan_cp.parallel.ac import AC_MODES, ac_mode_and_every, apply_ac, check_ac
 from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model, materialize
-from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
+from titan_cp.parallel.tiled_mlp import apply_tiled_mlp, check_tile_tokens
 from titan_cp.parallel.units import unit_blocks
 from titan_cp.step import forward_backward
 
@@ -131,8 +133,6 @@ def test_bad_options_name_the_key():
         apply_ac(model, "selective", every=2, blocks_per_checkpoint=2)
     with pytest.raises(ValueError, match="tile_tokens"):
         apply_tiled_mlp(model, -1)
-    from titan_cp.config import load_config  # noqa: PLC0415
-
     with pytest.raises(ValueError, match="activation_checkpoint.cpu_offload"):
         load_config(["--activation_checkpoint.mode", "none", "--activation_checkpoint.cpu_offload", "true"])
     with pytest.raises(ValueError, match="enable_cpu_offload"):
@@ -191,6 +191,141 @@ def test_options_keep_the_losses_of_parallel_runs(dist_pools, world, combo):
     for exact, loss_err, param_err in dist_pools.run(world, _compare, combo, timeout=600):
         assert exact
         assert loss_err <= 1e-5 and param_err <= 1e-6, (loss_err, param_err)
+
+
+# ---- every combination: mode x offload x units x tiles, then the mesh axes -----------------------------------
+
+# ``[activation_checkpoint]`` mode and selective_ac_option (none / full / layer-level every 1 and 2 / op-level)
+AC_KEYS = [("none", "2"), ("full", "2"), ("selective", "1"), ("selective", "2"), ("selective", "op")]
+
+
+def _refusal(mode: str, option: str, offload: bool, k: int) -> str | None:
+    """The key a combination is refused for before start, or None: offload needs a checkpoint, and k-block units
+    full or op-level checkpoints (``ActivationCheckpoint.check``)."""
+    if offload and mode == "none":
+        return "activation_checkpoint.cpu_offload"
+    if k > 1 and not (mode == "full" or option == "op"):
+        return "activation_checkpoint.blocks_per_checkpoint"
+    return None
+
+
+def _accepted():
+    """Every combination the config accepts, as ``ParallelizeOptions`` keywords (as the trainer maps them)."""
+    for (mode, option), offload, k, tile in itertools.product(AC_KEYS, (False, True), (1, 2), (0, 8)):
+        if _refusal(mode, option, offload, k) is None:
+            ac_mode, every = ac_mode_and_every(mode, option)
+            yield dict(
+                ac_mode=ac_mode, ac_every=every, ac_cpu_offload=offload, ac_blocks_per_checkpoint=k, tile_tokens=tile
+            )
+
+
+def _step(world, combo: dict, options: dict):
+    """The loss and full gradients of one step of the tiny model (3 blocks: a 2-block unit and a 1-block one) on
+    ``combo``'s mesh. FSDP casts its inputs (``mp_param_dtype`` set, float32 here as bf16 on a GPU): its hooks run
+    record_function regions and casts, in the forward and in the recomputations."""
+    pd = ParallelDims(
+        dp_shard=combo.get("dp_shard", 1), cp=combo["cp"], pp=combo.get("pp", 1), tp=1, dp_replicate=1, world_size=world
+    )
+    pd.build_mesh("cpu")
+    parallelize = ParallelizeOptions(
+        cp_strategy="ring", cp_balance="doc_zigzag", mp_param_dtype=torch.float32, **options
+    )
+    loss_fn = GlobalTokenLoss()
+    args = model_args("tiny", n_layers=combo.get("n_layers", 3))
+    built = build_parallel_model(args, pd, parallelize, "cpu", seed=SEED, loss_fn=loss_fn, pp_microbatches=2)
+    full = make_batch(0)
+    loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
+    mb = local_microbatch(pd, parallelize, full)
+    loss = forward_backward(built.parts, mb, loss_fn, built.schedule, built.has_first, built.has_last)
+    counted = loss.detach() if built.has_last else torch.zeros(())
+    dist.all_reduce(counted)
+    return counted, {_clean(n): _full(p.grad) for part in built.parts for n, p in part.named_parameters()}
+
+
+def _against_plain(rank, world, combo, combinations):
+    """Per combination: whether its loss and gradients equal the run without any option bit for bit, the loss's
+    difference, and the gradients' largest beyond rtol 1e-5."""
+    want_loss, want = _step(world, combo, dict(ac_mode="none"))
+    out = []
+    for options in combinations:
+        loss, grads = _step(world, combo, options)
+        exact = torch.equal(loss, want_loss) and all(torch.equal(grads[n], want[n]) for n in want)
+        grad_err = max(((grads[n] - want[n]).abs() - 1e-5 * want[n].abs()).max().item() for n in want)
+        out.append((options, exact, (loss - want_loss).abs().item(), grad_err))
+    return out
+
+
+def _check_against_plain(results) -> None:
+    for options, exact, loss_err, grad_err in results:
+        if options["tile_tokens"]:  # the module docstring's tolerance
+            assert loss_err <= 1e-5 and grad_err <= 1e-6, (options, loss_err, grad_err)
+        else:
+            assert exact, (options, loss_err, grad_err)
+
+
+def test_every_memory_option_combination_equals_the_plain_run(dist_pools):
+    """Every accepted mode x cpu_offload x blocks_per_checkpoint x tile_tokens, on CP 2 with FSDP over the cp ranks,
+    against the run without them. Op-level units (offload, or k > 1) failed in the backward: the selective
+    checkpoint's recomputation met FSDP's hooks' ops, which its forward had run elsewhere or not at all."""
+    combinations = list(_accepted())
+    assert len(combinations) == 26
+    for results in dist_pools.run(2, _against_plain, dict(cp=2), combinations, timeout=600):
+        assert [r[0] for r in results] == combinations
+        _check_against_plain(results)
+
+
+# op-level checkpoints offloaded in 2-block units, with and without tiles; layer-level every 2nd block offloaded
+# (full 2-block units: test_options_keep_the_losses_of_parallel_runs)
+REPRESENTATIVE = [
+    dict(ac_mode="op", ac_cpu_offload=True, ac_blocks_per_checkpoint=2, tile_tokens=0),
+    dict(ac_mode="op", ac_cpu_offload=True, ac_blocks_per_checkpoint=2, tile_tokens=8),
+    dict(ac_mode="selective", ac_every=2, ac_cpu_offload=True, tile_tokens=0),
+]
+
+
+@pytest.mark.parametrize(
+    "combo",
+    [dict(cp=4), dict(dp_shard=2, cp=2), dict(pp=2, cp=2, n_layers=4)],
+    ids=["cp4", "fsdp2_cp2", "pp2_cp2"],
+)
+def test_memory_options_on_other_meshes_equal_the_plain_run(dist_pools, combo):
+    for results in dist_pools.run(4, _against_plain, combo, REPRESENTATIVE, timeout=600):
+        _check_against_plain(results)
+
+
+def test_every_combination_validates_or_is_refused_in_one_line_before_start():
+    """Mode x offload x units x tiles x CP size x FSDP x PP, through ``load_config`` alone (no process group): each
+    combination either validates, and the builder's own checks then take what the trainer makes of it, or is refused
+    with one line naming the key; only the combinations the options cannot mean are refused."""
+    meshes = itertools.product((1, 2, 4), (1, 2), (1, 2))  # cp, dp_shard, pp
+    for (cp, dp_shard, pp), (mode, option), offload, k, tile in itertools.product(
+        meshes, AC_KEYS, (False, True), (1, 2), (0, 8)
+    ):
+        argv = [
+            "--model.flavor", "tiny",
+            "--training.seq_len", "256",
+            "--training.local_batch_size", "2",
+            "--parallelism.context_parallel_degree", str(cp),
+            "--parallelism.data_parallel_shard_degree", str(dp_shard),
+            "--parallelism.pipeline_parallel_degree", str(pp),
+            "--activation_checkpoint.mode", mode,
+            "--activation_checkpoint.selective_ac_option", option,
+            "--activation_checkpoint.cpu_offload", str(offload).lower(),
+            "--activation_checkpoint.blocks_per_checkpoint", str(k),
+            "--activation_checkpoint.tile_tokens", str(tile),
+        ]  # fmt: skip
+        refused = _refusal(mode, option, offload, k)
+        try:
+            cfg = load_config(argv)
+        except ValueError as e:
+            assert refused is not None and refused in str(e) and "\n" not in str(e), (argv, str(e))
+            continue
+        assert refused is None, argv
+        ac = cfg.activation_checkpoint
+        ac_mode, every = ac_mode_and_every(ac.mode, ac.selective_ac_option)
+        assert ac_mode in AC_MODES
+        check_ac(ac_mode, every, ac.cpu_offload, ac.blocks_per_checkpoint)
+        check_tile_tokens(ac.tile_tokens)
 
 
 # ---- a Hugging Face model -------------------------------------------------------------------------

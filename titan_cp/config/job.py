@@ -169,6 +169,7 @@ class JobConfig:
                 f"training.local_batch_size ({t.local_batch_size}) must be a multiple of "
                 f"parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size})"
             )
+        p.check_microbatches(t.local_batch_size)
         _check_seq_len("training.seq_len", t.seq_len, p)
         _check_long_context_keys(self)
         if v.seq_len != -1:

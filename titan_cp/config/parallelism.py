@@ -49,7 +49,8 @@ class Parallelism(Section, name="parallelism"):
     """``torch.distributed.pipelining`` schedule."""
 
     pipeline_parallel_microbatch_size: Annotated[int, Positive] = 1
-    """Rows per pipeline microbatch; must divide ``training.local_batch_size``."""
+    """Rows per pipeline microbatch; must divide ``training.local_batch_size``, into as many microbatches as the
+    schedule takes (:meth:`Parallelism.check_microbatches`: 1F1B and DualPipeV at least one per stage)."""
 
     context_parallel_degree: Annotated[int, Positive] = 1
     """Context-parallel degree: ranks that split one sequence. 1: off."""
@@ -88,6 +89,44 @@ class Parallelism(Section, name="parallelism"):
                 f"{s.name!r}: leave the degree at 1 or set the strategy to {readers}"
             ) from None
 
+    def pipeline_stages(self) -> int:
+        """Pipeline stages: one per rank for ``1F1B`` and ``GPipe``, two for the others
+        (``titan_cp.parallel.pp.pipeline_llama``'s default)."""
+        single = self.pipeline_parallel_schedule in ("1F1B", "GPipe")
+        return self.pipeline_parallel_degree * (1 if single else 2)
+
+    def check_microbatches(self, local_batch_size: int) -> None:
+        """The schedule must take the step's microbatches, ``local_batch_size / pipeline_parallel_microbatch_size``
+        (as the trainer builds it; divisibility is checked before): ``torch.distributed.pipelining``'s own
+        rules, refused here before any process group instead of by the schedule's constructor."""
+        pp, schedule, rows = (
+            self.pipeline_parallel_degree,
+            self.pipeline_parallel_schedule,
+            self.pipeline_parallel_microbatch_size,
+        )
+        if pp == 1:
+            return
+        n = local_batch_size // rows
+        count = (
+            f"{n} microbatch{'es' if n != 1 else ''} (training.local_batch_size {local_batch_size} / "
+            f"parallelism.pipeline_parallel_microbatch_size {rows})"
+        )
+        stages = self.pipeline_stages()
+        if schedule in ("1F1B", "DualPipeV") and n < stages:
+            raise ValueError(
+                f"parallelism.pipeline_parallel_schedule = {schedule!r} needs at least as many microbatches as its "
+                f"{stages} pipeline stages, got {count}: raise training.local_batch_size to {stages * rows} or more"
+                + (" or lower parallelism.pipeline_parallel_microbatch_size" if rows > 1 else "")
+            )
+        rounds = max(1, n // pp)
+        if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and n % rounds:
+            low, high = pp * (n // pp), pp * -(-n // pp)  # multiples of pp: as many microbatches in every round
+            raise ValueError(
+                f"parallelism.pipeline_parallel_schedule = {schedule!r} needs the microbatches to be a multiple of "
+                f"its rounds ({n} // parallelism.pipeline_parallel_degree {pp} = {rounds}), got {count}: set "
+                f"training.local_batch_size to {low * rows} or {high * rows}"
+            )
+
     def check_model(self, flavor: str, n_heads: int, n_kv_heads: int, n_layers: int) -> None:
         """Degrees the flavor's heads and layers can take (TP splits heads; the strategy may split
         each TP shard's heads again; pipeline stages need at least one layer each)."""
@@ -109,8 +148,7 @@ class Parallelism(Section, name="parallelism"):
                 f"model.flavor = {flavor!r} ({n_heads} / tp {tp} = {q}), and divide or be a multiple of its KV "
                 f"heads per rank ({kv})"
             ) from None
-        single = self.pipeline_parallel_schedule in ("1F1B", "GPipe")
-        stages = self.pipeline_parallel_degree * (1 if single else 2)
+        stages = self.pipeline_stages()
         if self.pipeline_parallel_degree > 1 and n_layers < stages:
             raise ValueError(
                 f"parallelism.pipeline_parallel_degree ({self.pipeline_parallel_degree}) with schedule "

@@ -25,15 +25,26 @@ are recomputed by its own checkpoint when its backward needs them, one block at 
 forward of the unit's blocks than a single checkpoint, for a device peak of one block's internals.
 
 ``k = 1`` is ordinary per-block checkpointing (with ``cpu_offload``: its inputs on the host).
+
+Op-level selective checkpointing (a ``context_fn`` from ``create_selective_checkpoint_contexts``)
+looks up each op of the recomputation by its invocation index among the ops of the forward's
+region, so both must run the same ops. The hooks do not: in the forward a unit's region starts
+after b_0's pre-hooks (FSDP's unshard, record_function regions and input casts) and ends before
+b_{k-1}'s forward hooks, but holds b_1 .. b_{k-1}'s pre-hooks and the earlier blocks' forward hooks;
+the recomputation calls the blocks, hooks and all (and FSDP's hooks do other things in the
+backward). :func:`blocks_only` therefore hands such a context only the ops of the blocks' own
+``forward`` (:func:`mark_forwards`), the same in the forward and the recomputation.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import partial, wraps
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 
 from titan_cp.parallel.offload import HostActivationStore
@@ -57,6 +68,65 @@ def _finish(gen) -> None:
     except StopIteration:
         return
     raise RuntimeError("checkpoint generator did not finish")  # invariant of the generator
+
+
+_forwards = threading.local()  # .depth: the marked forwards running on this thread (the backward's own thread on CUDA)
+
+
+def _in_forward() -> bool:
+    return getattr(_forwards, "depth", 0) > 0
+
+
+def mark_forwards(blocks: Sequence[nn.Module]) -> None:
+    """Mark the run of each block's ``forward`` (the instance attribute, so that the module, its state-dict
+    names and hooks are unchanged; its hooks run outside it) for :func:`blocks_only`. Idempotent."""
+    for block in blocks:
+        if getattr(block, "_unmarked_forward", None) is not None:
+            continue
+        forward = block.forward
+
+        @wraps(forward)
+        def marked(*args, _forward=forward, **kwargs):
+            _forwards.depth = getattr(_forwards, "depth", 0) + 1
+            try:
+                return _forward(*args, **kwargs)
+            finally:
+                _forwards.depth -= 1
+
+        block._unmarked_forward = forward
+        block.forward = marked
+
+
+class _ForwardsOnly(TorchDispatchMode):
+    """``mode`` (a selective checkpoint's caching or cached mode) given only the ops run inside marked
+    forwards; every other op runs as it would without it."""
+
+    def __init__(self, mode: TorchDispatchMode):
+        super().__init__()
+        self.mode = mode
+
+    def __enter__(self):
+        # a fresh count at each recomputation, as the cached mode's own __enter__ does
+        counter = getattr(self.mode, "func_counter", None)
+        if counter is not None:
+            counter.clear()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _in_forward():
+            return self.mode.__torch_dispatch__(func, types, args, kwargs)
+        return func(*args, **(kwargs or {}))
+
+
+def blocks_only(context_fn: Callable) -> Callable:
+    """``context_fn`` (a checkpoint's, returning its forward and recomputation contexts, here dispatch
+    modes) with both contexts seeing only the ops of forwards marked by :func:`mark_forwards` (module doc)."""
+
+    def contexts():
+        forward, recompute = context_fn()
+        return _ForwardsOnly(forward), _ForwardsOnly(recompute)
+
+    return contexts
 
 
 class CheckpointUnit:
@@ -168,8 +238,12 @@ def apply_units(
 ) -> tuple[list[CheckpointUnit], HostActivationStore | None]:
     """Checkpoint ``blocks`` (in call order) as units (:func:`unit_blocks`) by hooks; with
     ``cpu_offload`` their inputs go to one :class:`HostActivationStore` (``prefetch`` units ahead).
-    Returns the units and the store (None without offload)."""
+    Returns the units and the store (None without offload). A ``context_fn`` other than the no-op (op-level
+    selective checkpointing) sees only the ops of the blocks' own forwards (:func:`blocks_only`)."""
     store = HostActivationStore(prefetch) if cpu_offload else None
+    if context_fn is not noop_context_fn:
+        mark_forwards(blocks)
+        context_fn = blocks_only(context_fn)
     units = [
         CheckpointUnit([blocks[i] for i in idx], context_fn, store)
         for idx in unit_blocks(len(blocks), mode, every, blocks_per_checkpoint)
