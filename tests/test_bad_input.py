@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from titan_cp.checkpoint import Checkpointer
+from titan_cp.checkpoint import Checkpointer, saved_steps
 from titan_cp.config import load_config
 from titan_cp.data import ByteTokenizer, TextFiles, build_dataset
 from titan_cp.data.chat import ChatJsonl
@@ -351,25 +351,63 @@ def test_corrupt_only_checkpoint_says_how_to_start_from_scratch(tmp_path):
 
 
 def test_damaged_checkpoint_advice_says_what_moving_it_away_does(tmp_path):
-    """The damaged newest whole step, with a model-only final step after it: moving it away would
-    load that model alone and train from step 1 again, and the message says so."""
+    """A damaged step-3 between a whole step-2 and a model-only step-4: the resume asks which step
+    (step-4 cannot be continued); load_step 3 names step 2 to resume from instead, and what moving
+    step-3 away would do."""
     folder = tmp_path / "checkpoint"
     dcp_step(folder, 2)
     damaged = dcp_step(folder, 3)
     dcp_step(folder, 4, with_optimizer=False)
     next(damaged.glob("*.distcp")).unlink()
+    with pytest.raises(ValueError, match=r"step-4 is the newest step but holds only the model"):
+        check_files(load(resume_argv(tmp_path)))
     match = (
         r"resume from an older step with --checkpoint.load_step 2 \(saved steps: \[2\]\); moving .*step-3 away, the "
-        r"run resumes from step 2"
+        r"run stops at step-4, which holds only the model or cannot be read \(name a step to load\)"
     )
     with pytest.raises(ValueError, match=match):
+        check_files(load([*resume_argv(tmp_path), "--checkpoint.load_step", "3"]))
+    (folder / "step-4").rename(folder / "step-4-model")  # an export: not a step
+    with pytest.raises(ValueError, match=r"resume from an older .*; moving .*step-3 away, the run resumes from step 2"):
         check_files(load(resume_argv(tmp_path)))
-    (folder / "step-2" / ".metadata").unlink()
-    match = (
-        r"moving .*step-3 away, the run loads the model weights of step 4 \(a model-only save\) and trains from step 1"
+
+
+def test_a_newest_step_holding_only_the_model_is_refused_naming_the_steps_to_choose(tmp_path):
+    """A folder whose newest step holds the model alone (a model-only final save, as torchtitan writes
+    it): a resume would go back to the older whole step or start at step 1, so it is refused before
+    any process group starts, naming both; each named step is then accepted."""
+    folder = tmp_path / "checkpoint"
+    dcp_step(folder, 2)
+    dcp_step(folder, 4, with_optimizer=False)
+    fix = (
+        rf"checkpoint {folder}/step-4 is the newest step but holds only the model \(no optimizer, LR schedule or "
+        r"data position\): a resume cannot continue it\. Either resume the whole state of step 2 with "
+        r"--checkpoint.load_step 2 \(steps 3-4 trained again, the records of the first time kept under another "
+        r"name\), or start from its weights with --checkpoint.load_step 4 \(optimizer, schedule and data position "
+        r"afresh, from step 1\)"
     )
-    with pytest.raises(ValueError, match=match):
-        check_files(load(resume_argv(tmp_path)))
+    refused_by_check_files(resume_argv(tmp_path), fix, tmp_path)
+    refused_before_start(resume_argv(tmp_path)[:-2], fix, tmp_path)
+    assert check_files(load([*resume_argv(tmp_path), "--checkpoint.load_step", "2"])) is None
+    assert check_files(load([*resume_argv(tmp_path), "--checkpoint.load_step", "4"])) is None
+    (folder / "step-2" / ".metadata").unlink()  # no whole state left: only the model's weights to offer
+    refused_by_check_files(resume_argv(tmp_path), r"cannot continue it\. Either start from its weights", tmp_path)
+
+
+def test_pruning_never_removes_the_newest_whole_state(tmp_path):
+    """checkpoint.keep_latest_k = 2 over a whole step 2 and model-only steps 3 and 4 (model-only final
+    saves of runs extended twice): step 2 stays, the only step a resume can continue; once a whole
+    step 5 is saved it goes."""
+    folder = tmp_path / "checkpoint"
+    dcp_step(folder, 2)
+    dcp_step(folder, 3, with_optimizer=False)
+    dcp_step(folder, 4, with_optimizer=False)
+    ckpt = Checkpointer(folder, [], [], {}, keep_latest_k=2)
+    ckpt._purge()
+    assert saved_steps(folder) == [2, 3, 4]
+    dcp_step(folder, 5)
+    ckpt._purge()
+    assert saved_steps(folder) == [4, 5]
 
 
 def _flip_bytes(tensor: torch.Tensor, folder: Path) -> None:
@@ -396,7 +434,7 @@ def test_non_finite_weights_or_optimizer_state_in_a_checkpoint_are_named(tmp_pat
         _flip_bytes(model.layers["0"].attention.wq.weight.detach(), tmp_path / "step-5")
         with pytest.raises(UserError, match=rf"checkpoint {tmp_path}/step-5 holds non-finite values \(NaN or inf\) in "
                            r"model.layers.0.attention.wq.weight: it is damaged"):  # fmt: skip
-            ckpt.load()
+            ckpt.load(5)  # the model alone: named by its step
         next(iter(opt.state.values()))["exp_avg"][0] = float("nan")
         dcp.save(ckpt._state(model_only=False), checkpoint_id=str(tmp_path / "step-6"), no_dist=True)
         with pytest.raises(
@@ -417,7 +455,7 @@ def test_a_payload_damaged_in_place_is_a_user_error_when_loaded(tmp_path):
         payload = next((tmp_path / "step-5").glob("*.distcp"))
         payload.write_bytes(b"\0" * payload.stat().st_size)
         with pytest.raises(UserError, match=rf"checkpoint {tmp_path}/step-5 cannot be loaded \(.*\); moving .* away"):
-            ckpt.load()
+            ckpt.load(5)  # the model alone: named by its step
 
 
 def test_leftovers_of_an_unfinished_first_save_are_removed_at_the_next_start(tmp_path):

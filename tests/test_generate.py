@@ -26,7 +26,7 @@ from titan_cp.attention.decode import KeyRanges, decode_partial, merge_stacked
 from titan_cp.attention.kernels import get_kernel
 from titan_cp.attention.merge import apply_sinks_
 from titan_cp.config import load_config
-from titan_cp.errors import run_cli
+from titan_cp.errors import UserError, run_cli
 from titan_cp.generate import Generator, Sampling, build_generation_model, plan_owners
 from titan_cp.generate.cli import main, prepare
 from titan_cp.generate.needle import accuracy_grid, needle_case
@@ -35,6 +35,7 @@ from titan_cp.generate.sampling import nucleus
 from titan_cp.loss import IGNORE_INDEX
 from titan_cp.mesh import ParallelDims
 from titan_cp.model import hf_checkpoint, model_args
+from titan_cp.testing.logs import captured
 
 TOL = 1e-4
 NEW = 6  # tokens generated per prompt
@@ -382,7 +383,10 @@ def _cli_argv(tmp_path, *extra):
 
 
 def _run_main(rank, world, argvs):
-    return [main(argv) for argv in argvs]
+    """``main`` of each argv, and what this rank logged and warned meanwhile."""
+    with captured() as out:
+        results = [main(argv) for argv in argvs]
+    return results, out
 
 
 def test_command_generates_scores_and_draws_the_needle_heatmap(dist_pools, tmp_path):
@@ -407,8 +411,12 @@ def test_command_generates_scores_and_draws_the_needle_heatmap(dist_pools, tmp_p
     needle = ["--generate.task", "needle", "--generate.needle_lengths", "64,96", "--generate.needle_depths", "0,0.5,1",
               "--generate.needle_trials", "1", "--generate.output_file", "needle.jsonl"]  # fmt: skip
     argvs.append(_cli_argv(tmp_path, *weights["hf"], *needle))
-    ranks = dist_pools.run(2, _run_main, argvs, timeout=600)
+    (ranks, (log, other_log)) = zip(*dist_pools.run(2, _run_main, argvs, timeout=600))
     assert [r["tokens"] for r in ranks[0][0]] == [r["tokens"] for r in ranks[1][0]]  # every rank: the same tokens
+    # the log says once (rank 0) which weights each run loaded; torch warns of nothing titan_cp calls
+    assert len(log.messages("loaded checkpoint")) == 3 and len(log.messages("loaded torchtitan")) == 1
+    assert other_log.messages("loaded") == []
+    assert [w for w in log.warnings + other_log.warnings if w[0] == "FutureWarning"] == []
     run = tmp_path / "run"
     tokenizer_prompts = [[256, *b"Remember these facts."], [256, *b"a"]]
     want = Generator(model).generate(tokenizer_prompts, NEW, stop_tokens=[257])
@@ -694,8 +702,8 @@ def test_hugging_face_checkpoint_of_another_model_is_named_before_any_process_gr
 
 
 def test_generation_loads_the_newest_step_a_model_only_final_one_too(tmp_path):
-    """A finished run: step 2 with the whole state, step 3 (checkpoint.last_save_model_only) the
-    model alone with other weights. Generation loads step 3 (the trainer resumes from step 2),
+    """A folder with step 2 holding the whole state and step 3 the model alone with other weights
+    (a model-only final save). Generation loads step 3 (a resume asks which step to take),
     checkpoint.load_step 2 still picks step 2, and the log names the step."""
     from titan_cp.generate.weights import load_generation_weights
 
@@ -717,7 +725,8 @@ def test_generation_loads_the_newest_step_a_model_only_final_one_too(tmp_path):
     assert _prepare([*argv, "--checkpoint.load_step", "2"]).weights.path == folder / "step-2"
     from titan_cp.checkpoint import resume_path
 
-    assert resume_path(folder) == folder / "step-2"  # a resume needs the optimizer: the whole state
+    with pytest.raises(UserError, match="step-3 is the newest step but holds only the model"):
+        resume_path(folder)  # it cannot continue step 3, and going back to step 2 is not for it to choose
 
 
 def test_a_hugging_face_checkpoint_with_tensors_the_model_lacks_is_refused(tmp_path, monkeypatch):

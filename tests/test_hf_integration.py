@@ -501,8 +501,8 @@ def _train_until(rank, world, argv, stop_after_save):
 
     real = ckpt_module.Checkpointer.save
 
-    def save(self, step, model_only=False):
-        path = real(self, step, model_only=model_only)
+    def save(self, step):
+        path = real(self, step)
         if step == stop_after_save:
             raise _Preempted(step)
         return path

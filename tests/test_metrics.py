@@ -1,5 +1,6 @@
 """Recall accuracy by distance bucket, the per-step record, the metrics file on resume, and the LR schedule."""
 
+import errno
 import json
 
 import pytest
@@ -57,16 +58,65 @@ def test_step_record_tokens_per_second_mfu_and_eta(monkeypatch):
     assert (r["step"], r["loss"], r["grad_norm"], r["lr"], r["global_valid_tokens"]) == (5, 2.5, 0.7, 1e-3, 30)
 
 
-def test_metrics_file_keeps_the_steps_up_to_the_resumed_one(tmp_path):
+def test_metrics_file_keeps_the_steps_up_to_the_resumed_one_and_every_record_aside(tmp_path):
     """A run that crashed after step 6 (its last line torn) resumes at step 4: the file keeps steps
-    1-4, so the resumed run's 5, 6, ... appear once."""
+    1-4, so the resumed run's 5, 6, ... appear once; the whole file, steps 5 and 6 included, is kept
+    as metrics.jsonl.1 (never a record deleted)."""
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 7)) + '{"step": 7, "lo')
-    assert keep_steps_up_to(path, 4) == 3
+    text = "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 7)) + '{"step": 7, "lo'
+    path.write_text(text)
+    assert keep_steps_up_to(path, 4) == (3, tmp_path / "metrics.jsonl.1")
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
-    assert keep_steps_up_to(path, 4) == 0 and not (tmp_path / "metrics.jsonl.tmp").exists()
-    assert keep_steps_up_to(path, 0) == 4 and path.read_text() == ""  # a fresh start in the same folder
-    assert keep_steps_up_to(tmp_path / "none.jsonl", 3) == 0 and not (tmp_path / "none.jsonl").exists()
+    assert (tmp_path / "metrics.jsonl.1").read_text() == text
+    assert keep_steps_up_to(path, 4) == (0, None) and not (tmp_path / "metrics.jsonl.tmp").exists()
+    assert keep_steps_up_to(path, 0) == (4, tmp_path / "metrics.jsonl.2") and path.read_text() == ""
+    assert len((tmp_path / "metrics.jsonl.2").read_text().splitlines()) == 4
+    assert keep_steps_up_to(tmp_path / "none.jsonl", 3) == (0, None) and not (tmp_path / "none.jsonl").exists()
+
+
+def _record(step: int) -> dict:
+    return {"step": step, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_second": 1.0, "mfu": 0.5,
+            "memory_bytes": 0, "eta_seconds": 0.0}  # fmt: skip
+
+
+class _FullDisk:
+    """A line-buffered file on a disk that has just filled up: every write fails with ENOSPC."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        raise OSError(errno.ENOSPC, "No space left on device")  # the unwritten line, flushed again
+
+
+def test_a_full_disk_under_the_metrics_file_is_one_line_naming_the_file_and_the_step(tmp_path, monkeypatch):
+    """The write of step 3's record refused (ENOSPC): one UserError naming the file, the step, the
+    free bytes and what to do, not an OSError traceback; the records before it stay. The same when
+    the disk is full as a resumed run sets the file's later records aside."""
+    from titan_cp.config import load_config
+    from titan_cp.errors import UserError
+    from titan_cp.metrics import MetricsLogger
+
+    cfg = load_config(["--metrics.log_freq", "100"])
+    path = tmp_path / "metrics.jsonl"
+    metrics = MetricsLogger(tmp_path, cfg, enabled=True)
+    metrics.log(_record(1))
+    metrics.log(_record(2))
+    metrics._jsonl.close()
+    metrics._jsonl = _FullDisk()
+    line = (
+        rf"metrics of step 3 could not be written to {path}: the disk is full \(\d+ bytes free\); the records before "
+        r"it are kept\. Free space there \(or choose another job.dump_folder, or set metrics.save_jsonl_file = '' to "
+        r"write none\) and rerun"
+    )
+    with pytest.raises(UserError, match=line):
+        metrics.log(_record(3))
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+    monkeypatch.setattr(type(path), "write_bytes", lambda self, data: _FullDisk().write(data))
+    with pytest.raises(UserError, match=rf"metrics of step 2 could not be written to {path}: the disk is full"):
+        MetricsLogger(tmp_path, cfg, enabled=True, resumed_step=1)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
 def test_metrics_file_history_is_kept_on_a_fresh_start_and_reopened_when_deleted(tmp_path):

@@ -20,6 +20,7 @@ from titan_cp import metrics as metrics_module
 from titan_cp.checkpoint import saved_steps
 from titan_cp.config import load_config
 from titan_cp.data import build_dataloader, build_tokenizer
+from titan_cp.testing.logs import captured
 from titan_cp.testing.trainer import tiny_run_args
 from titan_cp.train import main
 
@@ -320,6 +321,57 @@ def test_steps_without_loss_bearing_tokens_are_skipped_and_a_resume_lists_each_s
     assert rows[7]["loss"] == pytest.approx(head[7]["loss"], rel=1e-6)  # step 8 again, from the checkpoint
 
 
+def _logged_steps(rank, world, argv):
+    """``main(argv)``'s steps, and what this rank logged and warned."""
+    with captured() as out:
+        steps = [r["step"] for r in main(argv)]
+    return steps, out
+
+
+def test_extending_a_finished_run_continues_where_it_ended(dist_pools, tmp_path):
+    """A finished run (CP 2, 4 steps), then the same job with training.steps raised to 5 (on DP 2)
+    and 6 (CP 2 again): each run starts at the previous run's last step, whose checkpoint holds the
+    whole state (checkpoint.last_save_model_only puts the model alone beside it); the three runs'
+    losses are the losses of one 6-step run, metrics.jsonl lists each step once and nothing is set
+    aside; with interval 3 and keep_latest_k 2 (the second run saves its last step only) a whole
+    state is always kept. The log names the saved and the new mesh, and the checkpoint once."""
+    constant_lr = ["--lr_scheduler.decay_ratio", "0"]  # the same schedule whatever training.steps says
+    argv = tiny_run_args(global_batch_size=4) + constant_lr + [
+        "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "2",
+        "--checkpoint.last_save_model_only",
+    ]  # fmt: skip
+    run, folder = tmp_path / "run", tmp_path / "run" / "checkpoint"
+    straight = argv + ["--job.dump_folder", str(tmp_path / "straight"), "--training.steps", "6"]
+    straight = dist_pools.run(2, _train, straight + ["--parallelism.context_parallel_degree", "2"], timeout=600)[0]
+    logs = []
+    for steps, cp in ((4, 2), (5, 1), (6, 2)):  # cp 1 on 2 ranks: dp 2
+        mesh = ["--parallelism.context_parallel_degree", str(cp), "--job.dump_folder", str(run)]
+        logs.append(dist_pools.run(2, _logged_steps, [*argv, *mesh, "--training.steps", str(steps)], timeout=600))
+    assert [rank0[0] for rank0, _ in logs] == [[1, 2, 3, 4], [5], [6]]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and sorted(p.name for p in run.iterdir()) == [
+        "checkpoint",
+        "metrics.jsonl",
+    ]
+    assert [r["loss"] for r in rows] == pytest.approx(straight, rel=1e-4)
+    assert saved_steps(folder) == [5, 6] and not any(ckpt_module._model_only(folder / f"step-{s}") for s in (5, 6))
+    exports = sorted(p.name for p in folder.glob("*-model"))
+    assert exports == ["step-4-model", "step-5-model", "step-6-model"]
+    for name in exports:  # the model alone
+        saved = ckpt_module.dcp.FileSystemReader(str(folder / name)).read_metadata().state_dict_metadata
+        assert saved and all(key.startswith("model.") for key in saved), name
+    (first, _), (second, second_other), (third, _) = (ranks for ranks in logs)
+    assert second[1].messages("resuming") == [
+        "resuming step 4 saved on dp 1 x cp 2 on dp 2 x cp 1: from the checkpoint: weights, optimizer moments, "
+        "LR schedule position, data position; from the config: lr, betas, eps, weight_decay (the same as the "
+        "checkpoint's)"
+    ]
+    assert third[1].messages("resuming step 5 saved on dp 2 x cp 1 on dp 1 x cp 2:")
+    assert second[1].messages("loaded checkpoint") == [f"loaded checkpoint {folder}/step-4"]
+    assert second_other[1].messages("loaded") == [] and second_other[1].messages("resuming") == []
+    assert not [w for _, out in (first, second, second_other, third) for w in out.warnings if w[0] == "FutureWarning"]
+
+
 # ---- never silently wrong: a run that cannot train stops; a resume applies the config ------------
 
 
@@ -375,9 +427,10 @@ def test_a_run_that_cannot_train_stops_with_one_message(dist_pools, tmp_path):
 
 
 def test_resume_applies_the_configs_lr_and_keeps_the_history(dist_pools, tmp_path):
-    """A finished run (step 2 whole, step 3 the model alone): a resume with a new optimizer.lr takes it
-    (the schedule's position from the checkpoint); another flavor is named as such, not as damage; a
-    start from step 0 over the history keeps metrics.jsonl as metrics.jsonl.1."""
+    """A finished run (steps 2 and 3): a resume from step 2 with a new optimizer.lr takes it (the
+    schedule's position from the checkpoint); another flavor is named as such, not as damage; the
+    resume keeps the first run's metrics.jsonl as metrics.jsonl.1 (its step 3 is trained again), a start
+    from step 0 keeps the history as metrics.jsonl.2."""
     run = tmp_path / "run"
     argv = tiny_run_args(steps=3, warmup_steps=1) + [
         "--parallelism.context_parallel_degree", "1", "--job.dump_folder", str(run), "--checkpoint.enable",
@@ -390,15 +443,16 @@ def test_resume_applies_the_configs_lr_and_keeps_the_history(dist_pools, tmp_pat
     assert saved_steps(run / "checkpoint") == [2, 3, 4]
     schedule = [r["lr"] / 8e-4 for r in first]  # debug_cp.toml's optimizer.lr
     assert [r["step"] for r in again] == [3, 4] and again[0]["lr"] == pytest.approx(1e-3 * schedule[2])
-    assert flavor.startswith(f"checkpoint {run}/checkpoint/step-2 was saved from another model than model.flavor")
+    assert flavor.startswith(f"checkpoint {run}/checkpoint/step-4 was saved from another model than model.flavor")
     assert "The checkpoint is not damaged" in flavor
     assert [r["step"] for r in scratch] == [1]
-    history = [json.loads(x)["step"] for x in (run / "metrics.jsonl.1").read_text().splitlines()]
-    assert history == [1, 2, 3, 4] and (run / "metrics.jsonl").read_text().count("\n") == 1
+    history = [[json.loads(x)["step"] for x in (run / f"metrics.jsonl.{n}").read_text().splitlines()] for n in (1, 2)]
+    assert history == [[1, 2, 3], [1, 2, 3, 4]] and (run / "metrics.jsonl").read_text().count("\n") == 1
 
 
-def _full_disk_at(rank, world, argv, step):
-    """``main(argv)`` with the file system refusing the writes of step ``step``'s checkpoint (ENOSPC)."""
+def _full_disk_at(rank, world, argv, folder):
+    """``main(argv)`` with the file system refusing the writes into the checkpoint folder ``folder``
+    (e.g. ``step-4.tmp``: step 4's save in progress) with ENOSPC."""
     import errno
 
     from torch.distributed.checkpoint import filesystem
@@ -409,7 +463,7 @@ def _full_disk_at(rank, world, argv, step):
 
     def write_item(*args, **kwargs):
         stream = args[1] if len(args) > 1 else kwargs["stream"]
-        if f"step-{step}.tmp" in str(getattr(stream, "name", "")):
+        if f"/{folder}/" in str(getattr(stream, "name", "")):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args, **kwargs)
 
@@ -428,7 +482,7 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_folder_and_the_step_ke
         "--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(run), "--checkpoint.enable",
         "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
     ]  # fmt: skip
-    messages = dist_pools.run(2, _full_disk_at, argv, 4, timeout=600)
+    messages = dist_pools.run(2, _full_disk_at, argv, "step-4.tmp", timeout=600)
     same = [re.sub(r"\d+ bytes free", "", m) for m in messages]  # the free space moves between the two looks
     assert same[0] == same[1], messages  # every rank stops with the same line
     size = sum(f.stat().st_size for f in (run / "checkpoint" / "step-2").rglob("*") if f.is_file())
@@ -438,6 +492,18 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_folder_and_the_step_ke
         messages[0],
     ), messages[0]
     assert saved_steps(run / "checkpoint") == [2] and not (run / "checkpoint" / "step-4.tmp").exists()
+    # the model export after the last step: its step holds the same model
+    argv = [*argv, "--training.steps", "2", "--checkpoint.last_save_model_only", "--job.dump_folder", str(tmp_path)]
+    message = dist_pools.run(2, _full_disk_at, argv, "step-2-model.tmp", timeout=600)[0]
+    assert re.fullmatch(
+        rf"the model export step-2-model could not be written to {tmp_path}/checkpoint: the disk is full \(\d+ bytes "
+        r"free; the last saved step takes \d+ bytes\); step-2 holds the same model with the whole state "
+        r"\(checkpoint.initial_load_path loads its model alone\)",
+        message,
+    ), message
+    assert saved_steps(tmp_path / "checkpoint") == [2] and sorted(
+        p.name for p in (tmp_path / "checkpoint").iterdir()
+    ) == ["step-2"]
 
 
 def _log_of(rank, world, argv):

@@ -112,7 +112,7 @@ BASE = tiny_run_args() + [
 ]
 
 
-def test_async_model_only_saves_exclude_profiling_and_train_timeout(dist_pools, tmp_path):
+def test_async_saves_and_the_model_export_exclude_profiling_and_train_timeout(dist_pools, tmp_path):
     argv = BASE + [
         "--job.dump_folder",
         str(tmp_path),
@@ -128,12 +128,15 @@ def test_async_model_only_saves_exclude_profiling_and_train_timeout(dist_pools, 
     assert steps == [1, 2, 3, 4] and timeouts == [77]
     folder = tmp_path / "checkpoint"
     assert saved_steps(folder) == [2, 4] and not list(folder.glob("*.tmp"))
-    assert not ckpt_module._model_only(folder / "step-2") and ckpt_module._model_only(folder / "step-4")
+    # the last step holds the whole state too; checkpoint.last_save_model_only adds the model alone beside it
+    assert not ckpt_module._model_only(folder / "step-2") and not ckpt_module._model_only(folder / "step-4")
+    exported = ckpt_module.dcp.FileSystemReader(str(folder / "step-4-model")).read_metadata().state_dict_metadata
+    assert exported and all(key.startswith("model.") for key in exported)
     assert sorted(p.name for p in (tmp_path / "profile_traces" / "iteration_3").iterdir()) == [
         "rank0_trace.json",
         "rank1_trace.json",
     ]
-    # resume: the newest whole state is step 2 (step 4 holds the model alone); the data restarts
+    # resume: from the last step, the data (left out) from its start
     argv = BASE + [
         "--job.dump_folder",
         str(tmp_path),
@@ -144,7 +147,7 @@ def test_async_model_only_saves_exclude_profiling_and_train_timeout(dist_pools, 
         "--metrics.save_jsonl_file=",
     ]
     (steps, _), _ = dist_pools.run(2, _run, argv, timeout=600)
-    assert steps == [3, 4, 5]
+    assert steps == [5]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4  # the second run wrote none
 
 

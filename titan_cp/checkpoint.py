@@ -2,7 +2,8 @@
 
 Layout on disk::
 
-    <dump_folder>/<checkpoint.folder>/step-<N>/        one DCP checkpoint per saved step
+    <dump_folder>/<checkpoint.folder>/step-<N>/        one DCP checkpoint per saved step: the whole state
+    <dump_folder>/<checkpoint.folder>/step-<N>-model/  the model alone at the last step (an export)
     <dump_folder>/<checkpoint.folder>/step-<N>.tmp/    a save in progress (never loaded)
 
 What is saved: the model (by torchtitan's fully qualified names, whichever pipeline stage
@@ -19,9 +20,13 @@ POSIX); loading looks at complete ``step-N`` folders only. An asynchronous save
 (``checkpoint.async_mode = "async"``, ``dcp.async_save``) is renamed when the next save starts
 or :meth:`Checkpointer.close` is called.
 
-A model-only save (``checkpoint.last_save_model_only``) holds the ``model`` alone; resuming
-with ``checkpoint.load_step = -1`` takes the newest save that holds the whole state, and a
-model-only step named by ``load_step`` loads the model alone.
+Every ``step-N`` holds the whole state, the last step's too, so a finished run extended with a
+larger ``training.steps`` continues exactly where it ended. ``checkpoint.last_save_model_only``
+adds an export of the model alone, ``step-N-model`` (:meth:`Checkpointer.export_model`): not a
+step to resume from, and never pruned. ``checkpoint.keep_latest_k`` prunes the older ``step-N``
+folders but never the newest one holding the whole state. A ``step-N`` holding the model alone
+(a model-only final save as torchtitan writes it) is refused as the newest step of a resume,
+naming the steps to choose from; named by ``checkpoint.load_step`` it loads the model alone.
 
 A checkpoint to resume that cannot be read (its ``.metadata`` missing or damaged, a file it
 lists missing or shorter than the metadata says, or DCP failing to read it) is a
@@ -63,7 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from titan_cp.errors import UserError
+from titan_cp.errors import UserError, process_rank
 from titan_cp.model import hf_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -88,7 +93,7 @@ def _step_of(path: Path) -> int:
 
 def _resume_fix(path: Path) -> str:
     """What to do about the damaged checkpoint ``path`` of a ``step-N`` folder, and exactly what
-    moving it away would make a resume (``checkpoint.load_step = -1``) do."""
+    moving it away would make a resume (``checkpoint.load_step = -1``: the newest step) do."""
     step, folder = _step_of(path), path.parent
     others = [s for s in saved_steps(folder) if s != step]
     full = [s for s in others if not _unreadable_or_model_only(folder / f"step-{s}")]
@@ -96,13 +101,10 @@ def _resume_fix(path: Path) -> str:
     advice = (
         f"resume from an older step with --checkpoint.load_step {older[-1]} (saved steps: {older}); " if older else ""
     )
-    if full:
+    if full and full[-1] == others[-1]:
         then = f"resumes from step {full[-1]}"
     elif others:
-        then = (
-            f"loads the model weights of step {others[-1]} (a model-only save) and trains from step 1 again: "
-            "optimizer, schedule and data position start afresh (metrics.jsonl is kept under another name)"
-        )
+        then = f"stops at step-{others[-1]}, which holds only the model or cannot be read (name a step to load)"
     else:
         then = "starts from scratch: step 1, freshly initialised weights (metrics.jsonl is kept under another name)"
     return f"{advice}moving {path} away, the run {then}"
@@ -161,19 +163,38 @@ def _requested_steps(folder: Path, step: int) -> list[int]:
 
 
 def resume_path(folder: Path, step: int = -1) -> Path | None:
-    """The checkpoint a resume from ``folder`` loads: ``step-<step>``, or for ``-1`` the newest one
-    holding the whole state (else the newest model-only one); ``None`` when ``step`` is -1 and
-    there is none. A requested step that is not there, or a newest one that cannot be read, is a
-    ``UserError``."""
+    """The checkpoint a resume from ``folder`` loads: ``step-<step>``, or for ``-1`` the newest one;
+    ``None`` when ``step`` is -1 and there is none. A requested step that is not there, a newest one
+    that cannot be read, or a newest one holding the model alone (a resume could not continue it:
+    it would go back to an older step, or start at step 1) is a ``UserError`` naming the steps to
+    choose from."""
     steps = _requested_steps(folder, step)
     if not steps:
         return None
     if step != -1:
         return folder / f"step-{step}"
-    for s in reversed(steps):
-        if not _model_only(folder / f"step-{s}"):
-            return folder / f"step-{s}"
-    return folder / f"step-{steps[-1]}"
+    newest = folder / f"step-{steps[-1]}"
+    if _model_only(newest):
+        raise UserError(_model_only_newest(newest))
+    return newest
+
+
+def _model_only_newest(path: Path) -> str:
+    """The line refusing to resume from ``path``, the newest step, which holds the model alone."""
+    step, folder = _step_of(path), path.parent
+    full = [s for s in saved_steps(folder) if not _unreadable_or_model_only(folder / f"step-{s}")]
+    whole = ""
+    if full:
+        again = f"step {step}" if full[-1] + 1 == step else f"steps {full[-1] + 1}-{step}"
+        whole = (
+            f"resume the whole state of step {full[-1]} with --checkpoint.load_step {full[-1]} ({again} trained "
+            "again, the records of the first time kept under another name), or "
+        )
+    return (
+        f"checkpoint {path} is the newest step but holds only the model (no optimizer, LR schedule or data position): "
+        f"a resume cannot continue it. Either {whole}start from its weights with --checkpoint.load_step {step} "
+        "(optimizer, schedule and data position afresh, from step 1)"
+    )
 
 
 def weights_path(folder: Path, step: int = -1) -> Path | None:
@@ -186,10 +207,11 @@ def weights_path(folder: Path, step: int = -1) -> Path | None:
     return folder / f"step-{steps[-1] if step == -1 else step}"
 
 
-def check_resume(folder: Path, step: int = -1) -> int | None:
+def check_resume(folder: Path, step: int = -1, weights: bool = False) -> int | None:
     """The step a resume from ``folder`` would load (``None``: none), after checking its metadata
-    and files (:func:`verify_files`). Reads only: no process group needed, nothing written."""
-    path = resume_path(folder, step)
+    and files (:func:`verify_files`); with ``weights``, the step whose model weights generation loads
+    (:func:`weights_path`). Reads only: no process group needed, nothing written."""
+    path = weights_path(folder, step) if weights else resume_path(folder, step)
     if path is None:
         return None
     what, fix = f"checkpoint {path}", _resume_fix(path)
@@ -246,13 +268,23 @@ class Checkpointer:
             state.update({name: obj.state_dict() for name, obj in self.stateful.items()})
         return state
 
-    def save(self, step: int, model_only: bool = False) -> Path:
-        """Write ``step-<step>`` atomically (the model alone if ``model_only``); then keep only the
-        newest ``keep_latest_k``. Asynchronous saves are renamed into place by the next save or
-        :meth:`close`."""
+    def save(self, step: int) -> Path:
+        """Write the whole state to ``step-<step>`` atomically; then keep only the newest
+        ``keep_latest_k`` steps (the newest whole state always). Asynchronous saves are renamed into
+        place by the next save or :meth:`close`."""
+        return self._write(f"step-{step}", model_only=False)
+
+    def export_model(self, step: int) -> Path:
+        """Write the model alone to ``step-<step>-model`` (``checkpoint.last_save_model_only``), as
+        :meth:`save` writes a step: a DCP checkpoint of the ``model`` for export or fine-tuning
+        (``checkpoint.initial_load_path``), never a step to resume from, never pruned."""
+        return self._write(f"step-{step}-model", model_only=True)
+
+    def _write(self, name: str, model_only: bool) -> Path:
+        """Write the state (the model alone if ``model_only``) to ``<folder>/<name>`` atomically."""
         self.close()
-        final = self.folder / f"step-{step}"
-        tmp = self.folder / f"step-{step}.tmp"
+        final = self.folder / name
+        tmp = self.folder / f"{name}.tmp"
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -302,11 +334,17 @@ class Checkpointer:
         dist.barrier()
 
     def _purge(self) -> None:
+        """Remove leftovers of crashed saves, and the steps older than the newest ``keep_latest_k``
+        but the newest one holding the whole state (a resume needs it; a model-only step cannot
+        stand in for it)."""
         for p in self.folder.glob("step-*.tmp"):  # leftovers of crashed saves
             shutil.rmtree(p, ignore_errors=True)
         if self.keep_latest_k > 0:
-            for step in saved_steps(self.folder)[: -self.keep_latest_k]:
-                shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
+            steps = saved_steps(self.folder)
+            whole = next((s for s in reversed(steps) if not _unreadable_or_model_only(self.folder / f"step-{s}")), None)
+            for step in steps[: -self.keep_latest_k]:
+                if step != whole:
+                    shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
 
     def remove_leftovers(self) -> None:
         """Remove the ``step-N.tmp`` folders of saves that never finished (rank 0)."""
@@ -329,10 +367,10 @@ class Checkpointer:
         metadata = read_metadata(path, what, fix)
         verify_files(path, metadata, what, fix)
         model_only = _model_only(path, metadata)
-        if model_only:
+        if model_only and _rank0():
             logger.warning(
-                "checkpoint %s holds only the model (checkpoint.last_save_model_only): loading the "
-                "model; optimizer, schedule, data position and step start afresh",
+                "checkpoint %s holds only the model: loading the model; optimizer, schedule, data position and "
+                "step start afresh",
                 path,
             )
         self._load_path(path, metadata, model_only, self.exclude_from_loading, what=what, fix=fix)
@@ -382,7 +420,8 @@ class Checkpointer:
         _dcp_load(state, path, what, _INITIAL_FIX)
         for part in self.model_parts:
             set_model_state_dict(part, state, options=StateDictOptions(strict=False))
-        logger.info("loaded torchtitan model weights %s", path)
+        if _rank0():
+            logger.info("loaded torchtitan model weights %s", path)
 
     def load_hf(self, path: str | Path, model_args) -> None:
         """Start from the Hugging Face Llama checkpoint folder ``path``
@@ -445,26 +484,38 @@ class Checkpointer:
         for name, obj in self.stateful.items():
             if name in state:
                 obj.load_state_dict(state[name])
-        left_out = f" (left out: {', '.join(sorted(exclude))})" if exclude else ""
-        logger.info("loaded checkpoint %s%s", path, left_out)
+        if _rank0():
+            left_out = f" (left out: {', '.join(sorted(exclude))})" if exclude else ""
+            logger.info("loaded checkpoint %s%s", path, left_out)
 
 
 def _folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _rank0() -> bool:
+    """Whether this process logs for the job: rank 0, or the only process."""
+    return process_rank()[0] == 0
+
+
 def save_failure(folder: Path, tmp: Path, error: OSError) -> str:
-    """The one line for a save into ``tmp`` (``step-N.tmp`` of ``folder``) that ``error`` stopped."""
-    step, steps = int(tmp.name.removeprefix("step-").removesuffix(".tmp")), saved_steps(folder)
-    kept = f"step-{steps[-1]} is kept whole and a rerun resumes from it" if steps else "no earlier step is saved"
+    """The one line for a save into ``tmp`` (``step-N.tmp`` or ``step-N-model.tmp`` of ``folder``)
+    that ``error`` stopped."""
+    name, steps = tmp.name.removesuffix(".tmp"), saved_steps(folder)
     reason = error.strerror or str(error)
     if error.errno == errno.ENOSPC:
         free = shutil.disk_usage(folder).free if folder.is_dir() else 0
         need = f"; the last saved step takes {_folder_bytes(folder / f'step-{steps[-1]}')} bytes" if steps else ""
         reason = f"the disk is full ({free} bytes free{need})"
+    if not _STEP_DIR.match(name):  # the model export, written after its step
+        return (
+            f"the model export {name} could not be written to {folder}: {reason}; step-{steps[-1]} holds the same "
+            "model with the whole state (checkpoint.initial_load_path loads its model alone)"
+        )
+    kept = f"step-{steps[-1]} is kept whole and a rerun resumes from it" if steps else "no earlier step is saved"
     return (
-        f"checkpoint step {step} could not be written to {folder}: {reason}; {kept}. Free space there (or lower "
-        "checkpoint.keep_latest_k, or choose another job.dump_folder) and rerun"
+        f"checkpoint step {name.removeprefix('step-')} could not be written to {folder}: {reason}; {kept}. Free space "
+        "there (or lower checkpoint.keep_latest_k, or choose another job.dump_folder) and rerun"
     )
 
 

@@ -185,7 +185,7 @@ def chunked_evaluate(
             if group is not None:  # (value, row) of every tp rank, ranks in vocabulary order
                 n = dist.get_world_size(group)
                 both = torch.empty(n, 2, e - s, dtype=torch.float64, device=z.device)
-                dist.all_gather_into_tensor(
+                dist.all_gather_single(
                     both.view(2 * n, e - s), torch.stack((best.double(), index.double())), group=group
                 )
                 winner = both[:, 0].argmax(0)  # first (lowest rows) of equal maxima

@@ -11,15 +11,19 @@ exceeds 100%; it reads as a fraction of what this machine was seen to do, and is
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import resource
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
 from titan_cp.attention.mask_plans import make_plan
+from titan_cp.errors import UserError
 from titan_cp.layout import SequenceLayout, get_layout
 
 logger = logging.getLogger("titan_cp")
@@ -182,12 +186,13 @@ def recall_metrics(counts: torch.Tensor, buckets: list[int]) -> dict[str, float]
     return out
 
 
-def keep_steps_up_to(path: Path, step: int) -> int:
-    """Rewrite the JSON-lines metrics file ``path`` keeping the records of steps ``<= step`` (those a
-    run resumed at ``step`` does not write again); a torn or unreadable line is dropped too.
-    Atomic (written aside, then renamed). Returns the number of lines dropped."""
+def keep_steps_up_to(path: Path, step: int) -> tuple[int, Path | None]:
+    """Make the JSON-lines metrics file ``path`` hold the records of steps ``<= step`` only (those a
+    run resumed at ``step`` does not write again), never deleting one: when it holds others (or a
+    torn line), the whole file is first kept as ``<path>.1`` (``.2``, ...: the first free name).
+    Returns the number of lines left out and that name (``None``: the file was left as it was)."""
     if not path.is_file():
-        return 0
+        return 0, None
     kept, dropped = [], 0
     for line in path.read_bytes().splitlines(keepends=True):
         try:
@@ -199,11 +204,17 @@ def keep_steps_up_to(path: Path, step: int) -> int:
             kept.append(line)
         else:
             dropped += bool(line.strip())
-    if dropped:
-        tmp = path.with_name(path.name + ".tmp")
+    if not dropped:
+        return 0, None
+    tmp, aside = path.with_name(path.name + ".tmp"), _free_name(path)
+    try:
         tmp.write_bytes(b"".join(kept))
-        tmp.replace(path)
-    return dropped
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk: the file is left as it was
+        raise
+    path.replace(aside)  # the whole history, under its own name
+    tmp.replace(path)
+    return dropped, aside
 
 
 def _free_name(path: Path) -> Path:
@@ -214,14 +225,30 @@ def _free_name(path: Path) -> Path:
     return path.with_name(f"{path.name}.{n}")
 
 
+def write_failure(path: Path, step: int, error: OSError) -> str:
+    """The one line for the metrics file ``path`` that ``error`` (a full disk: ``ENOSPC``) kept from
+    taking the records of ``step`` (and those after it)."""
+    reason = error.strerror or str(error)
+    if error.errno == errno.ENOSPC:
+        free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else 0
+        reason = f"the disk is full ({free} bytes free)"
+    return (
+        f"metrics of step {step} could not be written to {path}: {reason}; the records before it are kept. Free "
+        "space there (or choose another job.dump_folder, or set metrics.save_jsonl_file = '' to write none) and rerun"
+    )
+
+
 class MetricsLogger:
     """Writes metrics on rank 0: console every ``log_freq`` steps, every step to JSON lines.
 
-    ``resumed_step``: the step the run starts after (0 from scratch); records of later steps
-    already in the JSON-lines file (written by a run that crashed after that checkpoint) are
-    removed, so the file lists each step once. A run from step 0 over an existing file keeps that
-    history under the first free name ``<file>.1``, ``<file>.2``, ... (never deleted). A file
-    deleted while the run writes it is created again at the next record (with a warning)."""
+    ``resumed_step``: the step the run starts after (0 from scratch); when the JSON-lines file
+    already holds records of later steps (written by a run that crashed after that checkpoint, or
+    one resumed from an older step), the whole file is kept under the first free name ``<file>.1``,
+    ``<file>.2``, ... and the file keeps the steps up to ``resumed_step``, so it lists each step
+    once and no record is deleted. A run from step 0 over an existing file keeps that history
+    under the first free name too. A file deleted while the run writes it is created again at the
+    next record (with a warning). A write the file system refuses (a full disk) is one
+    ``UserError`` naming the file and the step (:func:`write_failure`)."""
 
     def __init__(self, dump_folder: Path, cfg, enabled: bool, resumed_step: int = 0):
         self.enabled = enabled
@@ -232,15 +259,11 @@ class MetricsLogger:
         dump_folder.mkdir(parents=True, exist_ok=True)
         if cfg.metrics.save_jsonl_file:
             path = dump_folder / cfg.metrics.save_jsonl_file
-            if resumed_step == 0 and path.is_file() and path.stat().st_size > 0:
-                kept = _free_name(path)
-                path.replace(kept)
-                logger.warning("%s: the run starts from step 0; the earlier records are kept as %s", path, kept)
-            dropped = keep_steps_up_to(path, resumed_step)
-            if dropped:
-                logger.info("%s: removed %d records after step %d (the run resumes there)", path, dropped, resumed_step)
+            try:
+                self._jsonl = self._open(path, resumed_step)
+            except OSError as e:
+                raise UserError(write_failure(path, resumed_step + 1, e)) from None
             self._path = path
-            self._jsonl = open(path, "a", buffering=1)
         if cfg.metrics.enable_tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional
@@ -249,17 +272,35 @@ class MetricsLogger:
             except ImportError:
                 logger.warning("metrics.enable_tensorboard is set but tensorboard is not installed; skipping it")
 
+    @staticmethod
+    def _open(path: Path, resumed_step: int):
+        """``path`` opened to append the records after ``resumed_step`` (the class docstring)."""
+        if resumed_step == 0 and path.is_file() and path.stat().st_size > 0:
+            kept = _free_name(path)
+            path.replace(kept)
+            logger.warning("%s: the run starts from step 0; the earlier records are kept as %s", path, kept)
+        dropped, kept = keep_steps_up_to(path, resumed_step)
+        if dropped:
+            logger.warning(
+                "%s: %d records after step %d (the run resumes there) are left out; the whole file is kept as %s",
+                path,
+                dropped,
+                resumed_step,
+                kept,
+            )
+        return open(path, "a", buffering=1)
+
     def log(self, record: dict, console: bool = True) -> None:
         if not self.enabled:
             return
         if self._jsonl is not None:
-            if not self._path.exists():  # deleted (or moved) while the run writes it: reopen by path
-                logger.warning(
-                    "%s was removed during the run: writing it again from step %d", self._path, record["step"]
-                )
-                self._jsonl.close()
-                self._jsonl = open(self._path, "a", buffering=1)
-            self._jsonl.write(json.dumps(record) + "\n")
+            try:
+                self._write(record)
+            except OSError as e:
+                jsonl, self._jsonl = self._jsonl, None
+                with contextlib.suppress(OSError):  # its unwritten bytes would fail again at exit
+                    jsonl.close()
+                raise UserError(write_failure(self._path, record["step"], e)) from None
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
@@ -280,6 +321,14 @@ class MetricsLogger:
                 record["eta_seconds"],
                 extra,
             )
+
+    def _write(self, record: dict) -> None:
+        """Append ``record`` as one line (line-buffered: on disk once written)."""
+        if not self._path.exists():  # deleted (or moved) while the run writes it: reopen by path
+            logger.warning("%s was removed during the run: writing it again from step %d", self._path, record["step"])
+            self._jsonl.close()
+            self._jsonl = open(self._path, "a", buffering=1)
+        self._jsonl.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         if self._jsonl is not None:

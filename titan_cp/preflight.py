@@ -31,7 +31,7 @@ def check_files(cfg: JobConfig, training: bool = True) -> None:
     get_family(cfg.model.name).check_files(cfg)
     if training:
         _check_dataset_paths(cfg.training, cfg.validation)
-    _check_checkpoint_paths(cfg.checkpoint, Path(cfg.job.dump_folder))
+    _check_checkpoint_paths(cfg.checkpoint, Path(cfg.job.dump_folder), training)
     if training:
         _check_host_memory(cfg)
 
@@ -60,10 +60,11 @@ def _check_dataset_paths(t: Training, v: Validation) -> None:
             check_saved_hf_dataset(path, kind_key, path_key)
 
 
-def _check_checkpoint_paths(c: Checkpoint, dump_folder: Path) -> None:
-    """The checkpoint to resume exists and is whole (:func:`titan_cp.checkpoint.check_resume`); the
-    weights to start from exist, and are whole, when nothing is resumed."""
-    resumed = checkpoint.check_resume(dump_folder / c.folder, c.load_step) if c.enable else None
+def _check_checkpoint_paths(c: Checkpoint, dump_folder: Path, training: bool) -> None:
+    """The checkpoint to resume (not ``training``: whose weights to load) exists and is whole
+    (:func:`titan_cp.checkpoint.check_resume`); the weights to start from exist, and are whole, when
+    nothing is resumed."""
+    resumed = checkpoint.check_resume(dump_folder / c.folder, c.load_step, weights=not training) if c.enable else None
     if resumed is not None or not c.initial_load_path:
         return
     path, key = Path(c.initial_load_path), "checkpoint.initial_load_path"

@@ -53,18 +53,37 @@ ZERO_GRAD_STEPS = 3
 
 
 class TrainState:
-    """The step done last, and how many of the steps so far were skipped (no loss-bearing token)."""
+    """The step done last, how many of the steps so far were skipped (no loss-bearing token), and the
+    mesh the run trains on (``mesh``, saved; ``saved_mesh``: the one a loaded checkpoint was saved
+    on, ``None`` when it does not say)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mesh: str = "") -> None:
         self.step = 0
         self.skipped_steps = 0
+        self.mesh, self.saved_mesh = mesh, None
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "skipped_steps": self.skipped_steps}
+        return {"step": self.step, "skipped_steps": self.skipped_steps, "mesh": self.mesh}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", self.skipped_steps))  # older checkpoints lack it
+        self.saved_mesh = state.get("mesh")
+
+
+def mesh_name(dims) -> str:
+    """The mesh of ``dims`` (a :class:`titan_cp.mesh.ParallelDims`) for the log, e.g. ``dp 1 x cp 4``:
+    dp and cp always, the other axes when they are used."""
+    parts = [f"pp {dims.pp}"] if dims.pp > 1 else []
+    if dims.dp_replicate > 1:
+        parts += [f"dp_replicate {dims.dp_replicate}", f"dp_shard {dims.dp_shard}"]
+    else:
+        parts.append(f"dp {dims.dp_shard}")
+    ulysses = f" (ring {dims.cp_ring} x ulysses {dims.cp_ulysses})" if dims.cp_ulysses else ""
+    parts.append(f"cp {dims.cp}{ulysses}")
+    if dims.tp > 1:
+        parts.append(f"tp {dims.tp}")
+    return " x ".join(parts)
 
 
 def init_distributed(cfg: JobConfig) -> torch.device:
@@ -178,7 +197,7 @@ class Trainer:
         self._build_data()
         self._build_model()
         self._build_optimizers()
-        self.state = TrainState()
+        self.state = TrainState(mesh_name(self.dims))
         self.zero_grad_steps = 0  # steps in a row whose grad norm was exactly 0
         self.dump = Path(cfg.job.dump_folder)
         self._build_checkpointer()
@@ -295,11 +314,14 @@ class Trainer:
         if old_lr != o.lr:
             changed["lr"] = (old_lr, o.lr)
         if self.rank0:
+            saved, here = self.state.saved_mesh, self.state.mesh
+            mesh = f"on {here}, as saved" if saved == here else f"saved on {saved or 'an unrecorded mesh'} on {here}"
             from_config = ", ".join(f"{k} {new} (the checkpoint had {old})" for k, (old, new) in changed.items())
             logger.info(
-                "resumed at step %d: from the checkpoint: weights, optimizer moments, LR schedule position, data "
+                "resuming step %d %s: from the checkpoint: weights, optimizer moments, LR schedule position, data "
                 "position; from the config: %s",
                 self.state.step,
+                mesh,
                 from_config or "lr, betas, eps, weight_decay (the same as the checkpoint's)",
             )
 
@@ -398,10 +420,9 @@ class Trainer:
             history.append(record)
             self.metrics.log(record, console=step % cfg.metrics.log_freq == 0 or step == t.steps)
             if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps):
+                self.checkpointer.save(step)  # the last step's too: a longer run continues from it exactly
                 if step == t.steps and cfg.checkpoint.last_save_model_only:
-                    self.checkpointer.save(step, model_only=True)
-                else:
-                    self.checkpointer.save(step)
+                    self.checkpointer.export_model(step)
         self.checkpointer.close()  # an asynchronous save in flight lands
         if cfg.checkpoint.last_save_in_hf:
             folder = self.dump / cfg.checkpoint.folder / f"step-{self.state.step}-hf"

@@ -120,7 +120,7 @@ def all_gather(x: torch.Tensor, group, out: torch.Tensor | None = None) -> torch
     if out is None:
         out = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     _count((n - 1) * _nbytes(x))
-    dist.all_gather_into_tensor(out.view(n * x.shape[0], *x.shape[1:]) if x.dim() else out, x, group=group)
+    dist.all_gather_single(out.view(n * x.shape[0], *x.shape[1:]) if x.dim() else out, x, group=group)
     return out
 
 

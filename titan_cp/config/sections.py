@@ -150,7 +150,8 @@ class Checkpoint(Section, name="checkpoint"):
     """Save every this many steps."""
 
     keep_latest_k: Annotated[int, AtLeast(0)] = 10
-    """Keep only the latest k checkpoints. 0: keep all."""
+    """Keep only the latest k checkpoints (never pruning the newest one that holds the whole state).
+    0: keep all."""
 
     load_step: Annotated[int, AtLeast(-1)] = -1
     """Step to resume from; that step's checkpoint must exist. -1: the latest, if any."""
@@ -176,8 +177,11 @@ class Checkpoint(Section, name="checkpoint"):
     to ``<job.dump_folder>/<folder>/step-<N>-hf``, whether or not ``enable`` is set."""
 
     last_save_model_only: bool = True
-    """The save at the last step (``training.steps``) holds only the model (for export or
-    fine-tuning); it cannot be resumed, so the resumable saves before it are kept."""
+    """At the last step (``training.steps``) also write the model alone to ``<folder>/step-<N>-model``
+    (a DCP checkpoint of the weights, for export or fine-tuning through ``initial_load_path``; never
+    pruned). The last step's ``step-<N>`` holds the whole state whatever this says (torchtitan
+    writes the model alone there instead), so the same job with a larger ``training.steps``
+    continues exactly where it ended."""
 
     exclude_from_loading: list[Literal["model", "optimizer", "lr_scheduler", "dataloader", "train_state"]] = field(
         default_factory=list

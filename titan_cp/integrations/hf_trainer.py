@@ -37,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from titan_cp.errors import UserError
+from titan_cp.errors import UserError, process_rank
 from titan_cp.files import read_json
 from titan_cp.integrations.hf_model import check_supported, hf_model_of, text_config
 from titan_cp.integrations.hf_parallel import CausalLM
@@ -244,7 +244,8 @@ def load_hf_weights(model, path, key: str = "checkpoint.initial_load_path") -> N
     if extra:
         raise ValueError(f"{key} = {str(path)!r} holds parameters the model does not have, e.g. {extra[0]}")
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(folder)), no_dist=True)
-    logger.info("loaded Hugging Face weights %s", folder)
+    if process_rank()[0] == 0:  # once per job
+        logger.info("loaded Hugging Face weights %s", folder)
 
 
 @torch.no_grad()

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
+from titan_cp.errors import process_rank
 from titan_cp.files import parse_json_line, read_json
 from titan_cp.model.llama import ModelArgs, RoPEScaling, Transformer
 
@@ -403,7 +404,8 @@ def load_hf(model_parts, path: str | Path, model_args: ModelArgs, key: str = "ch
                 target.to_local().copy_(_local_slice(w, target))
             else:
                 target.copy_(w)
-    logger.info("loaded Hugging Face checkpoint %s", folder)
+    if process_rank()[0] == 0:  # once per job
+        logger.info("loaded Hugging Face checkpoint %s", folder)
 
 
 def file_index(sizes: dict[str, int], max_file_bytes: int) -> dict[str, int]:

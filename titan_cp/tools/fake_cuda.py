@@ -131,7 +131,7 @@ FAKE_DIST = SimpleNamespace(
     isend="isend",
     irecv="irecv",
     batch_isend_irecv=lambda ops: [_Work() for _ in ops],
-    all_gather_into_tensor=_nothing,
+    all_gather_single=_nothing,
     reduce_scatter_tensor=_nothing,
     all_to_all_single=_nothing,
 )
