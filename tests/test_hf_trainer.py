@@ -234,8 +234,8 @@ def test_misuse_on_one_process_is_refused_naming_the_fix():
     from titan_cp.integrations.transformers import apply_cp, shard_batch  # noqa: PLC0415
 
     local = shard_batch(_rows(), None)
-    with pytest.raises(ValueError, match=r"attn_implementation='sdpa' but got a batch from shard_batch.*apply_cp"):
-        _tiny("sdpa")(**local)  # a model apply_cp never bound
+    with pytest.raises(ValueError, match=r"runs attn_implementation='titan_cp' but no CP mesh is bound.*apply_cp"):
+        _tiny()(**local)  # a model apply_cp never bound
     row = _rows()
     ids = row["input_ids"]
     with pytest.raises(ValueError, match=r"labels look already shifted"):  # shifted by the user, then again
@@ -251,6 +251,7 @@ def test_misuse_on_one_process_is_refused_naming_the_fix():
     model = apply_cp(_tiny(), None)
     with pytest.raises(ValueError, match=r"model.generate\(\) after apply_cp: .* titan_cp's generation"):
         model.generate(ids[:, :4], max_new_tokens=2)
+    assert _tiny("sdpa").generate(ids[:, :4], max_new_tokens=2).shape == (1, 6)  # only the bound model refuses
     cp2 = context_parallel_trainer(transformers.Trainer, cp_size=2)
     with pytest.raises(ValueError, match=r"cp_size=2\): the world has 1 rank, not a multiple"):
         cp2(model=model, args=_args("/tmp/unused"))

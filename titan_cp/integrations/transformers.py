@@ -18,7 +18,12 @@ How it plugs in, without patching any model class:
   documents reach the attention as the ``cp_doc_lens`` keyword, a ``(B, max_docs)`` host tensor that
   ``shard_batch`` makes and ``transformers`` hands unchanged to every layer.
 - :func:`apply_cp` binds the mesh, strategy, balance and kernel to each attention module (one
-  handle per model); :func:`shard_batch` shards a batch by the same layout.
+  handle per model) and replaces that model's own ``generate`` with a refusal; :func:`shard_batch`
+  shards a batch by the same layout.
+
+Importing this module registers those two names and changes nothing else in ``transformers``: only
+the models :func:`apply_cp` binds are guarded. A model on another implementation (``sdpa``, ``eager``,
+flash, flex) ignores ``cp_doc_lens`` and would run a shard as a short sequence of its own.
 
 With the mask function registered, ``transformers`` still looks once per forward (not per layer)
 at the local ``position_ids`` for packed rows (``find_packed_sequence_indices``, one small host
@@ -220,30 +225,8 @@ def titan_cp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, atte
     return None
 
 
-def _refuse_cp_batches(name: str, attend_fn):
-    """``attend_fn`` (another registered attention implementation) that refuses a batch from
-    :func:`shard_batch`: such a batch is one rank's shard in layout order, which only titan_cp's
-    attention reads right (any other would run it as a short sequence of its own, silently wrong)."""
-
-    def guarded(module, *args, **kwargs):
-        if kwargs.get("cp_doc_lens") is not None:
-            raise ValueError(
-                f"{type(module).__name__} runs attn_implementation={name!r} but got a batch from shard_batch "
-                "(cp_doc_lens): load the model with attn_implementation='titan_cp' and call "
-                "titan_cp.integrations.transformers.apply_cp(model, cp_mesh) before feeding it shard_batch's output"
-            )
-        return attend_fn(module, *args, **kwargs)
-
-    guarded.titan_cp_guarded = True
-    return guarded
-
-
 AttentionInterface.register(ATTN_IMPLEMENTATION, titan_cp_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, titan_cp_mask)
-for _name in [n for n in AttentionInterface._global_mapping if not n.startswith(ATTN_IMPLEMENTATION)]:
-    _fn = AttentionInterface._global_mapping[_name]
-    if not getattr(_fn, "titan_cp_guarded", False):
-        AttentionInterface.register(_name, _refuse_cp_batches(_name, _fn))
 
 
 def bind_cp(model: nn.Module, cp_mesh, strategy: str = DEFAULT_STRATEGY, balance: str = DEFAULT_BALANCE, kernel=None):
@@ -258,9 +241,11 @@ def bind_cp(model: nn.Module, cp_mesh, strategy: str = DEFAULT_STRATEGY, balance
         balance: the sequence layout; :func:`shard_batch` must be given the same.
         kernel: local kernel name, ``None`` for the fastest on the device and dtype.
 
-    Sets ``attn_implementation="titan_cp"`` (``set_attn_implementation``) and binds the op's spec to
-    each attention module. ``ValueError`` for a model titan_cp cannot run exactly (it names the layer
-    type and the config field), heads the strategy cannot split, or a mesh of the wrong shape.
+    Sets ``attn_implementation="titan_cp"`` (``set_attn_implementation``), binds the op's spec to
+    each attention module and sets this model's ``generate`` (an attribute of the instance, not of its
+    class) to one that refuses, naming titan_cp's generation. ``ValueError`` for a model titan_cp
+    cannot run exactly (it names the layer type and the config field), heads the strategy cannot
+    split, or a mesh of the wrong shape.
     """
     hf = hf_model_of(model)
     check_supported(hf)
