@@ -614,7 +614,7 @@ def _hf_folder(path, family: str):
 
 def _hf_generator(folder, dims=None, strategy="ring", balance="doc_local"):
     from titan_cp.generate.hf_runner import build_hf_model
-    from titan_cp.integrations.hf_trainer import load_hf_weights
+    from titan_cp.integrations.hf_folder import load_hf_weights
 
     model = build_hf_model(folder, dims, strategy, balance)
     load_hf_weights(model, folder)

@@ -603,14 +603,14 @@ def _dcp_model(folder, step_dir):
 def _built_like_the_trainer(rank, world, folder):
     """The trainer's HF model (meta, AC, FSDP over the world, shards allocated, buffers restored,
     weights loaded): its logits and loss against ``from_pretrained``'s, each document on its own."""
-    from titan_cp.integrations import hf_trainer  # noqa: PLC0415
+    from titan_cp.integrations import hf_folder  # noqa: PLC0415
     from titan_cp.mesh import ParallelDims  # noqa: PLC0415
     from titan_cp.parallel.build import ParallelizeOptions  # noqa: PLC0415
 
     dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, world_size=world)
     dims.build_mesh("cpu")
-    model, _ = hf_trainer.build_parallel_hf_model(folder, dims, ParallelizeOptions(ac_mode="full"), "cpu")
-    hf_trainer.load_hf_weights(model, folder)
+    model, _ = hf_folder.build_parallel_hf_model(folder, dims, ParallelizeOptions(ac_mode="full"), "cpu")
+    hf_folder.load_hf_weights(model, folder)
     reference_model = transformers.AutoModelForCausalLM.from_pretrained(
         str(folder), attn_implementation="eager", dtype=torch.float32
     )

@@ -80,7 +80,7 @@ class Model(Section, name="model"):
     name: Annotated[str, OneOf(family_names)] = DEFAULT_FAMILY
     """Model family, a registered one (:mod:`titan_cp.families`): ``llama3`` (titan_cp's own Llama 3, shaped by ``flavor``), or ``hf``: the
     Hugging Face causal LM of the folder ``hf_assets_path`` (its ``config.json``; Llama, Qwen2, Qwen3,
-    Mistral, Gemma, ...; ``titan_cp.integrations.hf_trainer``), weights from
+    Mistral, Gemma, ...; ``titan_cp.integrations.hf_folder``), weights from
     ``checkpoint.initial_load_path`` with ``checkpoint.initial_load_in_hf``."""
 
     flavor: Annotated[str, OneOf(flavors)] = "debugmodel"
@@ -169,7 +169,7 @@ class Checkpoint(Section, name="checkpoint"):
     or sharded with ``model.safetensors.index.json``; ``config.json`` checked where present):
     its weights are renamed to torchtitan's and q/k converted to titan_cp's RoPE layout
     (``titan_cp.model.hf_checkpoint``); with ``model.name = "hf"`` they load by ``transformers``' own names
-    (``titan_cp.integrations.hf_trainer``). Weights only: needs ``initial_load_model_only``."""
+    (``titan_cp.integrations.hf_folder``). Weights only: needs ``initial_load_model_only``."""
 
     last_save_in_hf: bool = False
     """At the end of training also write the model as a Hugging Face checkpoint (safetensors, index,

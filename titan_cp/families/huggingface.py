@@ -1,7 +1,7 @@
 """``model.name = "hf"``: the Hugging Face causal LM of the folder ``model.hf_assets_path``.
 
 Built, parallelized (CP, AC, compile, FSDP; not TP or PP), loaded and exported by
-:mod:`titan_cp.integrations.hf_trainer`; ``transformers`` is imported only when a method runs
+:mod:`titan_cp.integrations.hf_folder`; ``transformers`` is imported only when a method runs
 (it stays optional for the Llama).
 """
 
@@ -53,27 +53,27 @@ class HuggingFace(ModelFamily):
             )
 
     def check_files(self, cfg) -> None:
-        from titan_cp.integrations.hf_trainer import check_job  # noqa: PLC0415 - transformers is optional
+        from titan_cp.integrations.hf_folder import check_job  # noqa: PLC0415 - transformers is optional
 
         check_job(cfg)
 
     def build_parallel(self, cfg, dims, options, device, vocab_size: int, loss_fn=None):
-        from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
+        from titan_cp.integrations import hf_folder  # noqa: PLC0415 - transformers is optional
 
-        model, args = hf_trainer.build_parallel_hf_model(cfg.model.hf_assets_path, dims, options, device)
-        hf_trainer.check_vocab(model, vocab_size)
+        model, args = hf_folder.build_parallel_hf_model(cfg.model.hf_assets_path, dims, options, device)
+        hf_folder.check_vocab(model, vocab_size)
         return ModelParts([model]), args
 
     def load_hf(self, parts, path, shapes, key="checkpoint.initial_load_path") -> None:
-        from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
+        from titan_cp.integrations import hf_folder  # noqa: PLC0415 - transformers is optional
 
-        hf_trainer.load_hf_weights(parts[0], path, key=key)
+        hf_folder.load_hf_weights(parts[0], path, key=key)
 
     def save_hf(self, parts, folder, shapes, assets=None):
         """Safetensors under ``transformers``' own names, ``config.json`` and the tokenizer files of ``assets``."""
-        from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
+        from titan_cp.integrations import hf_folder  # noqa: PLC0415 - transformers is optional
 
-        return hf_trainer.save_weights(parts[0], folder, assets)
+        return hf_folder.save_weights(parts[0], folder, assets)
 
     def planner_args(self, cfg):
         return hf_shapes.hf_model_args(cfg.model.hf_assets_path)  # config.json alone: no transformers
@@ -85,14 +85,14 @@ class HuggingFace(ModelFamily):
         return shapes.name
 
     def generation_spec(self, cfg, vocab_size: int) -> ModelSpec:
-        from titan_cp.integrations import hf_trainer  # noqa: PLC0415 - transformers is optional
+        from titan_cp.integrations import hf_folder  # noqa: PLC0415 - transformers is optional
         from titan_cp.integrations.hf_model import plain_head, text_config  # noqa: PLC0415 - transformers is optional
         from titan_cp.integrations.hf_parallel import CausalLM  # noqa: PLC0415 - transformers is optional
 
         path = cfg.model.hf_assets_path
         what = self.describe(cfg.model)
-        config = hf_trainer.load_hf_config(path)
-        model = hf_trainer.meta_model(config)
+        config = hf_folder.load_hf_config(path)
+        model = hf_folder.meta_model(config)
         if plain_head(model) is None:
             raise ValueError(
                 f"{what}: titan_cp.generate takes the logits from a plain output head (logits = lm_head(hidden)); "

@@ -1,6 +1,6 @@
 """Generation with Hugging Face causal LMs (``model.name = "hf"``), through ``transformers``' own seam.
 
-The model is built as the trainer builds it (``titan_cp.integrations.hf_trainer``: on meta,
+The model is built as the trainer builds it (``titan_cp.integrations.hf_folder``: on meta,
 ``apply_cp``, :class:`~titan_cp.integrations.hf_parallel.CausalLM`, shards allocated; no FSDP: the
 weights stay whole on every cp rank), then its attention implementation is
 ``"titan_cp_generate"`` (:func:`generation_attention`, registered with ``AttentionInterface``):
@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.generate.runners import Attend, Capture
-from titan_cp.integrations import hf_trainer
+from titan_cp.integrations import hf_folder
 from titan_cp.integrations.hf_model import attention_modules, hf_model_of, plain_head, text_config
 from titan_cp.integrations.transformers import BINDING, titan_cp_attention, titan_cp_mask
 from titan_cp.layout import DEFAULT_BALANCE
@@ -125,6 +125,6 @@ def build_hf_model(
     if dims is None:
         dims = ParallelDims(1, 1, 1, 1, 1, 1)
     options = ParallelizeOptions(cp_strategy=strategy, cp_balance=balance)
-    model, _ = hf_trainer.build_parallel_hf_model(folder, dims, options, device, fsdp=False)
+    model, _ = hf_folder.build_parallel_hf_model(folder, dims, options, device, fsdp=False)
     hf_model_of(model).set_attn_implementation(GENERATE_ATTENTION)
     return model.eval().requires_grad_(False)

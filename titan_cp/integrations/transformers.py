@@ -289,4 +289,4 @@ def _refuse_generate(*args, **kwargs):
     )
 
 
-from titan_cp.integrations.hf_trainer_cp import context_parallel_trainer  # noqa: E402 - it binds with apply_cp
+from titan_cp.integrations.trainer_factory import context_parallel_trainer  # noqa: E402 - it binds with apply_cp

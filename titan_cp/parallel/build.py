@@ -16,7 +16,7 @@ with values that do not depend on the mesh (``titan_cp.model.init``).
 
 What differs between families is a :class:`ModelBuilder`: how the model is built on ``meta``,
 split into pipeline stages, split over tp, made context-parallel and materialised
-(:class:`LlamaBuilder` here; Hugging Face models' in :mod:`titan_cp.integrations.hf_trainer`).
+(:class:`LlamaBuilder` here; Hugging Face models' in :mod:`titan_cp.integrations.hf_folder`).
 Activation checkpointing, compile and FSDP are the same ``apply_*`` functions for every family
 (:mod:`titan_cp.parallel.adapter`).
 """
