@@ -37,8 +37,8 @@ from titan_cp.integrations.transformers import (  # noqa: E402
     apply_compile,
     apply_cp,
     apply_fsdp,
+    gather_unshard,
     shard_batch,
-    unshard,
 )
 from titan_cp.layout import BALANCES  # noqa: E402
 from titan_cp.loss import IGNORE_INDEX  # noqa: E402
@@ -167,7 +167,7 @@ def _case(family: str, strategy: str, balance: str, cp_mesh) -> dict:
     if group is not None:
         dist.all_reduce(loss, group=group)
     errors = {
-        "logits": rel_err(unshard(out.logits, local, cp_mesh), want_logits),
+        "logits": rel_err(gather_unshard(out.logits, local, cp_mesh), want_logits),
         "loss": rel_err(loss, want_loss),
         "grads": _grad_err(_grads(model, group), want_grads),
     }

@@ -379,7 +379,7 @@ def shard_batch(
     return out
 
 
-def unshard(x: Tensor, local: dict, cp_mesh, dim: int = 1) -> Tensor:
+def gather_unshard(x: Tensor, local: dict, cp_mesh, dim: int = 1) -> Tensor:
     """Every cp rank's ``x`` (this rank's tokens along ``dim``, e.g. logits ``(B, S_local, V)``)
     gathered and put back in natural token order: ``(..., S, ...)``. Collective over ``cp_mesh``;
     no gradient. ``local``: what :func:`shard_batch` returned for this batch."""

@@ -46,7 +46,7 @@ from torch import nn
 
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
 from titan_cp.errors import plural
-from titan_cp.integrations.hf_batch import count_loss_tokens, shard_batch, unshard
+from titan_cp.integrations.hf_batch import count_loss_tokens, gather_unshard, shard_batch
 from titan_cp.layout import BALANCES, DEFAULT_BALANCE
 from titan_cp.loss import IGNORE_INDEX
 from titan_cp.parallel import apply_ac, apply_cp, apply_fsdp
@@ -367,7 +367,7 @@ class ContextParallelMixin:
         else:
             loss = self._cp_eval_loss(ce_sum.detach(), mine, group_tokens)
             if outputs is not None and getattr(outputs, "logits", None) is not None:
-                outputs["logits"] = unshard(outputs.logits, local, self.cp_mesh)[:, :seq]
+                outputs["logits"] = gather_unshard(outputs.logits, local, self.cp_mesh)[:, :seq]
         return (loss, outputs) if return_outputs else loss
 
     def _cp_chunked_loss(self, model, local: dict, mine: int) -> torch.Tensor:
@@ -450,7 +450,7 @@ class ContextParallelMixin:
         )
         with torch.no_grad(), self.compute_loss_context_manager():
             logits = model(**local).logits
-        return unshard(logits, local, self.cp_mesh)[:, :seq]
+        return gather_unshard(logits, local, self.cp_mesh)[:, :seq]
 
     # ---- evaluation ---------------------------------------------------------------------------
 

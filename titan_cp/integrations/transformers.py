@@ -52,7 +52,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from titan_cp.attention.api import attend, check_mask, check_qkv, register_spec
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
-from titan_cp.integrations.hf_batch import count_loss_tokens, shard_batch, unshard
+from titan_cp.integrations.hf_batch import count_loss_tokens, gather_unshard, shard_batch
 from titan_cp.integrations.hf_model import (
     attention_modules,
     check_supported,
@@ -85,7 +85,7 @@ __all__ = [
     "titan_cp_attention",
     "titan_cp_mask",
     "tiny_qwen3_folder",
-    "unshard",
+    "gather_unshard",
     "unsupported_features",
 ]
 
