@@ -27,6 +27,9 @@ schedule, logging, checkpoints) and changes what context parallelism needs:
   carry no loss); logits are gathered over the cp group and put back in token order, and
   predictions are gathered over the dp ranks only.
 
+The private ``Trainer`` and ``accelerate`` parts this relies on are all in :mod:`.hf_compat`, checked
+against the versions it pins.
+
 What it refuses (``ValueError`` naming the argument): more processes launched than ``accelerate``
 runs together (torchrun on a CPU without ``use_cpu=True``: each would train alone), a world the cp
 size does not divide, label
@@ -47,6 +50,7 @@ from torch import nn
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
 from titan_cp.errors import plural
 from titan_cp.integrations.hf_batch import count_loss_tokens, gather_unshard, shard_batch
+from titan_cp.integrations.hf_compat import TrainerHooks, accelerate_device_mesh, check_trainer_hooks, mark_sharded
 from titan_cp.layout import BALANCES, DEFAULT_BALANCE
 from titan_cp.loss import IGNORE_INDEX
 from titan_cp.parallel import apply_ac, apply_cp, apply_fsdp
@@ -56,7 +60,7 @@ from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
 SAMPLE_LENS = "titan_cp_sample_lens"  # the eval collator's per-sample token counts (dropped before the model)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CPOptions:
     """What :func:`context_parallel_trainer` was asked for (see its arguments)."""
 
@@ -103,6 +107,7 @@ def _check_options(o: CPOptions) -> None:
 
 def context_parallel_trainer(
     trainer_class: type,
+    *,
     cp_size: int,
     strategy: str = DEFAULT_STRATEGY,
     balance: str = DEFAULT_BALANCE,
@@ -144,18 +149,19 @@ def context_parallel_trainer(
 
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
         raise ValueError(f"context_parallel_trainer takes a transformers.Trainer subclass, got {trainer_class!r}")
+    check_trainer_hooks(trainer_class)
     options = CPOptions(
-        cp_size,
-        strategy,
-        balance,
-        ulysses_degree,
-        activation_checkpointing,
-        kernel,
-        bool(fsdp),
-        bool(chunked_loss),
-        bool(cpu_offload),
-        blocks_per_checkpoint,
-        tile_tokens,
+        cp_size=cp_size,
+        strategy=strategy,
+        balance=balance,
+        ulysses_degree=ulysses_degree,
+        activation_checkpointing=activation_checkpointing,
+        kernel=kernel,
+        fsdp=bool(fsdp),
+        chunked_loss=bool(chunked_loss),
+        cpu_offload=bool(cpu_offload),
+        blocks_per_checkpoint=blocks_per_checkpoint,
+        tile_tokens=tile_tokens,
     )
     _check_options(options)
     if chunked_loss and (fsdp or any(c.__name__ == "SFTTrainer" for c in trainer_class.__mro__)):
@@ -180,8 +186,9 @@ class _EvalTally:
     masked: torch.Tensor | None = None  # the last batch's labels, -100 on the repeated samples
 
 
-class ContextParallelMixin:
-    """The methods :func:`context_parallel_trainer` puts before the Trainer's (module docstring)."""
+class ContextParallelMixin(TrainerHooks):
+    """The methods :func:`context_parallel_trainer` puts before the Trainer's (module docstring); the
+    private Trainer hooks it changes are :class:`.hf_compat.TrainerHooks`, which call its ``cp_*`` methods."""
 
     cp_options: CPOptions
     loss_is_scaled_for_ga = True  # compute_loss divides by the step's count, over every micro-batch
@@ -258,24 +265,14 @@ class ContextParallelMixin:
         if o.fsdp and self.data_mesh is not None:
             _shard(model, self.data_mesh)
 
-    @contextlib.contextmanager
-    def _defer_fsdp_gradient_reduction(self):
-        """The Trainer's hook for a model that owns its gradient reduction: FSDP2 reduce-scatters once,
-        after the last micro-batch of a step."""
-        self.model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)
+    def cp_state_dict_to_save(self) -> dict | None:
+        """Under FSDP, the whole weights gathered on every rank (PyTorch's ``get_model_state_dict``), which
+        the main process writes with ``save_pretrained``; otherwise ``None`` (the Trainer's own)."""
+        if not self.cp_options.fsdp or self.data_mesh is None:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Under FSDP, the whole weights gathered on every rank (PyTorch's ``get_model_state_dict``), written
-        by the main process with ``save_pretrained``."""
-        if self.cp_options.fsdp and state_dict is None and self.data_mesh is not None:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
-
-            state_dict = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        super()._save(output_dir, state_dict=state_dict)
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
 
     def get_cp_size(self) -> int:
         """The Trainer's own hook: its batch-size and step arithmetic counts dp ranks as ``world / cp``."""
@@ -283,21 +280,13 @@ class ContextParallelMixin:
 
     # ---- data ---------------------------------------------------------------------------------
 
-    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False, **kwargs):
-        with self._cp_data_mesh(), self._cp_eval_collator(not is_training):
-            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, **kwargs)
-
     @contextlib.contextmanager
-    def _cp_data_mesh(self):
-        """``accelerate`` prepares the dataloader for the ``(dp_replicate, cp)`` mesh: rank ``r`` reads
-        the rows of data rank ``r // cp`` of ``world / cp``."""
-        state = self.accelerator.state
-        before = state.device_mesh
-        state.device_mesh = self.data_mesh if before is None else before
-        try:
+    def cp_dataloader(self, training: bool):
+        """While the Trainer builds a dataloader: ``accelerate`` prepares it for the ``(dp_replicate, cp)``
+        mesh (rank ``r`` reads the rows of data rank ``r // cp`` of ``world / cp``), and an evaluation
+        one carries each sample's token count."""
+        with accelerate_device_mesh(self.accelerator, self.data_mesh), self._cp_eval_collator(not training):
             yield
-        finally:
-            state.device_mesh = before
 
     @contextlib.contextmanager
     def _cp_eval_collator(self, on: bool):
@@ -311,7 +300,7 @@ class ContextParallelMixin:
         finally:
             self.data_collator = collate
 
-    def _get_num_items_in_batch(self, batch_samples: list, device) -> torch.Tensor | None:
+    def cp_num_items_in_batch(self, batch_samples: list, device) -> torch.Tensor | None:
         """The step's loss-bearing tokens (labels shifted inside each document, as ``shard_batch``
         counts them) over its micro-batches, summed over the dp ranks when
         ``average_tokens_across_devices`` (never over cp ranks: they hold the same rows)."""
@@ -324,10 +313,10 @@ class ContextParallelMixin:
             n = int(t)
         return torch.tensor(n, dtype=torch.int64, device=device)
 
-    def _track_num_input_tokens(self, inputs) -> None:
-        """The Trainer's count, gathered over every rank, holds each cp group's rows ``cp`` times."""
+    def cp_track_input_tokens(self, inputs, track) -> None:
+        """The Trainer's count (``track``), gathered over every rank, holds each cp group's rows ``cp`` times."""
         before = self.state.num_input_tokens_seen
-        super()._track_num_input_tokens(_model_keys(inputs))
+        track(_model_keys(inputs))
         self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.cp_size
 
     # ---- the loss -----------------------------------------------------------------------------
@@ -343,7 +332,7 @@ class ContextParallelMixin:
         seq = inputs["input_ids"].shape[1]
         group_tokens = count_loss_tokens(inputs)
         if training and num_items_in_batch is None:
-            num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+            num_items_in_batch = self.cp_num_items_in_batch([inputs], self.args.device)
         step_tokens = int(num_items_in_batch) if training else max(group_tokens, 1)
         local = shard_batch(
             inputs,
@@ -439,7 +428,7 @@ class ContextParallelMixin:
     def _cp_logits(self, model, inputs) -> torch.Tensor:
         """Logits ``(B, S, V)`` of a batch without labels, in token order: sharded by the layout, run,
         gathered over the cp group (the Trainer would run the whole rows, which the attention refuses)."""
-        inputs = _model_keys(self._prepare_inputs(inputs))
+        inputs = _model_keys(self.cp_prepare_inputs(inputs))
         seq = inputs["input_ids"].shape[1]
         local = shard_batch(
             inputs,
@@ -535,7 +524,7 @@ def _shard(model: nn.Module, data_mesh) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(float(data_mesh.size()))
-    model._is_distributed_loading_by_transformers = True
+    mark_sharded(model)
 
 
 def _pad_token_id(model: nn.Module) -> int:
