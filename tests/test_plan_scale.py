@@ -88,15 +88,37 @@ def test_planner_turns_the_options_on_when_nothing_fits_and_finds_the_longest_ro
     assert at_2m.recommended and best.ac == "full" and best.host.cpu_offload
     assert at_2m.best.host_bytes > 0 and "nothing fits as configured" in at_2m.reason
     main(["--ngpu", "8", "--gpu", "h100", "--model.flavor", "8B", "--max-seq"])
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
-    assert len(lines) == 1
-    row = lines[0]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 2  # the JSON row, then the line a person reads
+    row = json.loads(lines[0])
     assert row["max_seq_len"] == row["seq_len"] >= 5_000_000 and row["fits"] and row["cpu_offload"]
     assert row["memory_bytes_per_rank"] <= 0.9 * 80e9 and row["host_bytes_per_node"] <= 0.9 * 2000e9
+    # the longest row fits memory but a step takes hours: said plainly, with the step and the throughput
+    step, tps = row["step_seconds"], row["tokens_per_second_per_gpu"]
+    assert step > 3600 and row["practical"] is False
+    assert f"one step takes {step:,.0f} s" in lines[1] and f"{tps:,.0f} tokens/s per GPU" in lines[1]
+    assert "IMPRACTICAL" in lines[1] and f"{row['max_seq_len']:,} tokens" in lines[1]
     # less host memory: a shorter longest row, host-bound
     main(["--ngpu", "8", "--gpu", "h100", "--model.flavor", "8B", "--max-seq", "--host-gb", "500"])
-    short = json.loads(capsys.readouterr().out)
+    short = json.loads(capsys.readouterr().out.splitlines()[0])
     assert short["max_seq_len"] < row["max_seq_len"] and short["host_bytes_per_node"] <= 0.9 * 500e9
+
+
+def test_max_seq_estimates_time_once_per_candidate(monkeypatch):
+    """The longest row is bisected on memory alone (whether a plan fits never depends on its time): each
+    candidate's time is estimated once, at the length found (at the start: 4,928 estimates on 64 GPUs,
+    every candidate at every escalation level of 16 lengths), and the answer is the one it was."""
+    from titan_cp.config import load_config  # noqa: PLC0415
+    from titan_cp.plan import search  # noqa: PLC0415
+
+    calls = []
+    evaluate = search.evaluate
+    monkeypatch.setattr(search, "evaluate", lambda c, *a: calls.append(c) or evaluate(c, *a))
+    argv = ["--model.flavor", "8B", "--training.local_batch_size", "1", "--training.global_batch_size", "1"]
+    n, result = search.max_seq_len(load_config([*argv, "--activation_checkpoint.mode", "full"]), 64, "h100")
+    c = result.best.candidate
+    assert (n, c.strategy, c.cp, c.dp_shard, c.tp, c.pp) == (12_124_160, "ring", 64, 1, 1, 1)  # as at the start
+    assert len(calls) == len(set(calls)) == len(result.estimates) == 88
 
 
 def test_causal_counts_in_closed_form_equal_the_plans():

@@ -24,7 +24,8 @@ USAGE = """The planner: which mesh and CP strategy to run, before spending a GPU
 ``--max-seq``: the longest row (``training.seq_len``) that trains, by bisection over multiples of
 65,536 tokens up to 2**24, with every option the planner may turn on (one row per rank,
 full AC, unless the config says otherwise); prints one JSON line, the plan's row with
-``max_seq_len``.
+``max_seq_len`` and ``practical`` (its step within an hour), then one line naming the step's
+seconds and tokens/s per GPU, and saying IMPRACTICAL when the step takes longer.
 """
 
 
@@ -241,8 +242,32 @@ def _print_max_seq(args: argparse.Namespace, rest: list[str]) -> int:
         raise ValueError(
             f"--max-seq: not even 65536 tokens fit {plural(args.ngpu, args.gpu + ' GPU')} with every option on"
         )
-    print(json.dumps({"max_seq_len": n, **record(result.best, result)}))
+    best = result.best
+    practical = best.cost.step <= PRACTICAL_STEP_SECONDS
+    print(json.dumps({"max_seq_len": n, "practical": practical, **record(best, result)}))
+    print(max_seq_line(n, best, practical))
     return 0
+
+
+PRACTICAL_STEP_SECONDS = 3600.0  # --max-seq: a longest row whose one optimizer step takes longer is called impractical
+
+
+def max_seq_line(n: int, e: Estimate, practical: bool) -> str:
+    """The human-readable line of ``--max-seq``: the length, its mesh, its step time and throughput, and
+    plainly when that step is impractical (over :data:`PRACTICAL_STEP_SECONDS`)."""
+    c, step = e.candidate, e.cost.step
+    mesh = f"pp{c.pp} rep{c.dp_replicate} fsdp{c.dp_shard} cp{c.cp} tp{c.tp}"
+    strat = c.strategy + (f"(u{c.ulysses})" if _takes_ulysses(e) else "") if c.cp > 1 else "no CP"
+    line = (
+        f"longest row: {n:,} tokens on {mesh} {strat}: one step takes {step:,.0f} s ({step / 3600:.2f} h), "
+        f"{e.tokens_per_second_per_gpu:,.0f} tokens/s per GPU"
+    )
+    if practical:
+        return line
+    return line + (
+        f". IMPRACTICAL: a step over {PRACTICAL_STEP_SECONDS / 3600:.0f} h; it fits memory but would barely train "
+        "(ask for a shorter training.seq_len, or more GPUs)"
+    )
 
 
 def check_args(args: argparse.Namespace) -> None:

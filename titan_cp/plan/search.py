@@ -90,14 +90,8 @@ class Estimate:
         return max(r.host for r in self.stages)
 
     @property
-    def host_fits(self) -> bool:
-        """A node's ranks' host bytes within its host memory (less the same headroom as the GPUs')."""
-        per_node = self.host_bytes * min(self.device.gpus_per_node, self.candidate.ngpu)
-        return per_node <= (1 - HEADROOM) * self.workload.host.host_bytes_per_node
-
-    @property
     def fits(self) -> bool:
-        return self.memory.total <= (1 - HEADROOM) * self.device.memory_bytes and self.host_fits
+        return plan_fits(self.stages, self.candidate, self.workload, self.device)
 
     @property
     def headroom_bytes(self) -> int:
@@ -124,20 +118,33 @@ class Estimate:
         return self.model_flops / self.cost.step / self.candidate.ngpu / self.device.peak_flops
 
 
-def evaluate(c: Candidate, w: Workload, dev: Device, stack: Stack) -> Estimate:
-    """Memory (the worse of the first and the last pipeline stage) and time (the largest stage) of ``c``."""
+def stage_memories(c: Candidate, w: Workload) -> tuple[RankMemory, ...]:
+    """Memory of the first and the last pipeline stage of ``c`` (one without a pipeline): shapes only, no
+    layout and no time, so whether a plan fits is known before any candidate's time is estimated."""
     m = w.rank_model(c)
     stages = pipeline_stages(w.args, c.pp)
     pipe = pipeline(w.schedule, w.microbatches(c.pp), c.pp)
     sharding = Sharding(c.fsdp, c.pp > 1, w.reshard)
     rows, local = w.rows_per_microbatch(c.pp), w.seq_len // c.cp
     flight = ((pipe.in_flight_first, pipe.grads_held_first), (pipe.in_flight_last, pipe.grads_held_last))
-    memories = tuple(
+    return tuple(
         rank_memory(m, stage, sharding, local, w.docs_per_row, rows, in_flight, held)
         for stage, (in_flight, held) in zip(stages, flight)
     )
-    largest = max(stages, key=lambda s: s.layers)
-    return Estimate(c, w, dev, memories, step_cost(Setting(c, w, dev, stack, largest)))
+
+
+def plan_fits(stages: tuple[RankMemory, ...], c: Candidate, w: Workload, dev: Device) -> bool:
+    """The rank holding the most within the device's memory and a node's ranks' host bytes within its
+    host memory, each less :data:`HEADROOM` (:attr:`Estimate.fits`)."""
+    host_per_node = max(r.host for r in stages) * min(dev.gpus_per_node, c.ngpu)
+    host_fits = host_per_node <= (1 - HEADROOM) * w.host.host_bytes_per_node
+    return max(r.total for r in stages) <= (1 - HEADROOM) * dev.memory_bytes and host_fits
+
+
+def evaluate(c: Candidate, w: Workload, dev: Device, stack: Stack) -> Estimate:
+    """Memory (the worse of the first and the last pipeline stage) and time (the largest stage) of ``c``."""
+    largest = max(pipeline_stages(w.args, c.pp), key=lambda s: s.layers)
+    return Estimate(c, w, dev, stage_memories(c, w), step_cost(Setting(c, w, dev, stack, largest)))
 
 
 @dataclass(frozen=True)
@@ -267,6 +274,44 @@ def escalate(w: Workload, level: int) -> Workload:
     return dataclasses.replace(w, ac=ac, ac_every=1 if ac == "full" else w.ac_every, host=host)
 
 
+def _setup(job_config, ngpu: int, gpu: str, nnodes: int, doc_mix: str, hbm_gb, seed: int, host_gb: float):
+    """``(device, workload, candidates)`` of a plan: the checks :func:`plan` makes before estimating anything."""
+    if ngpu < 1:
+        raise ValueError(f"--ngpu must be positive, got {ngpu}")
+    if nnodes < 1 or ngpu % nnodes:
+        raise ValueError(f"--nnodes ({nnodes}) must divide --ngpu ({ngpu})")
+    dev = device(gpu, hbm_gb, nnodes, ngpu)
+    job_config.parallel_dims(ngpu)  # the configured degrees must lay out on ngpu (names the key)
+    t, p = job_config.training, job_config.parallelism
+    balance = p.context_parallel_load_balancer
+    if t.seq_len % seq_len_multiple(balance, 1):
+        raise ValueError(f"training.seq_len ({t.seq_len}) is odd: no {balance!r} layout divides it")
+    w, _ = workload_of(job_config, gpu, doc_mix, seed, host_gb)
+    cands = candidates(w.args, t.seq_len, ngpu, nnodes, balance, t.local_batch_size, w.microbatch_rows)
+    family = get_family(job_config.model.name)  # only the meshes its models are built for
+    cands = [c for c in cands if (c.tp == 1 or family.builds("tp")) and (c.pp == 1 or family.builds("pp"))]
+    if not cands:
+        raise ValueError(
+            f"training.seq_len ({t.seq_len}) is divided by no cp degree of {plural(ngpu, 'GPU')} "
+            f"for parallelism.context_parallel_load_balancer = {balance!r}"
+        )
+    return dev, w, cands
+
+
+def _escalated(cands: list[Candidate], w: Workload, dev: Device) -> tuple[Workload, str, bool]:
+    """``(workload, note, fits)``: ``w`` with the first levels of :data:`ESCALATION` on that make some
+    candidate fit (all of them when none does), the note naming them, and whether one fits. Memory only:
+    whether a plan fits never depends on its time, so no time is estimated at a level where nothing fits."""
+    note = ""
+    for level in range(len(ESCALATION) + 1):
+        if level:
+            w = escalate(w, level)
+            note = "nothing fits as configured; with " + options_text(w) + ": "
+        if any(plan_fits(stage_memories(c, w), c, w, dev) for c in cands):
+            return w, note, True
+    return w, note, False
+
+
 def plan(
     job_config,
     ngpu: int,
@@ -282,34 +327,11 @@ def plan(
     """Every candidate's estimate for ``job_config`` on ``ngpu`` GPUs, the recommended one first. When
     nothing fits as configured, the options of :data:`ESCALATION` are turned on one by one until
     something does (the rows then carry the options; the reason says so)."""
-    if ngpu < 1:
-        raise ValueError(f"--ngpu must be positive, got {ngpu}")
-    if nnodes < 1 or ngpu % nnodes:
-        raise ValueError(f"--nnodes ({nnodes}) must divide --ngpu ({ngpu})")
-    dev = device(gpu, hbm_gb, nnodes, ngpu)
-    job_config.parallel_dims(ngpu)  # the configured degrees must lay out on ngpu (names the key)
-    t, p = job_config.training, job_config.parallelism
-    balance = p.context_parallel_load_balancer
-    if t.seq_len % seq_len_multiple(balance, 1):
-        raise ValueError(f"training.seq_len ({t.seq_len}) is odd: no {balance!r} layout divides it")
-    w, ac = workload_of(job_config, gpu, doc_mix, seed, host_gb)
+    dev, w, cands = _setup(job_config, ngpu, gpu, nnodes, doc_mix, hbm_gb, seed, host_gb)
     stack = stack or Stack(matmul_speedup=matmul_speedup)
-    cands = candidates(w.args, t.seq_len, ngpu, nnodes, balance, t.local_batch_size, w.microbatch_rows)
-    family = get_family(job_config.model.name)  # only the meshes its models are built for
-    cands = [c for c in cands if (c.tp == 1 or family.builds("tp")) and (c.pp == 1 or family.builds("pp"))]
-    if not cands:
-        raise ValueError(
-            f"training.seq_len ({t.seq_len}) is divided by no cp degree of {plural(ngpu, 'GPU')} "
-            f"for parallelism.context_parallel_load_balancer = {balance!r}"
-        )
-    ranked, note = _rank([evaluate(c, w, dev, stack) for c in cands]), ""
-    for level in range(1, len(ESCALATION) + 1):
-        if ranked[0].fits:
-            break
-        w = escalate(w, level)
-        ranked = _rank([evaluate(c, w, dev, stack) for c in cands])
-        note = "nothing fits as configured; with " + options_text(w) + ": "
-    ac = w.ac
+    w, note, _ = _escalated(cands, w, dev)
+    ranked = _rank([evaluate(c, w, dev, stack) for c in cands])
+    p = job_config.parallelism
     takes = get_strategy(p.context_parallel_strategy).takes_ulysses_degree()
     configured = Candidate(
         p.context_parallel_strategy,
@@ -320,7 +342,9 @@ def plan(
         p.pipeline_parallel_degree,
         p.context_parallel_ulysses_degree if takes else 1,
     )
-    context = Context(gpu, ngpu, nnodes, doc_mix, ac, family.plan_label(job_config, w.args), balance, configured)
+    family = get_family(job_config.model.name)
+    balance = p.context_parallel_load_balancer
+    context = Context(gpu, ngpu, nnodes, doc_mix, w.ac, family.plan_label(job_config, w.args), balance, configured)
     return PlanResult(tuple(ranked), context, note + reason(ranked[0]), ranked[0].fits)
 
 
@@ -351,18 +375,23 @@ def max_seq_len(
     (options escalated as :func:`plan` does), and that plan; ``(0, None)`` when not even one granule fits."""
     from titan_cp.config.training import MAX_SEQ_LEN  # noqa: PLC0415
 
-    def fitting(n: int) -> PlanResult | None:
-        cfg = dataclasses.replace(job_config, training=dataclasses.replace(job_config.training, seq_len=n))
-        result = plan(cfg, ngpu, gpu, nnodes, doc_mix, hbm_gb, matmul_speedup, host_gb=host_gb)
-        return result if result.recommended else None
+    def config(n: int):
+        return dataclasses.replace(job_config, training=dataclasses.replace(job_config.training, seq_len=n))
 
-    lo, best, hi = 0, None, MAX_SEQ_LEN // SEQ_GRANULE + 1  # in granules: lo fits, hi does not
+    def fitting(n: int) -> bool:  # as plan(...).recommended, from memory alone (no time estimated)
+        dev, w, cands = _setup(config(n), ngpu, gpu, nnodes, doc_mix, hbm_gb, 0, host_gb)
+        return _escalated(cands, w, dev)[2]
+
+    lo, hi = 0, MAX_SEQ_LEN // SEQ_GRANULE + 1  # in granules: lo fits, hi does not
     step = 1
-    while step < hi and (r := fitting(step * SEQ_GRANULE)) is not None:  # doubling, then bisection
-        lo, best, step = step, r, step * 2
+    while step < hi and fitting(step * SEQ_GRANULE):  # doubling, then bisection
+        lo, step = step, step * 2
     hi = min(hi, step)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        r = fitting(mid * SEQ_GRANULE)
-        lo, best, hi = (mid, r, hi) if r is not None else (lo, best, mid)
-    return lo * SEQ_GRANULE, best
+        lo, hi = (mid, hi) if fitting(mid * SEQ_GRANULE) else (lo, mid)
+    if not lo:
+        return 0, None
+    return lo * SEQ_GRANULE, plan(
+        config(lo * SEQ_GRANULE), ngpu, gpu, nnodes, doc_mix, hbm_gb, matmul_speedup, host_gb=host_gb
+    )
