@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is n
 from benchmarks.gpu_model import model_records  # noqa: E402
 from benchmarks.host import host_layer  # noqa: E402
 from titan_cp import SequenceLayout, cp_attention  # noqa: E402
-from titan_cp.attention import STRATEGIES, cp_rank, get_strategy, min_bytes_per_rank  # noqa: E402
+from titan_cp.attention import cp_rank, get_strategy, min_bytes_per_rank, strategy_names  # noqa: E402
 from titan_cp.attention.comm import count_comm  # noqa: E402
 from titan_cp.data.row_mixes import lognormal_doc_lens  # noqa: E402
 from titan_cp.testing import DistPool, strategy_mesh  # noqa: E402
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--worlds", type=int, nargs="+", default=[2])
-    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    p.add_argument("--strategies", nargs="+", default=list(strategy_names()), choices=strategy_names())
     p.add_argument("--cases", nargs="+", default=["causal", "docs"], choices=["causal", "docs", "host", "model"])
     p.add_argument("--balance", default="doc_local", help="layout of the docs case")
     p.add_argument("--model-seq-len", type=int, default=131072)
