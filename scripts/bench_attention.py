@@ -12,12 +12,12 @@ Cases: ``causal`` (one document per row, zigzag layout) and ``docs`` (packed doc
 with log-normal lengths, ``--balance``, doc_local by default). World 1 runs the same strategy
 code on one rank, so efficiency compares like with like.
 
-Case ``model`` (see :mod:`titan_cp.tools.gpu_model`): the counting model of GPU time of one layer
+Case ``model`` (see :mod:`benchmarks.gpu_model`): the counting model of GPU time of one layer
 at full size (``--model-seq-len`` tokens, CP ``--model-cp``, Llama 3 8B heads, bf16), run on fake
 CUDA tensors in seconds: kernel and outside-kernel seconds, bytes sent, and the predicted
 efficiency against one variable-length call on the whole row, for causal rows (zigzag),
 log-normal documents of mean 1K and 4K under doc_local and doc_zigzag, and a 1,024-token window;
-then every row of :func:`titan_cp.tools.gpu_model.model_rows` (one causal document, documents of
+then every row of :func:`benchmarks.gpu_model.model_rows` (one causal document, documents of
 mean 1K, 256, 4K and 16K, windows of 1,024 and 4,096 with and without documents) for each strategy
 it is barred for, with its bar; each line carries ``outside_gb_by_kind``, where the bytes outside the
 kernel go (layout copies, repacking, result rows, the fp32 merge, gradient accumulation, buffers);
@@ -25,7 +25,7 @@ with FlashAttention-2's measured rates and with a flat 60% of the H200's peak::
 
     python scripts/bench_attention.py --cases model
 
-Case ``host`` (see :mod:`titan_cp.tools.host`): the host-side cost of one layer, the thing
+Case ``host`` (see :mod:`benchmarks.host`): the host-side cost of one layer, the thing
 that makes a packed long-sequence step host-bound on a GPU. One head of head_dim 8 (the
 arithmetic is negligible), ``--host-seq-len`` tokens of log-normal documents of mean
 ``--host-doc-mean``, ring over ``--host-world`` ranks, doc_zigzag; prints
@@ -44,17 +44,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from titan_cp import SequenceLayout, cp_attention
-from titan_cp.attention import STRATEGIES, cp_rank, get_strategy, min_bytes_per_rank
-from titan_cp.attention.comm import count_comm
-from titan_cp.data.row_mixes import lognormal_doc_lens
-from titan_cp.testing import DistPool, strategy_mesh
-from titan_cp.tools.gpu_model import model_records
-from titan_cp.tools.host import host_layer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed: the checkout's
+
+from benchmarks.gpu_model import model_records  # noqa: E402
+from benchmarks.host import host_layer  # noqa: E402
+from titan_cp import SequenceLayout, cp_attention  # noqa: E402
+from titan_cp.attention import cp_rank, get_strategy, min_bytes_per_rank, strategy_names  # noqa: E402
+from titan_cp.attention.comm import count_comm  # noqa: E402
+from titan_cp.data.row_mixes import lognormal_doc_lens  # noqa: E402
+from titan_cp.testing import DistPool, strategy_mesh  # noqa: E402
 
 
 def _run(rank, world, args: dict, case: str, strategy: str):
@@ -105,7 +109,7 @@ def main(argv=None) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--worlds", type=int, nargs="+", default=[2])
-    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    p.add_argument("--strategies", nargs="+", default=list(strategy_names()), choices=strategy_names())
     p.add_argument("--cases", nargs="+", default=["causal", "docs"], choices=["causal", "docs", "host", "model"])
     p.add_argument("--balance", default="doc_local", help="layout of the docs case")
     p.add_argument("--model-seq-len", type=int, default=131072)

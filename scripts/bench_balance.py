@@ -4,7 +4,7 @@ For every (document mix, cp, balance) prints one JSON line with the visible (que
 of each CP rank (``max_over_mean``), the synchronous ring's critical path
 (``ring_critical_over_ideal``), their whole-batch versions and the most kernel calls of one
 rank (``max_tiles``). What is counted and how, and the balances compared (titan_cp's layouts,
-torch's load balancers, the ``greedy_doc`` prototype): :mod:`titan_cp.tools.balance`. Mixes:
+torch's load balancers, the ``greedy_doc`` prototype): :mod:`benchmarks.balance`. Mixes:
 :mod:`titan_cp.data.row_mixes`.
 
     python scripts/bench_balance.py                               # 131072 tokens, cp 2 4 8 16, 3 rows/mix
@@ -17,10 +17,13 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from titan_cp.tools.balance import ALL_BALANCES, BALANCE_MIXES, ROW_MIXES, run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed: the checkout's
+
+from benchmarks.balance import ALL_BALANCES, BALANCE_MIXES, ROW_MIXES, run  # noqa: E402
 
 
 def plot(records: list[dict], path: str) -> None:

@@ -3,7 +3,7 @@
 
 ``--case loss`` prints one JSON line: the peak bytes (above the inputs, gradients included) of
 one forward + backward of the chunked output projection + cross-entropy
-(``titan_cp.tools.memory.measure_loss_memory``) at ``--tokens`` x ``--vocab`` x ``--dim``,
+(``benchmarks.memory.measure_loss_memory``) at ``--tokens`` x ``--vocab`` x ``--dim``,
 next to the bytes of the whole fp32 logits it never holds (target: peak <= 10% of them)::
 
     python scripts/bench_memory.py --case loss            # 16384 tokens, vocab 128256, dim 512
@@ -59,7 +59,7 @@ forward + loss + backward while two exact counters watch it. One JSON object per
     ``bytes(cp) - bytes(1)/cp`` first, with their tensors' dtypes and shapes.
 
 ``--case full-step`` runs one rank's whole training step at full size on fake tensors and a fake process
-group (``titan_cp.tools.full_step``: parameters, optimizer state, saved and recomputed tensors, buffers,
+group (``benchmarks.full_step``: parameters, optimizer state, saved and recomputed tensors, buffers,
 the checkpoint store's host copies, FSDP's CPU offload) and prints one JSON line per configuration: the
 device bytes' peak and the host bytes measured, beside the planner's ``planned_device_bytes`` and
 ``planned_host_bytes`` for the same config. Without config overrides it runs the default cases (Llama 3 8B
@@ -72,7 +72,7 @@ with them (the trainer's ``--section.key value``), that one configuration::
 
 ``--ac full`` checkpoints every block (``saved_bytes`` then holds each block's input, kept by
 the checkpoint, instead of the block's own saved tensors). The counting lives in
-``titan_cp.tools.memory``; the planner (``python -m titan_cp.plan``) predicts ``saved_bytes``
+``benchmarks.memory``; the planner (``python -m titan_cp.plan``) predicts ``saved_bytes``
 exactly and the peak within 10%.
 
 Model: ``debugmodel_gqa`` (dim 256, 6 layers, 16 heads, 4 KV heads) with the byte tokenizer's
@@ -88,11 +88,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-from titan_cp.tools.full_step import BASE, default_cases, full_step_row
-from titan_cp.tools.memory import BYTE_VOCAB, measure_cp, measure_loss_memory, summarize
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed: the checkout's
+
+from benchmarks.full_step import BASE, default_cases, full_step_row  # noqa: E402
+from benchmarks.memory import BYTE_VOCAB, measure_cp, measure_loss_memory, summarize  # noqa: E402
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -1,7 +1,7 @@
 """How many optimizer steps a model needs before it learns associative recall at all.
 
 One JSON line every ``--every`` steps, then a summary line; what is measured and how:
-:mod:`titan_cp.tools.recall_probe`.
+:mod:`benchmarks.recall_probe`.
 
     python scripts/recall_probe.py                       # tiny model, gap 16, 1200 steps
     python scripts/recall_probe.py --gap 2048 --plot /tmp/recall_probe.png
@@ -10,8 +10,12 @@ One JSON line every ``--every`` steps, then a summary line; what is measured and
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from titan_cp.tools.recall_probe import KEYS, ProbeSettings, run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed: the checkout's
+
+from benchmarks.recall_probe import KEYS, ProbeSettings, run  # noqa: E402
 
 
 def plot(records: list[dict], path: str) -> None:

@@ -1,4 +1,4 @@
-"""titan_cp.tools.balance (what scripts/bench_balance.py prints): the exact pair counter, the
+"""benchmarks.balance (what scripts/bench_balance.py prints): the exact pair counter, the
 balances it compares, the records; and the script's command line, run as a process."""
 
 import json
@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks import balance as bb
 from titan_cp import SequenceLayout
-from titan_cp.layout import BALANCES
-from titan_cp.tools import balance as bb
+from titan_cp.balance import balance_names
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_balance.py"
 
@@ -55,7 +55,7 @@ doc_rows = st.integers(1, 4).flatmap(
 @given(doc_rows)
 def test_pair_matrix_matches_dense_mask_and_plans(case):
     cp, lens = case
-    for balance in BALANCES:
+    for balance in balance_names():
         layout = SequenceLayout(sum(lens), cp, balance, [lens])
         positions = [layout.index(r) for r in range(cp)]
         w = bb.pair_matrix(positions, *bb.doc_structure(lens))

@@ -1,4 +1,4 @@
-"""titan_cp.tools.memory (what scripts/bench_memory.py prints): its counters are exact on hand-computed examples, and on the tiny
+"""benchmarks.memory (what scripts/bench_memory.py prints): its counters are exact on hand-computed examples, and on the tiny
 model the bytes saved for backward halve from CP 1 to CP 2 (ring, doc_zigzag).
 
 Tolerance for the halving: every per-token tensor halves exactly (both ranks hold 32 of the
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from titan_cp.tools import memory as bm
+from benchmarks import memory as bm
 
 F32 = 4
 

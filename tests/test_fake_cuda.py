@@ -1,5 +1,5 @@
 """The CUDA call path at full size without a GPU: ring, all-gather, Ulysses and hybrid through the
-``cuda_flash`` kernel on fake CUDA tensors (``titan_cp.tools.fake_cuda``), forward and backward,
+``cuda_flash`` kernel on fake CUDA tensors (``benchmarks.fake_cuda``), forward and backward,
 131072 tokens, CP 8, Llama 3 8B heads (32 query, 8 KV, head_dim 128), bf16, causal and packed.
 
 Checked: ATen's schema accepts every call (the real op runs, on its fake kernel), the flash
@@ -16,11 +16,11 @@ from unittest import mock
 import pytest
 import torch
 
+from benchmarks.fake_cuda import HostSyncError, simulate
 from titan_cp.attention.kernels import cuda_flash
 from titan_cp.attention.kernels.cuda_flash import CUDAFlashKernel
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.layout import get_layout
-from titan_cp.tools.fake_cuda import HostSyncError, simulate
 
 SEQ, CP, HEADS, KV_HEADS, DIM = 131072, 8, 32, 8, 128
 STRATEGIES = [("ring", 1), ("allgather", 1), ("ulysses", 1), ("hybrid", 2)]

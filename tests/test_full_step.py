@@ -1,4 +1,4 @@
-"""titan_cp.tools.full_step (``scripts/bench_memory.py --case full-step``): its byte counter is exact on
+"""benchmarks.full_step (``scripts/bench_memory.py --case full-step``): its byte counter is exact on
 hand-computed fake tensors (creation, release, FSDP2's in-place resizes, host marks), and one rank's
 whole step on fake tensors agrees with the planner's memory model (``titan_cp.plan.memory``) within the
 issue's 10% on the device and on the host, at a small size (the full-size rows are in README.md and
@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from benchmarks import full_step as fs
 from titan_cp.config import load_config
-from titan_cp.tools import full_step as fs
 
 MB = 2**20
 

@@ -4,7 +4,7 @@ CP 8, Llama 3 8B heads (32 query, 8 K/V, head_dim 128), bf16, one layer's forwar
 - bytes (``count_comm``): with documents of mean length 1K, ``doc_local`` ring and all-gather send at
   most 20% of what ``doc_zigzag`` sends; on one 131072-token document no more; a 1,024-token sliding
   window sends at most 1/6 of the full causal layer;
-- the counting model of GPU time (``titan_cp.tools.gpu_model``, FlashAttention-2's measured rates, the
+- the counting model of GPU time (``benchmarks.gpu_model``, FlashAttention-2's measured rates, the
   kernel ATen ships): the engine's efficiency against one variable-length call on the whole row is at
   least 0.85 on the mean-1K mix and 0.95 causal without documents;
 - issue 28's rows (``model_rows``, drawn with seed 7, independent of the mix above), counted at a flat
@@ -19,12 +19,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.fake_cuda import simulate
+from benchmarks.gpu_model import ModelRow, model_rows, predict, predict_row
 from titan_cp.attention.mask_plans import CAUSAL, Mask, make_plan
 from titan_cp.attention.ring import ring_steps
 from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.layout import get_layout
-from titan_cp.tools.fake_cuda import simulate
-from titan_cp.tools.gpu_model import ModelRow, model_rows, predict, predict_row
 
 SEQ, CP, HEADS, KV_HEADS, DIM = 131072, 8, 32, 8, 128
 

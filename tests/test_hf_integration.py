@@ -30,6 +30,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is in th
 
 from tests.dist_utils import get_mesh  # noqa: E402
 from titan_cp.attention.strategy import get_strategy  # noqa: E402
+from titan_cp.balance import balance_names  # noqa: E402
 from titan_cp.integrations.hf_model import attention_modules  # noqa: E402
 from titan_cp.integrations.transformers import (  # noqa: E402
     CausalLM,
@@ -40,7 +41,8 @@ from titan_cp.integrations.transformers import (  # noqa: E402
     gather_unshard,
     shard_batch,
 )
-from titan_cp.layout import BALANCES  # noqa: E402
+
+BALANCES = balance_names()
 from titan_cp.loss import IGNORE_INDEX  # noqa: E402
 from titan_cp.preflight import check_files  # noqa: E402
 

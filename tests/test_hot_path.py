@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.host import counting_kernel
 from tests.dist_utils import cp_mesh, make_inputs
 from titan_cp import SequenceLayout
 from titan_cp.attention import api, cp_rank
 from titan_cp.attention.mask_plans import CAUSAL
 from titan_cp.attention.ulysses import stays_home
-from titan_cp.tools.host import counting_kernel
 
 SEQ = 4096
 

@@ -274,7 +274,7 @@ def test_flash_attn_release_requiring_an_unknown_argument_is_refused_when_built(
 def test_a_flash_attn_install_that_fails_to_import_makes_the_kernel_unavailable(monkeypatch):
     """A wheel built for another torch: the import raises; the kernel is unavailable with the reason,
     nothing crashes (the GPU self-check records the reason and goes on)."""
-    from titan_cp.tools import gpu_check
+    from titan_cp import selfcheck
 
     monkeypatch.delitem(kernels_module._INSTANCES, "flash_attn", raising=False)
     real_spec, real_import = flashattn_module.importlib.util.find_spec, flashattn_module.importlib.import_module
@@ -298,7 +298,7 @@ def test_a_flash_attn_install_that_fails_to_import_makes_the_kernel_unavailable(
             match=r"'flash_attn' needs the flash-attn package, which is installed but fails to import \(ImportError: .*undefined symbol",
         ):
             check_kernel("flash_attn", torch.device("cuda"), torch.bfloat16, 64)
-        env = gpu_check.environment(torch.device("cpu"))
+        env = selfcheck.environment(torch.device("cpu"))
         assert "undefined symbol" in env["flash_attn_unavailable"]
         assert "flash_attn" not in kernels_module._fitting("cuda", torch.bfloat16, 64)
     finally:

@@ -72,7 +72,7 @@ def test_doc_zigzag_splits_each_document_head_tail_without_padding():
         ((10, 4, "contiguous"), "not divisible by 4"),
         ((12, 4, "zigzag"), "not divisible by 8"),
         ((8, 0, "zigzag"), "cp_size"),
-        ((8, 2, "stripes"), "balance must be one of"),
+        ((8, 2, "stripes"), "unknown load balancer .stripes.; choose one of"),
         ((8, 2, "doc_zigzag", [[4, 3]]), "row 0 sums to 7, but seq_len is 8"),
         ((8, 2, "doc_zigzag", [[4, 4], [8, 0]]), "row 1 has a document of length 0"),
         ((8, 2, "doc_zigzag", [[4, 5, -1]]), "length -1"),
@@ -124,8 +124,8 @@ def test_doc_lens_tensor_form_matches_lists():
 @pytest.mark.parametrize("cp", [2, 3, 4, 5, 6, 7, 8])
 def test_doc_local_balances_every_mix(cp):
     """doc_local keeps each rank's causal work within 5% of the mean on every mix of bench_balance."""
+    from benchmarks.balance import rank_pairs
     from titan_cp.data.row_mixes import BALANCE_MIXES, make_rows
-    from titan_cp.tools.balance import rank_pairs
 
     seq = 16384 - 16384 % cp
     for mix in BALANCE_MIXES:

@@ -21,11 +21,12 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.test_composition import SEED, _clean, _full, local_microbatch, make_batch
+from titan_cp.ac_modes import AC_MODES, ac_mode_and_every
 from titan_cp.config import load_config
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
 from titan_cp.model import build_model, model_args
-from titan_cp.parallel.ac import AC_MODES, ac_mode_and_every, apply_ac, check_ac
+from titan_cp.parallel.ac import apply_ac, check_ac
 from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model, materialize
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp, check_tile_tokens
 from titan_cp.parallel.units import unit_blocks

@@ -1,7 +1,7 @@
 """The planner (``titan_cp.plan``) against measurements and published tables.
 
 - Memory: on the debug model the planner's saved bytes per rank equal what
-  ``titan_cp.tools.memory`` counts (exact) and its peak is within 10% of the allocator's peak,
+  ``benchmarks.memory`` counts (exact) and its peak is within 10% of the allocator's peak,
   CP 1, 2, 4, 8, AC none and full; on a TP 2 mesh (saved bytes exact, peak within 10%) and on a
   PP 2 mesh under 1F1B with 4 microbatches (each stage's peak within 10%). Sequence 1024 instead
   of the issue's 8192 for CP: the CP 8 pool on this 2-core machine takes minutes at 8192 (one run
@@ -25,11 +25,11 @@ import sys
 import pytest
 import torch
 
+from benchmarks.memory import BYTE_VOCAB, measure_cp, measure_mesh
 from titan_cp import plan as P
 from titan_cp.config import load_config
 from titan_cp.data.row_mixes import proportional_doc_lens
 from titan_cp.model import model_args
-from titan_cp.tools.memory import BYTE_VOCAB, measure_cp, measure_mesh
 
 DEBUG = model_args("debugmodel_gqa", vocab_size=BYTE_VOCAB)
 SEQ, DOCS = 1024, 4

@@ -11,7 +11,8 @@ import random
 import torch
 
 from titan_cp.attention.mask_plans import Mask, make_plan
-from titan_cp.layout import BALANCES, SequenceLayout, _runs
+from titan_cp.balance import balance_names
+from titan_cp.layout import SequenceLayout, _runs
 
 
 def _rows(rng: random.Random, seq: int, batch: int = 2) -> list[list[int]]:
@@ -27,7 +28,7 @@ def _rows(rng: random.Random, seq: int, batch: int = 2) -> list[list[int]]:
 
 def _layouts():
     rng = random.Random(0)
-    for balance in BALANCES:
+    for balance in balance_names():
         for cp in (2, 3, 4):
             seq = 48 if cp != 3 else 36
             for doc_lens in (_rows(rng, seq), None):

@@ -1,4 +1,4 @@
-"""titan_cp.tools.recall_probe (what scripts/recall_probe.py prints): its documents ask exactly the
+"""benchmarks.recall_probe (what scripts/recall_probe.py prints): its documents ask exactly the
 planted facts, the shared packer marks their answers, and a short run reports the fields its
 summary promises."""
 
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
+from benchmarks import recall_probe as rp
 from titan_cp.data.packing import IGNORE_INDEX, Packer
-from titan_cp.tools import recall_probe as rp
 
 
 @pytest.mark.parametrize("facts,gap", [(1, 0), (8, 16), (12, 100)])

@@ -24,7 +24,7 @@ OTHER_MEANINGS = {
     ("data/datasets.py", "hf"): "training.dataset = 'hf', a dataset saved by the datasets library",
     ("preflight.py", "hf"): "training.dataset = 'hf': its path must be a save_to_disk folder",
     ("model/hf_checkpoint.py", "llama3"): "config.json's rope_scaling.rope_type = 'llama3'",
-    ("tools/gpu_check.py", "ring"): "the name of a section of the GPU check's report",
+    ("selfcheck/__init__.py", "ring"): "the name of a section of the GPU self-check's report",
 }
 
 

@@ -30,13 +30,14 @@ its rank, and exits.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 DEBUG_ENV = "TITAN_CP_DEBUG"
 DEBUG_FLAG = "--debug"
@@ -56,6 +57,13 @@ def plural(n: int, noun: str) -> str:
     """``n`` and ``noun`` agreeing, for messages: ``plural(1, "rank")`` is ``"1 rank"``, ``plural(4, "rank")``
     ``"4 ranks"`` (nouns whose plural adds an s)."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def did_you_mean(word: Any, candidates: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the candidates close to ``word``, else ``""``."""
+    by_lower = {c.lower(): c for c in candidates}
+    close = [by_lower[c] for c in difflib.get_close_matches(str(word).lower(), list(by_lower), n=3, cutoff=0.6)]
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 def is_user_error(exc: BaseException) -> bool:

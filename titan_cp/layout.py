@@ -6,7 +6,7 @@ labels, positions, document ids, loss masks) and :meth:`SequenceLayout.unshard` 
 The attention strategies read the document structure and each shard's global positions
 from the layout, so masks stay exact wherever a document's tokens land.
 
-Balances (N = ``cp_size``, S = ``seq_len``)::
+Balances (N = ``cp_size``, S = ``seq_len``; registered objects, :mod:`titan_cp.balance`)::
 
     contiguous   rank r holds [r*S/N, (r+1)*S/N)                           needs S % N == 0
     zigzag       split S into 2N chunks; rank r holds chunks r and 2N-1-r  needs S % 2N == 0
@@ -40,11 +40,10 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from titan_cp.doc_local import doc_local_pieces
+from titan_cp.balance import Spans, get_balance
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -54,16 +53,13 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-Balance = Literal["contiguous", "zigzag", "doc_zigzag", "doc_local"]
-BALANCES: tuple[str, ...] = ("contiguous", "zigzag", "doc_zigzag", "doc_local")
-DOCUMENT_BALANCES = ("doc_zigzag", "doc_local")  # the permutation follows each row's documents
 DEFAULT_BALANCE = "doc_local"  # what the config, ContextParallel, apply_cp, shard_batch and the planner use
 
 
 def seq_len_multiple(balance: str, cp_size: int) -> int:
-    """What ``seq_len`` must be a multiple of for ``balance`` over ``cp_size`` ranks: ``2 * cp_size``
-    for ``zigzag`` (two chunks per rank), ``cp_size`` otherwise (equal shards)."""
-    return 2 * cp_size if balance == "zigzag" else cp_size
+    """What ``seq_len`` must be a multiple of for ``balance`` over ``cp_size`` ranks (its
+    :meth:`~titan_cp.balance.LoadBalancer.chunks`: ``2 * cp_size`` for ``zigzag``, ``cp_size`` for the others)."""
+    return get_balance(balance).chunks(cp_size)
 
 
 @dataclass(frozen=True)
@@ -127,24 +123,6 @@ def _normalize_doc_lens(seq_len: int, doc_lens) -> tuple[tuple[int, ...], ...] |
     return tuple(out)
 
 
-def _pieces(doc_lens: Sequence[int], cp_size: int) -> list[list[tuple[int, int]]]:
-    """doc_zigzag: for each of the 2N slots, the (start, length) pieces it holds, document by document."""
-    slots = 2 * cp_size
-    pieces: list[list[tuple[int, int]]] = [[] for _ in range(slots)]
-    start, cursor = 0, 0
-    for length in doc_lens:
-        base, extra = divmod(length, slots)
-        offset = start
-        for k in range(slots):
-            n = base + (1 if (k - cursor) % slots < extra else 0)
-            if n:
-                pieces[k].append((offset, n))
-            offset += n
-        cursor = (cursor + extra) % slots
-        start += length
-    return pieces
-
-
 def spans(starts, lengths) -> torch.Tensor:
     """``cat(arange(s, s + n) for s, n)`` as one int64 tensor, without a Python loop over positions."""
     s = torch.as_tensor(starts, dtype=torch.int64)
@@ -154,20 +132,20 @@ def spans(starts, lengths) -> torch.Tensor:
     return torch.arange(int(n.sum())) + torch.repeat_interleave(s - (torch.cumsum(n, 0) - n), n)
 
 
-def _row_spans(seq_len: int, cp_size: int, balance: str, doc_lens: Sequence[int] | None) -> list[list[tuple[int, int]]]:
-    """The ``(start, length)`` spans of global positions each rank holds, in local (layout) order, for one row."""
-    n = cp_size
-    if balance == "contiguous":
-        s = seq_len // n
-        return [[(r * s, s)] for r in range(n)]
-    if balance == "zigzag":
-        c = seq_len // (2 * n)
-        return [[(r * c, c), ((2 * n - 1 - r) * c, c)] for r in range(n)]
-    if balance == "doc_local":
-        return [list(p) for p in doc_local_pieces(doc_lens if doc_lens is not None else (seq_len,), n)]
-    pieces = _pieces(doc_lens if doc_lens is not None else (seq_len,), n)
-    # document-major order: each document's head piece, then its tail piece
-    return [sorted(pieces[r] + pieces[2 * n - 1 - r]) for r in range(n)]
+def _row_spans(seq_len: int, cp_size: int, balance: str, doc_lens: Sequence[int] | None) -> Spans:
+    """The ``(start, length)`` spans of global positions each rank holds, in local (layout) order, for one
+    row: ``balance``'s, checked to deal every position to exactly one rank, ``seq_len / cp_size`` to each."""
+    spans_ = get_balance(balance).spans(seq_len, cp_size, doc_lens)
+    local = seq_len // cp_size
+    bad = len(spans_) != cp_size or any(sum(n for _, n in rank) != local for rank in spans_)
+    cover = sorted(piece for rank in spans_ for piece in rank if piece[1])
+    ends = [0] + [start + n for start, n in cover]  # each piece starts where the one before it ends
+    if bad or [start for start, _ in cover] != ends[:-1] or ends[-1] != seq_len:
+        raise ValueError(
+            f"balance {balance!r} does not deal the {seq_len} positions of a row to {cp_size} ranks, "
+            f"{local} each, every position once: fix its spans()"
+        )
+    return spans_
 
 
 def _span_runs(pieces: Sequence[tuple[int, int]], doc_starts: Sequence[int], seq_len: int, chunk: int | None) -> Runs:
@@ -227,23 +205,23 @@ class SequenceLayout:
     Args:
         seq_len: tokens per row, before sharding.
         cp_size: ranks on the ``cp`` mesh axis.
-        balance: ``"contiguous"``, ``"zigzag"``, ``"doc_zigzag"`` or ``"doc_local"`` (module docstring).
+        balance: the name of a registered balance (:func:`titan_cp.balance.balance_names`: ``"contiguous"``,
+            ``"zigzag"``, ``"doc_zigzag"``, ``"doc_local"`` and any registered since; module docstring).
         doc_lens: ``None`` (each row is one document), or the packed-document structure:
             one list of document lengths per batch row, each summing to ``seq_len``, or a
             ``(batch, max_docs)`` integer tensor zero-padded on the right.
 
     Per-token tensors are sharded along ``dim`` with :meth:`shard`; when rows have
-    different document structures under ``doc_zigzag`` or ``doc_local`` each row has its own permutation,
+    different document structures under a balance that follows documents (``doc_zigzag``, ``doc_local``)
+    each row has its own permutation,
     and the batch must then be dim 0 of the tensor.
     """
 
-    def __init__(self, seq_len: int, cp_size: int, balance: Balance = "zigzag", doc_lens=None):
+    def __init__(self, seq_len: int, cp_size: int, balance: str = "zigzag", doc_lens=None):
         if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
             raise ValueError(f"cp_size must be a positive integer, got {cp_size!r}")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
-        if balance not in BALANCES:
-            raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
         divisor = seq_len_multiple(balance, cp_size)
         if seq_len % divisor:
             raise ValueError(
@@ -294,7 +272,7 @@ class SequenceLayout:
     @property
     def row_independent(self) -> bool:
         """True when every row uses the same permutation (so any dim may be the batch)."""
-        return len(set(self._row_keys)) == 1 or self.balance not in DOCUMENT_BALANCES
+        return len(set(self._row_keys)) == 1 or not get_balance(self.balance).follows_documents
 
     def row_groups(self) -> list[tuple[int, ...]]:
         """Batch rows grouped by identical document structure: masks are planned once per group."""
@@ -520,7 +498,7 @@ def layout_of(doc_lens) -> SequenceLayout | None:
     return hit[2]
 
 
-def get_layout(seq_len: int, cp_size: int, balance: Balance = "zigzag", doc_lens=None) -> SequenceLayout:
+def get_layout(seq_len: int, cp_size: int, balance: str = "zigzag", doc_lens=None) -> SequenceLayout:
     """A cached :class:`SequenceLayout`: every layer of a step, and the data sharding, share one.
 
     Built only from its arguments (no global state), so each pipeline microbatch gets the

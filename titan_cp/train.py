@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from titan_cp.ac_modes import ac_mode_and_every
 from titan_cp.attention import cp_rank
 from titan_cp.checkpoint import Checkpointer
 from titan_cp.config import JobConfig, load_config, usage
@@ -38,7 +39,6 @@ from titan_cp.lock import DumpLock, watch_launcher
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.metrics import MetricsLogger, StepMetrics, recall_counts, recall_metrics
 from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda, restore_hyperparameters
-from titan_cp.parallel.ac import ac_mode_and_every
 from titan_cp.parallel.build import ParallelizeOptions, cp_mesh
 from titan_cp.parallel.offload import offload_metrics
 from titan_cp.preflight import check_files

@@ -1,11 +1,10 @@
 """Context-parallel attention: strategies, local kernels, masks and the log-sum-exp merge."""
 
-from titan_cp.attention.api import STRATEGIES, cp_attention, cp_rank, local_attention, min_bytes_per_rank
+from titan_cp.attention.api import cp_attention, cp_rank, local_attention, min_bytes_per_rank
 from titan_cp.attention.kernels import AttentionKernel, Segments, check_kernel, get_kernel, register_kernel
-from titan_cp.attention.strategy import Strategy, get_strategy, register_strategy
+from titan_cp.attention.strategy import Strategy, get_strategy, register_strategy, strategy_names
 
 __all__ = [
-    "STRATEGIES",
     "AttentionKernel",
     "Segments",
     "Strategy",
@@ -18,4 +17,5 @@ __all__ = [
     "min_bytes_per_rank",
     "register_kernel",
     "register_strategy",
+    "strategy_names",
 ]

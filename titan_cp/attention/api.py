@@ -28,17 +28,15 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from titan_cp.attention.allgather import ALLGATHER
+import titan_cp.attention.allgather  # noqa: F401 - the built-in strategies register as their modules run
+import titan_cp.attention.hybrid  # noqa: F401
+import titan_cp.attention.ulysses  # noqa: F401
 from titan_cp.attention.context import CPContext
-from titan_cp.attention.hybrid import HYBRID
 from titan_cp.attention.kernels import check_kernel
 from titan_cp.attention.mask_plans import Mask
 from titan_cp.attention.ring import RING
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
-from titan_cp.attention.ulysses import ULYSSES
 from titan_cp.layout import SequenceLayout, get_layout, layout_of
-
-STRATEGIES: tuple[str, ...] = tuple(s.name for s in (RING, ALLGATHER, ULYSSES, HYBRID))
 
 
 # ---------------------------------------------------------------------------- checks

@@ -11,17 +11,13 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy, strategy_names
+from titan_cp.balance import balance_names
 from titan_cp.config.values import OneOf, Positive, PositiveOrAuto, Section
 from titan_cp.errors import plural
-from titan_cp.layout import BALANCES, DEFAULT_BALANCE
+from titan_cp.layout import DEFAULT_BALANCE
 
 ULYSSES_KEY = "parallelism.context_parallel_ulysses_degree"
 CP_KEY = "parallelism.context_parallel_degree"
-
-
-def _balances() -> tuple[str, ...]:
-    """The sequence layouts (:data:`titan_cp.layout.BALANCES`), for the load balancer's choices."""
-    return BALANCES
 
 
 @dataclass
@@ -61,11 +57,12 @@ class Parallelism(Section, name="parallelism"):
     around a ring, overlapped with compute), ``allgather`` (all-gather K/V), ``ulysses`` (all-to-all,
     sequence to heads), ``hybrid`` (Ulysses inside, ring across)."""
 
-    context_parallel_load_balancer: Annotated[str, OneOf(_balances)] = DEFAULT_BALANCE
+    context_parallel_load_balancer: Annotated[str, OneOf(balance_names)] = DEFAULT_BALANCE
     """Sequence layout over cp ranks: ``contiguous`` (rank r holds chunk r), ``zigzag`` (rank r holds
     chunks r and 2*cp-1-r), ``doc_zigzag`` (zigzag within each packed document), ``doc_local``
     (documents whole on one rank where the causal balance allows, only long ones split: the least
-    communication; the default). torchtitan's ``headtail`` is read as ``zigzag``."""
+    communication; the default), or any balance registered since
+    (:func:`~titan_cp.balance.register_balance`). torchtitan's ``headtail`` is read as ``zigzag``."""
 
     context_parallel_ulysses_degree: Annotated[int, Positive] = 1
     """For ``hybrid``: size of the inner Ulysses axis (``cp_ulysses``); the ring axis

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+from titan_cp.ac_modes import ac_mode_and_every, ac_modes
 from titan_cp.config.training import SEQ_LEN_BOUND
 from titan_cp.config.values import AtLeast, IncreasingPositive, InRange, OneOf, Positive, PositiveOrAuto, Section
 from titan_cp.families import DEFAULT_FAMILY, family_names, get_family
@@ -208,8 +209,9 @@ class Checkpoint(Section, name="checkpoint"):
 
 @dataclass
 class ActivationCheckpoint(Section, name="activation_checkpoint"):
-    mode: Literal["none", "full", "selective"] = "selective"
-    """Activation checkpointing: ``none``, ``full`` (every block), ``selective``."""
+    mode: Annotated[str, OneOf(ac_modes)] = "selective"
+    """Activation checkpointing (:data:`titan_cp.ac_modes.AC_MODES`): ``none``, ``full`` (every block),
+    ``selective`` (as ``selective_ac_option`` says), ``op`` (op by op: ``selective`` with ``op``)."""
 
     selective_ac_option: str = "2"
     """For ``selective``, as torchtitan: a positive integer n checkpoints every n-th block fully
@@ -235,18 +237,13 @@ class ActivationCheckpoint(Section, name="activation_checkpoint"):
     (``titan_cp.parallel.tiled_mlp``); attention still sees all local tokens. 0: off."""
 
     def check(self) -> None:
-        option = self.selective_ac_option
-        if self.mode == "selective" and option != "op" and not (option.isdigit() and int(option) > 0):
-            raise ValueError(
-                f"activation_checkpoint.selective_ac_option must be a positive integer or 'op', got {option!r}"
-            )
+        mode, _ = ac_mode_and_every(self.mode, self.selective_ac_option)  # ValueError naming the key
         if self.cpu_offload and self.mode == "none":
             raise ValueError(
                 "activation_checkpoint.cpu_offload = true offloads checkpointed inputs: set activation_checkpoint.mode "
                 "to 'full' or 'selective'"
             )
-        full = self.mode == "full" or (self.mode == "selective" and option == "op")
-        if self.blocks_per_checkpoint > 1 and not full:
+        if self.blocks_per_checkpoint > 1 and mode not in ("full", "op"):
             raise ValueError(
                 f"activation_checkpoint.blocks_per_checkpoint = {self.blocks_per_checkpoint} needs "
                 "activation_checkpoint.mode = 'full' (or selective_ac_option = 'op')"

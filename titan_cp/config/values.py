@@ -18,13 +18,14 @@ caller derives from where the field sits: no check spells its key a second time.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import types
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
+
+from titan_cp.errors import did_you_mean
 
 INT64 = (-(2**63), 2**63 - 1)  # every integer key must fit (seeds, sizes and steps become tensors and C ints)
 BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
@@ -135,13 +136,6 @@ class OneOf(Bound):
 def check_choice(key: str, value: Any, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}{did_you_mean(value, choices)}")
-
-
-def did_you_mean(word: Any, candidates: Iterable[str]) -> str:
-    """``"; did you mean 'x'?"`` for the candidates close to ``word``, else ``""``."""
-    by_lower = {c.lower(): c for c in candidates}
-    close = [by_lower[c] for c in difflib.get_close_matches(str(word).lower(), list(by_lower), n=3, cutoff=0.6)]
-    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 # --------------------------------------------------------------------------------------------

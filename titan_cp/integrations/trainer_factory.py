@@ -47,14 +47,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_cp.ac_modes import AC_MODES
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
+from titan_cp.balance import balance_names
 from titan_cp.errors import plural
 from titan_cp.integrations.hf_batch import count_loss_tokens, gather_unshard, shard_batch
 from titan_cp.integrations.hf_compat import TrainerHooks, accelerate_device_mesh, check_trainer_hooks, mark_sharded
-from titan_cp.layout import BALANCES, DEFAULT_BALANCE
+from titan_cp.layout import DEFAULT_BALANCE
 from titan_cp.loss import IGNORE_INDEX
 from titan_cp.parallel import apply_ac, apply_cp, apply_fsdp
-from titan_cp.parallel.ac import AC_MODES
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
 
 SAMPLE_LENS = "titan_cp_sample_lens"  # the eval collator's per-sample token counts (dropped before the model)
@@ -81,8 +82,8 @@ def _check_options(o: CPOptions) -> None:
     if not isinstance(o.cp_size, int) or o.cp_size < 1:
         raise ValueError(f"context_parallel_trainer(cp_size={o.cp_size!r}): a positive integer")
     strategy = get_strategy(o.strategy)
-    if o.balance not in BALANCES:
-        raise ValueError(f"context_parallel_trainer(balance={o.balance!r}): one of {BALANCES}")
+    if o.balance not in balance_names():
+        raise ValueError(f"context_parallel_trainer(balance={o.balance!r}): one of {balance_names()}")
     if strategy.takes_ulysses_degree():
         if o.ulysses_degree < 2 or o.cp_size % o.ulysses_degree or o.cp_size == o.ulysses_degree:
             raise ValueError(

@@ -52,6 +52,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from titan_cp.attention.api import attend, check_mask, check_qkv, register_spec
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
+from titan_cp.balance import balance_names
 from titan_cp.integrations.hf_batch import count_loss_tokens, gather_unshard, shard_batch
 from titan_cp.integrations.hf_model import (
     attention_modules,
@@ -63,7 +64,7 @@ from titan_cp.integrations.hf_model import (
 )
 from titan_cp.integrations.hf_parallel import CausalLM, hf_adapter
 from titan_cp.integrations.hf_tiny import byte_tokenizer, tiny_qwen3_folder
-from titan_cp.layout import BALANCES, DEFAULT_BALANCE
+from titan_cp.layout import DEFAULT_BALANCE
 from titan_cp.parallel import apply_ac, apply_compile, apply_cp, apply_fsdp
 from titan_cp.parallel.adapter import register_adapter
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
@@ -250,8 +251,8 @@ def bind_cp(model: nn.Module, cp_mesh, strategy: str = DEFAULT_STRATEGY, balance
     hf = hf_model_of(model)
     check_supported(hf)
     strat = get_strategy(strategy)
-    if balance not in BALANCES:
-        raise ValueError(f"apply_cp balance must be one of {BALANCES}, got {balance!r}")
+    if balance not in balance_names():
+        raise ValueError(f"apply_cp balance must be one of {balance_names()}, got {balance!r}")
     c = text_config(hf.config)
     q_heads = c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or q_heads

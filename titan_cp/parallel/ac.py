@@ -15,8 +15,8 @@ over units of blocks instead (``titan_cp.parallel.units``: k blocks per stored i
 in host memory with ``titan_cp.parallel.offload``); with ``cpu_offload`` the model's head (final
 norm and chunked loss, on the stage that holds them) is one more unit.
 
-``ac_mode_and_every(mode, selective_ac_option)`` maps the ``[activation_checkpoint]`` keys
-to these arguments.
+The modes are :data:`titan_cp.ac_modes.AC_MODES`; ``ac_mode_and_every(mode, selective_ac_option)``
+(:mod:`titan_cp.ac_modes`) maps the ``[activation_checkpoint]`` keys to these arguments.
 
 Apply after tensor/context parallelism and before ``torch.compile`` and FSDP, as
 torchtitan does. Wrapped blocks keep their state-dict keys (the wrapper strips its
@@ -26,19 +26,16 @@ torchtitan does. Wrapped blocks keep their state-dict keys (the wrapper strips i
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
+from titan_cp.ac_modes import AC_MODES
 from titan_cp.parallel.adapter import adapter_of
 from titan_cp.parallel.offload import HostActivationStore
 from titan_cp.parallel.units import CheckpointUnit, apply_units
-
-AC_MODES = ("none", "full", "selective", "op")
-"""The values of ``activation_checkpoint.mode`` (module docstring)."""
 
 
 def _save_ops() -> set:
@@ -74,19 +71,6 @@ def _selective_context_fn():
     return create_selective_checkpoint_contexts(partial(_op_policy, _save_ops()))
 
 
-def ac_mode_and_every(mode: str, selective_ac_option: str) -> tuple[str, int]:
-    """``activation_checkpoint.mode`` and ``.selective_ac_option`` -> ``apply_ac``'s ``(mode, every)``."""
-    if mode != "selective":
-        return mode, 1
-    if selective_ac_option == "op":
-        return "op", 1
-    if not (selective_ac_option.isdigit() and int(selective_ac_option) > 0):
-        raise ValueError(
-            f"activation_checkpoint.selective_ac_option must be a positive integer or 'op', got {selective_ac_option!r}"
-        )
-    return "selective", int(selective_ac_option)
-
-
 def checkpoint_block(block: torch.nn.Module, mode: str, index: int = 0, every: int = 1) -> torch.nn.Module:
     """``block`` (the ``index``-th transformer block) wrapped for ``mode`` (module doc); itself when the
     mode leaves it alone (``"none"``, or a ``"selective"`` block off the ``every`` grid)."""
@@ -100,7 +84,7 @@ def checkpoint_block(block: torch.nn.Module, mode: str, index: int = 0, every: i
 def check_ac(mode: str, every: int, cpu_offload: bool = False, blocks_per_checkpoint: int = 1) -> None:
     """``ValueError`` naming the key for a mode, period or unit option :func:`apply_ac` does not take."""
     if mode not in AC_MODES:
-        raise ValueError(f"activation_checkpoint.mode must be 'none', 'full', 'selective' or 'op', got {mode!r}")
+        raise ValueError(f"activation_checkpoint.mode must be one of {AC_MODES}, got {mode!r}")
     if every < 1:
         raise ValueError(f"activation_checkpoint.selective_ac_option must be >= 1, got {every}")
     if (
@@ -145,7 +129,7 @@ def apply_block_ac(
 
 def apply_ac(
     model: nn.Module,
-    mode: Literal["none", "full", "selective", "op"],
+    mode: str,
     every: int = 1,
     cpu_offload: bool = False,
     blocks_per_checkpoint: int = 1,

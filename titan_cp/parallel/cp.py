@@ -35,7 +35,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titan_cp.attention.api import attend, check_qkv, register_spec
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
-from titan_cp.layout import BALANCES, DEFAULT_BALANCE, get_layout
+from titan_cp.balance import balance_names
+from titan_cp.layout import DEFAULT_BALANCE, get_layout
 from titan_cp.parallel.adapter import adapter_of
 
 SEQ_DIM = 2
@@ -64,8 +65,8 @@ class ContextParallel(ParallelStyle):
     ):
         super().__init__()
         self._strategy = get_strategy(strategy)
-        if balance not in BALANCES:
-            raise ValueError(f"ContextParallel balance must be one of {BALANCES}, got {balance!r}")
+        if balance not in balance_names():
+            raise ValueError(f"ContextParallel balance must be one of {balance_names()}, got {balance!r}")
         self.strategy, self.balance, self.causal, self.kernel = strategy, balance, causal, kernel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

@@ -38,7 +38,7 @@ width over ``tp``; sequence parallelism shards the norms' tensors and a block's 
 
 Under full AC a block keeps only its input (a D / tp), and the checkpoint also holds cos, sin
 and ``doc_lens`` (8 bytes per document per row). These equal, byte for byte, what
-``titan_cp.tools.memory.SavedTensorCounter`` counts on the debug model with CP, TP and PP
+``benchmarks.memory.SavedTensorCounter`` counts on the debug model with CP, TP and PP
 (``tests/test_plan.py``).
 """
 
@@ -452,7 +452,7 @@ def host_bytes(m: RankModel, stage: Stage, tokens: int, in_flight: int, params: 
     tables of ``in_flight`` microbatches; with FSDP's offload also the fp32 shards and AdamW's two moments
     (``12 x params / fsdp``), and the shards' fp32 gradients (``4 x params / fsdp``), which the backward
     writes as it frees the unit inputs: the peak is the larger of the inputs and the gradients (measured on
-    the whole step by ``titan_cp.tools.full_step``)."""
+    the whole step by ``benchmarks.full_step``)."""
     _, units = unit_inputs(m, m.checkpointed(stage.layers))
     units += head_offloaded(m, stage)  # the head's input (a D / tp per token, as a block's)
     inputs = 0

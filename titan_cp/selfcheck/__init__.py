@@ -1,8 +1,9 @@
 """One-GPU self-check: every CUDA kernel against fp64, a simulated ring against one native
-call, and a short training run. ``scripts/gpu_check.py`` is the command line::
+call, and a short training run. The command line is ``python -m titan_cp.selfcheck``::
 
-    python scripts/gpu_check.py                         # one CUDA device, < 4 minutes on an H200
-    python scripts/gpu_check.py --device cpu --small    # the same logic on CPU at toy sizes
+    python -m titan_cp.selfcheck                         # one CUDA device, < 4 minutes on an H200
+    python -m titan_cp.selfcheck --device cpu --small    # the same logic on CPU at toy sizes
+    python -m titan_cp.selfcheck --sections longest      # the longest row the GPU trains (8B's width, 4 blocks)
 
 Each result is one JSON-serialisable dict (one output line); :func:`run` ends with a summary.
 
@@ -22,13 +23,12 @@ Sections
              ``efficiency = t(one call) / t(simulated ring summed over ranks)``: 1.0 means
              splitting the work over the ring steps costs nothing; the bars are 0.90 (causal)
              and 0.85 (documents of mean length 1K) for forward + backward.
-``model``    :func:`check_model`: each row of :func:`titan_cp.tools.gpu_model.model_rows` (one causal
-             document, document mixes of mean 1K, 256, 4K and 16K, windows of 1,024 and 4,096) at
-             ``model_seq`` tokens: the simulated ring (window included) timed against the whole
-             row on one device through the engine's one-rank route, beside the counting model's
-             predicted efficiency for the same shapes (FlashAttention-2's rates, a flat 60%).
 ``train``    the trainer on the debug model, bf16, one process, a few dozen steps, with
              tokens/s and MFU from its ``metrics.jsonl``.
+``longest``  (when named) :mod:`titan_cp.selfcheck.longest`: the longest row one device trains.
+
+A checkout adds sections of its own through ``extra_sections`` (``scripts/gpu_check.py`` adds
+``model``: the counting model of ``benchmarks/gpu_model.py`` beside the measured ring).
 
 Timing: CUDA events around each measured call after a warm-up call (the warm-up also
 builds the layout's plans, as the first layer of a microbatch does); the fastest of
@@ -38,7 +38,6 @@ builds the layout's plans, as the first layer of a microbatch does); the fastest
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
@@ -48,7 +47,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,9 +62,11 @@ from titan_cp.attention.kernels import (
 )
 from titan_cp.data.row_mixes import lognormal_doc_lens
 
-SECTIONS = ("kernels", "ring", "model", "train")  # run by default
-OPTIONAL_SECTIONS = ("longest",)  # run when named (titan_cp.tools.gpu_longest: the longest row one device trains)
-REPO = Path(__file__).resolve().parents[2]
+SECTIONS = ("kernels", "ring", "train")  # run by default
+OPTIONAL_SECTIONS = ("longest",)  # run when named (selfcheck.longest: the longest row one device trains)
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding this titan_cp: the train section runs it
+# A section: (device, sizes, the ring's kernel name or None) -> its records.
+Section = Callable[[torch.device, "Sizes", "str | None"], list[dict]]
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class Sizes:
     cp: int
     doc_means: tuple[int, ...]
     repeats: int
-    # model: issue 28's rows (gpu_model.model_rows) at model_seq tokens, timed beside the counting model
+    # model (a checkout's extra section, benchmarks/gpu_model.py): its rows at model_seq tokens
     model_seq: int
     model_seed: int
     model_cases: tuple[str, ...]  # names of the rows to run (empty: all)
@@ -147,6 +148,31 @@ SMALL = Sizes(
         "1",
     ),
 )
+
+# The train section's job: train_configs/debug_cp.toml's model, optimizer and data at CP 1 in bf16, spelled
+# here so that the check needs no file beside the installed package.
+TRAIN_KEYS = {
+    "model.name": "llama3",
+    "model.flavor": "debugmodel_gqa",
+    "optimizer.lr": 8e-4,
+    "lr_scheduler.warmup_steps": 5,
+    "lr_scheduler.decay_ratio": 0.8,
+    "lr_scheduler.min_lr_factor": 0.1,
+    "training.dataset": "synthetic_recall",
+    "training.local_batch_size": 1,
+    "training.global_batch_size": 2,
+    "training.seq_len": 8192,
+    "training.max_norm": 1.0,
+    "training.seed": 0,
+    "training.deterministic": "false",
+    "training.mixed_precision_param": "bfloat16",
+    "parallelism.context_parallel_degree": 1,
+    "parallelism.data_parallel_shard_degree": 1,
+    "activation_checkpoint.mode": "none",
+    "validation.enable": "false",
+    "checkpoint.enable": "false",
+    "metrics.log_freq": 1,
+}
 
 RING_BARS = {"causal": 0.90, "docs_1024": 0.85}  # forward + backward efficiency at FULL sizes
 
@@ -327,7 +353,7 @@ def check_kernels(device: torch.device, sizes: Sizes, dtype=torch.bfloat16) -> l
 
 
 @contextlib.contextmanager
-def _case(records: list, rec: dict, device: torch.device):
+def one_case(records: list, rec: dict, device: torch.device):
     """One case of a section: an exception in it is its result (``status = "error"`` with the trace),
     not the end of the check; ``rec`` is appended to ``records`` and the device's cache freed after."""
     try:
@@ -469,7 +495,7 @@ def check_ring(device: torch.device, sizes: Sizes, kernel_name: str | None = Non
         )
         if case["doc_lens"] is not None:
             rec.update(doc_mean=case["doc_mean"], documents=len(case["doc_lens"]))
-        with _case(records, rec, device):
+        with one_case(records, rec, device):
             doc_rows = None if case["doc_lens"] is None else [case["doc_lens"]]
             layout = SequenceLayout(s, n, case["balance"], doc_rows)
             lens = case["doc_lens"]
@@ -517,99 +543,22 @@ def check_ring(device: torch.device, sizes: Sizes, kernel_name: str | None = Non
     return records
 
 
-# ---------------------------------------------------------------------------- section: model
-def _single_device(q, k, v, dout, doc_lens, kernel: AttentionKernel, scale: float, window):
-    """The whole row on one device through the engine's one-rank route (one variable-length call per
-    causal flag): what :func:`titan_cp.tools.gpu_model.one_call_segments` counts. Forward + backward."""
-    from titan_cp.attention import fold  # noqa: PLC0415 - the engine
-    from titan_cp.attention.mask_plans import Mask, kernel_mask, make_plan, token_major  # noqa: PLC0415
-    from titan_cp.layout import SequenceLayout  # noqa: PLC0415
-
-    layout = SequenceLayout(q.shape[2], 1, "contiguous", None if doc_lens is None else [list(doc_lens)])
-    plan = make_plan(layout, None, None, kernel_mask(Mask(True, window), kernel))
-    qt, kt, vt, dt = (token_major(x) for x in (q, k, v, dout))
-    out, lse = fold.plan_forward(qt, kt, vt, 1, plan, kernel, scale)
-    return fold.plan_backward(dt, qt, kt, vt, out, lse, 1, plan, kernel, scale)
-
-
-def check_model(device: torch.device, sizes: Sizes, kernel_name: str | None = None, dtype=torch.bfloat16) -> list[dict]:
-    """Section ``model``: each row of :func:`titan_cp.tools.gpu_model.model_rows` (one causal document,
-    document mixes, sliding windows) at ``sizes.model_seq`` tokens on ``sizes.cp`` ranks: the simulated
-    ring's forward + backward timed against the whole row on one device, beside the counting model's
-    prediction for the same shapes (FlashAttention-2's rates and a flat 60% of peak)."""
-    from titan_cp.layout import SequenceLayout  # noqa: PLC0415
-    from titan_cp.tools.gpu_model import model_rows, predict_row  # noqa: PLC0415
-
-    s, n = sizes.model_seq, sizes.cp
-    h, kh, e = sizes.ring_heads, sizes.ring_kv_heads, sizes.ring_head_dim
-    kern = check_kernel(kernel_name, device, dtype, e)
-    scale, g = 1 / math.sqrt(e), torch.Generator().manual_seed(2)
-    q, dout = (torch.randn(1, s, h, e, generator=g).to(device, dtype).transpose(1, 2) for _ in range(2))
-    k, v = (torch.randn(1, s, kh, e, generator=g).to(device, dtype).transpose(1, 2) for _ in range(2))
-    records = []
-    for row in (r for r in model_rows(s, sizes.model_seed) if r.name in sizes.model_cases or not sizes.model_cases):
-        rec = dict(section="model", case=row.name, kernel=kern.name, seq=s, cp=n, balance=row.balance)
-        rec.update(window=row.window, documents=None if row.doc_lens is None else len(row.doc_lens[0]))
-        with _case(records, rec, device):
-            docs = None if row.doc_lens is None else row.doc_lens[0]
-            layout = SequenceLayout(s, n, row.balance, None if docs is None else [list(docs)])
-            w = row.window
-            ring = functools.partial(simulated_ring, q, k, v, layout, kern, True, scale, dout, w)
-            t_ring = timed(ring, device, sizes.repeats)
-            t_one = timed(functools.partial(_single_device, q, k, v, dout, docs, kern, scale, w), device, sizes.repeats)
-            shape = dict(seq_len=s, cp=n, heads=h, kv_heads=kh, head_dim=e)
-            predicted = {
-                name: predict_row(row, "ring", fraction=fraction, **shape)["efficiency"]
-                for name, fraction in (("fa2_rates", None), ("flat_60", 0.6))
-            }
-            rec.update(
-                seconds={"one_device": t_one["min"], "ring": t_ring["min"]},
-                measured_efficiency=t_one["min"] / t_ring["min"],
-                predicted_efficiency=predicted,
-                status="ok",
-            )
-    return records
-
-
 # ---------------------------------------------------------------------------- section: train
 def check_train(device: torch.device, sizes: Sizes, timeout: float = 170.0) -> dict:
     """Section ``train``: ``python -m titan_cp.train`` on the debug model, bf16, one process."""
     rec = dict(section="train", steps=sizes.train_steps, flavor="debugmodel_gqa")
-    with tempfile.TemporaryDirectory(prefix="gpu_check_train_") as tmp:
-        argv = [
-            sys.executable,
-            "-m",
-            "titan_cp.train",
-            "--job.config_file",
-            str(REPO / "train_configs" / "debug_cp.toml"),
-            "--parallelism.context_parallel_degree",
-            "1",
-            "--parallelism.data_parallel_shard_degree",
-            "1",
-            "--training.steps",
-            str(sizes.train_steps),
-            "--training.mixed_precision_param",
-            "bfloat16",
-            "--training.deterministic",
-            "false",
-            "--validation.enable",
-            "false",
-            "--checkpoint.enable",
-            "false",
-            "--metrics.log_freq",
-            "1",
-            "--job.dump_folder",
-            tmp,
-            *sizes.train_args,
-        ]
+    with tempfile.TemporaryDirectory(prefix="selfcheck_train_") as tmp:
+        keys = {**TRAIN_KEYS, "training.steps": sizes.train_steps, "job.dump_folder": tmp}
+        argv = [sys.executable, "-m", "titan_cp.train", *(f"--{k}={v}" for k, v in keys.items()), *sizes.train_args]
         if "--model.flavor" in sizes.train_args:
             rec["flavor"] = sizes.train_args[sizes.train_args.index("--model.flavor") + 1]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(PACKAGE_ROOT), env.get("PYTHONPATH"))))
         if device.type == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             rec.update(status="error", error=f"training did not finish in {timeout:.0f} s")
             return rec
@@ -634,10 +583,24 @@ def check_train(device: torch.device, sizes: Sizes, timeout: float = 170.0) -> d
 
 
 def longest_section(device: torch.device, small: bool) -> list[dict]:
-    """Section ``longest`` (:func:`titan_cp.tools.gpu_longest.check_longest`; toy sizes with ``small``)."""
-    from titan_cp.tools.gpu_longest import TOY, check_longest  # noqa: PLC0415
+    """Section ``longest`` (:func:`titan_cp.selfcheck.longest.check_longest`; toy sizes with ``small``)."""
+    from titan_cp.selfcheck.longest import TOY, check_longest  # noqa: PLC0415 - only when named
 
     return check_longest(device, **(TOY if small else {}))
+
+
+def sections_of(extra_sections: Mapping[str, Section] | None = None) -> dict[str, Section]:
+    """Every section by name: the package's, then ``extra_sections`` (a checkout's, e.g. ``model``)."""
+    own: dict[str, Section] = {
+        "kernels": lambda dev, sizes, kernel: check_kernels(dev, sizes),
+        "ring": check_ring,
+        "train": lambda dev, sizes, kernel: [check_train(dev, sizes)],
+        "longest": lambda dev, sizes, kernel: longest_section(dev, sizes is SMALL),
+    }
+    clash = set(own) & set(extra_sections or {})
+    if clash:
+        raise ValueError(f"extra_sections {sorted(clash)} are the self-check's own; name them otherwise")
+    return {**own, **(extra_sections or {})}
 
 
 # ---------------------------------------------------------------------------- driver
@@ -691,7 +654,7 @@ def summarize(records: list[dict], dev: torch.device, timing: dict, seconds: flo
             r["case"]: r["efficiency"] for r in records if r.get("section") == "ring" and "efficiency" in r
         },
         ring_below_bar=below,
-        model_efficiency={
+        model_efficiency={  # section model, where a checkout adds it (benchmarks/gpu_model.py)
             r["case"]: {"measured": r["measured_efficiency"], "predicted": r["predicted_efficiency"]}
             for r in records
             if r.get("section") == "model" and "measured_efficiency" in r
@@ -716,13 +679,16 @@ def print_json(record: dict) -> None:
 def run(
     device: str = "cuda",
     small: bool = False,
-    sections=SECTIONS,
+    sections: tuple[str, ...] | list[str] | None = None,
     emit: Callable[[dict], None] = print_json,
     ring_kernel: str | None = None,
+    extra_sections: Mapping[str, Section] | None = None,
 ) -> dict:
     """Run the check; ``emit`` gets every record, the summary last (and is returned).
 
-    Without a CUDA device when ``device == "cuda"``, emits one record saying so and returns it.
+    ``sections`` are names of :func:`sections_of` ``(extra_sections)``; by default :data:`SECTIONS` and
+    the extra ones. Without a CUDA device when
+    ``device == "cuda"``, emits one record saying so and returns it.
     """
     if device == "cuda" and not torch.cuda.is_available():
         rec = dict(
@@ -732,9 +698,11 @@ def run(
         )
         emit(rec)
         return rec
-    unknown = set(sections) - set(SECTIONS + OPTIONAL_SECTIONS)
+    known = sections_of(extra_sections)
+    sections = SECTIONS + tuple(extra_sections or ()) if sections is None else sections
+    unknown = set(sections) - set(known)
     if unknown:
-        raise ValueError(f"unknown gpu_check sections {sorted(unknown)}; choose from {SECTIONS + OPTIONAL_SECTIONS}")
+        raise ValueError(f"unknown selfcheck sections {sorted(unknown)}; choose from {tuple(known)}")
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -745,16 +713,7 @@ def run(
     timing = {}
     for section in sections:
         ts = time.perf_counter()
-        if section == "kernels":
-            out = check_kernels(dev, sizes)
-        elif section == "ring":
-            out = check_ring(dev, sizes, ring_kernel)
-        elif section == "model":
-            out = check_model(dev, sizes, ring_kernel)
-        elif section == "longest":
-            out = longest_section(dev, small)
-        else:
-            out = [check_train(dev, sizes)]
+        out = known[section](dev, sizes, ring_kernel)
         for rec in out:
             emit(rec)
         records += out
@@ -766,7 +725,9 @@ def run(
 
 __all__ = [
     "FULL",
+    "OPTIONAL_SECTIONS",
     "SECTIONS",
+    "Section",
     "SMALL",
     "Sizes",
     "check_kernels",
@@ -774,9 +735,37 @@ __all__ = [
     "check_train",
     "lognormal_doc_lens",
     "print_json",
+    "main",
+    "one_case",
     "run",
+    "sections_of",
     "simulated_ring",
     "summarize",
     "exit_code",
     "timed",
 ]
+
+
+def main(argv: list[str] | None = None, extra_sections: Mapping[str, Section] | None = None) -> int:
+    """``python -m titan_cp.selfcheck``: parse ``argv``, :func:`run`, and return the exit status
+    (:func:`exit_code`). ``extra_sections`` join the default sections (a checkout's wrapper's)."""
+    import argparse  # noqa: PLC0415 - the command line only
+
+    default = SECTIONS + tuple(extra_sections or ())
+    everything = tuple(sections_of(extra_sections))
+    parser = argparse.ArgumentParser(
+        prog="python -m titan_cp.selfcheck", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--small", action="store_true", help="toy sizes (for CPU and tests)")
+    parser.add_argument(
+        "--sections",
+        default=",".join(default),
+        help=f"comma-separated subset of {','.join(everything)} (default: {','.join(default)})",
+    )
+    parser.add_argument(
+        "--ring-kernel", default=None, help="kernel for the ring section (default: the device's default)"
+    )
+    args = parser.parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    return exit_code(run(args.device, args.small, sections, print_json, args.ring_kernel, extra_sections))

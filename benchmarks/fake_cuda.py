@@ -28,7 +28,7 @@ returns a :class:`RankTrace` per rank:
 - kernel calls per ring step, the bytes sent, the kernel's segments (for its work), and the
   operations outside the kernel with the HBM bytes they read and write (:class:`TrafficMeter`: an
   index operation counted by the rows it touches, views and allocations free), from which
-  :mod:`titan_cp.tools.gpu_model` predicts GPU time.
+  :mod:`benchmarks.gpu_model` predicts GPU time.
 """
 
 from __future__ import annotations

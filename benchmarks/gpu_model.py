@@ -1,6 +1,6 @@
 """A counting model of GPU time for one attention layer, from what the engine does on fake CUDA tensors.
 
-:func:`titan_cp.tools.fake_cuda.simulate` runs every rank's forward + backward of one layer at full
+:func:`benchmarks.fake_cuda.simulate` runs every rank's forward + backward of one layer at full
 size with no arithmetic and counts, per rank: the kernel's segments, the operations outside the
 kernel with the HBM bytes they read and write (an index operation by the rows it touches), and the
 bytes sent. This module turns the counts into seconds on a device (:data:`titan_cp.plan.GPUS`, the
@@ -18,7 +18,8 @@ the planner's :data:`~titan_cp.plan.kernels.FA2_H100`: ATen's CUDA flash kernel 
 flat ``fraction`` of the device's peak (``0.6``: FlashAttention-3's forward + backward on H100 at
 head dim 128 and long sequences, arXiv:2407.08608, a faster kernel than ATen ships). The prediction
 is the engine's efficiency against one variable-length kernel call over the whole row on one
-device, as ``gpu_check``'s simulated ring measures it::
+device, as the self-check's simulated ring measures it (:func:`check_model`, section ``model`` of
+``scripts/gpu_check.py``)::
 
     efficiency = kernel(one call, whole row) / sum over ranks of (kernel_r + outside_r)
 
@@ -41,16 +42,22 @@ device, as ``gpu_check``'s simulated ring measures it::
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
-from titan_cp.attention.mask_plans import Mask, make_plan
+import torch
+
+from benchmarks.fake_cuda import simulate
+from titan_cp.attention import fold
+from titan_cp.attention.kernels import check_kernel
+from titan_cp.attention.mask_plans import Mask, kernel_mask, make_plan, token_major
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.data.row_mixes import lognormal_doc_lens
-from titan_cp.layout import get_layout
+from titan_cp.layout import SequenceLayout, get_layout
 from titan_cp.plan.devices import GPUS
 from titan_cp.plan.kernels import BWD_FLOPS_PER_PAIR_DIM, FWD_FLOPS_PER_PAIR_DIM
-from titan_cp.tools.fake_cuda import simulate
+from titan_cp.selfcheck import Sizes, one_case, simulated_ring, timed
 
 BLOCK = 128  # the flash kernel's tile of queries and keys
 OP_FLOOR_S = 2e-6  # the smallest operation a GPU runs
@@ -111,7 +118,7 @@ _KINDS = {
 
 def traffic_kind(site: str, op: str) -> str:
     """The kind of an operation outside the kernel (module docstring) from its ``(site, op)``
-    (:attr:`~titan_cp.tools.fake_cuda.RankTrace.sites`): the longest matching site prefix decides."""
+    (:attr:`~benchmarks.fake_cuda.RankTrace.sites`): the longest matching site prefix decides."""
     if site == "fold.Results.fold":
         return {"index_copy": "result"}.get(op, "merge")
     if site == "fold.Grads.add" and op == "index_copy":
@@ -254,3 +261,50 @@ def model_records(seq_len: int = 131072, cp: int = 8, seed: int = 7):
         for strategy in row.strategies:
             for fraction in (None, 0.6):
                 yield {"rows": f"issue28_seed{seed}", **predict_row(row, strategy, seq_len, cp, fraction)}
+
+
+# ---------------------------------------------------------------------------- the self-check's section model
+def _single_device(q, k, v, dout, doc_lens, kernel, scale: float, window):
+    """The whole row on one device through the engine's one-rank route (one variable-length call per
+    causal flag): what :func:`one_call_segments` counts. Forward + backward."""
+    layout = SequenceLayout(q.shape[2], 1, "contiguous", None if doc_lens is None else [list(doc_lens)])
+    plan = make_plan(layout, None, None, kernel_mask(Mask(True, window), kernel))
+    qt, kt, vt, dt = (token_major(x) for x in (q, k, v, dout))
+    out, lse = fold.plan_forward(qt, kt, vt, 1, plan, kernel, scale)
+    return fold.plan_backward(dt, qt, kt, vt, out, lse, 1, plan, kernel, scale)
+
+
+def check_model(device: torch.device, sizes: Sizes, kernel_name: str | None = None, dtype=torch.bfloat16) -> list[dict]:
+    """The self-check's section ``model`` (``scripts/gpu_check.py`` adds it): each row of :func:`model_rows` (one causal document,
+    document mixes, sliding windows) at ``sizes.model_seq`` tokens on ``sizes.cp`` ranks: the simulated
+    ring's forward + backward timed against the whole row on one device, beside the counting model's
+    prediction for the same shapes (FlashAttention-2's rates and a flat 60% of peak)."""
+    s, n = sizes.model_seq, sizes.cp
+    h, kh, e = sizes.ring_heads, sizes.ring_kv_heads, sizes.ring_head_dim
+    kern = check_kernel(kernel_name, device, dtype, e)
+    scale, g = 1 / math.sqrt(e), torch.Generator().manual_seed(2)
+    q, dout = (torch.randn(1, s, h, e, generator=g).to(device, dtype).transpose(1, 2) for _ in range(2))
+    k, v = (torch.randn(1, s, kh, e, generator=g).to(device, dtype).transpose(1, 2) for _ in range(2))
+    records = []
+    for row in (r for r in model_rows(s, sizes.model_seed) if r.name in sizes.model_cases or not sizes.model_cases):
+        rec = dict(section="model", case=row.name, kernel=kern.name, seq=s, cp=n, balance=row.balance)
+        rec.update(window=row.window, documents=None if row.doc_lens is None else len(row.doc_lens[0]))
+        with one_case(records, rec, device):
+            docs = None if row.doc_lens is None else row.doc_lens[0]
+            layout = SequenceLayout(s, n, row.balance, None if docs is None else [list(docs)])
+            w = row.window
+            ring = functools.partial(simulated_ring, q, k, v, layout, kern, True, scale, dout, w)
+            t_ring = timed(ring, device, sizes.repeats)
+            t_one = timed(functools.partial(_single_device, q, k, v, dout, docs, kern, scale, w), device, sizes.repeats)
+            shape = dict(seq_len=s, cp=n, heads=h, kv_heads=kh, head_dim=e)
+            predicted = {
+                name: predict_row(row, "ring", fraction=fraction, **shape)["efficiency"]
+                for name, fraction in (("fa2_rates", None), ("flat_60", 0.6))
+            }
+            rec.update(
+                seconds={"one_device": t_one["min"], "ring": t_ring["min"]},
+                measured_efficiency=t_one["min"] / t_ring["min"],
+                predicted_efficiency=predicted,
+                status="ok",
+            )
+    return records

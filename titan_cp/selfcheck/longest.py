@@ -1,4 +1,4 @@
-"""gpu_check's section ``longest``: the longest row one device trains one step on, with and without the
+"""The self-check's section ``longest``: the longest row one device trains one step on, with and without the
 long-context options, and the step time of each at 131072 tokens and at the longest length.
 
 The model has Llama 3 8B's width (dim 4096, 32 heads, 8 K/V heads, SwiGLU 14336, its vocabulary) cut to
@@ -28,7 +28,7 @@ from titan_cp.parallel.ac import apply_ac
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
 
 CONFIGS = {"plain": False, "offload": True}  # the long-context options off / on
-TOY = dict(  # check_longest's arguments for a CPU at toy sizes (gpu_check --small)
+TOY = dict(  # check_longest's arguments for a CPU at toy sizes (selfcheck --small)
     layers=1, start=128, granule=128, cap=1024, limit_tokens=512, tile_tokens=64, dtype=torch.float32,
     dim=64, n_heads=4, n_kv_heads=2, vocab_size=259, multiple_of=32,
 )  # fmt: skip

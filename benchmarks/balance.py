@@ -73,8 +73,9 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
 from titan_cp.attention.mask_plans import Mask, make_plan
 from titan_cp.attention.masks import plan_tiles, tile_pairs
 from titan_cp.attention.ring import ring_plans
+from titan_cp.balance import balance_names
 from titan_cp.data.row_mixes import BALANCE_MIXES, ROW_MIXES, make_rows
-from titan_cp.layout import BALANCES, Run, Runs, SequenceLayout
+from titan_cp.layout import Run, Runs, SequenceLayout
 
 TORCH_BALANCES = (
     "torch_head_tail",
@@ -84,7 +85,7 @@ TORCH_BALANCES = (
     "torch_ptrr",
 )
 PROTOTYPES = ("greedy_doc",)
-ALL_BALANCES = BALANCES + TORCH_BALANCES + PROTOTYPES
+ALL_BALANCES = balance_names() + TORCH_BALANCES + PROTOTYPES
 PTRR_BLOCK = 128  # flex_attention's default sparse block size
 
 __all__ = [
@@ -362,7 +363,7 @@ def row_measure(balance: str, doc_lens: Sequence[int], cp: int, greedy_alpha: fl
     """
     seq_len = sum(doc_lens)
     pad_to = 1
-    if balance in BALANCES:
+    if balance in balance_names():
         layout = SequenceLayout(seq_len, cp, balance, [list(doc_lens)])
         work, steps, tiles = layout_work(layout)
         positions = [layout.index(r) for r in range(cp)]
@@ -372,7 +373,7 @@ def row_measure(balance: str, doc_lens: Sequence[int], cp: int, greedy_alpha: fl
         else:
             positions, pad_to = torch_positions(balance, doc_lens, cp)
     doc_start, real = doc_structure(doc_lens, pad_to)
-    if balance not in BALANCES:
+    if balance not in balance_names():
         steps, tiles = ring_tiles([runs_of(p, doc_start, real) for p in positions])
         work = steps.sum(0)
     w = pair_matrix(positions, doc_start, real)
@@ -395,7 +396,7 @@ def measure(mix: str, cp: int, balance: str, rows: list[list[int]], greedy_alpha
         "mix": mix,
         "cp": cp,
         "balance": balance,
-        "source": "torch" if balance in TORCH_BALANCES else "titan_cp" if balance in BALANCES else "prototype",
+        "source": "torch" if balance in TORCH_BALANCES else "titan_cp" if balance in balance_names() else "prototype",
         "seq_len": sum(rows[0]),
         "rows": len(rows),
         "docs_per_row": round(sum(map(len, rows)) / len(rows), 1),
