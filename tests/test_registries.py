@@ -18,7 +18,7 @@ from titan_cp.attention.ring import Ring
 from titan_cp.attention.strategy import get_strategy, register_strategy, strategy_names
 from titan_cp.balance import LoadBalancer, balance_names, get_balance, register_balance
 from titan_cp.config import load_config
-from titan_cp.integrations.hf_trainer_cp import CPOptions, _check_options
+from titan_cp.integrations.trainer_factory import CPOptions, _check_options
 from titan_cp.layout import SequenceLayout, seq_len_multiple
 from titan_cp.testing.trainer import tiny_run_args
 from titan_cp.train import main
