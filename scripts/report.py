@@ -1,4 +1,4 @@
-"""Run the CPU benchmarks at short settings and write the README's figures under docs/.
+"""Run the CPU benchmarks at short settings and write the figures of docs/benchmarks.md under docs/.
 
     python scripts/report.py                 # a few minutes on a small machine
     python scripts/report.py --out docs --skip attention

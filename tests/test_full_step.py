@@ -1,7 +1,7 @@
 """benchmarks.full_step (``scripts/bench_memory.py --case full-step``): its byte counter is exact on
 hand-computed fake tensors (creation, release, FSDP2's in-place resizes, host marks), and one rank's
 whole step on fake tensors agrees with the planner's memory model (``titan_cp.plan.memory``) within the
-issue's 10% on the device and on the host, at a small size (the full-size rows are in README.md and
+issue's 10% on the device and on the host, at a small size (the full-size rows are in docs/training.md and
 docs/full_step_memory.jsonl).
 
 Why 10%: the planner's step peak is a sum of per-token figures and named buffers (module docstring of

@@ -468,7 +468,7 @@ def _prepare(argv, world=1):
 
 def test_lengths_beyond_a_flavors_informational_max_seq_len_run(tmp_path):
     """The tiny flavor's max_seq_len (4096) is informational, as in training (the main job trains it on
-    8192-token rows): the README's needle lengths, a longer prompt and its generation are taken."""
+    8192-token rows): docs/generation.md's needle lengths, a longer prompt and its generation are taken."""
     _write_checkpoints(tmp_path)
     ok = ["--model.flavor", "tiny", "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable"]
     (tmp_path / "long.txt").write_text("x" * 5000)

@@ -749,13 +749,13 @@ def test_trainer_config_errors_name_the_key(tmp_path):
         check_files(_hf_job(folder))
 
 
-# ---- the README's loop ----------------------------------------------------------------------------
+# ---- the loop of docs/huggingface.md ----------------------------------------------------------------
 
 
 def _readme_loop() -> str:
     from pathlib import Path  # noqa: PLC0415
 
-    text = (Path(__file__).parents[1] / "README.md").read_text()
+    text = (Path(__file__).parents[1] / "docs" / "huggingface.md").read_text()
     block = text.split("<!-- hf-loop -->\n```python\n", 1)[1].split("```", 1)[0]
     return block
 
@@ -768,7 +768,7 @@ def _run_readme_loop(rank, world, code, folder):
     os.environ.update(MODEL=str(folder), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), {"__name__": "__main__"})
+        exec(compile(code, "docs/huggingface.md", "exec"), {"__name__": "__main__"})
     return out.getvalue().splitlines()
 
 

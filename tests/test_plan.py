@@ -197,7 +197,7 @@ def test_published_table_fits_and_order():
 
 def test_llama3_8b_cp_table():
     """Within 20% of torchtitan's Table 2 at 32K and 64K (CP 1, 2). At 128K and 256K (CP 4, 8) the
-    planner stays optimistic, 1.47x and 1.63x (README, "Planning a run"): the four rows run the same
+    planner stays optimistic, 1.47x and 1.63x (docs/planning.md): the four rows run the same
     kernel shapes (32K local tokens, 16K zigzag chunks), so no per-step cost separates them, while
     the table's time per ring step is 1.6x larger at CP 4 and 8 than at CP 2. Asserted as it stands,
     so that a change to the time model that moves it is seen."""
