@@ -1,4 +1,4 @@
-"""The scripts in ``examples/`` run as their docstrings say, offline on a CPU: each launched with
+"""The scripts in ``examples/`` run as their docstrings (and README.md) say, offline on a CPU: each launched with
 ``torchrun --nproc-per-node 2`` (CP 2 on gloo) prints, on rank 0, the same losses and gradient norms as
 the one-process run (``--nproc-per-node 1``: the stock Trainer / SFTTrainer, the loop at CP 1).
 

@@ -756,7 +756,7 @@ def _readme_loop() -> str:
     from pathlib import Path  # noqa: PLC0415
 
     text = (Path(__file__).parents[1] / "docs" / "huggingface.md").read_text()
-    block = text.split("<!-- hf-loop -->\n```python\n", 1)[1].split("```", 1)[0]
+    block = text.split("<!-- doc-test: tested tests/test_hf_integration.py -->\n```python\n", 1)[1].split("```", 1)[0]
     return block
 
 
