@@ -8,7 +8,7 @@ how it is checked, in an HTML comment on the line before it, and is checked so:
 - ``<!-- doc-test: parse (why it is not run) -->``: a command that needs GPUs, a cluster or files a user
   brings: every titan_cp command line in it loads with ``load_config`` (keys, values, cross-section
   checks), and every config file it names exists; a TOML block loads as a config file;
-- ``<!-- doc-test: excerpt PATH -->``: every line of the block but ``...`` (lines left out) is a line of
+- ``<!-- doc-test: excerpt PATH -->``: every line of the block but ``...`` / ``...,`` (lines left out) is a line of
   ``PATH``, in order, indentation aside (the file itself runs in its own test);
 - ``<!-- doc-test: tested TEST -->``: run as it is by the test file ``TEST``, which names this page;
 - ``<!-- doc-test: sketch -->``: an API outline with placeholders: it compiles, its imports resolve, and
@@ -60,7 +60,7 @@ def _blocks() -> list[Block]:
         text = path.read_text()
         for m in _BLOCK.finditer(text):
             line = text.count("\n", 0, m.start("lang")) + 1
-            out.append(Block(path, line, m["lang"], m["kind"], m["arg"].strip(), m["body"]))
+            out.append(Block(path, line, m["lang"], m["kind"], (m["arg"] or "").strip(), m["body"]))
     return out
 
 
@@ -137,7 +137,7 @@ def test_tested_blocks_name_their_test(block):
 @pytest.mark.parametrize("block", _of("excerpt"), ids=str)
 def test_excerpts_are_lines_of_their_file(block):
     lines = iter((ROOT / block.arg).read_text().splitlines())
-    for want in (line.strip() for line in block.body.splitlines() if line.strip() not in ("", "...")):
+    for want in (line.strip() for line in block.body.splitlines() if line.strip() not in ("", "...", "...,")):
         assert any(line.strip() == want for line in lines), f"{block}: {want!r} is not (in order) a line of {block.arg}"
 
 
