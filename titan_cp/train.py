@@ -34,14 +34,13 @@ from titan_cp.checkpoint import Checkpointer
 from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
 from titan_cp.errors import UserError, plural, run_cli
-from titan_cp.families import get_family
 from titan_cp.lock import DumpLock, watch_launcher
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.metrics import MetricsLogger, StepMetrics, recall_counts, recall_metrics
 from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda, restore_hyperparameters
 from titan_cp.parallel.build import ParallelizeOptions, cp_mesh
 from titan_cp.parallel.offload import offload_metrics
-from titan_cp.preflight import check_files
+from titan_cp.preflight import check_files, check_model
 from titan_cp.profiling import Profiler
 from titan_cp.step import Microbatch, forward_backward
 
@@ -252,7 +251,7 @@ class Trainer:
         if cfg.compile.enable and "loss" in cfg.compile.components and self.rank0:
             logger.info("compile.components: 'loss' is not compiled by titan_cp (only 'model' is)")
         self.loss_fn = GlobalTokenLoss()
-        self.family = get_family(cfg.model.name)
+        self.family = check_model(cfg)
         precision = compute_precision(cfg, self.device.type, announce=self.rank0)
         mp = {"bfloat16": torch.bfloat16, "float32": None}[precision]
         options = parallelize_options(cfg, mp)

@@ -34,6 +34,7 @@ from titan_cp.errors import plural, run_cli
 from titan_cp.generate.engine import Generator
 from titan_cp.generate.needle import accuracy_grid, draw_heatmap, needle_case, needle_eval
 from titan_cp.generate.prompts import PromptRecord, read_prompts
+from titan_cp.generate.registry import build_for_generation
 from titan_cp.generate.sampling import Sampling
 from titan_cp.generate.weights import (
     ModelSpec,
@@ -240,7 +241,7 @@ def run(job: GenerateJob) -> list[dict]:
     dims = cfg.parallel_dims(dist.get_world_size())
     dims.build_mesh(device.type)
     strategy, balance = p.context_parallel_strategy, p.context_parallel_load_balancer
-    model = job.model.build(dims, strategy, balance, device)
+    model = build_for_generation(job.model, dims, strategy, balance, device)
     if rank0:
         logger.info("mesh: %s", mesh_line(dims, cfg))
         logger.info("loading the weights of %s", job.weights.describe())

@@ -34,8 +34,8 @@ from titan_cp.attention import check_kernel, cp_rank
 from titan_cp.attention.decode import KeyRanges, decode_attention
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.errors import plural
-from titan_cp.families import family_of
 from titan_cp.generate.cache import ShardedKVCache, plan_owners
+from titan_cp.generate.registry import runner_of
 from titan_cp.generate.sampling import Sampling, sample_next
 from titan_cp.layout import DEFAULT_BALANCE, get_layout, seq_len_multiple, to_device
 from titan_cp.loss import LOSS_CHUNK_BYTES
@@ -161,7 +161,7 @@ class Generator:
         balance: str = DEFAULT_BALANCE,
         kernel: str | None = None,
     ):
-        self.runner, self.balance, self.kernel_name = family_of(model).runner(model), balance, kernel
+        self.runner, self.balance, self.kernel_name = runner_of(model), balance, kernel
         self.cp = 1 if cp_mesh is None else cp_mesh.size()
         self.rank = 0 if cp_mesh is None else cp_rank(cp_mesh, strategy)
         self.group = None if cp_mesh is None else (cp_group if cp_group is not None else cp_mesh.get_group())

@@ -1,6 +1,6 @@
-"""What generation asks of a model (the runner contract), and the runner of titan_cp's Llama; Hugging
-Face models' runner is :mod:`.hf_runner`. A model's family picks its runner
-(:meth:`titan_cp.families.ModelFamily.runner`).
+"""What generation asks of a model (the runner contract, :class:`Runner`) and the runner of titan_cp's
+Llama; Hugging Face models' runner is :mod:`.hf_runner`. Which runner a model gets is its family's
+(:mod:`.registry`).
 
 A *runner* wraps a model already made context-parallel as in training and answers::
 
@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.layout import DEFAULT_BALANCE
+from titan_cp.mesh import ParallelDims
 from titan_cp.model.llama import MAX_POSITIONS, ModelArgs, Transformer, rope_cos_sin, rope_frequencies
 from titan_cp.parallel.build import cp_mesh
 from titan_cp.parallel.cp import apply_cp
@@ -35,6 +37,21 @@ from titan_cp.parallel.tp import apply_tp
 
 Capture = Callable[[int, Tensor, Tensor], None]
 Attend = Callable[[int, Tensor, Tensor, Tensor, float, "Tensor | None"], Tensor]
+
+
+class Runner(Protocol):
+    """What generation asks of a model (module docstring)."""
+
+    masks: list[tuple[int | None, int | None]]
+    max_seq_len: int
+    vocab_size: int
+    device: torch.device
+
+    def hidden(self, tokens: Tensor, positions: Tensor, doc_lens: Tensor, capture: Capture | None = None) -> Tensor: ...
+
+    def decode_hidden(self, tokens: Tensor, positions: Tensor, attend: Attend) -> Tensor: ...
+
+    def logits(self, h: Tensor) -> Tensor: ...
 
 
 class LlamaRunner:
@@ -48,7 +65,7 @@ class LlamaRunner:
         self.inner = [layer.attention.inner_attention for layer in model.layers.values()]
         self.masks = [(m.window, m.chunk) for m in self.inner]
 
-    def hidden(self, tokens: Tensor, positions: Tensor, doc_lens, capture: Capture | None = None) -> Tensor:
+    def hidden(self, tokens: Tensor, positions: Tensor, doc_lens: Tensor, capture: Capture | None = None) -> Tensor:
         """The model's forward without the final norm and output, ``(1, S_local, D)``; ``capture`` gets
         each layer's K/V from a forward pre-hook on its attention core."""
         hooks = []
@@ -96,10 +113,10 @@ def _decode_core(attend: Attend, layer: int, inner: nn.Module, q: Tensor, k: Ten
 
 def build_generation_model(
     args: ModelArgs,
-    dims=None,
+    dims: ParallelDims | None = None,
     strategy: str = DEFAULT_STRATEGY,
     balance: str = DEFAULT_BALANCE,
-    device="cpu",
+    device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> Transformer:
     """``args``' model on ``device``, parallelized for generation over the mesh of ``dims`` (a

@@ -24,7 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from titan_cp import checkpoint
-from titan_cp.families import ModelSpec, get_family
+from titan_cp.families import ModelSpec
+from titan_cp.preflight import check_model
 
 if TYPE_CHECKING:
     from titan_cp.config import JobConfig
@@ -35,7 +36,7 @@ _WHOLE = "point it at a checkpoint that is whole"
 
 def model_spec(cfg: JobConfig, vocab_size: int) -> ModelSpec:
     """The model ``cfg`` names, with the tokenizer's ``vocab_size`` (titan_cp's Llama takes it as its own)."""
-    return get_family(cfg.model.name).generation_spec(cfg, vocab_size)
+    return check_model(cfg).generation_spec(cfg, vocab_size)
 
 
 @dataclass(frozen=True)

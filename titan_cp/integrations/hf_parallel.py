@@ -96,5 +96,6 @@ def hf_adapter(model: nn.Module, attach_cp) -> ParallelAdapter | None:
         model,
         layer_list(model),
         lambda mesh, strategy, balance, kernel: attach_cp(model, mesh, strategy, balance, kernel),
+        family="hf",
         embedding=None if tied else embed,
     )
