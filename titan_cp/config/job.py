@@ -19,7 +19,7 @@ import dataclasses
 import functools
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from titan_cp.config.generate import Generate
 from titan_cp.config.parallelism import Parallelism
@@ -79,7 +79,8 @@ class JobConfig:
             section, name = key.split(".")
             by_section[section][name] = value
         types = section_types()
-        job_config = cls(**{section: types[section](**kwargs) for section, kwargs in by_section.items()})
+        sections: dict[str, Any] = {section: types[section](**kwargs) for section, kwargs in by_section.items()}
+        job_config = cls(**sections)
         job_config.given_keys = frozenset(values)
         return job_config
 
@@ -190,7 +191,7 @@ class JobConfig:
 @functools.cache
 def section_types() -> dict[str, type[Section]]:
     """Section name -> its dataclass, in :class:`JobConfig`'s order."""
-    types = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}
+    types = {f.name: cast("type[Section]", f.default_factory) for f in dataclasses.fields(JobConfig)}
     assert all(cls.NAME == name for name, cls in types.items()), "a JobConfig field and its section's name differ"
     return types
 

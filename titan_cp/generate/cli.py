@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from titan_cp.config import Generate, JobConfig, load_config
 from titan_cp.data import build_tokenizer
+from titan_cp.data.tokenizer import Tokenizer
 from titan_cp.errors import plural, run_cli
 from titan_cp.generate.engine import Generator
 from titan_cp.generate.needle import accuracy_grid, draw_heatmap, needle_case, needle_eval
@@ -60,7 +61,7 @@ class GenerateJob:
     """What the config and the files say, checked before any process group (:func:`prepare`)."""
 
     cfg: JobConfig
-    tokenizer: object
+    tokenizer: Tokenizer
     model: ModelSpec
     weights: WeightSource
     records: list[PromptRecord]
@@ -227,6 +228,7 @@ def _report(job: GenerateJob, records: list[dict], world: int) -> None:
         for d, row in zip(g.needle_depths, grid):
             print(f"{100 * d:>13.0f}% " + " ".join(f"{a:>7.2f}" for a in row))
         title = f"needle in a haystack: {job.model.what}, {plural(world, 'rank')} (cp {p.context_parallel_degree})"
+        assert job.heatmap is not None, "the needle task always names its heatmap (prepare)"
         job.heatmap.parent.mkdir(parents=True, exist_ok=True)
         draw_heatmap(grid, g.needle_lengths, g.needle_depths, str(job.heatmap), title)
         logger.info("heatmap: %s", job.heatmap)

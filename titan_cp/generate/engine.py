@@ -265,9 +265,9 @@ class Generator:
             if len(batch):
                 cache.write(i, rows_d, k.index_select(0, batch_d), v.index_select(0, batch_d))
             kernel = check_kernel(self.kernel_name, q.device, q.dtype, q.shape[-1])
-            return decode_attention(
-                q, cache.k[i], cache.v[i], keys[self.runner.masks[i]], self.group, kernel, scale, sinks
-            )
+            k_all, v_all = cache.k[i], cache.v[i]
+            assert k_all is not None and v_all is not None, "the prefill wrote every layer's cache"
+            return decode_attention(q, k_all, v_all, keys[self.runner.masks[i]], self.group, kernel, scale, sinks)
 
         column = lambda x: to_device(torch.tensor(x)[:, None], self.device)  # noqa: E731
         return self.runner.logits(self.runner.decode_hidden(column(tokens), column(positions), attend))
@@ -305,7 +305,7 @@ class Generator:
             for row, (b, token) in enumerate(zip(active, chosen)):
                 g = out[b]
                 g.tokens.append(token)
-                if keep_logits:
+                if g.logits is not None:  # keep_logits
                     g.logits.append(logits[row].cpu())
                 if step == 0:
                     g.time_to_first_token_s = now - start

@@ -84,12 +84,13 @@ class HFRunner:
                 f"{type(hf).__name__} runs attn_implementation={hf.config._attn_implementation!r}; build it with "
                 "titan_cp.generate.hf_runner.build_hf_model"
             )
-        self.head = plain_head(hf)
-        if self.head is None:
+        head = plain_head(hf)
+        if head is None:
             raise ValueError(
                 f"{type(hf).__name__}: titan_cp.generate takes the logits from a plain output head (logits = "
                 "lm_head(hidden)); this family's forward changes them (e.g. final logit soft-capping)"
             )
+        self.head: nn.Linear = head
         self.decoder = hf.get_decoder()
         modules = attention_modules(hf)
         self.masks = [(getattr(m, BINDING).window, getattr(m, BINDING).chunk) for m in modules]

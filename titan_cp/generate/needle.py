@@ -64,7 +64,8 @@ def needle_case(tokenizer: Tokenizer, length: int, depth: float, trial: int, see
             f"({len(fixed)} tokens); give lengths of at least {len(fixed)}"
         )
     pool = [tokenizer.encode(_sentence(rng)) for _ in range(rng.randint(4, 12))]
-    filler, ends = [], [0]
+    filler: list[int] = []
+    ends = [0]
     while len(filler) < room:
         filler += rng.choice(pool)
         ends.append(min(len(filler), room))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from titan_cp.families import LLAMA3, ModelSpec, family_of
 from titan_cp.generate.runners import LlamaRunner, Runner, build_generation_model
 from titan_cp.integrations.hf_family import HF
 from titan_cp.mesh import ParallelDims
+from titan_cp.model.llama import Transformer
 
 BuildForGeneration = Callable[[ModelSpec, "ParallelDims | None", str, str, "torch.device | str"], nn.Module]
 """``(spec, dims, strategy, balance, device)`` -> the model of ``spec`` parallelized for generation over
@@ -82,5 +84,9 @@ def _hf_runner(model: nn.Module) -> Runner:
     return HFRunner(model)
 
 
-register_generation(LLAMA3.name, _build_llama, LlamaRunner)
+def _llama_runner(model: nn.Module) -> Runner:
+    return LlamaRunner(cast(Transformer, model))  # family_of(model) is the Llama's
+
+
+register_generation(LLAMA3.name, _build_llama, _llama_runner)
 register_generation(HF.name, _build_hf, _hf_runner)

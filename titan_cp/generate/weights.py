@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_cp import checkpoint
 from titan_cp.families import ModelSpec
@@ -91,7 +92,11 @@ def _saved_shapes(source: WeightSource) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor ``source`` holds under the model's names (DCP metadata or safetensors headers)."""
     if source.kind == "safetensors":
         metadata = dcp.HuggingFaceStorageReader(str(source.path)).read_metadata()
-        return {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if not k.endswith("inv_freq")}
+        return {
+            k: tuple(m.size)
+            for k, m in metadata.state_dict_metadata.items()
+            if not k.endswith("inv_freq") and isinstance(m, TensorStorageMetadata)
+        }
     prefix = "model." if source.kind == "titan_cp" else ""
     metadata = checkpoint.read_metadata(source.path, source.where, _WHOLE)
     return {
