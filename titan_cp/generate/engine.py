@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from titan_cp.attention import check_kernel, cp_rank
 from titan_cp.attention.decode import KeyRanges, decode_attention
@@ -39,6 +39,7 @@ from titan_cp.generate.registry import runner_of
 from titan_cp.generate.sampling import Sampling, sample_next
 from titan_cp.layout import DEFAULT_BALANCE, get_layout, seq_len_multiple, to_device
 from titan_cp.loss import LOSS_CHUNK_BYTES
+from titan_cp.mesh import ParallelDims
 from titan_cp.parallel.build import cp_mesh
 
 
@@ -169,7 +170,9 @@ class Generator:
         self.device = self.runner.device
 
     @classmethod
-    def on_mesh(cls, model, dims, strategy: str, balance: str, kernel: str | None = None) -> Generator:
+    def on_mesh(
+        cls, model: nn.Module, dims: ParallelDims, strategy: str, balance: str, kernel: str | None = None
+    ) -> Generator:
         """The generator of ``model`` built on ``dims``' mesh (a :class:`~titan_cp.mesh.ParallelDims`)."""
         if not dims.cp_enabled:
             return cls(model, kernel=kernel)
@@ -259,7 +262,7 @@ class Generator:
         }
         batch_d, rows_d = (to_device(torch.tensor(x, dtype=torch.int64), self.device) for x in (batch, rows))
 
-        def attend(i: int, q: Tensor, k: Tensor, v: Tensor, scale: float, sinks) -> Tensor:
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor, scale: float, sinks: Tensor | None) -> Tensor:
             """Layer ``i``: the new tokens' K/V ``(B, K, E)`` stored where this rank owns them, then the
             attention of ``q (B, H, E)`` over every rank's cache."""
             if len(batch):

@@ -127,7 +127,9 @@ def accuracy_grid(records: Sequence[dict], lengths: Sequence[int], depths: Seque
     return grid
 
 
-def draw_heatmap(grid: Sequence[Sequence[float]], lengths, depths, path: str, title: str) -> None:
+def draw_heatmap(
+    grid: Sequence[Sequence[float]], lengths: Sequence[int], depths: Sequence[float], path: str, title: str
+) -> None:
     """The accuracy heatmap (rows: depth, top to bottom; columns: context length) as a PNG at ``path``."""
     import matplotlib
 

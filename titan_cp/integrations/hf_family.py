@@ -99,6 +99,7 @@ class HuggingFace(ModelFamily):
         return hf_folder.save_weights(parts[0], folder, assets)
 
     def planner_args(self, cfg: JobConfig) -> hf_shapes.HFShapes:
+        assert cfg.model.hf_assets_path, "check_section: model.name = 'hf' names its folder"
         return hf_shapes.hf_model_args(cfg.model.hf_assets_path)  # config.json alone: no transformers
 
     def builds(self, axis: str) -> bool:
