@@ -718,7 +718,10 @@ def test_trainer_config_errors_name_the_key(tmp_path):
     check_files(_hf_job(folder))  # the TOML as it is loads and passes every check
     for extra, message in [
         (["--parallelism.tensor_parallel_degree", "2"], r"parallelism.tensor_parallel_degree = 2: model.name = 'hf'"),
-        (["--parallelism.pipeline_parallel_degree", "2"], r"parallelism.pipeline_parallel_degree = 2: model.name"),
+        (
+            ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2"],  # 2 microbatches
+            r"parallelism.pipeline_parallel_degree = 2: model.name",
+        ),
         (["--model.flavor", "tiny"], r"model.flavor = 'tiny' shapes titan_cp's Llama; .* remove model.flavor"),
         (
             ["--checkpoint.initial_load_in_hf", "false"],
