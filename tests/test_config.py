@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from titan_cp.config import JobConfig, load_config
-from titan_cp.preflight import check_files
+from titan_cp.preflight import check_files, check_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -359,7 +359,7 @@ def test_headtail_is_zigzag():
 )
 def test_bad_values_name_the_key(argv, fragment):
     with pytest.raises(ValueError, match=fragment):
-        load_config(argv)
+        check_model(load_config(argv))  # the model's keys are its family's (titan_cp.preflight.check_model)
 
 
 @pytest.mark.parametrize(
@@ -578,7 +578,7 @@ def test_every_config_field_is_read_outside_config_py():
 )
 def test_bad_numbers_and_degrees_name_the_key(argv, fragment):
     with pytest.raises(ValueError, match=fragment):
-        load_config(["--lr_scheduler.warmup_steps", "1", *argv])
+        check_model(load_config(["--lr_scheduler.warmup_steps", "1", *argv]))
 
 
 def test_toml_non_finite_and_huge_values(tmp_path):

@@ -7,7 +7,7 @@ how it is checked, in an HTML comment on the line before it, and is checked so:
   the main job's training arguments load (``load_config``);
 - ``<!-- doc-test: parse (why it is not run) -->``: a command that needs GPUs, a cluster or files a user
   brings: every titan_cp command line in it loads with ``load_config`` (keys, values, cross-section
-  checks), and every config file it names exists; a TOML block loads as a config file;
+  checks) and passes its model family's checks (``preflight.check_model``), and every config file it names exists; a TOML block loads as a config file;
 - ``<!-- doc-test: excerpt PATH -->``: every line of the block but ``...`` / ``...,`` (lines left out) is a line of
   ``PATH``, in order, indentation aside (the file itself runs in its own test);
 - ``<!-- doc-test: tested TEST -->``: run as it is by the test file ``TEST``, which names this page;
@@ -25,6 +25,7 @@ import inspect
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from titan_cp.config import load_config
+from titan_cp.preflight import check_model
 
 ROOT = Path(__file__).parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -100,7 +102,7 @@ def _loads(block: Block, argv: list[str]) -> None:
     if config is not None:
         assert (ROOT / config).is_file(), f"{block}: names {config}, which is not in the repository"
         argv = [a if a != config else str(ROOT / config) for a in argv]
-    load_config(argv, warn_adjustments=False)
+    check_model(load_config(argv, warn_adjustments=False))
 
 
 @pytest.mark.parametrize("block", _of("parse"), ids=str)
@@ -165,10 +167,17 @@ def test_sketches_name_the_api_as_it_is(block):
             inspect.signature(target).bind(*args, **kwargs)  # a renamed or removed argument fails here
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.parametrize("block", _of("run"), ids=str)
 def test_run_blocks_exit_0(block, tmp_path):
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["PET_MASTER_PORT"] = str(_free_port())  # torchrun's --master-port when the block names none
     if block.lang == "python":
         argv = [sys.executable, "-c", block.body]
     else:

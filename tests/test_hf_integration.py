@@ -44,7 +44,7 @@ from titan_cp.integrations.transformers import (  # noqa: E402
 
 BALANCES = balance_names()
 from titan_cp.loss import IGNORE_INDEX  # noqa: E402
-from titan_cp.preflight import check_files  # noqa: E402
+from titan_cp.preflight import check_files, check_model  # noqa: E402
 
 TOL = 1e-4
 VOCAB, SEQ = 96, 24
@@ -709,7 +709,7 @@ def test_trainer_config_errors_name_the_key(tmp_path):
     from titan_cp.integrations.hf_tiny import byte_tokenizer, tiny_qwen3_folder  # noqa: PLC0415
 
     with pytest.raises(ValueError, match=r"model.name = 'hf' needs model.hf_assets_path"):
-        load_config(["--model.name", "hf"], warn_adjustments=False)
+        check_model(load_config(["--model.name", "hf"], warn_adjustments=False))  # the family's own keys
     no_config = tmp_path / "tokenizer_only"
     byte_tokenizer(no_config)
     with pytest.raises(ValueError, match=r"model.hf_assets_path = .*tokenizer_only' holds no config.json"):
@@ -718,7 +718,10 @@ def test_trainer_config_errors_name_the_key(tmp_path):
     check_files(_hf_job(folder))  # the TOML as it is loads and passes every check
     for extra, message in [
         (["--parallelism.tensor_parallel_degree", "2"], r"parallelism.tensor_parallel_degree = 2: model.name = 'hf'"),
-        (["--parallelism.pipeline_parallel_degree", "2"], r"parallelism.pipeline_parallel_degree = 2: model.name"),
+        (
+            ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2"],  # 2 microbatches
+            r"parallelism.pipeline_parallel_degree = 2: model.name",
+        ),
         (["--model.flavor", "tiny"], r"model.flavor = 'tiny' shapes titan_cp's Llama; .* remove model.flavor"),
         (
             ["--checkpoint.initial_load_in_hf", "false"],
@@ -726,7 +729,7 @@ def test_trainer_config_errors_name_the_key(tmp_path):
         ),
     ]:
         with pytest.raises(ValueError, match=message):
-            _hf_job(folder, *extra)
+            check_model(_hf_job(folder, *extra))
     with pytest.raises(ValueError, match=r"context_parallel_degree: the model's heads \(config.json: 4 query, 2 KV\)"):
         check_files(
             _hf_job(

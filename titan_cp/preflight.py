@@ -1,10 +1,13 @@
-"""What the files on disk and this machine can tell before any process starts.
+"""What the model family, the files on disk and this machine can tell before any process starts.
 
-Above the layers it checks: the config (the values), the data (the tokenizer's files, the
-datasets' paths), the checkpoint (the step to resume, the weights to start from) and the model
-family (:meth:`titan_cp.families.ModelFamily.check_files`); each of those takes plain values and
-imports nothing from here. ``python -m titan_cp.train`` and ``python -m titan_cp.generate`` call
-:func:`check_files` after ``load_config`` and before any process group starts.
+Above the layers it checks (docs/architecture.md): the config (the values), the model family (its own
+keys: :func:`check_model`; its files: :meth:`titan_cp.families.ModelFamily.check_files`), the data
+(the tokenizer's files, the datasets' paths) and the checkpoint (the step to resume, the weights to
+start from); each of those takes plain values and imports nothing from here. Importing this module
+registers the built-in families (the Hugging Face one lives in :mod:`titan_cp.integrations.hf_family`).
+``python -m titan_cp.train`` and ``python -m titan_cp.generate`` call :func:`check_files` (which
+starts with :func:`check_model`) after ``load_config`` and before any process group starts; the
+trainer, the planner and generation take their family from :func:`check_model`.
 """
 
 from __future__ import annotations
@@ -15,20 +18,33 @@ from pathlib import Path
 from titan_cp import checkpoint
 from titan_cp.config import Checkpoint, JobConfig, Training, Validation
 from titan_cp.data.tokenizer import check_tokenizer_files
-from titan_cp.families import get_family
+from titan_cp.families import ModelFamily, get_family
 from titan_cp.files import check_saved_hf_dataset
+from titan_cp.integrations import hf_family  # noqa: F401 - registers model.name = 'hf'
 from titan_cp.model import hf_checkpoint
 
 
+def check_model(cfg: JobConfig) -> ModelFamily:
+    """The family of ``model.name``, once it has checked its own keys: the ``[model]`` section
+    (:meth:`~titan_cp.families.ModelFamily.check_section`), then the keys across sections (the
+    model's heads and layers against the degrees: :meth:`~titan_cp.families.ModelFamily.check_keys`).
+    ``ValueError`` naming the key. Reads no file."""
+    family = get_family(cfg.model.name)
+    family.check_section(cfg.model)
+    family.check_keys(cfg)
+    return family
+
+
 def check_files(cfg: JobConfig, training: bool = True) -> None:
-    """The output folder can be written, the tokenizer is JSON, the model family's files, each
+    """The model family's keys (:func:`check_model`), the output folder can be written, the tokenizer is JSON, the model family's files, each
     dataset's path exists, the checkpoint to resume (its files whole) or to start from, a
     microbatch fits the host memory. Raises ``ValueError`` naming the key (and the file). Writes nothing.
     ``training=False`` (generation): the datasets and the training microbatch are not checked (not read)."""
+    family = check_model(cfg)
     _check_dump_folder(cfg.job.dump_folder)
     if cfg.model.hf_assets_path:
         check_tokenizer_files(cfg.model.hf_assets_path)
-    get_family(cfg.model.name).check_files(cfg)
+    family.check_files(cfg)
     if training:
         _check_dataset_paths(cfg.training, cfg.validation)
     _check_checkpoint_paths(cfg.checkpoint, Path(cfg.job.dump_folder), training)

@@ -33,15 +33,16 @@ from titan_cp.attention import cp_rank
 from titan_cp.checkpoint import Checkpointer
 from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
+from titan_cp.data.loader import Step
 from titan_cp.errors import UserError, plural, run_cli
-from titan_cp.families import get_family
 from titan_cp.lock import DumpLock, watch_launcher
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
+from titan_cp.mesh import ParallelDims
 from titan_cp.metrics import MetricsLogger, StepMetrics, recall_counts, recall_metrics
 from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda, restore_hyperparameters
 from titan_cp.parallel.build import ParallelizeOptions, cp_mesh
 from titan_cp.parallel.offload import offload_metrics
-from titan_cp.preflight import check_files
+from titan_cp.preflight import check_files, check_model
 from titan_cp.profiling import Profiler
 from titan_cp.step import Microbatch, forward_backward
 
@@ -71,7 +72,7 @@ class TrainState:
         self.saved_mesh = state.get("mesh")
 
 
-def mesh_name(dims) -> str:
+def mesh_name(dims: ParallelDims) -> str:
     """The mesh of ``dims`` (a :class:`titan_cp.mesh.ParallelDims`) for the log, e.g. ``dp 1 x cp 4``:
     dp and cp always, the other axes when they are used."""
     parts = [f"pp {dims.pp}"] if dims.pp > 1 else []
@@ -137,7 +138,7 @@ def compute_precision(cfg: JobConfig, device_type: str, announce: bool) -> str:
     return "float32"
 
 
-def mesh_line(dims, cfg: JobConfig) -> str:
+def mesh_line(dims: ParallelDims, cfg: JobConfig) -> str:
     """The mesh the run builds, for the log: ``"dp_shard 1 x cp 2 (ring, doc_local)"`` (the CP
     strategy and layout where cp is larger than 1; :meth:`titan_cp.mesh.ParallelDims.summary`)."""
     p = cfg.parallelism
@@ -252,7 +253,7 @@ class Trainer:
         if cfg.compile.enable and "loss" in cfg.compile.components and self.rank0:
             logger.info("compile.components: 'loss' is not compiled by titan_cp (only 'model' is)")
         self.loss_fn = GlobalTokenLoss()
-        self.family = get_family(cfg.model.name)
+        self.family = check_model(cfg)
         precision = compute_precision(cfg, self.device.type, announce=self.rank0)
         mp = {"bfloat16": torch.bfloat16, "float32": None}[precision]
         options = parallelize_options(cfg, mp)
@@ -337,7 +338,7 @@ class Trainer:
         dist.all_reduce(counted)
         return counted.item()
 
-    def train_step(self, step_data) -> tuple[float, float]:
+    def train_step(self, step_data: Step) -> tuple[float, float]:
         """Forward, backward and update on one step's rows; ``(loss, grad norm)``. The step must
         hold loss-bearing tokens (``step_data.global_valid_tokens > 0``)."""
         self.loss_fn.global_valid_tokens = step_data.global_valid_tokens

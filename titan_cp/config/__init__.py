@@ -22,7 +22,10 @@ optional value.
 
 :func:`load_config` validates the values (:meth:`JobConfig.validate`), then checks them across
 sections and makes the adjustments that calls for (:meth:`JobConfig.reconcile`), without
-starting any process group. What needs the world size (mesh degrees, the gradient-accumulation
+starting any process group. The model family's own rules (``model.name``, ``model.flavor``, the
+model's heads and layers against the degrees) are the family's, checked by
+:func:`titan_cp.preflight.check_model`: this package imports no model, parallel or family code
+(docs/architecture.md). What needs the world size (mesh degrees, the gradient-accumulation
 count when ``parallelism.data_parallel_shard_degree = -1``) is checked by
 ``titan_cp.mesh.ParallelDims`` and :meth:`JobConfig.resolve_batch_sizes` at run time.
 

@@ -4,12 +4,13 @@ Two steps, each explicit (:func:`titan_cp.config.load_config` runs both):
 
 1. :meth:`JobConfig.validate` — every value against its field's type, choices and bounds,
    then each section's own rules. Pure: changes nothing, reads no file or environment.
-2. :meth:`JobConfig.reconcile` — the checks that span sections (the model's heads and layers
-   against the degrees, ``seq_len`` against the sequence layout, pipeline microbatches and batch
-   sizes against each other) and the adjustments they call for (a warmup longer than the run
+2. :meth:`JobConfig.reconcile` — the checks that span sections (``seq_len`` against the sequence
+   layout, pipeline microbatches and batch sizes against each other) and the adjustments they call for (a warmup longer than the run
    is shortened); returns what it adjusted, for the caller to announce once per job.
-What the files on disk can tell before any process starts is :func:`titan_cp.preflight.check_files`,
-a module above the config, the data, the checkpoint and the model families.
+The model family's own rules (the ``[model]`` section, the model's heads and layers against the
+degrees) are :func:`titan_cp.preflight.check_model`, and what the files on disk can tell before any
+process starts is :func:`titan_cp.preflight.check_files`: a module above the config, the data, the
+checkpoint and the model families (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import dataclasses
 import functools
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from titan_cp.config.generate import Generate
 from titan_cp.config.parallelism import Parallelism
@@ -38,7 +39,6 @@ from titan_cp.config.sections import (
 from titan_cp.config.training import Training, check_microbatch_tokens
 from titan_cp.config.values import Section
 from titan_cp.errors import plural
-from titan_cp.families import get_family
 from titan_cp.layout import seq_len_multiple
 from titan_cp.mesh import ParallelDims
 
@@ -79,7 +79,8 @@ class JobConfig:
             section, name = key.split(".")
             by_section[section][name] = value
         types = section_types()
-        job_config = cls(**{section: types[section](**kwargs) for section, kwargs in by_section.items()})
+        sections: dict[str, Any] = {section: types[section](**kwargs) for section, kwargs in by_section.items()}
+        job_config = cls(**sections)
         job_config.given_keys = frozenset(values)
         return job_config
 
@@ -163,7 +164,6 @@ class JobConfig:
                 "training.chat_template = 'tokenizer' needs model.hf_assets_path (a tokenizer_config.json "
                 "with a chat_template); the byte tokenizer has none"
             )
-        get_family(m.name).check_keys(self)
         if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
             raise ValueError(
                 f"training.local_batch_size ({t.local_batch_size}) must be a multiple of "
@@ -191,7 +191,7 @@ class JobConfig:
 @functools.cache
 def section_types() -> dict[str, type[Section]]:
     """Section name -> its dataclass, in :class:`JobConfig`'s order."""
-    types = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}
+    types = {f.name: cast("type[Section]", f.default_factory) for f in dataclasses.fields(JobConfig)}
     assert all(cls.NAME == name for name, cls in types.items()), "a JobConfig field and its section's name differ"
     return types
 

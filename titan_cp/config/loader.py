@@ -19,7 +19,7 @@ from titan_cp.config.values import BOOL_WORDS, convert, did_you_mean, split_hint
 try:
     import tomllib
 except ModuleNotFoundError:  # Python < 3.11
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[no-redef]
 
 
 def _base(hint: Any) -> Any:

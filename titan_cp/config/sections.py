@@ -14,13 +14,9 @@ from typing import Annotated, Literal
 from titan_cp.ac_modes import ac_mode_and_every, ac_modes
 from titan_cp.config.training import SEQ_LEN_BOUND
 from titan_cp.config.values import AtLeast, IncreasingPositive, InRange, OneOf, Positive, PositiveOrAuto, Section
-from titan_cp.families import DEFAULT_FAMILY, family_names, get_family
-from titan_cp.model.flavors import FLAVORS
 
-
-def flavors() -> dict:
-    """``titan_cp.model.flavors.FLAVORS``: name -> model arguments."""
-    return FLAVORS
+DEFAULT_FAMILY = "llama3"
+"""The model family of ``model.name`` when none is given (:mod:`titan_cp.families`)."""
 
 
 @dataclass
@@ -78,13 +74,14 @@ class Metrics(Section, name="metrics"):
 
 @dataclass
 class Model(Section, name="model"):
-    name: Annotated[str, OneOf(family_names)] = DEFAULT_FAMILY
-    """Model family, a registered one (:mod:`titan_cp.families`): ``llama3`` (titan_cp's own Llama 3, shaped by ``flavor``), or ``hf``: the
-    Hugging Face causal LM of the folder ``hf_assets_path`` (its ``config.json``; Llama, Qwen2, Qwen3,
+    name: str = DEFAULT_FAMILY
+    """Model family, a registered one (:mod:`titan_cp.families`; the family checks this section and its
+    keys in :func:`titan_cp.preflight.check_model`): ``llama3`` (titan_cp's own Llama 3, shaped by
+    ``flavor``), or ``hf``: the Hugging Face causal LM of the folder ``hf_assets_path`` (its ``config.json``; Llama, Qwen2, Qwen3,
     Mistral, Gemma, ...; ``titan_cp.integrations.hf_folder``), weights from
     ``checkpoint.initial_load_path`` with ``checkpoint.initial_load_in_hf``."""
 
-    flavor: Annotated[str, OneOf(flavors)] = "debugmodel"
+    flavor: str = "debugmodel"
     """Model size (``titan_cp.model.flavors``): torchtitan's ``debugmodel``, ``8B``, ``70B``, ``405B``
     (the same models as torchtitan's flavors of those names), or titan_cp's ``tiny`` and
     ``debugmodel_gqa`` (CPU). Not set with ``name = "hf"`` (the folder's ``config.json`` shapes it)."""
@@ -92,9 +89,6 @@ class Model(Section, name="model"):
     hf_assets_path: str | None = None
     """Folder with local Hugging Face assets; its ``tokenizer.json`` is used as the tokenizer, and with
     ``name = "hf"`` its ``config.json`` is the model. Unset (or empty): the built-in byte-level tokenizer."""
-
-    def check(self) -> None:
-        get_family(self.name).check_section(self)
 
 
 @dataclass

@@ -204,7 +204,7 @@ def _convert_type(key: str, value: Any, hint: Any, from_text: bool) -> Any:
     raise TypeError(f"unsupported config type {hint} for {key}")  # internal: a field type the walker lacks
 
 
-def _convert_number(key: str, value: Any, hint: type, from_text: bool) -> int | float:
+def _convert_number(key: str, value: Any, hint: type[int] | type[float], from_text: bool) -> int | float:
     kind = "a float" if hint is float else "an integer"
     if isinstance(value, bool):
         raise ValueError(f"{key} must be {kind}, got {value!r}")
@@ -215,7 +215,7 @@ def _convert_number(key: str, value: Any, hint: type, from_text: bool) -> int | 
             raise ValueError(f"{key} must be {kind}, got {value!r}") from None
     if hint is float and isinstance(value, int):
         value = float(value)
-    if not isinstance(value, hint):
+    if not isinstance(value, (int, float)) or not isinstance(value, hint):
         raise ValueError(f"{key} must be {kind}, got {value!r}")
     if hint is float and not math.isfinite(value):
         raise ValueError(f"{key} must be a finite number, got {value!r}")
@@ -265,7 +265,7 @@ class Section:
     def hints(cls) -> dict[str, Any]:
         """Field name -> its annotation, bounds included."""
         hints = typing.get_type_hints(cls, include_extras=True)
-        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+        return {f.name: hints[f.name] for f in dataclasses.fields(typing.cast(Any, cls))}  # every Section: a dataclass
 
     def validate(self) -> None:
         """``ValueError`` naming the key for a value its annotation or the section's rules refuse."""

@@ -1,12 +1,13 @@
 """Model families behind one interface: titan_cp's Llama 3 (``llama3``) and Hugging Face causal LMs (``hf``).
 
 :mod:`.base`: what a family answers (:class:`ModelFamily`), the registry (:func:`get_family`,
-:func:`register_family`) and :class:`ModelSpec` (the model generation builds);
-:mod:`.llama3` and :mod:`.huggingface`: the two built in.
+:func:`register_family`) and :class:`ModelSpec` (the model generation builds); :mod:`.llama3`: the
+Llama. The Hugging Face family (``transformers`` code) registers from
+:mod:`titan_cp.integrations.hf_family`, which :mod:`titan_cp.preflight` imports.
 """
 
+from titan_cp.config.sections import DEFAULT_FAMILY
 from titan_cp.families.base import (
-    DEFAULT_FAMILY,
     ModelFamily,
     ModelSpec,
     family_names,
@@ -14,12 +15,10 @@ from titan_cp.families.base import (
     get_family,
     register_family,
 )
-from titan_cp.families.huggingface import HF
 from titan_cp.families.llama3 import LLAMA3
 
 __all__ = [
     "DEFAULT_FAMILY",
-    "HF",
     "LLAMA3",
     "ModelFamily",
     "ModelSpec",

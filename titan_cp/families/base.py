@@ -1,26 +1,30 @@
 """What a model family is: one object per family, answering everything the package asks of it.
 
-The config, the preflight checks, the trainer and generation never compare a family's name
+The preflight checks, the trainer, the planner and generation never compare a family's name
 (``model.name``); they ask its :class:`ModelFamily`::
 
     f = get_family(cfg.model.name)
-    f.check_section(cfg.model)            the [model] section's own rules
-    f.check_keys(cfg)                     the keys across sections (load_config's reconcile step)
-    f.check_files(cfg)                    what its files on disk can tell (titan_cp.preflight)
+    f.check_section(cfg.model)            the [model] section's own rules    (titan_cp.preflight.check_model)
+    f.check_keys(cfg)                     the keys across sections           (titan_cp.preflight.check_model)
+    f.check_files(cfg)                    what its files on disk can tell    (titan_cp.preflight.check_files)
     f.build_parallel(cfg, dims, options, device, vocab_size, loss_fn)   -> (ModelParts, shapes)
     f.load_hf(parts, path, shapes)        initial weights from a Hugging Face folder
     f.save_hf(parts, folder, shapes, assets)   export as a Hugging Face folder
     f.planner_args(cfg)                   the flavor's shapes for the planner
     f.builds(axis) / f.plan_label(cfg, shapes)   the meshes it is built for, its name in a plan
     f.generation_spec(cfg, vocab_size)    the model generation builds, with every parameter's shape
-    f.build_for_generation(spec, dims, strategy, balance, device)
-    f.owns(model) / f.runner(model)       generation's runner of a built model
     f.describe(model_cfg) / f.mismatch_fix(what)   the key naming its model in errors, and the fix
 
 ``shapes`` is what the trainer's metrics and the planner ask of a model's size
 (``training_flops``, ``n_layers``, ``n_heads``, ``head_dim``): the Llama's ``ModelArgs``, or
 ``HFModelArgs`` read from a Hugging Face model (the planner's: ``HFShapes`` from ``config.json``).
-The job config arrives as the object ``load_config`` returns (this package sits below ``titan_cp.config`` and does not import it).
+
+This package sits above the config (it reads the job config) and the model and parallel code, and
+below everything that uses a family (docs/architecture.md): what a layer above does for a family
+registers there by the family's name, as the parallel adapter does
+(:func:`titan_cp.parallel.adapter.register_adapter`), generation's runners
+(:func:`titan_cp.generate.runners.register_generation`) and the Hugging Face family itself
+(:mod:`titan_cp.integrations.hf_family`). A built model's family is its adapter's (:func:`family_of`).
 
 A third family is one subclass and one :func:`register_family` call.
 """
@@ -28,7 +32,22 @@ A third family is one subclass and one :func:`register_family` call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from titan_cp.config.values import check_choice
+from titan_cp.parallel.adapter import adapter_of
+
+if TYPE_CHECKING:
+    from titan_cp.config import JobConfig, Model
+    from titan_cp.mesh import ParallelDims
+    from titan_cp.parallel.build import ModelParts, ParallelizeOptions
+
+Shapes = Any
+"""A model's shapes (module docstring): the Llama's ``ModelArgs``, or ``HFModelArgs`` / ``HFShapes``."""
 
 
 class ModelFamily:
@@ -36,29 +55,39 @@ class ModelFamily:
 
     name: ClassVar[str]
 
-    def check_section(self, model) -> None:
+    def check_section(self, model: Model) -> None:
         """Rules of the ``[model]`` section ``model`` for this family; ``ValueError`` naming the key."""
 
-    def check_keys(self, cfg) -> None:
+    def check_keys(self, cfg: JobConfig) -> None:
         """Rules across sections for this family (degrees, weights); ``ValueError`` naming the key."""
 
-    def check_files(self, cfg) -> None:
+    def check_files(self, cfg: JobConfig) -> None:
         """What this family's files on disk can tell before any process starts (no process group)."""
 
-    def build_parallel(self, cfg, dims, options, device, vocab_size: int, loss_fn=None) -> tuple[Any, Any]:
+    def build_parallel(
+        self,
+        cfg: JobConfig,
+        dims: ParallelDims,
+        options: ParallelizeOptions,
+        device: torch.device | str,
+        vocab_size: int,
+        loss_fn: Any = None,
+    ) -> tuple[ModelParts, Shapes]:
         """``(ModelParts, shapes)``: this rank's model parts built on ``meta``, parallelized over
         ``dims``' mesh as ``options`` say, shards allocated on ``device`` and initialised."""
         raise NotImplementedError
 
-    def load_hf(self, parts: list, path, shapes, key: str = "checkpoint.initial_load_path") -> None:
+    def load_hf(
+        self, parts: list[nn.Module], path: str | Path, shapes: Shapes, key: str = "checkpoint.initial_load_path"
+    ) -> None:
         """Load the Hugging Face folder ``path`` into the (sharded) ``parts``, in place."""
         raise NotImplementedError
 
-    def save_hf(self, parts: list, folder, shapes, assets=None):
+    def save_hf(self, parts: list[nn.Module], folder: str | Path, shapes: Shapes, assets: str | None = None) -> Path:
         """Write ``parts`` (every rank's shards) as a Hugging Face folder; collective. Returns the folder."""
         raise NotImplementedError
 
-    def planner_args(self, cfg):
+    def planner_args(self, cfg: JobConfig) -> Shapes:
         """The model's shapes for the planner (:mod:`titan_cp.plan`): ``ModelArgs``-like fields (``dim``,
         ``n_layers``, heads, ``ffn_dim``, ``vocab_size``...). ``ValueError`` naming ``model.name`` where the
         planner has no model of this family."""
@@ -72,32 +101,20 @@ class ModelFamily:
         planner lists no other meshes)."""
         return True
 
-    def plan_label(self, cfg, shapes) -> str:
+    def plan_label(self, cfg: JobConfig, shapes: Shapes) -> str:
         """The model's name in the planner's output (``shapes``: :meth:`planner_args`'s)."""
         return cfg.model.flavor
 
-    def generation_spec(self, cfg, vocab_size: int):
+    def generation_spec(self, cfg: JobConfig, vocab_size: int) -> ModelSpec:
         """The :class:`~titan_cp.generate.weights.ModelSpec` generation builds for ``cfg``."""
         raise NotImplementedError
 
-    def build_for_generation(self, spec, dims, strategy: str, balance: str, device):
-        """``spec``'s model parallelized for generation over ``dims``' mesh, shards allocated."""
-        raise NotImplementedError
-
-    def owns(self, model) -> bool:
-        """Whether ``model`` (as :meth:`build_for_generation` builds it) is of this family."""
-        return False
-
-    def runner(self, model):
-        """Generation's runner of ``model`` (:mod:`titan_cp.generate.runners`)."""
-        raise NotImplementedError
-
-    def check_hf_weights(self, source, spec) -> bool:
+    def check_hf_weights(self, source: Any, spec: ModelSpec) -> bool:
         """Check a Hugging Face folder ``source`` for ``spec`` beyond its shapes; ``True`` when this
         family checked every name and shape itself (its names there differ from its own)."""
         return False
 
-    def describe(self, model_cfg) -> str:
+    def describe(self, model_cfg: Model) -> str:
         """The config key that names the model of ``model_cfg`` (the ``[model]`` section), for errors."""
         return f"model.name = {self.name!r}"
 
@@ -125,14 +142,8 @@ class ModelSpec:
     aliases: tuple[str, ...] = ()  # other names a checkpoint may hold the parameters under (tied weights)
     bound: str = "max_seq_len"
 
-    def build(self, dims, strategy: str, balance: str, device):
-        """The model parallelized for generation on ``dims``' mesh, shards allocated (weights to load)."""
-        return self.family.build_for_generation(self, dims, strategy, balance, device)
-
 
 _REGISTRY: dict[str, ModelFamily] = {}
-DEFAULT_FAMILY = "llama3"
-"""The family of ``model.name`` when none is given."""
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
@@ -148,15 +159,12 @@ def family_names() -> tuple[str, ...]:
 
 
 def get_family(name: str) -> ModelFamily:
-    """The family called ``name``; ``ValueError`` naming the choices for an unknown one."""
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"unknown model family {name!r}; choose one of {family_names()}")
+    """The family called ``name`` (``model.name``); ``ValueError`` naming the key and the choices for an unknown one."""
+    check_choice("model.name", name, family_names())
     return _REGISTRY[name]
 
 
-def family_of(model) -> ModelFamily:
-    """The family whose :meth:`~ModelFamily.owns` takes ``model``; ``ValueError`` for none."""
-    for family in _REGISTRY.values():
-        if family.owns(model):
-            return family
-    raise ValueError(f"no model family takes {type(model).__name__} (families: {family_names()})")
+def family_of(model: nn.Module) -> ModelFamily:
+    """The family of a built ``model``: its parallel adapter's (:func:`titan_cp.parallel.adapter.adapter_of`,
+    the one place a model is recognised); ``ValueError`` for a model no family's adapter takes."""
+    return get_family(adapter_of(model).family)

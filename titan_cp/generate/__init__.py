@@ -10,7 +10,7 @@ layer (:mod:`titan_cp.attention.decode`)::
     scores = gen.score([context_ids, ...], [continuation_ids, ...])               # log-likelihoods
 
 Modules: :mod:`.engine` (:class:`Generator`), :mod:`.runners` (what a model answers; :func:`build_generation_model`),
-:mod:`.hf_runner` (Hugging Face models), :mod:`.cache`, :mod:`.sampling`,
+:mod:`.hf_runner` (Hugging Face models), :mod:`.registry` (each family's builder and runner), :mod:`.cache`, :mod:`.sampling`,
 :mod:`.prompts` (prompt files), :mod:`.weights` (the config's checkpoint), :mod:`.needle`
 (needle in a haystack), :mod:`.cli` (``python -m titan_cp.generate``).
 """

@@ -80,12 +80,13 @@ class ShardedKVCache:
     def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
         """Store ``k, v (n, K, E)`` at cache ``rows (n,)`` of ``layer`` (allocating the layer's
         ``(capacity, K, E)`` buffers, in k's dtype, at its first write)."""
-        if self.k[layer] is None:
+        k_layer, v_layer = self.k[layer], self.v[layer]
+        if k_layer is None or v_layer is None:
             shape = (self.capacity, *k.shape[1:])
-            self.k[layer] = torch.zeros(shape, dtype=k.dtype, device=self.device)
-            self.v[layer] = torch.zeros(shape, dtype=v.dtype, device=self.device)
-        self.k[layer].index_copy_(0, rows, k)
-        self.v[layer].index_copy_(0, rows, v)
+            k_layer = self.k[layer] = torch.zeros(shape, dtype=k.dtype, device=self.device)
+            v_layer = self.v[layer] = torch.zeros(shape, dtype=v.dtype, device=self.device)
+        k_layer.index_copy_(0, rows, k)
+        v_layer.index_copy_(0, rows, v)
 
     def nbytes(self) -> int:
         """Bytes of the K/V buffers allocated on this rank."""

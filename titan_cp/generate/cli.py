@@ -30,10 +30,12 @@ import torch.distributed as dist
 
 from titan_cp.config import Generate, JobConfig, load_config
 from titan_cp.data import build_tokenizer
+from titan_cp.data.tokenizer import Tokenizer
 from titan_cp.errors import plural, run_cli
 from titan_cp.generate.engine import Generator
 from titan_cp.generate.needle import accuracy_grid, draw_heatmap, needle_case, needle_eval
 from titan_cp.generate.prompts import PromptRecord, read_prompts
+from titan_cp.generate.registry import build_for_generation
 from titan_cp.generate.sampling import Sampling
 from titan_cp.generate.weights import (
     ModelSpec,
@@ -59,7 +61,7 @@ class GenerateJob:
     """What the config and the files say, checked before any process group (:func:`prepare`)."""
 
     cfg: JobConfig
-    tokenizer: object
+    tokenizer: Tokenizer
     model: ModelSpec
     weights: WeightSource
     records: list[PromptRecord]
@@ -226,6 +228,7 @@ def _report(job: GenerateJob, records: list[dict], world: int) -> None:
         for d, row in zip(g.needle_depths, grid):
             print(f"{100 * d:>13.0f}% " + " ".join(f"{a:>7.2f}" for a in row))
         title = f"needle in a haystack: {job.model.what}, {plural(world, 'rank')} (cp {p.context_parallel_degree})"
+        assert job.heatmap is not None, "the needle task always names its heatmap (prepare)"
         job.heatmap.parent.mkdir(parents=True, exist_ok=True)
         draw_heatmap(grid, g.needle_lengths, g.needle_depths, str(job.heatmap), title)
         logger.info("heatmap: %s", job.heatmap)
@@ -240,7 +243,7 @@ def run(job: GenerateJob) -> list[dict]:
     dims = cfg.parallel_dims(dist.get_world_size())
     dims.build_mesh(device.type)
     strategy, balance = p.context_parallel_strategy, p.context_parallel_load_balancer
-    model = job.model.build(dims, strategy, balance, device)
+    model = build_for_generation(job.model, dims, strategy, balance, device)
     if rank0:
         logger.info("mesh: %s", mesh_line(dims, cfg))
         logger.info("loading the weights of %s", job.weights.describe())

@@ -28,17 +28,18 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from titan_cp.attention import check_kernel, cp_rank
 from titan_cp.attention.decode import KeyRanges, decode_attention
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.errors import plural
-from titan_cp.families import family_of
 from titan_cp.generate.cache import ShardedKVCache, plan_owners
+from titan_cp.generate.registry import runner_of
 from titan_cp.generate.sampling import Sampling, sample_next
 from titan_cp.layout import DEFAULT_BALANCE, get_layout, seq_len_multiple, to_device
 from titan_cp.loss import LOSS_CHUNK_BYTES
+from titan_cp.mesh import ParallelDims
 from titan_cp.parallel.build import cp_mesh
 
 
@@ -161,7 +162,7 @@ class Generator:
         balance: str = DEFAULT_BALANCE,
         kernel: str | None = None,
     ):
-        self.runner, self.balance, self.kernel_name = family_of(model).runner(model), balance, kernel
+        self.runner, self.balance, self.kernel_name = runner_of(model), balance, kernel
         self.cp = 1 if cp_mesh is None else cp_mesh.size()
         self.rank = 0 if cp_mesh is None else cp_rank(cp_mesh, strategy)
         self.group = None if cp_mesh is None else (cp_group if cp_group is not None else cp_mesh.get_group())
@@ -169,7 +170,9 @@ class Generator:
         self.device = self.runner.device
 
     @classmethod
-    def on_mesh(cls, model, dims, strategy: str, balance: str, kernel: str | None = None) -> Generator:
+    def on_mesh(
+        cls, model: nn.Module, dims: ParallelDims, strategy: str, balance: str, kernel: str | None = None
+    ) -> Generator:
         """The generator of ``model`` built on ``dims``' mesh (a :class:`~titan_cp.mesh.ParallelDims`)."""
         if not dims.cp_enabled:
             return cls(model, kernel=kernel)
@@ -259,15 +262,15 @@ class Generator:
         }
         batch_d, rows_d = (to_device(torch.tensor(x, dtype=torch.int64), self.device) for x in (batch, rows))
 
-        def attend(i: int, q: Tensor, k: Tensor, v: Tensor, scale: float, sinks) -> Tensor:
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor, scale: float, sinks: Tensor | None) -> Tensor:
             """Layer ``i``: the new tokens' K/V ``(B, K, E)`` stored where this rank owns them, then the
             attention of ``q (B, H, E)`` over every rank's cache."""
             if len(batch):
                 cache.write(i, rows_d, k.index_select(0, batch_d), v.index_select(0, batch_d))
             kernel = check_kernel(self.kernel_name, q.device, q.dtype, q.shape[-1])
-            return decode_attention(
-                q, cache.k[i], cache.v[i], keys[self.runner.masks[i]], self.group, kernel, scale, sinks
-            )
+            k_all, v_all = cache.k[i], cache.v[i]
+            assert k_all is not None and v_all is not None, "the prefill wrote every layer's cache"
+            return decode_attention(q, k_all, v_all, keys[self.runner.masks[i]], self.group, kernel, scale, sinks)
 
         column = lambda x: to_device(torch.tensor(x)[:, None], self.device)  # noqa: E731
         return self.runner.logits(self.runner.decode_hidden(column(tokens), column(positions), attend))
@@ -305,7 +308,7 @@ class Generator:
             for row, (b, token) in enumerate(zip(active, chosen)):
                 g = out[b]
                 g.tokens.append(token)
-                if keep_logits:
+                if g.logits is not None:  # keep_logits
                     g.logits.append(logits[row].cpu())
                 if step == 0:
                     g.time_to_first_token_s = now - start

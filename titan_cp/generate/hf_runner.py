@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
@@ -31,6 +34,8 @@ from titan_cp.integrations import hf_folder
 from titan_cp.integrations.hf_model import attention_modules, hf_model_of, plain_head, text_config
 from titan_cp.integrations.transformers import BINDING, titan_cp_attention, titan_cp_mask
 from titan_cp.layout import DEFAULT_BALANCE
+from titan_cp.mesh import ParallelDims
+from titan_cp.parallel.build import ParallelizeOptions
 
 GENERATE_ATTENTION = "titan_cp_generate"
 
@@ -56,17 +61,27 @@ def _seam(capture: Capture | None = None, attend: Attend | None = None):
         _SEAM.capture, _SEAM.attend = saved
 
 
-def generation_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def generation_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
     """``transformers``' attention-function contract for generation (module docstring): query
     ``(B, H, S, E)``, key/value ``(B, K, S, E)`` after RoPE; returns ``(out (B, S, H, E), None)``."""
+    layer = int(getattr(module, "layer_idx"))  # noqa: B009 - transformers' attention modules carry it
     if _SEAM.attend is not None:  # decode: one token per prompt
         if query.shape[2] != 1 or attention_mask is not None:
             raise ValueError(f"a decode step runs one token per prompt without a mask, got query {tuple(query.shape)}")
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-        out = _SEAM.attend(module.layer_idx, query[:, :, 0], key[:, :, 0], value[:, :, 0], scale, kwargs.get("s_aux"))
+        out = _SEAM.attend(layer, query[:, :, 0], key[:, :, 0], value[:, :, 0], scale, kwargs.get("s_aux"))
         return out.unsqueeze(1), None
     if _SEAM.capture is not None:
-        _SEAM.capture(module.layer_idx, key, value)
+        _SEAM.capture(layer, key, value)
     return titan_cp_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 
@@ -84,12 +99,13 @@ class HFRunner:
                 f"{type(hf).__name__} runs attn_implementation={hf.config._attn_implementation!r}; build it with "
                 "titan_cp.generate.hf_runner.build_hf_model"
             )
-        self.head = plain_head(hf)
-        if self.head is None:
+        head = plain_head(hf)
+        if head is None:
             raise ValueError(
                 f"{type(hf).__name__}: titan_cp.generate takes the logits from a plain output head (logits = "
                 "lm_head(hidden)); this family's forward changes them (e.g. final logit soft-capping)"
             )
+        self.head: nn.Linear = head
         self.decoder = hf.get_decoder()
         modules = attention_modules(hf)
         self.masks = [(getattr(m, BINDING).window, getattr(m, BINDING).chunk) for m in modules]
@@ -98,7 +114,7 @@ class HFRunner:
         self.vocab_size = self.head.out_features
         self.device = self.head.weight.device
 
-    def hidden(self, tokens: Tensor, positions: Tensor, doc_lens, capture: Capture | None = None) -> Tensor:
+    def hidden(self, tokens: Tensor, positions: Tensor, doc_lens: Tensor, capture: Capture | None = None) -> Tensor:
         """The decoder's last hidden states (after its final norm) ``(1, S_local, D)``."""
         with _seam(capture=capture):
             out = self.decoder(input_ids=tokens, position_ids=positions, cp_doc_lens=doc_lens, use_cache=False)
@@ -114,14 +130,15 @@ class HFRunner:
 
 
 def build_hf_model(
-    folder, dims=None, strategy: str = DEFAULT_STRATEGY, balance: str = DEFAULT_BALANCE, device="cpu"
+    folder: str | Path,
+    dims: ParallelDims | None = None,
+    strategy: str = DEFAULT_STRATEGY,
+    balance: str = DEFAULT_BALANCE,
+    device: torch.device | str = "cpu",
 ) -> nn.Module:
     """The causal LM of the Hugging Face folder ``folder`` (``model.hf_assets_path``) on ``device``,
     context-parallel over the cp mesh of ``dims`` (``None``: one device) as the trainer builds it
     (no FSDP, AC or compile), attention :data:`GENERATE_ATTENTION`; weights to be loaded."""
-    from titan_cp.mesh import ParallelDims  # noqa: PLC0415
-    from titan_cp.parallel.build import ParallelizeOptions  # noqa: PLC0415
-
     if dims is None:
         dims = ParallelDims(1, 1, 1, 1, 1, 1)
     options = ParallelizeOptions(cp_strategy=strategy, cp_balance=balance)

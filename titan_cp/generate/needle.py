@@ -64,7 +64,8 @@ def needle_case(tokenizer: Tokenizer, length: int, depth: float, trial: int, see
             f"({len(fixed)} tokens); give lengths of at least {len(fixed)}"
         )
     pool = [tokenizer.encode(_sentence(rng)) for _ in range(rng.randint(4, 12))]
-    filler, ends = [], [0]
+    filler: list[int] = []
+    ends = [0]
     while len(filler) < room:
         filler += rng.choice(pool)
         ends.append(min(len(filler), room))
@@ -126,7 +127,9 @@ def accuracy_grid(records: Sequence[dict], lengths: Sequence[int], depths: Seque
     return grid
 
 
-def draw_heatmap(grid: Sequence[Sequence[float]], lengths, depths, path: str, title: str) -> None:
+def draw_heatmap(
+    grid: Sequence[Sequence[float]], lengths: Sequence[int], depths: Sequence[float], path: str, title: str
+) -> None:
     """The accuracy heatmap (rows: depth, top to bottom; columns: context length) as a PNG at ``path``."""
     import matplotlib
 

@@ -55,7 +55,7 @@ def read_prompts(path: str, continuations: bool = False, key: str = "generate.pr
         if not text.strip():
             raise UserError(f"{where} is empty: it holds no prompt")
         return [PromptRecord(0, text, None, where)]
-    records = []
+    records: list[PromptRecord] = []
     for line_no, line in enumerate(read_bytes(path, where).splitlines(), start=1):
         if not line.strip():
             continue

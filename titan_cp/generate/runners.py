@@ -1,6 +1,6 @@
-"""What generation asks of a model (the runner contract), and the runner of titan_cp's Llama; Hugging
-Face models' runner is :mod:`.hf_runner`. A model's family picks its runner
-(:meth:`titan_cp.families.ModelFamily.runner`).
+"""What generation asks of a model (the runner contract, :class:`Runner`) and the runner of titan_cp's
+Llama; Hugging Face models' runner is :mod:`.hf_runner`. Which runner a model gets is its family's
+(:mod:`.registry`).
 
 A *runner* wraps a model already made context-parallel as in training and answers::
 
@@ -22,19 +22,44 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Protocol, cast
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.layout import DEFAULT_BALANCE
-from titan_cp.model.llama import MAX_POSITIONS, ModelArgs, Transformer, rope_cos_sin, rope_frequencies
+from titan_cp.mesh import ParallelDims
+from titan_cp.model.llama import (
+    MAX_POSITIONS,
+    InnerAttention,
+    ModelArgs,
+    Transformer,
+    TransformerBlock,
+    rope_cos_sin,
+    rope_frequencies,
+)
 from titan_cp.parallel.build import cp_mesh
 from titan_cp.parallel.cp import apply_cp
 from titan_cp.parallel.tp import apply_tp
 
 Capture = Callable[[int, Tensor, Tensor], None]
 Attend = Callable[[int, Tensor, Tensor, Tensor, float, "Tensor | None"], Tensor]
+
+
+class Runner(Protocol):
+    """What generation asks of a model (module docstring)."""
+
+    masks: list[tuple[int | None, int | None]]
+    max_seq_len: int
+    vocab_size: int
+    device: torch.device
+
+    def hidden(self, tokens: Tensor, positions: Tensor, doc_lens: Tensor, capture: Capture | None = None) -> Tensor: ...
+
+    def decode_hidden(self, tokens: Tensor, positions: Tensor, attend: Attend) -> Tensor: ...
+
+    def logits(self, h: Tensor) -> Tensor: ...
 
 
 class LlamaRunner:
@@ -45,10 +70,11 @@ class LlamaRunner:
         self.max_seq_len, self.vocab_size = MAX_POSITIONS, args.vocab_size  # args.max_seq_len is informational
         self.device = model.norm.weight.device
         self.freqs = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling, self.device)
-        self.inner = [layer.attention.inner_attention for layer in model.layers.values()]
+        self.blocks = [cast(TransformerBlock, layer) for layer in model.layers.values()]
+        self.inner = [cast(InnerAttention, block.attention.inner_attention) for block in self.blocks]
         self.masks = [(m.window, m.chunk) for m in self.inner]
 
-    def hidden(self, tokens: Tensor, positions: Tensor, doc_lens, capture: Capture | None = None) -> Tensor:
+    def hidden(self, tokens: Tensor, positions: Tensor, doc_lens: Tensor, capture: Capture | None = None) -> Tensor:
         """The model's forward without the final norm and output, ``(1, S_local, D)``; ``capture`` gets
         each layer's K/V from a forward pre-hook on its attention core."""
         hooks = []
@@ -58,8 +84,8 @@ class LlamaRunner:
         try:
             cos, sin = rope_cos_sin(positions, self.freqs)
             h = self.model.tok_embeddings(tokens)
-            for layer in self.model.layers.values():
-                h = layer(h, cos, sin, doc_lens)
+            for block in self.blocks:
+                h = block(h, cos, sin, doc_lens)
             return h
         finally:
             for hook in hooks:
@@ -71,24 +97,27 @@ class LlamaRunner:
         cos, sin = rope_cos_sin(positions, self.freqs)
         saved = [inner.__dict__.get("forward") for inner in self.inner]
         for i, inner in enumerate(self.inner):
-            inner.forward = functools.partial(_decode_core, attend, i, inner)
+            inner.forward = functools.partial(_decode_core, attend, i, inner)  # type: ignore[method-assign]
         try:
             h = self.model.tok_embeddings(tokens)
-            for layer in self.model.layers.values():
-                h = layer(h, cos, sin, None)
+            for block in self.blocks:
+                h = block(h, cos, sin, None)
             return h[:, 0]
         finally:
             for inner, forward in zip(self.inner, saved):
                 if forward is None:
                     del inner.forward
                 else:
-                    inner.forward = forward
+                    inner.forward = forward  # type: ignore[method-assign]
 
     def logits(self, h: Tensor) -> Tensor:
+        assert self.model.norm is not None and self.model.output is not None, "a whole model, not a pipeline stage"
         return self.model.output(self.model.norm(h)).float()
 
 
-def _decode_core(attend: Attend, layer: int, inner: nn.Module, q: Tensor, k: Tensor, v: Tensor, doc_lens) -> Tensor:
+def _decode_core(
+    attend: Attend, layer: int, inner: InnerAttention, q: Tensor, k: Tensor, v: Tensor, doc_lens: Tensor | None
+) -> Tensor:
     """An attention core's forward in decode: ``q (B, H, 1, E)``, ``k, v (B, K, 1, E)`` -> ``(B, H, 1, E)``."""
     out = attend(layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], q.shape[-1] ** -0.5, inner.local_sinks())
     return out.unsqueeze(2)
@@ -96,10 +125,10 @@ def _decode_core(attend: Attend, layer: int, inner: nn.Module, q: Tensor, k: Ten
 
 def build_generation_model(
     args: ModelArgs,
-    dims=None,
+    dims: ParallelDims | None = None,
     strategy: str = DEFAULT_STRATEGY,
     balance: str = DEFAULT_BALANCE,
-    device="cpu",
+    device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> Transformer:
     """``args``' model on ``device``, parallelized for generation over the mesh of ``dims`` (a

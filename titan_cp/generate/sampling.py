@@ -12,6 +12,7 @@ falls on another token only if it lands that close to a boundary of the cumulati
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,7 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generators(self, prompt_indices) -> list[torch.Generator | None]:
+    def generators(self, prompt_indices: Sequence[int]) -> list[torch.Generator | None]:
         """One host generator per prompt (``None`` for greedy), seeded by ``(seed, prompt index)``."""
         if self.greedy:
             return [None] * len(prompt_indices)

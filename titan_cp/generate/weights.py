@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Literal
 
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_cp import checkpoint
-from titan_cp.families import ModelSpec, get_family
+from titan_cp.families import ModelSpec
+from titan_cp.preflight import check_model
 
 if TYPE_CHECKING:
     from titan_cp.config import JobConfig
@@ -35,7 +37,7 @@ _WHOLE = "point it at a checkpoint that is whole"
 
 def model_spec(cfg: JobConfig, vocab_size: int) -> ModelSpec:
     """The model ``cfg`` names, with the tokenizer's ``vocab_size`` (titan_cp's Llama takes it as its own)."""
-    return get_family(cfg.model.name).generation_spec(cfg, vocab_size)
+    return check_model(cfg).generation_spec(cfg, vocab_size)
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,11 @@ def _saved_shapes(source: WeightSource) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor ``source`` holds under the model's names (DCP metadata or safetensors headers)."""
     if source.kind == "safetensors":
         metadata = dcp.HuggingFaceStorageReader(str(source.path)).read_metadata()
-        return {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if not k.endswith("inv_freq")}
+        return {
+            k: tuple(m.size)
+            for k, m in metadata.state_dict_metadata.items()
+            if not k.endswith("inv_freq") and isinstance(m, TensorStorageMetadata)
+        }
     prefix = "model." if source.kind == "titan_cp" else ""
     metadata = checkpoint.read_metadata(source.path, source.where, _WHOLE)
     return {

@@ -23,6 +23,8 @@ token would lose its target (or take another shard's first token, another docume
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -61,9 +63,17 @@ def _host(batch, key: str) -> Tensor | None:
     return x.cpu()
 
 
-def _from_cu(cu: Tensor, b: int, s: int) -> list[list[int]]:
+def _input_ids(batch) -> Tensor:
+    """``input_ids`` on the host (:func:`_check_keys` has refused a batch without them)."""
+    ids = _host(batch, "input_ids")
+    if ids is None:
+        raise ValueError("the batch has no input_ids")
+    return ids
+
+
+def _from_cu(cu_tensor: Tensor, b: int, s: int) -> list[list[int]]:
     """Rows of document lengths from cumulative lengths over the ``b * s`` flattened tokens."""
-    cu = cu.flatten().tolist()
+    cu: list[int] = cu_tensor.flatten().tolist()
     if cu[0] != 0 or cu[-1] != b * s or any(x >= y for x, y in zip(cu, cu[1:])):
         raise ValueError(
             f"cu_seq_lens must rise strictly from 0 to the batch's {b} x {s} tokens, got {cu[:8]}{'...' * (len(cu) > 8)}"
@@ -71,7 +81,7 @@ def _from_cu(cu: Tensor, b: int, s: int) -> list[list[int]]:
     missing = sorted({r * s for r in range(1, b)} - set(cu))
     if missing:
         raise ValueError(f"cu_seq_lens has a document across a row boundary (no boundary at token {missing[0]})")
-    rows = [[] for _ in range(b)]
+    rows: list[list[int]] = [[] for _ in range(b)]
     for start, end in zip(cu, cu[1:]):
         rows[start // s].append(end - start)
     return rows
@@ -165,6 +175,7 @@ def _shifted_labels(batch, ids: Tensor, rows: list[list[int]]) -> Tensor | None:
     if labels is None and shift is None:
         return None
     given = labels if labels is not None else shift
+    assert given is not None
     if tuple(given.shape) != tuple(ids.shape):
         name = "labels" if labels is not None else "shift_labels"
         raise ValueError(f"{name} has shape {tuple(given.shape)}, input_ids {tuple(ids.shape)}")
@@ -173,6 +184,7 @@ def _shifted_labels(batch, ids: Tensor, rows: list[list[int]]) -> Tensor | None:
         shifted = torch.full_like(labels, IGNORE_INDEX)
         shifted[:, :-1] = labels[:, 1:]
     else:
+        assert shift is not None  # one of the two is given (above)
         _check_shifted(shift, ids)
         shifted = shift.clone()
     shifted[_doc_ends(rows)] = IGNORE_INDEX
@@ -197,7 +209,7 @@ def count_loss_tokens(batch) -> int:
     """The loss-bearing tokens of ``batch`` (an HF-style mapping as :func:`shard_batch` takes it): targets
     that are not -100 once the labels are shifted inside each document; what ``shard_batch`` counts."""
     _check_keys(batch)
-    ids = _host(batch, "input_ids")
+    ids = _input_ids(batch)
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(ids.shape)}")
     shifted = _shifted_labels(batch, ids, _documents(batch, *ids.shape))
@@ -343,7 +355,7 @@ def shard_batch(
     """
     _check_keys(batch)
     device = torch.as_tensor(batch["input_ids"]).device if device is None else torch.device(device)
-    ids = _host(batch, "input_ids")
+    ids = _input_ids(batch)
     if ids.dim() != 2 or ids.dtype.is_floating_point:
         raise ValueError(f"input_ids must be (batch, seq_len) integers, got {ids.dtype} of shape {tuple(ids.shape)}")
     b, s = ids.shape
@@ -370,7 +382,7 @@ def shard_batch(
     def local(x: Tensor) -> Tensor:
         return to_device(layout.shard(x, 1, rank), device)
 
-    out = {"input_ids": local(ids), "position_ids": local(_doc_positions(rows))}
+    out: dict[str, Any] = {"input_ids": local(ids), "position_ids": local(_doc_positions(rows))}
     if shifted is not None:
         n = _loss_count(shifted, num_items_in_batch, dp_mesh)
         out["labels"] = out["shift_labels"] = local(shifted)

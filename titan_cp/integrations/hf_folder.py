@@ -31,10 +31,12 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from titan_cp.errors import UserError, process_rank
@@ -176,7 +178,8 @@ def build_parallel_hf_model(path, parallel_dims, options, device, fsdp: bool = T
     ``fsdp`` false: no FSDP whatever the mesh (generation keeps the weights whole on every cp rank)."""
     builder = HFBuilder(str(path))
     built = parallel_build.build_parallel_model(builder, parallel_dims, options, device, fsdp=fsdp)
-    return built.parts[0], builder.args
+    assert builder.args is not None, "HFBuilder.meta read the model's shapes"
+    return cast(CausalLM, built.parts[0]), builder.args  # the one part HFBuilder.meta built
 
 
 def check_vocab(model, tokenizer_vocab: int) -> None:
@@ -192,7 +195,8 @@ def check_vocab(model, tokenizer_vocab: int) -> None:
 def _ties(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
     """``(owner, name, other owner, other name)`` of every parameter registered under a second name
     (tied embeddings), read on the ``meta`` model before anything is allocated."""
-    first, ties = {}, []
+    first: dict[int, tuple[nn.Module, str]] = {}
+    ties: list[tuple[nn.Module, str, nn.Module, str]] = []
     for owner in model.modules():
         for name, p in owner.named_parameters(recurse=False, remove_duplicate=False):
             if id(p) in first:
@@ -233,7 +237,11 @@ def load_hf_weights(model, path, key: str = "checkpoint.initial_load_path") -> N
     if not folder.is_dir() or not any(folder.glob("*.safetensors")):
         raise ValueError(f"{key} = {str(path)!r} holds no *.safetensors files (a Hugging Face model folder)")
     reader = dcp.HuggingFaceStorageReader(str(folder))
-    saved = {k: tuple(m.size) for k, m in reader.read_metadata().state_dict_metadata.items()}
+    saved = {
+        k: tuple(m.size)
+        for k, m in reader.read_metadata().state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
     state = _unique_state(model)
     for name, t in state.items():
         if name not in saved:

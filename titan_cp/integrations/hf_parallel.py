@@ -38,6 +38,8 @@ class CausalLM(nn.Module):
     itself is kept as ``hf_model``, not as a submodule.
     """
 
+    hf_model: nn.Module  # set in __init__, outside the module registry
+
     def __init__(self, model: nn.Module):
         super().__init__()
         hf = hf_model_of(model)
@@ -74,6 +76,7 @@ class CausalLM(nn.Module):
                 return logits
             loss = token_loss_sum(logits, labels)
             return (loss.detach(), logits.argmax(-1)) if predict else loss
+        assert self.decoder_name is not None  # a plain head is found only beside a decoder (__init__)
         h = getattr(self, self.decoder_name)(**kwargs).last_hidden_state
         if labels is None:
             return self.head(h)
@@ -96,5 +99,6 @@ def hf_adapter(model: nn.Module, attach_cp) -> ParallelAdapter | None:
         model,
         layer_list(model),
         lambda mesh, strategy, balance, kernel: attach_cp(model, mesh, strategy, balance, kernel),
+        family="hf",
         embedding=None if tied else embed,
     )

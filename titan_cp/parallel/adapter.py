@@ -3,6 +3,7 @@
 ::
 
     root        the model (or pipeline stage) itself: FSDP's last unit
+    family      the name of its model family (:mod:`titan_cp.families`): the one way a model's family is told
     blocks      the container of its transformer blocks (``nn.ModuleDict`` or ``nn.ModuleList``),
                 whose entries AC and compile replace in place and FSDP shards one by one
     embedding   the input embedding, sharded on its own (``None``: absent from this stage, or tied
@@ -36,6 +37,7 @@ class ParallelAdapter:
     root: nn.Module
     blocks: nn.ModuleDict | nn.ModuleList
     attach_cp: Callable[..., None]
+    family: str
     embedding: nn.Module | None = None
     tail: list[nn.Module] = field(default_factory=list)
     head_unit: list[nn.Module] = field(default_factory=list)

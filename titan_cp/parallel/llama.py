@@ -20,6 +20,7 @@ def llama_adapter(model: nn.Module) -> ParallelAdapter | None:
         model,
         model.layers,
         lambda mesh, strategy, balance, kernel: llama_cp(model, mesh, strategy, balance, kernel),
+        family="llama3",
         embedding=model.tok_embeddings,
         tail=tail,
         head_unit=tail if len(tail) == 2 else [],

@@ -9,10 +9,11 @@ import os
 from pathlib import Path
 
 from titan_cp.attention.strategy import get_strategy
+from titan_cp.config import load_config
 from titan_cp.data.row_mixes import ROW_MIXES
 from titan_cp.errors import plural
 from titan_cp.plan.devices import GB, GPUS, INTER, INTRA, device
-from titan_cp.plan.search import Estimate, PlanResult, plan
+from titan_cp.plan.search import Estimate, PlanResult, max_seq_len, plan
 
 USAGE = """The planner: which mesh and CP strategy to run, before spending a GPU-hour.
 
@@ -229,9 +230,6 @@ MAX_SEQ_DEFAULTS = {  # --max-seq plans one row per rank under full AC unless th
 
 
 def _print_max_seq(args: argparse.Namespace, rest: list[str]) -> int:
-    from titan_cp.config import load_config  # noqa: PLC0415 - as main
-    from titan_cp.plan.search import max_seq_len  # noqa: PLC0415
-
     given = {a.split("=")[0] for a in rest}
     defaults = [x for k, v in MAX_SEQ_DEFAULTS.items() if k not in given for x in (k, v)]
     job_config = load_config(defaults + rest)
@@ -324,8 +322,6 @@ def plot_path(value: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Plan and print (module docstring); bad options and config keys raise ``ValueError`` naming them
     (``titan_cp.errors.run_cli`` prints the one line and exits 2)."""
-    from titan_cp.config import load_config
-
     args, rest = parser().parse_known_args(argv)
     check_args(args)
     if args.max_seq:

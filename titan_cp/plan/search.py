@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from titan_cp.ac_modes import ac_mode_and_every
 from titan_cp.attention.strategy import get_strategy, strategy_names
+from titan_cp.config.training import MAX_SEQ_LEN
 from titan_cp.data.row_mixes import make_rows
 from titan_cp.errors import plural
 from titan_cp.families import get_family
@@ -18,6 +19,7 @@ from titan_cp.plan.cost import Cost, Setting, Stack, attention_work, step_cost
 from titan_cp.plan.devices import GB, HEADROOM, Device, device
 from titan_cp.plan.memory import HostOptions, RankMemory, Sharding, pipeline_stages, rank_memory
 from titan_cp.plan.problem import LOCAL, Candidate, Workload, pipeline
+from titan_cp.preflight import check_model
 
 NEAR_FASTEST = 0.98  # plans within 2% of the fastest are ranked by memory to spare
 MEMORY_STEP = 2 * GB
@@ -214,7 +216,7 @@ def reason(e: Estimate) -> str:
 def workload_of(job_config, gpu: str, doc_mix: str, seed: int, host_gb: float = 2000.0) -> tuple[Workload, str]:
     """The config's :class:`Workload` and the activation checkpointing it is planned with
     (op-level selective checkpointing is planned as full: an upper bound on memory and time)."""
-    t, p, m = job_config.training, job_config.parallelism, job_config.model
+    t, p = job_config.training, job_config.parallelism
     mode, every = ac_mode_and_every(
         job_config.activation_checkpoint.mode, job_config.activation_checkpoint.selective_ac_option
     )
@@ -222,7 +224,7 @@ def workload_of(job_config, gpu: str, doc_mix: str, seed: int, host_gb: float = 
         mode, every = "full", 1
     rows = tuple(tuple(r) for r in make_rows(doc_mix, t.seq_len, t.local_batch_size, seed))
     w = Workload(
-        args=get_family(m.name).planner_args(job_config),
+        args=check_model(job_config).planner_args(job_config),
         seq_len=t.seq_len,
         rows=rows,
         balance=p.context_parallel_load_balancer,
@@ -373,7 +375,6 @@ def max_seq_len(
 ) -> tuple[int, PlanResult | None]:
     """The longest ``training.seq_len`` (a multiple of :data:`SEQ_GRANULE`, at most 2**24) whose plan fits
     (options escalated as :func:`plan` does), and that plan; ``(0, None)`` when not even one granule fits."""
-    from titan_cp.config.training import MAX_SEQ_LEN  # noqa: PLC0415
 
     def config(n: int):
         return dataclasses.replace(job_config, training=dataclasses.replace(job_config.training, seq_len=n))

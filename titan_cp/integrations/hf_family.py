@@ -1,17 +1,30 @@
 """``model.name = "hf"``: the Hugging Face causal LM of the folder ``model.hf_assets_path``.
 
-Built, parallelized (CP, AC, compile, FSDP; not TP or PP), loaded and exported by
-:mod:`titan_cp.integrations.hf_folder`; ``transformers`` is imported only when a method runs
-(it stays optional for the Llama).
+A model family (:mod:`titan_cp.families`) registered from here, above the family layer, as the
+Hugging Face parallel adapter is (docs/architecture.md); :mod:`titan_cp.preflight` imports this
+module, so every entry point that checks a job knows the family. Built, parallelized (CP, AC,
+compile, FSDP; not TP or PP), loaded and exported by :mod:`titan_cp.integrations.hf_folder`;
+``transformers`` is imported only when a method runs (it stays optional for the Llama).
 """
 
 from __future__ import annotations
 
-import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
 
 from titan_cp.families.base import ModelFamily, ModelSpec, register_family
+from titan_cp.integrations.hf_model import plain_head, text_config
+from titan_cp.integrations.hf_parallel import CausalLM
 from titan_cp.model import hf_checkpoint, hf_shapes
 from titan_cp.parallel.build import ModelParts
+
+if TYPE_CHECKING:
+    from titan_cp.config import JobConfig, Model
+    from titan_cp.mesh import ParallelDims
+    from titan_cp.parallel.build import ParallelizeOptions
 
 _NAME = "model.name = 'hf'"
 
@@ -21,14 +34,14 @@ class HuggingFace(ModelFamily):
 
     name = "hf"
 
-    def check_section(self, model) -> None:
+    def check_section(self, model: Model) -> None:
         if not model.hf_assets_path:
             raise ValueError(
                 f"{_NAME} needs model.hf_assets_path: the Hugging Face model folder (config.json, "
                 "tokenizer, *.safetensors)"
             )
 
-    def check_keys(self, cfg) -> None:
+    def check_keys(self, cfg: JobConfig) -> None:
         """What titan_cp builds for Hugging Face models (FSDP, CP, AC, compile; not TP or PP), and
         where their weights come from; the heads are checked against ``config.json`` in :meth:`check_files`."""
         p, c = cfg.parallelism, cfg.checkpoint
@@ -52,42 +65,51 @@ class HuggingFace(ModelFamily):
                 "(e.g. to model.hf_assets_path) and checkpoint.initial_load_in_hf = true"
             )
 
-    def check_files(self, cfg) -> None:
+    def check_files(self, cfg: JobConfig) -> None:
         from titan_cp.integrations.hf_folder import check_job  # noqa: PLC0415 - transformers is optional
 
         check_job(cfg)
 
-    def build_parallel(self, cfg, dims, options, device, vocab_size: int, loss_fn=None):
+    def build_parallel(
+        self,
+        cfg: JobConfig,
+        dims: ParallelDims,
+        options: ParallelizeOptions,
+        device: torch.device | str,
+        vocab_size: int,
+        loss_fn: Any = None,
+    ) -> tuple[ModelParts, Any]:
         from titan_cp.integrations import hf_folder  # noqa: PLC0415 - transformers is optional
 
         model, args = hf_folder.build_parallel_hf_model(cfg.model.hf_assets_path, dims, options, device)
         hf_folder.check_vocab(model, vocab_size)
         return ModelParts([model]), args
 
-    def load_hf(self, parts, path, shapes, key="checkpoint.initial_load_path") -> None:
+    def load_hf(
+        self, parts: list[nn.Module], path: str | Path, shapes: Any, key: str = "checkpoint.initial_load_path"
+    ) -> None:
         from titan_cp.integrations import hf_folder  # noqa: PLC0415 - transformers is optional
 
         hf_folder.load_hf_weights(parts[0], path, key=key)
 
-    def save_hf(self, parts, folder, shapes, assets=None):
+    def save_hf(self, parts: list[nn.Module], folder: str | Path, shapes: Any, assets: str | None = None) -> Path:
         """Safetensors under ``transformers``' own names, ``config.json`` and the tokenizer files of ``assets``."""
         from titan_cp.integrations import hf_folder  # noqa: PLC0415 - transformers is optional
 
         return hf_folder.save_weights(parts[0], folder, assets)
 
-    def planner_args(self, cfg):
+    def planner_args(self, cfg: JobConfig) -> hf_shapes.HFShapes:
+        assert cfg.model.hf_assets_path, "check_section: model.name = 'hf' names its folder"
         return hf_shapes.hf_model_args(cfg.model.hf_assets_path)  # config.json alone: no transformers
 
     def builds(self, axis: str) -> bool:
         return axis not in ("tp", "pp")  # FSDP and context parallelism only
 
-    def plan_label(self, cfg, shapes) -> str:
+    def plan_label(self, cfg: JobConfig, shapes: Any) -> str:
         return shapes.name
 
-    def generation_spec(self, cfg, vocab_size: int) -> ModelSpec:
+    def generation_spec(self, cfg: JobConfig, vocab_size: int) -> ModelSpec:
         from titan_cp.integrations import hf_folder  # noqa: PLC0415 - transformers is optional
-        from titan_cp.integrations.hf_model import plain_head, text_config  # noqa: PLC0415 - transformers is optional
-        from titan_cp.integrations.hf_parallel import CausalLM  # noqa: PLC0415 - transformers is optional
 
         path = cfg.model.hf_assets_path
         what = self.describe(cfg.model)
@@ -108,33 +130,12 @@ class HuggingFace(ModelFamily):
         bound = "config.json's max_position_embeddings"
         return ModelSpec(self, what, max_len, shapes, folder=path, aliases=aliases, bound=bound)
 
-    def build_for_generation(self, spec, dims, strategy, balance, device):
-        from titan_cp.generate.hf_runner import build_hf_model  # noqa: PLC0415 - transformers is optional; titan_cp.generate imports the families
-
-        return build_hf_model(spec.folder, dims, strategy, balance, device)
-
-    def owns(self, model) -> bool:
-        if "transformers" not in sys.modules:  # no Hugging Face model can exist yet: nothing to import
-            return False
-        try:
-            from titan_cp.integrations.hf_model import hf_model_of  # noqa: PLC0415 - transformers is optional
-
-            hf_model_of(model)
-        except (ImportError, ValueError):
-            return False
-        return True
-
-    def runner(self, model):
-        from titan_cp.generate.hf_runner import HFRunner  # noqa: PLC0415 - transformers is optional
-
-        return HFRunner(model)
-
-    def check_hf_weights(self, source, spec) -> bool:
+    def check_hf_weights(self, source: Any, spec: ModelSpec) -> bool:
         """The folder and its ``config.json``; the tensors are compared by name and shape after."""
         hf_checkpoint.check_hf_folder(source.path, source.key)
         return False
 
-    def describe(self, model_cfg) -> str:
+    def describe(self, model_cfg: Model) -> str:
         return f"model.hf_assets_path = {model_cfg.hf_assets_path!r}"
 
     def mismatch_fix(self, what: str) -> str:
