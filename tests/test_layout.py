@@ -192,7 +192,7 @@ def test_doc_local_counts_the_rows_the_exchange_sends(mean, sigma, seed, window)
 
     lens = lognormal_doc_lens(131072, mean, seed=seed, sigma=sigma)
     layout = SequenceLayout(131072, 8, "doc_local", [list(lens)])
-    rows = [exchanged_rows(layout, r, 8, lambda i: (i,), Mask(window=window), 1) for r in range(8)]
+    rows = [exchanged_rows(layout, r, 8, 1, Mask(window=window), 1) for r in range(8)]
     k = torch.empty(1, 8, 131072 // 8, 128, dtype=torch.bfloat16, device="meta")
     gather = max(ring_bytes(k, s, g, True, resend=False) for s, g in rows)
     sends = doc_local._choose(list(lens), 8).sends(window)
@@ -228,7 +228,7 @@ def test_doc_local_sets_its_send_cap_by_the_even_cut_sending_least_under_windows
 
     layout = SequenceLayout(131072, 8, "doc_local", [lognormal_doc_lens(131072, 1024, seed=3, sigma=1.0)])
     k = torch.empty(1, 8, 131072 // 8, 128, dtype=torch.bfloat16, device="meta")
-    window, ranks = Mask(window=1024), lambda i: (i,)
+    window, ranks = Mask(window=1024), 1
     sent = max(
         ring_bytes(
             k,

@@ -136,3 +136,123 @@ def test_causal_counts_in_closed_form_equal_the_plans():
                 assert causal_counts(layout, q, k, 2) == want, (layout.balance, cp, q, k)
                 checked += 1
     assert checked > 200
+
+
+# ---- closed forms of the one-document zigzag (the planner at tens of thousands of ranks) -----------------
+
+
+def test_doc_local_of_one_document_of_whole_blocks_is_what_choose_keeps():
+    """``doc_local`` on one document of a multiple of 2N kernel blocks keeps the even zigzag without trying its
+    assignments (each costs N^2 on one document: 65,536 GPUs' layouts never finished): equal to ``_choose``."""
+    from titan_cp import doc_local  # noqa: PLC0415
+
+    for n in (2, 3, 4, 5, 8, 12, 16, 32):
+        for blocks in (1, 2, 3, 5):
+            length = 2 * n * doc_local.BLOCK * blocks
+            want = [sorted(p) for p in doc_local._choose([length], n).pieces]
+            assert doc_local.doc_local_pieces([length], n) == want, (n, length)
+            assert SequenceLayout(length, n, "doc_local", [[length]]).zigzag_chunk() == length // (2 * n)
+
+
+def _general(monkeypatch):
+    """The general per-pair code: no layout is taken for the closed form's."""
+    from titan_cp import layout as layout_module  # noqa: PLC0415
+    from titan_cp.plan.cost import attention_work  # noqa: PLC0415
+
+    monkeypatch.setattr(SequenceLayout, "zigzag_chunk", lambda self: None)
+    layout_module._LAYOUT_CACHE.clear()
+    attention_work.cache_clear()
+
+
+def test_zigzag_closed_forms_equal_the_general_counts(monkeypatch):
+    """On the even zigzag of one document a row every group's counts on every other group come in closed form:
+    the pairs, query and key rows of each pair of Ulysses groups and whether its keys' gradients go home in
+    fp32 (``zigzag_counts``), what each ring rank sends, receives and gets back in fp32, and the planner's
+    pairs and merged rows per ring step equal the mask plans' (for zigzag, doc_local and doc_zigzag, one
+    and two rows, chunks of one token to several blocks)."""
+    from titan_cp import layout as layout_module  # noqa: PLC0415
+    from titan_cp.attention.mask_plans import CAUSAL, causal_counts, make_plan, zigzag_counts  # noqa: PLC0415
+    from titan_cp.attention.ring import _read_once, exchanged_rows, fp32_returned_rows  # noqa: PLC0415
+    from titan_cp.plan.cost import attention_work  # noqa: PLC0415
+
+    cases = [("zigzag", n, c, rows) for n in (2, 3, 4, 6, 8) for c in (1, 3, 200) for rows in (None, 1, 2)]
+    cases += [
+        (b, n, c, rows) for b in ("doc_local", "doc_zigzag") for n in (2, 4, 6) for c in (128, 256) for rows in (1, 2)
+    ]
+    closed, checked = {}, 0
+    for balance, n, c, rows in cases:
+        seq = 2 * n * c
+        doc_lens = None if rows is None else [[seq]] * rows
+        layout = SequenceLayout(seq, n, balance, doc_lens)
+        assert layout.zigzag_chunk() == c, (balance, n, c)
+        for u in (d for d in range(1, n + 1) if n % d == 0):
+            ring, group = n // u, lambda g: tuple(range(g * u, (g + 1) * u))  # noqa: B023
+            for g in range(ring):
+                for h in range(ring):
+                    plan = make_plan(layout, group(g), group(h), CAUSAL)
+                    fp32 = None if g == h else _read_once(plan, 2) == "fp32"
+                    assert zigzag_counts(layout, g, h, u, 2) == (*causal_counts(layout, group(g), group(h), 2), fp32)
+                    checked += 1
+            key = (balance, n, c, rows, u)
+            closed[key] = [
+                (exchanged_rows(layout, g, ring, u, CAUSAL, 2), fp32_returned_rows(layout, g, ring, u, CAUSAL, 2))
+                for g in range(ring)
+            ]
+            closed[key].append(attention_work(seq, n, ring, u, balance, ((seq,),) * (rows or 2)))
+    assert checked > 1000
+    _general(monkeypatch)
+    for (balance, n, c, rows, u), want in closed.items():
+        layout, ring, seq = (
+            SequenceLayout(2 * n * c, n, balance, None if rows is None else [[2 * n * c]] * rows),
+            n // u,
+            2 * n * c,
+        )
+        got = [
+            (exchanged_rows(layout, g, ring, u, CAUSAL, 2), fp32_returned_rows(layout, g, ring, u, CAUSAL, 2))
+            for g in range(ring)
+        ]
+        got.append(attention_work(seq, n, ring, u, balance, ((seq,),) * (rows or 2)))
+        assert got == want, (balance, n, c, rows, u)
+    layout_module._LAYOUT_CACHE.clear()
+    attention_work.cache_clear()
+
+
+def test_the_planner_counts_a_one_document_ring_of_4096_ranks_without_a_pair_of_ranks(monkeypatch):
+    """The planner's per-pair counts on one document of 2^24 tokens over 4,096 ranks (ring, all-gather and
+    hybrid): at the start every pair of ranks built a mask plan or closed-form count (16.8 million of each
+    strategy; 65,536 GPUs never answered); now a few, and the layout is made without trying assignments."""
+    import torch  # noqa: PLC0415
+
+    from titan_cp import doc_local  # noqa: PLC0415
+    from titan_cp.attention import mask_plans  # noqa: PLC0415
+    from titan_cp.attention.strategy import get_strategy  # noqa: PLC0415
+    from titan_cp.layout import get_layout  # noqa: PLC0415
+    from titan_cp.plan.cost import attention_work  # noqa: PLC0415
+
+    calls = []
+
+    def counted(f):
+        def inner(*a, **k):
+            calls.append(f.__name__)
+            assert len(calls) < 10_000, "a count per pair of ranks"
+            return f(*a, **k)
+
+        return inner
+
+    for name in ("plan_tiles", "_run_counts"):  # a mask plan's tiles, a closed-form count: each of a pair of groups
+        monkeypatch.setattr(mask_plans, name, counted(getattr(mask_plans, name)))
+
+    def choose(*a):
+        raise AssertionError("the layout of one document tried its assignments (each N^2)")
+
+    monkeypatch.setattr(doc_local, "_choose", choose)
+    seq, n = 2**24, 4096
+    attention_work.cache_clear()
+    work = attention_work(seq, n, n // 2, 2, "doc_local", ((seq,),))
+    assert len(work.steps) == n // 2 and work.total == seq * (seq + 1) // 2
+    layout = get_layout(seq, n, "doc_local", [[seq]])
+    q = torch.empty(1, 8, seq // n, 128, dtype=torch.bfloat16, device="meta")
+    for name, u in (("ring", 1), ("allgather", 1), ("hybrid", 2)):
+        assert get_strategy(name).min_bytes(q, q, n, u, True, layout) > 0
+    assert len(calls) <= 8, calls
+    attention_work.cache_clear()

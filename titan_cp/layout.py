@@ -300,6 +300,22 @@ class SequenceLayout:
             self._runs_cache[cache_key] = _span_runs(pieces, self._doc_starts(key), self.seq_len, chunk)
         return self._runs_cache[cache_key]
 
+    def zigzag_chunk(self) -> int | None:
+        """``c`` when every row is one document held as the even zigzag: rank ``r`` holds positions
+        ``[r c, (r + 1) c)`` and ``[(2N - 1 - r) c, (2N - r) c)`` (``zigzag``, and ``doc_local`` or
+        ``doc_zigzag`` on one document of a multiple of 2N tokens; ``doc_local`` where its blocked cuts
+        are the even one); else ``None``. The per-pair counts of such a layout come in closed form
+        (``attention.mask_plans.zigzag_counts``): every pair of ranks but one's own sees alike."""
+
+        def build() -> int | None:
+            n, c = self.cp_size, self.seq_len // (2 * self.cp_size)
+            if n < 2 or self.seq_len % (2 * n) or any(len(lens) != 1 for lens in self._lens.values()):
+                return None
+            want = lambda r: [(r * c, c), ((2 * n - 1 - r) * c, c)]  # noqa: E731
+            return c if all(spans[r] == want(r) for spans in self._spans.values() for r in range(n)) else None
+
+        return self.memo(("zigzag_chunk",), build)
+
     def _doc_starts(self, key: int) -> list[int]:
         starts, at = [], 0
         for n in self._lens[key]:

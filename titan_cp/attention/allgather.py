@@ -162,8 +162,7 @@ class AllGather(Strategy):
             return ring_bytes(k, sent, recv, backward, resend=False)
         ranks = range(cp) if rank is None else (rank,)
         return max(
-            ring_bytes(k, *exchanged_rows(layout, r, cp, lambda i: (i,), mask, k.shape[0]), backward, resend=False)
-            for r in ranks
+            ring_bytes(k, *exchanged_rows(layout, r, cp, 1, mask, k.shape[0]), backward, resend=False) for r in ranks
         )
 
     def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1, documents=True):

@@ -176,9 +176,9 @@ class Hybrid(HeadExchange):
             ring = max(
                 ring_bytes(
                     k_ring,
-                    *exchanged_rows(layout, g, cp // u, _members(u), mask, b),
+                    *exchanged_rows(layout, g, cp // u, u, mask, b),
                     backward,
-                    fp32=fp32_returned_rows(layout, g, cp // u, _members(u), mask, b) if backward else None,
+                    fp32=fp32_returned_rows(layout, g, cp // u, u, mask, b) if backward else None,
                 )
                 for g in groups
             )

@@ -394,3 +394,32 @@ def causal_counts(layout: SequenceLayout, q_ranks, k_ranks, batch: int) -> tuple
         return total
 
     return layout.memo(("causal_counts", q_ranks, k_ranks, batch), build)
+
+
+def zigzag_counts(layout: SequenceLayout, g: int, h: int, u: int, batch: int) -> tuple[int, int, int, bool | None]:
+    """``causal_counts(layout, G, H, batch)`` and whether ``G``'s plan on ``H``'s keys reads a key row in more
+    than one packed call (its gradients go home in fp32: ``ring._read_once``; ``None`` for ``g == h``, whose
+    keys never travel), in closed form, for groups
+    ``G``, ``H`` of ``u`` consecutive ranks (``g``-th and ``h``-th) of a layout holding the even zigzag of
+    one document a row (:meth:`SequenceLayout.zigzag_chunk` ``c``). Group ``g`` holds the chunks ``g u + i``
+    and ``2N - 1 - g u - i`` (``i < u``) of ``c`` tokens: a later group's first chunks come after all of an
+    earlier group's and its last chunks before them, so every pair of groups sees ``2 u^2`` whole chunk
+    pairs: all of ``G``'s ``2 u c`` query rows see ``u c`` of ``H``'s keys when ``g > h``, ``u c`` of them
+    see all ``2 u c`` when ``g < h``; the group's own, ``u (2u - 1)`` chunk pairs and the ``2u`` causal
+    chunks. Whether keys are read more than once is the same for every pair of groups in one order: read
+    from groups 0 and 1's plan. Equal to the mask plans' counts for every pair in the tests."""
+    c = layout.zigzag_chunk()
+    assert c is not None, "zigzag_counts needs a layout holding the even zigzag of one document a row"
+    b = mask_rows(layout, batch)
+    if g == h:
+        return b * (c * c * u * (2 * u - 1) + u * c * (c + 1)), b * 2 * u * c, b * 2 * u * c, None
+    near, far = (2 * u * c, u * c) if g > h else (u * c, 2 * u * c)
+    # the same for every pair of groups in this order: read on the first two (a plan, built once)
+    first, second = (tuple(range(u, 2 * u)), tuple(range(u))) if g > h else (tuple(range(u)), tuple(range(u, 2 * u)))
+    plan = make_plan(layout, first, second, CAUSAL)
+    return b * 2 * u * u * c * c, b * near, b * far, plan.packed_key_count(batch) != plan.key_row_count(batch)
+
+
+def mask_rows(layout: SequenceLayout, batch: int) -> int:
+    """Rows a plan's counts cover: the layout's rows when it holds documents, else ``batch``."""
+    return batch if layout.doc_lens is None else len(layout.doc_lens)

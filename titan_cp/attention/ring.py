@@ -51,6 +51,7 @@ from titan_cp.attention.mask_plans import (
     head_major,
     make_plan,
     token_major,
+    zigzag_counts,
 )
 from titan_cp.attention.merge import sinks_grad
 from titan_cp.attention.strategy import Strategy, register_strategy
@@ -319,37 +320,52 @@ def kv_block_bytes(act_bytes: int, kv_heads: int, head_dim: int, tokens: int) ->
 
 
 def exchanged_rows(
-    layout: SequenceLayout, ring_rank: int, ring_size: int, members, mask: Mask, batch: int
+    layout: SequenceLayout, ring_rank: int, ring_size: int, u: int, mask: Mask, batch: int
 ) -> tuple[int, int]:
-    """``(rows sent, rows received)`` of K/V by ring rank ``ring_rank`` over one pass of the ring (host only;
-    cached on the layout: the planner asks it for every candidate mesh and strategy sharing the layout)."""
-    groups = tuple(tuple(members(g)) for g in range(ring_size))
+    """``(rows sent, rows received)`` of K/V by ring rank ``ring_rank`` over one pass of a ring of ``ring_size``
+    groups of ``u`` consecutive cp ranks (1: the ring over every rank; hybrid's Ulysses groups) (host only;
+    cached on the layout: the planner asks it for every candidate mesh and strategy sharing the layout; in
+    closed form on the even zigzag of one document a row, :func:`~titan_cp.attention.mask_plans.zigzag_counts`)."""
 
     def build() -> tuple[int, int]:
-        mine = groups[ring_rank]
-        sent = recv = 0
+        if mask == CAUSAL and layout.zigzag_chunk() is not None and ring_size > 1:  # a later group sees u c rows
+            by_later, by_earlier = zigzag_counts(layout, 1, 0, u, batch)[2], zigzag_counts(layout, 0, 1, u, batch)[2]
+            earlier, later = ring_rank, ring_size - 1 - ring_rank
+            return later * by_later + earlier * by_earlier, earlier * by_later + later * by_earlier
+        mine, sent, recv = _members(ring_rank, u), 0, 0
         for s in range(1, ring_size):
             src, dst = (ring_rank - s) % ring_size, (ring_rank + s) % ring_size
-            recv += _key_rows_seen(layout, mine, groups[src], mask, batch)
-            sent += _key_rows_seen(layout, groups[dst], mine, mask, batch)
+            recv += _key_rows_seen(layout, mine, _members(src, u), mask, batch)
+            sent += _key_rows_seen(layout, _members(dst, u), mine, mask, batch)
         return sent, recv
 
-    return layout.memo(("exchanged_rows", ring_rank, groups, mask, batch), build)
+    return layout.memo(("exchanged_rows", ring_rank, ring_size, u, mask, batch), build)
 
 
-def fp32_returned_rows(layout: SequenceLayout, ring_rank: int, ring_size: int, members, mask: Mask, batch: int) -> int:
-    """Rows ring rank ``ring_rank`` receives whose gradients go home in fp32 (read by several packed key rows
-    of their step, :func:`_read_once`); the others' go home in the input dtype (host; cached)."""
-    groups = tuple(tuple(members(g)) for g in range(ring_size))
+def fp32_returned_rows(layout: SequenceLayout, ring_rank: int, ring_size: int, u: int, mask: Mask, batch: int) -> int:
+    """Rows ring rank ``ring_rank`` (of groups of ``u`` consecutive cp ranks, :func:`exchanged_rows`) receives
+    whose gradients go home in fp32 (read by several packed key rows of their step, :func:`_read_once`); the
+    others' go home in the input dtype (host; cached; in closed form on the even zigzag of one document a row)."""
 
     def build() -> int:
-        mine, total = groups[ring_rank], 0
+        if mask == CAUSAL and layout.zigzag_chunk() is not None:
+            if ring_size == 1:
+                return 0
+            _, _, later_rows, later_fp32 = zigzag_counts(layout, 0, 1, u, batch)  # each later group's keys read
+            _, _, earlier_rows, earlier_fp32 = zigzag_counts(layout, 1, 0, u, batch)
+            return (ring_size - 1 - ring_rank) * later_rows * later_fp32 + ring_rank * earlier_rows * earlier_fp32
+        mine, total = _members(ring_rank, u), 0
         for s in range(1, ring_size):
-            plan = make_plan(layout, mine, groups[(ring_rank - s) % ring_size], mask)
+            plan = make_plan(layout, mine, _members((ring_rank - s) % ring_size, u), mask)
             total += plan.key_row_count(batch) if _read_once(plan, batch) == "fp32" else 0
         return total
 
-    return layout.memo(("fp32_returned_rows", ring_rank, groups, mask, batch), build)
+    return layout.memo(("fp32_returned_rows", ring_rank, ring_size, u, mask, batch), build)
+
+
+def _members(g: int, u: int) -> tuple[int, ...]:
+    """The cp ranks of ring rank ``g`` when each ring rank is a group of ``u`` consecutive cp ranks."""
+    return tuple(range(g * u, (g + 1) * u))
 
 
 def _rows_seen(layout: SequenceLayout, q_ranks, k_ranks, mask: Mask, batch: int) -> tuple[int, int]:
@@ -408,9 +424,9 @@ class Ring(Strategy):
             return max(
                 ring_bytes(
                     k,
-                    *exchanged_rows(layout, r, cp, lambda i: (i,), mask, k.shape[0]),
+                    *exchanged_rows(layout, r, cp, 1, mask, k.shape[0]),
                     backward,
-                    fp32=fp32_returned_rows(layout, r, cp, lambda i: (i,), mask, k.shape[0]) if backward else None,
+                    fp32=fp32_returned_rows(layout, r, cp, 1, mask, k.shape[0]) if backward else None,
                 )
                 for r in ranks
             )
