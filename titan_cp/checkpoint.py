@@ -52,13 +52,17 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Sequence, Set
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -66,10 +70,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.tensor import DTensor
 
 from titan_cp.errors import UserError, process_rank
 from titan_cp.model import hf_checkpoint
+from titan_cp.model.llama import ModelArgs
 
 logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -88,7 +94,10 @@ def saved_steps(folder: Path) -> list[int]:
 
 
 def _step_of(path: Path) -> int:
-    return int(_STEP_DIR.match(path.name).group(1))
+    m = _STEP_DIR.match(path.name)
+    if m is None:
+        raise ValueError(f"{path} is not a step-<N> checkpoint folder")
+    return int(m.group(1))
 
 
 def _resume_fix(path: Path) -> str:
@@ -128,7 +137,7 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}{': ' + first if first else ''}{ranks}"
 
 
-def read_metadata(path: Path, what: str, fix: str):
+def read_metadata(path: Path, what: str, fix: str) -> Metadata:
     """The DCP ``Metadata`` of the checkpoint folder ``path``; a ``UserError`` naming ``what``
     (e.g. ``checkpoint step-4``) and ``fix`` when it is missing or cannot be read."""
     if not (path / ".metadata").is_file():
@@ -139,7 +148,7 @@ def read_metadata(path: Path, what: str, fix: str):
         raise UserError(f"{what}: {path / '.metadata'} cannot be read ({_cause(e)}); {fix}") from e
 
 
-def verify_files(path: Path, metadata, what: str, fix: str) -> None:
+def verify_files(path: Path, metadata: Metadata, what: str, fix: str) -> None:
     """Every file the DCP ``metadata`` of ``path`` lists exists and is as long as it says."""
     need: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -230,14 +239,14 @@ class Checkpointer:
     def __init__(
         self,
         folder: str | Path,
-        model_parts,
-        optimizers,
+        model_parts: Sequence[nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer],
         stateful: dict,
         keep_latest_k: int = 0,
         async_mode: str = "disabled",
         exclude_from_loading: tuple[str, ...] = (),
         model_what: str = "model.flavor",
-    ):
+    ) -> None:
         self.folder = Path(folder)
         self.model_parts, self.optimizers, self.stateful = model_parts, optimizers, stateful
         self.keep_latest_k = keep_latest_k
@@ -291,7 +300,9 @@ class Checkpointer:
         dist.barrier()
         state = self._state(model_only=model_only)
         if self.async_mode == "async":
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
+            saving = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
+            # a staged save (an async stager's) answers with its two futures: the upload is the save's end
+            future = saving.upload_completion if isinstance(saving, AsyncSaveResponse) else saving
             self._pending = (future, tmp, final)
             return final
         try:
@@ -423,13 +434,13 @@ class Checkpointer:
         if _rank0():
             logger.info("loaded torchtitan model weights %s", path)
 
-    def load_hf(self, path: str | Path, model_args) -> None:
+    def load_hf(self, path: str | Path, model_args: ModelArgs) -> None:
         """Start from the Hugging Face Llama checkpoint folder ``path``
         (``checkpoint.initial_load_in_hf``): weights only, renamed and q/k permuted
         (``titan_cp.model.hf_checkpoint.load_hf``); shapes and ``config.json`` are checked first."""
         hf_checkpoint.load_hf(self.model_parts, path, model_args, key="checkpoint.initial_load_path")
 
-    def save_hf(self, step: int, model_args) -> Path:
+    def save_hf(self, step: int, model_args: ModelArgs) -> Path:
         """Write the model as a Hugging Face Llama checkpoint to ``<folder>/step-<step>-hf``
         (``checkpoint.last_save_in_hf``; ``titan_cp.model.hf_checkpoint.save_hf``)."""
         return hf_checkpoint.save_hf(self.model_parts, self.folder / f"step-{step}-hf", model_args)
@@ -463,7 +474,7 @@ class Checkpointer:
             )
 
     def _load_path(
-        self, path: Path, metadata, model_only: bool, exclude: set[str] = frozenset(), *, what: str, fix: str
+        self, path: Path, metadata: Metadata, model_only: bool, exclude: Set[str] = frozenset(), *, what: str, fix: str
     ) -> None:
         """Load the checkpoint ``path`` (its DCP ``metadata`` read) into the model and, unless
         ``model_only``, the rest of the state but ``exclude``; ``what``/``fix``: for errors."""
@@ -523,7 +534,7 @@ def _all_ranks(items: list) -> list:
     """``items`` of every rank, concatenated (this rank's alone without a process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return items
-    gathered = [None] * dist.get_world_size()
+    gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, items)
     return [x for rank_items in gathered for x in rank_items]
 

@@ -69,7 +69,7 @@ def work(length: int, offset: int = 0) -> int:
 class _Fill:
     """An assignment in progress: the pieces, room and causal work of each rank."""
 
-    def __init__(self, doc_lens: Sequence[int], n: int):
+    def __init__(self, doc_lens: Sequence[int], n: int) -> None:
         self.n, self.capacity = n, sum(doc_lens) // n
         self.room, self.work = [self.capacity] * n, [0] * n
         self.share = sum(work(length) for length in doc_lens) / n
@@ -131,7 +131,7 @@ class _Fill:
         what a blocked cut saves in kernel blocks outweighs the few rows it moves between ranks."""
         sent, read = [0] * self.n, [0] * self.n
         for pieces in (p for p in self.docs.values() if len({r for r, _, _ in p}) > 1):
-            first = {}  # rank: its earliest piece after the one at hand
+            first: dict[int, int] = {}  # rank: its earliest piece after the one at hand
             for r, offset, length in sorted(pieces, key=lambda p: -p[1]):
                 for q, later in first.items():
                     if q != r:

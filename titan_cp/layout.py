@@ -38,12 +38,19 @@ dense ``S x S`` matrix.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from titan_cp.balance import Spans, get_balance
+
+T = TypeVar("T")
+DocLens = Sequence[Sequence[int]] | torch.Tensor
+"""Packed documents: one list of document lengths per batch row, or a zero-padded ``(batch, max_docs)``
+host tensor."""
+Device = torch.device | str | None
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -95,19 +102,19 @@ def _tensor_rows(doc_lens: torch.Tensor) -> list[list[int]]:
     return rows
 
 
-def _normalize_doc_lens(seq_len: int, doc_lens) -> tuple[tuple[int, ...], ...] | None:
+def _normalize_doc_lens(seq_len: int, doc_lens: DocLens | None) -> tuple[tuple[int, ...], ...] | None:
     if doc_lens is None:
         return None
     if isinstance(doc_lens, torch.Tensor):
         rows = _tensor_rows(doc_lens)
     else:
-        rows = list(doc_lens)
-        for b, row in enumerate(rows):
+        given = list(doc_lens)
+        for b, row in enumerate(given):
             if not isinstance(row, (list, tuple)):
                 raise ValueError(
                     f"doc_lens must hold one list of document lengths per batch row (e.g. [[3, 5]]); row {b} is {row!r}"
                 )
-        rows = [list(row) for row in rows]
+        rows = [list(row) for row in given]
     if not rows:
         raise ValueError("doc_lens must hold one list of document lengths per batch row; got no rows")
     out = []
@@ -123,7 +130,7 @@ def _normalize_doc_lens(seq_len: int, doc_lens) -> tuple[tuple[int, ...], ...] |
     return tuple(out)
 
 
-def spans(starts, lengths) -> torch.Tensor:
+def spans(starts: Sequence[int] | torch.Tensor, lengths: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """``cat(arange(s, s + n) for s, n)`` as one int64 tensor, without a Python loop over positions."""
     s = torch.as_tensor(starts, dtype=torch.int64)
     n = torch.as_tensor(lengths, dtype=torch.int64)
@@ -217,7 +224,7 @@ class SequenceLayout:
     and the batch must then be dim 0 of the tensor.
     """
 
-    def __init__(self, seq_len: int, cp_size: int, balance: str = "zigzag", doc_lens=None):
+    def __init__(self, seq_len: int, cp_size: int, balance: str = "zigzag", doc_lens: DocLens | None = None) -> None:
         if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
             raise ValueError(f"cp_size must be a positive integer, got {cp_size!r}")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
@@ -244,13 +251,13 @@ class SequenceLayout:
             self._lens[key] = tuple(row) if row is not None else (seq_len,)
         self._tensor_cache: dict[tuple, torch.Tensor] = {}
         self._runs_cache: dict[tuple, Runs] = {}
-        self._memo: dict[tuple, object] = {}
+        self._memo: dict[tuple, Any] = {}
 
     def doc_lens_tensor(self) -> torch.Tensor | None:
         """The documents as a zero-padded ``(batch, max_docs)`` int64 host tensor (``None`` without documents)."""
         return self.memo(("doc_lens_tensor",), lambda: _doc_lens_tensor(self))
 
-    def memo(self, key: tuple, build):
+    def memo(self, key: tuple, build: Callable[[], T]) -> T:
         """``build()`` once per layout and ``key``: the attention plans and their device
         indices are built once per microbatch and reused by every layer."""
         if key not in self._memo:
@@ -338,27 +345,27 @@ class SequenceLayout:
         return torch.tensor(self._doc_starts(key), dtype=torch.int64)
 
     # ------------------------------------------------------------------ tensors
-    def index(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+    def index(self, rank: int, device: Device = None) -> torch.Tensor:
         """Global positions of ``rank``'s tokens in local order: ``(local_len,)``, or ``(batch, local_len)`` when rows differ."""
         self._check_rank(rank)
         return self._tensor("index", rank, device)
 
-    def positions(self, rank: int, device=None) -> torch.Tensor:
+    def positions(self, rank: int, device: Device = None) -> torch.Tensor:
         """Global positions of ``rank``'s tokens, ``(batch, local_len)`` (``(1, local_len)`` without documents)."""
         self._check_rank(rank)
         return self._tensor("positions", rank, device)
 
-    def doc_positions(self, rank: int, device=None) -> torch.Tensor:
+    def doc_positions(self, rank: int, device: Device = None) -> torch.Tensor:
         """Position of each of ``rank``'s tokens inside its own document (restarts at 0), ``(batch, local_len)``."""
         self._check_rank(rank)
         return self._tensor("doc_positions", rank, device)
 
-    def doc_ids(self, rank: int, device=None) -> torch.Tensor:
+    def doc_ids(self, rank: int, device: Device = None) -> torch.Tensor:
         """Document index (within its row) of each of ``rank``'s tokens, ``(batch, local_len)``."""
         self._check_rank(rank)
         return self._tensor("doc_ids", rank, device)
 
-    def _tensor(self, kind: str, rank: int, device) -> torch.Tensor:
+    def _tensor(self, kind: str, rank: int, device: Device) -> torch.Tensor:
         device = torch.device(device) if device is not None else torch.device("cpu")
         cache_key = (kind, rank, device)
         if cache_key not in self._tensor_cache:
@@ -406,14 +413,14 @@ class SequenceLayout:
         stacked = torch.cat(list(locals_), dim=dim)
         return self.to_natural(stacked, dim)
 
-    def concat_index(self, device=None) -> torch.Tensor:
+    def concat_index(self, device: Device = None) -> torch.Tensor:
         """Global position of each slot of the rank-concatenated buffer ``cat(shards)``."""
         cache_key = ("concat", device)
         if cache_key not in self._tensor_cache:
             self._tensor_cache[cache_key] = torch.cat([self.index(r, device) for r in range(self.cp_size)], dim=-1)
         return self._tensor_cache[cache_key]
 
-    def inverse_concat_index(self, device=None) -> torch.Tensor:
+    def inverse_concat_index(self, device: Device = None) -> torch.Tensor:
         """Slot in ``cat(shards)`` of each global position: ``natural = concat[..., inverse]``."""
         cache_key = ("inverse", device)
         if cache_key not in self._tensor_cache:
@@ -427,10 +434,10 @@ class SequenceLayout:
             return concat.index_select(dim, inverse)
         return self._per_row(concat, dim, inverse, gather=True)
 
-    def _natural_index(self, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _natural_index(self, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """For each natural token-major row ``b*S + p``: the (rank, ``b*S_local + j``) holding it."""
 
-        def build():
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
             inverse = self.inverse_concat_index()  # concat slot of each natural position
             inverse = inverse.expand(batch, -1) if inverse.dim() == 1 else inverse
             if inverse.shape[0] != batch:
@@ -474,13 +481,13 @@ _TENSOR_KEYS: dict[int, tuple] = {}  # id(doc_lens tensor) -> (tensor, version, 
 _TENSOR_LAYOUTS: dict[int, tuple] = {}  # id(a layout's own doc_lens tensor) -> (tensor, version, layout)
 
 
-def _remember(t: torch.Tensor, key) -> None:
+def _remember(t: torch.Tensor, key: tuple[tuple[int, ...], ...]) -> None:
     if len(_TENSOR_KEYS) >= _CACHE_SIZE:
         _TENSOR_KEYS.pop(next(iter(_TENSOR_KEYS)))
     _TENSOR_KEYS[id(t)] = (t, t._version, key)
 
 
-def doc_lens_key(doc_lens) -> tuple[tuple[int, ...], ...] | None:
+def doc_lens_key(doc_lens: DocLens | None) -> tuple[tuple[int, ...], ...] | None:
     """A hashable form of ``doc_lens`` (list of rows, or zero-padded host tensor)."""
     if doc_lens is None:
         return None
@@ -504,7 +511,7 @@ def doc_lens_key(doc_lens) -> tuple[tuple[int, ...], ...] | None:
     return tuple(tuple(row) for row in doc_lens)
 
 
-def layout_of(doc_lens) -> SequenceLayout | None:
+def layout_of(doc_lens: DocLens | None) -> SequenceLayout | None:
     """The layout whose :meth:`SequenceLayout.doc_lens_tensor` ``doc_lens`` is (unchanged since), else
     ``None``: a microbatch's layout travels with its documents tensor through the model to the
     attention op, which shards and attends by that one layout (its balance included)."""
@@ -514,7 +521,7 @@ def layout_of(doc_lens) -> SequenceLayout | None:
     return hit[2]
 
 
-def get_layout(seq_len: int, cp_size: int, balance: str = "zigzag", doc_lens=None) -> SequenceLayout:
+def get_layout(seq_len: int, cp_size: int, balance: str = "zigzag", doc_lens: DocLens | None = None) -> SequenceLayout:
     """A cached :class:`SequenceLayout`: every layer of a step, and the data sharding, share one.
 
     Built only from its arguments (no global state), so each pipeline microbatch gets the

@@ -45,7 +45,7 @@ def _alive(pid: int) -> bool:
 class DumpLock:
     """The lock file of the dump folder ``folder`` (module docstring)."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
         self.path = self.folder / LOCK_NAME
         self.held = False
@@ -77,7 +77,7 @@ class DumpLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = self._holder()
-                if not self._stale(holder):
+                if holder is not None and not self._stale(holder):  # (an unreadable lock is stale)
                     raise UserError(
                         f"job.dump_folder = '{self.folder}' is in use by another run (host {holder['host']}, pid "
                         f"{holder['pid']}, started {holder.get('started', '?')}): wait for it to end, or choose "

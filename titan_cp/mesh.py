@@ -177,7 +177,10 @@ class ParallelDims:
                 f"the parallelism degrees are for {plural(self.world_size, 'rank')} ({self._describe()}), but "
                 f"{plural(dist.get_world_size(), 'rank')} {'was' if dist.get_world_size() == 1 else 'were'} launched"
             )
-        if self.hybrid_cp:
+        names: tuple[str, ...]
+        cp_axes: tuple[str, ...]
+        shape: tuple[int, ...]
+        if self.cp_ulysses is not None:  # hybrid_cp
             names, cp_axes = HYBRID_AXES, ("cp_ring", "cp_ulysses")
             shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp_ring, self.cp_ulysses, self.tp)
         else:
@@ -189,8 +192,9 @@ class ParallelDims:
         if self.hybrid_cp:
             meshes["cp"] = world[cp_axes]._flatten("cp")
         meshes["dp"] = world["dp_replicate", "dp_shard"]._flatten("dp")
-        meshes["dp_shard_cp"] = world[("dp_shard", *cp_axes)]._flatten("dp_shard_cp")
-        meshes["dp_cp"] = world[("dp_replicate", "dp_shard", *cp_axes)]._flatten("dp_cp")
+        shard_cp, dp_cp = ("dp_shard", *cp_axes), ("dp_replicate", "dp_shard", *cp_axes)
+        meshes["dp_shard_cp"] = world[shard_cp]._flatten("dp_shard_cp")
+        meshes["dp_cp"] = world[dp_cp]._flatten("dp_cp")
         meshes["dp_replicate_dp_shard_cp"] = DeviceMesh._concatenate([world["dp_replicate"], meshes["dp_shard_cp"]])
         self._meshes = meshes
         return world
@@ -206,8 +210,9 @@ class ParallelDims:
         if name in self._meshes:
             return self._meshes[name]
         world = self._meshes["world"]
-        if name not in world.mesh_dim_names:
-            raise KeyError(f"no mesh {name!r}; have {sorted([*world.mesh_dim_names, *self._meshes])}")
+        dims = world.mesh_dim_names or ()
+        if name not in dims:
+            raise KeyError(f"no mesh {name!r}; have {sorted([*dims, *self._meshes])}")
         return world[name]
 
     def set_timeout(self, seconds: float) -> None:

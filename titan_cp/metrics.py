@@ -18,13 +18,26 @@ import logging
 import resource
 import shutil
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TextIO
 
 import torch
 
 from titan_cp.attention.mask_plans import make_plan
 from titan_cp.errors import UserError
 from titan_cp.layout import SequenceLayout, get_layout
+
+if TYPE_CHECKING:
+    from titan_cp.config import JobConfig
+    from titan_cp.data.loader import Step
+
+
+class FlopCounter(Protocol):
+    """What the metrics ask of a model's shapes (the Llama's ``ModelArgs``, or a family's)."""
+
+    def training_flops(self, num_tokens: int, attention_pairs: int) -> int: ...
+
 
 logger = logging.getLogger("titan_cp")
 
@@ -54,7 +67,7 @@ def peak_flops_per_second(device: torch.device) -> float:
 class MFU:
     """Model FLOPs utilisation of ``ranks`` devices like ``device`` (see the module docstring)."""
 
-    def __init__(self, device: torch.device, ranks: int):
+    def __init__(self, device: torch.device, ranks: int) -> None:
         self.peak = peak_flops_per_second(device)
         self.ranks = ranks
         self.is_estimate = device.type != "cuda"
@@ -80,13 +93,13 @@ class StepMetrics:
         self,
         device: torch.device,
         ranks: int,
-        model_args,
+        model_args: FlopCounter,
         dp_degree: int,
         tokens_per_step: int,
         seq_len: int,
         cp: int,
         balance: str,
-    ):
+    ) -> None:
         self.device, self.model_args, self.dp_degree = device, model_args, dp_degree
         self.tokens_per_step, self.seq_len, self.cp, self.balance = tokens_per_step, seq_len, cp, balance
         self.mfu = MFU(device, ranks)
@@ -97,7 +110,15 @@ class StepMetrics:
         self._t0, self._first, self._last = time.perf_counter(), first_step, last_step
 
     def record(
-        self, step: int, loss: float, grad_norm: float, lr: float, step_data, seconds: float, sources, layouts=None
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        step_data: Step,
+        seconds: float,
+        sources: Mapping[str, int],
+        layouts: Sequence[SequenceLayout] | None = None,
     ) -> dict:
         """The record of optimizer step ``step`` that took ``seconds``; ``step_data``: its
         :class:`titan_cp.data.Step`; ``sources``: the running tokens drawn per mixture source;
@@ -124,7 +145,7 @@ class StepMetrics:
         record.update({f"tokens_drawn/{name}": n for name, n in sources.items()})
         return record
 
-    def skipped_record(self, step: int, lr: float, step_data, sources) -> dict:
+    def skipped_record(self, step: int, lr: float, step_data: Step, sources: Mapping[str, int]) -> dict:
         """The record of step ``step``, skipped for want of loss-bearing tokens: no loss, grad norm,
         throughput or MFU; ``skipped: true``, its token counts and the ETA."""
         record = {
@@ -250,9 +271,9 @@ class MetricsLogger:
     next record (with a warning). A write the file system refuses (a full disk) is one
     ``UserError`` naming the file and the step (:func:`write_failure`)."""
 
-    def __init__(self, dump_folder: Path, cfg, enabled: bool, resumed_step: int = 0):
+    def __init__(self, dump_folder: Path, cfg: JobConfig, enabled: bool, resumed_step: int = 0) -> None:
         self.enabled = enabled
-        self._jsonl = None
+        self._jsonl: TextIO | None = None
         self._tb = None
         if not enabled:
             return
@@ -273,12 +294,12 @@ class MetricsLogger:
                 logger.warning("metrics.enable_tensorboard is set but tensorboard is not installed; skipping it")
 
     @staticmethod
-    def _open(path: Path, resumed_step: int):
+    def _open(path: Path, resumed_step: int) -> TextIO:
         """``path`` opened to append the records after ``resumed_step`` (the class docstring)."""
         if resumed_step == 0 and path.is_file() and path.stat().st_size > 0:
-            kept = _free_name(path)
-            path.replace(kept)
-            logger.warning("%s: the run starts from step 0; the earlier records are kept as %s", path, kept)
+            earlier = _free_name(path)
+            path.replace(earlier)
+            logger.warning("%s: the run starts from step 0; the earlier records are kept as %s", path, earlier)
         dropped, kept = keep_steps_up_to(path, resumed_step)
         if dropped:
             logger.warning(
@@ -324,6 +345,7 @@ class MetricsLogger:
 
     def _write(self, record: dict) -> None:
         """Append ``record`` as one line (line-buffered: on disk once written)."""
+        assert self._jsonl is not None, "_write is called while the file is open"
         if not self._path.exists():  # deleted (or moved) while the run writes it: reopen by path
             logger.warning("%s was removed during the run: writing it again from step %d", self._path, record["step"])
             self._jsonl.close()

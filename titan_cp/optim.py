@@ -11,15 +11,23 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 _OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 
 
 def build_optimizers(
-    parts, name: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, implementation: str
+    parts: Sequence[nn.Module],
+    name: str,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    implementation: str,
 ) -> list[torch.optim.Optimizer]:
     """One optimizer per model part. ``implementation``: ``fused`` (one kernel for every
     parameter), ``foreach`` (multi-tensor ops) or ``for-loop`` (one parameter at a time).
@@ -33,7 +41,9 @@ def build_optimizers(
     return [cls(part.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags) for part in parts]
 
 
-def lr_lambda(warmup_steps: int, total_steps: int, decay_ratio: float | None, decay_type: str, min_lr_factor: float):
+def lr_lambda(
+    warmup_steps: int, total_steps: int, decay_ratio: float | None, decay_type: str, min_lr_factor: float
+) -> Callable[[int], float]:
     """Multiplier of the peak LR at each step: linear warmup, constant, then decay to ``min_lr_factor``.
 
     ``decay_ratio``: the fraction of the steps (after warmup) spent decaying; ``None`` decays
@@ -69,7 +79,7 @@ class LRSchedulers:
     """One ``LambdaLR`` per optimizer, stepped together; a checkpoint holds one state (the first
     scheduler's: they are identical), loaded into all, so its key never depends on the stages."""
 
-    def __init__(self, optimizers, factor) -> None:
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], factor: Callable[[int], float]) -> None:
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, factor) for opt in optimizers]
         self._config_base_lrs = [list(s.base_lrs) for s in self.schedulers]  # optimizer.lr of the config
 
@@ -83,14 +93,14 @@ class LRSchedulers:
             for group, lr0, fn in zip(s.optimizer.param_groups, base, s.lr_lambdas):
                 group["initial_lr"], group["lr"] = lr0, lr0 * fn(s.last_epoch)
             s._last_lr = [group["lr"] for group in s.optimizer.param_groups]
-        return loaded
+        return float(loaded)
 
     def step(self) -> None:
         for s in self.schedulers:
             s.step()
 
     def get_last_lr(self) -> list[float]:
-        return self.schedulers[0].get_last_lr()
+        return [float(lr) for lr in self.schedulers[0].get_last_lr()]
 
     def state_dict(self) -> dict:
         state = self.schedulers[0].state_dict()
@@ -102,7 +112,7 @@ class LRSchedulers:
             s.load_state_dict({**state, "lr_lambdas": [None] * len(s.lr_lambdas)})
 
 
-def restore_hyperparameters(optimizers, wanted: dict) -> dict[str, tuple]:
+def restore_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], wanted: dict) -> dict[str, tuple]:
     """Set ``wanted`` (e.g. ``{"betas": (0.9, 0.95), "eps": 1e-8}``) in every param group, where a
     loaded optimizer state put the checkpoint's values; returns ``{name: (checkpoint's, wanted)}``
     of those that differed."""
@@ -117,7 +127,9 @@ def restore_hyperparameters(optimizers, wanted: dict) -> dict[str, tuple]:
     return changed
 
 
-def clip_grad_norm_(parts, max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm_(
+    parts: Sequence[nn.Module], max_norm: float, pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Clip by the global L2 norm of every gradient, DTensor shards and every pipeline stage included.
 
     ``norm = sqrt(sum over pipeline stages of |g_stage|^2)``, where ``|g_stage|`` is the full

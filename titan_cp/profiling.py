@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from titan_cp.config import Profiling
 
 logger = logging.getLogger("titan_cp")
 
@@ -25,7 +30,7 @@ logger = logging.getLogger("titan_cp")
 class Profiler:
     """``with profiler.step(n): <train step n>`` traces and snapshots the steps the config asks for."""
 
-    def __init__(self, cfg, dump_folder: Path, rank: int, device: torch.device):
+    def __init__(self, cfg: Profiling, dump_folder: Path, rank: int, device: torch.device) -> None:
         self.freq, self.rank = cfg.profile_freq, rank
         self.traces = Path(dump_folder) / cfg.save_traces_folder if cfg.enable_profiling else None
         self.snapshots = None
@@ -41,7 +46,7 @@ class Profiler:
                 )
 
     @contextlib.contextmanager
-    def step(self, step: int):
+    def step(self, step: int) -> Iterator[None]:
         if step % self.freq or (self.traces is None and self.snapshots is None):
             yield
             return
@@ -54,7 +59,7 @@ class Profiler:
             else contextlib.nullcontext() as prof
         ):
             yield
-        if self.traces is not None:
+        if self.traces is not None and prof is not None:  # prof: the profiler exactly when traces are kept
             folder = self.traces / f"iteration_{step}"
             folder.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(folder / f"rank{self.rank}_trace.json"))

@@ -14,9 +14,13 @@ shard); everything per-token is sharded with the same permutation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from titan_cp.layout import SequenceLayout, get_layout
 from titan_cp.loss import GlobalTokenLoss
@@ -44,20 +48,22 @@ class Microbatch:
         layout = get_layout(self.tokens.shape[1], cp_size, balance, self.doc_lens)
         if cp_size == 1:
             return replace(self, layout=layout, cp_rank=0)
-        local = (layout.shard(t, 1, cp_rank) for t in (self.tokens, self.labels, self.positions))
+        tokens, labels, positions = (layout.shard(t, 1, cp_rank) for t in (self.tokens, self.labels, self.positions))
         doc_lens = None if self.doc_lens is None else layout.doc_lens_tensor()
-        return Microbatch(*local, doc_lens=doc_lens, layout=layout, cp_rank=cp_rank)
+        return Microbatch(tokens, labels, positions, doc_lens=doc_lens, layout=layout, cp_rank=cp_rank)
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of another per-token ``(B, S)`` tensor of the same rows (sharded microbatch)."""
         assert self.layout is not None, "local() is for a sharded microbatch"
         return x if self.layout.cp_size == 1 else self.layout.shard(x, 1, self.cp_rank)
 
-    def to(self, device) -> Microbatch:
+    def to(self, device: torch.device | str) -> Microbatch:
         """The per-token tensors on ``device``; ``doc_lens`` stays on the host, where the attention
         reads it once per microbatch to build its plans (read from a GPU it would synchronise every layer)."""
         return Microbatch(
-            *(t.to(device) for t in (self.tokens, self.labels, self.positions)),
+            self.tokens.to(device),
+            self.labels.to(device),
+            self.positions.to(device),
             doc_lens=self.doc_lens,
             layout=self.layout,
             cp_rank=self.cp_rank,
@@ -65,14 +71,19 @@ class Microbatch:
 
 
 def forward_backward(
-    model_parts, local: Microbatch, loss_fn: GlobalTokenLoss, schedule=None, has_first=True, has_last=True
+    model_parts: Sequence[nn.Module],
+    local: Microbatch,
+    loss_fn: GlobalTokenLoss,
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None,
+    has_first: bool = True,
+    has_last: bool = True,
 ) -> torch.Tensor:
     """Run one (cp-sharded) microbatch; return this rank's loss contribution (0 where no last stage).
 
     Without a pipeline ``model_parts`` is ``[model]``. With one, ``schedule.step`` splits the
     rows into pipeline microbatches and carries ``positions``, ``doc_lens`` and ``labels`` to every stage.
     """
-    kwargs = dict(positions=local.positions, doc_lens=local.doc_lens, labels=local.labels)
+    kwargs: dict[str, Any] = dict(positions=local.positions, doc_lens=local.doc_lens, labels=local.labels)
     if schedule is None:
         loss_sum = model_parts[0](local.tokens, **kwargs)
         loss = loss_fn(loss_sum, local.labels)

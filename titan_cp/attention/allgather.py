@@ -26,9 +26,11 @@ row's K/V), so the backward moves only the gradients.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from titan_cp.attention.comm import all_to_all_uneven
 from titan_cp.attention.context import CPContext
@@ -43,7 +45,7 @@ from titan_cp.attention.fold import (
 from titan_cp.attention.mask_plans import CAUSAL, Mask, PlanIndex, head_major, make_plan, token_major
 from titan_cp.attention.merge import sinks_grad
 from titan_cp.attention.ring import exchanged_rows, ring_bytes
-from titan_cp.attention.strategy import Strategy, register_strategy
+from titan_cp.attention.strategy import BackwardGrads, Strategy, kept_input, register_strategy
 from titan_cp.layout import SequenceLayout, to_device
 
 
@@ -116,9 +118,10 @@ class AllGather(Strategy):
     name = "allgather"
     keeps = ("q", "out")
 
-    def forward(self, ctx: CPContext, q, k, v):
+    def forward(self, ctx: CPContext, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         batch = q.shape[0]
-        g = gather_plan(ctx.layout, ctx.rank, ctx.mask, batch, q.device)
+        layout, kernel = ctx.planned()
+        g = gather_plan(layout, ctx.rank, ctx.mask, batch, q.device)
         k_t, v_t, q_t = token_major(k), token_major(v), token_major(q)
         keys = k_t.new_empty((k_t.shape[0] + g.received, 2) + tuple(k_t.shape[1:]))  # (B*S + received, 2, K, E)
         torch.stack([k_t, v_t], dim=1, out=keys[: k_t.shape[0]])
@@ -126,17 +129,28 @@ class AllGather(Strategy):
             kv = keys[: k_t.shape[0]]
             all_to_all_uneven(kv.index_select(0, g.send), g.send_splits, g.recv_splits, ctx.group, keys[k_t.shape[0] :])
         results = Results(q_t, g.folds)
-        fold_forward(q_t, keys[:, 0], keys[:, 1], g.index, ctx.kernel, ctx.scale, results, 0)
+        fold_forward(q_t, keys[:, 0], keys[:, 1], g.index, kernel, ctx.scale, results, 0)
         out_t, lse = results.finish(ctx.sinks)
         return head_major(out_t, batch), (lse, keys)
 
-    def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
+    def backward(
+        self,
+        ctx: CPContext,
+        dout: Tensor,
+        q: Tensor | None,
+        k: Tensor | None,
+        v: Tensor | None,
+        out: Tensor | None,
+        saved: Sequence[Tensor],
+    ) -> BackwardGrads:
         lse, keys = saved
+        q, out = kept_input(q, "q", self.name), kept_input(out, "out", self.name)
         batch = q.shape[0]
-        g = gather_plan(ctx.layout, ctx.rank, ctx.mask, batch, q.device)
+        layout, kernel = ctx.planned()
+        g = gather_plan(layout, ctx.rank, ctx.mask, batch, q.device)
         dout_t, q_t, out_t = token_major(dout), token_major(q), token_major(out)
         local = q_t.shape[0]
-        dqs, dks, dvs = attend_backward(dout_t, q_t, keys[:, 0], keys[:, 1], out_t, lse, g.index, ctx.kernel, ctx.scale)
+        dqs, dks, dvs = attend_backward(dout_t, q_t, keys[:, 0], keys[:, 1], out_t, lse, g.index, kernel, ctx.scale)
         back = keys.new_empty((g.received, 2) + tuple(keys.shape[2:]), dtype=torch.float32)  # what goes home
         for i, grads in enumerate((dks, dvs)):
             Grads.summed(back[:, i], g.received_folds, grads, out=back[:, i])
@@ -148,13 +162,23 @@ class AllGather(Strategy):
         dsinks = None if ctx.sinks is None else sinks_grad(dout_t, out_t, lse, ctx.sinks)
         return head_major(dq, batch), head_major(dk, batch), head_major(dv, batch), dsinks
 
-    def saved_like(self, ctx: CPContext, q, k, v):
+    def saved_like(self, ctx: CPContext, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
         """The key buffer's length depends on the documents (what other ranks can see): a dynamic size."""
         b, h, s, e = q.shape
         rows = torch.library.get_ctx().new_dynamic_size()
         return q.new_empty((h, b * s), dtype=torch.float32), k.new_empty((rows, 2, k.shape[1], e))
 
-    def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=CAUSAL) -> int:
+    def min_bytes(
+        self,
+        q: Tensor,
+        k: Tensor,
+        cp: int,
+        ulysses_degree: int = 1,
+        backward: bool = True,
+        layout: SequenceLayout | None = None,
+        rank: int | None = None,
+        mask: Mask = CAUSAL,
+    ) -> int:
         """What each peer needs of this rank's K/V, and in the backward the fp32 gradients of the rows it
         received (the ring's count, in one collective). Without a layout every rank needs everything."""
         if layout is None:
@@ -165,7 +189,16 @@ class AllGather(Strategy):
             ring_bytes(k, *exchanged_rows(layout, r, cp, 1, mask, k.shape[0]), backward, resend=False) for r in ranks
         )
 
-    def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1, documents=True):
+    def saved_bytes_per_token(
+        self,
+        act_bytes: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        cp: int,
+        ulysses_degree: int = 1,
+        documents: bool = True,
+    ) -> float:
         """Local q, out and lse, and the key buffer: at most ``cp`` tokens' K/V per local token (all of them
         when every row is seen by another rank; fewer under ``doc_local`` or a window)."""
         a, h, e = act_bytes, q_heads, head_dim

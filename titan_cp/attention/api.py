@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.flop_counter import register_flop_formula
 
 import titan_cp.attention.allgather  # noqa: F401 - the built-in strategies register as their modules run
@@ -33,10 +34,10 @@ import titan_cp.attention.hybrid  # noqa: F401
 import titan_cp.attention.ulysses  # noqa: F401
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.kernels import check_kernel
-from titan_cp.attention.mask_plans import Mask
+from titan_cp.attention.mask_plans import CAUSAL, Mask
 from titan_cp.attention.ring import RING
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
-from titan_cp.layout import SequenceLayout, get_layout, layout_of
+from titan_cp.layout import DocLens, SequenceLayout, get_layout, layout_of
 
 
 # ---------------------------------------------------------------------------- checks
@@ -70,7 +71,7 @@ def _check_layout(q: Tensor, layout: SequenceLayout) -> None:
         raise ValueError(f"batch size {q.shape[0]} does not match the layout's {layout.batch_size} doc_lens rows")
 
 
-def _scale(scale, head_dim: int) -> float:
+def _scale(scale: float | None, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -86,7 +87,7 @@ def _scale(scale, head_dim: int) -> float:
 class CPSpec:
     """The non-tensor part of a CP attention call, registered once and passed to the op as an int."""
 
-    mesh: object  # DeviceMesh, or None on one device
+    mesh: DeviceMesh | None  # None on one device
     strategy: str
     balance: str
     kernel: str | None
@@ -97,7 +98,7 @@ _SPEC_IDS: dict[tuple, int] = {}
 
 
 @torch.compiler.assume_constant_result
-def register_spec(mesh, strategy: str, balance: str, kernel: str | None) -> int:
+def register_spec(mesh: DeviceMesh | None, strategy: str, balance: str, kernel: str | None) -> int:
     """The handle of this :class:`CPSpec` (the same handle for the same spec, so compiled graphs stay valid).
 
     Run eagerly even while ``torch.compile`` traces a caller: the handle is a constant of the graph.
@@ -119,7 +120,7 @@ def _mask(causal: bool, window: int, chunk: int) -> Mask:
     return Mask(bool(causal), window or None, chunk or None)
 
 
-def _layout(spec: CPSpec, seq_len: int, cp: int, doc_lens) -> SequenceLayout:
+def _layout(spec: CPSpec, seq_len: int, cp: int, doc_lens: Tensor | None) -> SequenceLayout:
     """The layout of this call: the one ``doc_lens`` came from (:func:`~titan_cp.layout.layout_of`: the
     data was sharded by it, its balance is the batch's), else the one of ``doc_lens`` under the spec's balance."""
     layout = layout_of(doc_lens)
@@ -134,7 +135,14 @@ def _layout(spec: CPSpec, seq_len: int, cp: int, doc_lens) -> SequenceLayout:
 
 
 def _context(
-    handle: int, q: Tensor, k_heads: int, doc_lens, mask: Mask, scale: float, sinks=None, fake: bool = False
+    handle: int,
+    q: Tensor,
+    k_heads: int,
+    doc_lens: Tensor | None,
+    mask: Mask,
+    scale: float,
+    sinks: Tensor | None = None,
+    fake: bool = False,
 ) -> tuple[CPContext, Strategy]:
     spec = _SPECS[handle]
     cp = 1 if spec.mesh is None else spec.mesh.size()
@@ -156,7 +164,7 @@ def _bshe_like(x: Tensor) -> Tensor:
     return x.new_empty((b, s, h, e)).transpose(1, 2)
 
 
-def _owned(outputs: list[Tensor], inputs: tuple, layouts: int) -> list[Tensor]:
+def _owned(outputs: list[Tensor], inputs: tuple[object, ...], layouts: int) -> list[Tensor]:
     """``outputs`` in storage of their own: a custom op's outputs may alias neither its inputs nor
     each other (PyTorch checks it under any ``TorchDispatchMode``). The first ``layouts`` outputs
     (``(B, H, S, E)`` attention tensors) are also made token-major, the strides of the fake
@@ -223,7 +231,9 @@ def _cp_attention_backward_op(
     ctx, strategy = _context(handle, dout, kv_heads, doc_lens, _mask(causal, window, chunk), scale, sinks)
     with torch.autocast(dout.device.type, enabled=False):
         dq, dk, dv, dsinks = strategy.backward(ctx, dout, q, k, v, out, saved)
-    grads = [dq, dk, dv] + ([] if dsinks is None else [dsinks.to(sinks.dtype)])
+    if dsinks is not None and sinks is None:
+        raise RuntimeError(f"strategy {strategy.name!r} returned a sinks gradient for a call without sinks")
+    grads = [dq, dk, dv] + ([] if dsinks is None or sinks is None else [dsinks.to(sinks.dtype)])
     return _owned(grads, (dout, q, k, v, out, saved, doc_lens, sinks), layouts=3)
 
 
@@ -270,7 +280,7 @@ _cp_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------- FLOPs
-def local_head_pairs(handle: int, q: Tensor, doc_lens, mask: Mask) -> int:
+def local_head_pairs(handle: int, q: Tensor, doc_lens: Tensor | None, mask: Mask) -> int:
     """Visible (query, key) pairs times heads that this rank's kernels compute in one CP attention call."""
     spec = _SPECS[handle]
     strategy = _strategy(spec)
@@ -298,12 +308,12 @@ def _cp_attention_backward_flops(
 
 
 # ---------------------------------------------------------------------------- public functions
-def _is_bool(value) -> bool:
+def _is_bool(value: object) -> bool:
     """A Python or NumPy boolean (``bool(value)`` is then the flag meant)."""
     return isinstance(value, bool) or type(value).__name__ == "bool_"
 
 
-def check_mask(causal: bool, window, chunk, sinks, q_heads: int) -> Mask:
+def check_mask(causal: bool, window: int | None, chunk: int | None, sinks: Tensor | None, q_heads: int) -> Mask:
     """The :class:`Mask` of ``causal``, ``window`` and ``chunk``, checked, with ``sinks`` (``ValueError``
     naming the argument)."""
     if not _is_bool(causal):  # a string such as "no" would be truthy: causal attention, silently
@@ -342,7 +352,7 @@ def cp_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mesh,
+    mesh: DeviceMesh | None,
     layout: SequenceLayout,
     strategy: str = DEFAULT_STRATEGY,
     causal: bool = True,
@@ -387,7 +397,7 @@ def cp_attention(
     return attend(q, k, v, handle, layout.doc_lens_tensor(), mask.causal, scale, mask.window, mask.chunk, sinks)
 
 
-def cp_rank(mesh, strategy: str = DEFAULT_STRATEGY) -> int:
+def cp_rank(mesh: DeviceMesh, strategy: str = DEFAULT_STRATEGY) -> int:
     """This process's rank in the layout for ``mesh`` (the flattened ring x ulysses index for hybrid)."""
     return get_strategy(strategy).layout_rank(mesh)
 
@@ -396,7 +406,7 @@ def local_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    doc_lens=None,
+    doc_lens: DocLens | None = None,
     causal: bool = True,
     scale: float | None = None,
     kernel: str | None = None,
@@ -434,5 +444,5 @@ def min_bytes_per_rank(
 ) -> int:
     """The bytes a rank sends for one forward (+ backward) on these local shapes: with ``layout``, what the
     ranks need of each other under it (``rank``; ``None``: the rank sending most), else the dense case."""
-    kwargs = {} if mask is None else {"mask": mask}
-    return get_strategy(strategy).min_bytes(q, k, world, ulysses_size, backward, layout, rank, **kwargs)
+    mask = CAUSAL if mask is None else mask
+    return get_strategy(strategy).min_bytes(q, k, world, ulysses_size, backward, layout, rank, mask)

@@ -15,10 +15,15 @@ strategy's minimum); outside, nothing is counted.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
+
+Message: TypeAlias = torch.Tensor | tuple[torch.Tensor, ...] | None
+"""What one exchange sends or receives: nothing, one tensor, or a tuple of them (in order)."""
 
 
 @dataclass
@@ -33,7 +38,7 @@ _COUNTER: CommCounter | None = None
 
 
 @contextlib.contextmanager
-def count_comm():
+def count_comm() -> Iterator[CommCounter]:
     """``with count_comm() as c: ...``: ``c.bytes_sent`` and ``c.calls`` count from zero inside the block."""
     global _COUNTER
     outer, _COUNTER = _COUNTER, CommCounter()
@@ -56,10 +61,10 @@ def _nbytes(t: torch.Tensor) -> int:
 class Exchange:
     """One in-flight exchange: a send to one peer and a receive from another (either may be absent)."""
 
-    def __init__(self, reqs, recv: torch.Tensor | None):
+    def __init__(self, reqs: Sequence[dist.Work], recv: Message) -> None:
         self._reqs, self._recv = reqs, recv
 
-    def wait(self):
+    def wait(self) -> Message:
         """The received buffer or tuple of buffers (``None`` when nothing was to be received), once the
         transfers are done."""
         for req in self._reqs:
@@ -71,7 +76,7 @@ class Exchange:
 NOTHING = Exchange([], None)
 
 
-def _parts(x) -> tuple[torch.Tensor, ...]:
+def _parts(x: Message) -> tuple[torch.Tensor, ...]:
     """A message's tensors: ``None`` (nothing), one tensor, or a tuple of them (sent in order)."""
     return () if x is None else (x,) if isinstance(x, torch.Tensor) else tuple(x)
 
@@ -93,13 +98,13 @@ class PeerComm:
     ``group=None``: the default group, which holds them all and needs no group created).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, peers: tuple[int, ...] | None = None):
+    def __init__(self, group: dist.ProcessGroup | None, peers: tuple[int, ...] | None = None) -> None:
         self.group, self.peers = group, peers
 
     def _peer(self, rank: int) -> int:
         return rank if self.peers is None else self.peers[rank]
 
-    def exchange(self, send, dst: int, recv, src: int, tag: int = 0) -> Exchange:
+    def exchange(self, send: Message, dst: int, recv: Message, src: int, tag: int = 0) -> Exchange:
         ops = []
         for t in _parts(send):
             t = t.contiguous()
@@ -112,7 +117,7 @@ class PeerComm:
         return Exchange(dist.batch_isend_irecv(ops), recv)
 
 
-def all_gather(x: torch.Tensor, group, out: torch.Tensor | None = None) -> torch.Tensor:
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``(N, *x.shape)``: every rank's ``x``, stacked by rank (into ``out`` if given, a contiguous tensor
     of that shape). Backward: :func:`reduce_scatter`."""
     n = dist.get_world_size(group)
@@ -124,7 +129,7 @@ def all_gather(x: torch.Tensor, group, out: torch.Tensor | None = None) -> torch
     return out
 
 
-def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``x`` ``(N, ...)``: chunk ``j`` summed over ranks lands on rank ``j``. Backward: :func:`all_gather`."""
     n = dist.get_world_size(group)
     x = x.contiguous()
@@ -134,7 +139,7 @@ def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``x`` ``(N, ...)``: chunk ``j`` goes to rank ``j``; the result's chunk ``j`` came from rank ``j``.
 
     Self-dual: the backward is the same exchange applied to the gradient.
@@ -147,7 +152,9 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def all_to_all_uneven(x: torch.Tensor, send: list[int], recv: list[int], group, out: torch.Tensor) -> torch.Tensor:
+def all_to_all_uneven(
+    x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None, out: torch.Tensor
+) -> torch.Tensor:
     """``x`` holds ``send[j]`` rows (dim 0) for each rank ``j`` in order; ``out`` receives ``recv[j]`` rows
     from each rank ``j`` in order (sizes known on both sides). Self-dual, with the sizes swapped."""
     me = dist.get_rank(group)

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from titan_cp.attention.kernels import AttentionKernel
 from titan_cp.attention.mask_plans import Mask, kernel_mask
@@ -30,7 +32,7 @@ class CPContext:
     """One CP attention call's setting.
 
     mesh: the cp ``DeviceMesh`` (1-D; 2-D ``(ring, ulysses)`` for hybrid), ``None`` on one device.
-    layout: the sequence layout the shards were taken with.
+    layout: the sequence layout the shards were taken with (``None`` in the fake op, which asks only for shapes).
     mask: causal, window and chunk (:class:`~titan_cp.attention.mask_plans.Mask`).
     q_heads, kv_heads: the local head counts of q and k/v (the backward may see neither tensor).
     sinks: ``(q_heads,)`` per-head sink logits, or ``None``.
@@ -38,21 +40,27 @@ class CPContext:
         column): known where ``layout`` is not (the fake op).
     """
 
-    mesh: object
-    layout: SequenceLayout
+    mesh: DeviceMesh | None
+    layout: SequenceLayout | None
     mask: Mask
     scale: float
-    kernel: AttentionKernel
+    kernel: AttentionKernel | None  # None in the fake op, like layout
     q_heads: int
     kv_heads: int
     sinks: torch.Tensor | None = None
     documents: bool | None = None  # by default: the layout's packs_documents
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # a kernel that takes the window itself gets windowed tiles (one segment per band)
         object.__setattr__(self, "mask", kernel_mask(self.mask, self.kernel))
         if self.documents is None:
             object.__setattr__(self, "documents", self.layout is not None and self.layout.packs_documents)
+
+    def planned(self) -> tuple[SequenceLayout, AttentionKernel]:
+        """``(layout, kernel)`` of a real call (the fake op, which has neither, asks only for shapes)."""
+        if self.layout is None or self.kernel is None:
+            raise RuntimeError("this CP attention context has no layout and kernel: it serves the fake op's shapes")
+        return self.layout, self.kernel
 
     @property
     def causal(self) -> bool:
@@ -63,8 +71,10 @@ class CPContext:
         return 1 if self.mesh is None else self.mesh.size()
 
     @property
-    def group(self):
+    def group(self) -> dist.ProcessGroup:
         """The process group of a 1-D cp mesh."""
+        if self.mesh is None:
+            raise RuntimeError("a CP attention call without a cp mesh (one device) has no process group")
         return self.mesh.get_group()
 
     @property

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from titan_cp.attention import comm
@@ -46,7 +47,7 @@ class KeyRanges:
     seg: Segments | None
 
     @classmethod
-    def build(cls, ranges: Sequence[tuple[int, int]], device) -> KeyRanges:
+    def build(cls, ranges: Sequence[tuple[int, int]], device: torch.device | str) -> KeyRanges:
         """``ranges[b] = (start, end)``: query ``b`` sees cache rows ``[start, end)`` (empty when
         ``end <= start``); the non-empty ranges must be sorted and disjoint."""
         host_q, host_k, rows = [0], [0], []
@@ -93,7 +94,7 @@ def merge_stacked(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     return merged, m + torch.log(s)
 
 
-def merge_partials(out: Tensor, lse: Tensor, group) -> tuple[Tensor, Tensor]:
+def merge_partials(out: Tensor, lse: Tensor, group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor]:
     """The exact attention over every rank's keys from each rank's ``(out (B, H, E), lse (B, H))``:
     one all-gather of both, packed as ``(B, H, E + 1)`` fp32, then :func:`merge_stacked`. ``group``
     ``None``: one rank, nothing to merge."""
@@ -109,7 +110,7 @@ def decode_attention(
     k: Tensor,
     v: Tensor,
     keys: KeyRanges,
-    group,
+    group: dist.ProcessGroup | None,
     kernel: AttentionKernel,
     scale: float | None = None,
     sinks: Tensor | None = None,

@@ -30,8 +30,10 @@ at the step it returns): a key row only one segment reads gets its gradient copi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from titan_cp.attention.fused import add_into, merge_into, write_rows
 from titan_cp.attention.kernels import AttentionKernel
@@ -195,8 +197,8 @@ def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device,
     slot[again] = torch.arange(int(again.sum()))
     flushes: list[tuple[Flush, ...]] = [() for _ in dests]
     for gi, group in enumerate(groups):
-        touched = [d[_at(~single, d)] for s in group for d in dests[s]]
-        touched = torch.unique(torch.cat(touched)) if touched else torch.zeros(0, dtype=torch.int64)
+        reached = [d[_at(~single, d)] for s in group for d in dests[s]]
+        touched = torch.unique(torch.cat(reached)) if reached else torch.zeros(0, dtype=torch.int64)
         parts = [touched[(last[touched] > gi) == to_acc] for to_acc in (False, True)]
         end = max((s for s in group if dests[s]), default=group[-1])  # a step with no call may be skipped
         flushes[end] = tuple(
@@ -210,8 +212,8 @@ def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device,
     )
     kept = tuple(tuple(bool(_at(~single, d).any()) for d in ds) for ds in dests)
     unseen = torch.nonzero(count == 0).flatten()
-    unseen = to_device(unseen, device) if len(unseen) else None
-    return Folds(final, kept, tuple(flushes), int(again.sum()), _whole_call(dests, size), unseen, peak)
+    unseen_rows = to_device(unseen, device) if len(unseen) else None
+    return Folds(final, kept, tuple(flushes), int(again.sum()), _whole_call(dests, size), unseen_rows, peak)
 
 
 # ---------------------------------------------------------------------------- results
@@ -226,7 +228,7 @@ class Results:
     fp32 accumulator slots of :class:`Folds`. Where one call's packed rows are the whole buffer in order
     (``folds.adopt``), its output is taken as the result."""
 
-    def __init__(self, q_t: torch.Tensor, folds: Folds):
+    def __init__(self, q_t: torch.Tensor, folds: Folds) -> None:
         n, h, e = q_t.shape
         self.folds, self._q = folds, q_t
         self.out: torch.Tensor | None = None
@@ -235,11 +237,13 @@ class Results:
         self.acc_lse = torch.empty((h, folds.slots), dtype=torch.float32, device=q_t.device)
         self._pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _alloc(self) -> None:
-        if self.out is None:
+    def _alloc(self) -> tuple[Tensor, Tensor]:
+        """``(out, lse)``, allocated on first use (the two are always set together)."""
+        if self.out is None or self.lse is None:
             n, h, e = self._q.shape
             self.out = self._q.new_empty((n, h, e))
             self.lse = torch.empty((h, n), dtype=torch.float32, device=self._q.device)
+        return self.out, self.lse
 
     def fold(self, step: int, packed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fold step ``step``'s packed ``(out, lse)`` of each call in (see the module docstring)."""
@@ -247,9 +251,9 @@ class Results:
             if self.folds.adopt == (step, c) and self.out is None and _adoptable(out, self._q):
                 self.out, self.lse = out, lse.contiguous()
             elif final is not None:
-                self._alloc()
-                self.out.index_copy_(0, final.dst, final.take(out))
-                self.lse.index_copy_(1, final.dst, final.take(lse, 1))
+                res_out, res_lse = self._alloc()
+                res_out.index_copy_(0, final.dst, final.take(out))
+                res_lse.index_copy_(1, final.dst, final.take(lse, 1))
             if self.folds.kept[step][c]:
                 self._pending[(step, c)] = (out, lse)
         for flush in self.folds.flushes[step]:
@@ -258,23 +262,23 @@ class Results:
             if flush.to_acc:  # an earlier partial of a row is in its own slot
                 merge_into(self.acc_out, self.acc_lse, flush.dst, None, None, flush.prior, outs, lses, srcs, places)
             else:
-                self._alloc()
+                res_out, res_lse = self._alloc()
                 acc = (self.acc_out, self.acc_lse)
-                merge_into(self.out, self.lse, flush.dst, *acc, flush.prior, outs, lses, srcs, places)
+                merge_into(res_out, res_lse, flush.dst, *acc, flush.prior, outs, lses, srcs, places)
         if self.folds.flushes[step]:
             self._pending.clear()
 
-    def finish(self, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def finish(self, sinks: Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` of every row, the sinks folded in."""
-        self._alloc()
+        res_out, res_lse = self._alloc()
         if self.folds.unseen is not None:
-            self.out.index_fill_(0, self.folds.unseen, 0.0)
-            self.lse.index_fill_(1, self.folds.unseen, float("-inf"))
+            res_out.index_fill_(0, self.folds.unseen, 0.0)
+            res_lse.index_fill_(1, self.folds.unseen, float("-inf"))
         if sinks is not None:
-            out = self.out.float()
-            apply_sinks_(out, self.lse, sinks)
-            self.out.copy_(out)
-        return self.out, self.lse
+            out = res_out.float()
+            apply_sinks_(out, res_lse, sinks)
+            res_out.copy_(out)
+        return res_out, res_lse
 
 
 class Grads:
@@ -284,7 +288,9 @@ class Grads:
     once (input dtype), the others summed per group of steps, straight into the result where the group
     brings their last contributions; the ``adopt`` call's packed gradient is taken as the result."""
 
-    def __init__(self, like: torch.Tensor, folds: Folds, out: torch.Tensor | None = None, dtype=None):
+    def __init__(
+        self, like: torch.Tensor, folds: Folds, out: torch.Tensor | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         self.like, self.folds, self.dtype = like, folds, dtype or like.dtype
         self.final: torch.Tensor | None = out  # where to write the gradient (``None``: a new tensor or adopted)
         self.acc = torch.empty((folds.slots,) + tuple(like.shape[1:]), dtype=torch.float32, device=like.device)
@@ -296,12 +302,12 @@ class Grads:
             if self.folds.adopt == (step, c) and self.final is None and _adoptable(grad, self.like, self.dtype):
                 self.final = grad
             elif final is not None:
-                self._alloc()
+                dest = self._alloc()
                 rows = final.take(grad)
-                if rows.dtype == self.final.dtype:
-                    self.final.index_copy_(0, final.dst, rows)
+                if rows.dtype == dest.dtype:
+                    dest.index_copy_(0, final.dst, rows)
                 else:  # an fp32 buffer of gradients to send: converted as they are written
-                    write_rows(self.final, final.dst, rows)
+                    write_rows(dest, final.dst, rows)
             if self.folds.kept[step][c]:
                 self._pending[(step, c)] = grad
         for flush in self.folds.flushes[step]:
@@ -309,31 +315,42 @@ class Grads:
             if flush.to_acc:
                 add_into(self.acc, flush.dst, None, flush.prior, tensors, srcs, places)
             else:
-                self._alloc()
-                add_into(self.final, flush.dst, self.acc, flush.prior, tensors, srcs, places)
+                add_into(self._alloc(), flush.dst, self.acc, flush.prior, tensors, srcs, places)
         if self.folds.flushes[step]:
             self._pending.clear()
 
     @classmethod
-    def summed(cls, like: torch.Tensor, folds: Folds, grads: list, out=None, dtype=None) -> torch.Tensor:
+    def summed(
+        cls,
+        like: torch.Tensor,
+        folds: Folds,
+        grads: list[Tensor],
+        out: Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         """The gradient of a one-step plan: its calls' packed ``grads`` summed, finished."""
         g = cls(like, folds, out, dtype)
         g.add(0, grads)
         return g.finish()
 
-    def _alloc(self) -> None:
+    def _alloc(self) -> Tensor:
+        """The gradient being written, allocated on first use."""
         if self.final is None:
             self.final = self.like.new_empty(self.like.shape, dtype=self.dtype)
+        return self.final
 
     def finish(self) -> torch.Tensor:
-        self._alloc()
+        """The gradient of every row (rows no call reaches: 0)."""
+        final = self._alloc()
         if self.folds.unseen is not None:
-            self.final.index_fill_(0, self.folds.unseen, 0.0)
-        return self.final
+            final.index_fill_(0, self.folds.unseen, 0.0)
+        return final
 
 
 # ---------------------------------------------------------------------------- one key buffer
-def attend(q_t, k_t, v_t, idx: PlanIndex, kernel: AttentionKernel, scale: float) -> list:
+def attend(
+    q_t: Tensor, k_t: Tensor, v_t: Tensor, idx: PlanIndex, kernel: AttentionKernel, scale: float
+) -> list[tuple[Tensor, Tensor]]:
     """Packed ``(out, lse)`` of each of the plan's calls, in order."""
     return [
         kernel.varlen_forward(
@@ -349,18 +366,37 @@ def attend(q_t, k_t, v_t, idx: PlanIndex, kernel: AttentionKernel, scale: float)
     ]
 
 
-def _window(call) -> dict:
+def _window(call: Any) -> dict[str, int]:
     """The window keyword of a call whose tiles the kernel windows itself (none otherwise: every kernel
     takes the plain call)."""
     return {} if call.window is None else {"window": call.window}
 
 
-def fold_forward(q_t, k_t, v_t, idx: PlanIndex, kernel: AttentionKernel, scale: float, results: Results, step: int):
+def fold_forward(
+    q_t: Tensor,
+    k_t: Tensor,
+    v_t: Tensor,
+    idx: PlanIndex,
+    kernel: AttentionKernel,
+    scale: float,
+    results: Results,
+    step: int,
+) -> None:
     """Fold attention of ``q_t`` on ``(k_t, v_t)`` under a plan's ``idx`` into ``results`` as step ``step``."""
     results.fold(step, attend(q_t, k_t, v_t, idx, kernel, scale))
 
 
-def attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, idx: PlanIndex, kernel: AttentionKernel, scale: float):
+def attend_backward(
+    dout_t: Tensor,
+    q_t: Tensor,
+    k_t: Tensor,
+    v_t: Tensor,
+    out_t: Tensor,
+    lse: Tensor,
+    idx: PlanIndex,
+    kernel: AttentionKernel,
+    scale: float,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     """Packed ``(dq, dk, dv)`` of each of the plan's calls, in order (like :meth:`MaskPlan.q_dest` and
     :meth:`~titan_cp.attention.mask_plans.MaskPlan.k_dest`), as three lists. ``out_t, lse`` are the final results."""
     grads = []
@@ -380,14 +416,24 @@ def attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, idx: PlanIndex, kernel: A
                 **_window(call),
             )
         )
-    return tuple(list(g) for g in zip(*grads)) if grads else ([], [], [])
+    if not grads:
+        return [], [], []
+    dqs, dks, dvs = (list(g) for g in zip(*grads))
+    return dqs, dks, dvs
 
 
 # ---------------------------------------------------------------------------- one key buffer, whole
-def single_step(plan: MaskPlan, batch: int, device: torch.device, key_size: int | None = None, key_map=None):
-    """A plan run alone: its index, query folds and key folds (cached with the plan)."""
+def single_step(
+    plan: MaskPlan,
+    batch: int,
+    device: torch.device,
+    key_size: int | None = None,
+    key_map: tuple[object, Tensor] | None = None,
+) -> tuple[PlanIndex, Folds, Folds]:
+    """A plan run alone: its index, query folds and key folds (cached with the plan); ``key_map``: a name
+    and, for each row of the full key buffer, its place among the rows held (-1: not held)."""
 
-    def build():
+    def build() -> tuple[PlanIndex, Folds, Folds]:
         index = plan.index(batch, device, key_map)
         folds = make_folds([plan.q_dest(batch)], batch * plan.q_len, device)
         k_rows = plan.k_dest(batch, None if key_map is None else key_map[1])
@@ -398,7 +444,16 @@ def single_step(plan: MaskPlan, batch: int, device: torch.device, key_size: int 
     return plan._memo(("single", batch, torch.device(device), key_size, name), build)
 
 
-def plan_forward(q_t, k_t, v_t, batch: int, plan: MaskPlan, kernel: AttentionKernel, scale: float, sinks=None):
+def plan_forward(
+    q_t: Tensor,
+    k_t: Tensor,
+    v_t: Tensor,
+    batch: int,
+    plan: MaskPlan,
+    kernel: AttentionKernel,
+    scale: float,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """``(out_t, lse)`` of ``q_t`` on one key buffer: out in the input dtype, lse ``(H, B*Sq)`` fp32."""
     index, folds, _ = single_step(plan, batch, q_t.device)
     results = Results(q_t, folds)
@@ -406,7 +461,18 @@ def plan_forward(q_t, k_t, v_t, batch: int, plan: MaskPlan, kernel: AttentionKer
     return results.finish(sinks)
 
 
-def plan_backward(dout_t, q_t, k_t, v_t, out_t, lse, batch: int, plan: MaskPlan, kernel: AttentionKernel, scale):
+def plan_backward(
+    dout_t: Tensor,
+    q_t: Tensor,
+    k_t: Tensor,
+    v_t: Tensor,
+    out_t: Tensor,
+    lse: Tensor,
+    batch: int,
+    plan: MaskPlan,
+    kernel: AttentionKernel,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq_t, dk_t, dv_t)`` in the input dtype for :func:`plan_forward`."""
     index, folds, key_folds = single_step(plan, batch, q_t.device)
     dqs, dks, dvs = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, index, kernel, scale)

@@ -18,6 +18,8 @@ into generated kernels, not one pass per elementwise step); on CPU it runs the e
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,7 +36,7 @@ def _write(dst: Tensor, index: Tensor, acc: Tensor) -> None:
 
 
 @functools.cache
-def _compiled(fn):
+def _compiled(fn: Callable[..., None]) -> Callable[..., None]:
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
@@ -47,7 +49,7 @@ def _pad(x: list[Tensor], n: int, dim: int = 0) -> list[Tensor]:
     return x + [x[0].narrow(dim, 0, 0)] * (n - len(x))
 
 
-def compiled_call(fn, *args) -> None:
+def compiled_call(fn: Callable[..., None], *args: Any) -> None:
     """``fn(*args)`` compiled (inductor: the gathers, the arithmetic and the scatter fused). The list
     arguments of the group updates (one entry per partial) are padded to a power of two with empty
     entries, so one compiled variant serves every group of up to that many partials (each list length
@@ -61,7 +63,7 @@ def compiled_call(fn, *args) -> None:
         _compiled(fn)(*args)
 
 
-def _run(fn, *args) -> None:
+def _run(fn: Callable[..., None], *args: Any) -> None:
     """``fn(*args)``, compiled on CUDA (fused, :func:`compiled_call`), eager elsewhere."""
     if args[0].device.type == "cuda":
         compiled_call(fn, *args)

@@ -21,14 +21,20 @@ Ulysses inside a node and the ring across nodes.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from titan_cp.attention.comm import PeerComm
 from titan_cp.attention.context import CPContext
-from titan_cp.attention.mask_plans import CAUSAL, make_plan
+from titan_cp.attention.mask_plans import CAUSAL, Mask, make_plan
 from titan_cp.attention.ring import (
     RING,
+    RingGroup,
+    RingPlan,
     exchanged_rows,
     fp32_returned_rows,
     kv_block_bytes,
@@ -46,9 +52,10 @@ from titan_cp.attention.ulysses import (
     head_index,
     stacked_to_concat,
 )
+from titan_cp.layout import SequenceLayout
 
 
-def hybrid_dims(mesh) -> tuple[int, int]:
+def hybrid_dims(mesh: DeviceMesh) -> tuple[int, int]:
     """``(ring_dim, ulysses_dim)`` of a 2-D cp mesh: by the names ``cp_ring``/``cp_ulysses``, else (0, 1)."""
     names = mesh.mesh_dim_names or ()
     if "cp_ring" in names and "cp_ulysses" in names:
@@ -56,14 +63,14 @@ def hybrid_dims(mesh) -> tuple[int, int]:
     return 0, 1
 
 
-def hybrid_rank(mesh) -> int:
+def hybrid_rank(mesh: DeviceMesh) -> int:
     """This rank's cp rank in the layout: ``ring_rank * ulysses_size + ulysses_rank``."""
     ring_dim, uly_dim = hybrid_dims(mesh)
     return mesh.get_local_rank(ring_dim) * mesh.size(uly_dim) + mesh.get_local_rank(uly_dim)
 
 
 @functools.lru_cache(maxsize=8)
-def layout_peers(mesh) -> tuple[int, ...]:
+def layout_peers(mesh: DeviceMesh) -> tuple[int, ...]:
     """The global rank of each cp rank of a 2-D mesh, in layout order (:func:`hybrid_rank`)."""
     grid = mesh.mesh.tolist()  # [d0][d1]
     if hybrid_dims(mesh) == (1, 0):
@@ -71,20 +78,25 @@ def layout_peers(mesh) -> tuple[int, ...]:
     return tuple(r for row in grid for r in row)
 
 
-def _axes(ctx: CPContext, batch: int, device):
-    ring_dim, uly_dim = hybrid_dims(ctx.mesh)
-    ring_size, uly_size = ctx.mesh.size(ring_dim), ctx.mesh.size(uly_dim)
-    ring_rank = ctx.mesh.get_local_rank(ring_dim)
-    steps = ring_steps(ctx.layout, ring_rank, ring_size, _members(uly_size), ctx.mask, batch, device)
-    return ctx.mesh.get_group(ring_dim), ctx.mesh.get_group(uly_dim), uly_size, ctx.mesh.get_local_rank(uly_dim), steps
+def _axes(
+    ctx: CPContext, batch: int, device: torch.device
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int, RingPlan]:
+    mesh = ctx.mesh
+    if mesh is None:
+        raise RuntimeError("the hybrid strategy runs on a 2-D cp mesh; one device runs the ring's one step")
+    ring_dim, uly_dim = hybrid_dims(mesh)
+    ring_size, uly_size = mesh.size(ring_dim), mesh.size(uly_dim)
+    ring_rank = mesh.get_local_rank(ring_dim)
+    steps = ring_steps(ctx.planned()[0], ring_rank, ring_size, _members(uly_size), ctx.mask, batch, device)
+    return mesh.get_group(ring_dim), mesh.get_group(uly_dim), uly_size, mesh.get_local_rank(uly_dim), steps
 
 
-def _members(u: int):
+def _members(u: int) -> Callable[[int], tuple[int, ...]]:
     """The cp ranks of ring rank ``g``'s Ulysses group, in layout order."""
     return lambda g: tuple(range(g * u, (g + 1) * u))
 
 
-class Hybrid(HeadExchange):
+class Hybrid(HeadExchange[tuple[RingGroup, RingPlan]]):
     """Ulysses inside each group of the ``cp_ulysses`` axis, the ring across ``cp_ring`` (module docstring)."""
 
     name = "hybrid"
@@ -106,15 +118,15 @@ class Hybrid(HeadExchange):
     def mesh_dims(self, cp: int, ulysses_degree: int = 1) -> tuple[tuple[str, int], ...]:
         return (("cp_ring", cp // ulysses_degree), ("cp_ulysses", ulysses_degree))
 
-    def layout_rank(self, mesh) -> int:
+    def layout_rank(self, mesh: DeviceMesh) -> int:
         return hybrid_rank(mesh)
 
-    def mesh_ulysses_degree(self, mesh) -> int:
+    def mesh_ulysses_degree(self, mesh: DeviceMesh) -> int:
         return mesh.size(hybrid_dims(mesh)[1])
 
-    def heads(self, ctx: CPContext, batch: int, device) -> Heads:
+    def heads(self, ctx: CPContext, batch: int, device: torch.device) -> Heads[tuple[RingGroup, RingPlan]]:
         ring_group, uly_group, u, part, steps = _axes(ctx, batch, device)
-        kv = head_index(ctx.layout, ctx.q_heads, ctx.kv_heads, u, device)
+        kv = head_index(ctx.planned()[0], ctx.q_heads, ctx.kv_heads, u, device)
         return Heads(
             u,
             uly_group,
@@ -125,20 +137,43 @@ class Hybrid(HeadExchange):
             (ring_group, steps),
         )
 
-    def attend(self, ctx: CPContext, x: Heads, q_h, k_h, v_h, batch: int, sinks):
+    def attend(
+        self,
+        ctx: CPContext,
+        x: Heads[tuple[RingGroup, RingPlan]],
+        q_h: Tensor,
+        k_h: Tensor,
+        v_h: Tensor,
+        batch: int,
+        sinks: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
         ring_group, steps = x.attend
-        return ring_forward(q_h, k_h, v_h, ring_group, steps, ctx.kernel, ctx.scale, sinks)
+        return ring_forward(q_h, k_h, v_h, ring_group, steps, ctx.planned()[1], ctx.scale, sinks)
 
-    def attend_backward(self, ctx: CPContext, x: Heads, dout_h, q_h, k_h, v_h, out_h, lse_h, batch: int):
+    def attend_backward(
+        self,
+        ctx: CPContext,
+        x: Heads[tuple[RingGroup, RingPlan]],
+        dout_h: Tensor,
+        q_h: Tensor,
+        k_h: Tensor,
+        v_h: Tensor,
+        out_h: Tensor,
+        lse_h: Tensor,
+        batch: int,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         ring_group, steps = x.attend
-        return ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, ring_group, steps, ctx.kernel, ctx.scale)
+        kernel = ctx.planned()[1]
+        return ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, ring_group, steps, kernel, ctx.scale)
 
-    def ring_group(self, ctx: CPContext):
+    def ring_group(self, ctx: CPContext) -> RingGroup:
         """Every cp rank of the 2-D mesh in layout order, addressed by its global rank in the default group
         (no group is created: the op may run on some stages of a pipeline only)."""
-        return None if ctx.cp_size == 1 else PeerComm(None, layout_peers(ctx.mesh))
+        return None if ctx.cp_size == 1 or ctx.mesh is None else PeerComm(None, layout_peers(ctx.mesh))
 
-    def local_head_pairs(self, layout, rank, mask, batch, q_heads, ulysses_degree=1) -> int:
+    def local_head_pairs(
+        self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int, ulysses_degree: int = 1
+    ) -> int:
         """The Ulysses group's queries against every key, for 1/U of the heads (or, where documents stay
         home, the ring's)."""
         home = self.home_pairs(layout, rank, mask, batch, q_heads)
@@ -147,14 +182,32 @@ class Hybrid(HeadExchange):
         u = ulysses_degree
         return make_plan(layout, _members(u)(rank // u), None, mask).pairs(batch) * q_heads // u
 
-    def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=CAUSAL) -> int:
+    def min_bytes(
+        self,
+        q: Tensor,
+        k: Tensor,
+        cp: int,
+        ulysses_degree: int = 1,
+        backward: bool = True,
+        layout: SequenceLayout | None = None,
+        rank: int | None = None,
+        mask: Mask = CAUSAL,
+    ) -> int:
         """The Ulysses all-to-alls inside the group, then the ring among groups on the groups' unions
         (``U`` times the tokens, at the K/V heads of one head shard), only the rows another group needs."""
         axes = self.min_bytes_by_axis(q, k, cp, ulysses_degree, backward, layout, rank, mask)
         return sum(a.nbytes for a in axes)
 
     def min_bytes_by_axis(
-        self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=CAUSAL
+        self,
+        q: Tensor,
+        k: Tensor,
+        cp: int,
+        ulysses_degree: int = 1,
+        backward: bool = True,
+        layout: SequenceLayout | None = None,
+        rank: int | None = None,
+        mask: Mask = CAUSAL,
     ) -> tuple[AxisBytes, ...]:
         """The ring among groups on ``cp_ring``, the all-to-alls inside a group on ``cp_ulysses``; where
         documents stay home the ring over every cp rank, on ``cp_ring`` (its neighbours are mostly in other
@@ -184,7 +237,16 @@ class Hybrid(HeadExchange):
             )
         return AxisBytes("cp_ring", cp // u, ring, cp // u > 1), AxisBytes("cp_ulysses", u, uly, False)
 
-    def exchange_buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1):
+    def exchange_buffer_bytes(
+        self,
+        act_bytes: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        local_tokens: int,
+        cp: int,
+        ulysses_degree: int = 1,
+    ) -> int:
         """The ring's two K/V blocks and two fp32 dK/dV accumulators, on the group's union."""
         if cp == 1:
             return 0

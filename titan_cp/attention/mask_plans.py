@@ -26,15 +26,17 @@ the key rows in the buffer actually held instead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from titan_cp.attention.kernels import Segments
+from titan_cp.attention.kernels import AttentionKernel, Segments
 from titan_cp.attention.masks import Tile, plan_tiles
 from titan_cp.layout import SequenceLayout, spans, to_device
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class Mask:
     native_window: bool = False  # the kernel takes the window: a band is one segment (masks.py)
 
 
-def kernel_mask(mask: Mask | bool, kernel) -> Mask:
+def kernel_mask(mask: Mask | bool, kernel: AttentionKernel | None) -> Mask:
     """``mask`` (or ``causal`` alone) as planned for ``kernel``: windowed tiles where it takes the window
     (``native_window``)."""
     mask = mask if isinstance(mask, Mask) else Mask(causal=bool(mask))
@@ -81,11 +83,11 @@ class HostCall(NamedTuple):
 
 class Rows(NamedTuple):
     """Rows of a token-major buffer: the span ``[start, stop)`` in order (read as a view, no copy) or,
-    where they are not one, the device index tensor ``index`` (read with one gather)."""
+    where they are not one, the device index tensor ``gather`` (read with one gather)."""
 
     start: int
     stop: int
-    index: torch.Tensor | None
+    gather: torch.Tensor | None
 
     @classmethod
     def of(cls, rows: torch.Tensor, device: torch.device) -> Rows:
@@ -96,18 +98,20 @@ class Rows(NamedTuple):
         return cls(0, n, to_device(rows, device))
 
     def __len__(self) -> int:
-        return self.stop - self.start if self.index is None else len(self.index)
+        return self.stop - self.start if self.gather is None else len(self.gather)
 
     def take_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """These rows of ``x`` (dim 0) written into ``out``: one copy, whether a span or gathered."""
-        if self.index is None:
+        if self.gather is None:
             return out.copy_(x.narrow(0, self.start, self.stop - self.start))
-        return torch.index_select(x, 0, self.index, out=out)
+        return torch.index_select(x, 0, self.gather, out=out)
 
     def take(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """These rows of ``x`` along ``dim``."""
         return (
-            x.narrow(dim, self.start, self.stop - self.start) if self.index is None else x.index_select(dim, self.index)
+            x.narrow(dim, self.start, self.stop - self.start)
+            if self.gather is None
+            else x.index_select(dim, self.gather)
         )
 
 
@@ -156,9 +160,9 @@ class MaskPlan:
     (nothing visible) is falsy and costs nothing.
     """
 
-    def __init__(self, groups: tuple[RowTiles, ...], q_len: int, k_len: int):
+    def __init__(self, groups: tuple[RowTiles, ...], q_len: int, k_len: int) -> None:
         self.groups, self.q_len, self.k_len = groups, q_len, k_len
-        self._cache: dict[tuple, object] = {}
+        self._cache: dict[tuple, Any] = {}
 
     def __bool__(self) -> bool:
         return bool(self.groups)
@@ -172,7 +176,7 @@ class MaskPlan:
         """Visible (query, key) pairs per head, summed over the batch."""
         return sum((batch if g.rows is None else len(g.rows)) * sum(t.pairs for t in g.tiles) for g in self.groups)
 
-    def _memo(self, key, build):
+    def _memo(self, key: tuple, build: Callable[[], T]) -> T:
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
@@ -191,13 +195,13 @@ class MaskPlan:
         groups = [(True, part) for part in _split_causal(causal, sq) if part]
         groups += [(False, part) for part in (_split_full(full, sq) if not causal else [full]) if part]
         calls = []
-        for causal, these in groups:
+        for is_causal, these in groups:
             lq = [t.q1 - t.q0 for _, t in these]
             lk = [t.k1 - t.k0 for _, t in these]
             q_rows = _rows([(b * sq + t.q0, t.q1 - t.q0, 0, t.upper) for b, t in these])
             k_rows = _rows([(b * sk + t.k0, t.k1 - t.k0, 0, t.upper) for b, t in these])
             window = next((t.window for _, t in these if t.window is not None), None)
-            calls.append(HostCall(causal, q_rows, k_rows, _offsets(lq), _offsets(lk), window))
+            calls.append(HostCall(is_causal, q_rows, k_rows, _offsets(lq), _offsets(lk), window))
         return tuple(calls)
 
     def packed_key_count(self, batch: int) -> int:
@@ -234,7 +238,7 @@ class MaskPlan:
         """The key buffer row of every packed key row, one tensor per call (host, int64; through ``key_map``)."""
         return [c.k_rows if key_map is None else key_map[c.k_rows] for c in self.host_calls(batch)]
 
-    def index(self, batch: int, device: torch.device, key_map: tuple | None = None) -> PlanIndex:
+    def index(self, batch: int, device: torch.device, key_map: tuple[object, torch.Tensor] | None = None) -> PlanIndex:
         """Device-resident index tensors for ``batch`` rows (cached).
 
         ``key_map``: ``(name, host int64 tensor)`` giving, for each row of the full key buffer,
@@ -243,7 +247,7 @@ class MaskPlan:
         key = ("index", batch, torch.device(device), None if key_map is None else key_map[0])
         return self._memo(key, lambda: self._index(batch, torch.device(device), key_map))
 
-    def _index(self, batch: int, device: torch.device, key_map) -> PlanIndex:
+    def _index(self, batch: int, device: torch.device, key_map: tuple[object, torch.Tensor] | None) -> PlanIndex:
         calls = []
         for c in self.host_calls(batch):
             k_rows = c.k_rows if key_map is None else key_map[1][c.k_rows]
@@ -310,7 +314,9 @@ def _unique(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def make_plan(layout: SequenceLayout, q_ranks, k_ranks, mask: Mask | bool) -> MaskPlan:
+def make_plan(
+    layout: SequenceLayout, q_ranks: Sequence[int] | None, k_ranks: Sequence[int] | None, mask: Mask | bool
+) -> MaskPlan:
     """Tiles for the query buffer ``cat(shards of q_ranks)`` on the key buffer ``cat(shards of k_ranks)``.
 
     ``None`` for either side means the whole row in natural order; ``mask`` a :class:`Mask` (or
@@ -378,7 +384,9 @@ def _run_counts(q_runs, k_runs) -> tuple[int, int, int]:
     return pairs, queries, keys
 
 
-def causal_counts(layout: SequenceLayout, q_ranks, k_ranks, batch: int) -> tuple[int, int, int]:
+def causal_counts(
+    layout: SequenceLayout, q_ranks: Sequence[int] | None, k_ranks: Sequence[int] | None, batch: int
+) -> tuple[int, int, int]:
     """``(pairs, query_row_count, key_row_count)`` of ``make_plan(layout, q_ranks, k_ranks, CAUSAL)`` for
     ``batch`` rows, from the layout's runs in closed form (no tiles: the planner's counts over every pair of
     hundreds of ranks)."""
@@ -386,12 +394,12 @@ def causal_counts(layout: SequenceLayout, q_ranks, k_ranks, batch: int) -> tuple
     k_ranks = None if k_ranks is None else tuple(k_ranks)
 
     def build() -> tuple[int, int, int]:
-        total = (0, 0, 0)
+        pairs = q_count = k_count = 0
         for rows in layout.row_groups():
             n, row = (len(rows), rows[0]) if rows else (batch, None)
-            counts = _run_counts(layout.runs(q_ranks, row), layout.runs(k_ranks, row))
-            total = tuple(t + n * c for t, c in zip(total, counts))
-        return total
+            p, qc, kc = _run_counts(layout.runs(q_ranks, row), layout.runs(k_ranks, row))
+            pairs, q_count, k_count = pairs + n * p, q_count + n * qc, k_count + n * kc
+        return pairs, q_count, k_count
 
     return layout.memo(("causal_counts", q_ranks, k_ranks, batch), build)
 

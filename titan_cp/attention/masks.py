@@ -112,7 +112,9 @@ def _band(pa: int, pb: int, window: int, tiles: list[tuple[str, int, int, int, i
             tiles.append(("full", a, a + n, a - window + 1 + m, a))
 
 
-def run_pair_tiles(qs: int, qe: int, ks: int, ke: int, causal: bool, window: int | None, native: bool = False):
+def run_pair_tiles(
+    qs: int, qe: int, ks: int, ke: int, causal: bool, window: int | None, native: bool = False
+) -> list[tuple[str, int, int, int, int]]:
     """``(kind, q0, q1, k0, k1)`` in global positions: the visible pairs of query positions
     ``[qs, qe)`` on key positions ``[ks, ke)`` of one document, exactly once. ``native``: the kernel
     takes the window, so the rows inside the key run are one ``"window"`` tile."""
@@ -120,27 +122,28 @@ def run_pair_tiles(qs: int, qe: int, ks: int, ke: int, causal: bool, window: int
         return [("full", qs, qe, ks, ke)]
     if native and window is not None:
         a, b = max(qs, ks), min(qe, ke)
-        tiles = [("window", a, b, max(ks, a - window + 1), b)] if a < b else []
+        inside = [("window", a, b, max(ks, a - window + 1), b)] if a < b else []
         past = max(qs, ke)  # rows after the key run: the band's edge, as tiles
-        return tiles + (run_pair_tiles(past, qe, ks, ke, causal, window) if past < qe else [])
+        return inside + (run_pair_tiles(past, qe, ks, ke, causal, window) if past < qe else [])
     tiles: list[tuple[str, int, int, int, int]] = []
     cuts = _breaks(qs, qe, ks, ke, window)
+    win = 0 if window is None else window  # read only where lo_slides holds, i.e. with a window
     for pa, pb in zip(cuts, cuts[1:]):
         if pa == pb:
             continue
         lo_slides = window is not None and pa >= ks + window - 1  # lo(P) = P - window + 1
         hi_slides = pa < ke  # hi(P) = P, else ke - 1
-        lo = pa - window + 1 if lo_slides else ks
+        lo = pa - win + 1 if lo_slides else ks
         if pa < ks or (window is not None and pa >= ke + window - 1):
             continue  # these rows see no key of the run
         if hi_slides and lo_slides:
-            _band(pa, pb, window, tiles)
+            _band(pa, pb, win, tiles)
         elif hi_slides:  # keys [ks, P]: the keys before the rows, then the causal square
             if ks < pa:
                 tiles.append(("full", pa, pb, ks, pa))
             tiles.append(("causal", pa, pb, pa, pb))
         elif lo_slides:  # keys [P - window + 1, ke): an upper square, then the keys every row sees
-            top = min(pb - window + 1, ke)
+            top = min(pb - win + 1, ke)
             if lo < top:
                 tiles.append(("upper", pa, pa + top - lo, lo, top))
             if top < ke:

@@ -58,6 +58,8 @@ def merge_into_(
     prior = None
     if acc_rows is not None:
         acc_out, acc_lse = (dst_out, dst_lse) if acc_out is None else (acc_out, acc_lse)
+        if acc_lse is None:
+            raise ValueError("merge_into_: acc_out given without its acc_lse")
         held = acc_rows >= 0
         rows = acc_rows.clamp(min=0)
         prior_lse = torch.where(held, acc_lse.index_select(1, rows).float(), float("-inf"))

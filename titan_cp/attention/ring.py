@@ -28,10 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
 
-from titan_cp.attention.comm import NOTHING, PeerComm
+from titan_cp.attention.comm import NOTHING, Exchange, PeerComm
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.fold import (
     Folds,
@@ -41,6 +44,7 @@ from titan_cp.attention.fold import (
     fold_forward,
     make_folds,
 )
+from titan_cp.attention.kernels import AttentionKernel
 from titan_cp.attention.mask_plans import (
     CAUSAL,
     Mask,
@@ -54,8 +58,14 @@ from titan_cp.attention.mask_plans import (
     zigzag_counts,
 )
 from titan_cp.attention.merge import sinks_grad
-from titan_cp.attention.strategy import Strategy, register_strategy
+from titan_cp.attention.strategy import BackwardGrads, Strategy, kept_input, register_strategy
 from titan_cp.layout import SequenceLayout
+
+RingGroup: TypeAlias = dist.ProcessGroup | PeerComm | None
+"""A ring's transport: a process group whose ranks are the ring's (``None``: the default group), or a
+:class:`~titan_cp.attention.comm.PeerComm` that numbers them itself."""
+Members = Callable[[int], Sequence[int]]
+"""The cp ranks (layout order) of each ring rank: one each, or a Ulysses group's under hybrid."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,7 @@ class RingPlan:
         return len(self.steps)
 
 
-def ring_plans(layout: SequenceLayout, ring_rank: int, ring_size: int, members, mask: Mask) -> list[MaskPlan]:
+def ring_plans(layout: SequenceLayout, ring_rank: int, ring_size: int, members: Members, mask: Mask) -> list[MaskPlan]:
     """Mask plan of each ring step: my queries against the K/V of ring rank ``ring_rank - step`` (full numbering)."""
     mine = tuple(members(ring_rank))
     return [make_plan(layout, mine, tuple(members((ring_rank - s) % ring_size)), mask) for s in range(ring_size)]
@@ -118,7 +128,18 @@ def _read_once(plan: MaskPlan, batch: int) -> str:
     return "input" if plan.packed_key_count(batch) == plan.key_row_count(batch) else "fp32"
 
 
-def _step(layout, mine, src: int, dst: int, s: int, members, mask, batch, device, size):
+def _step(
+    layout: SequenceLayout,
+    mine: tuple[int, ...],
+    src: int,
+    dst: int,
+    s: int,
+    members: Members,
+    mask: Mask,
+    batch: int,
+    device: torch.device,
+    size: int,
+) -> tuple[RingStep, Tensor | None]:
     """Step ``s``'s plan, its device index and what it exchanges (host rows sent, for the key folds)."""
     plan = make_plan(layout, mine, tuple(members(src)), mask)
     if s == 0:
@@ -138,7 +159,7 @@ def ring_steps(
     layout: SequenceLayout,
     ring_rank: int,
     ring_size: int,
-    members: Callable[[int], Sequence[int]],
+    members: Members,
     mask: Mask,
     batch: int,
     device: torch.device,
@@ -166,12 +187,12 @@ class _KV:
     """My K/V as the messages take them: ``k_t, v_t (B*S, K, E)``; a message is a pair ``(K rows, V rows)``,
     two views where the rows sent are one span (no copy), else one gather of each into a new buffer."""
 
-    def __init__(self, k_t: torch.Tensor, v_t: torch.Tensor):
+    def __init__(self, k_t: torch.Tensor, v_t: torch.Tensor) -> None:
         self.k_t, self.v_t = k_t, v_t
 
     def message(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
         """``(K rows, V rows)``, each ``(len(rows), K, E)``."""
-        if rows.index is None:
+        if rows.gather is None:
             n = rows.stop - rows.start
             return self.k_t.narrow(0, rows.start, n), self.v_t.narrow(0, rows.start, n)
         out = self.k_t.new_empty((2, len(rows)) + tuple(self.k_t.shape[1:]))
@@ -180,30 +201,41 @@ class _KV:
         return out[0], out[1]
 
 
-def _post_kv(comm: PeerComm | None, kv: _KV, ring: RingPlan, s: int):
+def _post_kv(comm: PeerComm | None, kv: _KV, ring: RingPlan, s: int) -> Exchange:
     """Post step ``s``'s K/V exchange, one ``(K rows, V rows)`` message each way: my rows ``dst`` needs out,
-    ``src``'s in."""
+    ``src``'s in (``comm``: ``None`` only for a ring of one step, which posts none)."""
     if s >= len(ring):
         return NOTHING
+    if comm is None:
+        raise RuntimeError("a ring of several steps needs its transport")
     step = ring.steps[s]
     send = None if step.send is None else kv.message(step.send)
     recv = _pair(kv.k_t, step.recv) if step.recv else None
     return comm.exchange(send, step.dst, recv, step.src, tag=0)
 
 
-def _pair(like: torch.Tensor, rows: int, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair(like: torch.Tensor, rows: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Two empty ``(rows, K, E)`` buffers (K's and V's) in one allocation, to receive a pair into."""
     buf = like.new_empty((2, rows) + tuple(like.shape[1:]), dtype=dtype)
     return buf[0], buf[1]
 
 
-def _comm(group) -> PeerComm:
+def _comm(group: RingGroup) -> PeerComm:
     """The ring's transport: ``group`` (a process group whose ranks are the ring's) or a :class:`PeerComm`
     that numbers them itself."""
     return group if isinstance(group, PeerComm) else PeerComm(group)
 
 
-def ring_forward(q_t, k_t, v_t, group, ring: RingPlan, kernel, scale: float, sinks=None):
+def ring_forward(
+    q_t: Tensor,
+    k_t: Tensor,
+    v_t: Tensor,
+    group: RingGroup,
+    ring: RingPlan,
+    kernel: AttentionKernel,
+    scale: float,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """``(out_t, lse)``: ``(B*S, H, E)`` output in q's dtype and ``(H, B*S)`` fp32 lse (sinks folded in).
 
     Token-major ``q_t (B*S, H, E)``, ``k_t, v_t (B*S, K, E)``; ``ring`` from :func:`ring_steps`.
@@ -221,7 +253,18 @@ def ring_forward(q_t, k_t, v_t, group, ring: RingPlan, kernel, scale: float, sin
     return results.finish(sinks)
 
 
-def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kernel, scale: float):
+def ring_backward(
+    dout_t: Tensor,
+    q_t: Tensor,
+    k_t: Tensor,
+    v_t: Tensor,
+    out_t: Tensor,
+    lse: Tensor,
+    group: RingGroup,
+    ring: RingPlan,
+    kernel: AttentionKernel,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq_t, dk_t, dv_t)`` token-major in the input dtype; ``out_t, lse`` as :func:`ring_forward` returned them."""
     comm = _comm(group) if len(ring) > 1 else None
     dq = Grads(q_t, ring.folds)
@@ -239,25 +282,35 @@ def ring_backward(dout_t, q_t, k_t, v_t, out_t, lse, group, ring: RingPlan, kern
         pending = _post_kv(comm, kv, ring, s + 1)
         grad = None
         if buf is not None:
+            if step.grads is None:
+                raise RuntimeError(f"ring step {s} received K/V rows but has no plan for their gradients")
             dqs, dks, dvs = attend_backward(dout_t, q_t, buf[0], buf[1], out_t, lse, step.index, kernel, scale)
             dq.add(s, dqs)
             grad = received_grads(buf, step.grads, dks, dvs, step.dtype("grad", buf[0]))
         _add_home(dk, dv, returning)
         recv = _pair(k_t, len(step.send), step.dtype("home", k_t)) if step.send else None  # dK, dV dst read
+        if comm is None:
+            raise RuntimeError("a ring of several steps needs its transport")
         returning = (comm.exchange(grad, step.src, recv, step.dst, tag=1), s)
     _add_home(dk, dv, returning)
     return dq.finish(), dk.finish(), dv.finish()
 
 
-def received_grads(buf, folds: Folds, dks: list, dvs: list, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def received_grads(
+    buf: Tensor | Sequence[Tensor],
+    folds: Folds,
+    dks: list[Tensor],
+    dvs: list[Tensor],
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dK, dV)``, each ``(R, K, E)`` in ``dtype``: the gradients of the ``R`` received K/V rows ``buf`` (a
     pair) from each call's packed ``dks, dvs``, to be sent home, each row summed in one pass (the input
     dtype only where every row has one contribution, :attr:`RingStep.grad_dtype`; then a call whose packed
     keys are the received rows in order is sent as it is)."""
-    return tuple(Grads.summed(buf[i], folds, grads, dtype=dtype) for i, grads in enumerate((dks, dvs)))
+    return Grads.summed(buf[0], folds, dks, dtype=dtype), Grads.summed(buf[1], folds, dvs, dtype=dtype)
 
 
-def _add_home(dk: Grads, dv: Grads, returning) -> None:
+def _add_home(dk: Grads, dv: Grads, returning: tuple[Exchange, int] | None) -> None:
     """The gradients of my rows that a peer computed at step ``s`` (``(exchange, s)``), one more partial."""
     if returning is None:
         return
@@ -268,35 +321,48 @@ def _add_home(dk: Grads, dv: Grads, returning) -> None:
         dv.add(s, [grad[1]])
 
 
-def _steps(ctx: CPContext, rank: int, batch: int, device) -> RingPlan:
-    return ring_steps(ctx.layout, rank, ctx.layout.cp_size, _alone, ctx.mask, batch, device)
+def _steps(ctx: CPContext, rank: int, batch: int, device: torch.device) -> RingPlan:
+    layout, _ = ctx.planned()
+    return ring_steps(layout, rank, layout.cp_size, _alone, ctx.mask, batch, device)
 
 
 def _alone(r: int) -> tuple[int, ...]:
     return (r,)
 
 
-def ring_attention(ctx: CPContext, q, k, v, group, rank: int):
+def ring_attention(
+    ctx: CPContext, q: Tensor, k: Tensor, v: Tensor, group: RingGroup, rank: int
+) -> tuple[Tensor, tuple[Tensor, ...]]:
     """The ring strategy's ``(out, (lse,))`` over every cp rank, on ``group`` (or a :class:`PeerComm`), this
     process being layout rank ``rank``."""
     b = q.shape[0]
     steps = _steps(ctx, rank, b, q.device)
     out_t, lse = ring_forward(
-        token_major(q), token_major(k), token_major(v), group, steps, ctx.kernel, ctx.scale, ctx.sinks
+        token_major(q), token_major(k), token_major(v), group, steps, ctx.planned()[1], ctx.scale, ctx.sinks
     )
     return head_major(out_t, b), (lse,)
 
 
-def ring_attention_backward(ctx: CPContext, dout, q, k, v, out, saved, group, rank: int):
+def ring_attention_backward(
+    ctx: CPContext,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    saved: Sequence[Tensor],
+    group: RingGroup,
+    rank: int,
+) -> BackwardGrads:
     """The backward of :func:`ring_attention`: ``(dq, dk, dv, dsinks)``."""
     b = q.shape[0]
     dout_t, out_t, lse = token_major(dout), token_major(out), saved[0]
     steps = _steps(ctx, rank, b, q.device)
     grads = ring_backward(
-        dout_t, token_major(q), token_major(k), token_major(v), out_t, lse, group, steps, ctx.kernel, ctx.scale
+        dout_t, token_major(q), token_major(k), token_major(v), out_t, lse, group, steps, ctx.planned()[1], ctx.scale
     )
     dsinks = None if ctx.sinks is None else sinks_grad(dout_t, out_t, lse, ctx.sinks)
-    return (*(head_major(g, b) for g in grads), dsinks)
+    return head_major(grads[0], b), head_major(grads[1], b), head_major(grads[2], b), dsinks
 
 
 def merged_query_rows(layout: SequenceLayout, rank: int, mask: Mask, batch: int) -> int:
@@ -310,8 +376,8 @@ def merged_query_rows(layout: SequenceLayout, rank: int, mask: Mask, batch: int)
     return layout.memo(("merged_query_rows", rank, mask, batch), build)
 
 
-def _group(ctx: CPContext):
-    return ctx.group if ctx.layout.cp_size > 1 else None
+def _group(ctx: CPContext) -> dist.ProcessGroup | None:
+    return ctx.group if ctx.planned()[0].cp_size > 1 else None
 
 
 def kv_block_bytes(act_bytes: int, kv_heads: int, head_dim: int, tokens: int) -> int:
@@ -368,21 +434,26 @@ def _members(g: int, u: int) -> tuple[int, ...]:
     return tuple(range(g * u, (g + 1) * u))
 
 
-def _rows_seen(layout: SequenceLayout, q_ranks, k_ranks, mask: Mask, batch: int) -> tuple[int, int]:
+def _rows_seen(
+    layout: SequenceLayout, q_ranks: Sequence[int], k_ranks: Sequence[int], mask: Mask, batch: int
+) -> tuple[int, int]:
     """``(query rows, key rows)``: ``q_ranks``' queries that see some key of ``k_ranks``, and the keys they
     see (plain causal masks in closed form)."""
     if mask == CAUSAL:
-        return causal_counts(layout, q_ranks, k_ranks, batch)[1:]
+        _, q_rows, k_rows = causal_counts(layout, q_ranks, k_ranks, batch)
+        return q_rows, k_rows
     plan = make_plan(layout, q_ranks, k_ranks, mask)
     return plan.query_row_count(batch), plan.key_row_count(batch)
 
 
-def _key_rows_seen(layout: SequenceLayout, q_ranks, k_ranks, mask: Mask, batch: int) -> int:
+def _key_rows_seen(
+    layout: SequenceLayout, q_ranks: Sequence[int], k_ranks: Sequence[int], mask: Mask, batch: int
+) -> int:
     """Rows of ``k_ranks``' keys that ``q_ranks``' queries see."""
     return _rows_seen(layout, q_ranks, k_ranks, mask, batch)[1]
 
 
-def ring_bytes(k, sent: int, recv: int, backward: bool, resend: bool = True, fp32: int | None = None) -> int:
+def ring_bytes(k: Tensor, sent: int, recv: int, backward: bool, resend: bool = True, fp32: int | None = None) -> int:
     """Bytes a rank sends: its K/V rows (forward, and again in the backward when they are not kept:
     ``resend``), and the gradients of the rows it received: ``fp32`` of them (all by default) in fp32, the
     rest in the input dtype."""
@@ -403,17 +474,37 @@ class Ring(Strategy):
     def ring_size(self, cp: int, ulysses_degree: int = 1) -> int:
         return cp
 
-    def forward(self, ctx: CPContext, q, k, v):
+    def forward(self, ctx: CPContext, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         return ring_attention(ctx, q, k, v, _group(ctx), ctx.rank)
 
-    def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
+    def backward(
+        self,
+        ctx: CPContext,
+        dout: Tensor,
+        q: Tensor | None,
+        k: Tensor | None,
+        v: Tensor | None,
+        out: Tensor | None,
+        saved: Sequence[Tensor],
+    ) -> BackwardGrads:
+        q, k, v, out = (kept_input(t, n, self.name) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
         return ring_attention_backward(ctx, dout, q, k, v, out, saved, _group(ctx), ctx.rank)
 
-    def saved_like(self, ctx: CPContext, q, k, v):
+    def saved_like(self, ctx: CPContext, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
         b, h, s, _ = q.shape
         return (q.new_empty((h, b * s), dtype=torch.float32),)
 
-    def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=CAUSAL) -> int:
+    def min_bytes(
+        self,
+        q: Tensor,
+        k: Tensor,
+        cp: int,
+        ulysses_degree: int = 1,
+        backward: bool = True,
+        layout: SequenceLayout | None = None,
+        rank: int | None = None,
+        mask: Mask = CAUSAL,
+    ) -> int:
         """K/V rows sent to the ranks that need them, and the gradients of the rows received sent home
         (:func:`ring_bytes`). Without a layout every rank needs all of every other rank's K/V (their
         gradients counted in fp32: an upper bound)."""
@@ -432,12 +523,31 @@ class Ring(Strategy):
             )
         return ring_bytes(k, sent, recv, backward)
 
-    def saved_bytes_per_token(self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1, documents=True):
+    def saved_bytes_per_token(
+        self,
+        act_bytes: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        cp: int,
+        ulysses_degree: int = 1,
+        documents: bool = True,
+    ) -> float:
         """q, out, k, v as stored locally and the fp32 lse."""
         a, h, e = act_bytes, q_heads, head_dim
         return 2 * a * h * e + 2 * a * kv_heads * e + 4 * h
 
-    def buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1, documents=True):
+    def buffer_bytes(
+        self,
+        act_bytes: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        local_tokens: int,
+        cp: int,
+        ulysses_degree: int = 1,
+        documents: bool = True,
+    ) -> int:
         """At most two K/V blocks (the one read, the one arriving) and two fp32 dK/dV blocks."""
         if cp == 1:
             return 0

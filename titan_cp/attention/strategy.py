@@ -25,10 +25,22 @@ A fifth strategy is one subclass and one :func:`register_strategy` call.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
+from torch import Tensor
+
+from titan_cp.attention.mask_plans import CAUSAL, Mask
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from titan_cp.attention.context import CPContext
+    from titan_cp.layout import SequenceLayout
+
+BackwardGrads = tuple[Tensor, Tensor, Tensor, Tensor | None]
+"""What a strategy's backward returns: ``(dq, dk, dv, dsinks)`` (``dsinks`` ``None`` without sinks)."""
 
 
 def kv_head_map(q_heads: int, kv_heads: int, n: int) -> list[int] | None:
@@ -51,6 +63,13 @@ def kv_head_map(q_heads: int, kv_heads: int, n: int) -> list[int] | None:
 def kv_heads_per_shard(q_heads: int, kv_heads: int, n: int) -> int:
     """K/V heads each of ``n`` head shards holds: ``kv_heads / n``, or 1 when ``n`` exceeds them."""
     return 1 if kv_head_map(q_heads, kv_heads, n) is not None else kv_heads // n
+
+
+def kept_input(x: Tensor | None, name: str, strategy: str) -> Tensor:
+    """``x``, an input or output the backward of ``strategy`` reads, which it names in its ``keeps``."""
+    if x is None:
+        raise RuntimeError(f"strategy {strategy!r} reads {name!r} in its backward: name it in the strategy's keeps")
+    return x
 
 
 @dataclass(frozen=True)
@@ -115,11 +134,11 @@ class Strategy:
         """Names and sizes of the cp sub-mesh the strategy runs on."""
         return (("cp", cp),)
 
-    def layout_rank(self, mesh) -> int:
+    def layout_rank(self, mesh: DeviceMesh) -> int:
         """This process's rank in the sequence layout."""
         return mesh.get_local_rank()
 
-    def check_mesh(self, mesh, cp_size: int, q_heads: int, kv_heads: int) -> None:
+    def check_mesh(self, mesh: DeviceMesh, cp_size: int, q_heads: int, kv_heads: int) -> None:
         """``ValueError`` when ``mesh`` cannot run this strategy on ``cp_size`` ranks with these heads."""
         if mesh.ndim != self.mesh_ndim:
             raise ValueError(
@@ -130,42 +149,68 @@ class Strategy:
             raise ValueError(f"the cp mesh's size is {mesh.size()} but the layout was built for cp_size {cp_size}")
         self.check_heads(q_heads, kv_heads, mesh.size(), self.mesh_ulysses_degree(mesh))
 
-    def mesh_ulysses_degree(self, mesh) -> int:
+    def mesh_ulysses_degree(self, mesh: DeviceMesh) -> int:
         """The Ulysses degree a cp mesh gives this strategy."""
         return 1
 
     # ------------------------------------------------------------------ the op
-    def forward(self, ctx, q, k, v) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def forward(self, ctx: CPContext, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         """``(out, saved)`` for this rank's shards."""
         raise NotImplementedError
 
-    def backward(self, ctx, dout, q, k, v, out, saved) -> tuple:
+    def backward(
+        self,
+        ctx: CPContext,
+        dout: Tensor,
+        q: Tensor | None,
+        k: Tensor | None,
+        v: Tensor | None,
+        out: Tensor | None,
+        saved: Sequence[Tensor],
+    ) -> BackwardGrads:
         """``(dq, dk, dv, dsinks)`` (``dsinks`` ``None`` without sinks: else this rank's share, ``(q_heads,)``
-        fp32); only the inputs named in :meth:`kept` are given (others ``None``)."""
+        fp32); only the inputs named in :meth:`kept` are given (others ``None``; :func:`kept_input`)."""
         raise NotImplementedError
 
-    def saved_like(self, ctx, q, k, v) -> tuple[torch.Tensor, ...]:
+    def saved_like(self, ctx: CPContext, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
         """Empty tensors shaped like ``saved`` (the fake op's outputs)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ costs, per rank
-    def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=None) -> int:
+    def min_bytes(
+        self,
+        q: Tensor,
+        k: Tensor,
+        cp: int,
+        ulysses_degree: int = 1,
+        backward: bool = True,
+        layout: SequenceLayout | None = None,
+        rank: int | None = None,
+        mask: Mask = CAUSAL,
+    ) -> int:
         """Bytes this rank sends for one forward (+ backward) on local shapes ``q, k``.
 
-        With ``layout`` (and ``mask``, causal by default) the bytes of what the ranks actually need
+        With ``layout`` (and ``mask``) the bytes of what the ranks actually need
         of each other under that layout, for ``rank`` (``None``: the rank sending most); without, the
         dense case (every rank needs every other rank's K/V).
         """
         raise NotImplementedError
 
     def min_bytes_by_axis(
-        self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=None
+        self,
+        q: Tensor,
+        k: Tensor,
+        cp: int,
+        ulysses_degree: int = 1,
+        backward: bool = True,
+        layout: SequenceLayout | None = None,
+        rank: int | None = None,
+        mask: Mask = CAUSAL,
     ) -> tuple[AxisBytes, ...]:
         """:meth:`min_bytes` split over the axes of :meth:`mesh_dims` (outermost first)."""
         ((axis, size),) = self.mesh_dims(cp, ulysses_degree)
         ring = self.ring_size(cp, ulysses_degree) > 1
-        kwargs = {} if mask is None else {"mask": mask}
-        nbytes = self.min_bytes(q, k, cp, ulysses_degree, backward, layout, rank, **kwargs)
+        nbytes = self.min_bytes(q, k, cp, ulysses_degree, backward, layout, rank, mask)
         return (AxisBytes(axis, size, nbytes, ring),)
 
     def saved_bytes_per_token(
@@ -186,7 +231,9 @@ class Strategy:
         """
         raise NotImplementedError
 
-    def local_head_pairs(self, layout, rank: int, mask, batch: int, q_heads: int, ulysses_degree: int = 1) -> int:
+    def local_head_pairs(
+        self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int, ulysses_degree: int = 1
+    ) -> int:
         """Visible (query, key) pairs this rank's kernels compute under ``mask`` (a
         :class:`~titan_cp.attention.mask_plans.Mask`), summed over the heads they run (``q_heads``: local
         query heads before any exchange). Summed over the cp ranks it is the whole layer's pairs

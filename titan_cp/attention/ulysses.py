@@ -28,41 +28,57 @@ K/V travel (:class:`HeadExchange`, shared with hybrid).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar, overload
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
 
 from titan_cp.attention.comm import all_to_all
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.fold import plan_backward, plan_forward
-from titan_cp.attention.mask_plans import CAUSAL, Mask, head_major, make_plan, token_major
+from titan_cp.attention.mask_plans import CAUSAL, Mask, MaskPlan, head_major, make_plan, token_major
 from titan_cp.attention.merge import sinks_grad
 from titan_cp.attention.ring import (
     RING,
+    RingGroup,
     merged_query_rows,
     ring_attention,
     ring_attention_backward,
 )
-from titan_cp.attention.strategy import Strategy, kv_head_map, kv_heads_per_shard, register_strategy
+from titan_cp.attention.strategy import (
+    BackwardGrads,
+    Strategy,
+    kept_input,
+    kv_head_map,
+    kv_heads_per_shard,
+    register_strategy,
+)
 from titan_cp.layout import SequenceLayout, to_device
 
+Group = dist.ProcessGroup | None
+A = TypeVar("A")
 
-def scatter_heads(x_t: torch.Tensor, n: int, group) -> torch.Tensor:
+
+def scatter_heads(x_t: torch.Tensor, n: int, group: Group) -> torch.Tensor:
     """``(T, H, ...)`` token-major -> ``(N, T, H/N, ...)`` received: chunk ``j`` is rank ``j``'s tokens of my head group."""
     t, h = x_t.shape[:2]
     x = x_t.reshape(t, n, h // n, *x_t.shape[2:]).transpose(0, 1)
     return all_to_all(x, group)
 
 
-def gather_heads(x: torch.Tensor, group) -> torch.Tensor:
+def gather_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Inverse of :func:`scatter_heads`: ``(N, T, H/N, ...)`` (chunk ``j`` bound for rank ``j``) -> ``(T, H, ...)``."""
     y = all_to_all(x, group)  # chunk j: my tokens of head group j
     n, t = y.shape[:2]
     return y.transpose(0, 1).reshape(t, n * y.shape[2], *y.shape[3:])
 
 
-def head_index(layout: SequenceLayout, q_heads: int, kv_heads: int, n: int, device) -> torch.Tensor | None:
+def head_index(
+    layout: SequenceLayout, q_heads: int, kv_heads: int, n: int, device: torch.device
+) -> torch.Tensor | None:
     """The K/V head each of ``n`` destinations needs, on ``device`` (``None`` when K/V heads split
     evenly): built once per microbatch with the layout's plans, so no layer copies it to the device."""
     heads = kv_head_map(q_heads, kv_heads, n)
@@ -72,7 +88,7 @@ def head_index(layout: SequenceLayout, q_heads: int, kv_heads: int, n: int, devi
     return layout.memo(key, lambda: to_device(torch.tensor(heads), torch.device(device)))
 
 
-def kv_to_heads(k_t, v_t, heads: torch.Tensor | None, n: int, group) -> torch.Tensor:
+def kv_to_heads(k_t: Tensor, v_t: Tensor, heads: torch.Tensor | None, n: int, group: Group) -> torch.Tensor:
     """``(N, T, K', 2, E)``: every rank's tokens of the K/V heads my query heads use (K' = max(1, K/N)).
 
     ``heads``: :func:`head_index` (``None`` when the K/V heads split evenly over the ``n`` ranks).
@@ -87,7 +103,7 @@ def kv_to_heads(k_t, v_t, heads: torch.Tensor | None, n: int, group) -> torch.Te
     return all_to_all(kv, group)
 
 
-def kv_from_heads(dkv_h: torch.Tensor, heads: torch.Tensor | None, kv_heads: int, group) -> torch.Tensor:
+def kv_from_heads(dkv_h: torch.Tensor, heads: torch.Tensor | None, kv_heads: int, group: Group) -> torch.Tensor:
     """Dual of :func:`kv_to_heads`: ``(N, T, K', 2, E)`` gradients bound for each rank -> mine ``(T, K, 2, E)``."""
     dkv = gather_heads(dkv_h, group)  # (T, N*K', 2, E)
     if heads is None:
@@ -112,13 +128,14 @@ def concat_to_stacked(x: torch.Tensor, batch: int, u: int) -> torch.Tensor:
     return x.reshape(batch, u, n // batch, *x.shape[1:]).transpose(0, 1).reshape(u, n, *x.shape[1:])
 
 
-def _plan(ctx: CPContext, batch: int):
+def _plan(ctx: CPContext, batch: int) -> tuple[MaskPlan, Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
     """``(plan, inward, outward)``: the mask plan over the full row and the maps from the all-to-all's
     stacked shards to its buffer and back. The buffer is the shards in rank order (no reordering) when
     at most :data:`MERGED_SHARE` of its rows are then reached by several segments (documents mostly whole
     on their rank, as ``doc_local`` keeps them: only the split ones merge); else the natural order, one
     gather in and one scatter out, where every document is one run."""
-    layout, n = ctx.layout, ctx.layout.cp_size
+    layout, _ = ctx.planned()
+    n = layout.cp_size
     ranks = tuple(range(n))
     concat = make_plan(layout, ranks, ranks, ctx.mask)
     merged = layout.memo(("ulysses_merged", ctx.mask, batch), lambda: _merged_rows(concat, batch))
@@ -131,12 +148,16 @@ def _plan(ctx: CPContext, batch: int):
     )
 
 
-def _merged_rows(plan, batch: int) -> int:
+def _merged_rows(plan: MaskPlan, batch: int) -> int:
     """Query rows of ``plan`` that several segments reach (host)."""
     rows = torch.cat(plan.q_dest(batch)) if plan.q_dest(batch) else torch.zeros(0, dtype=torch.int64)
     return int((torch.bincount(rows) > 1).sum()) if len(rows) else 0
 
 
+@overload
+def head_slice(sinks: torch.Tensor, part: int, parts: int) -> torch.Tensor: ...
+@overload
+def head_slice(sinks: None, part: int, parts: int) -> None: ...
 def head_slice(sinks: torch.Tensor | None, part: int, parts: int) -> torch.Tensor | None:
     """The sink logits of head group ``part`` of ``parts`` (the heads :func:`scatter_heads` sends there)."""
     if sinks is None:
@@ -154,7 +175,7 @@ def head_slice_grad(grad: torch.Tensor, sinks: torch.Tensor, part: int, parts: i
     return full
 
 
-def head_shards_like(q, k, n: int):
+def head_shards_like(q: Tensor, k: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Empty ``(q_h, kv_h, out_h, lse_h)`` as an all-to-all over ``n`` ranks leaves them (the fake op's outputs)."""
     b, h, s, e = q.shape
     q_h = q.new_empty((b * s * n, h // n, e))
@@ -175,18 +196,18 @@ def head_shard_saved_bytes(act_bytes: int, q_heads: int, kv_heads: int, head_dim
 
 
 @dataclass(frozen=True)
-class Heads:
+class Heads(Generic[A]):
     """How one call exchanges heads: over ``group`` of ``n`` ranks (this one ``part``), K/V heads picked by
     ``kv`` (:func:`head_index`), the received shards put in the attention's buffer order by ``inward`` and
     back by ``outward``; ``attend``: what the strategy attends with (its plan, or its ring)."""
 
     n: int
-    group: object
+    group: Group
     part: int
     kv: torch.Tensor | None
-    inward: Callable
-    outward: Callable
-    attend: object
+    inward: Callable[[Tensor], Tensor]
+    outward: Callable[[Tensor], Tensor]
+    attend: A
 
 
 # Query rows merged with another rank's partial in the ring's schedule, summed over the ranks, per
@@ -218,7 +239,7 @@ def runs_home(layout: SequenceLayout | None, mask: Mask, batch: int) -> bool:
     return layout is not None and layout.packs_documents and stays_home(layout, mask, batch)
 
 
-class HeadExchange(Strategy):
+class HeadExchange(Strategy, Generic[A]):
     """A strategy that attends on head shards: Ulysses, and hybrid's Ulysses groups.
 
     Without documents (or one a row) every token's heads are exchanged and the head shards are kept
@@ -235,34 +256,47 @@ class HeadExchange(Strategy):
         return ("q", "k", "v", "out") if documents else ()
 
     # ------------------------------------------------------------------ the strategy's part
-    def heads(self, ctx: CPContext, batch: int, device) -> Heads:
+    def heads(self, ctx: CPContext, batch: int, device: torch.device) -> Heads[A]:
         """The exchange of one call on ``ctx``'s layout."""
         raise NotImplementedError
 
-    def attend(self, ctx: CPContext, x: Heads, q_h, k_h, v_h, batch: int, sinks):
+    def attend(
+        self, ctx: CPContext, x: Heads[A], q_h: Tensor, k_h: Tensor, v_h: Tensor, batch: int, sinks: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         """``(out_h, lse_h)`` on the head shards."""
         raise NotImplementedError
 
-    def attend_backward(self, ctx: CPContext, x: Heads, dout_h, q_h, k_h, v_h, out_h, lse_h, batch: int):
+    def attend_backward(
+        self,
+        ctx: CPContext,
+        x: Heads[A],
+        dout_h: Tensor,
+        q_h: Tensor,
+        k_h: Tensor,
+        v_h: Tensor,
+        out_h: Tensor,
+        lse_h: Tensor,
+        batch: int,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """``(dq_h, dk_h, dv_h)`` on the head shards."""
         raise NotImplementedError
 
-    def ring_group(self, ctx: CPContext):
+    def ring_group(self, ctx: CPContext) -> RingGroup:
         """The transport of a ring over every cp rank in layout order: a process group or a
         :class:`~titan_cp.attention.comm.PeerComm`."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the op
     def _home(self, ctx: CPContext, batch: int) -> bool:
-        return ctx.documents and stays_home(ctx.layout, ctx.mask, batch)
+        return bool(ctx.documents) and stays_home(ctx.planned()[0], ctx.mask, batch)
 
-    def _to_heads(self, x: Heads, q_t, k_t, v_t):
+    def _to_heads(self, x: Heads[A], q_t: Tensor, k_t: Tensor, v_t: Tensor) -> tuple[Tensor, Tensor]:
         return x.inward(scatter_heads(q_t, x.n, x.group)), x.inward(kv_to_heads(k_t, v_t, x.kv, x.n, x.group))
 
-    def forward(self, ctx: CPContext, q, k, v):
+    def forward(self, ctx: CPContext, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         batch = q.shape[0]
         if self._home(ctx, batch):
-            return ring_attention(ctx, q, k, v, self.ring_group(ctx), self.layout_rank(ctx.mesh))
+            return ring_attention(ctx, q, k, v, self.ring_group(ctx), self._layout_rank(ctx))
         x = self.heads(ctx, batch, q.device)
         q_h, kv_h = self._to_heads(x, token_major(q), token_major(k), token_major(v))
         sinks = head_slice(ctx.sinks, x.part, x.n)
@@ -272,14 +306,28 @@ class HeadExchange(Strategy):
             return out, (lse_h.view(-1, lse_h.shape[1] // x.n),)
         return out, (q_h, kv_h, out_h, lse_h)
 
-    def backward(self, ctx: CPContext, dout, q, k, v, out, saved):
+    def _layout_rank(self, ctx: CPContext) -> int:
+        if ctx.mesh is None:
+            raise RuntimeError(f"strategy {self.name!r} runs on a cp mesh; one device runs the ring's one step")
+        return self.layout_rank(ctx.mesh)
+
+    def backward(
+        self,
+        ctx: CPContext,
+        dout: Tensor,
+        q: Tensor | None,
+        k: Tensor | None,
+        v: Tensor | None,
+        out: Tensor | None,
+        saved: Sequence[Tensor],
+    ) -> BackwardGrads:
         batch = dout.shape[0]
         if self._home(ctx, batch):
-            return ring_attention_backward(
-                ctx, dout, q, k, v, out, saved, self.ring_group(ctx), self.layout_rank(ctx.mesh)
-            )
+            q, k, v, out = (kept_input(t, n, self.name) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
+            return ring_attention_backward(ctx, dout, q, k, v, out, saved, self.ring_group(ctx), self._layout_rank(ctx))
         x = self.heads(ctx, batch, dout.device)
         if ctx.documents:  # the head shards were not kept: sent again
+            q, k, v, out = (kept_input(t, n, self.name) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
             q_h, kv_h = self._to_heads(x, token_major(q), token_major(k), token_major(v))
             out_h = x.inward(scatter_heads(token_major(out), x.n, x.group))
             lse_h = saved[0].view(-1, saved[0].shape[1] * x.n)
@@ -295,14 +343,23 @@ class HeadExchange(Strategy):
             dsinks = head_slice_grad(grad, ctx.sinks, x.part, x.n)
         return head_major(dq, batch), head_major(dkv[:, :, 0], batch), head_major(dkv[:, :, 1], batch), dsinks
 
-    def saved_like(self, ctx: CPContext, q, k, v):
+    def saved_like(self, ctx: CPContext, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
         if ctx.documents:
             return (q.new_empty((q.shape[1], q.shape[0] * q.shape[2]), dtype=torch.float32),)
+        if ctx.mesh is None:
+            raise RuntimeError(f"strategy {self.name!r} runs on a cp mesh; one device runs the ring's one step")
         return head_shards_like(q, k, self.ulysses_size(ctx.cp_size, self.mesh_ulysses_degree(ctx.mesh)))
 
     # ------------------------------------------------------------------ costs
     def saved_bytes_per_token(
-        self, act_bytes, q_heads, kv_heads, head_dim, cp, ulysses_degree=1, documents: bool = True
+        self,
+        act_bytes: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        cp: int,
+        ulysses_degree: int = 1,
+        documents: bool = True,
     ) -> float:
         """With documents (several a row) what a ring keeps, whichever schedule runs; without (or one a
         row), the head shards (:func:`head_shard_saved_bytes`)."""
@@ -310,34 +367,59 @@ class HeadExchange(Strategy):
             return RING.saved_bytes_per_token(act_bytes, q_heads, kv_heads, head_dim, cp)
         return head_shard_saved_bytes(act_bytes, q_heads, kv_heads, head_dim, self.ulysses_size(cp, ulysses_degree))
 
-    def exchange_buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1):
+    def exchange_buffer_bytes(
+        self,
+        act_bytes: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        local_tokens: int,
+        cp: int,
+        ulysses_degree: int = 1,
+    ) -> int:
         """The head exchange's buffers alive during the op (its part of :meth:`buffer_bytes`)."""
         raise NotImplementedError
 
     def buffer_bytes(
-        self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1, documents: bool = True
+        self,
+        act_bytes: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        local_tokens: int,
+        cp: int,
+        ulysses_degree: int = 1,
+        documents: bool = True,
     ) -> int:
         """The head exchange's buffers; with documents the larger of the ring's and those, plus the head
         shards of q, out and dout the backward exchanges again (each the bytes of the local q)."""
-        shape = (act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree)
-        own = self.exchange_buffer_bytes(*shape)
+        own = self.exchange_buffer_bytes(act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree)
         if not documents or cp == 1:
             return own
         resent = 3 * act_bytes * q_heads * head_dim * local_tokens
-        return max(own + resent, RING.buffer_bytes(*shape[:-1]))
+        return max(own + resent, RING.buffer_bytes(act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp))
 
-    def home_pairs(self, layout, rank, mask, batch, q_heads) -> int | None:
+    def home_pairs(self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int) -> int | None:
         """The ring schedule's pairs of ``rank`` where documents stay home (:func:`runs_home`), else ``None``."""
         return RING.local_head_pairs(layout, rank, mask, batch, q_heads) if runs_home(layout, mask, batch) else None
 
-    def home_bytes(self, q, k, cp, backward, layout, rank, mask) -> int | None:
+    def home_bytes(
+        self,
+        q: Tensor,
+        k: Tensor,
+        cp: int,
+        backward: bool,
+        layout: SequenceLayout | None,
+        rank: int | None,
+        mask: Mask,
+    ) -> int | None:
         """The ring schedule's bytes where documents stay home (:func:`runs_home`), else ``None``."""
-        if not runs_home(layout, mask, q.shape[0]):
+        if layout is None or not runs_home(layout, mask, q.shape[0]):
             return None
         return RING.min_bytes(q, k, cp, backward=backward, layout=layout, rank=rank, mask=mask)
 
 
-def exchange_bytes(q, k, n: int, backward: bool, documents: bool) -> int:
+def exchange_bytes(q: Tensor, k: Tensor, n: int, backward: bool, documents: bool) -> int:
     """Bytes one rank sends through the head exchange over ``n`` ranks: q, the K/V each rank must ship and
     the output; the backward moves ``dout`` in and the gradients out, and with documents (the head shards
     not kept) q, K/V and out again (each all-to-all keeps ``1/n`` of its buffer)."""
@@ -350,7 +432,7 @@ def exchange_bytes(q, k, n: int, backward: bool, documents: bool) -> int:
     return one * ((3 if documents else 2) if backward else 1)
 
 
-class Ulysses(HeadExchange):
+class Ulysses(HeadExchange[MaskPlan]):
     """All-to-all from sequence shards to head shards and back (module docstring)."""
 
     name = "ulysses"
@@ -358,29 +440,62 @@ class Ulysses(HeadExchange):
     def ulysses_size(self, cp: int, ulysses_degree: int = 1) -> int:
         return cp
 
-    def heads(self, ctx: CPContext, batch: int, device) -> Heads:
-        n = ctx.layout.cp_size
+    def heads(self, ctx: CPContext, batch: int, device: torch.device) -> Heads[MaskPlan]:
+        layout, _ = ctx.planned()
+        n = layout.cp_size
         plan, inward, outward = _plan(ctx, batch)
-        kv = head_index(ctx.layout, ctx.q_heads, ctx.kv_heads, n, device)
+        kv = head_index(layout, ctx.q_heads, ctx.kv_heads, n, device)
         return Heads(n, ctx.group, ctx.rank, kv, inward, outward, plan)
 
-    def attend(self, ctx: CPContext, x: Heads, q_h, k_h, v_h, batch: int, sinks):
-        return plan_forward(q_h, k_h, v_h, batch, x.attend, ctx.kernel, ctx.scale, sinks)
+    def attend(
+        self,
+        ctx: CPContext,
+        x: Heads[MaskPlan],
+        q_h: Tensor,
+        k_h: Tensor,
+        v_h: Tensor,
+        batch: int,
+        sinks: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        return plan_forward(q_h, k_h, v_h, batch, x.attend, ctx.planned()[1], ctx.scale, sinks)
 
-    def attend_backward(self, ctx: CPContext, x: Heads, dout_h, q_h, k_h, v_h, out_h, lse_h, batch: int):
-        return plan_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, batch, x.attend, ctx.kernel, ctx.scale)
+    def attend_backward(
+        self,
+        ctx: CPContext,
+        x: Heads[MaskPlan],
+        dout_h: Tensor,
+        q_h: Tensor,
+        k_h: Tensor,
+        v_h: Tensor,
+        out_h: Tensor,
+        lse_h: Tensor,
+        batch: int,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return plan_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, batch, x.attend, ctx.planned()[1], ctx.scale)
 
-    def ring_group(self, ctx: CPContext):
+    def ring_group(self, ctx: CPContext) -> RingGroup:
         return ctx.group if ctx.cp_size > 1 else None
 
-    def local_head_pairs(self, layout, rank, mask, batch, q_heads, ulysses_degree=1) -> int:
+    def local_head_pairs(
+        self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int, ulysses_degree: int = 1
+    ) -> int:
         """The whole row's pairs for 1/N of the heads (or, where documents stay home, the ring's)."""
         home = self.home_pairs(layout, rank, mask, batch, q_heads)
         if home is not None:
             return home
         return make_plan(layout, None, None, mask).pairs(batch) * q_heads // layout.cp_size
 
-    def min_bytes(self, q, k, cp, ulysses_degree=1, backward=True, layout=None, rank=None, mask=CAUSAL) -> int:
+    def min_bytes(
+        self,
+        q: Tensor,
+        k: Tensor,
+        cp: int,
+        ulysses_degree: int = 1,
+        backward: bool = True,
+        layout: SequenceLayout | None = None,
+        rank: int | None = None,
+        mask: Mask = CAUSAL,
+    ) -> int:
         """All-to-all traffic (:func:`exchange_bytes`): the layout changes it only where documents stay home
         (the ring's bytes then, :func:`stays_home`), or with documents (the backward sends more)."""
         home = self.home_bytes(q, k, cp, backward, layout, rank, mask)
@@ -388,7 +503,16 @@ class Ulysses(HeadExchange):
             return home
         return exchange_bytes(q, k, cp, backward, layout is not None and layout.packs_documents)
 
-    def exchange_buffer_bytes(self, act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree=1):
+    def exchange_buffer_bytes(
+        self,
+        act_bytes: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        local_tokens: int,
+        cp: int,
+        ulysses_degree: int = 1,
+    ) -> int:
         """The all-to-all's send and receive copies of the local K/V, and the stacked pair."""
         if cp == 1:
             return 0

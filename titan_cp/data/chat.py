@@ -47,9 +47,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from titan_cp.data.document import Document
-from titan_cp.data.tokenizer import Tokenizer
+from titan_cp.data.tokenizer import OffsetTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 from titan_cp.files import parse_json_line
 
 logger = logging.getLogger(__name__)
@@ -79,12 +83,12 @@ def render_chat(messages: Sequence[dict], tokenizer: Tokenizer, loss_roles: Sequ
 _MARK = "\u2063content\u2063"  # stands in for a turn's content, to find where the template puts it
 
 
-def compile_template(template: str):
+def compile_template(template: str) -> Template:
     """A Hugging Face chat template compiled as ``transformers`` does (sandboxed Jinja, trimmed blocks)."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message: str):
+    def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -93,7 +97,10 @@ def compile_template(template: str):
 
 
 def render_template_chat(
-    messages: Sequence[dict], tokenizer, template, loss_roles: Sequence[str] = ("assistant",)
+    messages: Sequence[dict],
+    tokenizer: OffsetTokenizer,
+    template: Template,
+    loss_roles: Sequence[str] = ("assistant",),
 ) -> Document:
     """Tokens and loss mask of one conversation under a compiled tokenizer chat template (see the
     module docstring); ``tokenizer`` needs ``encode_with_offsets`` and ``token`` (:class:`HFTokenizer`)."""
@@ -168,7 +175,7 @@ class ChatJsonl:
         loss_roles: Sequence[str] = ("assistant",),
         chat_template: str | None = None,
         announce: bool = False,
-    ):
+    ) -> None:
         unknown = [r for r in loss_roles if r not in ROLES]
         if unknown:
             raise ValueError(f"training.loss_roles: unknown roles {unknown}; roles are {list(ROLES)}")
@@ -233,6 +240,8 @@ class ChatJsonl:
     def document(self, index: int) -> Document:
         if self._template is None:
             return render_chat(self.messages(index), self.tokenizer, self.loss_roles)
+        if not isinstance(self.tokenizer, OffsetTokenizer):
+            raise TypeError("a tokenizer's chat template needs its tokenizer.json (model.hf_assets_path)")
         try:
             return render_template_chat(self.messages(index), self.tokenizer, self._template, self.loss_roles)
         except ValueError as e:

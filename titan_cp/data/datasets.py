@@ -75,7 +75,7 @@ class SyntheticRecall:
         split: Split = "train",
         min_tokens: int = 256,
         max_tokens: int = 6144,
-    ):
+    ) -> None:
         if not 64 <= min_tokens <= max_tokens:
             raise ValueError(f"need 64 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
         self.tokenizer, self.seed, self.split = tokenizer, seed, split
@@ -156,7 +156,7 @@ class TextFiles:
 
     _SUFFIXES = (".txt", ".md", ".jsonl", ".json")
 
-    def __init__(self, path: str | Path, tokenizer: Tokenizer, text_key: str = "text"):
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, text_key: str = "text") -> None:
         path = Path(path)
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in self._SUFFIXES)
         self.tokenizer, self.text_key = tokenizer, text_key
@@ -214,7 +214,7 @@ class HFDiskDataset:
     """A Hugging Face dataset saved with ``save_to_disk``, read with ``datasets.load_from_disk``
     (local only). A ``DatasetDict`` contributes its ``split`` split."""
 
-    def __init__(self, path: str | Path, tokenizer: Tokenizer, split: Split = "train", text_key: str = "text"):
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, split: Split = "train", text_key: str = "text") -> None:
         try:
             import datasets
         except ImportError as e:

@@ -20,8 +20,13 @@ from __future__ import annotations
 import math
 import random
 from collections import defaultdict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from titan_cp.data.document import Document
+
+if TYPE_CHECKING:
+    from titan_cp.data.packing import _RowPacker
 
 
 def _lognormal(rng: random.Random, mean: float, sigma: float = 1.0) -> int:
@@ -38,7 +43,7 @@ DOC_LENGTH_MIXES = {
 class LengthSource:
     """A ``DocumentSource`` of documents of ``mix``'s lengths (every token 0: only lengths matter)."""
 
-    def __init__(self, mix: str, seed: int = 0):
+    def __init__(self, mix: str, seed: int = 0) -> None:
         if mix not in DOC_LENGTH_MIXES:
             raise ValueError(f"unknown mix {mix!r}; mixes are {sorted(DOC_LENGTH_MIXES)}")
         self.mix, self.seed = mix, seed
@@ -50,9 +55,9 @@ class LengthSource:
         return Document([0] * self.length(index))
 
 
-def measure_packing(packer, rows: int, length) -> dict[str, float | int]:
+def measure_packing(packer: _RowPacker, rows: int, length: Callable[[int], int]) -> dict[str, float | int]:
     """Pack ``rows`` rows with ``packer`` (``skip_row``); ``length(i)``: document ``i``'s length."""
-    pieces = defaultdict(list)
+    pieces: defaultdict[int, list[int]] = defaultdict(list)
     padding = 0
     for _ in range(rows):
         for i, a, b in packer.skip_row().pieces:

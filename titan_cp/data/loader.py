@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -112,7 +112,7 @@ class PackedDataLoader:
         lookahead: int = 512,
         pad_id: int = 0,
         source_names: tuple[str, ...] = (),
-    ):
+    ) -> None:
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}")
         if local_batch_size < 1 or global_batch_size % (local_batch_size * dp_degree):
@@ -206,7 +206,7 @@ def build_dataloader(
     """
     t, v = job_config.training, job_config.validation
     source = build_dataset(job_config, tokenizer, split, announce)
-    packing = dict(packing=t.packing, lookahead=t.packing_lookahead, pad_id=tokenizer.pad_id)
+    packing: dict[str, Any] = dict(packing=t.packing, lookahead=t.packing_lookahead, pad_id=tokenizer.pad_id)
     if split == "train":
         global_batch_size, _ = job_config.resolve_batch_sizes(dp_degree)
         names = tuple(m.name for m in t.mixture) if t.dataset == "mixture" else ()

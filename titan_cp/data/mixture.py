@@ -25,7 +25,7 @@ from titan_cp.data.document import Document, DocumentSource
 class Mixture:
     """``sources``: ``(name, source, weight)`` triples; weights ``>= 0`` with a positive sum."""
 
-    def __init__(self, sources: Sequence[tuple[str, DocumentSource, float]], seed: int = 0, block: int = 1024):
+    def __init__(self, sources: Sequence[tuple[str, DocumentSource, float]], seed: int = 0, block: int = 1024) -> None:
         if not sources:
             raise ValueError("training.mixture is empty: list at least one source")
         names = [name for name, _, _ in sources]

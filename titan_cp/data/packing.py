@@ -190,7 +190,7 @@ class Packer(_RowPacker):
     The state is the stream position: ``(doc_index, doc_offset)``, the next token to pack.
     """
 
-    def __init__(self, source: DocumentSource, seq_len: int):
+    def __init__(self, source: DocumentSource, seq_len: int) -> None:
         _check_seq_len(seq_len)
         self.source, self.seq_len = source, seq_len
         self.doc_index, self.doc_offset = 0, 0
@@ -202,7 +202,7 @@ class Packer(_RowPacker):
         return self._cached[1]
 
     def _take(self) -> list[Piece]:
-        pieces = []
+        pieces: list[tuple[int, Document | None, int, int]] = []
         room = self.seq_len
         while room:
             doc = self._document()
@@ -231,7 +231,7 @@ class BestFitPacker(_RowPacker):
     ``buffer`` and ``windows`` (pending pieces as ``[doc_index, start, end]``).
     """
 
-    def __init__(self, source: DocumentSource, seq_len: int, lookahead: int = 512, pad_id: int = 0):
+    def __init__(self, source: DocumentSource, seq_len: int, lookahead: int = 512, pad_id: int = 0) -> None:
         _check_seq_len(seq_len)
         if lookahead < 1:
             raise ValueError(f"training.packing_lookahead must be positive, got {lookahead}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from typing import Any
 
 
 def fill_row(draw: Callable[[], float], seq_len: int) -> list[int]:
@@ -56,10 +57,11 @@ def proportional_doc_lens(seq_len: int, docs: int) -> list[int]:
 class _RowDraws:
     """numpy's ``default_rng(key)`` for one row, made on first use (a mix that draws nothing needs no numpy)."""
 
-    def __init__(self, key: list[int], mix: str):
-        self._key, self._mix, self._rng = key, mix, None
+    def __init__(self, key: list[int], mix: str) -> None:
+        self._key, self._mix = key, mix
+        self._rng: Any = None  # numpy's Generator, made on first use
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         if self._rng is None:
             try:
                 import numpy as np

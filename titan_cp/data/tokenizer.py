@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from titan_cp.errors import UserError
 from titan_cp.files import read_json
@@ -23,6 +23,16 @@ class Tokenizer(Protocol):
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@runtime_checkable
+class OffsetTokenizer(Tokenizer, Protocol):
+    """A tokenizer that also gives each token's character span and string (:class:`HFTokenizer`), as a
+    tokenizer's own chat template needs."""
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...
+
+    def token(self, token_id: int) -> str | None: ...
 
 
 class ByteTokenizer:
@@ -56,7 +66,7 @@ class HFTokenizer:
     _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
     _EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>", "[SEP]")
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path) -> None:
         try:
             from tokenizers import Tokenizer as _Tokenizer
         except ImportError as e:
@@ -78,7 +88,8 @@ class HFTokenizer:
         self.bos_id = self._find(special.get("bos_token"), self._BOS_NAMES, "BOS")
         self.eos_id = self._find(special.get("eos_token"), self._EOS_NAMES, "EOS")
         pad = special.get("pad_token")
-        self.pad_id = self._tok.token_to_id(pad) if pad and self._tok.token_to_id(pad) is not None else self.eos_id
+        pad_token_id = self._tok.token_to_id(pad) if pad else None
+        self.pad_id = pad_token_id if pad_token_id is not None else self.eos_id
         self.chat_template = _chat_template(file.parent / "tokenizer_config.json")
 
     def _find(self, configured: str | None, names: Sequence[str], what: str) -> int:
@@ -100,7 +111,8 @@ class HFTokenizer:
         encoding = self._tok.encode(text, add_special_tokens=False)
         return encoding.ids, encoding.offsets
 
-    def token(self, token_id: int) -> str:
+    def token(self, token_id: int) -> str | None:
+        """The token string of ``token_id`` (``None`` for an id outside the vocabulary)."""
         return self._tok.id_to_token(token_id)
 
 

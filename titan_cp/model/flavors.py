@@ -11,6 +11,7 @@ does, so that large flavors can be sharded before any weight exists.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -96,7 +97,7 @@ FLAVORS: dict[str, ModelArgs] = {
 }
 
 
-def model_args(flavor: str, **overrides) -> ModelArgs:
+def model_args(flavor: str, **overrides: Any) -> ModelArgs:
     """The flavor's ``ModelArgs`` with fields replaced by ``overrides`` (e.g. ``vocab_size``)."""
     if flavor not in FLAVORS:
         raise ValueError(f"unknown model.flavor {flavor!r}; choose one of {sorted(FLAVORS)}")
@@ -104,7 +105,7 @@ def model_args(flavor: str, **overrides) -> ModelArgs:
 
 
 def build_model(
-    flavor: str, vocab_size: int | None = None, device: torch.device | str = "meta", **overrides
+    flavor: str, vocab_size: int | None = None, device: torch.device | str = "meta", **overrides: Any
 ) -> Transformer:
     """Build ``flavor`` on ``device``; on a real device its weights are initialised by
     ``init_weights`` (deterministic given the torch seed), on ``meta`` they are left for

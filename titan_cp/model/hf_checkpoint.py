@@ -34,11 +34,15 @@ import json
 import logging
 import re
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from titan_cp.errors import process_rank
@@ -308,11 +312,13 @@ def _read_config(folder: Path, where: str) -> dict:
 def _plan(folder: Path, model_args: ModelArgs, key: str) -> dict[str, str]:
     """titan_cp name -> Hugging Face name to read it from, after checking every shape (and
     ``config.json`` where there is one); raises ``ValueError`` before anything is loaded."""
-    hf_shapes = {
-        k: m.size
-        for k, m in dcp.HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata.items()
-        if not _HF_IGNORED.match(k)
-    }
+    hf_shapes = {}
+    for k, m in dcp.HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata.items():
+        if _HF_IGNORED.match(k):
+            continue
+        if not isinstance(m, TensorStorageMetadata):
+            raise ValueError(f"{key} = {str(folder)!r}: {k!r} in its safetensors is not a tensor")
+        hf_shapes[k] = m.size
     config = _read_config(folder, f"{key} = {str(folder)!r}")
     plan = {}
     for name, shape in _expected_shapes(model_args).items():
@@ -349,13 +355,14 @@ def _local_shape_and_offset(t: DTensor):
     return compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
 
 
-def _model_state(model_parts) -> dict[str, torch.Tensor]:
+def _model_state(model_parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
     """Clean parameter names (no wrapper prefixes) -> the parameters (sharing storage) of every part."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    state = {}
+    state: dict[str, torch.Tensor] = {}
     for part in model_parts:
-        state.update(get_model_state_dict(part))
+        # a model's state dict holds tensors; the stub's value type is the one shared with optimizer state
+        state.update(cast(dict[str, torch.Tensor], get_model_state_dict(part)))
     return state
 
 
@@ -373,7 +380,9 @@ def check_hf_weights(path: str | Path, model_args: ModelArgs, key: str = "checkp
 
 
 @torch.no_grad()
-def load_hf(model_parts, path: str | Path, model_args: ModelArgs, key: str = "checkpoint.initial_load_path") -> None:
+def load_hf(
+    model_parts: Sequence[nn.Module], path: str | Path, model_args: ModelArgs, key: str = "checkpoint.initial_load_path"
+) -> None:
     """Load the Hugging Face Llama checkpoint folder ``path`` (``*.safetensors``, one file or
     several with ``model.safetensors.index.json``) into ``model_parts``, in place, whatever
     their sharding (FSDP, TP, CP, pipeline stages).
@@ -398,7 +407,10 @@ def load_hf(model_parts, path: str | Path, model_args: ModelArgs, key: str = "ch
         full = {plan[n]: torch.empty(state[n].shape, dtype=state[n].dtype, device=state[n].device) for n in names}
         dcp.load(full, storage_reader=dcp.HuggingFaceStorageReader(str(folder)), no_dist=True)
         for n in names:
-            w = _permute_from_hf(full[plan[n]], _qk_heads(n, model_args))
+            heads = _qk_heads(n, model_args)
+            if heads is None:
+                raise RuntimeError(f"{n} is not a q or k projection")
+            w = _permute_from_hf(full[plan[n]], heads)
             target = state[n]
             if isinstance(target, DTensor):
                 target.to_local().copy_(_local_slice(w, target))
@@ -425,7 +437,9 @@ def file_index(sizes: dict[str, int], max_file_bytes: int) -> dict[str, int]:
     return index
 
 
-def write_hf_folder(state: dict[str, torch.Tensor], path: str | Path, index: dict[str, int], finish) -> Path:
+def write_hf_folder(
+    state: dict[str, torch.Tensor], path: str | Path, index: dict[str, int], finish: Callable[[Path], None]
+) -> Path:
     """The one distributed safetensors writer: ``state`` (Hugging Face name -> this rank's tensor,
     a DTensor shard or whole) written to ``path`` as ``model-0000i-of-0000N.safetensors`` per ``index``
     (:func:`file_index`) and their ``model.safetensors.index.json``; then rank 0 calls ``finish(folder)``
@@ -453,7 +467,9 @@ def write_hf_folder(state: dict[str, torch.Tensor], path: str | Path, index: dic
 
 
 @torch.no_grad()
-def save_hf(model_parts, path: str | Path, model_args: ModelArgs, max_file_bytes: int = 5 * 2**30) -> Path:
+def save_hf(
+    model_parts: Sequence[nn.Module], path: str | Path, model_args: ModelArgs, max_file_bytes: int = 5 * 2**30
+) -> Path:
     """Write ``model_parts`` (every rank's shards together) as a Hugging Face Llama checkpoint
     folder: ``model-0000i-of-0000N.safetensors``, ``model.safetensors.index.json`` and
     ``config.json``, readable by ``LlamaForCausalLM.from_pretrained``. Collective over the

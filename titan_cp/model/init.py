@@ -85,7 +85,7 @@ class ParamInit:
     Built once per model (or pipeline stage) to know each parameter's unwrapped name.
     """
 
-    def __init__(self, model: nn.Module, seed: int):
+    def __init__(self, model: nn.Module, seed: int) -> None:
         self.seed = seed
         self._names = {id(p): clean_name(n) for n, p in model.named_parameters()}
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +123,9 @@ class ModelArgs:
 # ---------------------------------------------------------------------------- RoPE
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RoPEScaling | None, device=None) -> Tensor:
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: RoPEScaling | None, device: torch.device | str | None = None
+) -> Tensor:
     """Inverse frequencies ``theta^(-2j/E)`` for j < E/2, fp32, with Llama 3.1 scaling.
 
     Scaling divides low frequencies (wavelength > original_max / low_freq_factor) by
@@ -180,7 +183,7 @@ class InnerAttention(nn.Module):
     where the model has them, a learned ``(H,)`` logit per head in the softmax denominator.
     """
 
-    def __init__(self, window: int | None = None, chunk: int | None = None, heads: int | None = None):
+    def __init__(self, window: int | None = None, chunk: int | None = None, heads: int | None = None) -> None:
         super().__init__()
         self.window, self.chunk = window, chunk
         self.sinks = nn.Parameter(torch.empty(heads)) if heads else None
@@ -197,7 +200,7 @@ class InnerAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int = 0):
+    def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
@@ -231,7 +234,7 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
@@ -247,7 +250,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs):
+    def __init__(self, layer_id: int, args: ModelArgs) -> None:
         super().__init__()
         self.attention = Attention(args, layer_id)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
@@ -273,10 +276,18 @@ class Output(nn.Linear):
     by chunk so that the ``(B*S, V)`` logits never exist whole (``titan_cp.loss``);
     ``output(h, labels, predict=True)`` gives ``(CE sum, argmax predictions (B, S))`` the same way."""
 
-    def __init__(self, dim: int, vocab_size: int):
+    def __init__(self, dim: int, vocab_size: int) -> None:
         super().__init__(dim, vocab_size, bias=False)
 
-    def forward(self, h: Tensor, labels: Tensor | None = None, predict: bool = False):
+    @overload
+    def forward(self, h: Tensor, labels: None = None, predict: bool = False) -> Tensor: ...
+    @overload
+    def forward(self, h: Tensor, labels: Tensor, predict: Literal[False] = False) -> Tensor: ...
+    @overload
+    def forward(self, h: Tensor, labels: Tensor, predict: Literal[True]) -> tuple[Tensor, Tensor]: ...
+    @overload
+    def forward(self, h: Tensor, labels: Tensor | None, predict: bool) -> Tensor | tuple[Tensor, Tensor]: ...
+    def forward(self, h: Tensor, labels: Tensor | None = None, predict: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         if labels is None:
             return F.linear(h, self.weight)
         if predict:  # evaluation: (CE sum, argmax predictions), chunked, no gradient
@@ -288,13 +299,13 @@ class Transformer(nn.Module):
     """Llama 3 decoder. A pipeline stage holds some of its parts (others None, layers left out
     of the ``ModuleDict``, names unchanged); the same forward runs every stage."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)  # None: another stage's
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = Output(args.dim, args.vocab_size)
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: Output | None = Output(args.dim, args.vocab_size)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -309,7 +320,8 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             init.normal_(self.tok_embeddings.weight, std=1.0)
         for layer in self.layers.values():
-            layer.init_weights(init)
+            # a block, or a wrapper (compile, checkpointing) that hands attribute reads on to it
+            cast(TransformerBlock, layer).init_weights(init)
         if self.norm is not None:
             init.ones_(self.norm.weight)
         if self.output is not None:
@@ -330,7 +342,7 @@ class Transformer(nn.Module):
         doc_lens: Tensor | None = None,
         labels: Tensor | None = None,
         predict: bool = False,
-    ):
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """tokens ``(B, S)`` int64 (or hidden states ``(B, S, D)`` on a later pipeline stage);
         positions ``(B, S)`` int64 RoPE positions (default ``arange(S)``); doc_lens
         ``(B, max_docs)`` int64 zero-padded packed-document lengths, given unchanged to every

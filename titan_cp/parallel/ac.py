@@ -148,11 +148,11 @@ def apply_ac(
     wrapped, store = apply_block_ac([b for _, b in items], mode, every, cpu_offload, blocks_per_checkpoint, prefetch)
     for (key, block), new in zip(items, wrapped):
         if new is not block:
-            adapter.blocks[key] = new
+            adapter.replace_block(key, new)
     if store is not None:
-        adapter.root.activation_store = (
-            store  # the trainer's metrics read it (titan_cp.parallel.offload.offload_metrics)
-        )
+        # the trainer's metrics read it (titan_cp.parallel.offload.offload_metrics); torch's stub types
+        # Module.__setattr__ for tensors and modules only, but a module holds any attribute
+        adapter.root.activation_store = store  # type: ignore[assignment]
         if adapter.head_unit:
             # the head is one more unit: e.g. the final norm and the chunked loss keep their input on the host
             # too and are recomputed in the backward (what they save is three hidden-state tensors per token)

@@ -49,6 +49,14 @@ class ParallelAdapter:
             return list(self.blocks.items())
         return list(enumerate(self.blocks))
 
+    def replace_block(self, key: str | int, block: nn.Module) -> None:
+        """``blocks[key] = block``: a wrapped (checkpointed, compiled) block in place of the one at ``key``
+        (a key of :meth:`block_items`)."""
+        if isinstance(self.blocks, nn.ModuleDict):
+            self.blocks[str(key)] = block
+        else:
+            self.blocks[int(key)] = block
+
     def mlps(self) -> list[nn.Module]:
         """Every block's feed-forward module (looked up through AC and compile wrappers), in order;
         ``ValueError`` for a block without one."""

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.layout import DEFAULT_BALANCE
@@ -36,6 +37,7 @@ from titan_cp.mesh import ParallelDims
 from titan_cp.model.llama import ModelArgs, Transformer
 from titan_cp.parallel import apply_ac, apply_compile, apply_fsdp, apply_tp, pipeline_llama
 from titan_cp.parallel.cp import apply_cp
+from titan_cp.parallel.pp import LossFn, Schedule
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
 
 
@@ -59,7 +61,7 @@ class ParallelizeOptions:
     reshard_after_forward: bool = True
 
 
-def cp_mesh(parallel_dims: ParallelDims):
+def cp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     """The mesh CP attention runs on: 1-D ``cp``, or 2-D ``(cp_ring, cp_ulysses)`` for hybrid."""
     return parallel_dims.hybrid_cp_mesh() if parallel_dims.hybrid_cp else parallel_dims.get_mesh("cp")
 
@@ -71,14 +73,23 @@ class ModelBuilder:
         """The whole model on ``meta``."""
         raise NotImplementedError
 
-    def pipeline(self, model: nn.Module, pp_mesh, microbatches: int, schedule: str, loss_fn, device, prepare):
+    def pipeline(
+        self,
+        model: nn.Module,
+        pp_mesh: DeviceMesh,
+        microbatches: int,
+        schedule: str,
+        loss_fn: LossFn | None,
+        device: torch.device | str,
+        prepare: Callable[[nn.Module], object],
+    ) -> tuple[Schedule, list[nn.Module], bool, bool]:
         """``(schedule, parts, has_first, has_last)``: this rank's stages, each passed to ``prepare``."""
         raise ValueError(f"{type(self).__name__}: pipeline parallelism is not built for this model")
 
-    def tensor_parallel(self, model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
+    def tensor_parallel(self, model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
         raise ValueError(f"{type(self).__name__}: tensor parallelism is not built for this model")
 
-    def context_parallel(self, model: nn.Module, mesh, options: ParallelizeOptions) -> nn.Module:
+    def context_parallel(self, model: nn.Module, mesh: DeviceMesh | None, options: ParallelizeOptions) -> nn.Module:
         """Make the attention cores context-parallel over ``mesh`` (``None``: one device); returns the
         module the rest applies to (the model, or a wrapper around it)."""
         if mesh is not None:
@@ -100,14 +111,32 @@ class LlamaBuilder(ModelBuilder):
         with torch.device("meta"):
             return Transformer(self.args)
 
-    def pipeline(self, model, pp_mesh, microbatches, schedule, loss_fn, device, prepare):
-        return pipeline_llama(model, pp_mesh, microbatches, schedule, loss_fn, device=device, parallelize_fn=prepare)
+    def pipeline(
+        self,
+        model: nn.Module,
+        pp_mesh: DeviceMesh,
+        microbatches: int,
+        schedule: str,
+        loss_fn: LossFn | None,
+        device: torch.device | str,
+        prepare: Callable[[nn.Module], object],
+    ) -> tuple[Schedule, list[nn.Module], bool, bool]:
+        return pipeline_llama(
+            _llama(model), pp_mesh, microbatches, schedule, loss_fn, device=device, parallelize_fn=prepare
+        )
 
-    def tensor_parallel(self, model, tp_mesh, loss_parallel: bool) -> None:
-        apply_tp(model, tp_mesh, loss_parallel=loss_parallel)
+    def tensor_parallel(self, model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+        apply_tp(_llama(model), tp_mesh, loss_parallel=loss_parallel)
 
-    def materialize(self, model, device, seed) -> None:
-        materialize(model, device, seed)
+    def materialize(self, model: nn.Module, device: torch.device | str, seed: int | None) -> None:
+        materialize(_llama(model), device, seed)
+
+
+def _llama(model: nn.Module) -> Transformer:
+    """``model``, which :meth:`LlamaBuilder.meta` built (a ``Transformer`` or a pipeline stage of one)."""
+    if not isinstance(model, Transformer):
+        raise TypeError(f"the Llama builder builds titan_cp's Transformer, got a {type(model).__name__}")
+    return model
 
 
 def parallelize(
@@ -181,7 +210,7 @@ def build_parallel_model(
     options: ParallelizeOptions,
     device: torch.device | str,
     seed: int | None = None,
-    loss_fn: Callable | None = None,
+    loss_fn: LossFn | None = None,
     pp_microbatches: int = 1,
     pp_schedule: str = "1F1B",
     fsdp: bool = True,

@@ -29,4 +29,6 @@ def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool =
     """
     adapter = adapter_of(model)
     for key, block in adapter.block_items():
-        adapter.blocks[key] = torch.compile(block, backend=backend, fullgraph=fullgraph)
+        compiled = torch.compile(block, backend=backend, fullgraph=fullgraph)
+        # torch.compile's stub returns a plain callable; for a module it is an nn.Module (OptimizedModule)
+        adapter.replace_block(key, compiled)  # type: ignore[arg-type]

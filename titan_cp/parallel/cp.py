@@ -62,7 +62,7 @@ class ContextParallel(ParallelStyle):
         balance: str = DEFAULT_BALANCE,
         causal: bool = True,
         kernel: str | None = None,
-    ):
+    ) -> None:
         super().__init__()
         self._strategy = get_strategy(strategy)
         if balance not in balance_names():
@@ -82,7 +82,7 @@ class ContextParallel(ParallelStyle):
             return self._attend(device_mesh, handle, q, k, v, doc_lens, module)
 
         module.forward = forward
-        module.cp_style = self
+        module.cp_style = self  # type: ignore[assignment]  # torch's stub: __setattr__ for tensors/modules only
         return module
 
     def _attend(self, mesh: DeviceMesh, handle: int, q, k, v, doc_lens, module=None):

@@ -66,12 +66,16 @@ def apply_fsdp(
         )
     adapter = adapter_of(model)
     mp_policy = MixedPrecisionPolicy(param_dtype=mp_param_dtype, reduce_dtype=reduce_dtype)
-    config = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy(cpu_offload, mesh))
+    offload = offload_policy(cpu_offload, mesh)
+
+    def shard(module: nn.Module | list[nn.Module], reshard: bool) -> None:
+        fully_shard(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard)
+
     if adapter.embedding is not None:
-        fully_shard(adapter.embedding, **config, reshard_after_forward=reshard_after_forward)
+        shard(adapter.embedding, reshard_after_forward)
     for _, block in adapter.block_items():
-        fully_shard(block, **config, reshard_after_forward=reshard_after_forward)
+        shard(block, reshard_after_forward)
     if adapter.tail:
-        fully_shard(adapter.tail, **config, reshard_after_forward=False)
-    fully_shard(adapter.root, **config, reshard_after_forward=reshard_after_forward)
+        shard(adapter.tail, False)
+    shard(adapter.root, reshard_after_forward)
     set_gradient_sum(adapter.root)

@@ -15,7 +15,7 @@ def llama_adapter(model: nn.Module) -> ParallelAdapter | None:
     norm, output; also the head unit when both are there) and CP plan (:func:`~titan_cp.parallel.cp.llama_cp`); ``None`` for any other model."""
     if not isinstance(model, Transformer):
         return None
-    tail = [m for m in (model.norm, model.output) if m is not None]  # a pipeline stage may lack them
+    tail: list[nn.Module] = [m for m in (model.norm, model.output) if m is not None]  # a stage may lack them
     return ParallelAdapter(
         model,
         model.layers,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -45,10 +46,10 @@ class _Entry:
     host: Tensor
     device: torch.device
     unit: int
-    units: set = field(default_factory=set)  # the units that saved it (several: a shared RoPE table)
+    units: set[int] = field(default_factory=set)  # the units that saved it (several: a shared RoPE table)
     prefetched: Tensor | None = None  # a device copy queued ahead of the unpack
-    ready: object = None  # the side stream's event after the host -> device copy (CUDA)
-    live: weakref.ref | None = None  # the device copy handed to autograd
+    ready: torch.cuda.Event | None = None  # the side stream's event after the host -> device copy (CUDA)
+    live: weakref.ref[Tensor] | None = None  # the device copy handed to autograd
     alive: int = 0  # tickets (saved-variable handles) still referring to it
     keep: Tensor | None = None  # a shared entry's device copy, kept until its last ticket dies
 
@@ -58,7 +59,7 @@ class _Ticket:
 
     __slots__ = ("__weakref__", "entry")
 
-    def __init__(self, entry: _Entry):
+    def __init__(self, entry: _Entry) -> None:
         self.entry = entry
 
 
@@ -72,7 +73,7 @@ class HostActivationStore:
     :attr:`peak_host_bytes`, :attr:`max_device_inputs` (see module doc), :attr:`stored`, :attr:`fetched`.
     """
 
-    def __init__(self, prefetch: int = 1):
+    def __init__(self, prefetch: int = 1) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self.prefetch = prefetch
@@ -84,7 +85,7 @@ class HostActivationStore:
         self.stored = self.fetched = 0
 
     @contextlib.contextmanager
-    def unit(self):
+    def unit(self) -> Iterator[None]:
         """Store the tensors saved in this context as the next unit's inputs."""
         previous, self._unit = self._unit, self._next_unit
         self._next_unit += 1
@@ -146,6 +147,8 @@ class HostActivationStore:
             if entry.prefetched is None:
                 self._fetch(entry)
             dev = entry.prefetched
+            if dev is None:
+                raise RuntimeError("the host activation store queued no device copy of a saved input")
             if entry.ready is not None:
                 torch.cuda.current_stream(entry.device).wait_event(entry.ready)
             entry.prefetched, entry.ready, entry.live = None, None, weakref.ref(dev)
@@ -167,8 +170,8 @@ class HostActivationStore:
         side.wait_stream(current)  # the memory is free on the compute stream
         with torch.cuda.stream(side):
             dev.copy_(entry.host, non_blocking=True)
-            entry.ready = torch.cuda.Event()
-            entry.ready.record(side)
+            ready = entry.ready = torch.cuda.Event()
+            ready.record(side)
         entry.prefetched = dev
 
     def _prefetch_before(self, unit: int) -> None:
@@ -204,7 +207,7 @@ class HostActivationStore:
         entry.prefetched = entry.live = entry.keep = None
 
 
-def offload_metrics(parts) -> dict:
+def offload_metrics(parts: Iterable[object]) -> dict[str, int]:
     """The host stores' figures since the last call, for a step's metrics record: ``host_activation_peak_bytes``
     (checkpointed inputs in host memory, at most) and ``device_inputs_max`` (units' inputs alive outside
     the store at once in the backward), summed over ``parts`` (modules with an ``activation_store``); {} when

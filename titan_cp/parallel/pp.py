@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
     PipelineScheduleSingle,
     ScheduleDualPipeV,
     ScheduleZBVZeroBubble,
@@ -41,6 +42,10 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from titan_cp.model.llama import Transformer
+
+Schedule = PipelineScheduleSingle | PipelineScheduleMulti
+"""A built pipeline schedule: one stage per rank, or several."""
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def layers_per_stage(n_layers: int, num_stages: int) -> list[list[str]]:
@@ -86,11 +91,11 @@ def pipeline_llama(
     pp_mesh: DeviceMesh,
     n_microbatches: int,
     schedule_name: str,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: LossFn | None,
     device: torch.device | str = "cpu",
-    parallelize_fn: Callable[[Transformer], None] | None = None,
+    parallelize_fn: Callable[[Transformer], object] | None = None,
     stages_per_rank: int | None = None,
-):
+) -> tuple[Schedule, list[nn.Module], bool, bool]:
     """Split ``model`` into pipeline stages for this rank and build the schedule.
 
     schedule_name: any ``torch.distributed.pipelining`` schedule name ("GPipe", "1F1B",
@@ -116,7 +121,8 @@ def pipeline_llama(
 
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     num_stages = pp * stages_per_rank
-    stages, model_parts = [], []
+    stages: list[PipelineStage] = []
+    model_parts: list[nn.Module] = []
     for stage_id in stage_ids_of_rank(rank, pp, stages_per_rank, v_style):
         part = split_stage(model, stage_id, num_stages)
         if parallelize_fn is not None:

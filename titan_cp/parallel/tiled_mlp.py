@@ -56,7 +56,7 @@ def tile_mlps(mlps: list[nn.Module], tile_tokens: int) -> None:
         return
     for mlp in mlps:
         original = getattr(mlp, "_untiled_forward", mlp.forward)
-        mlp._untiled_forward = original
+        mlp._untiled_forward = original  # type: ignore[assignment]  # stub: __setattr__ tensors/modules only
         mlp.forward = partial(tiled, original, tile_tokens)
 
 

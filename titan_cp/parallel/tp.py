@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -70,7 +71,7 @@ def apply_tp(
             raise ValueError(f"{name}={count} is not divisible by parallelism.tensor_parallel_degree={tp}")
     seq = Shard(1) if sequence_parallel else Replicate()
 
-    root_plan = {}
+    root_plan: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
         root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if model.norm is not None and sequence_parallel:
@@ -85,7 +86,7 @@ def apply_tp(
         parallelize_module(model, tp_mesh, root_plan)
 
     for block in model.layers.values():
-        plan = {
+        plan: dict[str, ParallelStyle] = {
             # block inputs besides x: cos, sin (B, S, E/2) and doc_lens, left as they are
             "attention": PrepareModuleInput(
                 input_layouts=(seq, None, None, None),
@@ -104,6 +105,7 @@ def apply_tp(
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
-        inner = block.attention.inner_attention
-        if getattr(inner, "sinks", None) is not None:  # one logit per head: split like wq's heads
-            inner.sinks = nn.Parameter(distribute_tensor(inner.sinks, tp_mesh, [Shard(0)]))
+        inner = block.get_submodule("attention.inner_attention")
+        sinks = getattr(inner, "sinks", None)
+        if sinks is not None:  # one logit per head: split like wq's heads
+            inner.sinks = nn.Parameter(distribute_tensor(sinks, tp_mesh, [Shard(0)]))

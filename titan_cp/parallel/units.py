@@ -93,7 +93,7 @@ def mark_forwards(blocks: Sequence[nn.Module]) -> None:
             finally:
                 _forwards.depth -= 1
 
-        block._unmarked_forward = forward
+        block._unmarked_forward = forward  # type: ignore[assignment]  # stub: __setattr__ tensors/modules only
         block.forward = marked
 
 
@@ -101,7 +101,7 @@ class _ForwardsOnly(TorchDispatchMode):
     """``mode`` (a selective checkpoint's caching or cached mode) given only the ops run inside marked
     forwards; every other op runs as it would without it."""
 
-    def __init__(self, mode: TorchDispatchMode):
+    def __init__(self, mode: TorchDispatchMode) -> None:
         super().__init__()
         self.mode = mode
 
@@ -132,7 +132,7 @@ def blocks_only(context_fn: Callable) -> Callable:
 class CheckpointUnit:
     """The hooks of one unit over ``blocks`` (module doc); ``store``: where its inputs go, or None."""
 
-    def __init__(self, blocks: Sequence[nn.Module], context_fn: Callable, store: HostActivationStore | None):
+    def __init__(self, blocks: Sequence[nn.Module], context_fn: Callable, store: HostActivationStore | None) -> None:
         self.blocks, self.context_fn, self.store = list(blocks), context_fn, store
         self.recomputing = False
         self.gen = self.store_ctx = None

@@ -25,6 +25,7 @@ being ``pp - 1`` microbatches (``(pp - 1) / 2`` for schedules with two stages pe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -234,7 +235,7 @@ def cp_bytes_per_rank(
     layers: int | None = None,
     ac: str = "none",
     dtype: torch.dtype = torch.bfloat16,
-    doc_rows=None,
+    doc_rows: Sequence[Sequence[int]] | None = None,
     balance: str = DEFAULT_BALANCE,
     rank: int | None = None,
 ) -> int:

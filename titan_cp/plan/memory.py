@@ -49,7 +49,7 @@ import math
 from dataclasses import dataclass
 
 from titan_cp.attention.ring import RING as LOCAL  # attention on one rank: the ring's one-device path
-from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
+from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
 from titan_cp.loss import LOSS_CHUNK_BYTES
 from titan_cp.model.llama import ModelArgs
 from titan_cp.parallel.pp import layers_per_stage
@@ -96,7 +96,7 @@ class RankModel:
     documents: bool = True  # several documents a row (what Ulysses and hybrid keep depends on it)
 
     @property
-    def attention(self):
+    def attention(self) -> Strategy:
         return get_strategy(self.strategy) if self.cp > 1 else LOCAL
 
     def checkpointed(self, layers: int) -> int:
@@ -193,7 +193,7 @@ def saved_per_token(m: RankModel, stage: Stage) -> float:
     """Bytes saved for backward per local token by ``stage`` (excludes ``doc_lens``)."""
     a, d = m.act_bytes, m.args.dim
     full = m.checkpointed(stage.layers)
-    per = INT64 * stage.first + rope_per_token(m.args)
+    per: float = INT64 * stage.first + rope_per_token(m.args)
     per += a * d / m.tp * unit_inputs(m, full)[0] + block_saved_per_token(m) * (stage.layers - full)
     if stage.last:
         per += INT64 if head_offloaded(m, stage) else head_saved_per_token(m)

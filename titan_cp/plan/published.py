@@ -23,6 +23,7 @@ torch's 2024 ring (:data:`~titan_cp.plan.cost.TORCH_2024_RING`), AsyncTP where t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from titan_cp.attention.ring import RING
@@ -132,6 +133,6 @@ def estimate_run(run: PublishedRun, stack: Stack | None = None) -> Estimate:
     return evaluate(candidate, w, dev, stack or as_run(run))
 
 
-def compare(runs=LLAMA3_8B_CP, stack: Stack | None = None) -> list[Comparison]:
+def compare(runs: Sequence[PublishedRun] = LLAMA3_8B_CP, stack: Stack | None = None) -> list[Comparison]:
     """The planner's estimate of each of ``runs`` under ``stack`` (default: as each ran, :func:`as_run`)."""
     return [Comparison(run, estimate_run(run, stack)) for run in runs]

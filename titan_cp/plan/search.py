@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from titan_cp.ac_modes import ac_mode_and_every
 from titan_cp.attention.strategy import get_strategy, strategy_names
@@ -20,6 +21,9 @@ from titan_cp.plan.devices import GB, HEADROOM, Device, device
 from titan_cp.plan.memory import HostOptions, RankMemory, Sharding, pipeline_stages, rank_memory
 from titan_cp.plan.problem import LOCAL, Candidate, Workload, pipeline
 from titan_cp.preflight import check_model
+
+if TYPE_CHECKING:
+    from titan_cp.config import JobConfig
 
 NEAR_FASTEST = 0.98  # plans within 2% of the fastest are ranked by memory to spare
 MEMORY_STEP = 2 * GB
@@ -213,7 +217,9 @@ def reason(e: Estimate) -> str:
     return why
 
 
-def workload_of(job_config, gpu: str, doc_mix: str, seed: int, host_gb: float = 2000.0) -> tuple[Workload, str]:
+def workload_of(
+    job_config: JobConfig, gpu: str, doc_mix: str, seed: int, host_gb: float = 2000.0
+) -> tuple[Workload, str]:
     """The config's :class:`Workload` and the activation checkpointing it is planned with
     (op-level selective checkpointing is planned as full: an upper bound on memory and time)."""
     t, p = job_config.training, job_config.parallelism
@@ -241,7 +247,7 @@ def workload_of(job_config, gpu: str, doc_mix: str, seed: int, host_gb: float = 
     return w, mode
 
 
-def host_options(job_config, host_gb: float = 2000.0) -> HostOptions:
+def host_options(job_config: JobConfig, host_gb: float = 2000.0) -> HostOptions:
     """The config's long-context memory options and ``host_gb`` of host memory per node."""
     ac = job_config.activation_checkpoint
     return HostOptions(
@@ -257,7 +263,7 @@ def host_options(job_config, host_gb: float = 2000.0) -> HostOptions:
 # full AC, the checkpointed inputs on the host, the feed-forward in tiles, FSDP's shards and AdamW on the
 # host, then two blocks per checkpoint (halves the host bytes of the inputs)
 TILE_TOKENS = 8192
-ESCALATION = (
+ESCALATION: tuple[dict[str, Any], ...] = (
     dict(ac="full"),
     dict(cpu_offload=True),
     dict(tile_tokens=TILE_TOKENS),
@@ -315,7 +321,7 @@ def _escalated(cands: list[Candidate], w: Workload, dev: Device) -> tuple[Worklo
 
 
 def plan(
-    job_config,
+    job_config: JobConfig,
     ngpu: int,
     gpu: str = "h100",
     nnodes: int = 1,
@@ -364,12 +370,12 @@ SEQ_GRANULE = 65536
 
 
 def max_seq_len(
-    job_config,
+    job_config: JobConfig,
     ngpu: int,
     gpu: str,
     nnodes: int = 1,
     doc_mix: str = "causal",
-    hbm_gb=None,
+    hbm_gb: float | None = None,
     matmul_speedup: float = 1.0,
     host_gb: float = 2000.0,
 ) -> tuple[int, PlanResult | None]:

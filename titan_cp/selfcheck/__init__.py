@@ -47,11 +47,13 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from titan_cp.attention.kernels import (
     AttentionKernel,
@@ -61,6 +63,9 @@ from titan_cp.attention.kernels import (
     flash_attn_problem,
 )
 from titan_cp.data.row_mixes import lognormal_doc_lens
+
+if TYPE_CHECKING:
+    from titan_cp.layout import SequenceLayout
 
 SECTIONS = ("kernels", "ring", "train")  # run by default
 OPTIONAL_SECTIONS = ("longest",)  # run when named (selfcheck.longest: the longest row one device trains)
@@ -299,7 +304,7 @@ def kernel_cases(sizes: Sizes) -> list[dict]:
     ]
 
 
-def check_kernels(device: torch.device, sizes: Sizes, dtype=torch.bfloat16) -> list[dict]:
+def check_kernels(device: torch.device, sizes: Sizes, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Section ``kernels``: one record per (kernel, case)."""
     names = ["cuda_flash", "flash_attn", "math"] if device.type == "cuda" else ["cpu_varlen", "cpu_flash", "math"]
     if device.type == "cuda" and not flash_attn_available():
@@ -313,7 +318,7 @@ def check_kernels(device: torch.device, sizes: Sizes, dtype=torch.bfloat16) -> l
         q, dout = (torch.randn(nq, h, e, generator=g).to(device, dtype) for _ in range(2))
         k, v = (torch.randn(nk, kh, e, generator=g).to(device, dtype) for _ in range(2))
         vis = _visible(case["q_lens"], case["k_lens"], case["causal"], device)
-        ref = _masked_attention(*(x.double() for x in (q, k, v, dout)), vis, scale)
+        ref = _masked_attention(q.double(), k.double(), v.double(), dout.double(), vis, scale)
         base = _segment_sdpa(q, k, v, dout, case["q_lens"], case["k_lens"], case["causal"], scale)
         base_err = [_max_err(x, r) for x, r in zip(base[:1] + base[2:], ref[:1] + ref[2:])]
         for name in names:
@@ -353,7 +358,7 @@ def check_kernels(device: torch.device, sizes: Sizes, dtype=torch.bfloat16) -> l
 
 
 @contextlib.contextmanager
-def one_case(records: list, rec: dict, device: torch.device):
+def one_case(records: list, rec: dict, device: torch.device) -> Iterator[dict]:
     """One case of a section: an exception in it is its result (``status = "error"`` with the trace),
     not the end of the check; ``rec`` is appended to ``records`` and the device's cache freed after."""
     try:
@@ -367,7 +372,17 @@ def one_case(records: list, rec: dict, device: torch.device):
 
 
 # ---------------------------------------------------------------------------- section: ring
-def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale: float, dout=None, window=None):
+def simulated_ring(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: SequenceLayout,
+    kernel: AttentionKernel,
+    causal: bool,
+    scale: float,
+    dout: Tensor | None = None,
+    window: int | None = None,
+) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
     """Every rank's ring steps of one attention layer, run one after another in this process.
 
     q: ``(B, H, S, E)``; k, v: ``(B, K, S, E)``; dout like q; the whole sequence in natural
@@ -435,6 +450,8 @@ def simulated_ring(q, k, v, layout, kernel: AttentionKernel, causal: bool, scale
                 dos[r], qs[r], buf[0], buf[1], outs[r], lses[r], step.index, kernel, scale
             )
             dq[r].add(i, dqs)
+            if step.grads is None:
+                raise RuntimeError(f"ring step {i} of rank {r} received rows but has no plan for their gradients")
             grad = received_grads(buf, step.grads, dks, dvs, step.dtype("grad", buf[0]))  # home to the owner
             src = (r - i) % n
             for j in (0, 1):
@@ -460,7 +477,7 @@ def _one_call(kernel: AttentionKernel, q, k, v, dout, doc_lens, causal, scale):
 def ring_cases(sizes: Sizes) -> list[dict]:
     """Causal without documents (zigzag), and log-normal documents under the default ``doc_local`` and,
     for comparison, ``doc_zigzag`` (every document split over every rank)."""
-    cases = [dict(name="causal", balance="zigzag", doc_lens=None, doc_mean=None)]
+    cases: list[dict[str, Any]] = [dict(name="causal", balance="zigzag", doc_lens=None, doc_mean=None)]
     for mean in sizes.doc_means:
         lens = lognormal_doc_lens(sizes.ring_seq, mean, seed=mean)
         cases.append(dict(name=f"docs_{mean}", balance="doc_local", doc_lens=lens, doc_mean=mean))
@@ -468,7 +485,9 @@ def ring_cases(sizes: Sizes) -> list[dict]:
     return cases
 
 
-def check_ring(device: torch.device, sizes: Sizes, kernel_name: str | None = None, dtype=torch.bfloat16) -> list[dict]:
+def check_ring(
+    device: torch.device, sizes: Sizes, kernel_name: str | None = None, dtype: torch.dtype = torch.bfloat16
+) -> list[dict]:
     """Section ``ring``: simulated ring against one native call, forward and forward + backward."""
     from titan_cp.layout import SequenceLayout  # noqa: PLC0415
 
@@ -479,7 +498,7 @@ def check_ring(device: torch.device, sizes: Sizes, kernel_name: str | None = Non
     # (1, S, H, E) token-major storage viewed as (1, H, S, E), as the model produces it
     q, dout = (torch.randn(1, s, h, e, generator=g).to(device, dtype).transpose(1, 2) for _ in range(2))
     k, v = (torch.randn(1, s, kh, e, generator=g).to(device, dtype).transpose(1, 2) for _ in range(2))
-    records = []
+    records: list[dict] = []
     for case in ring_cases(sizes):
         rec = dict(
             section="ring",
@@ -607,7 +626,7 @@ def sections_of(extra_sections: Mapping[str, Section] | None = None) -> dict[str
 def environment(device: torch.device) -> dict:
     """Versions, the device, and the schemas of the ATen flash ops the ``cuda_flash`` kernel calls."""
     aten = torch.ops.aten
-    rec = dict(
+    rec: dict[str, Any] = dict(
         section="env",
         torch=torch.__version__,
         device=str(device),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,13 +29,21 @@ from titan_cp.parallel.ac import apply_ac
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
 
 CONFIGS = {"plain": False, "offload": True}  # the long-context options off / on
-TOY = dict(  # check_longest's arguments for a CPU at toy sizes (selfcheck --small)
+TOY: dict[str, Any] = dict(  # check_longest's arguments for a CPU at toy sizes (selfcheck --small)
     layers=1, start=128, granule=128, cap=1024, limit_tokens=512, tile_tokens=64, dtype=torch.float32,
     dim=64, n_heads=4, n_kv_heads=2, vocab_size=259, multiple_of=32,
 )  # fmt: skip
 
 
-def build(layers: int, device, dtype, cpu_offload: bool, tile_tokens: int, flavor: str = "8B", **shape) -> Transformer:
+def build(
+    layers: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    cpu_offload: bool,
+    tile_tokens: int,
+    flavor: str = "8B",
+    **shape: Any,
+) -> Transformer:
     """``flavor``'s model cut to ``layers`` blocks (``shape``: other ``ModelArgs`` fields, for toy sizes),
     its weights in ``dtype`` on ``device``, with full AC and the options."""
     args = dataclasses.replace(model_args(flavor), n_layers=layers, **shape)
@@ -46,7 +55,7 @@ def build(layers: int, device, dtype, cpu_offload: bool, tile_tokens: int, flavo
     return model
 
 
-def step_seconds(model: Transformer, seq_len: int, device) -> tuple[float, float]:
+def step_seconds(model: Transformer, seq_len: int, device: torch.device) -> tuple[float, float]:
     """One training step on a row of ``seq_len`` tokens (one document): ``(seconds, loss)``."""
     g = torch.Generator().manual_seed(seq_len)
     tokens = torch.randint(0, model.args.vocab_size, (1, seq_len), generator=g).to(device)
@@ -104,17 +113,17 @@ def check_longest(
     cap: int = 2**24,
     limit_tokens: int | None = None,
     tile_tokens: int = 8192,
-    dtype=torch.bfloat16,
-    **shape,
+    dtype: torch.dtype = torch.bfloat16,
+    **shape: Any,
 ) -> list[dict]:
     """One record per configuration of :data:`CONFIGS` (module docstring): ``longest_seq_len``, and
     ``step_seconds_at_start`` / ``step_seconds_at_longest``; ``status`` ``error`` where not even ``start``
     tokens train."""
     records = []
     for name, on in CONFIGS.items():
-        options = dict(cpu_offload=on, tile_tokens=tile_tokens if on else 0)
-        rec = dict(section="longest", config=name, layers=layers, start=start, **options)
-        model = build(layers, device, dtype, **options, **shape)
+        tiles = tile_tokens if on else 0
+        rec = dict(section="longest", config=name, layers=layers, start=start, cpu_offload=on, tile_tokens=tiles)
+        model = build(layers, device, dtype, on, tiles, **shape)
         run = _runs(model, device, limit_tokens)
         times: dict[int, float] = {}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.loss import IGNORE_INDEX
@@ -51,7 +52,7 @@ def packed_batch(rows: Sequence[Sequence[int]], vocab_size: int, seed: int = 0) 
     return Microbatch(tokens, labels, positions, doc_lens_tensor(rows))
 
 
-def strategy_mesh(strategy: str, world: int, ulysses: int = 1, device_type: str = "cpu"):
+def strategy_mesh(strategy: str, world: int, ulysses: int = 1, device_type: str = "cpu") -> DeviceMesh:
     """The CP mesh a strategy runs on over all ``world`` ranks: 1-D ``("cp",)``, or for
     ``hybrid`` the 2-D ``("cp_ring", "cp_ulysses")`` with ``ulysses`` inner ranks."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -23,13 +23,23 @@ class Captured:
         return [m for _, m in self.lines if m.startswith(start)]
 
 
+class _Recorder(logging.Handler):
+    """A handler that appends each record's ``(level name, message)`` to ``out.lines``."""
+
+    def __init__(self, out: Captured) -> None:
+        super().__init__()
+        self.out = out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.out.lines.append((record.levelname, record.getMessage()))
+
+
 @contextlib.contextmanager
 def captured(logger: str = "titan_cp") -> Iterator[Captured]:
     """Record the INFO and higher lines of ``logger`` (and its children) and every warning (each
     one, not once per place) raised in the body."""
     out = Captured()
-    handler = logging.Handler()
-    handler.emit = lambda record: out.lines.append((record.levelname, record.getMessage()))
+    handler = _Recorder(out)
     log = logging.getLogger(logger)
     level = log.level
     log.addHandler(handler)

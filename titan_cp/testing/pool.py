@@ -109,7 +109,8 @@ def _share_process_groups() -> None:
         return made[key]
 
     for module in (dist, c10d, device_mesh):
-        module.new_group = new_group
+        # each binds new_group at run time (device_mesh imports it); device_mesh's stub does not export it
+        module.new_group = new_group  # type: ignore[attr-defined]
 
 
 class DistPool:
@@ -117,7 +118,7 @@ class DistPool:
 
     def __init__(
         self, world_size: int, collective_timeout_s: float = 120.0, start_timeout_s: float = 120.0, threads: int = 1
-    ):
+    ) -> None:
         self.world_size = world_size
         port = _free_port()
         self._conns = []
@@ -160,16 +161,18 @@ class DistPool:
                     continue
                 if conn.poll(0.01):
                     try:
-                        replies[rank] = conn.recv()
+                        reply = conn.recv()
                     except EOFError:
-                        replies[rank] = ("error", f"rank {rank} died (exit code {self._procs[rank].exitcode})")
-                    if replies[rank][0] == "error" and first_error is None:
-                        first_error = (rank, replies[rank][1])
+                        reply = ("error", f"rank {rank} died (exit code {self._procs[rank].exitcode})")
+                    replies[rank] = reply
+                    if reply[0] == "error" and first_error is None:
+                        first_error = (rank, reply[1])
                         deadline = min(deadline, time.monotonic() + grace)
                 elif not self._procs[rank].is_alive():
-                    replies[rank] = ("error", f"rank {rank} died (exit code {self._procs[rank].exitcode})")
+                    reply = ("error", f"rank {rank} died (exit code {self._procs[rank].exitcode})")
+                    replies[rank] = reply
                     if first_error is None:
-                        first_error = (rank, replies[rank][1])
+                        first_error = (rank, reply[1])
                         deadline = min(deadline, time.monotonic() + grace)
         if first_error is not None:
             self.close()
@@ -220,7 +223,7 @@ class PoolCache:
     pools of worlds 1, 2, 3, 4 and 8 fit together. Past that, the least recently used pool closes.
     """
 
-    def __init__(self, max_processes: int = 18):
+    def __init__(self, max_processes: int = 18) -> None:
         self._pools: dict[int, DistPool] = {}
         self._max = max_processes
 

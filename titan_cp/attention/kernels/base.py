@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 HALF = (torch.float16, torch.bfloat16)
@@ -67,7 +68,7 @@ class Segments:
     host_k: tuple[int, ...]
 
     @classmethod
-    def from_offsets(cls, host_q: Sequence[int], host_k: Sequence[int], device) -> Segments:
+    def from_offsets(cls, host_q: Sequence[int], host_k: Sequence[int], device: torch.device | str) -> Segments:
         """Segments from cumulative offsets held on the host (``[0, ..., total]``, ``n+1`` each).
 
         One host-to-device copy for both offset tensors. Every segment with queries must
@@ -80,7 +81,7 @@ class Segments:
         return cls(both[0], both[1], widths(host_q), widths(host_k), host_q, host_k)
 
     @classmethod
-    def from_lengths(cls, q_lens: Sequence[int], k_lens: Sequence[int], device) -> Segments:
+    def from_lengths(cls, q_lens: Sequence[int], k_lens: Sequence[int], device: torch.device | str) -> Segments:
         """Segments from per-segment lengths (host integers)."""
         return cls.from_offsets(_offsets(q_lens), _offsets(k_lens), device)
 
@@ -114,32 +115,52 @@ class AttentionKernel:
         package, which is not installed"), or ``None`` when it can."""
         return None
 
-    def forward(self, q, k, v, causal: bool, scale: float):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` of one tile (shapes in the module docstring)."""
         raise NotImplementedError
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dq, dk, dv)`` of one tile, given the whole attention's final ``out`` and ``lse``."""
         raise NotImplementedError
 
-    def varlen_forward(self, q, k, v, seg: Segments, causal: bool, scale: float):
+    def varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, seg: Segments, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` of the packed segments ``seg``: by default one :meth:`forward` per segment."""
         outs, lses = [], []
         for (a, b), (c, d) in zip(zip(seg.host_q, seg.host_q[1:]), zip(seg.host_k, seg.host_k[1:])):
             if a == b:
                 continue
             assert d > c, f"segment with queries [{a}, {b}) has no keys"
-            out, lse = self.forward(*(x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])), causal, scale)
+            qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d]))
+            out, lse = self.forward(qs, ks, vs, causal, scale)
             outs.append(out[0].transpose(0, 1))
             lses.append(lse[0])
         if not outs:
             return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
         return torch.cat(outs), torch.cat(lses, dim=1)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seg: Segments, causal: bool, scale: float):
+    def varlen_backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        seg: Segments,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dq, dk, dv)`` of the packed segments ``seg``: by default one :meth:`backward` per segment."""
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for (a, b), (c, d) in zip(zip(seg.host_q, seg.host_q[1:]), zip(seg.host_k, seg.host_k[1:])):
             if a == b:
                 continue
-            tiles = (x.transpose(0, 1)[None] for x in (dout[a:b], q[a:b], k[c:d], v[c:d], out[a:b]))
-            g = self.backward(*tiles, lse[None, :, a:b], causal, scale)
+            ts = [x.transpose(0, 1)[None] for x in (dout[a:b], q[a:b], k[c:d], v[c:d], out[a:b])]
+            g = self.backward(ts[0], ts[1], ts[2], ts[3], ts[4], lse[None, :, a:b], causal, scale)
             dq[a:b] += g[0][0].transpose(0, 1)
             dk[c:d] += g[1][0].transpose(0, 1)
             dv[c:d] += g[2][0].transpose(0, 1)
@@ -160,7 +181,7 @@ def register_kernel(name: str, factory: Callable[[], AttentionKernel]) -> None:
     _INSTANCES.pop(name, None)
 
 
-def _unavailable(factory) -> str | None:
+def _unavailable(factory: Callable[[], AttentionKernel]) -> str | None:
     check = getattr(factory, "unavailable", None)
     return check() if callable(check) else None
 
@@ -212,7 +233,9 @@ def get_kernel(name: str | None, device: torch.device, dtype: torch.dtype) -> At
     return _INSTANCES[name]
 
 
-def _problem(kern, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+def _problem(
+    kern: AttentionKernel | type[AttentionKernel], device_type: str, dtype: torch.dtype, head_dim: int
+) -> str | None:
     """Why ``kern`` (a kernel or kernel class) cannot run this attention, or ``None``."""
     if kern.devices is not None and device_type not in kern.devices:
         return f"runs on {'/'.join(kern.devices)} tensors, but q, k, v are on {device_type}"

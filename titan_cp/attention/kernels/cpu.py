@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
 
 from titan_cp.attention.kernels.base import FLOATS, AttentionKernel, Segments, unit_stride
 
@@ -40,11 +41,13 @@ class CPUFlashKernel(AttentionKernel):
     devices = ("cpu",)
     dtypes = FLOATS
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         q, k, v = unit_stride(q, k, v)  # the kernel reads the head dimension as dense memory
         return _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
         dout, q, k, v, out = unit_stride(dout, q, k, v, out)
         return _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
@@ -67,7 +70,7 @@ class CPUVarlenKernel(CPUFlashKernel):
     SMALL = 32 * 32  # query-key pairs: segments up to this size are batched (above it a call pays for itself)
     CHUNK = 1 << 22  # score elements per batched matmul (bounds the memory of a bucket)
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._plans: dict[tuple, tuple] = {}
 
     def _plan(self, seg: Segments, causal: bool) -> tuple:
@@ -99,7 +102,7 @@ class CPUVarlenKernel(CPUFlashKernel):
                 q_idx = torch.minimum(cq[chunk, None] + aq[None], (cq[chunk + 1] - 1)[:, None])
                 k_idx = torch.minimum(ck[chunk, None] + ak[None], (ck[chunk + 1] - 1)[:, None])
                 visible = q_valid[:, :, None] & k_valid[:, None, :]  # padding rows and keys see nothing
-                visible = (visible & tri if causal else visible).unsqueeze(1)
+                visible = (visible if tri is None else visible & tri).unsqueeze(1)
                 q_sel, k_sel = torch.nonzero(q_valid.flatten()).flatten(), torch.nonzero(k_valid.flatten()).flatten()
                 buckets.append(
                     Bucket(
@@ -121,19 +124,21 @@ class CPUVarlenKernel(CPUFlashKernel):
         return big, buckets
 
     @staticmethod
-    def _gather(x, idx, m: int, groups: int = 1):
+    def _gather(x: Tensor, idx: Tensor, m: int, groups: int = 1) -> Tensor:
         """Packed ``(T, H, E)`` rows ``idx`` -> ``(m, H*groups, n, E)`` fp32 (K/V heads repeated for GQA)."""
         y = x.index_select(0, idx).float()
         y = y.view(m, -1, *y.shape[1:]).transpose(1, 2)
         return y.repeat_interleave(groups, dim=1) if groups > 1 else y
 
     @staticmethod
-    def _scatter(dest, rows, sel, y):
+    def _scatter(dest: Tensor, rows: Tensor, sel: Tensor, y: Tensor) -> None:
         """``dest[rows] = y`` for the real rows ``sel`` of the padded ``(m, H, n, E)`` result."""
         y = y.transpose(1, 2).reshape(-1, *y.shape[1:2], y.shape[-1])
         dest.index_copy_(0, rows, y.index_select(0, sel).to(dest.dtype))
 
-    def varlen_forward(self, q, k, v, seg: Segments, causal: bool, scale: float):
+    def varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, seg: Segments, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
         big, buckets = self._plan(seg, causal)
         groups = q.shape[1] // k.shape[1]
         out = torch.empty_like(q)
@@ -146,14 +151,24 @@ class CPUVarlenKernel(CPUFlashKernel):
             self._scatter(out, bk.q_rows, bk.q_sel, torch.matmul(p, self._gather(v, bk.k_idx, bk.m, groups)))
             lse.index_copy_(1, bk.q_rows, mx.transpose(1, 2).reshape(-1, mx.shape[1]).index_select(0, bk.q_sel).t())
         for a, b, c, d in big:
-            o, mx = CPUFlashKernel.forward(
-                self, *(x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])), causal, scale
-            )
+            qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d]))
+            o, mx = CPUFlashKernel.forward(self, qs, ks, vs, causal, scale)
             out[a:b] = o[0].transpose(0, 1)
             lse[:, a:b] = mx[0]
         return out, lse
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seg: Segments, causal: bool, scale: float):
+    def varlen_backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        seg: Segments,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         big, buckets = self._plan(seg, causal)
         h, kh = q.shape[1], k.shape[1]
         groups = h // kh
@@ -177,7 +192,9 @@ class CPUVarlenKernel(CPUFlashKernel):
             self._scatter(dk, bk.k_rows, bk.k_sel, gk)
             self._scatter(dv, bk.k_rows, bk.k_sel, gv)
         for a, b, c, d in big:
-            seg_in = (x.transpose(0, 1)[None] for x in (dout[a:b], q[a:b], k[c:d], v[c:d], out[a:b]))
-            gq, gk, gv = CPUFlashKernel.backward(self, *seg_in, lse[None, :, a:b], causal, scale)
+            ts = [x.transpose(0, 1)[None] for x in (dout[a:b], q[a:b], k[c:d], v[c:d], out[a:b])]
+            gq, gk, gv = CPUFlashKernel.backward(
+                self, ts[0], ts[1], ts[2], ts[3], ts[4], lse[None, :, a:b], causal, scale
+            )
             dq[a:b], dk[c:d], dv[c:d] = gq[0].transpose(0, 1), gk[0].transpose(0, 1), gv[0].transpose(0, 1)
         return dq, dk, dv

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from titan_cp.attention.kernels.base import HALF, AttentionKernel, Segments, unit_stride
 
@@ -41,7 +42,7 @@ class CUDAFlashKernel(AttentionKernel):
     max_head_dim = 256
     head_dim_multiple = 8
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._rng: dict[torch.device, torch.Tensor] = {}
 
     def _rng_state(self, device: torch.device) -> torch.Tensor:
@@ -50,14 +51,16 @@ class CUDAFlashKernel(AttentionKernel):
             self._rng[device] = torch.zeros(2, dtype=torch.int64, device=device)
         return self._rng[device]
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         qt, kt, vt = (x.transpose(1, 2) for x in unit_stride(q, k, v))  # (B, S, H, D) views
         res = _ATEN._flash_attention_forward(
             qt, kt, vt, None, None, qt.shape[1], kt.shape[1], 0.0, causal, False, scale=scale
         )
         return res[0].transpose(1, 2), res[1]
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
         qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in unit_stride(q, k, v, out, dout))
         rng = self._rng_state(q.device)
         dq, dk, dv = _ATEN._flash_attention_backward(
@@ -79,7 +82,9 @@ class CUDAFlashKernel(AttentionKernel):
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
-    def varlen_forward(self, q, k, v, seg: Segments, causal, scale, window: int | None = None):
+    def varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, seg: Segments, causal: bool, scale: float, window: int | None = None
+    ) -> tuple[Tensor, Tensor]:
         if len(seg) == 0:
             return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
         q, k, v = unit_stride(q, k, v)
@@ -95,7 +100,19 @@ class CUDAFlashKernel(AttentionKernel):
             )
         return out, lse
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seg: Segments, causal, scale, window: int | None = None):
+    def varlen_backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        seg: Segments,
+        causal: bool,
+        scale: float,
+        window: int | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         if len(seg) == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         rng = self._rng_state(q.device)
@@ -120,6 +137,6 @@ class CUDAFlashKernel(AttentionKernel):
         )
 
 
-def _window(window: int | None) -> dict:
+def _window(window: int | None) -> dict[str, int]:
     """The flash ops' window keywords: each query sees its last ``window`` keys (bottom-right aligned)."""
     return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}

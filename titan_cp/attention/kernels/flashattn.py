@@ -21,9 +21,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any, NamedTuple
 
 import torch
+from torch import Tensor
 
 from titan_cp.attention.kernels.base import HALF, AttentionKernel, Segments
 
@@ -72,7 +75,7 @@ class Params(NamedTuple):
     required: frozenset[str]
 
 
-def parameters(fn) -> Params:
+def parameters(fn: Callable[..., Any]) -> Params:
     """``fn``'s parameters: from a ``torch.library`` op's schema where ``fn`` is one (a custom op's
     Python signature reads ``(*args, **kwargs)``), else from its Python signature."""
     op = getattr(fn, "_opoverload", None) or getattr(fn, "default", None) or fn  # CustomOpDef, packet, overload
@@ -89,7 +92,7 @@ def parameters(fn) -> Params:
     return Params(tuple(p.name for p in params), frozenset(p.name for p in params if p.default is p.empty))
 
 
-def first_lse(res, shape: tuple[int, ...]) -> torch.Tensor:
+def first_lse(res: Sequence[Any], shape: tuple[int, ...]) -> torch.Tensor:
     """The log-sum-exp among a flash-attn forward's results: its one fp32 tensor of ``shape``.
 
     flash-attn's private forwards return different tuples across releases::
@@ -150,7 +153,7 @@ class FlashAttnKernel(AttentionKernel):
     def unavailable(cls) -> str | None:
         return flash_attn_problem()
 
-    def __init__(self, fai=None):
+    def __init__(self, fai: ModuleType | None = None) -> None:
         if fai is None:
             fai = importlib.import_module("flash_attn.flash_attn_interface")
         self._fn = {
@@ -176,7 +179,7 @@ class FlashAttnKernel(AttentionKernel):
             )
 
     @classmethod
-    def _kwargs(cls, params, causal: bool, scale: float, **extra) -> dict:
+    def _kwargs(cls, params: Sequence[str], causal: bool, scale: float, **extra: Any) -> dict[str, Any]:
         kwargs = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, **extra)
         if "window_size_left" in params:
             kwargs.update(window_size_left=-1, window_size_right=-1)
@@ -186,31 +189,46 @@ class FlashAttnKernel(AttentionKernel):
         return kwargs
 
     @staticmethod
-    def _varlen(seg: Segments) -> dict:
+    def _varlen(seg: Segments) -> dict[str, Any]:
         return dict(cu_seqlens_q=seg.cu_q, cu_seqlens_k=seg.cu_k, max_seqlen_q=seg.max_q, max_seqlen_k=seg.max_k)
 
-    def _call(self, key: str, *args, causal: bool, scale: float, **extra):
+    def _call(self, key: str, *args: Tensor, causal: bool, scale: float, **extra: Any) -> Any:
         return self._fn[key](*args, **self._kwargs(self._params[key].names, causal, scale, **extra))
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         res = self._call("fwd", qt, kt, vt, causal=causal, scale=scale)
         return res[0].transpose(1, 2), first_lse(res, (q.shape[0], q.shape[1], q.shape[2]))
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
         qt, kt, vt, ot, dot = (x.transpose(1, 2).contiguous() for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
         self._call("bwd", dot, qt, kt, vt, ot, lse.contiguous(), dq, dk, dv, causal=causal, scale=scale)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
-    def varlen_forward(self, q, k, v, seg: Segments, causal, scale):
+    def varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, seg: Segments, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
         if len(seg) == 0:
             return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
         q, k, v = (x.contiguous() for x in (q, k, v))
         res = self._call("vfwd", q, k, v, causal=causal, scale=scale, **self._varlen(seg))
         return res[0], first_lse(res, (q.shape[1], q.shape[0]))
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seg: Segments, causal, scale):
+    def varlen_backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        seg: Segments,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if len(seg) == 0:
