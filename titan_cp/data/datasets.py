@@ -27,6 +27,7 @@ Split = Literal["train", "validation"]
 
 __all__ = [
     "HFDiskDataset",
+    "SyntheticLookup",
     "SyntheticRecall",
     "TextFiles",
     "build_dataset",
@@ -67,6 +68,9 @@ class SyntheticRecall:
     only on ``(seed, split, i)``, so any document can be generated on its own; the ``validation``
     split draws from a different random stream than ``train`` (held out by construction).
     """
+
+    chance = 1 / len(_VALUE_CHARS)
+    """The accuracy of a guess at one answer token (a value's characters are uniform)."""
 
     def __init__(
         self,
@@ -123,6 +127,67 @@ class SyntheticRecall:
         while len(tokens) < target - 1:
             add(rng.choice(pool))
         tokens.append(tok.eos_id)
+        return Document(tokens, spans, distances)
+
+
+class SyntheticLookup:
+    """Long-range recall in its plainest form: facts at a document's start, each asked once at a
+    random point of the rest, amid filler that carries no information.
+
+    One document of exactly ``tokens`` tokens (byte-tokenizer ids)::
+
+        <BOS>#q $7 @c ...         <- ``facts`` facts: a key symbol, its value, a space
+        ..........?$7 ...........?#q ....   <- filler dots; each question is ``?``, the key, the value, a space
+
+    Keys are distinct symbols of ``#$%&*+<>@^|~`` that occur nowhere else; a value is one
+    letter or digit (chance ``1/36``), so the value after a question is predictable only by
+    finding the key's fact, however far back: an in-context lookup and nothing else. The
+    questions sit at uniform random points, so their distances spread evenly over the
+    document (a document as long as a row, sharded contiguously over ``cp`` ranks, puts a
+    quarter of its facts' questions on each distance of 0..3 shards for ``cp = 4``). The same
+    tokens as :class:`titan_cp.tools.recall_probe.ProbeDocuments` (facts, then all questions
+    after a fixed gap), whose short documents train the lookup cheaply. Document ``i``
+    depends only on ``(seed, split, i)``; ``validation`` draws from its own random stream.
+    """
+
+    chance = 1 / len(_VALUE_CHARS)
+    """The accuracy of a guess at one value."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, seed: int = 0, split: Split = "train", tokens: int = 8192, facts: int = 12
+    ):
+        if not 1 <= facts <= len(_KEYS):
+            raise ValueError(f"facts must be in 1..{len(_KEYS)} (one distinct key each), got {facts}")
+        if tokens < 1 + 7 * facts:
+            raise ValueError(f"a document of {facts} facts needs at least {1 + 7 * facts} tokens, got {tokens}")
+        ids = [tokenizer.encode(c) for c in _KEYS + _VALUE_CHARS + ".? "]
+        if any(len(i) != 1 for i in ids):
+            raise ValueError(
+                "synthetic_lookup needs a tokenizer that maps each key, value and mark to one token "
+                "(the byte tokenizer: leave model.hf_assets_path unset)"
+            )
+        self.tokenizer, self.seed, self.split, self.tokens, self.facts = tokenizer, seed, split, tokens, facts
+
+    def document(self, index: int) -> Document:
+        rng = random.Random(f"synthetic_lookup/{self.split}/{self.seed}/{index}")
+        tok = self.tokenizer
+        (space,), (dot,), (question,) = tok.encode(" "), tok.encode("."), tok.encode("?")
+        keys = [tok.encode(k)[0] for k in rng.sample(_KEYS, self.facts)]
+        value = {k: tok.encode(rng.choice(_VALUE_CHARS))[0] for k in keys}
+        tokens, value_at = [tok.bos_id], {}
+        for k in keys:
+            value_at[k] = len(tokens) + 1
+            tokens += [k, value[k], space]
+        # the questions' starts: distinct 4-token slots of the rest, in order
+        slots = (self.tokens - len(tokens)) // 4
+        starts = sorted(len(tokens) + 4 * s for s in rng.sample(range(slots), self.facts))
+        spans, distances = [], []
+        for k, start in zip(rng.sample(keys, self.facts), starts):
+            tokens += [dot] * (start - len(tokens)) + [question, k]
+            spans.append((len(tokens), len(tokens) + 1))
+            distances.append(len(tokens) - value_at[k])
+            tokens += [value[k], space]
+        tokens += [dot] * (self.tokens - len(tokens))
         return Document(tokens, spans, distances)
 
 
@@ -250,8 +315,8 @@ def build_dataset(
 ) -> DocumentSource:
     """The source named by ``training.dataset`` (``split="train"``) or ``validation.dataset``.
 
-    ``synthetic_recall`` is built in (seeded by ``training.seed``; validation is its held-out
-    split). ``text``, ``chat`` and ``hf`` read ``*.dataset_path``; ``chat`` records carry loss on
+    ``synthetic_recall`` and ``synthetic_lookup`` (one document a row of the split's ``seq_len``)
+    are built in (seeded by ``training.seed``; validation is their held-out split). ``text``, ``chat`` and ``hf`` read ``*.dataset_path``; ``chat`` records carry loss on
     the roles in ``training.loss_roles``. ``mixture`` (training only) draws from the sources of
     ``training.mixture`` by weight, seeded by ``training.seed``. Any other name (e.g. torchtitan's
     ``c4``) needs ``*.dataset_path`` too, and is read as a saved HF dataset or as text/JSONL files,
@@ -313,11 +378,14 @@ def _source(
     """One source of kind ``name`` at ``path``; errors name ``{section}.{name_key}`` / ``{section}.{path_key}``."""
     if name == "synthetic_recall":
         return SyntheticRecall(tokenizer, seed=job_config.training.seed, split=split)
+    if name == "synthetic_lookup":  # one document a row
+        seq_len = job_config.training.seq_len if split == "train" else job_config.validation_rows()[1]
+        return SyntheticLookup(tokenizer, seed=job_config.training.seed, split=split, tokens=seq_len)
     if name == "mixture":
         raise ValueError(f"{section}.{name_key} = 'mixture': a mixture cannot hold another mixture")
     if not path:
         raise ValueError(
-            f"{section}.{name_key} = {name!r} is not built in (built in: 'synthetic_recall'); set "
+            f"{section}.{name_key} = {name!r} is not built in (built in: 'synthetic_recall', 'synthetic_lookup'); set "
             f"{section}.{path_key} to a local copy: titan_cp never downloads data"
         )
     p = Path(path)

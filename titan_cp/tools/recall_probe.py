@@ -28,6 +28,11 @@ row, computed before the update on the row's fresh documents (never trained on),
 the recall pooled over the latest reports holding at least 1000 answers reached twice chance
 (``None`` if it never did; pooling keeps one lucky row from counting when documents are long
 and answers few).
+
+``save``: write the trained model as a DCP checkpoint folder (``{"model": ...}``, what
+``checkpoint.initial_load_path`` loads), so a run trained past the plateau starts a longer-range
+one: the main job (``train_configs/cpu_main.toml``) extends the lookup this probe trains at
+short range to facts on other cp ranks (``synthetic_lookup``, the same tokens).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -105,9 +111,10 @@ class ProbeSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def run(settings: ProbeSettings, emit: Callable[[str], object] = print) -> list[dict]:
+def run(settings: ProbeSettings, emit: Callable[[str], object] = print, save: str | Path | None = None) -> list[dict]:
     """Train and report (module docstring): ``emit`` gets each record as a JSON line, then the
-    summary's; returns the records."""
+    summary's; returns the records. ``save``: a folder to write the trained model to, a DCP
+    checkpoint (:func:`save_model`)."""
     s = settings
     torch.manual_seed(s.seed)
     torch.set_num_threads(s.threads)
@@ -137,8 +144,21 @@ def run(settings: ProbeSettings, emit: Callable[[str], object] = print) -> list[
             }
             records.append(record)
             emit(json.dumps(record))
+    if save is not None:
+        save_model(model, save)
     emit(json.dumps(summary(s, records, chance)))
     return records
+
+
+def save_model(model: torch.nn.Module, folder: str | Path) -> None:
+    """Write ``model``'s weights to ``folder`` as a one-process DCP checkpoint of ``{"model": ...}``:
+    the layout ``titan_cp.train`` saves and ``checkpoint.initial_load_path`` loads (on any mesh)."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 - only for saving
+
+    folder = Path(folder)
+    if folder.exists() and any(folder.iterdir()):
+        raise ValueError(f"{folder} is not empty: save the model to a new folder")
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder), no_dist=True)
 
 
 def summary(settings: ProbeSettings, records: list[dict], chance: float) -> dict:
