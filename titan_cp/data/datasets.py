@@ -141,7 +141,9 @@ class SyntheticLookup:
 
     Keys are distinct symbols of ``#$%&*+<>@^|~`` that occur nowhere else; a value is one
     letter or digit (chance ``1/36``), so the value after a question is predictable only by
-    finding the key's fact, however far back: an in-context lookup and nothing else. The
+    finding the key's fact, however far back: an in-context lookup and nothing else. The loss
+    is on the answers alone (``loss_mask``): the rest is either predictable without context or
+    unpredictable noise, and left out it lets the gradient speak of the lookup only. The
     questions sit at uniform random points, so their distances spread evenly over the
     document (a document as long as a row, sharded contiguously over ``cp`` ranks, puts a
     quarter of its facts' questions on each distance of 0..3 shards for ``cp = 4``). The same
@@ -188,7 +190,15 @@ class SyntheticLookup:
             distances.append(len(tokens) - value_at[k])
             tokens += [value[k], space]
         tokens += [dot] * (self.tokens - len(tokens))
-        return Document(tokens, spans, distances)
+        return Document(tokens, spans, distances, loss_mask=answers_mask(len(tokens), spans))
+
+
+def answers_mask(length: int, spans: list[tuple[int, int]]) -> list[bool]:
+    """A document's ``loss_mask`` with its answer spans as the only targets."""
+    mask = [False] * length
+    for start, end in spans:
+        mask[start:end] = [True] * (end - start)
+    return mask
 
 
 def _sentence(rng: random.Random) -> str:

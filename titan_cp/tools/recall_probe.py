@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_cp.data import IGNORE_INDEX, ByteTokenizer, Document, Packer
-from titan_cp.data.datasets import _KEYS, _VALUE_CHARS
+from titan_cp.data.datasets import _KEYS, _VALUE_CHARS, answers_mask
 from titan_cp.metrics import recall_counts
 from titan_cp.model import build_model
 
@@ -62,10 +63,11 @@ SPACE = ord(" ")
 
 class ProbeDocuments:
     """A ``DocumentSource``: document ``i`` plants ``facts`` key -> value facts, ``gap`` filler
-    tokens, then asks every key once; depends only on ``(seed, i)``."""
+    tokens, then asks every key once; depends only on ``(seed, i)``. ``answers_only``: the loss
+    is on the answers alone (``loss_mask``), as in ``synthetic_lookup``."""
 
-    def __init__(self, facts: int, gap: int, seed: int = 0):
-        self.facts, self.gap, self.seed = facts, gap, seed
+    def __init__(self, facts: int, gap: int, seed: int = 0, answers_only: bool = False):
+        self.facts, self.gap, self.seed, self.answers_only = facts, gap, seed, answers_only
 
     def document(self, index: int) -> Document:
         rng = random.Random(f"recall_probe/{self.seed}/{index}")
@@ -82,14 +84,16 @@ class ProbeDocuments:
             spans.append((len(tokens), len(tokens) + 1))
             distances.append(len(tokens) - value_at[k])
             tokens += [value[k], SPACE]
-        return Document(tokens, spans, distances)
+        mask = answers_mask(len(tokens), spans) if self.answers_only else None
+        return Document(tokens, spans, distances, loss_mask=mask)
 
 
 @dataclass(frozen=True)
 class ProbeSettings:
     """One probe run: model ``flavor``, rows of ``seq_len`` tokens, documents of ``facts`` facts
     and ``gap`` filler tokens, ``steps`` AdamW steps at ``lr`` (one row each), a report every
-    ``every`` steps, on ``threads`` CPU threads. ``ValueError`` naming the setting when out of range."""
+    ``every`` steps, on ``threads`` CPU threads; ``answers_only``: the loss on the answers alone.
+    ``ValueError`` naming the setting when out of range."""
 
     flavor: str = "tiny"
     seq_len: int = 8192
@@ -100,6 +104,7 @@ class ProbeSettings:
     lr: float = 3e-3
     seed: int = 0
     threads: int = 1
+    answers_only: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.facts <= len(KEYS):
@@ -116,9 +121,11 @@ def run(settings: ProbeSettings, emit: Callable[[str], object] = print, save: st
     summary's; returns the records. ``save``: a folder to write the trained model to, a DCP
     checkpoint (:func:`save_model`)."""
     s = settings
+    if save is not None and Path(save).exists() and any(Path(save).iterdir()):
+        raise ValueError(f"{save} is not empty: save the model to a new folder")
     torch.manual_seed(s.seed)
     torch.set_num_threads(s.threads)
-    packer = Packer(ProbeDocuments(s.facts, s.gap, s.seed), s.seq_len)
+    packer = Packer(ProbeDocuments(s.facts, s.gap, s.seed, s.answers_only), s.seq_len)
     model = build_model(s.flavor, vocab_size=TOKENIZER.vocab_size, device="cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.1)
     chance = 1 / len(VALUES)
@@ -155,16 +162,15 @@ def save_model(model: torch.nn.Module, folder: str | Path) -> None:
     the layout ``titan_cp.train`` saves and ``checkpoint.initial_load_path`` loads (on any mesh)."""
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415 - only for saving
 
-    folder = Path(folder)
-    if folder.exists() and any(folder.iterdir()):
-        raise ValueError(f"{folder} is not empty: save the model to a new folder")
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder), no_dist=True)
 
 
 def summary(settings: ProbeSettings, records: list[dict], chance: float) -> dict:
     """The last line: the settings that matter, ``steps_to_2x_chance`` and the final recall."""
     return {
-        **{k: getattr(settings, k) for k in ("flavor", "gap", "facts", "seq_len", "lr", "steps")},
+        **{k: getattr(settings, k) for k in ("flavor", "gap", "facts", "seq_len", "lr", "steps", "answers_only")},
         "steps_to_2x_chance": steps_to_recall(records, 2 * chance),
         "final_recall": records[-1]["recall"] if records else None,
     }
