@@ -29,7 +29,7 @@ def plot(rows: list[dict], out: Path, title: str | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_recall) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_recall) = plt.subplots(1, 2, figsize=(13, 4.5))
     trained = [r for r in rows if "loss" in r]  # a skipped step (no loss-bearing token) has no loss
     ax_loss.plot([r["step"] for r in trained], [r["loss"] for r in trained], label="train loss", lw=1)
     val = [r for r in rows if "val_loss" in r]
@@ -55,7 +55,10 @@ def plot(rows: list[dict], out: Path, title: str | None = None) -> None:
     ax_recall.set_xlabel("step")
     ax_recall.set_ylabel("recall accuracy (answer tokens)")
     ax_recall.set_ylim(0, 1)
-    ax_recall.legend(fontsize=8)
+    if any("recall_remote" in r for r in val):  # eight curves and the chance line: beside the axes
+        ax_recall.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    else:
+        ax_recall.legend(fontsize=8)
     ax_recall.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
@@ -91,7 +94,7 @@ def _recall_by_shards(ax, val: list[dict]) -> None:
             key = f"recall_shards_{k}{suffix}"
             pts = [(r["step"], r[key]) for r in val if key in r]
             if pts:
-                ax.plot(*zip(*pts), style, color=color, lw=1.5 if not suffix else 1, label=f"{where}, {what}")
+                ax.plot(*zip(*pts), style, color=color, lw=2 if not suffix else 1, label=f"{where}, {what}")
 
 
 def main(argv=None) -> None:

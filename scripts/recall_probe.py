@@ -5,7 +5,6 @@ One JSON line every ``--every`` steps, then a summary line; what is measured and
 
     python scripts/recall_probe.py                       # tiny model, gap 16, 1200 steps
     python scripts/recall_probe.py --gap 2048 --plot /tmp/recall_probe.png
-    python scripts/recall_probe.py --steps 1600 --save checkpoints/lookup_tiny   # the main job's start
 """
 
 from __future__ import annotations
@@ -44,18 +43,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[ProbeSettings, str | None
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--answers-only", action="store_true", help="loss on the answers alone (as synthetic_lookup)")
     p.add_argument("--plot", default=None, help="write a PNG of recall against steps here")
-    p.add_argument("--save", default=None, help="write the trained model here (a DCP checkpoint folder)")
     args = vars(p.parse_args(argv))
-    path, save = args.pop("plot"), args.pop("save")
+    path = args.pop("plot")
     try:
-        return ProbeSettings(**args), path, save
+        return ProbeSettings(**args), path
     except ValueError as e:
         p.error(str(e))
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings, path, save = parse_args(argv)
-    records = run(settings, save=save)
+    settings, path = parse_args(argv)
+    records = run(settings)
     if path and records:
         plot(records, path)
 

@@ -5,7 +5,6 @@ summary promises."""
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -88,24 +87,9 @@ def test_bad_settings_name_the_setting():
         rp.ProbeSettings(every=0)
 
 
-def test_answers_only_trains_on_the_answers_and_the_saved_model_loads(tmp_path):
-    """``answers_only``: the packed rows' only targets are the answers (as ``synthetic_lookup``'s);
-    ``save`` writes a DCP checkpoint of ``{"model": ...}`` that loads back into the same flavor."""
-    import torch.distributed.checkpoint as dcp
-
-    from titan_cp.model import build_model
-
+def test_answers_only_trains_on_the_answers():
+    """``answers_only``: the packed rows' only targets are the answers."""
     row = Packer(rp.ProbeDocuments(facts=6, gap=10, answers_only=True), 300).next_row()
     targets = row.labels != IGNORE_INDEX
     assert targets.any() and torch.equal(targets, row.recall_distance > 0)
-    settings = rp.ProbeSettings(steps=2, every=1, seq_len=128, gap=4, answers_only=True)
-    rp.run(settings, emit=lambda line: None, save=tmp_path / "model")
-    model = build_model("tiny", vocab_size=rp.TOKENIZER.vocab_size, device="cpu")
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, checkpoint_id=str(tmp_path / "model"), no_dist=True)
-    assert set(state["model"]) == set(init) and any(not torch.equal(state["model"][k], init[k]) for k in init)
-    with pytest.raises(ValueError, match="not empty"):
-        rp.run(settings, emit=lambda line: None, save=tmp_path / "model")
+    assert (Packer(rp.ProbeDocuments(facts=6, gap=10), 300).next_row().labels != IGNORE_INDEX).sum() > targets.sum()

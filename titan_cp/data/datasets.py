@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Literal
 from titan_cp.data.chat import ChatJsonl
 from titan_cp.data.document import Document, DocumentSource
 from titan_cp.data.mixture import Mixture
-from titan_cp.data.tokenizer import Tokenizer
+from titan_cp.data.tokenizer import ByteTokenizer, Tokenizer
 from titan_cp.files import HF_DATASET_MARKERS, check_saved_hf_dataset, check_text_file, parse_json_line, read_text
 
 if TYPE_CHECKING:
@@ -130,66 +130,72 @@ class SyntheticRecall:
         return Document(tokens, spans, distances)
 
 
+LOOKUP_KEYS = "#$%&@^"
+LOOKUP_VALUES = "0123456789abcdefghijklmnopqrstuvwxy"
+_DOT, _QUESTION = ord("."), ord("?")
+LOOKUP_FACTS = [b for b in range(256) if chr(b) not in LOOKUP_KEYS + LOOKUP_VALUES and b not in (_DOT, _QUESTION)][
+    : len(LOOKUP_KEYS) * len(LOOKUP_VALUES)
+]
+"""The byte of each (key, value) fact of ``synthetic_lookup``: ``LOOKUP_FACTS[key * 35 + value]``
+(every byte but the keys, the dots, the question mark and the 35 value characters, which name
+the values and are not tokens of the documents)."""
+
+
 class SyntheticLookup:
-    """Long-range recall in its plainest form: facts at a document's start, each asked once at a
+    """Long-range recall as a single lookup: facts at a document's start, each asked once at a
     random point of the rest, amid filler that carries no information.
 
     One document of exactly ``tokens`` tokens (byte-tokenizer ids)::
 
-        <BOS>#q $7 @c ...         <- ``facts`` facts: a key symbol, its value, a space
-        ..........?$7 ...........?#q ....   <- filler dots; each question is ``?``, the key, the value, a space
+        <BOS> F F F F F F          <- 6 facts, each ONE token standing for a (key, value) pair
+        .........?$F........?#F... <- filler dots; a question is ``?`` and a key symbol, its answer
+                                      the token of that key's fact
 
-    Keys are distinct symbols of ``#$%&*+<>@^|~`` that occur nowhere else; a value is one
-    letter or digit (chance ``1/36``), so the value after a question is predictable only by
-    finding the key's fact, however far back: an in-context lookup and nothing else. The loss
-    is on the answers alone (``loss_mask``): the rest is either predictable without context or
-    unpredictable noise, and left out it lets the gradient speak of the lookup only. The
-    questions sit at uniform random points, so their distances spread evenly over the
-    document (a document as long as a row, sharded contiguously over ``cp`` ranks, puts a
-    quarter of its facts' questions on each distance of 0..3 shards for ``cp = 4``). The same
-    tokens as :class:`titan_cp.tools.recall_probe.ProbeDocuments` (facts, then all questions
-    after a fixed gap), whose short documents train the lookup cheaply. Document ``i``
-    depends only on ``(seed, split, i)``; ``validation`` draws from its own random stream.
+    The keys are the symbols ``#$%&@^``, each with 35 values: a fact is a byte of its own for
+    each (key, value) pair (:data:`LOOKUP_FACTS`), drawn at random per document. Knowing the key
+    leaves 35 candidates (chance ``1/35``); only the document's own fact tells which, however
+    far back it sits. One attention layer can answer (the question's key matched against the
+    fact tokens, whose token it copies), where a fact written as a key token then a value token
+    needs a two-layer circuit that forms only after a long plateau (``docs/recall.md``). The
+    questions sit at uniform random points, so their distances spread evenly over the document:
+    a document as long as a row, sharded contiguously over ``cp`` ranks, asks about a quarter
+    of its questions at each distance of 0..3 shards for ``cp = 4``. The loss is on the answers
+    alone (``loss_mask``): the rest is predictable without context. Document ``i`` depends only
+    on ``(seed, split, i)``; ``validation`` draws from its own random stream.
     """
 
-    chance = 1 / len(_VALUE_CHARS)
+    chance = 1 / len(LOOKUP_VALUES)
     """The accuracy of a guess at one value."""
 
-    def __init__(
-        self, tokenizer: Tokenizer, seed: int = 0, split: Split = "train", tokens: int = 8192, facts: int = 12
-    ):
-        if not 1 <= facts <= len(_KEYS):
-            raise ValueError(f"facts must be in 1..{len(_KEYS)} (one distinct key each), got {facts}")
-        if tokens < 1 + 7 * facts:
-            raise ValueError(f"a document of {facts} facts needs at least {1 + 7 * facts} tokens, got {tokens}")
-        ids = [tokenizer.encode(c) for c in _KEYS + _VALUE_CHARS + ".? "]
-        if any(len(i) != 1 for i in ids):
+    def __init__(self, tokenizer: Tokenizer, seed: int = 0, split: Split = "train", tokens: int = 8192):
+        facts = len(LOOKUP_KEYS)
+        if tokens < 1 + 4 * facts:
+            raise ValueError(f"a document of {facts} facts needs at least {1 + 4 * facts} tokens, got {tokens}")
+        if not isinstance(tokenizer, ByteTokenizer):
             raise ValueError(
-                "synthetic_lookup needs a tokenizer that maps each key, value and mark to one token "
-                "(the byte tokenizer: leave model.hf_assets_path unset)"
+                "synthetic_lookup is written in byte-tokenizer ids (a fact is a byte of its own): leave "
+                "model.hf_assets_path unset"
             )
-        self.tokenizer, self.seed, self.split, self.tokens, self.facts = tokenizer, seed, split, tokens, facts
+        self.tokenizer, self.seed, self.split, self.tokens = tokenizer, seed, split, tokens
 
     def document(self, index: int) -> Document:
         rng = random.Random(f"synthetic_lookup/{self.split}/{self.seed}/{index}")
-        tok = self.tokenizer
-        (space,), (dot,), (question,) = tok.encode(" "), tok.encode("."), tok.encode("?")
-        keys = [tok.encode(k)[0] for k in rng.sample(_KEYS, self.facts)]
-        value = {k: tok.encode(rng.choice(_VALUE_CHARS))[0] for k in keys}
-        tokens, value_at = [tok.bos_id], {}
+        keys = rng.sample(range(len(LOOKUP_KEYS)), len(LOOKUP_KEYS))
+        value = {k: rng.randrange(len(LOOKUP_VALUES)) for k in keys}
+        tokens, fact_at = [self.tokenizer.bos_id], {}
         for k in keys:
-            value_at[k] = len(tokens) + 1
-            tokens += [k, value[k], space]
-        # the questions' starts: distinct 4-token slots of the rest, in order
-        slots = (self.tokens - len(tokens)) // 4
-        starts = sorted(len(tokens) + 4 * s for s in rng.sample(range(slots), self.facts))
+            fact_at[k] = len(tokens)
+            tokens.append(LOOKUP_FACTS[k * len(LOOKUP_VALUES) + value[k]])
+        # the questions' starts: distinct 3-token slots of the rest, in order
+        slots = (self.tokens - len(tokens)) // 3
+        starts = sorted(len(tokens) + 3 * s for s in rng.sample(range(slots), len(keys)))
         spans, distances = [], []
-        for k, start in zip(rng.sample(keys, self.facts), starts):
-            tokens += [dot] * (start - len(tokens)) + [question, k]
+        for k, start in zip(rng.sample(keys, len(keys)), starts):
+            tokens += [_DOT] * (start - len(tokens)) + [_QUESTION, ord(LOOKUP_KEYS[k])]
             spans.append((len(tokens), len(tokens) + 1))
-            distances.append(len(tokens) - value_at[k])
-            tokens += [value[k], space]
-        tokens += [dot] * (self.tokens - len(tokens))
+            distances.append(len(tokens) - fact_at[k])
+            tokens.append(LOOKUP_FACTS[k * len(LOOKUP_VALUES) + value[k]])  # the answer: the fact's token
+        tokens += [_DOT] * (self.tokens - len(tokens))
         return Document(tokens, spans, distances, loss_mask=answers_mask(len(tokens), spans))
 
 

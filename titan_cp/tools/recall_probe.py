@@ -29,10 +29,11 @@ the recall pooled over the latest reports holding at least 1000 answers reached 
 (``None`` if it never did; pooling keeps one lucky row from counting when documents are long
 and answers few).
 
-``save``: write the trained model as a DCP checkpoint folder (``{"model": ...}``, what
-``checkpoint.initial_load_path`` loads), so a run trained past the plateau starts a longer-range
-one: the main job (``train_configs/cpu_main.toml``) extends the lookup this probe trains at
-short range to facts on other cp ranks (``synthetic_lookup``, the same tokens).
+``answers_only`` puts the loss on the answers alone. Then the recall climbs from the first
+hundred steps, but to the level of a lookup-free strategy: predicting a value of the document's
+facts that was not asked yet (with 8 facts, perfect elimination scores ``H(8)/8 = 0.34``); the
+tiny model measured 0.35 after 3000 steps at ``--lr 1e-2``, and 0.04-0.12 on longer documents
+(``docs/recall.md``).
 """
 
 from __future__ import annotations
@@ -40,10 +41,8 @@ from __future__ import annotations
 import json
 import random
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +63,7 @@ SPACE = ord(" ")
 class ProbeDocuments:
     """A ``DocumentSource``: document ``i`` plants ``facts`` key -> value facts, ``gap`` filler
     tokens, then asks every key once; depends only on ``(seed, i)``. ``answers_only``: the loss
-    is on the answers alone (``loss_mask``), as in ``synthetic_lookup``."""
+    is on the answers alone (``loss_mask``)."""
 
     def __init__(self, facts: int, gap: int, seed: int = 0, answers_only: bool = False):
         self.facts, self.gap, self.seed, self.answers_only = facts, gap, seed, answers_only
@@ -116,13 +115,10 @@ class ProbeSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def run(settings: ProbeSettings, emit: Callable[[str], object] = print, save: str | Path | None = None) -> list[dict]:
+def run(settings: ProbeSettings, emit: Callable[[str], object] = print) -> list[dict]:
     """Train and report (module docstring): ``emit`` gets each record as a JSON line, then the
-    summary's; returns the records. ``save``: a folder to write the trained model to, a DCP
-    checkpoint (:func:`save_model`)."""
+    summary's; returns the records."""
     s = settings
-    if save is not None and Path(save).exists() and any(Path(save).iterdir()):
-        raise ValueError(f"{save} is not empty: save the model to a new folder")
     torch.manual_seed(s.seed)
     torch.set_num_threads(s.threads)
     packer = Packer(ProbeDocuments(s.facts, s.gap, s.seed, s.answers_only), s.seq_len)
@@ -151,20 +147,8 @@ def run(settings: ProbeSettings, emit: Callable[[str], object] = print, save: st
             }
             records.append(record)
             emit(json.dumps(record))
-    if save is not None:
-        save_model(model, save)
     emit(json.dumps(summary(s, records, chance)))
     return records
-
-
-def save_model(model: torch.nn.Module, folder: str | Path) -> None:
-    """Write ``model``'s weights to ``folder`` as a one-process DCP checkpoint of ``{"model": ...}``:
-    the layout ``titan_cp.train`` saves and ``checkpoint.initial_load_path`` loads (on any mesh)."""
-    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 - only for saving
-
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder), no_dist=True)
 
 
 def summary(settings: ProbeSettings, records: list[dict], chance: float) -> dict:
