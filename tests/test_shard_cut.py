@@ -156,7 +156,7 @@ def test_full_evaluation_equals_one_process_and_shard_cut_equals_each_shard_alon
         "--parallelism.context_parallel_degree", "2",
     ]  # fmt: skip
     (metrics, ref), _ = dist_pools.run(2, _validate_and_reference, argv, timeout=600)
-    assert metrics["recall_chance"] == pytest.approx(1 / 36)
+    assert metrics["recall_chance"] == pytest.approx(1 / 35)
     del metrics["recall_chance"]
     assert set(metrics) == set(ref) and {"recall_remote", "recall_remote_shard_cut", "recall_shards_1"} <= set(ref)
     for key, value in ref.items():
