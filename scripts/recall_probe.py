@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ProbeSettings, str | None
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--answers-only", action="store_true", help="loss on the answers alone (as synthetic_lookup)")
     p.add_argument("--plot", default=None, help="write a PNG of recall against steps here")
     args = vars(p.parse_args(argv))
     path = args.pop("plot")

@@ -98,9 +98,9 @@ def test_the_logs_mesh_line_is_the_mesh_built():
     cfg = load_config(
         ["--job.config_file", "train_configs/cpu_main.toml", "--parallelism.context_parallel_degree", "2"]
     )
-    assert mesh_line(cfg.parallel_dims(2), cfg) == "dp_shard 1 x cp 2 (ring, doc_local)"
+    assert mesh_line(cfg.parallel_dims(2), cfg) == "dp_shard 1 x cp 2 (ring, contiguous)"
     assert "CP 4" not in cfg.job.description  # the job line says nothing the mesh line contradicts
-    assert mesh_line(cfg.parallel_dims(8), cfg) == "dp_shard 4 x cp 2 (ring, doc_local)"
+    assert mesh_line(cfg.parallel_dims(8), cfg) == "dp_shard 4 x cp 2 (ring, contiguous)"
     cfg = load_config(["--parallelism.context_parallel_degree", "1", "--parallelism.tensor_parallel_degree", "2"])
     assert mesh_line(cfg.parallel_dims(4), cfg) == "dp_shard 2 x cp 1 x tp 2"
     hybrid = ["--parallelism.context_parallel_strategy", "hybrid", "--parallelism.context_parallel_ulysses_degree", "2"]

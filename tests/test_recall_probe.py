@@ -85,3 +85,11 @@ def test_bad_settings_name_the_setting():
         rp.ProbeSettings(gap=-1)
     with pytest.raises(ValueError, match="every must be >= 1"):
         rp.ProbeSettings(every=0)
+
+
+def test_answers_only_trains_on_the_answers():
+    """``answers_only``: the packed rows' only targets are the answers."""
+    row = Packer(rp.ProbeDocuments(facts=6, gap=10, answers_only=True), 300).next_row()
+    targets = row.labels != IGNORE_INDEX
+    assert targets.any() and torch.equal(targets, row.recall_distance > 0)
+    assert (Packer(rp.ProbeDocuments(facts=6, gap=10), 300).next_row().labels != IGNORE_INDEX).sum() > targets.sum()

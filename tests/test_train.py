@@ -537,6 +537,6 @@ def test_the_log_names_the_mesh_the_run_built(dist_pools, tmp_path):
         "--job.dump_folder", str(tmp_path / "run"),
     ]  # fmt: skip
     lines = dist_pools.run(2, _log_of, argv, timeout=600)[0]
-    assert "mesh: dp_shard 1 x cp 2 (ring, doc_local)" in lines, lines
+    assert "mesh: dp_shard 1 x cp 2 (ring, contiguous)" in lines, lines
     (job,) = [line for line in lines if line.startswith("job: ")]
     assert not re.search(r"\bcp\s*\d", job, re.IGNORECASE), job  # the degree is the mesh line's to say

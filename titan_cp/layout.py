@@ -476,6 +476,31 @@ class SequenceLayout:
 
 
 _CACHE_SIZE = 16  # layouts (with their plans and device indices) kept: a step's microbatches
+
+
+def cut_at_shards(doc_lens: Sequence[Sequence[int]], seq_len: int, cp_size: int) -> list[list[int]]:
+    """Each row's document lengths with every document cut where the ``contiguous`` layout's shards
+    meet (at multiples of ``seq_len / cp_size``). Sharded contiguously, a row cut so has no
+    document on two ranks: each rank's queries see only the keys of its own shard (the recall
+    evaluation's shard-cut mode, ``validation.recall_shard_cut``)."""
+    if cp_size < 1 or seq_len % cp_size:
+        raise ValueError(f"seq_len ({seq_len}) must be a positive multiple of cp_size ({cp_size})")
+    shard = seq_len // cp_size
+    rows = []
+    for lens in doc_lens:
+        cut, start = [], 0
+        for n in (int(x) for x in lens):
+            end = start + n
+            while start < end:
+                piece = min(end, (start // shard + 1) * shard) - start
+                cut.append(piece)
+                start += piece
+        if start != seq_len:
+            raise ValueError(f"a row's documents hold {start} tokens, not seq_len = {seq_len}")
+        rows.append(cut)
+    return rows
+
+
 _LAYOUT_CACHE: dict[tuple, SequenceLayout] = {}
 _TENSOR_KEYS: dict[int, tuple] = {}  # id(doc_lens tensor) -> (tensor, version, key): one tolist per microbatch
 _TENSOR_LAYOUTS: dict[int, tuple] = {}  # id(a layout's own doc_lens tensor) -> (tensor, version, layout)

@@ -207,6 +207,29 @@ def recall_metrics(counts: torch.Tensor, buckets: list[int]) -> dict[str, float]
     return out
 
 
+def shard_edges(seq_len: int, cp: int) -> list[int]:
+    """The :func:`recall_counts` bucket edges that count distances in whole shards (``seq_len / cp``
+    tokens): bucket ``k`` holds the answers whose fact is ``k`` shards back, ``k * shard <=
+    distance < (k + 1) * shard``, for ``k < cp`` (no distance in a row reaches ``cp`` shards)."""
+    shard = seq_len // cp
+    return [(k + 1) * shard - 1 for k in range(cp - 1)]
+
+
+def shard_recall_metrics(counts: torch.Tensor, suffix: str = "") -> dict[str, float]:
+    """From :func:`recall_counts` over :func:`shard_edges`: ``recall_shards_<k><suffix>`` per distance
+    of ``k`` shards that saw answers, and ``recall_remote<suffix>`` over the answers whose fact is
+    at least one shard back (on another rank under the ``contiguous`` layout)."""
+    out = {
+        f"recall_shards_{k}{suffix}": (counts[k, 0] / counts[k, 1]).item()
+        for k in range(len(counts))
+        if counts[k, 1] > 0
+    }
+    remote = counts[1:].sum(0)
+    if remote[1] > 0:
+        out[f"recall_remote{suffix}"] = (remote[0] / remote[1]).item()
+    return out
+
+
 def keep_steps_up_to(path: Path, step: int) -> tuple[int, Path | None]:
     """Make the JSON-lines metrics file ``path`` hold the records of steps ``<= step`` only (those a
     run resumed at ``step`` does not write again), never deleting one: when it holds others (or a

@@ -63,11 +63,11 @@ def _check_dataset_paths(t: Training, v: Validation) -> None:
     if v.enable:
         sources.append((v.dataset, v.dataset_path, "validation.dataset", "validation.dataset_path"))
     for kind, path, kind_key, path_key in sources:
-        if kind == "synthetic_recall":
+        if kind in ("synthetic_recall", "synthetic_lookup"):
             continue
         if not path:
             raise ValueError(
-                f"{kind_key} = {kind!r} is not built in (built in: 'synthetic_recall'); set "
+                f"{kind_key} = {kind!r} is not built in (built in: 'synthetic_recall', 'synthetic_lookup'); set "
                 f"{path_key} to a local copy: titan_cp never downloads data"
             )
         if not Path(path).exists():

@@ -35,10 +35,18 @@ from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
 from titan_cp.data.loader import Step
 from titan_cp.errors import UserError, plural, run_cli
+from titan_cp.layout import cut_at_shards
 from titan_cp.lock import DumpLock, watch_launcher
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
-from titan_cp.metrics import MetricsLogger, StepMetrics, recall_counts, recall_metrics
+from titan_cp.metrics import (
+    MetricsLogger,
+    StepMetrics,
+    recall_counts,
+    recall_metrics,
+    shard_edges,
+    shard_recall_metrics,
+)
 from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda, restore_hyperparameters
 from titan_cp.parallel.build import ParallelizeOptions, cp_mesh
 from titan_cp.parallel.offload import offload_metrics
@@ -245,6 +253,8 @@ class Trainer:
         if self.val_loader is not None:  # every validation reads the same rows, from the start of the set
             self.val_start = self.val_loader.state_dict()
             self.val_steps = cfg.validation.steps if cfg.validation.steps != -1 else _whole_set_steps(self.val_loader)
+            # the accuracy of a guess at one answer token, where the source knows it (the synthetic corpora)
+            self.recall_chance = getattr(self.val_loader.packer.source, "chance", None)
 
     def _build_model(self) -> None:
         """The model parts of this rank (pipeline stages, or the one model), parallelized and
@@ -327,9 +337,11 @@ class Trainer:
             )
 
     # ------------------------------------------------------------------ steps
-    def _microbatch(self, batch) -> Microbatch:
-        """``batch`` on this rank's device, sharded by its layout (built here, once per microbatch)."""
-        mb = Microbatch(batch.tokens, batch.labels, batch.positions, batch.doc_lens_padded).to(self.device)
+    def _microbatch(self, batch, doc_lens: torch.Tensor | None = None) -> Microbatch:
+        """``batch`` on this rank's device, sharded by its layout (built here, once per microbatch);
+        ``doc_lens``: other documents for the same tokens (the shard-cut evaluation's)."""
+        doc_lens = batch.doc_lens_padded if doc_lens is None else doc_lens
+        mb = Microbatch(batch.tokens, batch.labels, batch.positions, doc_lens).to(self.device)
         return mb.shard(self.dims.cp, self.cp_rank, self.cfg.parallelism.context_parallel_load_balancer)
 
     def _global_sum(self, value: torch.Tensor) -> float:
@@ -359,37 +371,55 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict:
-        """Held-out loss and recall accuracy by fact-to-question distance, computed under CP."""
+        """Held-out loss and recall accuracy by fact-to-question distance (tokens, and whole shards
+        under CP), computed under CP; with ``validation.recall_shard_cut`` the same rows again with
+        every document cut at the shards (:func:`~titan_cp.layout.cut_at_shards`: each rank attends
+        only to its own shard), as ``*_shard_cut``."""
         if self.dims.pp_enabled:
             logger.warning("validation is skipped under pipeline parallelism")
             return {}
         v = self.cfg.validation
-        buckets = v.recall_buckets
-        # per bucket: [correct, total]; plus loss sum and token count
-        counts = torch.zeros(len(buckets) + 1, 2, dtype=torch.float64, device=self.device)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        buckets, seq_len = v.recall_buckets, self.cfg.validation_rows()[1]
+        edges = shard_edges(seq_len, self.dims.cp)
+        modes = ("", "_shard_cut") if v.recall_shard_cut else ("",)
+        # per mode: [correct, total] per token bucket and per shard distance; loss sum; token count
+        counts = {m: torch.zeros(len(buckets) + 1, 2, dtype=torch.float64, device=self.device) for m in modes}
+        shards = {m: torch.zeros(self.dims.cp, 2, dtype=torch.float64, device=self.device) for m in modes}
+        loss_sum = {m: torch.zeros((), dtype=torch.float64, device=self.device) for m in modes}
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         self.val_loader.load_state_dict(self.val_start)
         for part in self.parts:
             part.eval()
         for _ in range(self.val_steps):
             for batch in next(self.val_loader).microbatches:
-                mb = self._microbatch(batch)
-                distance = mb.local(batch.recall_distance.to(self.device))
-                with self.amp:  # chunked: the (tokens x vocab) logits are never whole
-                    ce_sum, predicted = self.parts[0](
-                        mb.tokens, positions=mb.positions, doc_lens=mb.doc_lens, labels=mb.labels, predict=True
-                    )
-                if self.tp_rank == 0:  # the results are replicated over tp: count them once
-                    loss_sum += ce_sum
-                    tokens += (mb.labels != IGNORE_INDEX).sum()
-                    if v.recall_eval:
-                        counts += recall_counts(predicted, mb.labels, distance, buckets)
+                for mode in modes:
+                    cut = cut_at_shards(batch.doc_lens, seq_len, self.dims.cp) if mode else None
+                    mb = self._microbatch(batch, None if cut is None else _padded(cut))
+                    distance = mb.local(batch.recall_distance.to(self.device))
+                    with self.amp:  # chunked: the (tokens x vocab) logits are never whole
+                        ce_sum, predicted = self.parts[0](
+                            mb.tokens, positions=mb.positions, doc_lens=mb.doc_lens, labels=mb.labels, predict=True
+                        )
+                    if self.tp_rank == 0:  # the results are replicated over tp: count them once
+                        loss_sum[mode] += ce_sum
+                        if not mode:  # the same tokens in both modes
+                            tokens += (mb.labels != IGNORE_INDEX).sum()
+                        if v.recall_eval:
+                            counts[mode] += recall_counts(predicted, mb.labels, distance, buckets)
+                            shards[mode] += recall_counts(predicted, mb.labels, distance, edges)
         for part in self.parts:
             part.train()
-        for t in (counts, loss_sum, tokens):
+        for t in (*counts.values(), *shards.values(), *loss_sum.values(), tokens):
             dist.all_reduce(t)
-        return {"val_loss": (loss_sum / tokens.clamp(min=1)).item(), **recall_metrics(counts, buckets)}
+        out = {}
+        for mode in modes:
+            out[f"val_loss{mode}"] = (loss_sum[mode] / tokens.clamp(min=1)).item()
+            out.update({f"{k}{mode}": x for k, x in recall_metrics(counts[mode], buckets).items()})
+            if self.dims.cp > 1:
+                out.update(shard_recall_metrics(shards[mode], mode))
+        if v.recall_eval and self.recall_chance is not None and counts[""][:, 1].sum() > 0:
+            out["recall_chance"] = self.recall_chance
+        return out
 
     def train(self) -> list[dict]:
         cfg, t = self.cfg, self.cfg.training
@@ -491,6 +521,14 @@ def _lock_dump_folder(folder: Path, rank0: bool) -> DumpLock | None:
     if message[0] is not None:
         raise UserError(message[0])
     return lock
+
+
+def _padded(doc_lens: list[list[int]]) -> torch.Tensor:
+    """Rows of document lengths as a zero-padded ``(B, max_docs)`` int64 host tensor."""
+    out = torch.zeros(len(doc_lens), max(map(len, doc_lens)), dtype=torch.int64)
+    for i, lens in enumerate(doc_lens):
+        out[i, : len(lens)] = torch.tensor(lens)
+    return out
 
 
 def _whole_set_steps(loader) -> int:

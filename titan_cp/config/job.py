@@ -176,6 +176,8 @@ class JobConfig:
             _check_seq_len("validation.seq_len", v.seq_len, p)
         if v.enable:
             check_microbatch_tokens("validation", *self.validation_rows())
+        if v.enable and v.recall_shard_cut:
+            _check_shard_cut(self)
         if -1 not in self.parallel_degrees().values():
             self.resolve_batch_sizes(p.data_parallel_replicate_degree * p.data_parallel_shard_degree)
         return notes
@@ -222,6 +224,25 @@ def _check_long_context_keys(cfg: JobConfig) -> None:
         raise ValueError(
             "training.enable_cpu_offload = true offloads FSDP's shards: it needs FSDP (parallelism."
             "data_parallel_shard_degree x context_parallel_degree, or data_parallel_replicate_degree, larger than 1)"
+        )
+
+
+def _check_shard_cut(cfg: JobConfig) -> None:
+    """``validation.recall_shard_cut`` cuts documents at the shards of the ``contiguous`` layout: it
+    needs recall, several cp ranks, and that layout (under another one, where a shard's tokens
+    come from is not a stretch of the row)."""
+    v, p = cfg.validation, cfg.parallelism
+    if not v.recall_eval:
+        raise ValueError("validation.recall_shard_cut = true needs validation.recall_eval = true")
+    if p.context_parallel_degree < 2:
+        raise ValueError(
+            "validation.recall_shard_cut = true needs parallelism.context_parallel_degree > 1 (on one rank "
+            "there is no other shard to cut away)"
+        )
+    if p.context_parallel_load_balancer != "contiguous":
+        raise ValueError(
+            "validation.recall_shard_cut = true needs parallelism.context_parallel_load_balancer = 'contiguous' "
+            f"(got {p.context_parallel_load_balancer!r}): its shards are stretches of the row, cut at fixed points"
         )
 
 

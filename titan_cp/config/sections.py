@@ -263,7 +263,7 @@ class Validation(Section, name="validation"):
     """Run validation every ``freq`` steps."""
 
     dataset: str = "synthetic_recall"
-    """Validation dataset (``synthetic_recall`` uses its held-out split)."""
+    """Validation dataset (``synthetic_recall`` and ``synthetic_lookup`` use their held-out split)."""
 
     dataset_path: str | None = None
     """Local file or folder of the validation dataset."""
@@ -289,13 +289,20 @@ class Validation(Section, name="validation"):
     )
     """Upper edges (tokens) of the distance buckets for ``recall_eval``."""
 
+    recall_shard_cut: bool = False
+    """Also evaluate recall with attention cut at the shard boundaries: every document is cut where
+    the ``contiguous`` layout's shards meet, so each cp rank attends only to its own shard's keys
+    (``recall_*_shard_cut``, ``val_loss_shard_cut``). An evaluation mode, never a training one: what
+    recall owes to the other ranks' keys is the gap between the two. Needs ``recall_eval``,
+    ``parallelism.context_parallel_degree`` > 1 and ``context_parallel_load_balancer = "contiguous"``."""
+
     def check(self) -> None:
         if self.dataset == "mixture":
             raise ValueError("validation.dataset = 'mixture' is not supported: name one source for validation")
-        if self.enable and self.steps == -1 and self.dataset == "synthetic_recall":
+        if self.enable and self.steps == -1 and self.dataset in ("synthetic_recall", "synthetic_lookup"):
             raise ValueError(
                 "validation.steps = -1 validates on the whole validation set, but validation.dataset = "
-                "'synthetic_recall' is endless: set validation.steps to a positive number"
+                f"{self.dataset!r} is endless: set validation.steps to a positive number"
             )
 
 

@@ -18,7 +18,7 @@ from titan_cp.config.values import (
 )
 
 NO_LOSS = "chat records would carry no loss; list at least one role"
-MIXTURE_KINDS = ("synthetic_recall", "text", "chat", "hf")
+MIXTURE_KINDS = ("synthetic_recall", "synthetic_lookup", "text", "chat", "hf")
 MAX_SEQ_LEN = 2**24
 """The longest row: RoPE turns positions into float32 angles (``titan_cp.model.llama.rope_cos_sin``),
 and float32 holds every integer position exactly only up to 2**24 (16M tokens)."""
@@ -58,7 +58,8 @@ class MixtureSource:
 @dataclass
 class Training(Section, name="training"):
     dataset: str = "synthetic_recall"
-    """Dataset: ``synthetic_recall`` (built in, long-range recall), ``text`` (local .txt/.jsonl at
+    """Dataset: ``synthetic_recall`` (built in, long-range recall), ``synthetic_lookup`` (built in,
+    recall as a bare lookup: facts, filler dots, questions; one document a row), ``text`` (local .txt/.jsonl at
     ``training.dataset_path``), ``chat`` (chat/agent-trajectory JSON lines, ``{"messages": [{"role",
     "content"}, ...]}``, loss on ``training.loss_roles``), ``hf`` (a Hugging Face dataset saved on
     disk), ``mixture`` (the sources of ``training.mixture``, by weight), or any other name with

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Literal
 from titan_cp.data.chat import ChatJsonl
 from titan_cp.data.document import Document, DocumentSource
 from titan_cp.data.mixture import Mixture
-from titan_cp.data.tokenizer import Tokenizer
+from titan_cp.data.tokenizer import ByteTokenizer, Tokenizer
 from titan_cp.files import HF_DATASET_MARKERS, check_saved_hf_dataset, check_text_file, parse_json_line, read_text
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ Split = Literal["train", "validation"]
 
 __all__ = [
     "HFDiskDataset",
+    "SyntheticLookup",
     "SyntheticRecall",
     "TextFiles",
     "build_dataset",
@@ -67,6 +68,9 @@ class SyntheticRecall:
     only on ``(seed, split, i)``, so any document can be generated on its own; the ``validation``
     split draws from a different random stream than ``train`` (held out by construction).
     """
+
+    chance = 1 / len(_VALUE_CHARS)
+    """The accuracy of a guess at one answer token (a value's characters are uniform)."""
 
     def __init__(
         self,
@@ -124,6 +128,83 @@ class SyntheticRecall:
             add(rng.choice(pool))
         tokens.append(tok.eos_id)
         return Document(tokens, spans, distances)
+
+
+LOOKUP_KEYS = "#$%&@^"
+LOOKUP_VALUES = "0123456789abcdefghijklmnopqrstuvwxy"
+_DOT, _QUESTION = ord("."), ord("?")
+LOOKUP_FACTS = [b for b in range(256) if chr(b) not in LOOKUP_KEYS + LOOKUP_VALUES and b not in (_DOT, _QUESTION)][
+    : len(LOOKUP_KEYS) * len(LOOKUP_VALUES)
+]
+"""The byte of each (key, value) fact of ``synthetic_lookup``: ``LOOKUP_FACTS[key * 35 + value]``
+(every byte but the keys, the dots, the question mark and the 35 value characters, which name
+the values and are not tokens of the documents)."""
+
+
+class SyntheticLookup:
+    """Long-range recall as a single lookup: facts at a document's start, each asked once at a
+    random point of the rest, amid filler that carries no information.
+
+    One document of exactly ``tokens`` tokens (byte-tokenizer ids)::
+
+        <BOS> F F F F F F          <- 6 facts, each ONE token standing for a (key, value) pair
+        .........?$F........?#F... <- filler dots; a question is ``?`` and a key symbol, its answer
+                                      the token of that key's fact
+
+    The keys are the symbols ``#$%&@^``, each with 35 values: a fact is a byte of its own for
+    each (key, value) pair (:data:`LOOKUP_FACTS`), drawn at random per document. Knowing the key
+    leaves 35 candidates (chance ``1/35``); only the document's own fact tells which, however
+    far back it sits. One attention layer can answer (the question's key matched against the
+    fact tokens, whose token it copies), where a fact written as a key token then a value token
+    needs a two-layer circuit that forms only after a long plateau (``docs/recall.md``). The
+    questions sit at uniform random points, so their distances spread evenly over the document:
+    a document as long as a row, sharded contiguously over ``cp`` ranks, asks about a quarter
+    of its questions at each distance of 0..3 shards for ``cp = 4``. The loss is on the answers
+    alone (``loss_mask``): the rest is predictable without context. Document ``i`` depends only
+    on ``(seed, split, i)``; ``validation`` draws from its own random stream.
+    """
+
+    chance = 1 / len(LOOKUP_VALUES)
+    """The accuracy of a guess at one value."""
+
+    def __init__(self, tokenizer: Tokenizer, seed: int = 0, split: Split = "train", tokens: int = 8192):
+        facts = len(LOOKUP_KEYS)
+        if tokens < 1 + 4 * facts:
+            raise ValueError(f"a document of {facts} facts needs at least {1 + 4 * facts} tokens, got {tokens}")
+        if not isinstance(tokenizer, ByteTokenizer):
+            raise ValueError(
+                "synthetic_lookup is written in byte-tokenizer ids (a fact is a byte of its own): leave "
+                "model.hf_assets_path unset"
+            )
+        self.tokenizer, self.seed, self.split, self.tokens = tokenizer, seed, split, tokens
+
+    def document(self, index: int) -> Document:
+        rng = random.Random(f"synthetic_lookup/{self.split}/{self.seed}/{index}")
+        keys = rng.sample(range(len(LOOKUP_KEYS)), len(LOOKUP_KEYS))
+        value = {k: rng.randrange(len(LOOKUP_VALUES)) for k in keys}
+        tokens, fact_at = [self.tokenizer.bos_id], {}
+        for k in keys:
+            fact_at[k] = len(tokens)
+            tokens.append(LOOKUP_FACTS[k * len(LOOKUP_VALUES) + value[k]])
+        # the questions' starts: distinct 3-token slots of the rest, in order
+        slots = (self.tokens - len(tokens)) // 3
+        starts = sorted(len(tokens) + 3 * s for s in rng.sample(range(slots), len(keys)))
+        spans, distances = [], []
+        for k, start in zip(rng.sample(keys, len(keys)), starts):
+            tokens += [_DOT] * (start - len(tokens)) + [_QUESTION, ord(LOOKUP_KEYS[k])]
+            spans.append((len(tokens), len(tokens) + 1))
+            distances.append(len(tokens) - fact_at[k])
+            tokens.append(LOOKUP_FACTS[k * len(LOOKUP_VALUES) + value[k]])  # the answer: the fact's token
+        tokens += [_DOT] * (self.tokens - len(tokens))
+        return Document(tokens, spans, distances, loss_mask=answers_mask(len(tokens), spans))
+
+
+def answers_mask(length: int, spans: list[tuple[int, int]]) -> list[bool]:
+    """A document's ``loss_mask`` with its answer spans as the only targets."""
+    mask = [False] * length
+    for start, end in spans:
+        mask[start:end] = [True] * (end - start)
+    return mask
 
 
 def _sentence(rng: random.Random) -> str:
@@ -250,8 +331,8 @@ def build_dataset(
 ) -> DocumentSource:
     """The source named by ``training.dataset`` (``split="train"``) or ``validation.dataset``.
 
-    ``synthetic_recall`` is built in (seeded by ``training.seed``; validation is its held-out
-    split). ``text``, ``chat`` and ``hf`` read ``*.dataset_path``; ``chat`` records carry loss on
+    ``synthetic_recall`` and ``synthetic_lookup`` (one document a row of the split's ``seq_len``)
+    are built in (seeded by ``training.seed``; validation is their held-out split). ``text``, ``chat`` and ``hf`` read ``*.dataset_path``; ``chat`` records carry loss on
     the roles in ``training.loss_roles``. ``mixture`` (training only) draws from the sources of
     ``training.mixture`` by weight, seeded by ``training.seed``. Any other name (e.g. torchtitan's
     ``c4``) needs ``*.dataset_path`` too, and is read as a saved HF dataset or as text/JSONL files,
@@ -313,11 +394,14 @@ def _source(
     """One source of kind ``name`` at ``path``; errors name ``{section}.{name_key}`` / ``{section}.{path_key}``."""
     if name == "synthetic_recall":
         return SyntheticRecall(tokenizer, seed=job_config.training.seed, split=split)
+    if name == "synthetic_lookup":  # one document a row
+        seq_len = job_config.training.seq_len if split == "train" else job_config.validation_rows()[1]
+        return SyntheticLookup(tokenizer, seed=job_config.training.seed, split=split, tokens=seq_len)
     if name == "mixture":
         raise ValueError(f"{section}.{name_key} = 'mixture': a mixture cannot hold another mixture")
     if not path:
         raise ValueError(
-            f"{section}.{name_key} = {name!r} is not built in (built in: 'synthetic_recall'); set "
+            f"{section}.{name_key} = {name!r} is not built in (built in: 'synthetic_recall', 'synthetic_lookup'); set "
             f"{section}.{path_key} to a local copy: titan_cp never downloads data"
         )
     p = Path(path)
