@@ -97,6 +97,8 @@ class _Fill:
         """Positions ``[start, start + length)`` (``offset`` in their document) as contiguous parts, hungriest first."""
         while length:
             r = self.hungriest()
+            if r is None:  # the fill gives out exactly the tokens the ranks have room for
+                raise RuntimeError(f"doc_local: no rank has room left for {length} tokens at position {start}")
             m = min(length, self.room[r])
             self.give(r, start, m, offset)
             start, offset, length = start + m, offset + m, length - m
@@ -248,6 +250,8 @@ def _choose(doc_lens: list[int], n: int) -> _Fill:
                 break
             left -= 1
     if not any(c == "even" for c, _ in balanced):
+        if best is None:  # every search tries the even cut
+            raise RuntimeError("doc_local: no even assignment was tried")
         return best
     evens = sorted((f for cut, f in balanced if cut == "even"), key=lambda f: max(f.rank_costs(blocks=False)))
     low = max(evens[0].rank_costs(blocks=False))

@@ -52,6 +52,12 @@ class Microbatch:
         doc_lens = None if self.doc_lens is None else layout.doc_lens_tensor()
         return Microbatch(tokens, labels, positions, doc_lens=doc_lens, layout=layout, cp_rank=cp_rank)
 
+    def sharded_by(self) -> SequenceLayout:
+        """The layout this (sharded) microbatch was cut by."""
+        if self.layout is None:
+            raise ValueError("a microbatch's layout is known once it is sharded (Microbatch.shard)")
+        return self.layout
+
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of another per-token ``(B, S)`` tensor of the same rows (sharded microbatch)."""
         assert self.layout is not None, "local() is for a sharded microbatch"

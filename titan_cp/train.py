@@ -35,7 +35,7 @@ from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
 from titan_cp.data.loader import Step
 from titan_cp.errors import UserError, plural, run_cli
-from titan_cp.layout import cut_at_shards
+from titan_cp.layout import SequenceLayout, cut_at_shards
 from titan_cp.lock import DumpLock, watch_launcher
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
@@ -158,10 +158,12 @@ def parallelize_options(cfg: JobConfig, mp_param_dtype: torch.dtype | None) -> P
     """The config's :class:`ParallelizeOptions` (``[parallelism]``, ``[activation_checkpoint]``, ``[compile]``,
     ``training.enable_cpu_offload``) with FSDP's compute dtype ``mp_param_dtype``."""
     p, ac = cfg.parallelism, cfg.activation_checkpoint
+    ac_mode, ac_every = ac_mode_and_every(ac.mode, ac.selective_ac_option)
     return ParallelizeOptions(
         cp_strategy=p.context_parallel_strategy,
         cp_balance=p.context_parallel_load_balancer,
-        **dict(zip(("ac_mode", "ac_every"), ac_mode_and_every(ac.mode, ac.selective_ac_option))),
+        ac_mode=ac_mode,
+        ac_every=ac_every,
         ac_cpu_offload=ac.cpu_offload,
         ac_blocks_per_checkpoint=ac.blocks_per_checkpoint,
         tile_tokens=ac.tile_tokens,
@@ -181,7 +183,7 @@ class Trainer:
     the checkpointer (resuming or loading initial weights), the metrics.
     """
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.device = init_distributed(cfg)
         self.rank0 = dist.get_rank() == 0
@@ -355,10 +357,10 @@ class Trainer:
         hold loss-bearing tokens (``step_data.global_valid_tokens > 0``)."""
         self.loss_fn.global_valid_tokens = step_data.global_valid_tokens
         local = torch.zeros((), device=self.device)
-        self.layouts = []  # the step's microbatch layouts, for its metrics
+        self.layouts: list[SequenceLayout] = []  # the step's microbatch layouts, for its metrics
         for batch in step_data.microbatches:
             mb = self._microbatch(batch)
-            self.layouts.append(mb.layout)
+            self.layouts.append(mb.sharded_by())
             with self.amp:
                 local = local + forward_backward(self.parts, mb, self.loss_fn, self.schedule, self.first, self.last)
         pp_group = self.dims.get_mesh("pp").get_group() if self.dims.pp_enabled else None
@@ -378,7 +380,9 @@ class Trainer:
         if self.dims.pp_enabled:
             logger.warning("validation is skipped under pipeline parallelism")
             return {}
-        v = self.cfg.validation
+        v, loader = self.cfg.validation, self.val_loader
+        if loader is None:
+            raise ValueError("validate() needs validation.enable = true")
         buckets, seq_len = v.recall_buckets, self.cfg.validation_rows()[1]
         edges = shard_edges(seq_len, self.dims.cp)
         modes = ("", "_shard_cut") if v.recall_shard_cut else ("",)
@@ -387,11 +391,11 @@ class Trainer:
         shards = {m: torch.zeros(self.dims.cp, 2, dtype=torch.float64, device=self.device) for m in modes}
         loss_sum = {m: torch.zeros((), dtype=torch.float64, device=self.device) for m in modes}
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.val_loader.load_state_dict(self.val_start)
+        loader.load_state_dict(self.val_start)
         for part in self.parts:
             part.eval()
         for _ in range(self.val_steps):
-            for batch in next(self.val_loader).microbatches:
+            for batch in next(loader).microbatches:
                 for mode in modes:
                     cut = cut_at_shards(batch.doc_lens, seq_len, self.dims.cp) if mode else None
                     mb = self._microbatch(batch, None if cut is None else _padded(cut))
@@ -431,15 +435,16 @@ class Trainer:
             t0 = time.perf_counter()
             skip = step_data.global_valid_tokens == 0  # the same on every rank: the loader counts globally
             with self.profiler.step(self.state.step + 1):
-                loss, grad_norm = (None, None) if skip else self.train_step(step_data)
+                trained = None if skip else self.train_step(step_data)
             self.state.step += 1
             step, dt = self.state.step, time.perf_counter() - t0
             if step == first_step + 1:  # initialisation and the first step may take long; the rest may not
                 self.dims.set_timeout(cfg.comm.train_timeout_seconds)
             lr = self.schedulers.get_last_lr()[0]
-            if skip:
+            if trained is None:
                 record = self._skipped(step, lr, step_data)
             else:
+                loss, grad_norm = trained
                 self._check_step(step, loss, grad_norm)
                 record = self.step_metrics.record(
                     step, loss, grad_norm, lr, step_data, dt, self.loader.source_tokens, self.layouts
@@ -509,13 +514,13 @@ class Trainer:
 def _lock_dump_folder(folder: Path, rank0: bool) -> DumpLock | None:
     """Rank 0 takes the dump folder's lock (:class:`titan_cp.lock.DumpLock`); a folder another run holds
     is the same ``UserError`` on every rank."""
-    lock, refused = (DumpLock(folder), None) if rank0 else (None, None)
-    if rank0:
+    lock, refused = (DumpLock(folder) if rank0 else None), None
+    if lock is not None:
         try:
             lock.acquire()
         except UserError as e:
             refused = str(e)
-    message = [refused]
+    message: list[str | None] = [refused]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(message, src=0)
     if message[0] is not None:

@@ -419,7 +419,9 @@ def fp32_returned_rows(layout: SequenceLayout, ring_rank: int, ring_size: int, u
                 return 0
             _, _, later_rows, later_fp32 = zigzag_counts(layout, 0, 1, u, batch)  # each later group's keys read
             _, _, earlier_rows, earlier_fp32 = zigzag_counts(layout, 1, 0, u, batch)
-            return (ring_size - 1 - ring_rank) * later_rows * later_fp32 + ring_rank * earlier_rows * earlier_fp32
+            later = later_rows if later_fp32 else 0  # two different groups: the flag is always given
+            earlier = earlier_rows if earlier_fp32 else 0
+            return (ring_size - 1 - ring_rank) * later + ring_rank * earlier
         mine, total = _members(ring_rank, u), 0
         for s in range(1, ring_size):
             plan = make_plan(layout, mine, _members((ring_rank - s) % ring_size, u), mask)

@@ -167,7 +167,7 @@ class SyntheticLookup:
     chance = 1 / len(LOOKUP_VALUES)
     """The accuracy of a guess at one value."""
 
-    def __init__(self, tokenizer: Tokenizer, seed: int = 0, split: Split = "train", tokens: int = 8192):
+    def __init__(self, tokenizer: Tokenizer, seed: int = 0, split: Split = "train", tokens: int = 8192) -> None:
         facts = len(LOOKUP_KEYS)
         if tokens < 1 + 4 * facts:
             raise ValueError(f"a document of {facts} facts needs at least {1 + 4 * facts} tokens, got {tokens}")

@@ -50,7 +50,9 @@ class ShardedKVCache:
     ``extra[b]``: the generated tokens of prompt ``b`` it will store (its share of the plan).
     """
 
-    def __init__(self, n_layers: int, positions: Sequence[Sequence[int]], extra: Sequence[int], device):
+    def __init__(
+        self, n_layers: int, positions: Sequence[Sequence[int]], extra: Sequence[int], device: torch.device | str
+    ) -> None:
         caps = [len(p) + n for p, n in zip(positions, extra)]
         self.offsets = [sum(caps[:b]) for b in range(len(caps) + 1)]
         self.capacity = self.offsets[-1]

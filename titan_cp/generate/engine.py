@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from titan_cp.attention import check_kernel, cp_rank
 from titan_cp.attention.decode import KeyRanges, decode_attention
@@ -155,13 +156,13 @@ class Generator:
 
     def __init__(
         self,
-        model,
-        cp_mesh=None,
-        cp_group=None,
+        model: nn.Module,
+        cp_mesh: DeviceMesh | None = None,
+        cp_group: dist.ProcessGroup | None = None,
         strategy: str = DEFAULT_STRATEGY,
         balance: str = DEFAULT_BALANCE,
         kernel: str | None = None,
-    ):
+    ) -> None:
         self.runner, self.balance, self.kernel_name = runner_of(model), balance, kernel
         self.cp = 1 if cp_mesh is None else cp_mesh.size()
         self.rank = 0 if cp_mesh is None else cp_rank(cp_mesh, strategy)

@@ -92,7 +92,7 @@ AttentionMaskInterface.register(GENERATE_ATTENTION, titan_cp_mask)
 class HFRunner:
     """The runner (:mod:`.runners`) of a :class:`CausalLM` built by :func:`build_hf_model`."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module) -> None:
         self.model, hf = model, hf_model_of(model)
         if hf.config._attn_implementation != GENERATE_ATTENTION:
             raise ValueError(

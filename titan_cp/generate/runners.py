@@ -65,10 +65,13 @@ class Runner(Protocol):
 class LlamaRunner:
     """The runner of a :class:`~titan_cp.model.llama.Transformer` (module docstring)."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer) -> None:
         self.model, args = model, model.args
+        if model.tok_embeddings is None or model.norm is None or model.output is None:
+            raise ValueError("generation runs a whole model: this one is a pipeline stage (no embedding or output)")
+        self.embed, self.norm, self.output = model.tok_embeddings, model.norm, model.output
         self.max_seq_len, self.vocab_size = MAX_POSITIONS, args.vocab_size  # args.max_seq_len is informational
-        self.device = model.norm.weight.device
+        self.device = self.norm.weight.device
         self.freqs = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling, self.device)
         self.blocks = [cast(TransformerBlock, layer) for layer in model.layers.values()]
         self.inner = [cast(InnerAttention, block.attention.inner_attention) for block in self.blocks]
@@ -83,7 +86,7 @@ class LlamaRunner:
                 hooks.append(inner.register_forward_pre_hook(lambda m, args, i=i: capture(i, args[1], args[2])))
         try:
             cos, sin = rope_cos_sin(positions, self.freqs)
-            h = self.model.tok_embeddings(tokens)
+            h = self.embed(tokens)
             for block in self.blocks:
                 h = block(h, cos, sin, doc_lens)
             return h
@@ -99,7 +102,7 @@ class LlamaRunner:
         for i, inner in enumerate(self.inner):
             inner.forward = functools.partial(_decode_core, attend, i, inner)  # type: ignore[method-assign]
         try:
-            h = self.model.tok_embeddings(tokens)
+            h = self.embed(tokens)
             for block in self.blocks:
                 h = block(h, cos, sin, None)
             return h[:, 0]
@@ -111,8 +114,7 @@ class LlamaRunner:
                     inner.forward = forward  # type: ignore[method-assign]
 
     def logits(self, h: Tensor) -> Tensor:
-        assert self.model.norm is not None and self.model.output is not None, "a whole model, not a pipeline stage"
-        return self.model.output(self.model.norm(h)).float()
+        return self.output(self.norm(h)).float()
 
 
 def _decode_core(
