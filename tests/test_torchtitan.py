@@ -1,14 +1,17 @@
 """titan_cp inside torchtitan 0.3's own Trainer (:mod:`titan_cp.integrations.torchtitan`), offline on a CPU.
 
-- The exactness bar: ``python -m titan_cp.integrations.torchtitan.train --module
-  titan_cp.integrations.torchtitan --config llama3_debugmodel_cp`` (the commands of docs/torchtitan.md)
-  on the repository's packed documents, launched with ``torchrun`` on 1 process and on 2 (CP 2: ring
-  with doc_local, Ulysses with doc_zigzag), all from one seed checkpoint (torchtitan's own
+- The exactness bar: the CPU commands of docs/torchtitan.md, run as that page writes them (their dump
+  folders moved to a temporary one, TensorBoard on): ``python -m titan_cp.integrations.torchtitan.train
+  --module titan_cp.integrations.torchtitan --config llama3_debugmodel_cp`` on the repository's packed
+  documents, launched with ``torchrun`` on 1 process and on 2 (CP 2: ring with doc_local, and the same
+  line with Ulysses and doc_zigzag), all from one seed checkpoint (torchtitan's own
   ``--checkpoint.create_seed_checkpoint``: its random init of sharded parameters depends on the
   sharding): every step's loss (torchtitan's global average, read at float32 from its TensorBoard
   events) equals the one-process run's within 1e-5 for 5 steps. The launches run at once.
 - The one-process attention equals torchtitan's own FlexAttention forward under its packed-document
   mask (``get_document_mask_mod`` of the same positions) within 1e-5.
+- The page's other blocks: the GPU command's arguments load with torchtitan's own ``ConfigManager``, and
+  the ``with_titan_cp`` example makes a config function whose config runs titan_cp's attention.
 - Bad input gets one clear line: strategy / balance typos, a batch without positions, CP with an
   attention titan_cp does not replace, another spmd backend, another torchtitan version.
 """
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -28,19 +33,18 @@ import torch
 pytest.importorskip("torchtitan", reason="torchtitan 0.3 is in the dev extra (Python >= 3.11)")
 
 ROOT = Path(__file__).parents[1]
-STEPS = 5
-RUN = [
-    "-m",
-    "titan_cp.integrations.torchtitan.train",
-    "--module",
-    "titan_cp.integrations.torchtitan",
-    "--config",
-    "llama3_debugmodel_cp",
-    "--training.seq_len",
-    "256",
-    "--training.local_batch_size",
-    "2",
-]
+DOC = ROOT / "docs" / "torchtitan.md"
+CPU_LAUNCHER = "titan_cp.integrations.torchtitan.train"
+
+
+def _doc_blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", DOC.read_text(), re.S)
+
+
+def _doc_commands() -> list[list[str]]:
+    """The command lines of the page's bash blocks (continuations joined), as argv lists."""
+    lines = [line for block in _doc_blocks("bash") for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
+    return [shlex.split(line) for line in lines if line.strip()]
 
 
 def _free_port() -> int:
@@ -49,12 +53,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(nproc: int, args: list[str], dump: Path) -> subprocess.Popen:
-    """``torchrun --nproc-per-node <nproc> -m titan_cp.integrations.torchtitan.train ...`` (its own port)."""
+def _launch(command: list[str], dump: Path, seed: Path | None = None, **flags: str) -> subprocess.Popen:
+    """A ``torchrun --nproc-per-node N -m ...`` line of the page, run from the repository root on its own
+    port, writing to ``dump`` (and loading ``seed``), with ``flags`` (``strategy="ulysses"``:
+    ``--titan_cp.strategy ulysses``) set in place of the line's own and TensorBoard on."""
+    assert command[:2] == ["torchrun", "--nproc-per-node"], command
+    args = [*command[3:], "--metrics.enable_tensorboard"]
+    args[args.index("--dump_folder") + 1] = str(dump)
+    if seed is not None:
+        args[args.index("--checkpoint.initial_load_path") + 1] = str(seed)
+    for key, value in flags.items():
+        args[args.index(f"--titan_cp.{key}") + 1] = value
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    argv += ["--master-port", str(_free_port()), *RUN, *args, "--dump_folder", str(dump)]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", command[2]]
+    argv += ["--master-port", str(_free_port()), *args]
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -74,32 +87,41 @@ def _losses(dump: Path) -> list[float]:
     return [e.value for e in acc.Scalars("loss_metrics/global_avg_loss")]
 
 
-@pytest.fixture(scope="module")
-def seed_checkpoint(tmp_path_factory) -> Path:
-    dump = tmp_path_factory.mktemp("seed")
-    run = _launch(1, ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"], dump)
-    _finish(run, "the seed checkpoint")
-    return dump / "checkpoint" / "step-0"
-
-
-CP_RUNS = {"ring, doc_local": ("ring", "doc_local"), "ulysses, doc_zigzag": ("ulysses", "doc_zigzag")}
-
-
-def test_cp2_losses_equal_the_one_process_run(seed_checkpoint, tmp_path):
-    common = ["--training.steps", str(STEPS), "--metrics.enable_tensorboard"]
-    common += ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_checkpoint)]
-    common += ["--checkpoint.interval", "1000", "--checkpoint.last_save_model_only"]
-    runs = {"one process": _launch(1, common, tmp_path / "one")}
-    for name, (strategy, balance) in CP_RUNS.items():
-        cp = ["--parallelism.context_parallel_degree", "2", "--titan_cp.strategy", strategy]
-        runs[name] = _launch(2, [*common, *cp, "--titan_cp.balance", balance], tmp_path / name.replace(", ", "_"))
+def test_cp2_losses_equal_the_one_process_run(tmp_path):
+    seed_line, one_line, cp2_line = (c for c in _doc_commands() if CPU_LAUNCHER in c)
+    assert "--checkpoint.create_seed_checkpoint" in seed_line and "--parallelism.context_parallel_degree" in cp2_line
+    _finish(_launch(seed_line, tmp_path / "seed"), "the seed checkpoint")
+    seed = tmp_path / "seed" / "checkpoint" / "step-0"
+    runs = {
+        "one process": _launch(one_line, tmp_path / "one", seed),
+        "ring, doc_local": _launch(cp2_line, tmp_path / "ring", seed),
+        "ulysses, doc_zigzag": _launch(cp2_line, tmp_path / "ulysses", seed, strategy="ulysses", balance="doc_zigzag"),
+    }
     for name, run in runs.items():
         _finish(run, name)
     one = _losses(tmp_path / "one")
-    assert len(one) == STEPS and one[-1] < one[0] - 1.0, one  # it trains
-    for name in CP_RUNS:
-        got = _losses(tmp_path / name.replace(", ", "_"))
+    assert len(one) == 5 and one[-1] < one[0] - 1.0, one  # five steps, and it trains
+    for name, dump in (("ring, doc_local", "ring"), ("ulysses, doc_zigzag", "ulysses")):
+        got = _losses(tmp_path / dump)
         assert got == pytest.approx(one, abs=1e-5), f"CP 2 {name}: {got} vs one process {one}"
+
+
+def test_the_pages_gpu_command_and_recipe_load():
+    from torchtitan.config import ConfigManager  # noqa: PLC0415
+
+    from titan_cp.integrations.torchtitan import TitanCPAttention, TitanCPTrainer  # noqa: PLC0415
+
+    (gpu,) = (c for c in _doc_commands() if "torchtitan.train" in c)
+    config = ConfigManager().parse_args(gpu[gpu.index("torchtitan.train") + 1 :])
+    assert isinstance(config, TitanCPTrainer.Config) and config.parallelism.context_parallel_degree == 8
+    assert (config.titan_cp.strategy, config.titan_cp.balance) == ("ring", "doc_local")
+    (recipe,) = _doc_blocks("python")
+    names: dict = {}
+    exec(recipe, names)
+    config = names["llama3_8b_cp"]()
+    assert (config.titan_cp.strategy, config.titan_cp.balance) == ("ulysses", "doc_zigzag")
+    attentions = [layer.attention.inner_attention for layer in config.model_spec.model.layers]
+    assert len(attentions) == 32 and all(isinstance(a, TitanCPAttention.Config) for a in attentions)
 
 
 def _packed_positions(rows: list[list[int]]) -> torch.Tensor:
