@@ -212,6 +212,10 @@ def test_bad_input_gets_one_clear_line(monkeypatch):
     config.parallelism.spmd_backend = "spmd_types"
     with pytest.raises(ValueError, match="set --parallelism.spmd_backend partial_dtensor"):
         tt.TitanCPTrainer(config)
+    config = tt.llama3_debugmodel_cp()
+    config.validator.enable = True
+    with pytest.raises(ValueError, match="does not run torchtitan's validator yet.*drop --validator.enable"):
+        tt.TitanCPTrainer(config)
 
     monkeypatch.setattr(torchtitan, "__version__", "0.2.0")
     with pytest.raises(RuntimeError, match=r"written for torchtitan 0\.3\.0, but torchtitan 0\.2\.0 is installed"):

@@ -23,6 +23,7 @@ torchtitan 0.3 lacks on a CPU, each scoped to this process:
 from __future__ import annotations
 
 import os
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -68,6 +69,7 @@ def _import_torchtitan_on_cpu() -> None:
     found = torch._utils._get_available_device_type
     if found() is not None:
         return
+    assert "torchtitan.tools.utils" not in sys.modules, "torchtitan read its device before the CPU shim"
     torch._utils._get_available_device_type = lambda: "cpu"
     try:
         import torchtitan.tools.utils as utils  # noqa: PLC0415 - reads the device type once, at import

@@ -111,6 +111,11 @@ class TitanCPTrainer(Trainer):
                 f"{config.parallelism.spmd_backend!r} (its model sharding all-gathers K/V itself and its batches "
                 f"are typed by torchtitan's own sharding): set --parallelism.spmd_backend {SPMD_BACKEND}"
             )
+        if config.validator.enable:
+            raise ValueError(
+                "titan_cp's Trainer does not run torchtitan's validator yet (it shards and masks its batches "
+                "torchtitan's way, not by titan_cp's layout): drop --validator.enable"
+            )
         bind_titan_cp(config.model_spec.model, config.titan_cp)
         super().__init__(config)
 
