@@ -220,3 +220,19 @@ def test_bad_input_gets_one_clear_line(monkeypatch):
     monkeypatch.setattr(torchtitan, "__version__", "0.2.0")
     with pytest.raises(RuntimeError, match=r"written for torchtitan 0\.3\.0, but torchtitan 0\.2\.0 is installed"):
         tt.check_version()
+
+
+@pytest.mark.parametrize(
+    "name, layers, seq_len",
+    [("llama3_debugmodel_cp", 6, 2048), ("qwen3_debugmodel_cp", 8, 2048), ("llama3_8b_cp", 32, 131072)],
+)
+def test_each_config_function_loads_with_titan_cp_in_every_layer(name, layers, seq_len):
+    from torchtitan.config import ConfigManager  # noqa: PLC0415
+
+    from titan_cp.integrations.torchtitan import TitanCPAttention, TitanCPParallelize  # noqa: PLC0415
+
+    config = ConfigManager().parse_args(["--module", "titan_cp.integrations.torchtitan", "--config", name])
+    attentions = [layer.attention.inner_attention for layer in config.model_spec.model.layers]
+    assert len(attentions) == layers and all(isinstance(a, TitanCPAttention.Config) for a in attentions)
+    assert isinstance(config.model_spec.parallelize_fn, TitanCPParallelize)
+    assert config.training.seq_len == seq_len and config.parallelism.spmd_backend == "partial_dtensor"

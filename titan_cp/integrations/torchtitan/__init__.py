@@ -37,7 +37,7 @@ import importlib
 TESTED_VERSION = "0.3.0"
 
 _NAMES = {
-    "configs": ("ASSETS", "llama3_debugmodel_cp", "with_titan_cp"),
+    "configs": ("ASSETS", "llama3_8b_cp", "llama3_debugmodel_cp", "qwen3_debugmodel_cp", "with_titan_cp"),
     "attention": ("DocumentAttention", "TitanCPAttention"),
     "parallelize": ("TitanCPParallelize", "apply_titan_cp"),
     "trainer": ("TitanCPConfig", "TitanCPTrainer", "bind_titan_cp", "shard_by_documents"),

@@ -65,15 +65,38 @@ def with_titan_cp(
     return config
 
 
-def llama3_debugmodel_cp() -> TitanCPTrainer.Config:
-    """torchtitan's ``llama3_debugmodel`` with titan_cp's CP, reading the repository's byte-level
-    tokenizer and packed-document data set (no network), with float32 parameters (torchtitan's
-    default computes in bfloat16, whose rounding differs with the token order: a CP run would then
-    match the one-process run to ~1e-4, not to float32's reduction order)."""
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: PLC0415
-
-    config = with_titan_cp(llama3_debugmodel)()
+def _offline_debug(config: TitanCPTrainer.Config) -> TitanCPTrainer.Config:
+    """A debug config reading the repository's byte-level tokenizer and packed-document data set (no
+    network), with float32 parameters: torchtitan's default computes in bfloat16, whose rounding
+    differs with the token order, so a CP run would match the one-process run to ~1e-4, not to
+    float32's reduction order."""
     config.hf_assets_path = str(ASSETS / "tokenizer")
     config.dataloader.dataset_path = str(ASSETS / "data")
     config.training.mixed_precision_param = "float32"
+    return config
+
+
+def llama3_debugmodel_cp() -> TitanCPTrainer.Config:
+    """torchtitan's ``llama3_debugmodel`` (6 layers, 16 heads) with titan_cp's CP, offline (:func:`_offline_debug`)."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: PLC0415
+
+    return _offline_debug(with_titan_cp(llama3_debugmodel)())
+
+
+def qwen3_debugmodel_cp() -> TitanCPTrainer.Config:
+    """torchtitan's ``qwen3_debugmodel`` (8 layers, q/k norms, head_dim 128) with titan_cp's CP, offline
+    (:func:`_offline_debug`)."""
+    from torchtitan.models.qwen3.config_registry import qwen3_debugmodel  # noqa: PLC0415
+
+    return _offline_debug(with_titan_cp(qwen3_debugmodel)())
+
+
+def llama3_8b_cp() -> TitanCPTrainer.Config:
+    """torchtitan's ``llama3_8b`` at 128K tokens a row (its RoPE's length), CP 8 over one node by default
+    (``--parallelism.context_parallel_degree`` to change it), one row per data-parallel rank."""
+    from torchtitan.models.llama3.config_registry import llama3_8b  # noqa: PLC0415
+
+    config = with_titan_cp(llama3_8b)()
+    config.training.seq_len, config.training.local_batch_size = 131072, 1
+    config.parallelism.context_parallel_degree = 8
     return config
