@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torchtitan.trainer import Trainer
 
-from titan_cp.attention.strategy import DEFAULT_STRATEGY, strategy_names
+from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy, strategy_names
 from titan_cp.balance import balance_names
 from titan_cp.errors import did_you_mean
 from titan_cp.integrations.hf_batch import _from_positions, layout_rank
@@ -43,7 +43,7 @@ class TitanCPConfig:
     ``--parallelism.context_parallel_degree``)."""
 
     strategy: str = DEFAULT_STRATEGY
-    """CP attention strategy: ring, allgather, ulysses or any registered (1-D cp mesh)."""
+    """CP attention strategy: ring, allgather, ulysses or any registered one of a 1-D cp mesh."""
     balance: str = DEFAULT_BALANCE
     """Sequence layout: doc_local, doc_zigzag, zigzag, contiguous or any registered."""
     kernel: str | None = None
@@ -59,6 +59,12 @@ class TitanCPConfig:
                     f"--titan_cp.{key} {value!r} is not one of titan_cp's {key}s{did_you_mean(value, names)} "
                     f"(choose one of {', '.join(names)})"
                 )
+        if get_strategy(self.strategy).mesh_ndim != 1:
+            raise ValueError(
+                f"--titan_cp.strategy {self.strategy!r} runs on a {get_strategy(self.strategy).mesh_ndim}-D cp mesh; "
+                "torchtitan's cp axis (--parallelism.context_parallel_degree) is 1-D: choose a strategy of one "
+                "axis (ring, allgather, ulysses)"
+            )
 
 
 def bind_titan_cp(model_config, section: TitanCPConfig) -> int:
