@@ -3,13 +3,14 @@
 - The exactness bar: the CPU commands of docs/torchtitan.md, run as that page writes them (their dump
   folders moved to a temporary one, TensorBoard on): ``python -m titan_cp.integrations.torchtitan.train
   --module titan_cp.integrations.torchtitan --config llama3_debugmodel_cp`` on the repository's packed
-  documents, launched with ``torchrun`` on 1 process and on 2 (CP 2: ring with doc_local, and the same
-  line with Ulysses and doc_zigzag), all from one seed checkpoint (torchtitan's own
-  ``--checkpoint.create_seed_checkpoint``: its random init of sharded parameters depends on the
-  sharding): every step's loss (torchtitan's global average, read at float32 from its TensorBoard
-  events) equals the one-process run's within 1e-5 for 5 steps. The launches run at once.
+  documents, launched with ``torchrun`` on 1 process and on 2 (CP 2: ring with doc_local), from one
+  seed checkpoint (torchtitan's own ``--checkpoint.create_seed_checkpoint``: its random init of
+  sharded parameters depends on the sharding): every step's loss (torchtitan's global average, read at float32 from its TensorBoard
+  events) equals the one-process run's within 1e-5 for 5 steps (the two launches run at once); the
+  one-process run's step-2 checkpoint resumed at CP 2 with Ulysses and doc_zigzag (another CP size,
+  strategy and balance) gives its steps 3-5 within 1e-5.
 - The one-process attention equals torchtitan's own FlexAttention forward under its packed-document
-  mask (``get_document_mask_mod`` of the same positions) within 1e-5.
+  mask (the causal and packed-document mask mods of the same positions) within 1e-5.
 - The page's other blocks: the GPU command's arguments load with torchtitan's own ``ConfigManager``, and
   the ``with_titan_cp`` example makes a config function whose config runs titan_cp's attention.
 - Bad input gets one clear line: strategy / balance typos, a batch without positions, CP with an
@@ -22,6 +23,7 @@ import glob
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -62,6 +64,7 @@ def _launch(command: list[str], dump: Path, seed: Path | None = None, **flags: s
     args[args.index("--dump_folder") + 1] = str(dump)
     if seed is not None:
         args[args.index("--checkpoint.initial_load_path") + 1] = str(seed)
+    assert seed is not None or "--checkpoint.initial_load_path" not in args, "pass the seed checkpoint"
     for key, value in flags.items():
         args[args.index(f"--titan_cp.{key}") + 1] = value
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
@@ -88,22 +91,21 @@ def _losses(dump: Path) -> list[float]:
 
 
 def test_cp2_losses_equal_the_one_process_run(tmp_path):
-    seed_line, one_line, cp2_line = (c for c in _doc_commands() if CPU_LAUNCHER in c)
+    seed_line, one_line, cp2_line, resumed_line = (c for c in _doc_commands() if CPU_LAUNCHER in c)
     assert "--checkpoint.create_seed_checkpoint" in seed_line and "--parallelism.context_parallel_degree" in cp2_line
     _finish(_launch(seed_line, tmp_path / "seed"), "the seed checkpoint")
     seed = tmp_path / "seed" / "checkpoint" / "step-0"
-    runs = {
-        "one process": _launch(one_line, tmp_path / "one", seed),
-        "ring, doc_local": _launch(cp2_line, tmp_path / "ring", seed),
-        "ulysses, doc_zigzag": _launch(cp2_line, tmp_path / "ulysses", seed, strategy="ulysses", balance="doc_zigzag"),
-    }
+    runs = {"one process": _launch(one_line, tmp_path / "one", seed), "CP 2": _launch(cp2_line, tmp_path / "cp2", seed)}
     for name, run in runs.items():
         _finish(run, name)
+    shutil.copytree(tmp_path / "one" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
+    out = _finish(_launch(resumed_line, tmp_path / "resumed"), "the resumed run")
+    assert "Training starts at step 3" in out
     one = _losses(tmp_path / "one")
     assert len(one) == 5 and one[-1] < one[0] - 1.0, one  # five steps, and it trains
-    for name, dump in (("ring, doc_local", "ring"), ("ulysses, doc_zigzag", "ulysses")):
-        got = _losses(tmp_path / dump)
-        assert got == pytest.approx(one, abs=1e-5), f"CP 2 {name}: {got} vs one process {one}"
+    cp2, resumed = _losses(tmp_path / "cp2"), _losses(tmp_path / "resumed")
+    assert cp2 == pytest.approx(one, abs=1e-5), f"CP 2 ring, doc_local: {cp2} vs one process {one}"
+    assert resumed == pytest.approx(one[2:], abs=1e-5), f"resumed at CP 2 ulysses: {resumed} vs {one[2:]}"
 
 
 def test_the_pages_gpu_command_and_recipe_load():
