@@ -1,0 +1,112 @@
+"""``python -m titan_cp.integrations.torchtitan.train``: torchtitan 0.3's launcher
+(``torchtitan.train``, the same arguments) on a CPU with gloo, for development and CI.
+
+On GPUs run torchtitan's own launcher, unmodified (``-m torchtitan.train``). This one adds only what
+torchtitan 0.3 lacks on a CPU, each scoped to this process:
+
+1. **A "cpu" device.** ``torchtitan.tools.utils`` picks its device at import as
+   ``torch._utils._get_available_device_type() or "cuda"``: with no accelerator it would ask for
+   CUDA. While that module is imported here the lookup answers ``"cpu"`` (so torchtitan's device is
+   ``cpu`` and its process-group backend gloo); torch's own lookup is restored right after. Its
+   device module becomes ``torch.cpu`` plus what torchtitan's memory monitor asks of one
+   (:class:`_CPUDeviceModule`: the name, device index 0, the host's memory as capacity, no memory
+   statistics),
+   before the modules that import it by name are imported.
+2. **``torch.distributed.set_timeout``**, which torchtitan calls after the first step
+   (``set_pg_timeouts``) and torch 2.13 does not have: given as torch's ``_set_pg_timeout``.
+3. **FSDP2's sum reduction.** torchtitan turns FSDP's gradient division off (divide factor 1), and
+   FSDP2 then reduce-scatters with ``PREMUL_SUM(1.0)``, which gloo does not have; forcing sum-only
+   collectives (``set_force_sum_reduction_for_comms``) reduces with ``SUM`` and scales by the same
+   factor 1: the same gradients.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch._utils
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
+
+
+class _CPUDeviceModule:
+    """``torch.cpu`` with what torchtitan's ``DeviceMemoryMonitor`` calls on a device module: a CPU
+    keeps no allocator statistics, so none are reported (``memory_stats`` is empty)."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def current_device() -> int:  # an index, as torchtitan's barrier(device_ids=[...]) takes it
+        return 0
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        return "cpu"
+
+    @staticmethod
+    def get_device_properties(device=None) -> SimpleNamespace:
+        return SimpleNamespace(name="cpu", total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+    @staticmethod
+    def memory_stats(device=None) -> dict:
+        return {}
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None) -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+
+def _import_torchtitan_on_cpu() -> None:
+    """Shim 1: torchtitan's device is ``"cpu"`` where no accelerator is available."""
+    found = torch._utils._get_available_device_type
+    if found() is not None:
+        return
+    assert "torchtitan.tools.utils" not in sys.modules, "torchtitan read its device before the CPU shim"
+    torch._utils._get_available_device_type = lambda: "cpu"
+    try:
+        import torchtitan.tools.utils as utils  # noqa: PLC0415 - reads the device type once, at import
+    finally:
+        torch._utils._get_available_device_type = found
+    utils.device_module = _CPUDeviceModule()
+
+
+def _give_set_timeout() -> None:
+    """Shim 2: ``torch.distributed.set_timeout`` where torch lacks it."""
+    if not hasattr(dist, "set_timeout"):
+        dist.set_timeout = _set_pg_timeout
+
+
+def _force_fsdp_sum_reduction() -> None:
+    """Shim 3: FSDP2 modules reduce with ``SUM`` only (gloo has no ``PREMUL_SUM``)."""
+    import torchtitan.distributed.fsdp as fsdp  # noqa: PLC0415
+
+    disable_division = fsdp.disable_fsdp_gradient_division
+
+    def disable_division_sum_only(model: torch.nn.Module) -> None:
+        disable_division(model)
+        for module in model.modules():
+            if isinstance(module, fsdp.FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    fsdp.disable_fsdp_gradient_division = disable_division_sum_only
+
+
+def main() -> None:
+    _import_torchtitan_on_cpu()
+    _give_set_timeout()
+    _force_fsdp_sum_reduction()
+    from torchtitan.train import main as torchtitan_main  # noqa: PLC0415
+
+    torchtitan_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""torchtitan 0.3's ``Trainer`` with titan_cp's packed-document context parallelism.
+
+:class:`TitanCPTrainer` is torchtitan's ``Trainer`` (its loop, loss, optimizer, checkpoints,
+logging, launch) with two changes:
+
+- its ``Config`` has a ``titan_cp`` section (:class:`TitanCPConfig`: ``--titan_cp.strategy``,
+  ``--titan_cp.balance``, ``--titan_cp.kernel`` on torchtitan's command line), which it binds to
+  every :class:`~.attention.TitanCPAttention` of the model before building it;
+- :meth:`TitanCPTrainer.post_dataloading_process` turns each batch's ``positions`` (0 at each
+  document start, as torchtitan's dataloaders yield them) into titan_cp's documents, builds the
+  layout (:func:`~titan_cp.layout.get_layout`, the ``titan_cp.balance``) and shards inputs,
+  labels and positions by it (:meth:`titan_cp.step.Microbatch.shard`, titan_cp's own trainer's
+  sharding), instead of torchtitan's head-tail split; the layout's documents tensor goes to every
+  layer as ``attention_masks``.
+
+torchtitan's labels are already next-token targets inside each document, so sharding them with
+the tokens keeps every target; the loss stays torchtitan's (local summed CE over the step's
+global valid-token count, gradients summed over ``dp x cp`` by FSDP), equal to the unsharded run's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torchtitan.trainer import Trainer
+
+from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy, strategy_names
+from titan_cp.balance import balance_names
+from titan_cp.errors import did_you_mean
+from titan_cp.integrations.hf_batch import _from_positions, layout_rank
+from titan_cp.integrations.torchtitan.attention import TitanCPAttention
+from titan_cp.layout import DEFAULT_BALANCE
+from titan_cp.step import Microbatch
+
+SPMD_BACKEND = "partial_dtensor"  # torchtitan's backend whose CP step is a function titan_cp replaces
+
+
+@dataclass(kw_only=True, slots=True)
+class TitanCPConfig:
+    """The ``titan_cp`` section of a torchtitan run (the CP size is torchtitan's own
+    ``--parallelism.context_parallel_degree``)."""
+
+    strategy: str = DEFAULT_STRATEGY
+    """CP attention strategy: ring, allgather, ulysses or any registered one of a 1-D cp mesh."""
+    balance: str = DEFAULT_BALANCE
+    """Sequence layout: doc_local, doc_zigzag, zigzag, contiguous or any registered."""
+    kernel: str | None = None
+    """titan_cp's local attention kernel; None for the fastest on the device and dtype."""
+
+    def __post_init__(self):
+        for key, value, names in (
+            ("strategy", self.strategy, strategy_names()),
+            ("balance", self.balance, balance_names()),
+        ):
+            if value not in names:
+                raise ValueError(
+                    f"--titan_cp.{key} {value!r} is not one of titan_cp's {key}s{did_you_mean(value, names)} "
+                    f"(choose one of {', '.join(names)})"
+                )
+        if get_strategy(self.strategy).mesh_ndim != 1:
+            raise ValueError(
+                f"--titan_cp.strategy {self.strategy!r} runs on a {get_strategy(self.strategy).mesh_ndim}-D cp mesh; "
+                "torchtitan's cp axis (--parallelism.context_parallel_degree) is 1-D: choose a strategy of one "
+                "axis (ring, allgather, ulysses)"
+            )
+
+
+def bind_titan_cp(model_config, section: TitanCPConfig) -> int:
+    """Set ``section``'s strategy, balance and kernel on every ``TitanCPAttention`` config of
+    ``model_config``; returns how many there are (``ValueError`` when none)."""
+    found = [cfg for _, cfg, _, _ in model_config.traverse(TitanCPAttention.Config)]
+    if not found:
+        raise ValueError(
+            "the model has no TitanCPAttention layer: build the config with "
+            "titan_cp.integrations.torchtitan.with_titan_cp(config_fn), which puts it in every layer"
+        )
+    for cfg in found:
+        cfg.strategy, cfg.balance, cfg.kernel = section.strategy, section.balance, section.kernel
+    return len(found)
+
+
+def _documents(positions: torch.Tensor) -> torch.Tensor:
+    """The ``(B, max_docs)`` zero-padded host tensor of each row's document lengths, from ``positions``
+    that restart at 0 at each document (checked: any other shape of positions is refused)."""
+    if positions.dim() != 2:
+        raise ValueError(f"the batch's positions must be (batch, seq_len), got shape {tuple(positions.shape)}")
+    try:
+        rows = _from_positions(positions.cpu())
+    except ValueError as e:
+        raise ValueError(f"torchtitan's batch positions do not describe packed documents: {e}") from None
+    width = max(len(row) for row in rows)
+    return torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int64)
+
+
+def shard_by_documents(inputs, labels, positions, cp_mesh, balance: str) -> Microbatch:
+    """This cp rank's tokens, labels and positions, sharded by titan_cp's layout of the documents
+    that ``positions`` describe (``cp_mesh`` ``None``: one rank, nothing moves). The returned
+    ``doc_lens`` is the layout's own tensor: the attention finds the layout (balance included) by it."""
+    doc_lens = _documents(positions)
+    cp = 1 if cp_mesh is None else cp_mesh.size()
+    return Microbatch(inputs, labels, positions, doc_lens).shard(cp, layout_rank(cp_mesh), balance)
+
+
+class TitanCPTrainer(Trainer):
+    """torchtitan's ``Trainer`` with titan_cp's context parallelism (module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        titan_cp: TitanCPConfig = field(default_factory=TitanCPConfig)
+
+    def __init__(self, config: Config):
+        if config.parallelism.spmd_backend != SPMD_BACKEND:
+            raise ValueError(
+                f"titan_cp's Trainer runs under --parallelism.spmd_backend {SPMD_BACKEND}, not "
+                f"{config.parallelism.spmd_backend!r} (its model sharding all-gathers K/V itself and its batches "
+                f"are typed by torchtitan's own sharding): set --parallelism.spmd_backend {SPMD_BACKEND}"
+            )
+        if config.validator.enable:
+            raise ValueError(
+                "titan_cp's Trainer does not run torchtitan's validator yet (it shards and masks its batches "
+                "torchtitan's way, not by titan_cp's layout): drop --validator.enable"
+            )
+        bind_titan_cp(config.model_spec.model, config.titan_cp)
+        super().__init__(config)
+
+    def post_dataloading_process(
+        self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """``(inputs, labels, extra_kwargs)`` of this cp rank, sharded by titan_cp's layout; the
+        model gets ``positions`` (this rank's) and ``attention_masks`` (the documents tensor)."""
+        extra = {k: v for k, v in input_dict.items() if k != "input"}
+        if extra.get("positions") is None:
+            raise ValueError(
+                "titan_cp's Trainer needs each batch's document positions: the dataloader must yield "
+                "({'input': tokens, 'positions': positions}, labels) with positions (batch, seq_len) restarting "
+                "at 0 at each document (torchtitan's text dataloaders do)"
+            )
+        cp_mesh = self.parallel_dims.get_mesh("cp") if self.parallel_dims.cp_enabled else None
+        local = shard_by_documents(
+            input_dict["input"], labels, extra["positions"], cp_mesh, self.config.titan_cp.balance
+        )
+        extra["positions"], extra["attention_masks"] = local.positions, local.doc_lens
+        self.ntokens_seen += local.labels.numel()
+        return local.tokens, local.labels, extra
