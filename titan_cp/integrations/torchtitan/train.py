@@ -81,7 +81,7 @@ def _import_torchtitan_on_cpu() -> None:
 def _give_set_timeout() -> None:
     """Shim 2: ``torch.distributed.set_timeout`` where torch lacks it."""
     if not hasattr(dist, "set_timeout"):
-        dist.set_timeout = _set_pg_timeout
+        setattr(dist, "set_timeout", _set_pg_timeout)  # noqa: B010 - torch's stubs do not declare it
 
 
 def _force_fsdp_sum_reduction() -> None:

@@ -130,7 +130,7 @@ class TitanCPTrainer(Trainer):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """``(inputs, labels, extra_kwargs)`` of this cp rank, sharded by titan_cp's layout; the
         model gets ``positions`` (this rank's) and ``attention_masks`` (the documents tensor)."""
-        extra = {k: v for k, v in input_dict.items() if k != "input"}
+        extra: dict[str, Any] = {k: v for k, v in input_dict.items() if k != "input"}
         if extra.get("positions") is None:
             raise ValueError(
                 "titan_cp's Trainer needs each batch's document positions: the dataloader must yield "
