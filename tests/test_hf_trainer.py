@@ -276,6 +276,13 @@ def _args(out: str, **fields):
     return transformers.TrainingArguments(output_dir=out, use_cpu=True, report_to=[], **fields)
 
 
+def test_a_training_batch_without_labels_is_refused_naming_the_fix(tmp_path):
+    trainer = context_parallel_trainer(transformers.Trainer, cp_size=1)(model=_tiny(), args=_args(str(tmp_path)))
+    row = {k: v for k, v in _rows().items() if k != "labels"}
+    with pytest.raises(ValueError, match=r"training batch without labels \(or shift_labels\).*give the collator"):
+        trainer.compute_loss(trainer.model.train(), row)
+
+
 def test_mixed_qkv_dtypes_under_autocast_run_at_the_autocast_dtype():
     """Qwen3's q/k norms return fp32 under CPU autocast while v is bf16: run as SDPA would, in bf16."""
     from titan_cp.integrations.transformers import apply_cp, shard_batch  # noqa: PLC0415

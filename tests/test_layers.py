@@ -19,12 +19,13 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "titan_cp"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "ac_modes", "doc_local", "profiling", "optim"),
+    ("errors", "ac_modes", "doc_local", "optim"),
     ("files", "lock", "run", "balance", "mesh"),
     ("layout",),
     ("attention", "loss"),
     ("config", "model"),
-    ("data", "parallel", "checkpoint", "metrics", "step"),
+    ("data", "parallel", "checkpoint", "step", "profiling"),
+    ("metrics",),
     ("families",),
     ("integrations",),
     ("preflight",),

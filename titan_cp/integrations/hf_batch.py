@@ -23,7 +23,8 @@ token would lose its target (or take another shard's first token, another docume
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ from torch import Tensor
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.layout import DEFAULT_BALANCE, get_layout, seq_len_multiple, to_device
 from titan_cp.loss import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 _KNOWN = {
     "input_ids",
@@ -48,7 +52,7 @@ _KNOWN = {
 }
 
 
-def layout_rank(cp_mesh) -> int:
+def layout_rank(cp_mesh: DeviceMesh | None) -> int:
     """This process's rank in the layout of ``cp_mesh`` (the ring x Ulysses index on a 2-D hybrid mesh)."""
     if cp_mesh is None:
         return 0
@@ -205,7 +209,7 @@ def _check_shifted(shift: Tensor, ids: Tensor) -> None:
         )
 
 
-def count_loss_tokens(batch) -> int:
+def count_loss_tokens(batch: Mapping[str, Any]) -> int:
     """The loss-bearing tokens of ``batch`` (an HF-style mapping as :func:`shard_batch` takes it): targets
     that are not -100 once the labels are shifted inside each document; what ``shard_batch`` counts."""
     _check_keys(batch)
@@ -322,13 +326,13 @@ def _loss_count(shifted: Tensor, num_items_in_batch: int | None, dp_mesh) -> int
 
 
 def shard_batch(
-    batch,
-    cp_mesh,
+    batch: Mapping[str, Any],
+    cp_mesh: DeviceMesh | None,
     balance: str = DEFAULT_BALANCE,
-    dp_mesh=None,
+    dp_mesh: DeviceMesh | None = None,
     num_items_in_batch: int | None = None,
     pad_token_id: int | None = None,
-    device=None,
+    device: torch.device | str | None = None,
 ) -> dict:
     """This cp rank's shard of an HF-style batch of packed rows, for ``model(**local)`` (module docstring).
 
@@ -391,7 +395,7 @@ def shard_batch(
     return out
 
 
-def gather_unshard(x: Tensor, local: dict, cp_mesh, dim: int = 1) -> Tensor:
+def gather_unshard(x: Tensor, local: dict, cp_mesh: DeviceMesh | None, dim: int = 1) -> Tensor:
     """Every cp rank's ``x`` (this rank's tokens along ``dim``, e.g. logits ``(B, S_local, V)``)
     gathered and put back in natural token order: ``(..., S, ...)``. Collective over ``cp_mesh``;
     no gradient. ``local``: what :func:`shard_batch` returned for this batch."""

@@ -16,9 +16,17 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # the hooks are mixed into a Trainer subclass; to the type checker they extend Trainer itself
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils.data import DataLoader, Dataset, Sampler
+    from transformers import Trainer as _TrainerHost
+else:
+    _TrainerHost = object
 
 PINNED = {"transformers": "5.24", "accelerate": "1.16"}  # major.minor this module is written and tested for
 
@@ -31,6 +39,7 @@ OVERRIDDEN = {
     "_save": ("output_dir", "state_dict"),
 }
 CALLED = {"_prepare_inputs": ("inputs",)}
+_SHARDED = "_is_distributed_loading_by_transformers"  # the Trainer's mark of a model sharded already
 
 
 def _parameters(fn: Callable) -> tuple[str, ...]:
@@ -54,34 +63,56 @@ def check_trainer_hooks(trainer_class: type) -> None:
             )
 
 
-class TrainerHooks:
+class TrainerHooks(_TrainerHost):
     """The private ``Trainer`` hooks the factory's mixin changes (:data:`OVERRIDDEN`), in the order of
-    the class's MRO: ``(ContextParallelMixin, TrainerHooks, trainer_class)``."""
+    the class's MRO: ``(ContextParallelMixin, TrainerHooks, trainer_class)``. At run time its base is
+    ``object``; to the type checker it is ``transformers.Trainer``, the host the class is mixed into."""
 
-    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False, **kwargs):
+    if TYPE_CHECKING:  # the mixin's (first in the MRO), which these hooks call
+
+        def cp_dataloader(self, training: bool) -> contextlib.AbstractContextManager[None]: ...
+        def cp_num_items_in_batch(self, batch_samples: list, device: torch.device | None) -> torch.Tensor | None: ...
+        def cp_track_input_tokens(self, inputs: dict[str, Any], track: Callable[[dict[str, Any]], None]) -> None: ...
+        def cp_state_dict_to_save(self) -> dict | None: ...
+
+    def _get_dataloader(
+        self,
+        dataset: Dataset,
+        description: str,
+        batch_size: int,
+        sampler_fn: Callable[[Dataset], Sampler] | None = None,
+        is_training: bool = False,
+        dataloader_key: str | None = None,
+    ) -> DataLoader:
         with self.cp_dataloader(is_training):
-            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, **kwargs)
+            return super()._get_dataloader(
+                dataset, description, batch_size, sampler_fn, is_training, dataloader_key=dataloader_key
+            )
 
-    def _get_num_items_in_batch(self, batch_samples: list, device) -> torch.Tensor | None:
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device | None) -> torch.Tensor | None:
         return self.cp_num_items_in_batch(batch_samples, device)
 
-    def _track_num_input_tokens(self, inputs) -> None:
+    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
         self.cp_track_input_tokens(inputs, super()._track_num_input_tokens)
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self) -> Iterator[None]:
         """For a model that owns its gradient reduction (FSDP2): reduce-scatter once, after the last
         micro-batch of a step."""
-        self.model.set_requires_gradient_sync(False)
+        from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
+
+        model = self.model
+        assert isinstance(model, FSDPModule), "the Trainer defers the reduction of FSDP-managed models only"
+        model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.model.set_requires_gradient_sync(True)
+            model.set_requires_gradient_sync(True)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict=self.cp_state_dict_to_save() if state_dict is None else state_dict)
 
-    def cp_prepare_inputs(self, inputs: dict) -> dict:
+    def cp_prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """The Trainer's own placement of a batch (device, dtype) before the model."""
         return self._prepare_inputs(inputs)
 
@@ -89,11 +120,11 @@ class TrainerHooks:
 def mark_sharded(model: nn.Module) -> None:
     """Tell the Trainer that ``model`` is sharded already (FSDP2), so it leaves placement and gradient
     reduction to the model (the Trainer reads ``model.is_distributed_loading_by_transformers``)."""
-    model._is_distributed_loading_by_transformers = True
+    setattr(model, _SHARDED, True)
 
 
 @contextlib.contextmanager
-def accelerate_device_mesh(accelerator, mesh) -> Iterator[None]:
+def accelerate_device_mesh(accelerator: Any, mesh: DeviceMesh | None) -> Iterator[None]:
     """``accelerate`` prepares dataloaders for ``mesh`` (its ``cp`` dimension reads the same rows) while
     in the block, unless it already has a mesh of its own."""
     state = accelerator.state

@@ -31,7 +31,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -48,6 +48,10 @@ from titan_cp.model.hf_checkpoint import file_index, write_hf_folder
 from titan_cp.parallel import build as parallel_build
 from titan_cp.parallel.build import ModelBuilder
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import PretrainedConfig
+
 logger = logging.getLogger(__name__)
 
 _WEIGHTS = re.compile(r"^(config\.json|model\.safetensors\.index\.json|.*\.(safetensors|bin|pt|pth))$")
@@ -63,7 +67,7 @@ class HFModelArgs:
     matmul_params: int  # parameters used in matmuls: all but an untied input embedding
 
     @classmethod
-    def of(cls, model) -> HFModelArgs:
+    def of(cls, model: Any) -> HFModelArgs:  # a transformers PreTrainedModel
         c = text_config(model.config)
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         total = sum(p.numel() for p in model.parameters())  # a tied weight once
@@ -77,7 +81,7 @@ class HFModelArgs:
         return 6 * self.matmul_params * num_tokens + 12 * self.n_layers * self.n_heads * self.head_dim * attention_pairs
 
 
-def hf_folder(path, key: str = "model.hf_assets_path") -> Path:
+def hf_folder(path: str | Path | None, key: str = "model.hf_assets_path") -> Path:
     """``path`` as a Hugging Face model folder holding ``config.json``; ``ValueError`` naming ``key``."""
     folder = Path(path) if path else None
     if folder is None or not folder.is_dir():
@@ -90,7 +94,7 @@ def hf_folder(path, key: str = "model.hf_assets_path") -> Path:
     return folder
 
 
-def load_hf_config(path, key: str = "model.hf_assets_path"):
+def load_hf_config(path: str | Path | None, key: str = "model.hf_assets_path") -> PretrainedConfig:
     """The ``transformers`` config of the folder ``path`` (read locally; nothing is downloaded). A
     ``config.json`` that is not a JSON object, or that transformers cannot read (no or an unknown
     ``model_type``), is a ``UserError`` naming ``key`` and the file."""
@@ -107,7 +111,7 @@ def load_hf_config(path, key: str = "model.hf_assets_path"):
         raise UserError(f"{where} cannot be read by transformers: {first}") from None
 
 
-def meta_model(config):
+def meta_model(config: PretrainedConfig) -> Any:  # a transformers PreTrainedModel
     """The causal LM of ``config`` on the ``meta`` device, attention ``titan_cp``, fp32 parameters."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
@@ -115,7 +119,7 @@ def meta_model(config):
         return AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
 
 
-def check_job(cfg) -> None:
+def check_job(cfg: Any) -> None:
     """What the HF folder can tell before any process starts: ``config.json``, a supported attention,
     heads the CP strategy can split. ``ValueError`` naming the key."""
     try:
@@ -154,11 +158,11 @@ class HFBuilder(ModelBuilder):
         self.args = HFModelArgs.of(hf)
         return hf
 
-    def context_parallel(self, model, mesh, options) -> nn.Module:
+    def context_parallel(self, model: nn.Module, mesh: DeviceMesh | None, options: Any) -> nn.Module:
         apply_cp(model, mesh, options.cp_strategy, options.cp_balance, options.cp_kernel)  # one device too
         return CausalLM(model)
 
-    def materialize(self, model, device, seed) -> None:
+    def materialize(self, model: nn.Module, device: torch.device | str, seed: int | None) -> None:
         """``to_empty``, tied weights tied again, and the buffers ``transformers`` computes at
         construction (RoPE frequencies) restored by the model's own ``_init_weights``; the weights
         themselves are loaded after (:func:`load_hf_weights`)."""
@@ -172,7 +176,9 @@ class HFBuilder(ModelBuilder):
                     hf._init_weights(module)
 
 
-def build_parallel_hf_model(path, parallel_dims, options, device, fsdp: bool = True) -> tuple[CausalLM, HFModelArgs]:
+def build_parallel_hf_model(
+    path: str | Path | None, parallel_dims: Any, options: Any, device: torch.device | str, fsdp: bool = True
+) -> tuple[CausalLM, HFModelArgs]:
     """The HF model of folder ``path``, parallelized as the trainer's options say, this rank's shards
     allocated on ``device`` (weights not loaded yet: :func:`load_hf_weights`); and its :class:`HFModelArgs`.
     ``fsdp`` false: no FSDP whatever the mesh (generation keeps the weights whole on every cp rank)."""
@@ -182,9 +188,9 @@ def build_parallel_hf_model(path, parallel_dims, options, device, fsdp: bool = T
     return cast(CausalLM, built.parts[0]), builder.args  # the one part HFBuilder.meta built
 
 
-def check_vocab(model, tokenizer_vocab: int) -> None:
+def check_vocab(model: CausalLM, tokenizer_vocab: int) -> None:
     """``ValueError`` when the tokenizer has ids the model's embedding has no row for."""
-    rows = model.hf_model.get_input_embeddings().num_embeddings
+    rows = hf_model_of(model).get_input_embeddings().num_embeddings
     if tokenizer_vocab > rows:
         raise ValueError(
             f"model.hf_assets_path: the tokenizer has {tokenizer_vocab} ids but the model's embedding "
@@ -229,7 +235,7 @@ def _unique_state(model) -> dict:
 
 
 @torch.no_grad()
-def load_hf_weights(model, path, key: str = "checkpoint.initial_load_path") -> None:
+def load_hf_weights(model: nn.Module, path: str | Path, key: str = "checkpoint.initial_load_path") -> None:
     """Load the safetensors of the Hugging Face folder ``path`` into ``model`` (sharded on any mesh):
     each rank reads only its own slices. Every name and shape is checked first (``ValueError`` naming
     ``key``, the parameter and both shapes; nothing loaded). No collectives."""
@@ -257,7 +263,9 @@ def load_hf_weights(model, path, key: str = "checkpoint.initial_load_path") -> N
 
 
 @torch.no_grad()
-def save_weights(model, path, assets=None, max_file_bytes: int = 5 * 2**30) -> Path:
+def save_weights(
+    model: nn.Module, path: str | Path, assets: str | Path | None = None, max_file_bytes: int = 5 * 2**30
+) -> Path:
     """Write ``model`` (every rank's shards) as a Hugging Face folder at ``path``: safetensors and their
     index, ``config.json`` (the parameters' dtype) and the tokenizer files of ``assets``, for
     ``from_pretrained``. Collective over the default group (:func:`titan_cp.model.hf_checkpoint.write_hf_folder`)."""
@@ -265,7 +273,7 @@ def save_weights(model, path, assets=None, max_file_bytes: int = 5 * 2**30) -> P
     sizes = {name: t.numel() * t.element_size() for name, t in state.items()}
 
     def finish(folder: Path) -> None:
-        config = copy.deepcopy(model.config)
+        config = copy.deepcopy(hf_model_of(model).config)
         config.dtype = next(iter(state.values())).dtype
         config.save_pretrained(folder)
         for f in sorted(Path(assets).iterdir()) if assets else ():

@@ -17,7 +17,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # families whose ``ForCausalLM.forward`` computes ``logits = lm_head(hidden_states)`` and nothing
 # else (checked in transformers' modeling files; each is tested against its own forward)
@@ -29,7 +34,7 @@ _MASK_FIELDS = {"sliding_attention": "sliding_window", "chunked_attention": "att
 RUNNABLE_LAYER_TYPES = ("full_attention", *_MASK_FIELDS)
 
 
-def text_config(config):
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
     """The decoder's config (a multimodal model's text config; the config itself otherwise)."""
     get = getattr(config, "get_text_config", None)
     return get(decoder=True) if get is not None else config
@@ -44,7 +49,7 @@ def unwrap(module: nn.Module) -> nn.Module:
         module = inner
 
 
-def hf_model_of(module: nn.Module):
+def hf_model_of(module: nn.Module) -> Any:  # a transformers PreTrainedModel (its methods are untyped to mypy)
     """The ``PreTrainedModel`` of ``module``: itself, or the one a :class:`CausalLM` wraps."""
     from transformers import PreTrainedModel  # noqa: PLC0415 - optional dependency
 
@@ -95,7 +100,7 @@ def _layer_type(c, layer_idx: int) -> str:
     return "sliding_attention" if getattr(c, "sliding_window", None) is not None else "full_attention"
 
 
-def layer_mask(config, layer_idx: int) -> tuple[int | None, int | None]:
+def layer_mask(config: PretrainedConfig, layer_idx: int) -> tuple[int | None, int | None]:
     """``(window, chunk)`` of layer ``layer_idx``: ``config.sliding_window`` for a ``sliding_attention``
     layer (a query sees itself and the ``window - 1`` keys before it in its document, as
     ``transformers``' ``kv_idx > q_idx - sliding_window``), ``config.attention_chunk_size`` for a
@@ -124,7 +129,7 @@ def _layer_type_features(c) -> list[str]:
     return found
 
 
-def unsupported_features(config) -> list[str]:
+def unsupported_features(config: PretrainedConfig) -> list[str]:
     """What the model's layers use that titan_cp's CP attention does not run yet, one phrase each
     (naming the layer type and the config field); empty when every layer is causal attention, full,
     sliding-window or chunked (sinks too: they come with the call)."""

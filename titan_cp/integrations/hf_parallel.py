@@ -13,6 +13,9 @@ head, and the root (final norm, head, tied embedding). Gradients are summed over
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from torch import Tensor, nn
 
 from titan_cp.integrations.hf_model import hf_model_of, layer_list, plain_head, text_config
@@ -40,7 +43,7 @@ class CausalLM(nn.Module):
 
     hf_model: nn.Module  # set in __init__, outside the module registry
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         hf = hf_model_of(model)
         if getattr(text_config(hf.config), "output_router_logits", False):
@@ -59,7 +62,7 @@ class CausalLM(nn.Module):
         self.head_name = next((n for n, c in hf.named_children() if found and c is head), None)
 
     @property
-    def config(self):
+    def config(self) -> Any:  # the wrapped model's PretrainedConfig
         return self.hf_model.config
 
     @property
@@ -68,7 +71,14 @@ class CausalLM(nn.Module):
         model beside its decoder), else ``None``: the model's own forward and logits."""
         return None if self.head_name is None else getattr(self, self.head_name)
 
-    def forward(self, tokens: Tensor, positions=None, doc_lens=None, labels=None, predict: bool = False):
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        doc_lens: Tensor | None = None,
+        labels: Tensor | None = None,
+        predict: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         kwargs = dict(input_ids=tokens, position_ids=positions, cp_doc_lens=doc_lens, use_cache=False)
         if self.head is None:  # the family's own head and logits
             logits = self.hf_model(**kwargs).logits
@@ -85,7 +95,7 @@ class CausalLM(nn.Module):
         return chunked_cross_entropy_sum(h, self.head.weight, labels)
 
 
-def hf_adapter(model: nn.Module, attach_cp) -> ParallelAdapter | None:
+def hf_adapter(model: nn.Module, attach_cp: Callable[..., Any]) -> ParallelAdapter | None:
     """The :class:`~titan_cp.parallel.adapter.ParallelAdapter` of a ``transformers`` causal LM or a
     :class:`CausalLM` (module docstring), ``None`` for any other model; ``attach_cp(model, mesh,
     strategy, balance, kernel)`` binds its attention modules."""

@@ -14,13 +14,17 @@ process group starts (``save_pretrained`` then writes on rank 0 only).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 _TEXT = ["the ring passes keys and values around the ranks", "Remember these facts. Recall the key.", "<tool>ls</tool>"]
 
 
-def byte_tokenizer(path: str | Path, vocab_size: int = 300):
+def byte_tokenizer(path: str | Path, vocab_size: int = 300) -> PreTrainedTokenizerFast:
     """A byte-level BPE ``tokenizer.json`` (every text encodes; BOS ``<s>``, EOS/PAD ``</s>``) saved
     with its ``tokenizer_config.json`` in ``path`` by ``PreTrainedTokenizerFast``; returns it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
@@ -38,7 +42,7 @@ def byte_tokenizer(path: str | Path, vocab_size: int = 300):
     return fast
 
 
-def tiny_qwen3_folder(path: str | Path, seed: int = 0, tied: bool = True, dtype=torch.float32) -> Path:
+def tiny_qwen3_folder(path: str | Path, seed: int = 0, tied: bool = True, dtype: Any = torch.float32) -> Path:
     """A random tiny ``Qwen3ForCausalLM`` (q/k norms; tied embeddings by default; weights ~ N(0, 0.2),
     norms ~ 1 + N(0, 0.2)) with a byte-level tokenizer, written with ``save_pretrained`` to ``path``."""
     import transformers  # noqa: PLC0415

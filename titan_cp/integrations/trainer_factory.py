@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -57,6 +59,11 @@ from titan_cp.layout import DEFAULT_BALANCE
 from titan_cp.loss import IGNORE_INDEX
 from titan_cp.parallel import apply_ac, apply_cp, apply_fsdp
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils.data import DataLoader
+    from transformers.trainer_utils import EvalLoopOutput
 
 SAMPLE_LENS = "titan_cp_sample_lens"  # the eval collator's per-sample token counts (dropped before the model)
 
@@ -191,10 +198,18 @@ class ContextParallelMixin(TrainerHooks):
     """The methods :func:`context_parallel_trainer` puts before the Trainer's (module docstring); the
     private Trainer hooks it changes are :class:`.hf_compat.TrainerHooks`, which call its ``cp_*`` methods."""
 
-    cp_options: CPOptions
+    cp_options: CPOptions  # set on the subclass by context_parallel_trainer
     loss_is_scaled_for_ga = True  # compute_loss divides by the step's count, over every micro-batch
+    # set by _cp_build_meshes / _cp_bind, before the Trainer's own __init__
+    cp_size: int
+    dp_size: int
+    data_mesh: DeviceMesh | None  # (dp_replicate, cp) over the world; None on one process
+    cp_mesh: DeviceMesh | None
+    dp_group: dist.ProcessGroup | None
+    cp_pad_token_id: int
+    cp_head: nn.Linear | None  # the head the chunked loss reads (chunked_loss=True)
 
-    def __init__(self, model: nn.Module | None = None, args=None, *rest, **kwargs):
+    def __init__(self, model: nn.Module | None = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
         if model is None or kwargs.get("model_init") is not None:
             raise ValueError(
                 f"{type(self).__name__} needs model= (a model loaded with attn_implementation='titan_cp'); "
@@ -273,6 +288,7 @@ class ContextParallelMixin(TrainerHooks):
             return None
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
 
+        assert self.model is not None  # __init__ refuses model=None and model_init
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
 
     def get_cp_size(self) -> int:
@@ -282,7 +298,7 @@ class ContextParallelMixin(TrainerHooks):
     # ---- data ---------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def cp_dataloader(self, training: bool):
+    def cp_dataloader(self, training: bool) -> Iterator[None]:
         """While the Trainer builds a dataloader: ``accelerate`` prepares it for the ``(dp_replicate, cp)``
         mesh (rank ``r`` reads the rows of data rank ``r // cp`` of ``world / cp``), and an evaluation
         one carries each sample's token count."""
@@ -290,7 +306,7 @@ class ContextParallelMixin(TrainerHooks):
             yield
 
     @contextlib.contextmanager
-    def _cp_eval_collator(self, on: bool):
+    def _cp_eval_collator(self, on: bool) -> Iterator[None]:
         """Evaluation batches carry each sample's token count (:data:`SAMPLE_LENS`), so that the samples
         ``accelerate`` repeats to even out the last batch can be told apart."""
         collate = self.data_collator
@@ -301,7 +317,7 @@ class ContextParallelMixin(TrainerHooks):
         finally:
             self.data_collator = collate
 
-    def cp_num_items_in_batch(self, batch_samples: list, device) -> torch.Tensor | None:
+    def cp_num_items_in_batch(self, batch_samples: list, device: torch.device | None) -> torch.Tensor | None:
         """The step's loss-bearing tokens (labels shifted inside each document, as ``shard_batch``
         counts them) over its micro-batches, summed over the dp ranks when
         ``average_tokens_across_devices`` (never over cp ranks: they hold the same rows)."""
@@ -314,7 +330,7 @@ class ContextParallelMixin(TrainerHooks):
             n = int(t)
         return torch.tensor(n, dtype=torch.int64, device=device)
 
-    def cp_track_input_tokens(self, inputs, track) -> None:
+    def cp_track_input_tokens(self, inputs: dict[str, Any], track: Callable[[dict[str, Any]], None]) -> None:
         """The Trainer's count (``track``), gathered over every rank, holds each cp group's rows ``cp`` times."""
         before = self.state.num_input_tokens_seen
         track(_model_keys(inputs))
@@ -322,7 +338,13 @@ class ContextParallelMixin(TrainerHooks):
 
     # ---- the loss -----------------------------------------------------------------------------
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """This rank's share of the step's loss (module docstring); in evaluation, the batch's mean
         over its loss-bearing tokens, the same on every rank of the cp group."""
         inputs = dict(inputs)
@@ -334,7 +356,15 @@ class ContextParallelMixin(TrainerHooks):
         group_tokens = count_loss_tokens(inputs)
         if training and num_items_in_batch is None:
             num_items_in_batch = self.cp_num_items_in_batch([inputs], self.args.device)
-        step_tokens = int(num_items_in_batch) if training else max(group_tokens, 1)
+        if not training:
+            step_tokens = max(group_tokens, 1)
+        elif num_items_in_batch is None:
+            raise ValueError(
+                f"{type(self).__name__} got a training batch without labels (or shift_labels): nothing to train "
+                "on; give the collator's batches labels"
+            )
+        else:
+            step_tokens = int(num_items_in_batch)
         local = shard_batch(
             inputs,
             self.cp_mesh,
@@ -345,11 +375,12 @@ class ContextParallelMixin(TrainerHooks):
         )
         mine = int((local["shift_labels"] != IGNORE_INDEX).sum())
         local["num_items_in_batch"] = torch.tensor(max(mine, 1), dtype=torch.int64, device=self.args.device)
+        outputs: Any = None
         if training and self.cp_head is not None:
-            loss, outputs = self._cp_chunked_loss(model, local, mine), None
+            loss = self._cp_chunked_loss(model, self.cp_head, local, mine)
         else:
             result = super().compute_loss(model, local, return_outputs=return_outputs, num_items_in_batch=None)
-            loss, outputs = result if return_outputs else (result, None)
+            loss, outputs = result if isinstance(result, tuple) else (result, None)
         ce_sum = loss * max(mine, 1) if mine else loss * 0.0  # this rank's summed CE (the model divided by it)
         if training:
             scale = self.accelerator.num_processes if self.args.average_tokens_across_devices else self.cp_size
@@ -360,22 +391,28 @@ class ContextParallelMixin(TrainerHooks):
                 outputs["logits"] = gather_unshard(outputs.logits, local, self.cp_mesh)[:, :seq]
         return (loss, outputs) if return_outputs else loss
 
-    def _cp_chunked_loss(self, model, local: dict, mine: int) -> torch.Tensor:
+    def _cp_chunked_loss(self, model: nn.Module, head: nn.Linear, local: dict, mine: int) -> torch.Tensor:
         """This rank's summed CE over ``max(mine, 1)``, as the model's loss would be, from the decoder's
         last hidden states (caught by a forward hook while the model runs with no logits kept) and
         the head's weight, a chunk of tokens at a time."""
+        from titan_cp.integrations.hf_model import hf_model_of  # noqa: PLC0415
         from titan_cp.loss import chunked_cross_entropy_sum  # noqa: PLC0415
 
-        caught = {}
+        caught: dict[str, torch.Tensor] = {}
         labels = local.pop("shift_labels")
         for key in ("labels", "num_items_in_batch"):
             local.pop(key)
-        hook = self.model.get_decoder().register_forward_hook(lambda m, a, out: caught.update(h=out.last_hidden_state))
+        assert self.model is not None  # __init__ refuses model=None and model_init
+        hook = (
+            hf_model_of(self.model)
+            .get_decoder()
+            .register_forward_hook(lambda m, a, out: caught.update(h=out.last_hidden_state))
+        )
         try:
             model(**local, logits_to_keep=torch.zeros(labels.shape, dtype=torch.bool, device=labels.device))
         finally:
             hook.remove()
-        return chunked_cross_entropy_sum(caught["h"], self.cp_head.weight, labels) / max(mine, 1)
+        return chunked_cross_entropy_sum(caught["h"], head.weight, labels) / max(mine, 1)
 
     def _cp_eval_loss(self, ce_sum: torch.Tensor, mine: int, group_tokens: int) -> torch.Tensor:
         """The batch's mean loss over the cp group (the same on each of its ranks); the tally of the
@@ -389,7 +426,7 @@ class ContextParallelMixin(TrainerHooks):
             dist.all_reduce(total, group=group)
         return total / max(group_tokens, 1)
 
-    def _cp_mask_repeated(self, inputs: dict, sample_lens) -> dict:
+    def _cp_mask_repeated(self, inputs: dict, sample_lens: Any) -> dict:
         """In the last evaluation batch, labels -100 on the samples ``accelerate`` repeated to give every
         dp rank a full batch (they are in the set once already)."""
         tally = self._cp_eval
@@ -415,7 +452,13 @@ class ContextParallelMixin(TrainerHooks):
         tally.masked = labels if key == "labels" else None
         return {**inputs, key: labels}
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The Trainer's step; in the last batch the returned labels are -100 on repeated samples too
         (a flattened row cannot be cut at a sample, as ``gather_for_metrics`` cuts rows)."""
         if not any(inputs.get(k) is not None for k in ("labels", "shift_labels", *(self.label_names or ()))):
@@ -426,7 +469,7 @@ class ContextParallelMixin(TrainerHooks):
             labels, tally.masked = tally.masked.to(labels.device), None
         return loss, logits, labels
 
-    def _cp_logits(self, model, inputs) -> torch.Tensor:
+    def _cp_logits(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         """Logits ``(B, S, V)`` of a batch without labels, in token order: sharded by the layout, run,
         gathered over the cp group (the Trainer would run the whole rows, which the attention refuses)."""
         inputs = _model_keys(self.cp_prepare_inputs(inputs))
@@ -444,27 +487,44 @@ class ContextParallelMixin(TrainerHooks):
 
     # ---- evaluation ---------------------------------------------------------------------------
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, **kwargs):
+    def evaluation_loop(
+        self,
+        dataloader: DataLoader,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+        **kwargs: Any,
+    ) -> EvalLoopOutput:
         """The Trainer's loop, with predictions gathered over dp ranks only and ``<prefix>_loss`` the
         whole set's mean over its loss-bearing tokens."""
         self._cp_eval = _EvalTally(steps=len(dataloader), last_real=self._cp_last_real(dataloader))
         self.gather_function = self._cp_gather_for_metrics  # the Trainer sets it back after its loop
         try:
-            out = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, **kwargs)
+            out = super().evaluation_loop(
+                dataloader,
+                description,
+                prediction_loss_only,
+                ignore_keys,
+                metric_key_prefix=metric_key_prefix,
+                **kwargs,
+            )
             tally = torch.tensor([self._cp_eval.ce_sum, float(self._cp_eval.tokens)], dtype=torch.float64)
         finally:
             self._cp_eval = None
         if dist.is_initialized() and dist.get_world_size() > 1:
             tally = tally.to(_collective_device(None))
             dist.all_reduce(tally)
-        prefix = kwargs.get("metric_key_prefix", "eval")
         if tally[1] > 0:
-            out.metrics[f"{prefix}_loss"] = float(tally[0] / tally[1])
+            assert out.metrics is not None  # the Trainer's loop always returns its metrics
+            out.metrics[f"{metric_key_prefix}_loss"] = float(tally[0] / tally[1])
         return out
 
-    def _cp_last_real(self, dataloader) -> int | None:
+    def _cp_last_real(self, dataloader: Any) -> int | None:
         """Real samples in this rank's last evaluation batch (the rest repeat earlier samples)."""
         dataset = getattr(dataloader, "dataset", None)
+        if dataset is None:
+            return None
         try:
             n, steps = len(dataset), len(dataloader)
         except TypeError:
@@ -474,7 +534,7 @@ class ContextParallelMixin(TrainerHooks):
         rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)
         return max(0, min(b, left - rank * b))
 
-    def _cp_gather_for_metrics(self, data):
+    def _cp_gather_for_metrics(self, data: Any) -> Any:
         """``accelerate``'s ``gather_for_metrics`` over the dp ranks only (the ranks of a cp group hold
         the same rows): concatenated, the repeated samples of the last batch dropped."""
         from accelerate.utils import recursively_apply  # noqa: PLC0415
@@ -496,27 +556,27 @@ class ContextParallelMixin(TrainerHooks):
 class _WithSampleLens:
     """A collator that also returns each sample's token count under :data:`SAMPLE_LENS`."""
 
-    def __init__(self, collate):
+    def __init__(self, collate: Callable[[list], dict]) -> None:
         self.collate = collate
 
-    def __call__(self, features):
+    def __call__(self, features: list) -> dict:
         batch = self.collate(features)
         lens = [len(f["input_ids"]) if isinstance(f, dict) and "input_ids" in f else 0 for f in features]
         batch[SAMPLE_LENS] = torch.tensor(lens, dtype=torch.int64)
         return batch
 
 
-def _model_keys(batch) -> dict:
+def _model_keys(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in batch.items() if k != SAMPLE_LENS}
 
 
-def _collective_device(group) -> torch.device:
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _shard(model: nn.Module, data_mesh) -> None:
+def _shard(model: nn.Module, data_mesh: DeviceMesh) -> None:
     """FSDP2 over every ``dp x cp`` rank, gradients averaged over them as DDP would (the loss of each
     rank is scaled for DDP's average); the Trainer then leaves placement and reduction to the model."""
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
@@ -540,7 +600,7 @@ def _pad_token_id(model: nn.Module) -> int:
     return 0 if pad is None else int(pad)
 
 
-def _check_launch(args, name: str) -> None:
+def _check_launch(args: Any, name: str) -> None:
     """Every process the launcher started is a rank of ``accelerate``'s run. Without an accelerator and
     without ``use_cpu=True``, ``accelerate`` runs each torchrun process alone (``ParallelMode.NOT_PARALLEL``):
     no DDP, so every rank would step on its own gradients and log its own share of the loss."""
@@ -553,7 +613,7 @@ def _check_launch(args, name: str) -> None:
         )
 
 
-def _check_args(args, o: CPOptions) -> None:
+def _check_args(args: Any, o: CPOptions) -> None:
     if getattr(args, "label_smoothing_factor", 0.0):
         raise ValueError(
             f"label_smoothing_factor = {args.label_smoothing_factor}: the label smoother shifts labels again; "

@@ -44,6 +44,7 @@ layer type or the config field (:mod:`.hf_model`), never run with the wrong mask
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 from torch import Tensor, nn
@@ -66,8 +67,11 @@ from titan_cp.integrations.hf_parallel import CausalLM, hf_adapter
 from titan_cp.integrations.hf_tiny import byte_tokenizer, tiny_qwen3_folder
 from titan_cp.layout import DEFAULT_BALANCE
 from titan_cp.parallel import apply_ac, apply_compile, apply_cp, apply_fsdp
-from titan_cp.parallel.adapter import register_adapter
+from titan_cp.parallel.adapter import ParallelAdapter, register_adapter
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -117,7 +121,7 @@ def _autocast_dtype(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, 
     return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
-def _check_layout_size(query: Tensor, binding: CPBinding, doc_lens) -> None:
+def _check_layout_size(query: Tensor, binding: CPBinding, doc_lens: Tensor | None) -> None:
     """The batch's documents (``doc_lens``, summed over a row) must fill ``S_local x cp`` tokens of the
     mesh ``apply_cp`` bound: another sum means ``shard_batch`` ran over a mesh of another size (not
     checked inside ``torch.compile``'d layers, where reading the host tensor would break the graph)."""
@@ -132,7 +136,15 @@ def _check_layout_size(query: Tensor, binding: CPBinding, doc_lens) -> None:
         )
 
 
-def _cp_attend(query: Tensor, key: Tensor, value: Tensor, binding: CPBinding, doc_lens, scale: float, sinks) -> Tensor:
+def _cp_attend(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    binding: CPBinding,
+    doc_lens: Tensor | None,
+    scale: float,
+    sinks: Tensor | None,
+) -> Tensor:
     """The one call of the CP attention op: causal inside each document of ``doc_lens``, with the
     layer's window or chunks, and ``sinks`` ``(H,)`` (per-head logits in every softmax denominator).
     q ``(B, H, S_local, E)``, k/v ``(B, K, S_local, E)`` -> ``(B, H, S_local, E)`` (token-major storage)."""
@@ -142,13 +154,31 @@ def _cp_attend(query: Tensor, key: Tensor, value: Tensor, binding: CPBinding, do
     return attend(query, key, value, binding.handle, doc_lens, True, scale, mask.window, mask.chunk, sinks)
 
 
-def _check_call(module: nn.Module, binding: CPBinding | None, query, key, attention_mask, dropout, kwargs) -> None:
-    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+def _where(module: nn.Module) -> str:
+    return f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+
+
+def _binding(module: nn.Module) -> CPBinding:
+    """What :func:`apply_cp` bound to ``module``; ``ValueError`` if it bound nothing."""
+    binding = getattr(module, BINDING, None)
     if binding is None:
         raise ValueError(
-            f"{where} runs attn_implementation='titan_cp' but no CP mesh is bound to it: call "
+            f"{_where(module)} runs attn_implementation='titan_cp' but no CP mesh is bound to it: call "
             "titan_cp.integrations.transformers.apply_cp(model, cp_mesh) first (cp_mesh=None on one device)"
         )
+    return binding
+
+
+def _check_call(
+    module: nn.Module,
+    binding: CPBinding,
+    query: Tensor,
+    key: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> None:
+    where = _where(module)
     if attention_mask is not None:
         raise ValueError(
             f"{where} got an attention_mask: titan_cp attention reads the documents from shard_batch "
@@ -195,7 +225,7 @@ def titan_cp_attention(
     attention_mask: Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """``transformers``' attention-function contract, run as titan_cp's CP attention.
 
@@ -204,7 +234,7 @@ def titan_cp_attention(
     :func:`shard_batch` (absent: every row is one document). Returns ``(out (B, S_local, H, E),
     None)`` (no attention weights are ever formed).
     """
-    binding = getattr(module, BINDING, None)
+    binding = _binding(module)
     _check_call(module, binding, query, key, attention_mask, dropout, kwargs)
     doc_lens = kwargs.get("cp_doc_lens")
     if doc_lens is not None and not isinstance(doc_lens, Tensor):
@@ -215,7 +245,15 @@ def titan_cp_attention(
     return out.transpose(1, 2), None
 
 
-def titan_cp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
+def titan_cp_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    attention_mask: Tensor | None = None,
+    **kwargs: Any,
+) -> None:
     """``transformers``' mask-function contract: builds nothing (``None``). The causal and document
     masks are the CP op's own, computed on runs of the layout, never as a dense matrix."""
     if attention_mask is not None:
@@ -230,7 +268,13 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, titan_cp_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, titan_cp_mask)
 
 
-def bind_cp(model: nn.Module, cp_mesh, strategy: str = DEFAULT_STRATEGY, balance: str = DEFAULT_BALANCE, kernel=None):
+def bind_cp(
+    model: nn.Module,
+    cp_mesh: DeviceMesh | None,
+    strategy: str = DEFAULT_STRATEGY,
+    balance: str = DEFAULT_BALANCE,
+    kernel: str | None = None,
+) -> nn.Module:
     """Run ``model``'s attention as titan_cp's CP attention over ``cp_mesh``; returns ``model``. What
     :func:`titan_cp.parallel.apply_cp` (exported here as ``apply_cp``) does for a Hugging Face model.
 
@@ -269,20 +313,21 @@ def bind_cp(model: nn.Module, cp_mesh, strategy: str = DEFAULT_STRATEGY, balance
         raise ValueError(f"{type(hf).__name__} does not let transformers set its attention implementation")
     handle, cp_size = register_spec(cp_mesh, strategy, balance, kernel), 1 if cp_mesh is None else cp_mesh.size()
     for module in modules:
-        window, chunk = layer_mask(hf.config, module.layer_idx)
+        # transformers' attention modules hold their layer's index as an int (nn.Module's typing says Tensor | Module)
+        window, chunk = layer_mask(hf.config, cast(int, module.layer_idx))
         setattr(module, BINDING, CPBinding(handle, strategy, balance, cp_size, window, chunk))
     hf.generate = _refuse_generate
     return model
 
 
-def _adapter(model: nn.Module):
+def _adapter(model: nn.Module) -> ParallelAdapter | None:
     return hf_adapter(model, bind_cp)
 
 
 register_adapter(_adapter)
 
 
-def _refuse_generate(*args, **kwargs):
+def _refuse_generate(*args: Any, **kwargs: Any) -> NoReturn:
     raise ValueError(
         "model.generate() after apply_cp: titan_cp attention trains and scores whole rows, without a KV cache; "
         "generate with titan_cp's generation (python -m titan_cp.generate, or titan_cp.generate.hf_runner), or with "

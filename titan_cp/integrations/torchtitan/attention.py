@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,7 +45,7 @@ class DocumentAttention(Module):
         kernel: str | None = None
         """titan_cp's local attention kernel (``None``: the fastest for the device and dtype)."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config) -> None:
         super().__init__()
         self.kernel = config.kernel
 
@@ -68,7 +69,7 @@ class TitanCPAttention(Module):
         kernel: str | None = None
         """titan_cp's local attention kernel (``None``: the fastest for the device and dtype)."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config) -> None:
         super().__init__()
         self.strategy, self.balance, self.kernel = config.strategy, config.balance, config.kernel
         self.core = DocumentAttention.Config(kernel=config.kernel).build()
@@ -82,7 +83,7 @@ class TitanCPAttention(Module):
         attention_masks: Tensor | None = None,
         scale: float | None = None,
         enable_gqa: bool = False,
-        **kwargs,
+        **kwargs: Any,
     ) -> Tensor:
         _check_call(attention_masks, scale, q_BLNH.shape[-1], kwargs)
         out_BNLH = self.core(q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2), attention_masks)

@@ -18,8 +18,13 @@ sharding config itself all-gathers K/V, and inputs are typed by torchtitan's own
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
+from torchtitan.distributed import ParallelDims
 
 from titan_cp.integrations.torchtitan.attention import TitanCPAttention
 from titan_cp.parallel import ContextParallel
@@ -41,10 +46,10 @@ class _WithoutCP:
 class TitanCPParallelize:
     """torchtitan's ``parallelize_fn`` (``torchtitan_fn``) with titan_cp's CP step (module docstring)."""
 
-    def __init__(self, torchtitan_fn):
+    def __init__(self, torchtitan_fn: Callable[..., nn.Module]) -> None:
         self.torchtitan_fn = torchtitan_fn
 
-    def __call__(self, model: nn.Module, *, parallel_dims, parallelism, **kwargs) -> nn.Module:
+    def __call__(self, model: nn.Module, *, parallel_dims: ParallelDims, parallelism: Any, **kwargs: Any) -> nn.Module:
         if not parallel_dims.cp_enabled:
             return self.torchtitan_fn(model, parallel_dims=parallel_dims, parallelism=parallelism, **kwargs)
         apply_titan_cp(model, parallel_dims.get_mesh("cp"))
@@ -54,7 +59,7 @@ class TitanCPParallelize:
         return f"TitanCPParallelize({getattr(self.torchtitan_fn, '__qualname__', self.torchtitan_fn)!r})"
 
 
-def apply_titan_cp(model: nn.Module, cp_mesh) -> None:
+def apply_titan_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """titan_cp's CP step: :class:`~titan_cp.parallel.ContextParallel` on the core of every
     :class:`~.attention.TitanCPAttention` of ``model`` over ``cp_mesh``, each with its strategy,
     balance and kernel. Another inner attention under CP is refused by name (it would attend to its

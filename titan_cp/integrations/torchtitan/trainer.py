@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.trainer import Trainer
 
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy, strategy_names
@@ -67,7 +68,7 @@ class TitanCPConfig:
             )
 
 
-def bind_titan_cp(model_config, section: TitanCPConfig) -> int:
+def bind_titan_cp(model_config: Any, section: TitanCPConfig) -> int:  # a torchtitan model's Config
     """Set ``section``'s strategy, balance and kernel on every ``TitanCPAttention`` config of
     ``model_config``; returns how many there are (``ValueError`` when none)."""
     found = [cfg for _, cfg, _, _ in model_config.traverse(TitanCPAttention.Config)]
@@ -94,7 +95,13 @@ def _documents(positions: torch.Tensor) -> torch.Tensor:
     return torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int64)
 
 
-def shard_by_documents(inputs, labels, positions, cp_mesh, balance: str) -> Microbatch:
+def shard_by_documents(
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    positions: torch.Tensor,
+    cp_mesh: DeviceMesh | None,
+    balance: str,
+) -> Microbatch:
     """This cp rank's tokens, labels and positions, sharded by titan_cp's layout of the documents
     that ``positions`` describe (``cp_mesh`` ``None``: one rank, nothing moves). The returned
     ``doc_lens`` is the layout's own tensor: the attention finds the layout (balance included) by it."""
@@ -110,7 +117,7 @@ class TitanCPTrainer(Trainer):
     class Config(Trainer.Config):
         titan_cp: TitanCPConfig = field(default_factory=TitanCPConfig)
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config) -> None:
         if config.parallelism.spmd_backend != SPMD_BACKEND:
             raise ValueError(
                 f"titan_cp's Trainer runs under --parallelism.spmd_backend {SPMD_BACKEND}, not "
