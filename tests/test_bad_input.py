@@ -111,7 +111,7 @@ def test_bad_mixture_kind_and_weights_name_the_key(tmp_path):
     refused_before_start(
         ["--job.config_file", str(toml)],
         r"training.mixture\[0\].kind = 'csv' \('a'\) is not a dataset kind: choose one of "
-        r"\['synthetic_recall', 'text', 'chat', 'hf'\]",
+        r"\['synthetic_recall', 'synthetic_lookup', 'text', 'chat', 'hf'\]",
         tmp_path / "out",
     )
     toml.write_text(

@@ -8,15 +8,18 @@ module to run :func:`_train_counting`). Two training steps on CP 2 must go throu
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 
+import titan_cp.attention.strategy as strategy_module
+import titan_cp.balance as balance_module
 from titan_cp.ac_modes import AC_MODES, ac_mode_and_every
 from titan_cp.attention.ring import Ring
-from titan_cp.attention.strategy import get_strategy, register_strategy, strategy_names
-from titan_cp.balance import LoadBalancer, balance_names, get_balance, register_balance
+from titan_cp.attention.strategy import get_strategy, register_strategy
+from titan_cp.balance import LoadBalancer, get_balance, register_balance
 from titan_cp.config import load_config
 from titan_cp.integrations.trainer_factory import CPOptions, _check_options
 from titan_cp.layout import SequenceLayout, seq_len_multiple
@@ -35,12 +38,23 @@ class CountingRing(Ring):
         return super().forward(ctx, q, k, v)
 
 
-def _register() -> None:
-    if CountingRing.name not in strategy_names():
+@contextlib.contextmanager
+def _stand_ins():
+    """The stand-in strategy and balances registered for the time of the block (the registries are
+    the process's: other tests, in this process or in a pool worker, never see them)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(strategy_module, "_REGISTRY", dict(strategy_module._REGISTRY))
+        mp.setattr(balance_module, "_REGISTRY", dict(balance_module._REGISTRY))
         register_strategy(CountingRing())
+        for balance in (ReversedContiguous(), Overlapping()):
+            register_balance(balance)
+        yield
 
 
-_register()
+@pytest.fixture(autouse=True)
+def _registered():
+    with _stand_ins():
+        yield
 
 
 def _argv(folder) -> list[str]:
@@ -54,9 +68,9 @@ def _argv(folder) -> list[str]:
 
 
 def _train_counting(rank, world, argv):
-    _register()
     CountingRing.calls = 0
-    losses = [r["loss"] for r in main(argv)]
+    with _stand_ins():
+        losses = [r["loss"] for r in main(argv)]
     return losses, CountingRing.calls
 
 
@@ -95,19 +109,10 @@ class Overlapping(LoadBalancer):
         return [[(0, seq_len // cp_size)] for _ in range(cp_size)]
 
 
-def _register_balances() -> None:
-    for balance in (ReversedContiguous(), Overlapping()):
-        if balance.name not in balance_names():
-            register_balance(balance)
-
-
-_register_balances()
-
-
 def _train_balanced(rank, world, argv):
-    _register_balances()
     ReversedContiguous.rows = 0
-    return [r["loss"] for r in main(argv)], ReversedContiguous.rows
+    with _stand_ins():
+        return [r["loss"] for r in main(argv)], ReversedContiguous.rows
 
 
 def test_a_registered_balance_is_accepted_everywhere_and_refused_when_it_loses_tokens(tmp_path):

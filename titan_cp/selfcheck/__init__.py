@@ -383,17 +383,13 @@ def simulated_ring(
     dout: Tensor | None = None,
     window: int | None = None,
 ) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
-    """Every rank's ring steps of one attention layer, run one after another in this process.
+    """Every rank's ring steps of one attention layer, run one after another in this process (nothing is
+    communicated: the time is the sum over ranks of what each rank computes).
 
-    q: ``(B, H, S, E)``; k, v: ``(B, K, S, E)``; dout like q; the whole sequence in natural
-    order. Rank ``r`` holds shard ``r`` of ``layout``; at ring step ``i`` it receives what it needs
-    of the K/V shard of rank ``src = (r - i) mod N`` (the rows ``src`` gathers to send it) and folds
-    them into its results with the engine's :func:`~titan_cp.attention.fold.fold_forward`
-    (backward: the gradients of those rows go home to ``src``'s accumulators, as the ring sends
-    them). Nothing is communicated: the time is the sum over ranks of what each rank computes.
-
-    ``window``: a sliding window (keys at most ``window - 1`` positions back). Returns
-    ``out (B, H, S, E)`` in natural order, and with ``dout`` also ``(dq, dk, dv)``.
+    q: ``(B, H, S, E)``; k, v: ``(B, K, S, E)``; dout like q; natural order. Rank ``r`` holds shard ``r``
+    of ``layout``; at step ``i`` it folds in the rows it needs of rank ``(r - i) mod N``'s K/V with the
+    engine's :func:`~titan_cp.attention.fold.fold_forward` (backward: those rows' gradients go home, as
+    the ring sends them). ``window``: a sliding window. Returns ``out`` in natural order (and ``dq, dk, dv``).
     """
     from titan_cp.attention import fold  # noqa: PLC0415 - the engine
     from titan_cp.attention.mask_plans import Mask, head_major, kernel_mask, token_major  # noqa: PLC0415
@@ -418,16 +414,15 @@ def simulated_ring(
 
     qs = shards(q)
     kv = [torch.stack(pair) for pair in zip(shards(k), shards(v))]
-    outs, lses = [], []
+    finished = []
     for r in range(n):
         results = fold.Results(qs[r], rings[r].folds)
         for i in range(n):
             buf = received(kv, r, i)
             if buf is not None:
                 fold.fold_forward(qs[r], buf[0], buf[1], rings[r].steps[i].index, kernel, scale, results, i)
-        out_r, lse_r = results.finish()
-        outs.append(out_r)
-        lses.append(lse_r)
+        finished.append(results.finish())
+    outs, lses = [o for o, _ in finished], [lse for _, lse in finished]
     out = unshard(outs, q.dtype)
     if dout is None:
         return out
@@ -438,9 +433,8 @@ def simulated_ring(
         dqs, dks, dvs = fold.attend_backward(
             dos[r], qs[r], kv[r][0], kv[r][1], outs[r], lses[r], rings[r].steps[0].index, kernel, scale
         )
-        dq[r].add(0, dqs)
-        dkv[r][0].add(0, dks)
-        dkv[r][1].add(0, dvs)
+        for acc, part in ((dq[r], dqs), (dkv[r][0], dks), (dkv[r][1], dvs)):
+            acc.add(0, part)
     for i in range(1, n):
         for r in range(n):
             buf, step = received(kv, r, i), rings[r].steps[i]
@@ -453,9 +447,8 @@ def simulated_ring(
             if step.grads is None:
                 raise RuntimeError(f"ring step {i} of rank {r} received rows but has no plan for their gradients")
             grad = received_grads(buf, step.grads, dks, dvs, step.dtype("grad", buf[0]))  # home to the owner
-            src = (r - i) % n
             for j in (0, 1):
-                dkv[src][j].add(i, [grad[j]])
+                dkv[(r - i) % n][j].add(i, [grad[j]])
     grads = [unshard([g.finish() for g in dq], q.dtype)]
     grads += [unshard([dkv[r][j].finish() for r in range(n)], x.dtype) for j, x in ((0, k), (1, v))]
     return out, tuple(grads)
