@@ -363,7 +363,6 @@ def measure_step(model: nn.Module, local: Microbatch, loss_fn: Callable, scope_m
 def _rank_fn(rank: int, world: int, cfg: dict) -> dict:
     """One rank: build the model (CP over all ``world`` ranks when world > 1, activation
     checkpointing ``cfg["ac"]``), measure one step (see :func:`measure_step`)."""
-    from titan_cp.attention import cp_rank
     from titan_cp.attention.comm import count_comm
     from titan_cp.model import build_model
     from titan_cp.parallel import apply_ac
@@ -372,16 +371,13 @@ def _rank_fn(rank: int, world: int, cfg: dict) -> dict:
 
     torch.manual_seed(0)
     model = build_model(cfg["flavor"], device="cpu", vocab_size=cfg["vocab_size"])
-    cp_r = 0
-    if world > 1:
-        mesh = strategy_mesh(cfg["strategy"], world, cfg.get("ulysses", 1))
-        apply_cp(model, mesh, cfg["strategy"], cfg["balance"])
-        cp_r = cp_rank(mesh, cfg["strategy"])
+    mesh = strategy_mesh(cfg["strategy"], world, cfg.get("ulysses", 1)) if world > 1 else None
+    cp = apply_cp(model, mesh, cfg["strategy"], cfg["balance"])
     apply_ac(model, cfg.get("ac", "none"))
     full = make_batch(cfg["seq_len"], cfg["batch"], cfg["docs"], cfg["vocab_size"])
     loss_fn = GlobalTokenLoss()
     loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
-    local = full.shard(world, cp_r, cfg["balance"])
+    local = cp.shard(full)
     del full
     with count_comm() as comm:  # what the CP attention exchanged (the planner's cp bytes)
         result = measure_step(model, local, loss_fn)

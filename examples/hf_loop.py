@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening
 
-from titan_cp.integrations.transformers import apply_cp, apply_fsdp, shard_batch, tiny_qwen3_folder
+from titan_cp.integrations.transformers import apply_cp, apply_fsdp, tiny_qwen3_folder
 
 device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
 world = int(os.environ["WORLD_SIZE"])
@@ -27,7 +27,7 @@ path = os.environ.get("MODEL") or tiny_qwen3_folder(tempfile.mkdtemp())  # built
 mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
 tokenizer = AutoTokenizer.from_pretrained(path)
 model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="titan_cp", dtype=torch.float32).to(device)
-apply_cp(model, mesh["cp"], strategy="ring", balance="doc_zigzag")
+cp_handle = apply_cp(model, mesh["cp"], strategy="ring", balance="doc_zigzag")  # shards every batch below
 apply_fsdp(model, init_device_mesh(device.type, (world,)))  # FSDP2 over all dp x cp ranks, gradients summed
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 collate = DataCollatorWithFlattening(return_tensors="pt")  # one packed row; positions restart per document
@@ -37,9 +37,7 @@ for step in range(3):
         f"Step {step}, data rank {dp_rank}, document {i}: " + "keys go round the ring. " * (i + 1) for i in range(4)
     ]
     row = collate([{"input_ids": tokenizer(text)["input_ids"]} for text in texts])
-    local = shard_batch(
-        row, mesh["cp"], balance="doc_zigzag", dp_mesh=mesh["dp"], pad_token_id=tokenizer.pad_token_id, device=device
-    )
+    local = cp_handle.shard(row, dp_mesh=mesh["dp"], pad_token_id=tokenizer.pad_token_id, device=device)
     loss = model(**local).loss  # this rank's summed cross-entropy / loss-bearing tokens of the whole step
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is n
 from benchmarks.gpu_model import model_records  # noqa: E402
 from benchmarks.host import host_layer  # noqa: E402
 from titan_cp import SequenceLayout, cp_attention  # noqa: E402
-from titan_cp.attention import cp_rank, get_strategy, min_bytes_per_rank, strategy_names  # noqa: E402
+from titan_cp.attention import CPHandle, get_strategy, min_bytes_per_rank, strategy_names  # noqa: E402
 from titan_cp.attention.comm import count_comm  # noqa: E402
 from titan_cp.data.row_mixes import lognormal_doc_lens  # noqa: E402
 from titan_cp.testing import DistPool, strategy_mesh  # noqa: E402
@@ -66,7 +66,7 @@ def _run(rank, world, args: dict, case: str, strategy: str):
 
     ulysses = min(args["hybrid_ulysses"], world) if get_strategy(strategy).takes_ulysses_degree() else 1
     mesh = strategy_mesh(strategy, world, ulysses)
-    r = cp_rank(mesh, strategy)
+    r = CPHandle(mesh, strategy).rank
     seq, docs = args["seq_len"], None
     if case == "docs":
         docs = [lognormal_doc_lens(seq, args["doc_mean"], seed=1)]

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests.reference import reference_attention
 from titan_cp import SequenceLayout, cp_attention
-from titan_cp.attention import cp_rank, register_kernel
+from titan_cp.attention import CPHandle, register_kernel
 from titan_cp.attention.kernels import CPUFlashKernel
 
 _MESHES: dict[tuple, object] = {}
@@ -56,7 +56,7 @@ def run_case(case: dict, world: int, dtype=torch.float32):
     """
     strategy = case["strategy"]
     mesh = cp_mesh(strategy, world, case.get("ulysses", 1))
-    rank = cp_rank(mesh, strategy)
+    rank = CPHandle(mesh, strategy).rank
     layout = SequenceLayout(case["seq"], world, case["balance"], case.get("doc_lens"))
     q, k, v, dout = make_inputs(
         case.get("seed", 0), case["batch"], case["heads"], case["kv_heads"], case["seq"], case.get("dim", 8), dtype

@@ -5,7 +5,7 @@ import torch
 
 from tests.dist_utils import cp_mesh, make_inputs
 from titan_cp import SequenceLayout, cp_attention
-from titan_cp.attention import cp_rank, min_bytes_per_rank
+from titan_cp.attention import CPHandle, min_bytes_per_rank
 from titan_cp.attention.comm import count_comm
 
 
@@ -104,7 +104,7 @@ def _measure_bytes(rank, world, strategy, ulysses, kv_heads, dtype):
     mesh = cp_mesh(strategy, world, ulysses)
     layout = SequenceLayout(32, world, "zigzag")
     q, k, v, dout = make_inputs(0, 2, 8, kv_heads, 32, 8, dtype)
-    r = cp_rank(mesh, strategy)
+    r = CPHandle(mesh, strategy).rank
     ql, kl, vl = (layout.shard(x, 2, r).requires_grad_() for x in (q, k, v))
     with count_comm() as c:
         out = cp_attention(ql, kl, vl, mesh, layout, strategy=strategy)

@@ -17,11 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_cp.attention import cp_rank
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
 from titan_cp.model import build_model, model_args
-from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model, cp_mesh, materialize
+from titan_cp.parallel.build import ModelParts, ParallelizeOptions, build_parallel_model, materialize
 from titan_cp.step import Microbatch, forward_backward
 
 SEQ, ROWS, STEPS, LR, SEED = 48, 4, 3, 1e-3, 0
@@ -105,13 +104,13 @@ def build_combo(world: int, combo: dict):
     return pd, options, built, loss_fn
 
 
-def local_microbatch(pd: ParallelDims, options: ParallelizeOptions, full: Microbatch) -> Microbatch:
-    """This rank's rows (by its dp rank) of ``full``, sharded for its cp rank."""
+def local_microbatch(pd: ParallelDims, built: ModelParts, full: Microbatch) -> Microbatch:
+    """This rank's rows (by its dp rank) of ``full``, sharded with the model's CP handle (for the
+    pipeline schedule's 2 microbatches when there is one)."""
     dp = pd.get_mesh("dp")
     rows = slice(dp.get_local_rank() * ROWS // dp.size(), (dp.get_local_rank() + 1) * ROWS // dp.size())
     mine = Microbatch(full.tokens[rows], full.labels[rows], full.positions[rows], full.doc_lens[rows])
-    c_rank = cp_rank(cp_mesh(pd), options.cp_strategy) if pd.cp_enabled else 0
-    return mine.shard(pd.cp, c_rank, options.cp_balance)
+    return mine.shard(built.cp, 1 if built.schedule is None else 2)
 
 
 def _compare(rank, world, combo: dict):
@@ -124,7 +123,7 @@ def _compare(rank, world, combo: dict):
     for step in range(STEPS):
         full = make_batch(step)
         loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
-        loss = forward_backward(parts, local_microbatch(pd, options, full), loss_fn, schedule, first, last)
+        loss = forward_backward(parts, local_microbatch(pd, built, full), loss_fn, schedule, first, last)
         counted = loss if (last and tp_rank == 0) else torch.zeros(())
         dist.all_reduce(counted)  # every dp x cp rank's share, once per tp group, from the last stage
         losses.append(counted.item())

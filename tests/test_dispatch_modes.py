@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.dist_utils import cp_mesh, make_inputs
 from titan_cp import SequenceLayout, cp_attention
-from titan_cp.attention import cp_rank
+from titan_cp.attention import CPHandle
 from titan_cp.attention.mask_plans import make_plan
 
 SEQ, HEADS, KV_HEADS, DIM = 96, 4, 2, 8
@@ -45,7 +45,7 @@ def _under_modes(rank, world):
     results = {}
     for strategy, ulysses in CASES:
         mesh = cp_mesh(strategy, world, ulysses)
-        r = cp_rank(mesh, strategy)
+        r = CPHandle(mesh, strategy).rank
         layout = SequenceLayout(SEQ, world, "doc_zigzag", DOCS)
         plain = _step(strategy, mesh, layout, r, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
         passthrough = PassThrough()

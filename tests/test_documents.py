@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tests.dist_utils import cp_mesh, make_inputs, max_errors, run_case
 from titan_cp import SequenceLayout, cp_attention
-from titan_cp.attention import cp_rank
+from titan_cp.attention import CPHandle
 from titan_cp.attention.mask_plans import CAUSAL, Mask
 from titan_cp.attention.ring import merged_query_rows
 from titan_cp.attention.ulysses import stays_home
@@ -100,7 +100,7 @@ def _leakage(rank, world, strategy, ulysses, balance):
     """Perturb document 1 of row 0; outputs and grads of every other document must not move at all."""
     rows = [[5, 17, 1, 25], [48]]
     mesh = cp_mesh(strategy, world, ulysses)
-    r = cp_rank(mesh, strategy)
+    r = CPHandle(mesh, strategy).rank
     layout = SequenceLayout(SEQ, world, balance, rows)
     heads, kv_heads = HEADS[world]
     q, k, v, dout = make_inputs(3, 2, heads, kv_heads, SEQ, 8)
@@ -200,11 +200,10 @@ def _saved_form(rank, world, strategy, ulysses, rows):
     mesh = cp_mesh(strategy, world, ulysses)
     layout = SequenceLayout(SEQ, world, "doc_local", rows)
     heads, kv_heads = HEADS[world]
-    q, k, v, _ = (
-        layout.shard(x, 2, cp_rank(mesh, strategy)) for x in make_inputs(0, len(rows), heads, kv_heads, SEQ, 8)
-    )
-    handle = api.register_spec(mesh, strategy, layout.balance, None)
-    ctx, module = api._context(handle, q, k.shape[1], layout.doc_lens_tensor(), True, 0.35)
+    cp = CPHandle(mesh, strategy, layout.balance)
+    q, k, v, _ = (layout.shard(x, 2, cp.rank) for x in make_inputs(0, len(rows), heads, kv_heads, SEQ, 8))
+    _, doc_lens = cp.register(SEQ, layout.doc_lens)
+    ctx, module = api._context(cp.id, q, k.shape[1], doc_lens, True, 0.35)
     return len(module.forward(ctx, q, k, v)[1]), module.kept(ctx.documents)
 
 

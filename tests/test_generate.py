@@ -305,7 +305,7 @@ def _under_cp(rank, world, cases):
         dims = ParallelDims(1, 1, world // tp, tp, 1, world, cp_ulysses=ulysses)
         dims.build_mesh("cpu")
         model = build_generation_model(args_of(variant), dims, strategy, balance)
-        gen = Generator.on_mesh(model, dims, strategy, balance)
+        gen = Generator(model)
         results.append(requests(gen, sets))
     return results
 
@@ -618,7 +618,7 @@ def _hf_generator(folder, dims=None, strategy="ring", balance="doc_local"):
 
     model = build_hf_model(folder, dims, strategy, balance)
     load_hf_weights(model, folder)
-    return Generator(model) if dims is None else Generator.on_mesh(model, dims, strategy, balance)
+    return Generator(model)
 
 
 HF_PROMPTS = [[1, 5, 7, 9, 11, 40, 3], [2], [4, 8] * 100]

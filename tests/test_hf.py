@@ -188,9 +188,8 @@ def _load_forward_train_export(rank, world, argv, x):
     B, S = x.shape
     doc_lens = torch.full((B, 1), S)
     mb = Microbatch(x, x, torch.arange(S).expand(B, S), doc_lens).to(trainer.device)
-    balance = trainer.cfg.parallelism.context_parallel_load_balancer
-    local = mb.shard(trainer.dims.cp, trainer.cp_rank, balance)
-    index = Microbatch(*(torch.arange(S).expand(B, S),) * 3, doc_lens).shard(trainer.dims.cp, trainer.cp_rank, balance)
+    local = mb.shard(trainer.cp)
+    index = Microbatch(*(torch.arange(S).expand(B, S),) * 3, doc_lens).shard(trainer.cp)
     with torch.no_grad():
         logits = trainer.parts[0](local.tokens, positions=local.positions, doc_lens=local.doc_lens)
     if isinstance(logits, torch.distributed.tensor.DTensor):

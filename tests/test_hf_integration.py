@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra")
 
 from tests.dist_utils import get_mesh  # noqa: E402
+from titan_cp.attention import CPHandle  # noqa: E402
 from titan_cp.attention.strategy import get_strategy  # noqa: E402
 from titan_cp.balance import balance_names  # noqa: E402
 from titan_cp.integrations.hf_model import attention_modules  # noqa: E402
@@ -38,7 +39,7 @@ from titan_cp.integrations.transformers import (  # noqa: E402
     apply_compile,
     apply_cp,
     apply_fsdp,
-    gather_unshard,
+    handle_of,
     shard_batch,
 )
 
@@ -47,6 +48,7 @@ from titan_cp.loss import IGNORE_INDEX  # noqa: E402
 from titan_cp.preflight import check_files, check_model  # noqa: E402
 
 TOL = 1e-4
+ONE = CPHandle(None)  # one device: every balance keeps the tokens in order
 VOCAB, SEQ = 96, 24
 ROWS = ([1, 13, 3, 7], [5, 1, 18])  # a one-token document; 13 and 18 are longer than a CP 4 shard (6)
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, max_position_embeddings=64)
@@ -160,16 +162,17 @@ def _case(family: str, strategy: str, balance: str, cp_mesh) -> dict:
     """Errors of one CP run against the per-document reference: HF's own loss path
     (``model(**local).loss``) and titan_cp's chunked loss (:class:`CausalLM`)."""
     want_logits, want_loss, want_grads = _reference(family)
-    model = apply_cp(hf_model(family, attn="titan_cp"), cp_mesh, strategy=strategy, balance=balance)
+    model = hf_model(family, attn="titan_cp")
+    cp = apply_cp(model, cp_mesh, strategy=strategy, balance=balance)
     group = None if cp_mesh is None else (cp_mesh if cp_mesh.ndim == 1 else cp_mesh._flatten()).get_group()
-    local = shard_batch(packed_batch(), cp_mesh, balance=balance)
+    local = cp.shard(packed_batch())
     out = model(**local)
     out.loss.backward()
     loss = out.loss.detach().clone()
     if group is not None:
         dist.all_reduce(loss, group=group)
     errors = {
-        "logits": rel_err(gather_unshard(out.logits, local, cp_mesh), want_logits),
+        "logits": rel_err(cp.unshard(out.logits, local["cp_doc_lens"]), want_logits),
         "loss": rel_err(loss, want_loss),
         "grads": _grad_err(_grads(model, group), want_grads),
     }
@@ -238,11 +241,13 @@ def test_logits_loss_and_gradients_equal_each_document_run_alone_cp1_2_4(dist_po
 def test_compiled_checkpointed_layers_keep_loss_and_gradients():
     """``torch.compile`` (fullgraph: the CP op is one node) over op-level checkpointed decoder layers."""
     _, want_loss, want_grads = reference(hf_model("qwen3"), packed_batch())
-    lm = CausalLM(apply_cp(hf_model("qwen3", attn="titan_cp"), None))
+    model = hf_model("qwen3", attn="titan_cp")
+    cp = apply_cp(model, None)
+    lm = CausalLM(model)
     apply_ac(lm, "op")
     apply_compile(lm, backend="aot_eager")
     assert all(type(layer).__name__ == "OptimizedModule" for layer in lm.model.layers)
-    local = shard_batch(packed_batch(), None)
+    local = cp.shard(packed_batch())
     loss = lm(local["input_ids"], local["position_ids"], local["cp_doc_lens"], local["shift_labels"])
     loss = loss / local["num_items_in_batch"]
     loss.backward()
@@ -274,12 +279,13 @@ def _fsdp_cp(rank, world, cases):
     results = {}
     for family, chunked, ac in cases:
         _, want_loss, want_grads = _reference(family)
-        model = apply_cp(hf_model(family, attn="titan_cp"), cp_mesh, strategy="ring", balance="doc_zigzag")
+        model = hf_model(family, attn="titan_cp")
+        cp = apply_cp(model, cp_mesh, strategy="ring", balance="doc_zigzag")
         target = CausalLM(model) if chunked else model
         apply_ac(target, ac)
         apply_fsdp(target, fsdp_mesh)
         rows = {k: v[d : d + 1] for k, v in packed_batch().items()}
-        local = shard_batch(rows, cp_mesh, balance="doc_zigzag", dp_mesh=dp_mesh)
+        local = cp.shard(rows, dp_mesh=dp_mesh)
         if chunked:
             loss = target(local["input_ids"], local["position_ids"], local["cp_doc_lens"], local["shift_labels"])
             loss = loss / local["num_items_in_batch"]
@@ -351,7 +357,8 @@ def test_each_layer_binds_its_own_mask():
     """Windows, chunks and plain layers as each family's config names them; sinks come with the call."""
 
     def masks(family):
-        model = apply_cp(hf_model(family, attn="titan_cp"), None)
+        model = hf_model(family, attn="titan_cp")
+        cp = apply_cp(model, None)
         return [(m.titan_cp_binding.window, m.titan_cp_binding.chunk) for m in attention_modules(model)]
 
     assert masks("mistral_swa") == [(5, None), (5, None)]  # no layer_types: config.sliding_window, every layer
@@ -362,11 +369,11 @@ def test_each_layer_binds_its_own_mask():
     assert masks("qwen3") == [(None, None), (None, None)]
     stray = hf_model("llama", attn="titan_cp")  # a window in a config whose layers never ask for one
     stray.config.sliding_window = 5
-    apply_cp(stray, None)
+    cp = apply_cp(stray, None)
     with pytest.raises(
         ValueError, match=r"LlamaAttention \(layer 0\) asks for sliding window None but apply_cp bound 5"
     ):
-        stray(**shard_batch(packed_batch(), None))
+        stray(**cp.shard(packed_batch()))
 
 
 def test_causal_lm_refuses_a_router_loss_it_would_drop():
@@ -430,16 +437,13 @@ def test_model_without_attention_interface_is_refused():
         apply_cp(model, None)
 
 
-def test_attention_without_apply_cp_and_with_another_balance_are_errors():
+def test_attention_without_apply_cp_and_a_batch_without_the_handle_are_errors():
     model = hf_model("llama", attn="titan_cp")
-    local = shard_batch(packed_batch(), None, balance="doc_zigzag")
+    local = shard_batch(packed_batch(), CPHandle(None, balance="doc_zigzag"))
     with pytest.raises(ValueError, match="no CP mesh is bound to it: call .*apply_cp"):
         model(**local)
-    apply_cp(model, None, balance="contiguous")
-    with pytest.raises(
-        ValueError, match=r"shard_batch\(balance='doc_zigzag'\) but apply_cp bound balance='contiguous'"
-    ):
-        model(**local)
+    with pytest.raises(ValueError, match=r"shard_batch takes the handle apply_cp returned .*got NoneType"):
+        shard_batch(packed_batch(), None)  # type: ignore[arg-type]  # the mesh-and-balance form of before
 
 
 # ---- shard_batch on one device --------------------------------------------------------------------
@@ -453,7 +457,7 @@ def test_shard_batch_reads_flattening_collators_positions_and_cu_seq_lens_alike(
         return_tensors="pt", return_position_ids=False, return_flash_attn_kwargs=True
     )(features)
     assert "position_ids" not in by_cu and "cu_seq_lens_q" in by_cu
-    a, b = shard_batch(by_positions, None), shard_batch(by_cu, None)
+    a, b = shard_batch(by_positions, ONE), shard_batch(by_cu, ONE)
     assert a["cp_doc_lens"].tolist() == b["cp_doc_lens"].tolist() == [[3, 1, 6]]
     for key in ("input_ids", "position_ids", "shift_labels"):
         assert torch.equal(a[key], b[key]), key
@@ -461,7 +465,7 @@ def test_shard_batch_reads_flattening_collators_positions_and_cu_seq_lens_alike(
     # next token inside each document; nothing after a document's last token (nor after a 1-token one)
     assert a["shift_labels"].tolist() == [[9, 2, -100, -100, 3, 8, 1, 4, 6, -100]]
     assert int(a["num_items_in_batch"]) == 7 and a["labels"] is a["shift_labels"] and a["use_cache"] is False
-    plain = shard_batch({"input_ids": by_positions["input_ids"], "shift_labels": a["shift_labels"]}, None)
+    plain = shard_batch({"input_ids": by_positions["input_ids"], "shift_labels": a["shift_labels"]}, ONE)
     assert plain["cp_doc_lens"].tolist() == [[10]]  # no documents given: one per row
     assert torch.equal(plain["shift_labels"][:, :-1], a["shift_labels"][:, :-1])
 
@@ -469,8 +473,8 @@ def test_shard_batch_reads_flattening_collators_positions_and_cu_seq_lens_alike(
 def test_shard_batch_pads_with_a_document_of_its_own():
     batch = packed_batch(rows=([4, 3],))  # 7 tokens; zigzag needs a multiple of 2 even on one device
     with pytest.raises(ValueError, match=r"input_ids has 7 tokens per row, .* pad_token_id=\.\.\."):
-        shard_batch(batch, None, balance="zigzag")
-    local = shard_batch(batch, None, balance="zigzag", pad_token_id=0)
+        shard_batch(batch, CPHandle(None, balance="zigzag"))
+    local = shard_batch(batch, CPHandle(None, balance="zigzag"), pad_token_id=0)
     assert local["cp_doc_lens"].tolist() == [[4, 3, 1]]
     assert local["input_ids"][0, -1] == 0 and local["shift_labels"][0, -1] == IGNORE_INDEX
     assert local["position_ids"][0].tolist() == [0, 1, 2, 3, 0, 1, 2, 0]
@@ -511,14 +515,14 @@ def test_bad_batches_are_value_errors_naming_the_argument(case):
     batch = packed_batch()
     change(batch)
     with pytest.raises(ValueError, match=message):
-        shard_batch(batch, None)
+        shard_batch(batch, ONE)
 
 
 def _sequence_cp_does_not_divide(rank, world):
     _, cp_mesh, _ = _dp_cp_meshes()
     batch = {k: v[:, :23] for k, v in packed_batch().items()}  # the last document cut to 6 tokens
     try:
-        shard_batch(batch, cp_mesh)
+        shard_batch(batch, CPHandle(cp_mesh))
     except ValueError as e:
         return str(e)
     return None
@@ -617,7 +621,7 @@ def _built_like_the_trainer(rank, world, folder):
         str(folder), attn_implementation="eager", dtype=torch.float32
     )
     want_logits, want_loss, _ = reference(reference_model, packed_batch())
-    local = shard_batch(packed_batch(), None)
+    local = handle_of(model).shard(packed_batch())
     with torch.no_grad():
         logits = model(local["input_ids"], local["position_ids"], local["cp_doc_lens"])
         loss = model(local["input_ids"], local["position_ids"], local["cp_doc_lens"], local["shift_labels"])

@@ -231,24 +231,27 @@ def _rows(seed: int = 0, lens=(5, 9, 2, 8)) -> dict:
 
 
 def test_misuse_on_one_process_is_refused_naming_the_fix():
+    from titan_cp.attention import CPHandle  # noqa: PLC0415
     from titan_cp.integrations.transformers import apply_cp, shard_batch  # noqa: PLC0415
 
-    local = shard_batch(_rows(), None)
+    one = CPHandle(None)
+    local = shard_batch(_rows(), one)
     with pytest.raises(ValueError, match=r"runs attn_implementation='titan_cp' but no CP mesh is bound.*apply_cp"):
         _tiny()(**local)  # a model apply_cp never bound
     row = _rows()
     ids = row["input_ids"]
     with pytest.raises(ValueError, match=r"labels look already shifted"):  # shifted by the user, then again
-        shard_batch({**row, "labels": torch.roll(ids, -1, 1)}, None)
+        shard_batch({**row, "labels": torch.roll(ids, -1, 1)}, one)
     with pytest.raises(ValueError, match=r"shift_labels equal input_ids .* not shifted"):
-        shard_batch({"input_ids": ids, "position_ids": row["position_ids"], "shift_labels": ids}, None)
+        shard_batch({"input_ids": ids, "position_ids": row["position_ids"], "shift_labels": ids}, one)
     with pytest.raises(ValueError, match=r"position_ids has shape \(1, 23\), input_ids \(1, 24\)"):
-        shard_batch({**row, "position_ids": row["position_ids"][:, 1:]}, None)
+        shard_batch({**row, "position_ids": row["position_ids"][:, 1:]}, one)
     with pytest.raises(ValueError, match=r"num_items_in_batch = 0: it must be the step's count"):
-        shard_batch(row, None, num_items_in_batch=0)
+        shard_batch(row, one, num_items_in_batch=0)
     with pytest.raises(ValueError, match=r"no loss-bearing token: every label is -100"):
-        shard_batch({**row, "labels": torch.full_like(ids, -100)}, None)
-    model = apply_cp(_tiny(), None)
+        shard_batch({**row, "labels": torch.full_like(ids, -100)}, one)
+    model = _tiny()
+    apply_cp(model, None)
     with pytest.raises(ValueError, match=r"model.generate\(\) after apply_cp: .* titan_cp's generation"):
         model.generate(ids[:, :4], max_new_tokens=2)
     assert _tiny("sdpa").generate(ids[:, :4], max_new_tokens=2).shape == (1, 6)  # only the bound model refuses
@@ -285,10 +288,10 @@ def test_a_training_batch_without_labels_is_refused_naming_the_fix(tmp_path):
 
 def test_mixed_qkv_dtypes_under_autocast_run_at_the_autocast_dtype():
     """Qwen3's q/k norms return fp32 under CPU autocast while v is bf16: run as SDPA would, in bf16."""
-    from titan_cp.integrations.transformers import apply_cp, shard_batch  # noqa: PLC0415
+    from titan_cp.integrations.transformers import apply_cp  # noqa: PLC0415
 
-    model = apply_cp(_tiny(family="qwen3"), None)
-    local = shard_batch(_rows(), None)
+    model = _tiny(family="qwen3")
+    local = apply_cp(model, None).shard(_rows())
     with torch.no_grad():
         full = model(**local).loss
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -298,16 +301,18 @@ def test_mixed_qkv_dtypes_under_autocast_run_at_the_autocast_dtype():
 
 def _misuse_under_cp2(rank, world):
     from tests.dist_utils import get_mesh  # noqa: PLC0415
-    from titan_cp.integrations.transformers import apply_cp, shard_batch, tiny_qwen3_folder  # noqa: PLC0415
+    from titan_cp.attention import CPHandle  # noqa: PLC0415
+    from titan_cp.integrations.transformers import apply_cp, tiny_qwen3_folder  # noqa: PLC0415
 
     cp_mesh = get_mesh((2,), ("cp",))
-    model = apply_cp(_tiny(), cp_mesh)
+    model = _tiny()
+    cp = apply_cp(model, cp_mesh)
     found = []
     for attempt in (
         lambda: model(**_rows(), use_cache=False),  # the whole batch, never sharded
-        lambda: model(**shard_batch(_rows(), None)),  # sharded for one device
-        lambda: shard_batch(_rows(seed=rank), cp_mesh),  # each cp rank its own rows
-        lambda: shard_batch(_rows(), cp_mesh, dp_mesh=cp_mesh),  # a dp mesh that holds the cp peers
+        lambda: model(**CPHandle(None).shard(_rows())),  # sharded for one device
+        lambda: cp.shard(_rows(seed=rank)),  # each cp rank its own rows
+        lambda: cp.shard(_rows(), dp_mesh=cp_mesh),  # a dp mesh that holds the cp peers
         lambda: _default_args_trainer(rank, world),  # torchrun on a CPU, use_cpu not set: each process alone
         lambda: tiny_qwen3_folder(tempfile.mkdtemp()),  # after the process group started: rank 0 alone writes
     ):
@@ -331,7 +336,7 @@ def test_misuse_under_cp2_is_refused_naming_the_fix(dist_pools):
     for rank, found in enumerate(dist_pools.run(2, _misuse_under_cp2)):
         layout, mesh_size, rows, dp, alone, folder = found
         assert layout and "did not come through the layout (no cp_doc_lens): shard each batch" in layout
-        assert mesh_size and "shard_batch ran over a cp mesh of size 1; pass shard_batch the same cp mesh" in mesh_size
+        assert mesh_size and "sharded for a cp size of 1; shard it with the handle apply_cp returned" in mesh_size
         assert rows and "passed different rows to shard_batch" in rows and "data-parallel ranks only" in rows
         assert dp and "dp_mesh holds ranks [0, 1] of this rank's cp group" in dp
         assert alone and "2 processes were launched but accelerate runs 1 of them together" in alone

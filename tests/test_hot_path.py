@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.host import counting_kernel
 from tests.dist_utils import cp_mesh, make_inputs
 from titan_cp import SequenceLayout
-from titan_cp.attention import api, cp_rank
+from titan_cp.attention import CPHandle, api
 from titan_cp.attention.mask_plans import CAUSAL
 from titan_cp.attention.ulysses import stays_home
 
@@ -60,11 +60,10 @@ def _steps(strategy: str, mesh, layout) -> int:
 def _count(rank, world, strategy, ulysses, n_docs):
     """One forward + backward of the strategy's own functions (inside the op) with the counting kernel."""
     mesh = cp_mesh(strategy, world, ulysses)
-    r = cp_rank(mesh, strategy)
-    layout = SequenceLayout(SEQ, world, "doc_zigzag", [_docs(n_docs)])
-    q, k, v, dout = (layout.shard(x, 2, r) for x in make_inputs(0, 1, 4, 2, SEQ, 8))
-    handle = api.register_spec(mesh, strategy, layout.balance, KERNEL.name)
-    ctx, module = api._context(handle, q, k.shape[1], layout.doc_lens_tensor(), True, 0.35)
+    cp = CPHandle(mesh, strategy, "doc_zigzag", KERNEL.name)
+    layout, doc_lens = cp.register(SEQ, [_docs(n_docs)])
+    q, k, v, dout = (layout.shard(x, 2, cp.rank) for x in make_inputs(0, 1, 4, 2, SEQ, 8))
+    ctx, module = api._context(cp.id, q, k.shape[1], doc_lens, True, 0.35)
     layout.memo(("warm",), lambda: module.forward(ctx, q, k, v))  # plans and device indices: once per microbatch
     KERNEL.calls.clear()
     with OpCounter() as counter:
@@ -116,18 +115,17 @@ def _packed(rows: list[list[int]]):
 
 def _compiled_matches_eager(rank, world, strategy, backend):
     """Every block compiled with fullgraph=True (a graph break would raise) gives the eager logits and gradients."""
-    from titan_cp.layout import get_layout
     from titan_cp.parallel import apply_compile, apply_cp
+    from titan_cp.step import Microbatch
 
     torch._dynamo.reset()
     eager, compiled = _model_pair()
     tokens, positions, doc_lens = _packed([[10, 30, 24], [64]])
     if world > 1:
-        mesh = cp_mesh(strategy, world)
-        for model in (eager, compiled):
-            apply_cp(model, mesh, strategy, "doc_zigzag")
-        layout = get_layout(64, world, "doc_zigzag", doc_lens)
-        tokens, positions = (layout.shard(t, 1, mesh.get_local_rank()) for t in (tokens, positions))
+        cp = apply_cp(eager, cp_mesh(strategy, world), strategy, "doc_zigzag")
+        apply_cp(compiled, cp)  # both models run by one handle
+        local = cp.shard(Microbatch(tokens, tokens, positions, doc_lens))
+        tokens, positions, doc_lens = local.tokens, local.positions, local.doc_lens
     apply_compile(compiled, backend=backend, fullgraph=True)
     for _ in range(2):  # the second call reuses the compiled graphs
         compiled.zero_grad()

@@ -160,7 +160,7 @@ def _run(world, combo: dict, **extra):
     for step in range(1):  # the loss, and the parameters after an AdamW step (they carry the gradients)
         full = make_batch(step)
         loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
-        mb = local_microbatch(pd, options, full)
+        mb = local_microbatch(pd, built, full)
         loss = forward_backward(built.parts, mb, loss_fn, built.schedule, built.has_first, built.has_last)
         counted = loss.detach() if built.has_last else torch.zeros(())
         dist.all_reduce(counted)
@@ -236,7 +236,7 @@ def _step(world, combo: dict, options: dict):
     built = build_parallel_model(args, pd, parallelize, "cpu", seed=SEED, loss_fn=loss_fn, pp_microbatches=2)
     full = make_batch(0)
     loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
-    mb = local_microbatch(pd, parallelize, full)
+    mb = local_microbatch(pd, built, full)
     loss = forward_backward(built.parts, mb, loss_fn, built.schedule, built.has_first, built.has_last)
     counted = loss.detach() if built.has_last else torch.zeros(())
     dist.all_reduce(counted)
@@ -334,12 +334,14 @@ def test_every_combination_validates_or_is_refused_in_one_line_before_start():
 
 def _hf_step(family: str, tile: int = 0, **ac):
     from tests.test_hf_integration import hf_model, packed_batch  # noqa: PLC0415 - needs transformers
-    from titan_cp.integrations.transformers import CausalLM, apply_ac, apply_cp, apply_tiled_mlp, shard_batch  # noqa: PLC0415
+    from titan_cp.integrations.transformers import CausalLM, apply_ac, apply_cp, apply_tiled_mlp  # noqa: PLC0415
 
-    lm = CausalLM(apply_cp(hf_model(family, attn="titan_cp"), None))
+    model = hf_model(family, attn="titan_cp")
+    cp = apply_cp(model, None)
+    lm = CausalLM(model)
     apply_tiled_mlp(lm, tile)
     store = apply_ac(lm, "full", **ac)
-    local = shard_batch(packed_batch(), None)
+    local = cp.shard(packed_batch())
     loss = lm(local["input_ids"], local["position_ids"], local["cp_doc_lens"], local["shift_labels"])
     loss.backward()
     return loss.detach(), {_clean(n): p.grad for n, p in lm.named_parameters()}, store

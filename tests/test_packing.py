@@ -567,11 +567,10 @@ def _padded_chat_batch(path, seq_len, rows):
 
 
 def _cp_matches_one_process(rank, world, path, strategy, balance):
-    from titan_cp.attention import cp_rank
     from titan_cp.loss import GlobalTokenLoss
     from titan_cp.mesh import ParallelDims
     from titan_cp.model import build_model
-    from titan_cp.parallel.build import ParallelizeOptions, cp_mesh, parallelize_llama
+    from titan_cp.parallel.build import ParallelizeOptions, parallelize_llama
     from titan_cp.step import Microbatch, forward_backward
 
     batch = _padded_chat_batch(path, 192, 2)
@@ -587,8 +586,8 @@ def _cp_matches_one_process(rank, world, path, strategy, balance):
     dims.build_mesh("cpu")
     torch.manual_seed(0)
     model = build_model("tiny", vocab_size=TOK.vocab_size, device="cpu", n_layers=2)
-    parallelize_llama(model, dims, ParallelizeOptions(cp_strategy=strategy, cp_balance=balance, ac_mode="none"))
-    local = full.shard(world, cp_rank(cp_mesh(dims), strategy), balance)
+    cp = parallelize_llama(model, dims, ParallelizeOptions(cp_strategy=strategy, cp_balance=balance, ac_mode="none"))
+    local = cp.shard(full)
     loss = forward_backward([model], local, loss_fn)
     dist.all_reduce(loss)
     errors = {}

@@ -120,7 +120,7 @@ def _composition_comm(rank, world, combo: dict) -> int:
     pd, options, built, loss_fn = build_combo(world, combo)
     full = make_batch(0)
     loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
-    local = local_microbatch(pd, options, full)
+    local = local_microbatch(pd, built, full)
     # the first step also runs the pipeline's shape inference (a forward, and on the last stage
     # a backward, of one microbatch): count a steady-state step
     forward_backward(built.parts, local, loss_fn, built.schedule, built.has_first, built.has_last)

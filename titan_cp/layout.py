@@ -38,6 +38,7 @@ dense ``S x S`` matrix.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -255,7 +256,10 @@ class SequenceLayout:
 
     def doc_lens_tensor(self) -> torch.Tensor | None:
         """The documents as a zero-padded ``(batch, max_docs)`` int64 host tensor (``None`` without documents)."""
-        return self.memo(("doc_lens_tensor",), lambda: _doc_lens_tensor(self))
+        if self.doc_lens is None:
+            return None
+        width = max(len(row) for row in self.doc_lens)
+        return torch.tensor([list(row) + [0] * (width - len(row)) for row in self.doc_lens], dtype=torch.int64)
 
     def memo(self, key: tuple, build: Callable[[], T]) -> T:
         """``build()`` once per layout and ``key``: the attention plans and their device
@@ -475,7 +479,7 @@ class SequenceLayout:
         )
 
 
-_CACHE_SIZE = 16  # layouts (with their plans and device indices) kept: a step's microbatches
+_CACHE_SIZE = 16  # get_layout's value-keyed memo: layouts (with their plans) of recent calls
 
 
 def cut_at_shards(doc_lens: Sequence[Sequence[int]], seq_len: int, cp_size: int) -> list[list[int]]:
@@ -501,19 +505,8 @@ def cut_at_shards(doc_lens: Sequence[Sequence[int]], seq_len: int, cp_size: int)
     return rows
 
 
-_LAYOUT_CACHE: dict[tuple, SequenceLayout] = {}
-_TENSOR_KEYS: dict[int, tuple] = {}  # id(doc_lens tensor) -> (tensor, version, key): one tolist per microbatch
-_TENSOR_LAYOUTS: dict[int, tuple] = {}  # id(a layout's own doc_lens tensor) -> (tensor, version, layout)
-
-
-def _remember(t: torch.Tensor, key: tuple[tuple[int, ...], ...]) -> None:
-    if len(_TENSOR_KEYS) >= _CACHE_SIZE:
-        _TENSOR_KEYS.pop(next(iter(_TENSOR_KEYS)))
-    _TENSOR_KEYS[id(t)] = (t, t._version, key)
-
-
 def doc_lens_key(doc_lens: DocLens | None) -> tuple[tuple[int, ...], ...] | None:
-    """A hashable form of ``doc_lens`` (list of rows, or zero-padded host tensor)."""
+    """A hashable form of ``doc_lens`` (list of rows, or zero-padded host tensor): the rows' values."""
     if doc_lens is None:
         return None
     if isinstance(doc_lens, torch.Tensor):
@@ -522,12 +515,7 @@ def doc_lens_key(doc_lens: DocLens | None) -> tuple[tuple[int, ...], ...] | None
                 f"doc_lens must be a CPU tensor, got one on {doc_lens.device}: reading the documents from the "
                 "device would synchronise it in every layer; keep doc_lens on the host"
             )
-        hit = _TENSOR_KEYS.get(id(doc_lens))
-        if hit is not None and hit[0] is doc_lens and hit[1] == doc_lens._version:
-            return hit[2]
-        key = tuple(tuple(row) for row in _tensor_rows(doc_lens))
-        _remember(doc_lens, key)
-        return key
+        return tuple(tuple(row) for row in _tensor_rows(doc_lens))
     for b, row in enumerate(doc_lens):
         if not isinstance(row, (list, tuple)):
             raise ValueError(
@@ -536,43 +524,14 @@ def doc_lens_key(doc_lens: DocLens | None) -> tuple[tuple[int, ...], ...] | None
     return tuple(tuple(row) for row in doc_lens)
 
 
-def layout_of(doc_lens: DocLens | None) -> SequenceLayout | None:
-    """The layout whose :meth:`SequenceLayout.doc_lens_tensor` ``doc_lens`` is (unchanged since), else
-    ``None``: a microbatch's layout travels with its documents tensor through the model to the
-    attention op, which shards and attends by that one layout (its balance included)."""
-    hit = _TENSOR_LAYOUTS.get(id(doc_lens)) if isinstance(doc_lens, torch.Tensor) else None
-    if hit is None or hit[0] is not doc_lens or hit[1] != doc_lens._version:
-        return None
-    return hit[2]
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _layout(seq_len: int, cp_size: int, balance: str, rows: tuple[tuple[int, ...], ...] | None) -> SequenceLayout:
+    return SequenceLayout(seq_len, cp_size, balance, rows)
 
 
 def get_layout(seq_len: int, cp_size: int, balance: str = "zigzag", doc_lens: DocLens | None = None) -> SequenceLayout:
-    """A cached :class:`SequenceLayout`: every layer of a step, and the data sharding, share one.
-
-    Built only from its arguments (no global state), so each pipeline microbatch gets the
-    layout of its own rows. A ``doc_lens`` tensor must be on the host; the same tensor
-    object passed again (every layer) is recognised without reading it.
-    """
-    key = (seq_len, cp_size, balance, doc_lens_key(doc_lens))
-    layout = _LAYOUT_CACHE.get(key)
-    if layout is None:
-        if len(_LAYOUT_CACHE) >= _CACHE_SIZE:
-            _LAYOUT_CACHE.pop(next(iter(_LAYOUT_CACHE)))
-        layout = _LAYOUT_CACHE[key] = SequenceLayout(seq_len, cp_size, balance, key[3])
-    return layout
-
-
-def _doc_lens_tensor(layout: SequenceLayout) -> torch.Tensor | None:
-    """``layout.doc_lens`` as a zero-padded host tensor, registered so that :func:`get_layout` maps it
-    back to ``layout`` itself without reading it."""
-    if layout.doc_lens is None:
-        return None
-    width = max(len(row) for row in layout.doc_lens)
-    t = torch.tensor([list(row) + [0] * (width - len(row)) for row in layout.doc_lens], dtype=torch.int64)
-    key = (layout.seq_len, layout.cp_size, layout.balance, layout.doc_lens)
-    _LAYOUT_CACHE.setdefault(key, layout)
-    _remember(t, layout.doc_lens)
-    if len(_TENSOR_LAYOUTS) >= _CACHE_SIZE:
-        _TENSOR_LAYOUTS.pop(next(iter(_TENSOR_LAYOUTS)))
-    _TENSOR_LAYOUTS[id(t)] = (t, t._version, layout)
-    return t
+    """The :class:`SequenceLayout` of these arguments, memoised by value (the last few, with their
+    plans): analysis, metrics and one-device attention ask for the same layout repeatedly. Training
+    under CP gets its layouts from the CP handle the batch was sharded by
+    (:class:`~titan_cp.attention.handle.CPHandle`), never from here."""
+    return _layout(seq_len, cp_size, balance, doc_lens_key(doc_lens))

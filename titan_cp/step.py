@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from titan_cp.layout import SequenceLayout, get_layout
+from titan_cp.attention.handle import CPHandle, register_sharder
+from titan_cp.layout import SequenceLayout
 from titan_cp.loss import GlobalTokenLoss
 
 
@@ -40,17 +41,17 @@ class Microbatch:
     layout: SequenceLayout | None = None
     cp_rank: int = 0
 
-    def shard(self, cp_size: int, cp_rank: int, balance: str) -> Microbatch:
+    def shard(self, cp: CPHandle, microbatches: int = 1) -> Microbatch:
         """This cp rank's tokens of every per-token tensor (the same permutation for all), by the layout
-        built here once from the documents. Over several ranks the model gets the layout's own
-        ``doc_lens`` tensor, by which the attention op finds this layout again (its balance included);
-        on one rank the tokens stay in order and the documents go on as given."""
-        layout = get_layout(self.tokens.shape[1], cp_size, balance, self.doc_lens)
-        if cp_size == 1:
+        of the documents under the handle's balance (:meth:`CPHandle.register`). The model gets the
+        layout's documents tensor, by which every attention layer finds that layout; on one rank the
+        tokens stay in order. ``microbatches``: the pipeline schedule's microbatch count (its row
+        chunks' layouts are registered too). ``cp.shard(microbatch)`` is this method."""
+        layout, doc_lens = cp.register(self.tokens.shape[1], self.doc_lens, microbatches)
+        if cp.size == 1:
             return replace(self, layout=layout, cp_rank=0)
-        tokens, labels, positions = (layout.shard(t, 1, cp_rank) for t in (self.tokens, self.labels, self.positions))
-        doc_lens = None if self.doc_lens is None else layout.doc_lens_tensor()
-        return Microbatch(tokens, labels, positions, doc_lens=doc_lens, layout=layout, cp_rank=cp_rank)
+        tokens, labels, positions = (layout.shard(t, 1, cp.rank) for t in (self.tokens, self.labels, self.positions))
+        return Microbatch(tokens, labels, positions, doc_lens=doc_lens, layout=layout, cp_rank=cp.rank)
 
     def sharded_by(self) -> SequenceLayout:
         """The layout this (sharded) microbatch was cut by."""
@@ -105,3 +106,6 @@ def forward_backward(
     if has_last:
         return torch.stack(losses).sum().detach()
     return torch.zeros((), device=local.tokens.device)
+
+
+register_sharder(Microbatch, lambda cp, mb, **options: mb.shard(cp, **options))

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from titan_cp.ac_modes import ac_mode_and_every
-from titan_cp.attention import cp_rank
 from titan_cp.checkpoint import Checkpointer
 from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
@@ -48,7 +47,7 @@ from titan_cp.metrics import (
     shard_recall_metrics,
 )
 from titan_cp.optim import LRSchedulers, build_optimizers, clip_grad_norm_, lr_lambda, restore_hyperparameters
-from titan_cp.parallel.build import ParallelizeOptions, cp_mesh
+from titan_cp.parallel.build import ParallelizeOptions
 from titan_cp.parallel.offload import offload_metrics
 from titan_cp.preflight import check_files, check_model
 from titan_cp.profiling import Profiler
@@ -234,12 +233,10 @@ class Trainer:
 
     def _build_mesh(self) -> None:
         """The named mesh, and this process's dp, cp and tp ranks."""
-        p = self.cfg.parallelism
         self.dims = self.cfg.parallel_dims(dist.get_world_size())
         self.dims.build_mesh(self.device.type)
         dp = self.dims.get_mesh("dp")
         self.dp_rank, self.dp_degree = dp.get_local_rank(), dp.size()
-        self.cp_rank = cp_rank(cp_mesh(self.dims), p.context_parallel_strategy) if self.dims.cp_enabled else 0
         self.tp_rank = self.dims.get_mesh("tp").get_local_rank()
 
     def _build_data(self) -> None:
@@ -282,6 +279,7 @@ class Trainer:
             cfg, self.dims, options, self.device, self.tokenizer.vocab_size, self.loss_fn
         )
         self.parts, self.schedule, self.first, self.last = built.parts, built.schedule, built.has_first, built.has_last
+        self.cp = built.cp  # the CP handle the parts run by: every microbatch is sharded with it
 
     def _build_optimizers(self) -> None:
         """One optimizer per model part, and their LR schedule."""
@@ -344,7 +342,14 @@ class Trainer:
         ``doc_lens``: other documents for the same tokens (the shard-cut evaluation's)."""
         doc_lens = batch.doc_lens_padded if doc_lens is None else doc_lens
         mb = Microbatch(batch.tokens, batch.labels, batch.positions, doc_lens).to(self.device)
-        return mb.shard(self.dims.cp, self.cp_rank, self.cfg.parallelism.context_parallel_load_balancer)
+        return mb.shard(self.cp, self._pp_microbatches)
+
+    @property
+    def _pp_microbatches(self) -> int:
+        """The rows' chunks the pipeline schedule runs a microbatch in (1 without a pipeline)."""
+        if self.schedule is None:
+            return 1
+        return self.cfg.training.local_batch_size // self.cfg.parallelism.pipeline_parallel_microbatch_size
 
     def _global_sum(self, value: torch.Tensor) -> float:
         """Sum a per-rank loss contribution over the world, counting each tp group once, last stage only."""

@@ -1,21 +1,23 @@
 """Context-parallel attention: strategies, local kernels, masks and the log-sum-exp merge."""
 
-from titan_cp.attention.api import cp_attention, cp_rank, local_attention, min_bytes_per_rank
+from titan_cp.attention.api import cp_attention, local_attention, min_bytes_per_rank
+from titan_cp.attention.handle import CPHandle, register_sharder
 from titan_cp.attention.kernels import AttentionKernel, Segments, check_kernel, get_kernel, register_kernel
 from titan_cp.attention.strategy import Strategy, get_strategy, register_strategy, strategy_names
 
 __all__ = [
     "AttentionKernel",
+    "CPHandle",
     "Segments",
     "Strategy",
     "check_kernel",
     "cp_attention",
-    "cp_rank",
     "get_kernel",
     "get_strategy",
     "local_attention",
     "min_bytes_per_rank",
     "register_kernel",
+    "register_sharder",
     "register_strategy",
     "strategy_names",
 ]

@@ -21,8 +21,8 @@ handle to a registered :class:`CPSpec`; the documents travel as the ``doc_lens``
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -33,11 +33,11 @@ import titan_cp.attention.allgather  # noqa: F401 - the built-in strategies regi
 import titan_cp.attention.hybrid  # noqa: F401
 import titan_cp.attention.ulysses  # noqa: F401
 from titan_cp.attention.context import CPContext
+from titan_cp.attention.handle import CPHandle, handle_by_id
 from titan_cp.attention.kernels import check_kernel
 from titan_cp.attention.mask_plans import CAUSAL, Mask
-from titan_cp.attention.ring import RING
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
-from titan_cp.layout import DocLens, SequenceLayout, get_layout, layout_of
+from titan_cp.layout import DocLens, SequenceLayout, get_layout
 
 
 # ---------------------------------------------------------------------------- checks
@@ -83,55 +83,26 @@ def _scale(scale: float | None, head_dim: int) -> float:
 
 
 # ---------------------------------------------------------------------------- the custom op
-@dataclass(frozen=True)
-class CPSpec:
-    """The non-tensor part of a CP attention call, registered once and passed to the op as an int."""
-
-    mesh: DeviceMesh | None  # None on one device
-    strategy: str
-    balance: str
-    kernel: str | None
+_LOCAL: dict[str | None, CPHandle] = {}  # one-device handles, one per kernel name
 
 
-_SPECS: list[CPSpec] = []
-_SPEC_IDS: dict[tuple, int] = {}
+def local_handle(kernel: str | None = None) -> CPHandle:
+    """The one-device handle of ``kernel`` (what a model's attention runs by when no mesh is bound)."""
+    if kernel not in _LOCAL:
+        _LOCAL[kernel] = CPHandle(None, "ring", "contiguous", kernel)
+    return _LOCAL[kernel]
 
 
-@torch.compiler.assume_constant_result
-def register_spec(mesh: DeviceMesh | None, strategy: str, balance: str, kernel: str | None) -> int:
-    """The handle of this :class:`CPSpec` (the same handle for the same spec, so compiled graphs stay valid).
-
-    Run eagerly even while ``torch.compile`` traces a caller: the handle is a constant of the graph.
-    """
-    key = (id(mesh), strategy, balance, kernel)
-    if key not in _SPEC_IDS:
-        _SPEC_IDS[key] = len(_SPECS)
-        _SPECS.append(CPSpec(mesh, strategy, balance, kernel))
-    return _SPEC_IDS[key]
-
-
-def _strategy(spec: CPSpec) -> Strategy:
-    """One device runs the ring's one step: plain local attention."""
-    return RING if spec.mesh is None else get_strategy(spec.strategy)
+@functools.lru_cache(maxsize=64)
+def _functional_handle(mesh: DeviceMesh | None, strategy: str, balance: str, kernel: str | None) -> CPHandle:
+    """The handle :func:`cp_attention` runs by: one per setting (a compiled caller keeps one graph),
+    the last 64 kept (a call's backward needs its handle: its documents tensor holds it too)."""
+    return CPHandle(mesh, strategy, balance, kernel)
 
 
 def _mask(causal: bool, window: int, chunk: int) -> Mask:
     """The op's integers (0: none) as a :class:`Mask`."""
     return Mask(bool(causal), window or None, chunk or None)
-
-
-def _layout(spec: CPSpec, seq_len: int, cp: int, doc_lens: Tensor | None) -> SequenceLayout:
-    """The layout of this call: the one ``doc_lens`` came from (:func:`~titan_cp.layout.layout_of`: the
-    data was sharded by it, its balance is the batch's), else the one of ``doc_lens`` under the spec's balance."""
-    layout = layout_of(doc_lens)
-    if layout is None:
-        return get_layout(seq_len, cp, spec.balance, doc_lens)
-    if (layout.seq_len, layout.cp_size) != (seq_len, cp):
-        raise ValueError(
-            f"the batch's layout splits {layout.seq_len} tokens at cp size {layout.cp_size}, but the attention "
-            f"runs {seq_len // cp} tokens per rank at cp size {cp}: shard the batch over this cp mesh"
-        )
-    return layout
 
 
 def _context(
@@ -144,12 +115,11 @@ def _context(
     sinks: Tensor | None = None,
     fake: bool = False,
 ) -> tuple[CPContext, Strategy]:
-    spec = _SPECS[handle]
-    cp = 1 if spec.mesh is None else spec.mesh.size()
-    layout = None if fake else _layout(spec, q.shape[2] * cp, cp, doc_lens)
-    kernel = None if fake else check_kernel(spec.kernel, q.device, q.dtype, q.shape[-1])
-    ctx = CPContext(spec.mesh, layout, mask, scale, kernel, q.shape[1], k_heads, sinks, _documents(doc_lens))
-    return ctx, _strategy(spec)
+    cp = handle_by_id(handle)
+    layout = None if fake else cp.find(q.shape[2] * cp.size, doc_lens)
+    kernel = None if fake else check_kernel(cp.kernel, q.device, q.dtype, q.shape[-1])
+    ctx = CPContext(cp.mesh, layout, mask, scale, kernel, q.shape[1], k_heads, sinks, _documents(doc_lens))
+    return ctx, cp.strategy_impl
 
 
 def _documents(doc_lens: Tensor | None) -> bool:
@@ -249,7 +219,7 @@ _ARGS = ("doc_lens", "sinks", "handle", "causal", "window", "chunk", "scale")
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *rest = inputs
-    keeps = _strategy(_SPECS[rest[_ARGS.index("handle")]]).kept(_documents(rest[_ARGS.index("doc_lens")]))
+    keeps = handle_by_id(rest[_ARGS.index("handle")]).strategy_impl.kept(_documents(rest[_ARGS.index("doc_lens")]))
     kept = [t if name in keeps else None for name, t in (("q", q), ("k", k), ("v", v), ("out", output[0]))]
     ctx.kept = [name for name, t in zip(("q", "k", "v", "out"), kept) if t is not None]
     ctx.save_for_backward(*(t for t in kept if t is not None), *output[1:])
@@ -282,13 +252,9 @@ _cp_attention_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------------------- FLOPs
 def local_head_pairs(handle: int, q: Tensor, doc_lens: Tensor | None, mask: Mask) -> int:
     """Visible (query, key) pairs times heads that this rank's kernels compute in one CP attention call."""
-    spec = _SPECS[handle]
-    strategy = _strategy(spec)
-    cp = 1 if spec.mesh is None else spec.mesh.size()
-    layout = get_layout(q.shape[2] * cp, cp, spec.balance, doc_lens)
-    rank = 0 if spec.mesh is None else strategy.layout_rank(spec.mesh)
-    u = 1 if spec.mesh is None else strategy.mesh_ulysses_degree(spec.mesh)
-    return strategy.local_head_pairs(layout, rank, mask, q.shape[0], q.shape[1], u)
+    cp = handle_by_id(handle)
+    layout = cp.find(q.shape[2] * cp.size, doc_lens)
+    return cp.strategy_impl.local_head_pairs(layout, cp.rank, mask, q.shape[0], q.shape[1], cp.ulysses_degree)
 
 
 @register_flop_formula(torch.ops.titan_cp.cp_attention, get_raw=True)
@@ -393,13 +359,9 @@ def cp_attention(
             raise ValueError(f"mesh is None but the layout spreads the sequence over {layout.cp_size} ranks")
     else:
         strat.check_mesh(mesh, layout.cp_size, q.shape[1], k.shape[1])
-    handle = register_spec(mesh, strategy, layout.balance, kernel)
-    return attend(q, k, v, handle, layout.doc_lens_tensor(), mask.causal, scale, mask.window, mask.chunk, sinks)
-
-
-def cp_rank(mesh: DeviceMesh, strategy: str = DEFAULT_STRATEGY) -> int:
-    """This process's rank in the layout for ``mesh`` (the flattened ring x ulysses index for hybrid)."""
-    return get_strategy(strategy).layout_rank(mesh)
+    cp = _functional_handle(mesh, strategy, layout.balance, kernel)
+    _, doc_lens = cp.register(layout.seq_len, layout.doc_lens)
+    return attend(q, k, v, cp.id, doc_lens, mask.causal, scale, mask.window, mask.chunk, sinks)
 
 
 def local_attention(
@@ -423,8 +385,9 @@ def local_attention(
     check_qkv(q, k, v)
     mask = check_mask(causal, window, chunk, sinks, q.shape[1])
     if doc_lens is None or isinstance(doc_lens, Tensor):  # the model's path: straight to the op, traceable
-        handle = register_spec(None, "ring", "contiguous", kernel)
-        return attend(q, k, v, handle, doc_lens, mask.causal, _scale(scale, q.shape[-1]), window, chunk, sinks)
+        return attend(
+            q, k, v, local_handle(kernel).id, doc_lens, mask.causal, _scale(scale, q.shape[-1]), window, chunk, sinks
+        )
     layout = get_layout(q.shape[2], 1, "contiguous", doc_lens)
     return cp_attention(
         q, k, v, None, layout, causal=causal, scale=scale, kernel=kernel, window=window, chunk=chunk, sinks=sinks

@@ -5,7 +5,7 @@ layout); each rank keeps the K/V of its own tokens (:class:`ShardedKVCache`), an
 step merges the ranks' partial attention through its log-sum-exp with one small collective per
 layer (:mod:`titan_cp.attention.decode`)::
 
-    gen = Generator.on_mesh(model, dims, strategy="ring", balance="doc_local")    # or Generator(model)
+    gen = Generator(model)     # under CP: the handle apply_cp bound (its mesh, strategy, balance)
     outs = gen.generate([prompt_ids, ...], max_new_tokens=64, sampling=Sampling(0.8, 0.95, seed=0))
     scores = gen.score([context_ids, ...], [continuation_ids, ...])               # log-likelihoods
 

@@ -250,7 +250,7 @@ def run(job: GenerateJob) -> list[dict]:
     load_generation_weights(job.weights, model, job.model)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[compute_precision(cfg, device.type, rank0)]
     model.to(dtype)
-    records = TASKS[cfg.generate.task](job, Generator.on_mesh(model, dims, strategy, balance))
+    records = TASKS[cfg.generate.task](job, Generator(model))
     if rank0:
         _report(job, records, dist.get_world_size())
     return records

@@ -29,19 +29,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from titan_cp.attention import check_kernel, cp_rank
+from titan_cp.attention import check_kernel
+from titan_cp.attention.api import local_handle
 from titan_cp.attention.decode import KeyRanges, decode_attention
-from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.errors import plural
 from titan_cp.generate.cache import ShardedKVCache, plan_owners
 from titan_cp.generate.registry import runner_of
 from titan_cp.generate.sampling import Sampling, sample_next
-from titan_cp.layout import DEFAULT_BALANCE, get_layout, seq_len_multiple, to_device
+from titan_cp.layout import seq_len_multiple, to_device
 from titan_cp.loss import LOSS_CHUNK_BYTES
-from titan_cp.mesh import ParallelDims
-from titan_cp.parallel.build import cp_mesh
+from titan_cp.parallel import handle_of
 
 
 @dataclass(frozen=True)
@@ -145,44 +143,28 @@ class Generator:
     or a Hugging Face causal LM (:func:`.hf.build_hf_model`).
 
     Args:
-        model: the model; under CP its attention was made context-parallel over ``cp_mesh`` with
-            ``strategy`` and ``balance``.
-        cp_mesh: that mesh (``None``: no CP). Gives this rank's place in the layout.
-        cp_group: the process group of all cp ranks (the flattened ``cp`` mesh for hybrid; by
-            default ``cp_mesh``'s group, 1-D meshes only): decode merges and prefill reductions run on it.
-        strategy, balance: the CP strategy and layout the attention was given.
+        model: the model; under CP its attention runs by the handle ``apply_cp`` bound
+            (:func:`~titan_cp.parallel.handle_of`): its mesh, strategy and balance are the layout here,
+            and its mesh's group carries decode merges and prefill reductions.
         kernel: the local attention kernel of decode steps (``None``: the device's default).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        cp_mesh: DeviceMesh | None = None,
-        cp_group: dist.ProcessGroup | None = None,
-        strategy: str = DEFAULT_STRATEGY,
-        balance: str = DEFAULT_BALANCE,
-        kernel: str | None = None,
-    ) -> None:
-        self.runner, self.balance, self.kernel_name = runner_of(model), balance, kernel
-        self.cp = 1 if cp_mesh is None else cp_mesh.size()
-        self.rank = 0 if cp_mesh is None else cp_rank(cp_mesh, strategy)
-        self.group = None if cp_mesh is None else (cp_group if cp_group is not None else cp_mesh.get_group())
-        self.multiple = seq_len_multiple(balance, self.cp)
+    def __init__(self, model: nn.Module, kernel: str | None = None) -> None:
+        self.runner, self.kernel_name = runner_of(model), kernel
+        self.handle = handle_of(model) or local_handle()
+        mesh = self.handle.mesh
+        self.cp, self.rank = self.handle.size, self.handle.rank
+        self.group = None if mesh is None else (mesh if mesh.ndim == 1 else mesh._flatten()).get_group()
+        self.multiple = seq_len_multiple(self.handle.balance, self.cp)
         self.device = self.runner.device
-
-    @classmethod
-    def on_mesh(
-        cls, model: nn.Module, dims: ParallelDims, strategy: str, balance: str, kernel: str | None = None
-    ) -> Generator:
-        """The generator of ``model`` built on ``dims``' mesh (a :class:`~titan_cp.mesh.ParallelDims`)."""
-        if not dims.cp_enabled:
-            return cls(model, kernel=kernel)
-        return cls(model, cp_mesh(dims), dims.get_mesh("cp").get_group(), strategy, balance, kernel)
 
     # ------------------------------------------------------------------ shared pieces
     def _layout(self, packed: PackedPrompts):
-        """The layout of the packed row, and this rank's tokens and positions ``(1, S_local)`` on the device."""
-        layout = get_layout(packed.seq_len, self.cp, self.balance, [list(packed.doc_lens)])
+        """The layout of the packed row, and this rank's tokens and positions ``(1, S_local)`` on the device;
+        ``self._doc_lens`` is its documents tensor for the model (registered with the handle while it lives)."""
+        layout, doc_lens = self.handle.register(packed.seq_len, [list(packed.doc_lens)])
+        assert doc_lens is not None, "a packed row has documents"
+        self._doc_lens = doc_lens
         tokens = layout.shard(packed.tokens, 1, self.rank)
         positions = layout.doc_positions(self.rank)
         return layout, to_device(tokens, self.device), to_device(positions, self.device)
@@ -218,7 +200,7 @@ class Generator:
         def capture(i: int, k: Tensor, v: Tensor) -> None:  # k, v (1, K, S_local, E): this rank's tokens
             cache.write(i, rows_d, *(x[0].transpose(0, 1).index_select(0, slots_d) for x in (k, v)))
 
-        h = self.runner.hidden(tokens, positions, layout.doc_lens_tensor(), capture)
+        h = self.runner.hidden(tokens, positions, self._doc_lens, capture)
         last = torch.tensor(packed.lengths).cumsum(0) - 1  # the global slot of each prompt's last token
         here, slot = _find(layout.index(self.rank), last)
         rows_h = h.new_zeros((n, h.shape[-1]))
@@ -341,7 +323,7 @@ class Generator:
         targets = packed.tokens[0, label_at + 1]
         here, slot = _find(layout.index(self.rank), label_at)
         local, slot_of = torch.nonzero(here).flatten(), slot[here]  # the labels whose slot is here, and where
-        h = self.runner.hidden(tokens, positions, layout.doc_lens_tensor())[0]
+        h = self.runner.hidden(tokens, positions, self._doc_lens)[0]
         result = torch.zeros(2, len(label_at), dtype=torch.float64, device=self.device)
         chunk = max(1, LOSS_CHUNK_BYTES // (4 * self.runner.vocab_size))
         local_d, slot_d = to_device(local, self.device), to_device(slot_of, self.device)

@@ -7,7 +7,7 @@ cumulative lengths ``cu_seq_lens_q`` / ``cu_seq_lens`` over the flattened rows. 
 
     doc_lens   read once, on the host: the documents of every row
     shifted    labels[t] = labels[t + 1] inside a document, -100 at each document's last token
-    layout     get_layout(S, cp, balance, doc_lens): one permutation for every per-token tensor
+    layout     cp.register(S, doc_lens): the handle's balance; one permutation for every per-token tensor
     local      input_ids, position_ids (in-document positions), labels = shift_labels = shifted,
                each layout.shard(x, 1, cp rank): (B, S / cp)
     N          loss-bearing tokens (shifted != -100) of the whole step: this dp rank's rows summed
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from titan_cp.attention.strategy import get_strategy
-from titan_cp.layout import DEFAULT_BALANCE, get_layout, seq_len_multiple, to_device
+from titan_cp.attention.handle import CPHandle, register_sharder
+from titan_cp.layout import seq_len_multiple, to_device
 from titan_cp.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -50,13 +50,6 @@ _KNOWN = {
     "max_length_k",
     "seq_idx",
 }
-
-
-def layout_rank(cp_mesh: DeviceMesh | None) -> int:
-    """This process's rank in the layout of ``cp_mesh`` (the ring x Ulysses index on a 2-D hybrid mesh)."""
-    if cp_mesh is None:
-        return 0
-    return get_strategy("hybrid" if cp_mesh.ndim == 2 else "ring").layout_rank(cp_mesh)
 
 
 def _host(batch, key: str) -> Tensor | None:
@@ -327,8 +320,7 @@ def _loss_count(shifted: Tensor, num_items_in_batch: int | None, dp_mesh) -> int
 
 def shard_batch(
     batch: Mapping[str, Any],
-    cp_mesh: DeviceMesh | None,
-    balance: str = DEFAULT_BALANCE,
+    cp: CPHandle,
     dp_mesh: DeviceMesh | None = None,
     num_items_in_batch: int | None = None,
     pad_token_id: int | None = None,
@@ -341,8 +333,7 @@ def shard_batch(
             (unshifted, -100 where no loss) or ``shift_labels`` (already shifted); the documents
             as ``position_ids`` restarting at 0, or ``cu_seq_lens_q``/``cu_seq_lens`` (none: one
             document per row); an all-ones ``attention_mask`` is accepted and dropped.
-        cp_mesh: the mesh given to ``apply_cp`` (``None`` on one device).
-        balance: the layout; the same as ``apply_cp``'s.
+        cp: the handle ``apply_cp`` returned: its mesh, and the balance the batch is sharded by.
         dp_mesh: the data-parallel mesh (or process group) whose ranks hold the step's other rows;
             ``None``: this rank's rows are the whole step.
         num_items_in_batch: the step's loss-bearing token count when it spans more than this batch
@@ -354,9 +345,16 @@ def shard_batch(
 
     Returns ``input_ids``, ``position_ids`` (in-document positions), ``labels`` = ``shift_labels``
     (shifted, local), ``num_items_in_batch`` (0-dim int64), ``cp_doc_lens`` (the ``(B, max_docs)``
-    host tensor every layer's attention reads), ``cp_balance`` and ``use_cache=False``; per-token
-    tensors ``(B, S_padded / cp)`` on ``device``. Without labels, no loss keys.
+    host tensor by which every layer's attention finds the layout) and ``use_cache=False``; per-token
+    tensors ``(B, S_padded / cp)`` on ``device``. Without labels, no loss keys. ``cp.shard(batch)``
+    is this function.
     """
+    if not isinstance(cp, CPHandle):
+        raise ValueError(
+            f"shard_batch takes the handle apply_cp returned (cp = apply_cp(model, cp_mesh, ...); "
+            f"cp.shard(batch)), got {type(cp).__name__}: the handle carries the mesh and the balance"
+        )
+    cp_mesh, balance = cp.mesh, cp.balance
     _check_keys(batch)
     device = torch.as_tensor(batch["input_ids"]).device if device is None else torch.device(device)
     ids = _input_ids(batch)
@@ -368,45 +366,37 @@ def shard_batch(
     _check_meshes(cp_mesh, dp_mesh)
     if cp_mesh is not None and cp_mesh.size() > 1:
         _check_same_rows(ids, shifted, rows, cp_mesh)
-    cp = 1 if cp_mesh is None else cp_mesh.size()
-    extra = -s % seq_len_multiple(balance, cp)
+    size = cp.size
+    extra = -s % seq_len_multiple(balance, size)
     if extra:
         if pad_token_id is None:
             raise ValueError(
-                f"input_ids has {s} tokens per row, which balance {balance!r} cannot split over cp size {cp} (it "
-                f"needs a multiple of {seq_len_multiple(balance, cp)}): pad the rows, or pass "
+                f"input_ids has {s} tokens per row, which balance {balance!r} cannot split over cp size {size} (it "
+                f"needs a multiple of {seq_len_multiple(balance, size)}): pad the rows, or pass "
                 f"shard_batch(..., pad_token_id=...) to append a padding document of {extra} tokens (no loss)"
             )
         ids = torch.cat([ids, ids.new_full((b, extra), pad_token_id)], 1)
         shifted = None if shifted is None else torch.cat([shifted, shifted.new_full((b, extra), IGNORE_INDEX)], 1)
         rows, s = [row + [extra] for row in rows], s + extra
-    layout = get_layout(s, cp, balance, rows)
-    rank = layout_rank(cp_mesh)
+    layout, doc_lens = cp.register(s, rows)
 
     def local(x: Tensor) -> Tensor:
-        return to_device(layout.shard(x, 1, rank), device)
+        return to_device(layout.shard(x, 1, cp.rank), device)
 
     out: dict[str, Any] = {"input_ids": local(ids), "position_ids": local(_doc_positions(rows))}
     if shifted is not None:
         n = _loss_count(shifted, num_items_in_batch, dp_mesh)
         out["labels"] = out["shift_labels"] = local(shifted)
         out["num_items_in_batch"] = torch.tensor(n, dtype=torch.int64, device=device)
-    out.update(cp_doc_lens=layout.doc_lens_tensor(), cp_balance=balance, use_cache=False)
+    out.update(cp_doc_lens=doc_lens, use_cache=False)
     return out
 
 
-def gather_unshard(x: Tensor, local: dict, cp_mesh: DeviceMesh | None, dim: int = 1) -> Tensor:
+def gather_unshard(x: Tensor, local: Mapping[str, Any], cp: CPHandle, dim: int = 1) -> Tensor:
     """Every cp rank's ``x`` (this rank's tokens along ``dim``, e.g. logits ``(B, S_local, V)``)
-    gathered and put back in natural token order: ``(..., S, ...)``. Collective over ``cp_mesh``;
-    no gradient. ``local``: what :func:`shard_batch` returned for this batch."""
-    if cp_mesh is None:
-        return x
-    s, cp = x.shape[dim] * cp_mesh.size(), cp_mesh.size()
-    layout = get_layout(s, cp, local["cp_balance"], local["cp_doc_lens"])
-    group = cp_mesh.get_group() if cp_mesh.ndim == 1 else cp_mesh._flatten().get_group()
-    parts = [torch.empty_like(x) for _ in range(cp)]
-    ranks = [torch.zeros((), dtype=torch.int64, device=x.device) for _ in range(cp)]
-    dist.all_gather(parts, x.detach().contiguous(), group=group)
-    dist.all_gather(ranks, torch.tensor(layout_rank(cp_mesh), device=x.device), group=group)
-    by_rank = [parts[i] for i in sorted(range(cp), key=lambda i: int(ranks[i]))]
-    return layout.unshard(by_rank, dim)
+    gathered and put back in natural token order: ``(..., S, ...)``. Collective over the handle's
+    mesh; no gradient. ``local``: what :func:`shard_batch` returned for this batch."""
+    return cp.unshard(x, local.get("cp_doc_lens"), dim)
+
+
+register_sharder(Mapping, lambda cp, batch, **options: shard_batch(batch, cp, **options))

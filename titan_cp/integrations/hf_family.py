@@ -19,6 +19,7 @@ from titan_cp.families.base import ModelFamily, ModelSpec, register_family
 from titan_cp.integrations.hf_model import plain_head, text_config
 from titan_cp.integrations.hf_parallel import CausalLM
 from titan_cp.model import hf_checkpoint, hf_shapes
+from titan_cp.parallel import handle_of
 from titan_cp.parallel.build import ModelParts
 
 if TYPE_CHECKING:
@@ -83,7 +84,9 @@ class HuggingFace(ModelFamily):
 
         model, args = hf_folder.build_parallel_hf_model(cfg.model.hf_assets_path, dims, options, device)
         hf_folder.check_vocab(model, vocab_size)
-        return ModelParts([model]), args
+        cp = handle_of(model)
+        assert cp is not None, "build_parallel_hf_model binds a CP handle (one device too)"
+        return ModelParts([model], cp), args
 
     def load_hf(
         self, parts: list[nn.Module], path: str | Path, shapes: Any, key: str = "checkpoint.initial_load_path"

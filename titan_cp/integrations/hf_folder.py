@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from titan_cp.attention.handle import CPHandle
 from titan_cp.errors import UserError, process_rank
 from titan_cp.files import read_json
 from titan_cp.integrations.hf_model import check_supported, hf_model_of, text_config
@@ -49,7 +50,6 @@ from titan_cp.parallel import build as parallel_build
 from titan_cp.parallel.build import ModelBuilder
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
     from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
@@ -158,8 +158,8 @@ class HFBuilder(ModelBuilder):
         self.args = HFModelArgs.of(hf)
         return hf
 
-    def context_parallel(self, model: nn.Module, mesh: DeviceMesh | None, options: Any) -> nn.Module:
-        apply_cp(model, mesh, options.cp_strategy, options.cp_balance, options.cp_kernel)  # one device too
+    def context_parallel(self, model: nn.Module, handle: CPHandle) -> nn.Module:
+        apply_cp(model, handle)  # one device too
         return CausalLM(model)
 
     def materialize(self, model: nn.Module, device: torch.device | str, seed: int | None) -> None:

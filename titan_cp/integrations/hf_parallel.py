@@ -108,7 +108,7 @@ def hf_adapter(model: nn.Module, attach_cp: Callable[..., Any]) -> ParallelAdapt
     return ParallelAdapter(
         model,
         layer_list(model),
-        lambda mesh, strategy, balance, kernel: attach_cp(model, mesh, strategy, balance, kernel),
+        lambda handle: attach_cp(model, handle),
         family="hf",
         embedding=None if tied else embed,
     )

@@ -11,11 +11,12 @@ schedule, logging, checkpoints) and changes what context parallelism needs:
 
 - the mesh: ``(dp, cp)`` over the world (``cp = cp_size``, ``dp = world / cp``, cp innermost: the
   ranks of a cp group are consecutive), built when the trainer is; :func:`apply_cp` binds the
-  model to its cp mesh (2-D ``(cp_ring, cp_ulysses)`` for ``"hybrid"``);
+  model to its cp mesh (2-D ``(cp_ring, cp_ulysses)`` for ``"hybrid"``) and returns the handle
+  (``trainer.cp``) each micro-batch is sharded with;
 - the data: the Trainer's sampler and ``accelerate``'s dataloader preparation spread rows over the
   dp ranks only (``accelerate`` is handed a mesh with a ``cp`` dimension, as for its own CP), so
-  every rank of a cp group reads the same rows; ``shard_batch`` checks that they do;
-- the loss: ``compute_loss`` shards each micro-batch by the layout (:func:`shard_batch`: labels
+  every rank of a cp group reads the same rows; ``cp.shard`` checks that they do;
+- the loss: ``compute_loss`` shards each micro-batch by the layout (``cp.shard``: labels
   shifted inside each document first), and scales this rank's summed cross-entropy so that the
   gradients DDP averages over the world are one process's: ``sum_local CE x W / N`` where ``N``
   is the step's loss-bearing tokens over every micro-batch and dp rank
@@ -50,10 +51,11 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_cp.ac_modes import AC_MODES
+from titan_cp.attention.handle import CPHandle
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
 from titan_cp.balance import balance_names
 from titan_cp.errors import plural
-from titan_cp.integrations.hf_batch import count_loss_tokens, gather_unshard, shard_batch
+from titan_cp.integrations.hf_batch import count_loss_tokens
 from titan_cp.integrations.hf_compat import TrainerHooks, accelerate_device_mesh, check_trainer_hooks, mark_sharded
 from titan_cp.layout import DEFAULT_BALANCE
 from titan_cp.loss import IGNORE_INDEX
@@ -205,6 +207,7 @@ class ContextParallelMixin(TrainerHooks):
     dp_size: int
     data_mesh: DeviceMesh | None  # (dp_replicate, cp) over the world; None on one process
     cp_mesh: DeviceMesh | None
+    cp: CPHandle  # what apply_cp returned: the model runs by it and each micro-batch is sharded with it
     dp_group: dist.ProcessGroup | None
     cp_pad_token_id: int
     cp_head: nn.Linear | None  # the head the chunked loss reads (chunked_loss=True)
@@ -262,7 +265,7 @@ class ContextParallelMixin(TrainerHooks):
 
     def _cp_bind(self, model: nn.Module) -> None:
         o = self.cp_options
-        apply_cp(model, self.cp_mesh, strategy=o.strategy, balance=o.balance, kernel=o.kernel)
+        self.cp = apply_cp(model, self.cp_mesh, strategy=o.strategy, balance=o.balance, kernel=o.kernel)
         apply_tiled_mlp(model, o.tile_tokens)
         apply_ac(
             model, o.activation_checkpointing, cpu_offload=o.cpu_offload, blocks_per_checkpoint=o.blocks_per_checkpoint
@@ -365,10 +368,8 @@ class ContextParallelMixin(TrainerHooks):
             )
         else:
             step_tokens = int(num_items_in_batch)
-        local = shard_batch(
+        local = self.cp.shard(
             inputs,
-            self.cp_mesh,
-            balance=self.cp_options.balance,
             num_items_in_batch=step_tokens,
             pad_token_id=self.cp_pad_token_id,
             device=self.args.device,
@@ -388,7 +389,7 @@ class ContextParallelMixin(TrainerHooks):
         else:
             loss = self._cp_eval_loss(ce_sum.detach(), mine, group_tokens)
             if outputs is not None and getattr(outputs, "logits", None) is not None:
-                outputs["logits"] = gather_unshard(outputs.logits, local, self.cp_mesh)[:, :seq]
+                outputs["logits"] = self.cp.unshard(outputs.logits, local["cp_doc_lens"])[:, :seq]
         return (loss, outputs) if return_outputs else loss
 
     def _cp_chunked_loss(self, model: nn.Module, head: nn.Linear, local: dict, mine: int) -> torch.Tensor:
@@ -474,16 +475,14 @@ class ContextParallelMixin(TrainerHooks):
         gathered over the cp group (the Trainer would run the whole rows, which the attention refuses)."""
         inputs = _model_keys(self.cp_prepare_inputs(inputs))
         seq = inputs["input_ids"].shape[1]
-        local = shard_batch(
+        local = self.cp.shard(
             inputs,
-            self.cp_mesh,
-            balance=self.cp_options.balance,
             pad_token_id=self.cp_pad_token_id,
             device=self.args.device,
         )
         with torch.no_grad(), self.compute_loss_context_manager():
             logits = model(**local).logits
-        return gather_unshard(logits, local, self.cp_mesh)[:, :seq]
+        return self.cp.unshard(logits, local["cp_doc_lens"])[:, :seq]
 
     # ---- evaluation ---------------------------------------------------------------------------
 

@@ -3,9 +3,9 @@
 ::
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="titan_cp")
-    apply_cp(model, cp_mesh, strategy="ring", balance="doc_local")     # binds the mesh; checks the model
+    cp = apply_cp(model, cp_mesh, strategy="ring", balance="doc_local")  # binds the mesh; checks the model
     apply_fsdp(model, fsdp_mesh)                                         # dp_shard x cp, gradients summed
-    local = shard_batch(batch, cp_mesh, balance="doc_local", dp_mesh=dp_mesh)
+    local = cp.shard(batch, dp_mesh=dp_mesh)   # this rank's tokens by the layout of the documents
     model(**local).loss.backward()     # local summed CE / loss-bearing tokens of the whole step
 
 How it plugs in, without patching any model class:
@@ -16,10 +16,10 @@ How it plugs in, without patching any model class:
   strategy, every kernel, packed documents) and returns ``(B, S_local, H, E)``.
 - ``AttentionMaskInterface.register("titan_cp", titan_cp_mask)``: builds nothing (``None``): the
   documents reach the attention as the ``cp_doc_lens`` keyword, a ``(B, max_docs)`` host tensor that
-  ``shard_batch`` makes and ``transformers`` hands unchanged to every layer.
-- :func:`apply_cp` binds the mesh, strategy, balance and kernel to each attention module (one
-  handle per model) and replaces that model's own ``generate`` with a refusal; :func:`shard_batch`
-  shards a batch by the same layout.
+  ``cp.shard(batch)`` (:func:`shard_batch`) makes and ``transformers`` hands unchanged to every layer.
+- :func:`apply_cp` binds one handle (mesh, strategy, balance, kernel) to each attention module,
+  replaces that model's own ``generate`` with a refusal and returns the handle, which shards each
+  batch by the layout the attention then finds.
 
 Importing this module registers those two names and changes nothing else in ``transformers``: only
 the models :func:`apply_cp` binds are guarded. A model on another implementation (``sdpa``, ``eager``,
@@ -51,9 +51,8 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from titan_cp.attention.api import attend, check_mask, check_qkv, register_spec
-from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
-from titan_cp.balance import balance_names
+from titan_cp.attention.api import attend, check_mask, check_qkv
+from titan_cp.attention.handle import CPHandle
 from titan_cp.integrations.hf_batch import count_loss_tokens, gather_unshard, shard_batch
 from titan_cp.integrations.hf_model import (
     attention_modules,
@@ -65,13 +64,10 @@ from titan_cp.integrations.hf_model import (
 )
 from titan_cp.integrations.hf_parallel import CausalLM, hf_adapter
 from titan_cp.integrations.hf_tiny import byte_tokenizer, tiny_qwen3_folder
-from titan_cp.layout import DEFAULT_BALANCE
-from titan_cp.parallel import apply_ac, apply_compile, apply_cp, apply_fsdp
+from titan_cp.parallel import apply_ac, apply_compile, apply_cp, apply_fsdp, handle_of
 from titan_cp.parallel.adapter import ParallelAdapter, register_adapter
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -86,6 +82,7 @@ __all__ = [
     "check_supported",
     "context_parallel_trainer",
     "count_loss_tokens",
+    "handle_of",
     "shard_batch",
     "titan_cp_attention",
     "titan_cp_mask",
@@ -100,15 +97,16 @@ BINDING = "titan_cp_binding"  # the attribute apply_cp sets on each attention mo
 
 @dataclass(frozen=True)
 class CPBinding:
-    """What one attention module runs: the op's spec ``handle`` (mesh, strategy, balance, kernel) and
-    its layer's mask (``window``, ``chunk``: ``None`` for plain causal attention)."""
+    """What one attention module runs: the CP ``handle`` (mesh, strategy, balance, kernel) and its
+    layer's mask (``window``, ``chunk``: ``None`` for plain causal attention)."""
 
-    handle: int
-    strategy: str
-    balance: str
-    cp_size: int
+    handle: CPHandle
     window: int | None = None
     chunk: int | None = None
+
+    @property
+    def cp_size(self) -> int:
+        return self.handle.size
 
 
 def _autocast_dtype(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -131,8 +129,8 @@ def _check_layout_size(query: Tensor, binding: CPBinding, doc_lens: Tensor | Non
     if total != local * binding.cp_size:
         raise ValueError(
             f"the batch's rows hold {total} tokens but this rank has {local} of them under the cp size "
-            f"{binding.cp_size} that apply_cp bound: shard_batch ran over a cp mesh of size {total / local:g}; "
-            "pass shard_batch the same cp mesh as apply_cp"
+            f"{binding.cp_size} that apply_cp bound: the batch was sharded for a cp size of {total / local:g}; "
+            "shard it with the handle apply_cp returned (cp.shard(batch))"
         )
 
 
@@ -151,7 +149,7 @@ def _cp_attend(
     query, key, value = _autocast_dtype(query, key, value)
     check_qkv(query, key, value)
     mask = check_mask(True, binding.window, binding.chunk, sinks, query.shape[1])
-    return attend(query, key, value, binding.handle, doc_lens, True, scale, mask.window, mask.chunk, sinks)
+    return attend(query, key, value, binding.handle.id, doc_lens, True, scale, mask.window, mask.chunk, sinks)
 
 
 def _where(module: nn.Module) -> str:
@@ -193,8 +191,8 @@ def _check_call(
     if binding.cp_size > 1 and "cp_doc_lens" not in kwargs:  # None is given on purpose: one document a row
         raise ValueError(
             f"{where} runs under CP {binding.cp_size} but the batch did not come through the layout (no "
-            "cp_doc_lens): shard each batch with titan_cp.integrations.transformers.shard_batch(batch, cp_mesh, "
-            "balance=...) and call model(**local)"
+            "cp_doc_lens): shard each batch with the handle apply_cp returned (local = cp.shard(batch)) and "
+            "call model(**local)"
         )
     if isinstance(getattr(module, "sinks", None), nn.Parameter) and kwargs.get("s_aux") is None:
         raise ValueError(f"{where} has attention sinks but did not pass them (s_aux): titan_cp cannot run it")
@@ -209,12 +207,6 @@ def _check_call(
         )
     if dropout and module.training:
         raise ValueError(f"{where}: attention dropout {dropout} is not supported; set config.attention_dropout = 0.0")
-    balance = kwargs.get("cp_balance")
-    if balance is not None and balance != binding.balance:
-        raise ValueError(
-            f"the batch was sharded with shard_batch(balance={balance!r}) but apply_cp bound "
-            f"balance={binding.balance!r}: pass the same balance to both"
-        )
 
 
 def titan_cp_attention(
@@ -238,7 +230,7 @@ def titan_cp_attention(
     _check_call(module, binding, query, key, attention_mask, dropout, kwargs)
     doc_lens = kwargs.get("cp_doc_lens")
     if doc_lens is not None and not isinstance(doc_lens, Tensor):
-        raise ValueError("cp_doc_lens must be the (batch, max_docs) host tensor that shard_batch returns")
+        raise ValueError("cp_doc_lens must be the (batch, max_docs) host tensor that cp.shard(batch) returns")
     _check_layout_size(query, binding, doc_lens)
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     out = _cp_attend(query, key, value, binding, doc_lens, scale, kwargs.get("s_aux"))
@@ -268,40 +260,24 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, titan_cp_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, titan_cp_mask)
 
 
-def bind_cp(
-    model: nn.Module,
-    cp_mesh: DeviceMesh | None,
-    strategy: str = DEFAULT_STRATEGY,
-    balance: str = DEFAULT_BALANCE,
-    kernel: str | None = None,
-) -> nn.Module:
-    """Run ``model``'s attention as titan_cp's CP attention over ``cp_mesh``; returns ``model``. What
-    :func:`titan_cp.parallel.apply_cp` (exported here as ``apply_cp``) does for a Hugging Face model.
+def bind_cp(model: nn.Module, handle: CPHandle) -> nn.Module:
+    """Run ``model``'s attention as titan_cp's CP attention by ``handle``; returns ``model``. What
+    :func:`titan_cp.parallel.apply_cp` (exported here as ``apply_cp``, which makes the handle) does for
+    a Hugging Face model (loaded, or built on ``meta``; or a :class:`CausalLM`).
 
-    Args:
-        model: a ``transformers`` causal LM (loaded, or built on ``meta``), or a :class:`CausalLM`.
-        cp_mesh: the cp ``DeviceMesh`` (1-D; 2-D ``(cp_ring, cp_ulysses)`` for ``"hybrid"``), or
-            ``None`` on one device (packed documents still masked, no communication).
-        strategy: ``"ring"``, ``"allgather"``, ``"ulysses"`` or ``"hybrid"``.
-        balance: the sequence layout; :func:`shard_batch` must be given the same.
-        kernel: local kernel name, ``None`` for the fastest on the device and dtype.
-
-    Sets ``attn_implementation="titan_cp"`` (``set_attn_implementation``), binds the op's spec to
-    each attention module and sets this model's ``generate`` (an attribute of the instance, not of its
-    class) to one that refuses, naming titan_cp's generation. ``ValueError`` for a model titan_cp
-    cannot run exactly (it names the layer type and the config field), heads the strategy cannot
-    split, or a mesh of the wrong shape.
+    Sets ``attn_implementation="titan_cp"`` (``set_attn_implementation``), binds the handle and the
+    layer's mask to each attention module and sets this model's ``generate`` (an attribute of the
+    instance, not of its class) to one that refuses, naming titan_cp's generation. ``ValueError`` for a
+    model titan_cp cannot run exactly (it names the layer type and the config field), heads the
+    strategy cannot split, or a mesh of the wrong shape.
     """
     hf = hf_model_of(model)
     check_supported(hf)
-    strat = get_strategy(strategy)
-    if balance not in balance_names():
-        raise ValueError(f"apply_cp balance must be one of {balance_names()}, got {balance!r}")
     c = text_config(hf.config)
     q_heads = c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or q_heads
-    if cp_mesh is not None:
-        strat.check_mesh(cp_mesh, cp_mesh.size(), q_heads, kv_heads)
+    if handle.mesh is not None:
+        handle.strategy_impl.check_mesh(handle.mesh, handle.size, q_heads, kv_heads)
     modules = attention_modules(hf)
     for module in modules:
         if not module.is_causal:
@@ -311,11 +287,11 @@ def bind_cp(
     hf.set_attn_implementation(ATTN_IMPLEMENTATION)
     if hf.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(f"{type(hf).__name__} does not let transformers set its attention implementation")
-    handle, cp_size = register_spec(cp_mesh, strategy, balance, kernel), 1 if cp_mesh is None else cp_mesh.size()
     for module in modules:
         # transformers' attention modules hold their layer's index as an int (nn.Module's typing says Tensor | Module)
         window, chunk = layer_mask(hf.config, cast(int, module.layer_idx))
-        setattr(module, BINDING, CPBinding(handle, strategy, balance, cp_size, window, chunk))
+        setattr(module, BINDING, CPBinding(handle, window, chunk))
+        module.cp_handle = handle  # what titan_cp.parallel.handle_of finds
     hf.generate = _refuse_generate
     return model
 

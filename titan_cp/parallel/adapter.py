@@ -13,8 +13,8 @@
     mlp_name    the attribute of each block that holds its feed-forward (tiled MLP)
     head_unit   what runs after the blocks and may be recomputed as one more checkpoint unit when
                 checkpointed inputs go to the host (titan_cp's final norm and chunked-loss head; empty: none)
-    attach_cp   ``attach_cp(cp_mesh, strategy, balance, kernel)``: makes every attention core
-                context-parallel (``cp_mesh`` ``None``: one device, documents still masked)
+    attach_cp   ``attach_cp(handle)``: makes every attention core context-parallel by the
+                :class:`~titan_cp.attention.handle.CPHandle` (no mesh: one device, documents still masked)
 
 Each family registers its provider (:func:`register_adapter`): titan_cp's Llama in
 :mod:`titan_cp.parallel.llama` (imported with the package), Hugging Face causal LMs in
@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from titan_cp.attention.handle import CPHandle
+
 
 @dataclass
 class ParallelAdapter:
@@ -36,7 +38,7 @@ class ParallelAdapter:
 
     root: nn.Module
     blocks: nn.ModuleDict | nn.ModuleList
-    attach_cp: Callable[..., None]
+    attach_cp: Callable[[CPHandle], None]
     family: str
     embedding: nn.Module | None = None
     tail: list[nn.Module] = field(default_factory=list)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_cp.attention.handle import CPHandle
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.layout import DEFAULT_BALANCE
 from titan_cp.mesh import ParallelDims
@@ -89,11 +90,10 @@ class ModelBuilder:
     def tensor_parallel(self, model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
         raise ValueError(f"{type(self).__name__}: tensor parallelism is not built for this model")
 
-    def context_parallel(self, model: nn.Module, mesh: DeviceMesh | None, options: ParallelizeOptions) -> nn.Module:
-        """Make the attention cores context-parallel over ``mesh`` (``None``: one device); returns the
+    def context_parallel(self, model: nn.Module, handle: CPHandle) -> nn.Module:
+        """Make the attention cores context-parallel by ``handle`` (no mesh: one device); returns the
         module the rest applies to (the model, or a wrapper around it)."""
-        if mesh is not None:
-            apply_cp(model, mesh, options.cp_strategy, options.cp_balance, options.cp_kernel)
+        apply_cp(model, handle)
         return model
 
     def materialize(self, model: nn.Module, device: torch.device | str, seed: int | None) -> None:
@@ -145,13 +145,15 @@ def parallelize(
     parallel_dims: ParallelDims,
     options: ParallelizeOptions,
     fsdp: bool = True,
+    handle: CPHandle | None = None,
 ) -> nn.Module:
     """Parallelize ``model`` (or a pipeline stage of it) in place, in the module docstring's order;
     returns the module to train (the model, or the wrapper its family's CP step made).
-    ``fsdp`` false: no FSDP whatever the mesh (generation keeps the weights whole)."""
+    ``fsdp`` false: no FSDP whatever the mesh (generation keeps the weights whole). ``handle``: the
+    CP handle to bind (every stage of a pipeline shares one; ``None``: :func:`cp_handle` of the options)."""
     if parallel_dims.tp_enabled:
         builder.tensor_parallel(model, parallel_dims.get_mesh("tp"), options.loss_parallel)
-    model = builder.context_parallel(model, cp_mesh(parallel_dims) if parallel_dims.cp_enabled else None, options)
+    model = builder.context_parallel(model, handle or cp_handle(parallel_dims, options))
     apply_tiled_mlp(model, options.tile_tokens)
     apply_ac(model, options.ac_mode, options.ac_every, options.ac_cpu_offload, options.ac_blocks_per_checkpoint)
     if options.compile:
@@ -173,9 +175,18 @@ def parallelize(
     return model
 
 
-def parallelize_llama(model: Transformer, parallel_dims: ParallelDims, options: ParallelizeOptions) -> None:
-    """Parallelize titan_cp's Llama ``model`` (or a pipeline stage of it) in place."""
-    parallelize(LlamaBuilder(model.args), model, parallel_dims, options)
+def cp_handle(parallel_dims: ParallelDims, options: ParallelizeOptions) -> CPHandle:
+    """The CP handle of this mesh and these options (no mesh when CP is off)."""
+    mesh = cp_mesh(parallel_dims) if parallel_dims.cp_enabled else None
+    return CPHandle(mesh, options.cp_strategy, options.cp_balance, options.cp_kernel)
+
+
+def parallelize_llama(model: Transformer, parallel_dims: ParallelDims, options: ParallelizeOptions) -> CPHandle:
+    """Parallelize titan_cp's Llama ``model`` (or a pipeline stage of it) in place; returns the CP handle
+    its batches are sharded with."""
+    handle = cp_handle(parallel_dims, options)
+    parallelize(LlamaBuilder(model.args), model, parallel_dims, options, handle=handle)
+    return handle
 
 
 def materialize(model: Transformer, device: torch.device | str, seed: int | None = None) -> None:
@@ -195,10 +206,12 @@ def buffers_to(model: nn.Module, device: torch.device | str) -> None:
 
 @dataclass
 class ModelParts:
-    """This rank's model: its parts (the whole model, or its pipeline stages) and, with a
-    pipeline, the schedule and whether this rank holds the first / last stage."""
+    """This rank's model: its parts (the whole model, or its pipeline stages), the CP handle they run
+    by (batches are sharded with it), and, with a pipeline, the schedule and whether this rank holds
+    the first / last stage."""
 
     parts: list[nn.Module]
+    cp: CPHandle
     schedule: Any = None
     has_first: bool = True
     has_last: bool = True
@@ -225,9 +238,10 @@ def build_parallel_model(
     """
     builder = model if isinstance(model, ModelBuilder) else LlamaBuilder(model)
     whole = builder.meta()
+    handle = cp_handle(parallel_dims, options)
 
     def prepare(part: nn.Module) -> nn.Module:
-        part = parallelize(builder, part, parallel_dims, options, fsdp)
+        part = parallelize(builder, part, parallel_dims, options, fsdp, handle)
         host = options.fsdp_cpu_offload  # FSDP's CPU offload: the shards live on the host
         builder.materialize(part, "cpu" if host else device, seed)
         if host:
@@ -239,5 +253,5 @@ def build_parallel_model(
         schedule, parts, first, last = builder.pipeline(
             whole, pp_mesh, pp_microbatches, pp_schedule, loss_fn, device, prepare
         )
-        return ModelParts(parts, schedule, first, last)
-    return ModelParts([prepare(whole)])
+        return ModelParts(parts, handle, schedule, first, last)
+    return ModelParts([prepare(whole)], handle)

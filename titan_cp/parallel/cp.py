@@ -2,11 +2,13 @@
 
 ::
 
+    style = ContextParallel(strategy="ring", balance="doc_local")
     parallelize_module(
         model,
         cp_mesh,                                # 1-D "cp"; 2-D ("cp_ring", "cp_ulysses") for hybrid
-        {"layers.*.attention.inner_attention": ContextParallel(strategy="ring", balance="doc_local")},
+        {"layers.*.attention.inner_attention": style},
     )
+    local = style.handle.shard(microbatch)      # the one handle: sharding and attention by one layout
 
 The style takes over the forward of the attention core, ``inner_attention(q, k, v, doc_lens)``
 (q ``(B, H, S_local, E)``, k/v ``(B, K, S_local, E)``), keeping the module's mask (``window``,
@@ -16,12 +18,12 @@ local shards or DTensors placed ``Shard(2)`` on the cp mesh; the output is of th
 As a DTensor, the "global" sequence is the layout's rank-concatenated order (the shards
 stacked by rank), the convention of PyTorch's own load-balanced CP.
 
-The batch's document structure arrives as the ``doc_lens`` argument of every call, a
-zero-padded ``(B, max_docs)`` tensor *on the host*; the layout, its mask plans and their
-device indices are built from it once per microbatch (the first layer) and reused by every
-other layer (the same tensor object is recognised without being read again): no device
-synchronisation in the layer loop, and no global state, so each pipeline microbatch
-carries its own documents through every stage. The call is the ``titan_cp::cp_attention``
+The batch's document structure arrives as the ``doc_lens`` argument of every call, the
+zero-padded ``(B, max_docs)`` tensor *on the host* that the handle's ``shard`` returned; the
+handle finds the layout the batch was sharded by from it (:mod:`titan_cp.attention.handle`),
+with its mask plans and device indices built once and reused by every layer: no device
+synchronisation in the layer loop, and each pipeline microbatch carries its own documents
+through every stage. The call is the ``titan_cp::cp_attention``
 custom op, so a compiled block keeps its whole graph (``fullgraph=True``).
 """
 
@@ -33,10 +35,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from titan_cp.attention.api import attend, check_qkv, register_spec
+from titan_cp.attention.api import attend, check_qkv
+from titan_cp.attention.handle import CPHandle
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
-from titan_cp.balance import balance_names
-from titan_cp.layout import DEFAULT_BALANCE, get_layout
+from titan_cp.balance import get_balance
+from titan_cp.layout import DEFAULT_BALANCE
+from titan_cp.model.llama import InnerAttention
 from titan_cp.parallel.adapter import adapter_of
 
 SEQ_DIM = 2
@@ -48,12 +52,14 @@ class ContextParallel(ParallelStyle):
     Args:
         strategy: a registered strategy's name (built in: ``"ring"``, ``"allgather"``, ``"ulysses"``,
             ``"hybrid"`` on a 2-D mesh).
-        balance: the sequence layout of calls whose ``doc_lens`` come without one (lists, or a tensor
-            of the caller's). A layout's own tensor (``SequenceLayout.doc_lens_tensor``, what
-            ``Microbatch.shard`` hands the model) carries its layout, balance included, and the
-            attention runs by that layout: sharding and attention cannot disagree.
+        balance: a registered balance's name: the sequence layout batches are sharded by
+            (``style.handle.shard(batch)``) and the attention runs by.
         causal: causal mask within each document.
-        kernel: local kernel name, ``None`` for the fastest on the device.
+        kernel: local kernel name, ``None`` for the fastest on the device and dtype.
+        handle: a :class:`~titan_cp.attention.handle.CPHandle` to bind instead (its mesh must be the one
+            the style is applied with); ``strategy``, ``balance`` and ``kernel`` are then its own.
+
+    Applied, the style's :attr:`handle` is the one object the batches are sharded with.
     """
 
     def __init__(
@@ -62,12 +68,15 @@ class ContextParallel(ParallelStyle):
         balance: str = DEFAULT_BALANCE,
         causal: bool = True,
         kernel: str | None = None,
+        handle: CPHandle | None = None,
     ) -> None:
         super().__init__()
+        if handle is not None:
+            strategy, balance, kernel = handle.strategy, handle.balance, handle.kernel
         self._strategy = get_strategy(strategy)
-        if balance not in balance_names():
-            raise ValueError(f"ContextParallel balance must be one of {balance_names()}, got {balance!r}")
+        get_balance(balance)
         self.strategy, self.balance, self.causal, self.kernel = strategy, balance, causal, kernel
+        self.handle = handle
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         want = self._strategy.mesh_ndim
@@ -76,16 +85,23 @@ class ContextParallel(ParallelStyle):
                 f"ContextParallel(strategy={self.strategy!r}) needs a {want}-D cp mesh, got "
                 f"{device_mesh.ndim}-D {device_mesh.mesh_dim_names}"
             )
-        handle = register_spec(device_mesh, self.strategy, self.balance, self.kernel)
+        if self.handle is None:
+            self.handle = CPHandle(device_mesh, self.strategy, self.balance, self.kernel)
+        elif self.handle.mesh is not device_mesh:
+            raise ValueError(f"ContextParallel is applied with a mesh other than its handle's ({self.handle})")
+        handle = self.handle
 
         def forward(q, k, v, doc_lens=None):
-            return self._attend(device_mesh, handle, q, k, v, doc_lens, module)
+            return self._attend(handle, q, k, v, doc_lens, module)
 
         module.forward = forward
         module.cp_style = self  # type: ignore[assignment]  # torch's stub: __setattr__ for tensors/modules only
+        module.cp_handle = handle  # type: ignore[assignment]
         return module
 
-    def _attend(self, mesh: DeviceMesh, handle: int, q, k, v, doc_lens, module=None):
+    def _attend(self, handle: CPHandle, q, k, v, doc_lens, module=None):
+        mesh = handle.mesh
+        assert mesh is not None
         as_dtensor = isinstance(q, DTensor)
         if as_dtensor:
             for name, t in (("q", q), ("k", k), ("v", v)):
@@ -95,11 +111,14 @@ class ContextParallel(ParallelStyle):
                     )
             q, k, v = q.to_local(), k.to_local(), v.to_local()
         check_qkv(q, k, v)
-        if doc_lens is not None and not isinstance(doc_lens, torch.Tensor):  # rows as lists: once, eagerly
-            doc_lens = get_layout(q.shape[SEQ_DIM] * mesh.size(), mesh.size(), self.balance, doc_lens).doc_lens_tensor()
+        if doc_lens is not None and not isinstance(doc_lens, torch.Tensor):
+            raise ValueError(
+                "doc_lens must be the (batch, max_docs) host tensor of the sharded batch (cp.shard(batch)), "
+                f"got {type(doc_lens).__name__}"
+            )
         window, chunk = getattr(module, "window", None), getattr(module, "chunk", None)
         sinks = module.local_sinks() if hasattr(module, "local_sinks") else None
-        out = attend(q, k, v, handle, doc_lens, self.causal, q.shape[-1] ** -0.5, window, chunk, sinks)
+        out = attend(q, k, v, handle.id, doc_lens, self.causal, q.shape[-1] ** -0.5, window, chunk, sinks)
         if as_dtensor:
             out = DTensor.from_local(out, mesh, [Shard(SEQ_DIM)] * mesh.ndim, run_check=False)
         return out
@@ -110,34 +129,49 @@ class ContextParallel(ParallelStyle):
 
 def apply_cp(
     model: nn.Module,
-    cp_mesh: DeviceMesh | None,
-    strategy: str = DEFAULT_STRATEGY,
-    balance: str = DEFAULT_BALANCE,
+    cp: DeviceMesh | CPHandle | None,
+    strategy: str | None = None,
+    balance: str | None = None,
     kernel: str | None = None,
-) -> nn.Module:
-    """Make every attention core of ``model`` context-parallel over ``cp_mesh`` (``None``: one device),
-    whatever its family (:func:`~titan_cp.parallel.adapter.adapter_of`: titan_cp's Llama, or a Hugging
-    Face causal LM once :mod:`titan_cp.integrations.transformers` is imported); returns ``model``.
+) -> CPHandle:
+    """Make every attention core of ``model`` context-parallel, whatever its family
+    (:func:`~titan_cp.parallel.adapter.adapter_of`: titan_cp's Llama, or a Hugging Face causal LM once
+    :mod:`titan_cp.integrations.transformers` is imported), and return the handle it runs by.
 
-    ``balance``: the sequence layout the batches are sharded with; ``kernel``: the local kernel's name
-    (``None``: the fastest for the device and dtype)."""
-    adapter_of(model).attach_cp(cp_mesh, strategy, balance, kernel)
-    return model
+    ``cp``: the cp mesh (``None``: one device), or a :class:`~titan_cp.attention.handle.CPHandle` to
+    bind (every stage of a pipeline binds one handle). ``strategy`` (default ``"ring"``), ``balance``
+    (default ``"doc_local"``: the layout batches are sharded by) and ``kernel`` (``None``: the fastest
+    for the device and dtype) are given with a mesh; a handle carries its own.
+
+    The handle shards batches (``cp.shard(batch)``), unshards outputs (``cp.unshard``) and knows this
+    rank's place (``cp.rank``); the model's attention finds each batch's layout through it.
+    """
+    if isinstance(cp, CPHandle):
+        given = {k: v for k, v in (("strategy", strategy), ("balance", balance), ("kernel", kernel)) if v is not None}
+        if given:
+            raise ValueError(f"apply_cp got a CPHandle and {sorted(given)}: the handle carries them ({cp})")
+        handle = cp
+    else:
+        handle = CPHandle(cp, strategy or DEFAULT_STRATEGY, balance or DEFAULT_BALANCE, kernel)
+    adapter_of(model).attach_cp(handle)
+    return handle
 
 
-def llama_cp(
-    model: nn.Module,
-    cp_mesh: DeviceMesh | None,
-    strategy: str = DEFAULT_STRATEGY,
-    balance: str = DEFAULT_BALANCE,
-    kernel: str | None = None,
-) -> None:
-    """Make every Llama block's attention core context-parallel over ``cp_mesh`` (:class:`ContextParallel`);
-    on one device (``None``) the cores already run the local op, masked by document."""
-    if cp_mesh is None:
+def handle_of(model: nn.Module) -> CPHandle | None:
+    """The handle ``model``'s attention runs by (:func:`apply_cp`), ``None`` if none is bound."""
+    for module in model.modules():
+        handle = getattr(module, "cp_handle", None)
+        if isinstance(handle, CPHandle):
+            return handle
+    return None
+
+
+def llama_cp(model: nn.Module, handle: CPHandle) -> None:
+    """Make every Llama block's attention core context-parallel by ``handle`` (:class:`ContextParallel`);
+    on one device (no mesh) the cores run the local op, masked by document, and only hold the handle."""
+    if handle.mesh is None:
+        for module in model.modules():
+            if isinstance(module, InnerAttention):
+                module.cp_handle = handle  # type: ignore[assignment]
         return
-    parallelize_module(
-        model,
-        cp_mesh,
-        {"layers.*.attention.inner_attention": ContextParallel(strategy=strategy, balance=balance, kernel=kernel)},
-    )
+    parallelize_module(model, handle.mesh, {"layers.*.attention.inner_attention": ContextParallel(handle=handle)})

@@ -19,7 +19,7 @@ def llama_adapter(model: nn.Module) -> ParallelAdapter | None:
     return ParallelAdapter(
         model,
         model.layers,
-        lambda mesh, strategy, balance, kernel: llama_cp(model, mesh, strategy, balance, kernel),
+        lambda handle: llama_cp(model, handle),
         family="llama3",
         embedding=model.tok_embeddings,
         tail=tail,

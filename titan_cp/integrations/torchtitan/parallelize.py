@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torchtitan.distributed import ParallelDims
 
+from titan_cp.attention.handle import CPHandle
 from titan_cp.integrations.torchtitan.attention import TitanCPAttention
 from titan_cp.parallel import ContextParallel
 
@@ -61,8 +62,9 @@ class TitanCPParallelize:
 
 def apply_titan_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """titan_cp's CP step: :class:`~titan_cp.parallel.ContextParallel` on the core of every
-    :class:`~.attention.TitanCPAttention` of ``model`` over ``cp_mesh``, each with its strategy,
-    balance and kernel. Another inner attention under CP is refused by name (it would attend to its
+    :class:`~.attention.TitanCPAttention` of ``model`` over ``cp_mesh``, all by one
+    :class:`~titan_cp.attention.handle.CPHandle` of their strategy, balance and kernel (the Trainer
+    shards each batch with it: :func:`~titan_cp.parallel.handle_of`). Another inner attention under CP is refused by name (it would attend to its
     own shard only)."""
     others = sorted(
         f"{name}.inner_attention ({type(m.inner_attention).__name__})"
@@ -76,7 +78,12 @@ def apply_titan_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
             f"{' ...' if len(others) > 3 else ''}; build the model with titan_cp.integrations.torchtitan's "
             "with_titan_cp(config_fn), which puts TitanCPAttention in every layer"
         )
-    for module in model.modules():
-        if isinstance(module, TitanCPAttention):
-            style = ContextParallel(strategy=module.strategy, balance=module.balance, kernel=module.kernel)
-            parallelize_module(module.core, cp_mesh, style)
+    attentions = [m for m in model.modules() if isinstance(m, TitanCPAttention)]
+    settings = {(m.strategy, m.balance, m.kernel) for m in attentions}
+    if len(settings) > 1:
+        raise ValueError(f"TitanCPAttention layers disagree on (strategy, balance, kernel): {sorted(settings)}")
+    if not attentions:
+        return
+    handle = CPHandle(cp_mesh, *settings.pop())
+    for module in attentions:
+        parallelize_module(module.core, cp_mesh, ContextParallel(handle=handle))

@@ -8,10 +8,10 @@ logging, launch) with two changes:
   every :class:`~.attention.TitanCPAttention` of the model before building it;
 - :meth:`TitanCPTrainer.post_dataloading_process` turns each batch's ``positions`` (0 at each
   document start, as torchtitan's dataloaders yield them) into titan_cp's documents, builds the
-  layout (:func:`~titan_cp.layout.get_layout`, the ``titan_cp.balance``) and shards inputs,
-  labels and positions by it (:meth:`titan_cp.step.Microbatch.shard`, titan_cp's own trainer's
-  sharding), instead of torchtitan's head-tail split; the layout's documents tensor goes to every
-  layer as ``attention_masks``.
+  layout with the model's CP handle (the ``titan_cp.balance``) and shards inputs, labels and
+  positions by it (:meth:`titan_cp.step.Microbatch.shard`, titan_cp's own trainer's sharding),
+  instead of torchtitan's head-tail split; the layout's documents tensor goes to every layer as
+  ``attention_masks``.
 
 torchtitan's labels are already next-token targets inside each document, so sharding them with
 the tokens keeps every target; the loss stays torchtitan's (local summed CE over the step's
@@ -24,15 +24,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.trainer import Trainer
 
+from titan_cp.attention.api import local_handle
+from titan_cp.attention.handle import CPHandle
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy, strategy_names
 from titan_cp.balance import balance_names
 from titan_cp.errors import did_you_mean
-from titan_cp.integrations.hf_batch import _from_positions, layout_rank
+from titan_cp.integrations.hf_batch import _from_positions
 from titan_cp.integrations.torchtitan.attention import TitanCPAttention
 from titan_cp.layout import DEFAULT_BALANCE
+from titan_cp.parallel import handle_of
 from titan_cp.step import Microbatch
 
 SPMD_BACKEND = "partial_dtensor"  # torchtitan's backend whose CP step is a function titan_cp replaces
@@ -99,15 +101,12 @@ def shard_by_documents(
     inputs: torch.Tensor,
     labels: torch.Tensor,
     positions: torch.Tensor,
-    cp_mesh: DeviceMesh | None,
-    balance: str,
+    cp: CPHandle,
 ) -> Microbatch:
-    """This cp rank's tokens, labels and positions, sharded by titan_cp's layout of the documents
-    that ``positions`` describe (``cp_mesh`` ``None``: one rank, nothing moves). The returned
-    ``doc_lens`` is the layout's own tensor: the attention finds the layout (balance included) by it."""
-    doc_lens = _documents(positions)
-    cp = 1 if cp_mesh is None else cp_mesh.size()
-    return Microbatch(inputs, labels, positions, doc_lens).shard(cp, layout_rank(cp_mesh), balance)
+    """This cp rank's tokens, labels and positions, sharded by ``cp``'s layout of the documents that
+    ``positions`` describe (one rank: nothing moves). The returned ``doc_lens`` is the tensor by which
+    the attention finds that layout."""
+    return Microbatch(inputs, labels, positions, _documents(positions)).shard(cp)
 
 
 class TitanCPTrainer(Trainer):
@@ -144,10 +143,8 @@ class TitanCPTrainer(Trainer):
                 "({'input': tokens, 'positions': positions}, labels) with positions (batch, seq_len) restarting "
                 "at 0 at each document (torchtitan's text dataloaders do)"
             )
-        cp_mesh = self.parallel_dims.get_mesh("cp") if self.parallel_dims.cp_enabled else None
-        local = shard_by_documents(
-            input_dict["input"], labels, extra["positions"], cp_mesh, self.config.titan_cp.balance
-        )
+        cp = handle_of(self.model_parts[0]) or local_handle()
+        local = shard_by_documents(input_dict["input"], labels, extra["positions"], cp)
         extra["positions"], extra["attention_masks"] = local.positions, local.doc_lens
         self.ntokens_seen += local.labels.numel()
         return local.tokens, local.labels, extra
