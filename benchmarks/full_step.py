@@ -38,11 +38,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from titan_cp.attention.handle import CPHandle
 from titan_cp.families import get_family
 from titan_cp.families.llama3 import Llama3
 from titan_cp.loss import GlobalTokenLoss
 from titan_cp.optim import build_optimizers, clip_grad_norm_
-from titan_cp.parallel.build import LlamaBuilder, build_parallel_model
+from titan_cp.parallel.build import LlamaBuilder, build_parallel_model, cp_handle
 from titan_cp.parallel.offload import HostActivationStore
 from titan_cp.step import Microbatch, forward_backward
 
@@ -236,12 +237,12 @@ def _mark_fsdp_host(tracker: LiveBytes, parts, optimizers) -> None:
                     tracker.mark_host(_local(v))
 
 
-def _step_rows(cfg, dims) -> Microbatch:
-    """One row of ``training.seq_len`` tokens (one causal document), rank 0's shard of it (real host tensors)."""
+def _step_rows(cfg, cp: CPHandle) -> Microbatch:
+    """One row of ``training.seq_len`` tokens (one causal document), this (fake) rank's shard of it by
+    ``cp``, the handle the model is built with (real host tensors)."""
     n = cfg.training.seq_len
     tokens = torch.zeros(1, n, dtype=torch.long)
-    mb = Microbatch(tokens, tokens.clone(), torch.arange(n)[None], torch.tensor([[n]]))
-    return mb.shard(dims.cp, 0, cfg.parallelism.context_parallel_load_balancer)
+    return cp.shard(Microbatch(tokens, tokens.clone(), torch.arange(n)[None], torch.tensor([[n]])))
 
 
 def model_args(cfg, layers: int | None = None):
@@ -255,7 +256,7 @@ def model_args(cfg, layers: int | None = None):
     return dataclasses.replace(args, n_layers=layers)
 
 
-def _build(cfg, dims, args):
+def _build(cfg, dims, args, cp: CPHandle):
     """This rank's model parts and optimizers, the optimizer's state made (one update of zero gradients)."""
     from titan_cp.train import compute_precision, parallelize_options  # noqa: PLC0415 - the trainer's own choice
 
@@ -266,7 +267,7 @@ def _build(cfg, dims, args):
         raise ValueError(
             "the full-step measurement computes in bf16 through FSDP: it needs a mesh of more than one rank"
         )
-    built = build_parallel_model(_FakeInitBuilder(args), dims, parallelize_options(cfg, mp), "cpu")
+    built = build_parallel_model(_FakeInitBuilder(args), dims, parallelize_options(cfg, mp), "cpu", cp=cp)
     if built.schedule is not None:
         raise ValueError("parallelism.pipeline_parallel_degree > 1: the full-step measurement runs one stage's model")
     o = cfg.optimizer
@@ -289,13 +290,15 @@ def measure_full_step(cfg, ngpu: int, layers: int | None = None) -> dict:
     host memory), ``device_start_bytes`` (held when the step starts). ``layers``: see :func:`model_args`."""
     dims = cfg.parallel_dims(ngpu)
     tracker = LiveBytes()
-    local = _step_rows(cfg, dims)
     with fake_world(ngpu):
         dims.build_mesh("cpu")
-        return _measure(cfg, dims, model_args(cfg, layers), local, tracker)
+        from titan_cp.train import parallelize_options  # noqa: PLC0415 - the trainer's own choice
+
+        cp = cp_handle(dims, parallelize_options(cfg, None))  # the model's handle: strategy, balance, kernel
+        return _measure(cfg, dims, model_args(cfg, layers), cp, _step_rows(cfg, cp), tracker)
 
 
-def _measure(cfg, dims, args, local: Microbatch, tracker: LiveBytes) -> dict:
+def _measure(cfg, dims, args, cp: CPHandle, local: Microbatch, tracker: LiveBytes) -> dict:
     with (
         FakeTensorMode(allow_non_fake_inputs=True),
         tracker,
@@ -303,7 +306,7 @@ def _measure(cfg, dims, args, local: Microbatch, tracker: LiveBytes) -> dict:
         _host_copies(tracker),
         _device_kernels(),
     ):
-        parts, optimizers = _build(cfg, dims, args)
+        parts, optimizers = _build(cfg, dims, args, cp)
         loss_fn = GlobalTokenLoss()
         loss_fn.global_valid_tokens = cfg.training.seq_len
         tracker.mark("step")

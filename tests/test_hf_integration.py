@@ -358,7 +358,7 @@ def test_each_layer_binds_its_own_mask():
 
     def masks(family):
         model = hf_model(family, attn="titan_cp")
-        cp = apply_cp(model, None)
+        apply_cp(model, None)
         return [(m.titan_cp_binding.window, m.titan_cp_binding.chunk) for m in attention_modules(model)]
 
     assert masks("mistral_swa") == [(5, None), (5, None)]  # no layer_types: config.sliding_window, every layer

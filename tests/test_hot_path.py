@@ -15,7 +15,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.host import counting_kernel
 from tests.dist_utils import cp_mesh, make_inputs
-from titan_cp import SequenceLayout
 from titan_cp.attention import CPHandle, api
 from titan_cp.attention.mask_plans import CAUSAL
 from titan_cp.attention.ulysses import stays_home

@@ -40,6 +40,20 @@ def test_one_device_keeps_the_documents_as_given():
     assert local.layout is get_layout(64, 1, "doc_zigzag", DOC_LENS)
 
 
+def test_handles_and_layouts_do_not_outlive_their_users():
+    from titan_cp.attention import handle as handle_module
+    from titan_cp.layout import _layout
+
+    before = len(handle_module._HANDLES)
+    for _ in range(50):
+        CPHandle(None, balance="doc_zigzag").shard(_microbatch())
+    gc.collect()
+    assert len(handle_module._HANDLES) <= before  # a dropped handle leaves nothing behind
+    for n in range(40):
+        get_layout(64 + 2 * n, 2, "doc_zigzag", [[20, 44 + 2 * n]])
+    assert _layout.cache_info().currsize <= 16  # the analysis memo is bounded
+
+
 def _registry(rank, world):
     """What the handle registers while a batch is in flight, and what the op is refused."""
     from titan_cp.testing import strategy_mesh

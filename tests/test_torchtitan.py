@@ -189,8 +189,10 @@ def test_bad_input_gets_one_clear_line(monkeypatch):
         tt.TitanCPConfig(strategy="rnig")
     with pytest.raises(ValueError, match=r"--titan_cp.balance 'doc_locl'.*did you mean 'doc_local'"):
         tt.TitanCPConfig(balance="doc_locl")
-    with pytest.raises(ValueError, match=r"'hybrid' runs on a 2-D cp mesh; torchtitan's cp axis .* is 1-D"):
+    with pytest.raises(ValueError, match=r"'hybrid' takes a --titan_cp.ulysses_degree of 2 or more, got .* 1"):
         tt.TitanCPConfig(strategy="hybrid")
+    with pytest.raises(ValueError, match=r"'ring' takes none, got --titan_cp.ulysses_degree 2"):
+        tt.TitanCPConfig(strategy="ring", ulysses_degree=2)
     with pytest.raises(ValueError, match=r"did you mean 'ulysses'"):
         tt.with_titan_cp(llama3_debugmodel, strategy="ulyses")
 

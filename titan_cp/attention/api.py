@@ -14,9 +14,9 @@ The attention is one ``torch.library`` custom op, ``titan_cp::cp_attention`` (an
 backward, ``titan_cp::cp_attention_backward``), with fake implementations that give the
 output shapes: ``torch.compile`` traces a block with CP attention as one graph
 (``fullgraph=True``) and calls the op, which runs the strategy's communication and kernels
-eagerly. Non-tensor settings (mesh, strategy, layout balance, kernel) travel as an integer
-handle to a registered :class:`CPSpec`; the documents travel as the ``doc_lens`` tensor
-(on the host), from which the op rebuilds (cached) the layout.
+eagerly. Non-tensor settings (mesh, strategy, balance, kernel) travel as the integer id of a
+live :class:`~titan_cp.attention.handle.CPHandle`; the documents travel as the ``doc_lens``
+tensor (on the host), by which the handle finds the layout the batch was sharded by.
 """
 
 from __future__ import annotations
@@ -91,6 +91,12 @@ def local_handle(kernel: str | None = None) -> CPHandle:
     if kernel not in _LOCAL:
         _LOCAL[kernel] = CPHandle(None, "ring", "contiguous", kernel)
     return _LOCAL[kernel]
+
+
+@torch.compiler.assume_constant_result
+def _local_id(kernel: str | None) -> int:
+    """:func:`local_handle`'s id, run eagerly even while ``torch.compile`` traces a caller (a graph constant)."""
+    return local_handle(kernel).id
 
 
 @functools.lru_cache(maxsize=64)
@@ -386,7 +392,7 @@ def local_attention(
     mask = check_mask(causal, window, chunk, sinks, q.shape[1])
     if doc_lens is None or isinstance(doc_lens, Tensor):  # the model's path: straight to the op, traceable
         return attend(
-            q, k, v, local_handle(kernel).id, doc_lens, mask.causal, _scale(scale, q.shape[-1]), window, chunk, sinks
+            q, k, v, _local_id(kernel), doc_lens, mask.causal, _scale(scale, q.shape[-1]), window, chunk, sinks
         )
     layout = get_layout(q.shape[2], 1, "contiguous", doc_lens)
     return cp_attention(

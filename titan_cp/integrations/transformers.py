@@ -44,7 +44,7 @@ layer type or the config field (:mod:`.hf_model`), never run with the wrong mask
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import Tensor, nn
@@ -67,7 +67,6 @@ from titan_cp.integrations.hf_tiny import byte_tokenizer, tiny_qwen3_folder
 from titan_cp.parallel import apply_ac, apply_compile, apply_cp, apply_fsdp, handle_of
 from titan_cp.parallel.adapter import ParallelAdapter, register_adapter
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
-
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -291,7 +290,7 @@ def bind_cp(model: nn.Module, handle: CPHandle) -> nn.Module:
         # transformers' attention modules hold their layer's index as an int (nn.Module's typing says Tensor | Module)
         window, chunk = layer_mask(hf.config, cast(int, module.layer_idx))
         setattr(module, BINDING, CPBinding(handle, window, chunk))
-        module.cp_handle = handle  # what titan_cp.parallel.handle_of finds
+        module.cp_handle = handle  # type: ignore[assignment]  # found by handle_of; torch's stub: tensors/modules
     hf.generate = _refuse_generate
     return model
 

@@ -227,6 +227,7 @@ def build_parallel_model(
     pp_microbatches: int = 1,
     pp_schedule: str = "1F1B",
     fsdp: bool = True,
+    cp: CPHandle | None = None,
 ) -> ModelParts:
     """Build ``model`` (a family's :class:`ModelBuilder`, or the Llama's ``ModelArgs``) on ``meta``, cut
     this rank's pipeline stages, parallelize, and materialise on ``device`` with weights that depend
@@ -234,11 +235,12 @@ def build_parallel_model(
 
     Nothing larger than a rank's shards (plus one init block) is ever allocated.
     loss_fn, pp_microbatches, pp_schedule: the pipeline schedule's (pipeline parallelism only).
-    fsdp: false for no FSDP whatever the mesh.
+    fsdp: false for no FSDP whatever the mesh. cp: the CP handle to bind (default: one of the mesh
+    and ``options``), which :attr:`ModelParts.cp` holds: every batch is sharded with it.
     """
     builder = model if isinstance(model, ModelBuilder) else LlamaBuilder(model)
     whole = builder.meta()
-    handle = cp_handle(parallel_dims, options)
+    handle = cp or cp_handle(parallel_dims, options)
 
     def prepare(part: nn.Module) -> nn.Module:
         part = parallelize(builder, part, parallel_dims, options, fsdp, handle)

@@ -56,7 +56,7 @@ class DocumentAttention(Module):
 class TitanCPAttention(Module):
     """A torchtitan inner attention that runs titan_cp's packed-document attention (module docstring).
 
-    ``strategy``, ``balance`` and ``kernel`` are set from the run's ``titan_cp`` config section by
+    ``strategy``, ``balance``, ``kernel`` and ``ulysses_degree`` are set from the run's ``titan_cp`` config section by
     :class:`~titan_cp.integrations.torchtitan.trainer.TitanCPTrainer` before the model is built.
     """
 
@@ -68,10 +68,13 @@ class TitanCPAttention(Module):
         """sequence layout the batches are sharded with."""
         kernel: str | None = None
         """titan_cp's local attention kernel (``None``: the fastest for the device and dtype)."""
+        ulysses_degree: int = 1
+        """ranks of a Ulysses group inside the cp axis (``hybrid`` only; the rest make its ring)."""
 
     def __init__(self, config: Config) -> None:
         super().__init__()
         self.strategy, self.balance, self.kernel = config.strategy, config.balance, config.kernel
+        self.ulysses_degree = config.ulysses_degree
         self.core = DocumentAttention.Config(kernel=config.kernel).build()
 
     def forward(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from torchtitan.models.common.attention import GQAttention
@@ -37,11 +37,13 @@ def with_titan_cp(
     strategy: str = DEFAULT_STRATEGY,
     balance: str = DEFAULT_BALANCE,
     kernel: str | None = None,
+    ulysses_degree: int = 1,
 ) -> Callable[[], TitanCPTrainer.Config]:
     """A config function: ``config_fn``'s run (a torchtitan Llama 3 / Qwen3 config function) with
-    titan_cp's context parallelism (module docstring); ``strategy``, ``balance`` and ``kernel`` are the
-    defaults of its ``titan_cp`` section, which torchtitan's CLI overrides (``--titan_cp.strategy``)."""
-    section = TitanCPConfig(strategy=strategy, balance=balance, kernel=kernel)  # checks the names now
+    titan_cp's context parallelism (module docstring); ``strategy``, ``balance``, ``kernel`` and
+    ``ulysses_degree`` (hybrid) are the defaults of its ``titan_cp`` section, which torchtitan's CLI
+    overrides (``--titan_cp.strategy hybrid --titan_cp.ulysses_degree 2``)."""
+    section = TitanCPConfig(strategy=strategy, balance=balance, kernel=kernel, ulysses_degree=ulysses_degree)
 
     def config() -> TitanCPTrainer.Config:
         base = config_fn()
@@ -55,7 +57,7 @@ def with_titan_cp(
         spec.parallelize_fn = TitanCPParallelize(spec.parallelize_fn)
         out = TitanCPTrainer.Config(
             **{f.name: getattr(base, f.name) for f in fields(Trainer.Config)},
-            titan_cp=TitanCPConfig(strategy=section.strategy, balance=section.balance, kernel=section.kernel),
+            titan_cp=replace(section),
         )
         out.parallelism.spmd_backend = SPMD_BACKEND
         return out

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torchtitan.distributed import ParallelDims
 
 from titan_cp.attention.handle import CPHandle
+from titan_cp.attention.strategy import get_strategy
 from titan_cp.integrations.torchtitan.attention import TitanCPAttention
 from titan_cp.parallel import ContextParallel
 
@@ -79,11 +80,17 @@ def apply_titan_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
             "with_titan_cp(config_fn), which puts TitanCPAttention in every layer"
         )
     attentions = [m for m in model.modules() if isinstance(m, TitanCPAttention)]
-    settings = {(m.strategy, m.balance, m.kernel) for m in attentions}
+    settings = {(m.strategy, m.balance, m.kernel, m.ulysses_degree) for m in attentions}
     if len(settings) > 1:
-        raise ValueError(f"TitanCPAttention layers disagree on (strategy, balance, kernel): {sorted(settings)}")
+        raise ValueError(f"TitanCPAttention layers disagree on (strategy, balance, kernel, ulysses): {settings}")
     if not attentions:
         return
-    handle = CPHandle(cp_mesh, *settings.pop())
+    strategy, balance, kernel, ulysses = settings.pop()
+    get_strategy(strategy).check_degrees(cp_mesh.size(), ulysses)
+    axes = get_strategy(strategy).mesh_dims(cp_mesh.size(), ulysses)
+    if len(axes) > 1:  # hybrid: torchtitan's 1-D cp axis as (cp_ring, cp_ulysses), Ulysses groups consecutive
+        names, sizes = zip(*axes)
+        cp_mesh = cp_mesh._unflatten(0, tuple(sizes), tuple(names))
+    handle = CPHandle(cp_mesh, strategy, balance, kernel)
     for module in attentions:
         parallelize_module(module.core, cp_mesh, ContextParallel(handle=handle))

@@ -46,11 +46,13 @@ class TitanCPConfig:
     ``--parallelism.context_parallel_degree``)."""
 
     strategy: str = DEFAULT_STRATEGY
-    """CP attention strategy: ring, allgather, ulysses or any registered one of a 1-D cp mesh."""
+    """CP attention strategy: ring, allgather, ulysses, hybrid (with ulysses_degree) or any registered."""
     balance: str = DEFAULT_BALANCE
     """Sequence layout: doc_local, doc_zigzag, zigzag, contiguous or any registered."""
     kernel: str | None = None
     """titan_cp's local attention kernel; None for the fastest on the device and dtype."""
+    ulysses_degree: int = 1
+    """hybrid only: ranks of each Ulysses group inside the cp axis (the cp degree / it make the ring)."""
 
     def __post_init__(self):
         for key, value, names in (
@@ -62,16 +64,17 @@ class TitanCPConfig:
                     f"--titan_cp.{key} {value!r} is not one of titan_cp's {key}s{did_you_mean(value, names)} "
                     f"(choose one of {', '.join(names)})"
                 )
-        if get_strategy(self.strategy).mesh_ndim != 1:
+        strategy = get_strategy(self.strategy)
+        if strategy.takes_ulysses_degree() != (self.ulysses_degree > 1) or self.ulysses_degree < 1:
+            want = "a --titan_cp.ulysses_degree of 2 or more" if strategy.takes_ulysses_degree() else "none"
             raise ValueError(
-                f"--titan_cp.strategy {self.strategy!r} runs on a {get_strategy(self.strategy).mesh_ndim}-D cp mesh; "
-                "torchtitan's cp axis (--parallelism.context_parallel_degree) is 1-D: choose a strategy of one "
-                "axis (ring, allgather, ulysses)"
+                f"--titan_cp.strategy {self.strategy!r} takes {want}, got --titan_cp.ulysses_degree "
+                f"{self.ulysses_degree}"
             )
 
 
 def bind_titan_cp(model_config: Any, section: TitanCPConfig) -> int:  # a torchtitan model's Config
-    """Set ``section``'s strategy, balance and kernel on every ``TitanCPAttention`` config of
+    """Set ``section``'s strategy, balance, kernel and Ulysses degree on every ``TitanCPAttention`` config of
     ``model_config``; returns how many there are (``ValueError`` when none)."""
     found = [cfg for _, cfg, _, _ in model_config.traverse(TitanCPAttention.Config)]
     if not found:
@@ -81,6 +84,7 @@ def bind_titan_cp(model_config: Any, section: TitanCPConfig) -> int:  # a torcht
         )
     for cfg in found:
         cfg.strategy, cfg.balance, cfg.kernel = section.strategy, section.balance, section.kernel
+        cfg.ulysses_degree = section.ulysses_degree
     return len(found)
 
 
