@@ -14,6 +14,7 @@ The preflight checks, the trainer, the planner and generation never compare a fa
     f.builds(axis) / f.plan_label(cfg, shapes)   the meshes it is built for, its name in a plan
     f.generation_spec(cfg, vocab_size)    the model generation builds, with every parameter's shape
     f.describe(model_cfg) / f.mismatch_fix(what)   the key naming its model in errors, and the fix
+    f.adapter(model)                      how the ``apply_*`` functions see its model (a ParallelAdapter)
 
 ``shapes`` is what the trainer's metrics and the planner ask of a model's size
 (``training_flops``, ``n_layers``, ``n_heads``, ``head_dim``): the Llama's ``ModelArgs``, or
@@ -26,7 +27,9 @@ registers there by the family's name, as the parallel adapter does
 (:func:`titan_cp.generate.runners.register_generation`) and the Hugging Face family itself
 (:mod:`titan_cp.integrations.hf_family`). A built model's family is its adapter's (:func:`family_of`).
 
-A third family is one subclass and one :func:`register_family` call.
+A third family is one subclass and one :func:`register_family` call: a family that answers
+:meth:`ModelFamily.adapter` has it registered with the parallel adapters by that call, so
+``apply_cp`` (the trainer's builder, the Trainer factory) takes its models.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 from torch import nn
 
 from titan_cp.config.values import check_choice
-from titan_cp.parallel.adapter import adapter_of
+from titan_cp.parallel.adapter import ParallelAdapter, adapter_of, register_adapter
 
 if TYPE_CHECKING:
     from titan_cp.config import JobConfig, Model
@@ -122,6 +125,13 @@ class ModelFamily:
         """The fix to name when a checkpoint's shapes are not ``what``'s."""
         return f"point the checkpoint keys at weights of {what}"
 
+    def adapter(self, model: nn.Module) -> ParallelAdapter | None:
+        """``model`` as the ``apply_*`` functions see it (:class:`~titan_cp.parallel.adapter.ParallelAdapter`,
+        its ``family`` this family's name), ``None`` for a model of another family. A family that
+        overrides this has it registered by :func:`register_family`; the built-ins register their
+        adapters beside their models (:mod:`titan_cp.parallel.llama`, :mod:`titan_cp.integrations.transformers`)."""
+        return None
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 
@@ -147,8 +157,11 @@ _REGISTRY: dict[str, ModelFamily] = {}
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
-    """Make ``family`` selectable as ``model.name``."""
+    """Make ``family`` selectable as ``model.name``, and its models parallelizable where it answers
+    :meth:`ModelFamily.adapter` (registered with :func:`~titan_cp.parallel.adapter.register_adapter`)."""
     _REGISTRY[family.name] = family
+    if type(family).adapter is not ModelFamily.adapter:
+        register_adapter(family.adapter)
     return family
 
 

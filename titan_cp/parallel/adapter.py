@@ -18,8 +18,9 @@
 
 Each family registers its provider (:func:`register_adapter`): titan_cp's Llama in
 :mod:`titan_cp.parallel.llama` (imported with the package), Hugging Face causal LMs in
-:mod:`titan_cp.integrations.transformers`. A new memory option or kernel is then written once,
-for every family.
+:mod:`titan_cp.integrations.transformers`, any other family through its ``ModelFamily.adapter``
+(registered by ``titan_cp.families.register_family``). A new memory option or kernel is then written
+once, for every family.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def adapter_of(model: nn.Module | ParallelAdapter) -> ParallelAdapter:
         if adapter is not None:
             return adapter
     raise ValueError(
-        f"titan_cp cannot parallelize a {type(model).__name__}: give titan_cp's Transformer, or a Hugging Face "
-        "causal LM after importing titan_cp.integrations.transformers"
+        f"titan_cp cannot parallelize a {type(model).__name__}: give titan_cp's Transformer, a Hugging Face "
+        "causal LM after importing titan_cp.integrations.transformers, or a model of a registered family whose "
+        "adapter() knows it (titan_cp.families.register_family)"
     )
