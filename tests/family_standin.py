@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import parallelize_module
 
+from titan_cp.attention import CPHandle
 from titan_cp.families import ModelFamily
 from titan_cp.loss import chunked_cross_entropy_sum, chunked_evaluate
 from titan_cp.model.init import ParamInit, draw_seed
@@ -150,10 +151,9 @@ class NoPE(ModelFamily):
         if not isinstance(model, TinyNoPE):
             return None
 
-        def attach_cp(mesh, strategy, balance, kernel) -> None:
-            if mesh is not None:
-                style = ContextParallel(strategy=strategy, balance=balance, kernel=kernel)
-                parallelize_module(model, mesh, {"blocks.*.core": style})
+        def attach_cp(handle: CPHandle) -> None:  # the handle apply_cp made: mesh, strategy, balance, kernel
+            if handle.mesh is not None:
+                parallelize_module(model, handle.mesh, {"blocks.*.core": ContextParallel(handle=handle)})
 
         tail: list[nn.Module] = [model.norm, model.head]
         return ParallelAdapter(model, model.blocks, attach_cp, self.name, model.embed, tail)

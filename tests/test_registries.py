@@ -23,7 +23,6 @@ import titan_cp.attention.kernels.base as kernel_module
 import titan_cp.attention.strategy as strategy_module
 import titan_cp.balance as balance_module
 import titan_cp.families.base as family_module
-import titan_cp.layout as layout_module
 import titan_cp.parallel.adapter as adapter_module
 from tests.family_standin import NoPE, TinyNoPE, TinyNoPEForTrainer
 from titan_cp.ac_modes import AC_MODES, ac_mode_and_every
@@ -63,7 +62,6 @@ def _stand_ins():
         mp.setattr(balance_module, "_REGISTRY", dict(balance_module._REGISTRY))
         mp.setattr(family_module, "_REGISTRY", dict(family_module._REGISTRY))
         mp.setattr(adapter_module, "_PROVIDERS", list(adapter_module._PROVIDERS))
-        mp.setattr(layout_module, "_LAYOUT_CACHE", {})  # layouts are cached by balance name: none outlive the block
         register_strategy(CountingRing())
         for balance in (ReversedContiguous(), Overlapping()):
             register_balance(balance)
@@ -172,7 +170,8 @@ def test_a_registered_family_is_a_config_value_and_apply_cp_takes_its_models(tmp
     assert isinstance(family, NoPE) and get_family(NoPE.name) is family
     with pytest.raises(ValueError, match=r"model.name must be one of .*'nope_standin'.*did you mean 'nope_standin'"):
         check_model(load_config(_argv(tmp_path) + ["--model.name", "nope_stand_in"]))
-    model = apply_cp(TinyNoPE(), None)  # the family's adapter came with its one registration
+    model = TinyNoPE()
+    apply_cp(model, None)  # the family's adapter came with its one registration
     assert family_of(model) is family
 
 

@@ -34,6 +34,8 @@ import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3 is in the dev extra (Python >= 3.11)")
 
+from titan_cp.attention import CPHandle  # noqa: E402
+
 ROOT = Path(__file__).parents[1]
 DOC = ROOT / "docs" / "torchtitan.md"
 CPU_LAUNCHER = "titan_cp.integrations.torchtitan.train"
@@ -147,7 +149,7 @@ def test_one_process_attention_equals_torchtitans_flex_document_mask():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, s, n, 16, generator=g) for n in (8, 2, 2))  # (B, L, N, H), torchtitan's order
     tokens = torch.zeros(b, s, dtype=torch.int64)
-    doc_lens = shard_by_documents(tokens, tokens, positions, None, DEFAULT_BALANCE).doc_lens
+    doc_lens = shard_by_documents(tokens, tokens, positions, CPHandle(None, balance=DEFAULT_BALANCE)).doc_lens
     assert doc_lens.tolist() == [[5, 17, 3, 39], [64, 0, 0, 0]]
     ours = TitanCPAttention.Config().build()(q, k, v, attention_masks=doc_lens, scale=None, enable_gqa=True)
     mask_mod = and_masks(get_causal_mask_mod(), get_efficient_causal_mask_mod_for_packed_document(positions))
@@ -170,7 +172,7 @@ def test_the_debug_configs_data_are_packed_documents_from_the_repository():
     tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
     loader = config.dataloader.build(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=256, local_batch_size=2)
     batch, labels = next(iter(loader))
-    local = shard_by_documents(batch["input"], labels, batch["positions"], None, "doc_local")
+    local = shard_by_documents(batch["input"], labels, batch["positions"], CPHandle(None, balance="doc_local"))
     rows = [[n for n in row if n] for row in local.doc_lens.tolist()]
     assert all(len(row) >= 2 for row in rows), rows
     index = get_layout(256, 2, "doc_local", rows).index(0).expand(2, 128)  # rank 0's tokens of each row
@@ -196,7 +198,7 @@ def test_bad_input_gets_one_clear_line(monkeypatch):
     with pytest.raises(ValueError, match=r"did you mean 'ulysses'"):
         tt.with_titan_cp(llama3_debugmodel, strategy="ulyses")
 
-    trainer = SimpleNamespace(parallel_dims=SimpleNamespace(cp_enabled=False), config=tt.llama3_debugmodel_cp())
+    trainer = SimpleNamespace(cp=CPHandle(None), config=tt.llama3_debugmodel_cp())
     tokens = torch.zeros(1, 8, dtype=torch.int64)
     with pytest.raises(ValueError, match="the dataloader must yield .*'positions'"):
         tt.TitanCPTrainer.post_dataloading_process(trainer, {"input": tokens}, tokens)

@@ -525,7 +525,10 @@ def doc_lens_key(doc_lens: DocLens | None) -> tuple[tuple[int, ...], ...] | None
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _layout(seq_len: int, cp_size: int, balance: str, rows: tuple[tuple[int, ...], ...] | None) -> SequenceLayout:
+def _layout(
+    seq_len: int, cp_size: int, balance: str, balancer: object, rows: tuple[tuple[int, ...], ...] | None
+) -> SequenceLayout:
+    """Keyed by the registered balancer object too: a balance registered again under its name is a new key."""
     return SequenceLayout(seq_len, cp_size, balance, rows)
 
 
@@ -534,4 +537,4 @@ def get_layout(seq_len: int, cp_size: int, balance: str = "zigzag", doc_lens: Do
     plans): analysis, metrics and one-device attention ask for the same layout repeatedly. Training
     under CP gets its layouts from the CP handle the batch was sharded by
     (:class:`~titan_cp.attention.handle.CPHandle`), never from here."""
-    return _layout(seq_len, cp_size, balance, doc_lens_key(doc_lens))
+    return _layout(seq_len, cp_size, balance, get_balance(balance), doc_lens_key(doc_lens))

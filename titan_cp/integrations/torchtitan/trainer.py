@@ -134,6 +134,7 @@ class TitanCPTrainer(Trainer):
             )
         bind_titan_cp(config.model_spec.model, config.titan_cp)
         super().__init__(config)
+        self.cp: CPHandle = handle_of(self.model_parts[0]) or local_handle()  # what every batch is sharded with
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
@@ -147,8 +148,7 @@ class TitanCPTrainer(Trainer):
                 "({'input': tokens, 'positions': positions}, labels) with positions (batch, seq_len) restarting "
                 "at 0 at each document (torchtitan's text dataloaders do)"
             )
-        cp = handle_of(self.model_parts[0]) or local_handle()
-        local = shard_by_documents(input_dict["input"], labels, extra["positions"], cp)
+        local = shard_by_documents(input_dict["input"], labels, extra["positions"], self.cp)
         extra["positions"], extra["attention_masks"] = local.positions, local.doc_lens
         self.ntokens_seen += local.labels.numel()
         return local.tokens, local.labels, extra
