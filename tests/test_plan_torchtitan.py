@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,13 +27,24 @@ from titan_cp.plan import main
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3 is in the dev extra (Python >= 3.11)")
 
+ROOT = Path(__file__).parents[1]
 MODULE = "titan_cp.integrations.torchtitan"
-LLAMA3_8B_CP = ["--module", MODULE, "--config", "llama3_8b_cp", "--ngpu", "8"]
+
+
+def _page_command(page: str) -> list[str]:
+    """The arguments of the page's one ``python -m titan_cp.plan --module`` line (a doc-test block)."""
+    (line,) = re.findall(r"^python -m titan_cp\.plan --module .*$", (ROOT / page).read_text(), re.M)
+    return shlex.split(line)[3:]
+
+
+LLAMA3_8B_CP = _page_command("docs/planning.md")
 # the same run given titan_cp's way: torchtitan's Llama 3 8B is titan_cp's flavor 8B (titan_cp.model.flavors);
 # llama3_8b_cp: 131072 tokens a row, one row, CP 8, torchtitan's SelectiveAC (op level), ring over doc_local
 THE_OTHER_WAY = [
     "--ngpu",
     "8",
+    "--gpu",
+    "h100",
     "--model.flavor",
     "8B",
     "--training.seq_len",
@@ -61,6 +74,8 @@ def _torchtitan_runs(record: dict) -> bool:
 
 
 def test_a_torchtitan_config_function_plans_as_its_shapes_given_the_other_way(capsys):
+    assert LLAMA3_8B_CP == _page_command("docs/torchtitan.md")
+    assert LLAMA3_8B_CP == ["--module", MODULE, "--config", "llama3_8b_cp", "--ngpu", "8", "--gpu", "h100"]
     ours, out = _plan(LLAMA3_8B_CP, capsys)
     theirs, their_out = _plan(THE_OTHER_WAY, capsys)
     assert {r.pop("flavor") for r in ours} == {"torchtitan:llama3/8B"}
