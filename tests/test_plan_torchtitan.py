@@ -5,8 +5,8 @@
   8B, with its seq_len, batch, CP degree, op-level activation checkpointing and the titan_cp section's
   strategy and balance as config keys): every record equal but its model's name, less the candidates
   torchtitan's Trainer does not run with titan_cp's CP (hybrid: a 2-D cp mesh; pipeline meshes); its
-  command is torchtitan's own launcher. torchtitan's own overrides (``--titan_cp.strategy``,
-  ``--training.seq_len``) reach the plan.
+  command is torchtitan's own launcher (on ``--gpu cpu``, titan_cp's CPU launcher of it). torchtitan's own
+  overrides (``--titan_cp.strategy``, ``--training.seq_len``) reach the plan.
 - Bad input is one line: a module that does not import, a config name that is not there (did you mean), a
   config without titan_cp's section, torchtitan missing or of another version.
 """
@@ -101,6 +101,8 @@ def test_torchtitans_own_overrides_reach_the_plan(capsys):
     assert {r["seq_len"] for r in records} == {65536}
     (configured,) = [r for r in _plan([*argv[:-2], "--top", "0"], capsys)[0] if r["configured"]]
     assert (configured["strategy"], configured["cp"], configured["balance"]) == ("ulysses", 8, "doc_local")
+    _, out = _plan(["--module", MODULE, "--config", "llama3_debugmodel_cp", "--ngpu", "2", "--gpu", "cpu"], capsys)
+    assert f"torchrun --standalone --nproc-per-node 2 -m {MODULE}.train --module {MODULE} --config" in out
 
 
 def _one_line(argv: list[str], match: str) -> None:

@@ -84,10 +84,15 @@ def flags(e: Estimate, run: PlannedRun) -> str:
     return out
 
 
+CPU_LAUNCHER = "titan_cp.integrations.torchtitan.train"  # torchtitan's launcher plus what it lacks on a CPU
+
+
 def launch_lines(e: Estimate, ngpu: int, nnodes: int, run: PlannedRun) -> list[str]:
-    """torchtitan's launcher, unmodified, running ``e`` on ``nnodes`` nodes of ``ngpu // nnodes`` GPUs."""
+    """torchtitan's launcher, unmodified, running ``e`` on ``nnodes`` nodes of ``ngpu // nnodes`` GPUs (on
+    ``--gpu cpu``: :data:`CPU_LAUNCHER`, the same arguments)."""
     per_node = ngpu // nnodes
-    command = f"-m torchtitan.train --module {run.module} --config {run.config} {flags(e, run)}"
+    launcher = CPU_LAUNCHER if e.device.name == "cpu" else "torchtitan.train"
+    command = f"-m {launcher} --module {run.module} --config {run.config} {flags(e, run)}"
     if nnodes == 1:
         return [f"torchrun --standalone --nproc-per-node {per_node} {command}"]
     return [
