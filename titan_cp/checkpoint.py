@@ -71,10 +71,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_cp.errors import UserError, process_rank
-from titan_cp.model import hf_checkpoint
+from titan_cp.model import hf_checkpoint, torchtitan_checkpoint
 from titan_cp.model.llama import ModelArgs
 
 logger = logging.getLogger(__name__)
@@ -410,29 +410,58 @@ class Checkpointer:
         self._load_path(Path(path), metadata, model_only, what=what, fix=fix)
 
     def _load_torchtitan_model(self, path: Path, model_only: bool, metadata) -> None:
-        """A DCP checkpoint written by torchtitan: the model's parameters at the top level under
-        the same names (``tok_embeddings.weight``, ``layers.0.attention.wq.weight`` ...)."""
+        """A DCP checkpoint written by torchtitan: the model's parameters at the top level, under
+        titan_cp's names (torchtitan 0.2: ``tok_embeddings.weight``, ``layers.0.attention.wq.weight`` ...)
+        or torchtitan 0.3's (``lm_head``, the Q/K/V of ``qkv_linear``, fused or split:
+        :mod:`titan_cp.model.torchtitan_checkpoint`). Every parameter's name and shape is checked, and a
+        tensor of the checkpoint's model that this model does not have is refused, before anything loads."""
+        what = f"checkpoint.initial_load_path = {str(path)!r}"
         if not model_only:
             raise ValueError(
-                f"checkpoint.initial_load_path = {str(path)!r} is a torchtitan checkpoint; titan_cp "
-                "loads its model weights only: set checkpoint.initial_load_model_only = true"
+                f"{what} is a torchtitan checkpoint; titan_cp loads its model weights only: set "
+                "checkpoint.initial_load_model_only = true"
             )
-        what = f"checkpoint.initial_load_path = {str(path)!r}"
-        saved = metadata.state_dict_metadata
+        saved = {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
         state = self._model_state()
-        for name, t in state.items():  # check everything before loading anything
-            if name not in saved:
-                raise ValueError(f"checkpoint.initial_load_path = {str(path)!r} has no {name}")
-            if tuple(saved[name].size) != tuple(t.shape):
-                raise ValueError(
-                    f"checkpoint.initial_load_path = {str(path)!r}: {name} has shape "
-                    f"{tuple(saved[name].size)}, but the model's has shape {tuple(t.shape)}"
-                )
-        _dcp_load(state, path, what, _INITIAL_FIX)
+        found = torchtitan_checkpoint.sources({k: tuple(t.shape) for k, t in state.items()}, saved, what)
+        extra = torchtitan_checkpoint.extra_keys(saved, _all_ranks(sorted({s.key for s in found.values()})))
+        if extra:  # another model's checkpoint (every rank reads the same metadata)
+            more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+            raise ValueError(
+                f"{what} holds {', '.join(extra[:3])}{more}, which titan_cp's Llama does not have: it is another "
+                "model's checkpoint (e.g. Qwen3's q/k norms); start from a Llama 3 checkpoint"
+            )
+        fused = {s.key for s in found.values() if s.part is not None}
+        load = {s.key: state[name] for name, s in found.items() if s.part is None}
+        load.update({k: torch.empty(saved[k], dtype=metadata.state_dict_metadata[k].properties.dtype) for k in fused})
+        _dcp_load(load, path, what, _INITIAL_FIX)
+        if fused:
+            self._split_fused_qkv(state, found, load, what)
+        _check_finite({"model": state}, what, _INITIAL_FIX)
         for part in self.model_parts:
             set_model_state_dict(part, state, options=StateDictOptions(strict=False))
         if _rank0():
             logger.info("loaded torchtitan model weights %s", path)
+
+    def _split_fused_qkv(self, state: dict, found: dict, loaded: dict, what: str) -> None:
+        """Put each layer's ``wq``, ``wk``, ``wv`` into ``state`` from torchtitan 0.3's fused ``wqkv`` tensors
+        (``loaded``, whole on every rank), split per KV group by the model's head size."""
+        args = getattr(self.model_parts[0], "args", None)
+        if not isinstance(args, ModelArgs):
+            raise ValueError(
+                f"{what} holds torchtitan 0.3's fused qkv_linear.wqkv, which titan_cp splits by its Llama's "
+                "head size; this model is not titan_cp's Llama"
+            )
+        for name, source in found.items():
+            if source.part is None:
+                continue
+            full = torchtitan_checkpoint.split_wqkv(loaded[source.key], args.n_heads // args.kv_heads, args.head_dim)
+            target = state[name]
+            value = full[source.part].to(dtype=target.dtype)
+            if isinstance(target, DTensor):  # this rank's shard of the whole tensor every rank holds
+                state[name] = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+            else:
+                state[name] = value.to(target.device)
 
     def load_hf(self, path: str | Path, model_args: ModelArgs) -> None:
         """Start from the Hugging Face Llama checkpoint folder ``path``

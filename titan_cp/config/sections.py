@@ -153,8 +153,9 @@ class Checkpoint(Section, name="checkpoint"):
 
     initial_load_path: str | None = None
     """Weights to start from when there is nothing to resume (``enable`` false, or ``folder``
-    empty): a DCP checkpoint folder (titan_cp's, or torchtitan's with the same flavor), or with
-    ``initial_load_in_hf`` a Hugging Face checkpoint folder."""
+    empty): a DCP checkpoint folder (titan_cp's, or torchtitan's with the same flavor: 0.2's, or 0.3's
+    Llama 3 with its ``lm_head`` and ``qkv_linear`` names), or with ``initial_load_in_hf`` a Hugging Face
+    checkpoint folder."""
 
     initial_load_model_only: bool = True
     """Load only the model (not optimizer and train state) from ``initial_load_path``."""

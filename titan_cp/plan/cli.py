@@ -12,6 +12,7 @@ from titan_cp.attention.strategy import get_strategy
 from titan_cp.config import load_config
 from titan_cp.data.row_mixes import ROW_MIXES
 from titan_cp.errors import plural
+from titan_cp.plan import torchtitan
 from titan_cp.plan.devices import GB, GPUS, INTER, INTRA, device
 from titan_cp.plan.search import Estimate, PlanResult, max_seq_len, plan
 
@@ -21,6 +22,12 @@ USAGE = """The planner: which mesh and CP strategy to run, before spending a GPU
         [--nnodes 1] [--doc-mix NAME] [--hbm-gb G] [--host-gb G] [--matmul-speedup F]
         [--plot out.png | --plot FOLDER] [--max-seq]
         [--section.key value ...]          # any config key, as in the trainer
+    python -m titan_cp.plan --module M --config F --ngpu 8 [the options above]
+        [--section.key value ...]          # torchtitan 0.3's own overrides of its config function
+
+``--module/--config``: a torchtitan 0.3 config function made with titan_cp's ``with_titan_cp``
+(``titan_cp.plan.torchtitan``), looked up as torchtitan's launcher does; the recommended plan's
+command is torchtitan's launcher.
 
 ``--max-seq``: the longest row (``training.seq_len``) that trains, by bisection over multiples of
 65,536 tokens up to 2**24, with every option the planner may turn on (one row per rank,
@@ -209,16 +216,24 @@ def parser() -> argparse.ArgumentParser:
         "--plot", metavar="PNG", help=f"draw the candidates to this .png file, or to {PLOT_NAME} in this folder"
     )
     p.add_argument("--top", type=int, default=0, help="print only the best N rows (0: all)")
+    p.add_argument("--module", help="a torchtitan 0.3 run: the module of its config function (with --config)")
+    p.add_argument("--config", help="a torchtitan 0.3 run: the config function's name (with --module)")
     return p
 
 
-def _print_launch(result: PlanResult, config_file: str | None) -> None:
+def _print_launch(result: PlanResult, config_file: str | None, tt: torchtitan.TorchtitanPlan | None = None) -> None:
     best, ctx = result.best, result.context
-    print("\n".join(["", *overrides(best), ""]))
-    for line in launch_lines(best, ctx.ngpu, ctx.nnodes, config_file):
+
+    def lines(ngpu: int, nnodes: int) -> list[str]:
+        if tt is not None:
+            return torchtitan.launch_lines(best, ngpu, nnodes, tt.run)
+        return launch_lines(best, ngpu, nnodes, config_file)
+
+    print("\n".join(["", *(overrides(best) if tt is None else [torchtitan.flags(best, tt.run)]), ""]))
+    for line in lines(ctx.ngpu, ctx.nnodes):
         print(line)
     if ctx.nnodes == 1:
-        several = launch_lines(best, 2 * ctx.ngpu, 2, config_file)[0].replace("--nnodes 2", "--nnodes N")
+        several = lines(2 * ctx.ngpu, 2)[0].replace("--nnodes 2", "--nnodes N")
         print(several + "   # several nodes (set the degrees for N nodes)")
 
 
@@ -229,12 +244,23 @@ MAX_SEQ_DEFAULTS = {  # --max-seq plans one row per rank under full AC unless th
 }
 
 
-def _print_max_seq(args: argparse.Namespace, rest: list[str]) -> int:
-    given = {a.split("=")[0] for a in rest}
-    defaults = [x for k, v in MAX_SEQ_DEFAULTS.items() if k not in given for x in (k, v)]
-    job_config = load_config(defaults + rest)
+def _print_max_seq(args: argparse.Namespace, rest: list[str], tt: torchtitan.TorchtitanPlan | None) -> int:
+    if tt is not None:  # a torchtitan run is planned with its own batch and checkpointing
+        job_config = tt.job_config
+    else:
+        given = {a.split("=")[0] for a in rest}
+        defaults = [x for k, v in MAX_SEQ_DEFAULTS.items() if k not in given for x in (k, v)]
+        job_config = load_config(defaults + rest)
     n, result = max_seq_len(
-        job_config, args.ngpu, args.gpu, args.nnodes, args.doc_mix, args.hbm_gb, args.matmul_speedup, args.host_gb
+        job_config,
+        args.ngpu,
+        args.gpu,
+        args.nnodes,
+        args.doc_mix,
+        args.hbm_gb,
+        args.matmul_speedup,
+        args.host_gb,
+        given=tt.given if tt is not None else None,
     )
     if result is None:
         raise ValueError(
@@ -287,6 +313,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{name} must be a positive finite number, got {value}")
     if args.top < 0:
         raise ValueError(f"--top must be 0 (every row) or a positive number of rows, got {args.top}")
+    if (args.module is None) != (args.config is None):
+        raise ValueError("--module and --config name a torchtitan 0.3 config function together: give both")
     if args.plot is not None:
         plot_path(args.plot)
 
@@ -324,9 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     (``titan_cp.errors.run_cli`` prints the one line and exits 2)."""
     args, rest = parser().parse_known_args(argv)
     check_args(args)
+    tt = torchtitan.read(args.module, args.config, rest) if args.module is not None else None
     if args.max_seq:
-        return _print_max_seq(args, rest)
-    job_config = load_config(rest)
+        return _print_max_seq(args, rest, tt)
+    job_config = tt.job_config if tt is not None else load_config(rest)
     result = plan(
         job_config,
         args.ngpu,
@@ -336,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         args.hbm_gb,
         args.matmul_speedup,
         host_gb=args.host_gb,
+        given=tt.given if tt is not None else None,
     )
     records = [record(e, result) for e in result.estimates]
     shown = records[: args.top] if args.top else records
@@ -346,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         print(row(r))
     print(f"\nrecommended: {result.reason}")
     if result.recommended:
-        _print_launch(result, job_config.job.config_file)
+        _print_launch(result, job_config.job.config_file, tt)
     if args.plot is not None:
         path = plot_path(args.plot)
         plot(records, str(path))

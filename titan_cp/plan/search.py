@@ -5,6 +5,7 @@ memory to spare, in 2 GB steps, then the fastest)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -200,10 +201,13 @@ def _rank(estimates: list[Estimate]) -> list[Estimate]:
     return ranked
 
 
-def reason(e: Estimate) -> str:
-    """Why ``e`` is recommended (or that nothing fits)."""
+NOTHING_FITS = "nothing fits, even with activations, optimizer and shards on the host: raise cp or tp, or shorten rows"
+
+
+def reason(e: Estimate, nothing_fits: str = NOTHING_FITS) -> str:
+    """Why ``e`` is recommended (or ``nothing_fits``)."""
     if not e.fits:
-        return "nothing fits, even with activations, optimizer and shards on the host: raise cp or tp, or shorten rows"
+        return nothing_fits
     why = (
         f"least memory within 2% of the fastest that fits: {e.tokens_per_second_per_gpu:,.0f} tokens/s/GPU, "
         f"{e.memory.total / GB:.1f} of {e.device.memory_bytes / GB:.0f} GB"
@@ -218,10 +222,15 @@ def reason(e: Estimate) -> str:
 
 
 def workload_of(
-    job_config: JobConfig, gpu: str, doc_mix: str, seed: int, host_gb: float = 2000.0
+    job_config: JobConfig,
+    gpu: str,
+    doc_mix: str,
+    seed: int,
+    host_gb: float = 2000.0,
+    given: GivenModel | None = None,
 ) -> tuple[Workload, str]:
-    """The config's :class:`Workload` and the activation checkpointing it is planned with
-    (op-level selective checkpointing is planned as full: an upper bound on memory and time)."""
+    """The config's :class:`Workload` (of ``given``'s model when given) and the activation checkpointing
+    it is planned with (op-level selective checkpointing is planned as full: an upper bound on memory and time)."""
     t, p = job_config.training, job_config.parallelism
     mode, every = ac_mode_and_every(
         job_config.activation_checkpoint.mode, job_config.activation_checkpoint.selective_ac_option
@@ -230,7 +239,7 @@ def workload_of(
         mode, every = "full", 1
     rows = tuple(tuple(r) for r in make_rows(doc_mix, t.seq_len, t.local_batch_size, seed))
     w = Workload(
-        args=check_model(job_config).planner_args(job_config),
+        args=given.shapes if given is not None else check_model(job_config).planner_args(job_config),
         seq_len=t.seq_len,
         rows=rows,
         balance=p.context_parallel_load_balancer,
@@ -282,8 +291,28 @@ def escalate(w: Workload, level: int) -> Workload:
     return dataclasses.replace(w, ac=ac, ac_every=1 if ac == "full" else w.ac_every, host=host)
 
 
-def _setup(job_config, ngpu: int, gpu: str, nnodes: int, doc_mix: str, hbm_gb, seed: int, host_gb: float):
-    """``(device, workload, candidates)`` of a plan: the checks :func:`plan` makes before estimating anything."""
+def _any_candidate(c: Candidate) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class GivenModel:
+    """A model planned as given rather than by the config's family (``model.name``): a torchtitan 0.3
+    config function's (:mod:`titan_cp.plan.torchtitan`). ``shapes`` as a family's ``planner_args``,
+    ``label`` its name in the plan, ``runs`` the candidates its trainer runs, ``escalation`` how many
+    options of :data:`ESCALATION` it has (the first: full activation checkpointing), ``nothing_fits`` the
+    reason printed when none fits."""
+
+    shapes: ModelArgs
+    label: str
+    runs: Callable[[Candidate], bool] = _any_candidate
+    escalation: int = len(ESCALATION)
+    nothing_fits: str = NOTHING_FITS
+
+
+def _setup(job_config, ngpu: int, gpu: str, nnodes: int, doc_mix: str, hbm_gb, seed: int, host_gb: float, given=None):
+    """``(device, workload, candidates)`` of a plan: the checks :func:`plan` makes before estimating anything
+    (``given``: a :class:`GivenModel`, whose trainer's candidates alone are listed)."""
     if ngpu < 1:
         raise ValueError(f"--ngpu must be positive, got {ngpu}")
     if nnodes < 1 or ngpu % nnodes:
@@ -294,10 +323,13 @@ def _setup(job_config, ngpu: int, gpu: str, nnodes: int, doc_mix: str, hbm_gb, s
     balance = p.context_parallel_load_balancer
     if t.seq_len % seq_len_multiple(balance, 1):
         raise ValueError(f"training.seq_len ({t.seq_len}) is odd: no {balance!r} layout divides it")
-    w, _ = workload_of(job_config, gpu, doc_mix, seed, host_gb)
+    w, _ = workload_of(job_config, gpu, doc_mix, seed, host_gb, given)
     cands = candidates(w.args, t.seq_len, ngpu, nnodes, balance, t.local_batch_size, w.microbatch_rows)
-    family = get_family(job_config.model.name)  # only the meshes its models are built for
-    cands = [c for c in cands if (c.tp == 1 or family.builds("tp")) and (c.pp == 1 or family.builds("pp"))]
+    if given is not None:
+        cands = [c for c in cands if given.runs(c)]
+    else:
+        family = get_family(job_config.model.name)  # only the meshes its models are built for
+        cands = [c for c in cands if (c.tp == 1 or family.builds("tp")) and (c.pp == 1 or family.builds("pp"))]
     if not cands:
         raise ValueError(
             f"training.seq_len ({t.seq_len}) is divided by no cp degree of {plural(ngpu, 'GPU')} "
@@ -306,12 +338,15 @@ def _setup(job_config, ngpu: int, gpu: str, nnodes: int, doc_mix: str, hbm_gb, s
     return dev, w, cands
 
 
-def _escalated(cands: list[Candidate], w: Workload, dev: Device) -> tuple[Workload, str, bool]:
-    """``(workload, note, fits)``: ``w`` with the first levels of :data:`ESCALATION` on that make some
-    candidate fit (all of them when none does), the note naming them, and whether one fits. Memory only:
-    whether a plan fits never depends on its time, so no time is estimated at a level where nothing fits."""
+def _escalated(
+    cands: list[Candidate], w: Workload, dev: Device, levels: int = len(ESCALATION)
+) -> tuple[Workload, str, bool]:
+    """``(workload, note, fits)``: ``w`` with the first levels of :data:`ESCALATION` (at most ``levels``) on
+    that make some candidate fit (all of them when none does), the note naming them, and whether one fits.
+    Memory only: whether a plan fits never depends on its time, so no time is estimated at a level where
+    nothing fits."""
     note = ""
-    for level in range(len(ESCALATION) + 1):
+    for level in range(levels + 1):
         if level:
             w = escalate(w, level)
             note = "nothing fits as configured; with " + options_text(w) + ": "
@@ -331,13 +366,15 @@ def plan(
     seed: int = 0,
     stack: Stack | None = None,
     host_gb: float = 2000.0,
+    given: GivenModel | None = None,
 ) -> PlanResult:
     """Every candidate's estimate for ``job_config`` on ``ngpu`` GPUs, the recommended one first. When
     nothing fits as configured, the options of :data:`ESCALATION` are turned on one by one until
-    something does (the rows then carry the options; the reason says so)."""
-    dev, w, cands = _setup(job_config, ngpu, gpu, nnodes, doc_mix, hbm_gb, seed, host_gb)
+    something does (the rows then carry the options; the reason says so). ``given``: the model and the
+    trainer planned (:class:`GivenModel`), when not the config's family's."""
+    dev, w, cands = _setup(job_config, ngpu, gpu, nnodes, doc_mix, hbm_gb, seed, host_gb, given)
     stack = stack or Stack(matmul_speedup=matmul_speedup)
-    w, note, _ = _escalated(cands, w, dev)
+    w, note, _ = _escalated(cands, w, dev, given.escalation if given is not None else len(ESCALATION))
     ranked = _rank([evaluate(c, w, dev, stack) for c in cands])
     p = job_config.parallelism
     takes = get_strategy(p.context_parallel_strategy).takes_ulysses_degree()
@@ -350,10 +387,11 @@ def plan(
         p.pipeline_parallel_degree,
         p.context_parallel_ulysses_degree if takes else 1,
     )
-    family = get_family(job_config.model.name)
+    label = given.label if given is not None else get_family(job_config.model.name).plan_label(job_config, w.args)
     balance = p.context_parallel_load_balancer
-    context = Context(gpu, ngpu, nnodes, doc_mix, w.ac, family.plan_label(job_config, w.args), balance, configured)
-    return PlanResult(tuple(ranked), context, note + reason(ranked[0]), ranked[0].fits)
+    context = Context(gpu, ngpu, nnodes, doc_mix, w.ac, label, balance, configured)
+    why = reason(ranked[0], given.nothing_fits if given is not None else NOTHING_FITS)
+    return PlanResult(tuple(ranked), context, note + why, ranked[0].fits)
 
 
 def options_text(w: Workload) -> str:
@@ -378,16 +416,18 @@ def max_seq_len(
     hbm_gb: float | None = None,
     matmul_speedup: float = 1.0,
     host_gb: float = 2000.0,
+    given: GivenModel | None = None,
 ) -> tuple[int, PlanResult | None]:
     """The longest ``training.seq_len`` (a multiple of :data:`SEQ_GRANULE`, at most 2**24) whose plan fits
     (options escalated as :func:`plan` does), and that plan; ``(0, None)`` when not even one granule fits."""
+    levels = given.escalation if given is not None else len(ESCALATION)
 
     def config(n: int):
         return dataclasses.replace(job_config, training=dataclasses.replace(job_config.training, seq_len=n))
 
     def fitting(n: int) -> bool:  # as plan(...).recommended, from memory alone (no time estimated)
-        dev, w, cands = _setup(config(n), ngpu, gpu, nnodes, doc_mix, hbm_gb, 0, host_gb)
-        return _escalated(cands, w, dev)[2]
+        dev, w, cands = _setup(config(n), ngpu, gpu, nnodes, doc_mix, hbm_gb, 0, host_gb, given)
+        return _escalated(cands, w, dev, levels)[2]
 
     lo, hi = 0, MAX_SEQ_LEN // SEQ_GRANULE + 1  # in granules: lo fits, hi does not
     step = 1
@@ -400,5 +440,5 @@ def max_seq_len(
     if not lo:
         return 0, None
     return lo * SEQ_GRANULE, plan(
-        config(lo * SEQ_GRANULE), ngpu, gpu, nnodes, doc_mix, hbm_gb, matmul_speedup, host_gb=host_gb
+        config(lo * SEQ_GRANULE), ngpu, gpu, nnodes, doc_mix, hbm_gb, matmul_speedup, host_gb=host_gb, given=given
     )
