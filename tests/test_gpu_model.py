@@ -21,8 +21,8 @@ import torch
 
 from benchmarks.fake_cuda import simulate
 from benchmarks.gpu_model import ModelRow, model_rows, predict, predict_row
-from titan_cp.attention.mask_plans import CAUSAL, Mask, make_plan
 from titan_cp.attention.ring import ring_steps
+from titan_cp.attention.tiling import CAUSAL, Mask, tile_mask
 from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.layout import get_layout
 
@@ -133,7 +133,7 @@ def test_the_breakdown_accounts_for_every_byte_outside_the_kernel(row_records):
 @pytest.mark.parametrize("balance,docs", [("doc_local", DOCS_1K), ("zigzag", None)], ids=["documents_1k", "causal"])
 def test_gradients_of_rows_read_once_travel_in_the_input_dtype(balance, docs):
     """A peer's K/V rows that one packed key row of a step reads get their gradient back as that kernel
-    output, in the input dtype; both ends of every exchange agree on the dtype (planned apart); the bytes
+    output, in the input dtype; both ends of every exchange agree on the dtype (worked out apart); the bytes
     sent are below the fp32 return's."""
     layout, cp = get_layout(SEQ, CP, balance, docs), CP
     rings = [ring_steps(layout, r, cp, lambda i: (i,), CAUSAL, 1, torch.device("cpu")) for r in range(cp)]
@@ -154,7 +154,7 @@ def test_a_window_reaching_an_earlier_piece_beside_full_tiles_still_reads_the_sh
     kernel's limit on this draw so, under the 0.90 bar)."""
     docs = (tuple(lognormal_doc_lens(SEQ, 1024, seed=13, sigma=1.0)),)
     layout = get_layout(SEQ, CP, "doc_local", [list(docs[0])])
-    calls = make_plan(layout, (5,), (5,), Mask(True, 4096, None, native_window=True)).host_calls(1)
+    calls = tile_mask(layout, (5,), (5,), Mask(True, 4096, None, native_window=True)).host_calls(1)
     assert [c.causal for c in calls] == [True, True, False]
     assert torch.equal(calls[0].q_rows, torch.arange(SEQ // CP))
     record = predict_row(ModelRow("window_4096_docs_1k", docs, "doc_local", 4096, ("ring",), 0.90), "ring")
@@ -168,7 +168,7 @@ def test_a_window_over_documents_held_in_two_pieces_reads_its_rows_in_place():
     limit on this draw)."""
     docs = (tuple(lognormal_doc_lens(SEQ, 1024, seed=4, sigma=1.0)),)
     layout = get_layout(SEQ, CP, "doc_local", [list(docs[0])])
-    calls = make_plan(layout, (3,), (3,), Mask(True, 4096, None, native_window=True)).host_calls(1)
+    calls = tile_mask(layout, (3,), (3,), Mask(True, 4096, None, native_window=True)).host_calls(1)
     assert [c.causal for c in calls] == [True, True]
     assert torch.equal(calls[0].q_rows, torch.arange(SEQ // CP)) and any(c.q_rows.numel() < 1000 for c in calls)
     record = predict_row(ModelRow("window_4096_docs_1k", docs, "doc_local", 4096, ("ring",), 0.90), "ring")

@@ -17,7 +17,7 @@ from benchmarks.host import counting_kernel
 from tests.dist_utils import cp_mesh, make_inputs
 from titan_cp import SequenceLayout
 from titan_cp.attention import api, cp_rank
-from titan_cp.attention.mask_plans import CAUSAL
+from titan_cp.attention.tiling import CAUSAL
 from titan_cp.attention.ulysses import stays_home
 
 SEQ = 4096
@@ -65,7 +65,7 @@ def _count(rank, world, strategy, ulysses, n_docs):
     q, k, v, dout = (layout.shard(x, 2, r) for x in make_inputs(0, 1, 4, 2, SEQ, 8))
     handle = api.register_spec(mesh, strategy, layout.balance, KERNEL.name)
     ctx, module = api._context(handle, q, k.shape[1], layout.doc_lens_tensor(), True, 0.35)
-    layout.memo(("warm",), lambda: module.forward(ctx, q, k, v))  # plans and device indices: once per microbatch
+    layout.memo(("warm",), lambda: module.forward(ctx, q, k, v))  # tiles and device indices: once per microbatch
     KERNEL.calls.clear()
     with OpCounter() as counter:
         out, saved = module.forward(ctx, q, k, v)

@@ -1,7 +1,7 @@
 """Training metrics: a console line, ``metrics.jsonl`` (one JSON object per step), TensorBoard.
 
 MFU: ``step FLOPs / (seconds * peak * ranks)``, the step's FLOPs counting the attention
-work of the visible (query, key) pairs only (:func:`visible_pairs`, the attention plans' own
+work of the visible (query, key) pairs only (:func:`visible_pairs`, the attention tiles' own
 count). The peak is the device's dense bf16 rating on known GPUs. A CPU has no rating to look
 up: its peak is an *estimate*, the best of several timed fp32 matmuls at start-up on this
 rank's threads, raised to any higher throughput the run itself reaches (so CPU MFU never
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol, TextIO
 
 import torch
 
-from titan_cp.attention.mask_plans import make_plan
+from titan_cp.attention.tiling import tile_mask
 from titan_cp.errors import UserError
 from titan_cp.layout import SequenceLayout, get_layout
 
@@ -162,14 +162,14 @@ class StepMetrics:
 
 def visible_pairs(doc_lens: list[list[int]], seq_len: int, cp: int = 1, balance: str = "contiguous") -> int:
     """Visible causal (query, key) pairs per head of packed rows (``doc_lens``: the document
-    lengths of each row): ``sum over documents of n (n + 1) / 2``, as the attention plan of the
+    lengths of each row): ``sum over documents of n (n + 1) / 2``, as the attention's tiles of the
     whole rows counts them. ``cp``/``balance`` name the layout the step used, to reuse it."""
     return layout_pairs(get_layout(seq_len, cp, balance, doc_lens))
 
 
 def layout_pairs(layout: SequenceLayout) -> int:
     """Visible causal (query, key) pairs per head of the rows of ``layout`` (:func:`visible_pairs`)."""
-    return make_plan(layout, None, None, True).pairs(layout.batch_size or 1)
+    return tile_mask(layout, None, None, True).pairs(layout.batch_size or 1)
 
 
 def device_memory_bytes(device: torch.device) -> int:

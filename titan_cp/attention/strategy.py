@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torch import Tensor
 
-from titan_cp.attention.mask_plans import CAUSAL, Mask
+from titan_cp.attention.tiling import CAUSAL, Mask
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -235,12 +235,12 @@ class Strategy:
         self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int, ulysses_degree: int = 1
     ) -> int:
         """Visible (query, key) pairs this rank's kernels compute under ``mask`` (a
-        :class:`~titan_cp.attention.mask_plans.Mask`), summed over the heads they run (``q_heads``: local
+        :class:`~titan_cp.attention.tiling.Mask`), summed over the heads they run (``q_heads``: local
         query heads before any exchange). Summed over the cp ranks it is the whole layer's pairs
         times the heads: the work is split, never repeated."""
-        from titan_cp.attention.mask_plans import make_plan  # noqa: PLC0415 - the engine imports this module
+        from titan_cp.attention.tiling import tile_mask  # noqa: PLC0415 - the engine imports this module
 
-        return make_plan(layout, (rank,), None, mask).pairs(batch) * q_heads
+        return tile_mask(layout, (rank,), None, mask).pairs(batch) * q_heads
 
     def buffer_bytes(
         self,

@@ -38,8 +38,7 @@ from torch import Tensor
 
 from titan_cp.attention.comm import all_to_all
 from titan_cp.attention.context import CPContext
-from titan_cp.attention.fold import plan_backward, plan_forward
-from titan_cp.attention.mask_plans import CAUSAL, Mask, MaskPlan, head_major, make_plan, token_major
+from titan_cp.attention.fold import tiles_backward, tiles_forward
 from titan_cp.attention.merge import sinks_grad
 from titan_cp.attention.ring import (
     RING,
@@ -56,6 +55,7 @@ from titan_cp.attention.strategy import (
     kv_heads_per_shard,
     register_strategy,
 )
+from titan_cp.attention.tiling import CAUSAL, Mask, MaskTiles, head_major, tile_mask, token_major
 from titan_cp.layout import SequenceLayout, to_device
 
 Group = dist.ProcessGroup | None
@@ -80,7 +80,7 @@ def head_index(
     layout: SequenceLayout, q_heads: int, kv_heads: int, n: int, device: torch.device
 ) -> torch.Tensor | None:
     """The K/V head each of ``n`` destinations needs, on ``device`` (``None`` when K/V heads split
-    evenly): built once per microbatch with the layout's plans, so no layer copies it to the device."""
+    evenly): built once per microbatch with the layout's tiles, so no layer copies it to the device."""
     heads = kv_head_map(q_heads, kv_heads, n)
     if heads is None:
         return None
@@ -128,29 +128,29 @@ def concat_to_stacked(x: torch.Tensor, batch: int, u: int) -> torch.Tensor:
     return x.reshape(batch, u, n // batch, *x.shape[1:]).transpose(0, 1).reshape(u, n, *x.shape[1:])
 
 
-def _plan(ctx: CPContext, batch: int) -> tuple[MaskPlan, Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
-    """``(plan, inward, outward)``: the mask plan over the full row and the maps from the all-to-all's
+def _row_tiles(ctx: CPContext, batch: int) -> tuple[MaskTiles, Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+    """``(tiles, inward, outward)``: the mask's tiles over the full row and the maps from the all-to-all's
     stacked shards to its buffer and back. The buffer is the shards in rank order (no reordering) when
     at most :data:`MERGED_SHARE` of its rows are then reached by several segments (documents mostly whole
     on their rank, as ``doc_local`` keeps them: only the split ones merge); else the natural order, one
     gather in and one scatter out, where every document is one run."""
-    layout, _ = ctx.planned()
+    layout, _ = ctx.layout_and_kernel()
     n = layout.cp_size
     ranks = tuple(range(n))
-    concat = make_plan(layout, ranks, ranks, ctx.mask)
+    concat = tile_mask(layout, ranks, ranks, ctx.mask)
     merged = layout.memo(("ulysses_merged", ctx.mask, batch), lambda: _merged_rows(concat, batch))
     if merged <= MERGED_SHARE * batch * layout.seq_len:
         return concat, (lambda x: stacked_to_concat(x, batch)), (lambda x: concat_to_stacked(x, batch, n))
     return (
-        make_plan(layout, None, None, ctx.mask),
+        tile_mask(layout, None, None, ctx.mask),
         lambda x: layout.stacked_to_natural(x, batch),
         lambda x: layout.natural_to_stacked(x, batch),
     )
 
 
-def _merged_rows(plan: MaskPlan, batch: int) -> int:
-    """Query rows of ``plan`` that several segments reach (host)."""
-    rows = torch.cat(plan.q_dest(batch)) if plan.q_dest(batch) else torch.zeros(0, dtype=torch.int64)
+def _merged_rows(tiles: MaskTiles, batch: int) -> int:
+    """Query rows of ``tiles`` that several segments reach (host)."""
+    rows = torch.cat(tiles.q_dest(batch)) if tiles.q_dest(batch) else torch.zeros(0, dtype=torch.int64)
     return int((torch.bincount(rows) > 1).sum()) if len(rows) else 0
 
 
@@ -199,7 +199,7 @@ def head_shard_saved_bytes(act_bytes: int, q_heads: int, kv_heads: int, head_dim
 class Heads(Generic[A]):
     """How one call exchanges heads: over ``group`` of ``n`` ranks (this one ``part``), K/V heads picked by
     ``kv`` (:func:`head_index`), the received shards put in the attention's buffer order by ``inward`` and
-    back by ``outward``; ``attend``: what the strategy attends with (its plan, or its ring)."""
+    back by ``outward``; ``attend``: what the strategy attends with (its tiles, or its ring)."""
 
     n: int
     group: Group
@@ -288,7 +288,7 @@ class HeadExchange(Strategy, Generic[A]):
 
     # ------------------------------------------------------------------ the op
     def _home(self, ctx: CPContext, batch: int) -> bool:
-        return bool(ctx.documents) and stays_home(ctx.planned()[0], ctx.mask, batch)
+        return bool(ctx.documents) and stays_home(ctx.layout_and_kernel()[0], ctx.mask, batch)
 
     def _to_heads(self, x: Heads[A], q_t: Tensor, k_t: Tensor, v_t: Tensor) -> tuple[Tensor, Tensor]:
         return x.inward(scatter_heads(q_t, x.n, x.group)), x.inward(kv_to_heads(k_t, v_t, x.kv, x.n, x.group))
@@ -432,7 +432,7 @@ def exchange_bytes(q: Tensor, k: Tensor, n: int, backward: bool, documents: bool
     return one * ((3 if documents else 2) if backward else 1)
 
 
-class Ulysses(HeadExchange[MaskPlan]):
+class Ulysses(HeadExchange[MaskTiles]):
     """All-to-all from sequence shards to head shards and back (module docstring)."""
 
     name = "ulysses"
@@ -440,29 +440,29 @@ class Ulysses(HeadExchange[MaskPlan]):
     def ulysses_size(self, cp: int, ulysses_degree: int = 1) -> int:
         return cp
 
-    def heads(self, ctx: CPContext, batch: int, device: torch.device) -> Heads[MaskPlan]:
-        layout, _ = ctx.planned()
+    def heads(self, ctx: CPContext, batch: int, device: torch.device) -> Heads[MaskTiles]:
+        layout, _ = ctx.layout_and_kernel()
         n = layout.cp_size
-        plan, inward, outward = _plan(ctx, batch)
+        tiles, inward, outward = _row_tiles(ctx, batch)
         kv = head_index(layout, ctx.q_heads, ctx.kv_heads, n, device)
-        return Heads(n, ctx.group, ctx.rank, kv, inward, outward, plan)
+        return Heads(n, ctx.group, ctx.rank, kv, inward, outward, tiles)
 
     def attend(
         self,
         ctx: CPContext,
-        x: Heads[MaskPlan],
+        x: Heads[MaskTiles],
         q_h: Tensor,
         k_h: Tensor,
         v_h: Tensor,
         batch: int,
         sinks: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
-        return plan_forward(q_h, k_h, v_h, batch, x.attend, ctx.planned()[1], ctx.scale, sinks)
+        return tiles_forward(q_h, k_h, v_h, batch, x.attend, ctx.layout_and_kernel()[1], ctx.scale, sinks)
 
     def attend_backward(
         self,
         ctx: CPContext,
-        x: Heads[MaskPlan],
+        x: Heads[MaskTiles],
         dout_h: Tensor,
         q_h: Tensor,
         k_h: Tensor,
@@ -471,7 +471,9 @@ class Ulysses(HeadExchange[MaskPlan]):
         lse_h: Tensor,
         batch: int,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        return plan_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, batch, x.attend, ctx.planned()[1], ctx.scale)
+        return tiles_backward(
+            dout_h, q_h, k_h, v_h, out_h, lse_h, batch, x.attend, ctx.layout_and_kernel()[1], ctx.scale
+        )
 
     def ring_group(self, ctx: CPContext) -> RingGroup:
         return ctx.group if ctx.cp_size > 1 else None
@@ -483,7 +485,7 @@ class Ulysses(HeadExchange[MaskPlan]):
         home = self.home_pairs(layout, rank, mask, batch, q_heads)
         if home is not None:
             return home
-        return make_plan(layout, None, None, mask).pairs(batch) * q_heads // layout.cp_size
+        return tile_mask(layout, None, None, mask).pairs(batch) * q_heads // layout.cp_size
 
     def min_bytes(
         self,

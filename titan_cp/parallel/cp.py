@@ -17,7 +17,7 @@ As a DTensor, the "global" sequence is the layout's rank-concatenated order (the
 stacked by rank), the convention of PyTorch's own load-balanced CP.
 
 The batch's document structure arrives as the ``doc_lens`` argument of every call, a
-zero-padded ``(B, max_docs)`` tensor *on the host*; the layout, its mask plans and their
+zero-padded ``(B, max_docs)`` tensor *on the host*; the layout, its mask tiles and their
 device indices are built from it once per microbatch (the first layer) and reused by every
 other layer (the same tensor object is recognised without being read again): no device
 synchronisation in the layer loop, and no global state, so each pipeline microbatch

@@ -31,8 +31,8 @@ from functools import lru_cache
 
 import torch
 
-from titan_cp.attention.mask_plans import causal_counts, zigzag_counts
 from titan_cp.attention.strategy import AxisBytes, get_strategy
+from titan_cp.attention.tiling import causal_counts, zigzag_counts
 from titan_cp.layout import DEFAULT_BALANCE, get_layout
 from titan_cp.model.llama import ModelArgs
 from titan_cp.plan.devices import Device
@@ -175,14 +175,14 @@ def attention_work(seq_len: int, cp: int, ring: int, ulysses: int, balance: str,
         steps = (max(causal_counts(layout, (r,), None, b)[0] for r in range(cp)),)
         return AttentionWork(steps, total, min(eff_len, seq_len), (1.0,))
     group_rows = b * layout.local_len * ulysses  # the query rows of one ring group
-    if layout.zigzag_chunk() is not None:  # every pair of groups alike: closed form (mask_plans.zigzag_counts)
+    if layout.zigzag_chunk() is not None:  # every pair of groups alike: closed form (tiling.zigzag_counts)
         own = zigzag_counts(layout, 0, 0, ulysses, b)
         other = zigzag_counts(layout, 1, 0, ulysses, b) if ring > 1 else own  # a later group's queries: most rows
         pairs = [own[0]] + [other[0]] * (ring - 1)
         touched = [own[1] / group_rows] + [other[1] / group_rows] * (ring - 1)
         return AttentionWork(tuple(pairs), total, min(eff_len, seq_len // ring), tuple(touched))
     groups = [tuple(range(g * ulysses, (g + 1) * ulysses)) for g in range(ring)]
-    # step s: group g's queries on the keys of group g - s (the ring's order, titan_cp.attention.ring.ring_plans)
+    # step s: group g's queries on the keys of group g - s (the ring's order, titan_cp.attention.ring.ring_step_tiles)
     counts = [[causal_counts(layout, groups[g], groups[(g - s) % ring], b) for g in range(ring)] for s in range(ring)]
     pairs = [max(c[0] for c in step) for step in counts]
     touched = [max(c[1] for c in step) / group_rows for step in counts]
