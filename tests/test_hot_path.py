@@ -16,9 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.host import counting_kernel
 from tests.dist_utils import cp_mesh, make_inputs
 from titan_cp import SequenceLayout
-from titan_cp.attention import api, cp_rank
+from titan_cp.attention import api, attention_schedule, cp_rank
 from titan_cp.attention.tiling import CAUSAL
-from titan_cp.attention.ulysses import stays_home
 
 SEQ = 4096
 
@@ -49,8 +48,8 @@ def _docs(n: int, seed: int = 0) -> list[int]:
 
 def _steps(strategy: str, mesh, layout) -> int:
     """Blocks of keys each rank attends in turn: ring steps, or one gathered buffer; the head exchanges
-    run the ring over every cp rank where the documents stay home."""
-    if strategy == "ring" or (strategy in ("ulysses", "hybrid") and stays_home(layout, CAUSAL, 1)):
+    run the ring over every cp rank where the documents stay home (their schedule is the ring's)."""
+    if attention_schedule(strategy, mesh.size(), layout, CAUSAL, 1) == "ring":
         return mesh.size()
     if strategy == "hybrid":
         return mesh.size(0)

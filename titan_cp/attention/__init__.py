@@ -2,12 +2,13 @@
 
 from titan_cp.attention.api import cp_attention, cp_rank, local_attention, min_bytes_per_rank
 from titan_cp.attention.kernels import AttentionKernel, Segments, check_kernel, get_kernel, register_kernel
-from titan_cp.attention.strategy import Strategy, get_strategy, register_strategy, strategy_names
+from titan_cp.attention.strategy import Strategy, attention_schedule, get_strategy, register_strategy, strategy_names
 
 __all__ = [
     "AttentionKernel",
     "Segments",
     "Strategy",
+    "attention_schedule",
     "check_kernel",
     "cp_attention",
     "cp_rank",

@@ -10,7 +10,7 @@ their union; those unions then run the ring among the ``R`` groups::
     backward: the ring's backward between the dual all-to-alls
 
 With documents that mostly lie whole on one rank the call runs the ring's schedule over every cp
-rank instead, as Ulysses does (:class:`~titan_cp.attention.ulysses.HeadExchange`): each rank attends
+rank instead, as Ulysses does (:meth:`~titan_cp.attention.ulysses.HeadExchange.schedule`): each rank attends
 its own queries over every head, addressing the other cp ranks by their global ranks.
 
 Ulysses needs fast links (it moves every activation once) and caps at the head count;
@@ -174,9 +174,9 @@ class Hybrid(HeadExchange[tuple[RingGroup, RingSteps]]):
     def local_head_pairs(
         self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int, ulysses_degree: int = 1
     ) -> int:
-        """The Ulysses group's queries against every key, for 1/U of the heads (or, where documents stay
-        home, the ring's)."""
-        home = self.home_pairs(layout, rank, mask, batch, q_heads)
+        """The Ulysses group's queries against every key, for 1/U of the heads (or, where the call runs
+        the ring's schedule, the ring's)."""
+        home = self.ring_schedule_pairs(layout, rank, mask, batch, q_heads)
         if home is not None:
             return home
         u = ulysses_degree
@@ -210,10 +210,10 @@ class Hybrid(HeadExchange[tuple[RingGroup, RingSteps]]):
         mask: Mask = CAUSAL,
     ) -> tuple[AxisBytes, ...]:
         """The ring among groups on ``cp_ring``, the all-to-alls inside a group on ``cp_ulysses``; where
-        documents stay home the ring over every cp rank, on ``cp_ring`` (its neighbours are mostly in other
+        the call runs the ring's schedule, the ring over every cp rank, on ``cp_ring`` (its neighbours are mostly in other
         groups) unless there is one group."""
         u = ulysses_degree
-        home = self.home_bytes(q, k, cp, backward, layout, rank, mask)
+        home = self.ring_schedule_bytes(q, k, cp, backward, layout, rank, mask)
         if home is not None:
             on_ring = cp // u > 1
             return AxisBytes("cp_ring", cp // u, home if on_ring else 0, True), AxisBytes(
