@@ -203,7 +203,7 @@ class ModelRow:
 
 
 def model_rows(seq_len: int = 131072, seed: int = 0) -> list[ModelRow]:
-    """The rows issue 28 bars, drawn with ``seed`` (log-normal lengths, :func:`lognormal_doc_lens`):
+    """The rows with efficiency bars (``tests/test_gpu_model.py``), drawn with ``seed`` (log-normal lengths, :func:`lognormal_doc_lens`):
     one causal document; documents of mean 1K (sigma 1), 256 (sigma 1), and heavy-tailed mixes of
     mean 4K and 16K (sigma 1.5) under ``doc_local``; sliding windows of 1,024 and 4,096 on one document
     and 1,024 over mean-1K documents."""

@@ -118,7 +118,7 @@ def test_max_seq_estimates_time_once_per_candidate(monkeypatch):
     argv = ["--model.flavor", "8B", "--training.local_batch_size", "1", "--training.global_batch_size", "1"]
     n, result = search.max_seq_len(load_config([*argv, "--activation_checkpoint.mode", "full"]), 64, "h100")
     c = result.best.candidate
-    assert (n, c.strategy, c.cp, c.dp_shard, c.tp, c.pp) == (12_124_160, "ring", 64, 1, 1, 1)  # as at the start
+    assert (n, c.strategy, c.cp, c.dp_shard, c.tp, c.pp) == (12_124_160, "ring", 64, 1, 1, 1)
     assert len(calls) == len(set(calls)) == len(result.estimates) == 88
 
 
@@ -219,8 +219,8 @@ def test_zigzag_closed_forms_equal_the_general_counts(monkeypatch):
 
 def test_the_planner_counts_a_one_document_ring_of_4096_ranks_without_a_pair_of_ranks(monkeypatch):
     """The planner's per-pair counts on one document of 2^24 tokens over 4,096 ranks (ring, all-gather and
-    hybrid): at the start every pair of ranks built a mask's tiles or closed-form count (16.8 million of each
-    strategy; 65,536 GPUs never answered); now a few, and the layout is made without trying assignments."""
+    hybrid) come from a few pairs, not from every pair of ranks (16.8 million tiles or closed-form counts of
+    each strategy), and the layout is made without trying assignments."""
     import torch  # noqa: PLC0415
 
     from titan_cp import doc_local  # noqa: PLC0415
