@@ -21,8 +21,8 @@ Work per rank (N = cp, S = seq_len, W[r, j] = pairs of rank r's queries on rank 
 
 Balances compared side by side:
 
-    contiguous, zigzag, doc_zigzag   titan_cp.layout; pairs from the mask plans (make_plan,
-                                     ring_plans, Plan.pairs), cross-checked against the
+    contiguous, zigzag, doc_zigzag   titan_cp.layout; pairs from the mask tiles (tile_mask,
+                                     ring_step_tiles, MaskTiles.pairs), cross-checked against the
                                      position counter below
     torch_head_tail                  torch's _HeadTailLoadBalancer
     torch_per_doc_head_tail          torch's _PerDocumentHeadTailLoadBalancer: needs every
@@ -44,7 +44,7 @@ positions and document ids: a query at position p of a document starting at s se
 keys of rank j at positions ``[s, p]``; with ``C_j[p]`` = number of rank-j tokens at
 positions <= p that is ``C_j[p] - C_j[s-1]`` (one cumulative sum per rank, vectorised over
 all queries). For every balance the pairs are also counted by titan_cp's mask tiles
-(``plan_tiles`` on the runs of each rank's positions) and the two counts must agree
+(``tiles_of_runs`` on the runs of each rank's positions) and the two counts must agree
 exactly; ``max_tiles`` is that tile count: the kernel calls a ring forward makes.
 
 Mixes (each row a fresh draw filling exactly ``seq_len``, deterministic from the seed):
@@ -70,9 +70,9 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
     _PTRRLoadBalancer,
 )
 
-from titan_cp.attention.mask_plans import Mask, make_plan
-from titan_cp.attention.masks import plan_tiles, tile_pairs
-from titan_cp.attention.ring import ring_plans
+from titan_cp.attention.masks import tile_pairs, tiles_of_runs
+from titan_cp.attention.ring import ring_step_tiles
+from titan_cp.attention.tiling import Mask, tile_mask
 from titan_cp.balance import balance_names
 from titan_cp.data.row_mixes import BALANCE_MIXES, ROW_MIXES, make_rows
 from titan_cp.layout import Run, Runs, SequenceLayout
@@ -170,14 +170,14 @@ def runs_of(positions: torch.Tensor, doc_start: torch.Tensor, real: torch.Tensor
 def ring_tiles(runs: Sequence[Runs]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(steps (N steps, N ranks) pairs, tiles (N,))`` from titan_cp's mask tiles of each ring step.
 
-    Rank r at step s: its query runs against the key runs of rank r - s (as ring_plans does).
+    Rank r at step s: its query runs against the key runs of rank r - s (as ring_step_tiles does).
     """
     n = len(runs)
     steps = torch.zeros(n, n, dtype=torch.long)
     tiles = torch.zeros(n, dtype=torch.long)
     for r in range(n):
         for s in range(n):
-            t = plan_tiles(runs[r], runs[(r - s) % n], True)
+            t = tiles_of_runs(runs[r], runs[(r - s) % n], True)
             steps[s, r] = tile_pairs(t)
             tiles[r] += len(t)
     return steps, tiles
@@ -190,9 +190,9 @@ def causal_doc_total(doc_lens: Sequence[int]) -> int:
 
 # ---------------------------------------------------------------------------- balances
 def layout_work(layout: SequenceLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From titan_cp's mask plans: ``(work (N,), steps (N steps, N ranks), tiles (N,))`` for a one-row layout.
+    """From titan_cp's mask tiles: ``(work (N,), steps (N steps, N ranks), tiles (N,))`` for a one-row layout.
 
-    work_r = pairs of make_plan(q_ranks=(r,), k_ranks=None); steps[s, r] from ring_plans;
+    work_r = pairs of tile_mask(q_ranks=(r,), k_ranks=None); steps[s, r] from ring_step_tiles;
     tiles_r = kernel calls of rank r summed over its ring steps.
     """
     n = layout.cp_size
@@ -200,17 +200,17 @@ def layout_work(layout: SequenceLayout) -> tuple[torch.Tensor, torch.Tensor, tor
     steps = torch.zeros(n, n, dtype=torch.long)
     tiles = torch.zeros(n, dtype=torch.long)
     for r in range(n):
-        work[r] = make_plan(layout, (r,), None, True).pairs()
-        for s, plan in enumerate(ring_plans(layout, r, n, lambda i: (i,), Mask())):
-            steps[s, r] = plan.pairs()
-            tiles[r] += plan.num_tiles
+        work[r] = tile_mask(layout, (r,), None, True).pairs()
+        for s, tiles_s in enumerate(ring_step_tiles(layout, r, n, lambda i: (i,), Mask())):
+            steps[s, r] = tiles_s.pairs()
+            tiles[r] += tiles_s.num_tiles
     return work, steps, tiles
 
 
 def rank_pairs(layout: SequenceLayout) -> torch.Tensor:
     """``(N,)`` visible pairs per head of each cp rank's queries on all keys (every row of the layout)."""
     rows = layout.batch_size or 1
-    return torch.tensor([make_plan(layout, (r,), None, True).pairs(rows) for r in range(layout.cp_size)])
+    return torch.tensor([tile_mask(layout, (r,), None, True).pairs(rows) for r in range(layout.cp_size)])
 
 
 def ring_step_work(w: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ make that possible (:func:`fake_cuda`):
 
 - **host to device**: ``titan_cp.layout.to_device`` (the one place host index tensors reach the
   device) returns a fake CUDA tensor of the host tensor's shape and dtype;
-- **host-side planning** (the layout, the mask plans and their index tensors, built once per
+- **host-side planning** (the layout, the mask tiles and their index tensors, built once per
   microbatch) runs on real CPU tensors, the fake mode suspended while it does;
 - **CUDA tensor methods** a CPU-only build refuses even on fake tensors (Python indexing such as
   ``x[0]`` and ``x[rank, slot] = y``, ``copy_``, ``contiguous``, ``.to("cuda")``) go through the ATen
@@ -17,7 +17,7 @@ make that possible (:func:`fake_cuda`):
   are counted by ``count_comm`` as on a real run.
 
 :func:`simulate` runs one layer's forward and backward of a strategy for every rank in turn, a
-warm-up first (the first layer of a microbatch builds the plans), then the traced layer, and
+warm-up first (the first layer of a microbatch builds the tiles), then the traced layer, and
 returns a :class:`RankTrace` per rank:
 
 - every call of ATen's flash ops, checked against the kernel's preconditions (dtype, last-dim
@@ -49,8 +49,8 @@ from titan_cp.attention import comm
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.kernels import cuda_flash
 from titan_cp.attention.kernels.cuda_flash import CUDAFlashKernel
-from titan_cp.attention.mask_plans import Mask
 from titan_cp.attention.strategy import get_strategy
+from titan_cp.attention.tiling import Mask
 from titan_cp.layout import SequenceLayout
 
 CUDA = torch.device("cuda", 0)
@@ -339,9 +339,9 @@ def fake_cuda():
         comm.dist,
         cuda_flash._ATEN,
     )
-    from titan_cp.attention.mask_plans import MaskPlan
+    from titan_cp.attention.tiling import MaskTiles
 
-    real_plan_memo = MaskPlan._memo
+    real_tiles_memo = MaskTiles._memo
 
     def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         if torch.device(device).type != "cuda":
@@ -352,24 +352,24 @@ def fake_cuda():
         with unset_fake_temporarily():
             return real_memo(self, key, build)
 
-    def plan_memo(self, key, build):
+    def tiles_memo(self, key, build):
         with unset_fake_temporarily():
-            return real_plan_memo(self, key, build)
+            return real_tiles_memo(self, key, build)
 
     users = [m for m in list(sys.modules.values()) if getattr(m, "to_device", None) is real_to_device]
     aten = CheckedAten()
     try:
         for m in users:
             m.to_device = to_device
-        SequenceLayout.memo, MaskPlan._memo, comm.dist, cuda_flash._ATEN = memo, plan_memo, FAKE_DIST, aten
+        SequenceLayout.memo, MaskTiles._memo, comm.dist, cuda_flash._ATEN = memo, tiles_memo, FAKE_DIST, aten
         with _cuda_methods(), mode:
             yield mode, aten
     finally:
         for m in users:
             m.to_device = real_to_device
-        SequenceLayout.memo, MaskPlan._memo, comm.dist, cuda_flash._ATEN = (
+        SequenceLayout.memo, MaskTiles._memo, comm.dist, cuda_flash._ATEN = (
             real_memo,
-            real_plan_memo,
+            real_tiles_memo,
             real_dist,
             real_aten,
         )
@@ -567,7 +567,7 @@ def simulate(
         for mesh in fake_meshes(strategy, cp, ulysses_degree):
             ctx = CPContext(mesh, layout, mask, head_dim**-0.5, meter, heads, kv_heads)
             q, k, v, dout = _inputs(batch, seq_len // cp, heads, kv_heads, head_dim, dtype)
-            with SyncDetector():  # warm-up: the first layer builds plans and indices
+            with SyncDetector():  # warm-up: the first layer builds tiles and indices
                 out, saved = s.forward(ctx, q, k, v)
                 s.backward(ctx, dout, q, k, v, out, saved)
             aten.calls.clear()

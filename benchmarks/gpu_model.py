@@ -51,8 +51,8 @@ import torch
 from benchmarks.fake_cuda import simulate
 from titan_cp.attention import fold
 from titan_cp.attention.kernels import check_kernel
-from titan_cp.attention.mask_plans import Mask, kernel_mask, make_plan, token_major
 from titan_cp.attention.strategy import get_strategy
+from titan_cp.attention.tiling import Mask, kernel_mask, tile_mask, token_major
 from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.layout import SequenceLayout, get_layout
 from titan_cp.plan.devices import GPUS
@@ -100,19 +100,19 @@ def one_call_segments(seq_len: int, doc_lens, mask: Mask, heads: int) -> list:
     (a window taken by the kernel, as ATen's flash kernel takes it)."""
     layout = get_layout(seq_len, 1, "contiguous", doc_lens)
     rows = 1 if doc_lens is None else len(doc_lens)
-    calls = make_plan(layout, None, None, replace(mask, native_window=mask.window is not None)).host_calls(rows)
+    calls = tile_mask(layout, None, None, replace(mask, native_window=mask.window is not None)).host_calls(rows)
     return [(op, c.causal, c.host_q, c.host_k, c.window, heads) for op in ("forward", "backward") for c in calls]
 
 
 _KINDS = {
-    "mask_plans.token_major": "layout", "mask_plans.head_major": "layout", "ulysses": "layout", "hybrid": "layout",
+    "tiling.token_major": "layout", "tiling.head_major": "layout", "ulysses": "layout", "hybrid": "layout",
     "layout": "layout", "allgather.AllGather.forward": "buffers", "allgather.AllGather.backward": "buffers",
-    "mask_plans.Rows.take": "repack", "fold.attend": "repack", "fold.attend_backward": "repack",
+    "tiling.Rows.take": "repack", "fold.attend": "repack", "fold.attend_backward": "repack",
     "fold.Results.__init__": "merge", "fold.Results.finish": "merge", "merge": "merge", "fused.merge_into": "merge",
     "fold.Grads": "grad_acc", "ring._add_home": "grad_acc", "ring.ring_backward": "grad_acc",
     "ring.received_grads": "grad_acc",
     "ring._post_kv": "buffers", "ring.ring_forward": "buffers", "comm": "buffers", "ring._KV": "buffers",
-    "mask_plans.Rows.take_into": "buffers",
+    "tiling.Rows.take_into": "buffers",
 }  # fmt: skip
 
 
@@ -203,7 +203,7 @@ class ModelRow:
 
 
 def model_rows(seq_len: int = 131072, seed: int = 0) -> list[ModelRow]:
-    """The rows issue 28 bars, drawn with ``seed`` (log-normal lengths, :func:`lognormal_doc_lens`):
+    """The rows with efficiency bars (``tests/test_gpu_model.py``), drawn with ``seed`` (log-normal lengths, :func:`lognormal_doc_lens`):
     one causal document; documents of mean 1K (sigma 1), 256 (sigma 1), and heavy-tailed mixes of
     mean 4K and 16K (sigma 1.5) under ``doc_local``; sliding windows of 1,024 and 4,096 on one document
     and 1,024 over mean-1K documents."""
@@ -268,10 +268,10 @@ def _single_device(q, k, v, dout, doc_lens, kernel, scale: float, window):
     """The whole row on one device through the engine's one-rank route (one variable-length call per
     causal flag): what :func:`one_call_segments` counts. Forward + backward."""
     layout = SequenceLayout(q.shape[2], 1, "contiguous", None if doc_lens is None else [list(doc_lens)])
-    plan = make_plan(layout, None, None, kernel_mask(Mask(True, window), kernel))
+    tiles = tile_mask(layout, None, None, kernel_mask(Mask(True, window), kernel))
     qt, kt, vt, dt = (token_major(x) for x in (q, k, v, dout))
-    out, lse = fold.plan_forward(qt, kt, vt, 1, plan, kernel, scale)
-    return fold.plan_backward(dt, qt, kt, vt, out, lse, 1, plan, kernel, scale)
+    out, lse = fold.tiles_forward(qt, kt, vt, 1, tiles, kernel, scale)
+    return fold.tiles_backward(dt, qt, kt, vt, out, lse, 1, tiles, kernel, scale)
 
 
 def check_model(device: torch.device, sizes: Sizes, kernel_name: str | None = None, dtype=torch.bfloat16) -> list[dict]:

@@ -4,7 +4,7 @@ On a GPU every host-side operation costs several microseconds whatever its size,
 number of operations issued per layer, not their arithmetic, decides whether a packed
 long-sequence step is host-bound. :func:`host_layer` measures, on one gloo rank, the main
 thread's CPU time (``time.thread_time``: waiting for peers is not counted) of one layer's
-forward + backward with the layout and its plans built inside the timing, as for a new
+forward + backward with the layout and its tiles built inside the timing, as for a new
 microbatch, with head_dim 8 and one head so that the arithmetic is negligible.
 :class:`CountingKernel` counts the kernel calls.
 """
@@ -94,9 +94,9 @@ def host_layer(
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
 
     from titan_cp import SequenceLayout, cp_attention  # noqa: PLC0415
-    from titan_cp.attention.mask_plans import Mask  # noqa: PLC0415
-    from titan_cp.attention.ring import ring_plans  # noqa: PLC0415
+    from titan_cp.attention.ring import ring_step_tiles  # noqa: PLC0415
     from titan_cp.attention.strategy import get_strategy  # noqa: PLC0415
+    from titan_cp.attention.tiling import Mask  # noqa: PLC0415
 
     torch.set_num_threads(1)
     counted = counting_kernel(kernel, native_varlen)
@@ -116,7 +116,7 @@ def host_layer(
         calls = Counter(counted.calls)
     steps = get_strategy(strategy).ring_size(world)
     ring = steps == world  # every rank's K/V visits every rank: the ring's plans are this rank's tiles
-    tiles = sum(p.num_tiles for p in ring_plans(layout, rank, world, lambda r: (r,), Mask())) if ring else None
+    tiles = sum(p.num_tiles for p in ring_step_tiles(layout, rank, world, lambda r: (r,), Mask())) if ring else None
     return {
         "host_ms": best * 1e3,
         "tiles": tiles,

@@ -114,7 +114,7 @@ def main(argv=None) -> None:
     p.add_argument("--balance", default="doc_local", help="layout of the docs case")
     p.add_argument("--model-seq-len", type=int, default=131072)
     p.add_argument("--model-cp", type=int, default=8)
-    p.add_argument("--model-seed", type=int, default=7, help="seed of the issue-28 rows (gpu_model.model_rows)")
+    p.add_argument("--model-seed", type=int, default=7, help="seed of the rows with bars (gpu_model.model_rows)")
     p.add_argument("--host-seq-len", type=int, default=131072)
     p.add_argument("--host-doc-mean", type=int, default=1024)
     p.add_argument("--host-world", type=int, default=8)

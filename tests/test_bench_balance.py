@@ -60,7 +60,7 @@ def test_pair_matrix_matches_dense_mask_and_plans(case):
         positions = [layout.index(r) for r in range(cp)]
         w = bb.pair_matrix(positions, *bb.doc_structure(lens))
         assert torch.equal(w, dense_pair_matrix(positions, lens))
-        work, steps, tiles = bb.layout_work(layout)  # titan_cp's mask plans
+        work, steps, tiles = bb.layout_work(layout)  # titan_cp's mask tiles
         assert torch.equal(w.sum(1), work)
         assert torch.equal(bb.ring_step_work(w), steps)
         # runs rebuilt from positions give the same tiles as the layout's own runs

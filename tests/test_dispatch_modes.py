@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tests.dist_utils import cp_mesh, make_inputs
 from titan_cp import SequenceLayout, cp_attention
 from titan_cp.attention import CPHandle
-from titan_cp.attention.mask_plans import make_plan
+from titan_cp.attention.tiling import tile_mask
 
 SEQ, HEADS, KV_HEADS, DIM = 96, 4, 2, 8
 DOCS = [[40, 1, 31, 24]]
@@ -62,7 +62,7 @@ def test_every_strategy_runs_under_flop_counter_and_dispatch_modes(dist_pools):
     world = 4
     per_rank = dist_pools.run(world, _under_modes)
     layout = SequenceLayout(SEQ, world, "doc_zigzag", DOCS)
-    total_pairs = make_plan(layout, None, None, True).pairs(1)
+    total_pairs = tile_mask(layout, None, None, True).pairs(1)
     for strategy, _ in CASES:
         assert all(r[strategy][0] for r in per_rank), f"{strategy}: results differ under a dispatch mode"
         assert all(r[strategy][1] > 0 for r in per_rank)

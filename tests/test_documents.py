@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from tests.dist_utils import cp_mesh, make_inputs, max_errors, run_case
 from titan_cp import SequenceLayout, cp_attention
 from titan_cp.attention import CPHandle
-from titan_cp.attention.mask_plans import CAUSAL, Mask
 from titan_cp.attention.ring import merged_query_rows
+from titan_cp.attention.tiling import CAUSAL, Mask
 from titan_cp.attention.ulysses import stays_home
 
 SEQ = 48
@@ -162,8 +162,10 @@ def _schedules(rank, world, strategy, ulysses, home_merges):
             case = dict(strategy=strategy, ulysses=ulysses, seq=SEQ, batch=len(rows), heads=heads, kv_heads=kv_heads)
             case.update(balance=balance, doc_lens=rows, seed=i, **mask)
             layout = SequenceLayout(SEQ, world, balance, rows)
-            plan_mask = Mask(mask["causal"], mask.get("window"), mask.get("chunk"))
-            results.append((module.stays_home(layout, plan_mask, len(rows)), max_errors(*run_case(case, world))))
+            tile_mask_of_case = Mask(mask["causal"], mask.get("window"), mask.get("chunk"))
+            results.append(
+                (module.stays_home(layout, tile_mask_of_case, len(rows)), max_errors(*run_case(case, world)))
+            )
         return results
     finally:
         module.HOME_MERGES = saved

@@ -114,7 +114,7 @@ def test_a_host_sync_in_the_layer_is_caught(kernel, message):
 @pytest.mark.parametrize("strategy,ulysses", [("ulysses", 1), ("hybrid", 8)])
 def test_ulysses_with_fewer_kv_heads_than_ranks_copies_no_head_index_per_layer(strategy, ulysses):
     """With 4 K/V heads over 8 head shards each shard gets one replicated head: the head index is
-    built once with the plans, not copied to the device in every layer (which would raise here)."""
+    built once with the tiles, not copied to the device in every layer (which would raise here)."""
     cp = 8 if strategy == "ulysses" else 16
     traces = simulate(strategy, 8192, cp, HEADS, 4, DIM, [[5000, 3192]], "doc_zigzag", ulysses)
     assert all(t.violations == [] for t in traces)

@@ -81,13 +81,13 @@ def test_group_merges_match_one_merge_of_every_partial(seed, budget):
 
 @pytest.mark.parametrize("mean,seed,ranks", [(1024, 23, 3), (4096, 11, 4), (16384, 11, 2)])
 def test_groups_hold_no_more_than_a_merge_per_step(mean, seed, ranks):
-    """On every rank's ring plan (CP 8, 131072 tokens of log-normal documents under doc_local): the partials
+    """On every rank's ring steps (CP 8, 131072 tokens of log-normal documents under doc_local): the partials
     a group keeps and its fp32 slots never exceed what a merge per step held (one step's packed output, the
     adopted one aside, and an fp32 slot, two rows' bytes, for every row reached twice or more) by more than
     a quarter of the query buffer; and on ``ranks`` ranks or more some merged rows need no fp32 slot at all
     (fewer of them with documents long enough to span most ranks)."""
-    from titan_cp.attention.mask_plans import CAUSAL
     from titan_cp.attention.ring import ring_steps
+    from titan_cp.attention.tiling import CAUSAL
     from titan_cp.data.row_mixes import lognormal_doc_lens
     from titan_cp.layout import get_layout
 
@@ -95,7 +95,7 @@ def test_groups_hold_no_more_than_a_merge_per_step(mean, seed, ranks):
     fewer = 0
     for r in range(8):
         ring = ring_steps(layout, r, 8, lambda i: (i,), CAUSAL, 1, torch.device("cpu"))
-        for dests, folds in [([st.plan.q_dest(1) for st in ring.steps], ring.folds)]:
+        for dests, folds in [([st.tiles.q_dest(1) for st in ring.steps], ring.folds)]:
             count = torch.zeros(layout.local_len, dtype=torch.int64)
             for d in (d for ds in dests for d in ds):
                 count += torch.bincount(d, minlength=layout.local_len)

@@ -7,8 +7,8 @@ CP 8, Llama 3 8B heads (32 query, 8 K/V, head_dim 128), bf16, one layer's forwar
 - the counting model of GPU time (``benchmarks.gpu_model``, FlashAttention-2's measured rates, the
   kernel ATen ships): the engine's efficiency against one variable-length call on the whole row is at
   least 0.85 on the mean-1K mix and 0.95 causal without documents;
-- issue 28's rows (``model_rows``, drawn with seed 7, independent of the mix above), counted at a flat
-  60% of peak: their efficiency bars, bytes sent never above what the engine sent before that work,
+- the rows with bars (``model_rows``, drawn with seed 7, independent of the mix above), counted at a flat
+  60% of peak: their efficiency bars, bytes sent never above each row's cap (``ROW_BARS``),
   and the per-kind breakdown of the bytes outside the kernel accounting for all of them; rows of other
   draws (seeds 11, 23) whose bars hold;
 - the gradients of a peer's K/V rows read once go home in the input dtype, agreed on both ends.
@@ -21,8 +21,8 @@ import torch
 
 from benchmarks.fake_cuda import simulate
 from benchmarks.gpu_model import ModelRow, model_rows, predict, predict_row
-from titan_cp.attention.mask_plans import CAUSAL, Mask, make_plan
 from titan_cp.attention.ring import ring_steps
+from titan_cp.attention.tiling import CAUSAL, Mask, tile_mask
 from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.layout import get_layout
 
@@ -65,7 +65,7 @@ def test_counted_efficiency(balance, docs, bar):
     assert record["efficiency"] >= bar, record
 
 
-# (row, strategy): (the issue's efficiency bar, GB sent per rank before that work).
+# (row, strategy): (efficiency bar, most GB sent per rank).
 ROW_BARS = {
     ("causal", "ring"): (0.97, 1.174),
     ("causal", "allgather"): (0.97, 1.174),
@@ -89,7 +89,7 @@ def row_records(one_thread):
 
 
 @pytest.mark.parametrize("key", list(ROW_BARS), ids=["-".join(k) for k in ROW_BARS])
-def test_issue_rows_meet_their_bars_and_send_no_more(row_records, key):
+def test_rows_meet_their_bars_and_send_no_more(row_records, key):
     bar, sent_before = ROW_BARS[key]
     record = row_records[key]
     assert record["efficiency"] >= bar, record
@@ -133,7 +133,7 @@ def test_the_breakdown_accounts_for_every_byte_outside_the_kernel(row_records):
 @pytest.mark.parametrize("balance,docs", [("doc_local", DOCS_1K), ("zigzag", None)], ids=["documents_1k", "causal"])
 def test_gradients_of_rows_read_once_travel_in_the_input_dtype(balance, docs):
     """A peer's K/V rows that one packed key row of a step reads get their gradient back as that kernel
-    output, in the input dtype; both ends of every exchange agree on the dtype (planned apart); the bytes
+    output, in the input dtype; both ends of every exchange agree on the dtype (worked out apart); the bytes
     sent are below the fp32 return's."""
     layout, cp = get_layout(SEQ, CP, balance, docs), CP
     rings = [ring_steps(layout, r, cp, lambda i: (i,), CAUSAL, 1, torch.device("cpu")) for r in range(cp)]
@@ -142,7 +142,7 @@ def test_gradients_of_rows_read_once_travel_in_the_input_dtype(balance, docs):
             assert step.grad_dtype == rings[step.src].steps[s].home_dtype, (r, s)
     dtypes = {step.grad_dtype for ring in rings for step in ring.steps[1:] if step.recv}
     assert "input" in dtypes, dtypes  # split documents' rows and zigzag's halves: read once
-    # bytes the ring sent when every gradient went home in fp32 (0.111 GB and 1.409 GB): a sixth less now
+    # bytes the ring sends with every gradient going home in fp32 (0.111 GB and 1.409 GB): a sixth less
     before = {"doc_local": 110_829_568, "zigzag": 1_409_286_144}[balance]
     assert _sent("ring", balance, docs) <= 0.85 * before
 
@@ -154,7 +154,7 @@ def test_a_window_reaching_an_earlier_piece_beside_full_tiles_still_reads_the_sh
     kernel's limit on this draw so, under the 0.90 bar)."""
     docs = (tuple(lognormal_doc_lens(SEQ, 1024, seed=13, sigma=1.0)),)
     layout = get_layout(SEQ, CP, "doc_local", [list(docs[0])])
-    calls = make_plan(layout, (5,), (5,), Mask(True, 4096, None, native_window=True)).host_calls(1)
+    calls = tile_mask(layout, (5,), (5,), Mask(True, 4096, None, native_window=True)).host_calls(1)
     assert [c.causal for c in calls] == [True, True, False]
     assert torch.equal(calls[0].q_rows, torch.arange(SEQ // CP))
     record = predict_row(ModelRow("window_4096_docs_1k", docs, "doc_local", 4096, ("ring",), 0.90), "ring")
@@ -164,11 +164,11 @@ def test_a_window_reaching_an_earlier_piece_beside_full_tiles_still_reads_the_sh
 def test_a_window_over_documents_held_in_two_pieces_reads_its_rows_in_place():
     """A rank holding two pieces of one document sees, at a 4,096 window's edge, an upper tile of the later
     piece on the earlier: it goes in a call of its own, and the rest of the step's causal tiles cover the
-    shard once, in order, read as a view (before: one call gathering every row, 0.881 of the kernel's
+    shard once, in order, read as a view (one call gathering every row would reach 0.881 of the kernel's
     limit on this draw)."""
     docs = (tuple(lognormal_doc_lens(SEQ, 1024, seed=4, sigma=1.0)),)
     layout = get_layout(SEQ, CP, "doc_local", [list(docs[0])])
-    calls = make_plan(layout, (3,), (3,), Mask(True, 4096, None, native_window=True)).host_calls(1)
+    calls = tile_mask(layout, (3,), (3,), Mask(True, 4096, None, native_window=True)).host_calls(1)
     assert [c.causal for c in calls] == [True, True]
     assert torch.equal(calls[0].q_rows, torch.arange(SEQ // CP)) and any(c.q_rows.numel() < 1000 for c in calls)
     record = predict_row(ModelRow("window_4096_docs_1k", docs, "doc_local", 4096, ("ring",), 0.90), "ring")

@@ -15,9 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.host import counting_kernel
 from tests.dist_utils import cp_mesh, make_inputs
-from titan_cp.attention import CPHandle, api
-from titan_cp.attention.mask_plans import CAUSAL
-from titan_cp.attention.ulysses import stays_home
+from titan_cp.attention import CPHandle, api, attention_schedule
+from titan_cp.attention.tiling import CAUSAL
 
 SEQ = 4096
 
@@ -48,8 +47,8 @@ def _docs(n: int, seed: int = 0) -> list[int]:
 
 def _steps(strategy: str, mesh, layout) -> int:
     """Blocks of keys each rank attends in turn: ring steps, or one gathered buffer; the head exchanges
-    run the ring over every cp rank where the documents stay home."""
-    if strategy == "ring" or (strategy in ("ulysses", "hybrid") and stays_home(layout, CAUSAL, 1)):
+    run the ring over every cp rank where the documents stay home (their schedule is the ring's)."""
+    if attention_schedule(strategy, mesh.size(), layout, CAUSAL, 1) == "ring":
         return mesh.size()
     if strategy == "hybrid":
         return mesh.size(0)
@@ -63,7 +62,7 @@ def _count(rank, world, strategy, ulysses, n_docs):
     layout, doc_lens = cp.register(SEQ, [_docs(n_docs)])
     q, k, v, dout = (layout.shard(x, 2, cp.rank) for x in make_inputs(0, 1, 4, 2, SEQ, 8))
     ctx, module = api._context(cp.id, q, k.shape[1], doc_lens, True, 0.35)
-    layout.memo(("warm",), lambda: module.forward(ctx, q, k, v))  # plans and device indices: once per microbatch
+    layout.memo(("warm",), lambda: module.forward(ctx, q, k, v))  # tiles and device indices: once per microbatch
     KERNEL.calls.clear()
     with OpCounter() as counter:
         out, saved = module.forward(ctx, q, k, v)

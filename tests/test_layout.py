@@ -186,8 +186,8 @@ def test_doc_local_counts_the_rows_the_exchange_sends(mean, sigma, seed, window)
     gradients once kept a blocked cut whose all-gather sent 2.6% more than the even cut: 1,030,250,496
     bytes against 1,003,683,840 on its busiest rank."""
     from titan_cp import doc_local
-    from titan_cp.attention.mask_plans import Mask
     from titan_cp.attention.ring import exchanged_rows, ring_bytes
+    from titan_cp.attention.tiling import Mask
     from titan_cp.data.row_mixes import lognormal_doc_lens
 
     lens = lognormal_doc_lens(131072, mean, seed=seed, sigma=sigma)
@@ -221,9 +221,9 @@ def test_doc_local_sets_its_send_cap_by_the_even_cut_sending_least_under_windows
     """On mean-1K documents of seed 3, two even cuts cost within 0.2% of each other; the cheaper sends 1.8x
     the rows of the other under a 1,024 window. Capping sends by it, the ring's busiest rank under that
     window sent 32,608,256 bytes; capped by the even cut nearest the least under every window, 13,963,264,
-    under the 18,489,344 the code sent as issue 28 was filed."""
-    from titan_cp.attention.mask_plans import Mask
+    under the 18,489,344 the engine of 2026-11-30 sent."""
     from titan_cp.attention.ring import exchanged_rows, fp32_returned_rows, ring_bytes
+    from titan_cp.attention.tiling import Mask
     from titan_cp.data.row_mixes import lognormal_doc_lens
 
     layout = SequenceLayout(131072, 8, "doc_local", [lognormal_doc_lens(131072, 1024, seed=3, sigma=1.0)])

@@ -1,4 +1,4 @@
-"""The tile plans reproduce the dense causal/document mask exactly: every visible pair is
+"""The tiles a mask visits reproduce the dense causal/document mask exactly: every visible pair is
 covered once, no invisible pair is covered, and no empty tile is emitted."""
 
 import torch
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tests.reference import dense_mask
 from tests.strategies import doc_row, layout_shape
 from titan_cp import SequenceLayout
-from titan_cp.attention.mask_plans import make_plan
+from titan_cp.attention.tiling import tile_mask
 
 
 @st.composite
@@ -35,7 +35,7 @@ def test_tiles_cover_exactly_the_visible_pairs(case):
     qp, kp = _positions(layout, q_ranks), _positions(layout, k_ranks)
     want = truth[qp][:, kp].int()
     got = torch.zeros_like(want)
-    for group in make_plan(layout, q_ranks, k_ranks, causal).groups:
+    for group in tile_mask(layout, q_ranks, k_ranks, causal).groups:
         for t in group.tiles:
             n, m = t.q1 - t.q0, t.k1 - t.k0
             assert n > 0 and m > 0

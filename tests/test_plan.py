@@ -101,11 +101,11 @@ def _unsent_kv_bytes(strategy: str, seq: int, docs, rank: int, ac: str) -> int:
     only the recomputed block's are alive at once, and they are not among the saved bytes."""
     if strategy != "allgather" or ac == "full":
         return 0
-    from titan_cp.attention.mask_plans import CAUSAL, make_plan
+    from titan_cp.attention.tiling import CAUSAL, tile_mask
     from titan_cp.layout import get_layout
 
     layout = get_layout(seq, 4, "doc_zigzag", docs)
-    received = sum(len(make_plan(layout, (rank,), (j,), CAUSAL).key_rows(1)) for j in range(4) if j != rank)
+    received = sum(len(tile_mask(layout, (rank,), (j,), CAUSAL).key_rows(1)) for j in range(4) if j != rank)
     missing = 3 * layout.local_len - received  # rows of the three other shards not received
     return DEBUG.n_layers * missing * 2 * DEBUG.kv_heads * DEBUG.head_dim * 4
 

@@ -1,6 +1,6 @@
 """The planner's compact layout arithmetic against the per-token definitions it replaces: a layout's
 runs computed from its ranks' spans and the documents (``SequenceLayout.runs``) equal the runs of
-the per-token positions (``layout._runs``), and a mask plan's key / query row counts from its tiles
+the per-token positions (``layout._runs``), and a mask's tiles' key / query row counts from its tiles
 equal the lengths of its per-token row sets; for every balance, cp degree, document mix, chunked
 and windowed masks."""
 
@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from titan_cp.attention.mask_plans import Mask, make_plan
+from titan_cp.attention.tiling import Mask, tile_mask
 from titan_cp.balance import balance_names
 from titan_cp.layout import SequenceLayout, _runs
 
@@ -66,9 +66,9 @@ def test_row_counts_from_tiles_equal_the_row_sets():
         for mask in (Mask(), Mask(window=5), Mask(chunk=4)):
             for i in range(cp):
                 for j in [*range(cp), None]:
-                    plan = make_plan(layout, (i,), None if j is None else (j,), mask)
-                    assert plan.key_row_count(2) == len(plan.key_rows(2))
-                    assert plan.query_row_count(2) == len(plan.query_rows(2))
+                    tiles = tile_mask(layout, (i,), None if j is None else (j,), mask)
+                    assert tiles.key_row_count(2) == len(tiles.key_rows(2))
+                    assert tiles.query_row_count(2) == len(tiles.query_rows(2))
                     checked += 1
     assert checked > 200
 
@@ -118,12 +118,12 @@ def test_max_seq_estimates_time_once_per_candidate(monkeypatch):
     argv = ["--model.flavor", "8B", "--training.local_batch_size", "1", "--training.global_batch_size", "1"]
     n, result = search.max_seq_len(load_config([*argv, "--activation_checkpoint.mode", "full"]), 64, "h100")
     c = result.best.candidate
-    assert (n, c.strategy, c.cp, c.dp_shard, c.tp, c.pp) == (12_124_160, "ring", 64, 1, 1, 1)  # as at the start
+    assert (n, c.strategy, c.cp, c.dp_shard, c.tp, c.pp) == (12_124_160, "ring", 64, 1, 1, 1)
     assert len(calls) == len(set(calls)) == len(result.estimates) == 88
 
 
 def test_causal_counts_in_closed_form_equal_the_plans():
-    from titan_cp.attention.mask_plans import CAUSAL, causal_counts  # noqa: PLC0415
+    from titan_cp.attention.tiling import CAUSAL, causal_counts  # noqa: PLC0415
 
     checked = 0
     for layout in _layouts():
@@ -131,8 +131,8 @@ def test_causal_counts_in_closed_form_equal_the_plans():
         groups = [None, *((r,) for r in range(cp)), tuple(range(cp))]
         for q in groups:
             for k in groups:
-                plan = make_plan(layout, q, k, CAUSAL)
-                want = (plan.pairs(2), plan.query_row_count(2), plan.key_row_count(2))
+                tiles = tile_mask(layout, q, k, CAUSAL)
+                want = (tiles.pairs(2), tiles.query_row_count(2), tiles.key_row_count(2))
                 assert causal_counts(layout, q, k, 2) == want, (layout.balance, cp, q, k)
                 checked += 1
     assert checked > 200
@@ -168,11 +168,11 @@ def test_zigzag_closed_forms_equal_the_general_counts(monkeypatch):
     """On the even zigzag of one document a row every group's counts on every other group come in closed form:
     the pairs, query and key rows of each pair of Ulysses groups and whether its keys' gradients go home in
     fp32 (``zigzag_counts``), what each ring rank sends, receives and gets back in fp32, and the planner's
-    pairs and merged rows per ring step equal the mask plans' (for zigzag, doc_local and doc_zigzag, one
+    pairs and merged rows per ring step equal the mask tiles' (for zigzag, doc_local and doc_zigzag, one
     and two rows, chunks of one token to several blocks)."""
     from titan_cp import layout as layout_module  # noqa: PLC0415
-    from titan_cp.attention.mask_plans import CAUSAL, causal_counts, make_plan, zigzag_counts  # noqa: PLC0415
     from titan_cp.attention.ring import _read_once, exchanged_rows, fp32_returned_rows  # noqa: PLC0415
+    from titan_cp.attention.tiling import CAUSAL, causal_counts, tile_mask, zigzag_counts  # noqa: PLC0415
     from titan_cp.plan.cost import attention_work  # noqa: PLC0415
 
     cases = [("zigzag", n, c, rows) for n in (2, 3, 4, 6, 8) for c in (1, 3, 200) for rows in (None, 1, 2)]
@@ -189,8 +189,8 @@ def test_zigzag_closed_forms_equal_the_general_counts(monkeypatch):
             ring, group = n // u, lambda g: tuple(range(g * u, (g + 1) * u))  # noqa: B023
             for g in range(ring):
                 for h in range(ring):
-                    plan = make_plan(layout, group(g), group(h), CAUSAL)
-                    fp32 = None if g == h else _read_once(plan, 2) == "fp32"
+                    tiles = tile_mask(layout, group(g), group(h), CAUSAL)
+                    fp32 = None if g == h else _read_once(tiles, 2) == "fp32"
                     assert zigzag_counts(layout, g, h, u, 2) == (*causal_counts(layout, group(g), group(h), 2), fp32)
                     checked += 1
             key = (balance, n, c, rows, u)
@@ -219,12 +219,12 @@ def test_zigzag_closed_forms_equal_the_general_counts(monkeypatch):
 
 def test_the_planner_counts_a_one_document_ring_of_4096_ranks_without_a_pair_of_ranks(monkeypatch):
     """The planner's per-pair counts on one document of 2^24 tokens over 4,096 ranks (ring, all-gather and
-    hybrid): at the start every pair of ranks built a mask plan or closed-form count (16.8 million of each
-    strategy; 65,536 GPUs never answered); now a few, and the layout is made without trying assignments."""
+    hybrid) come from a few pairs, not from every pair of ranks (16.8 million tiles or closed-form counts of
+    each strategy), and the layout is made without trying assignments."""
     import torch  # noqa: PLC0415
 
     from titan_cp import doc_local  # noqa: PLC0415
-    from titan_cp.attention import mask_plans  # noqa: PLC0415
+    from titan_cp.attention import tiling  # noqa: PLC0415
     from titan_cp.attention.strategy import get_strategy  # noqa: PLC0415
     from titan_cp.layout import get_layout  # noqa: PLC0415
     from titan_cp.plan.cost import attention_work  # noqa: PLC0415
@@ -239,8 +239,8 @@ def test_the_planner_counts_a_one_document_ring_of_4096_ranks_without_a_pair_of_
 
         return inner
 
-    for name in ("plan_tiles", "_run_counts"):  # a mask plan's tiles, a closed-form count: each of a pair of groups
-        monkeypatch.setattr(mask_plans, name, counted(getattr(mask_plans, name)))
+    for name in ("tiles_of_runs", "_run_counts"):  # a mask's tiles, a closed-form count: each of a pair of groups
+        monkeypatch.setattr(tiling, name, counted(getattr(tiling, name)))
 
     def choose(*a):
         raise AssertionError("the layout of one document tried its assignments (each N^2)")

@@ -262,7 +262,7 @@ class SequenceLayout:
         return torch.tensor([list(row) + [0] * (width - len(row)) for row in self.doc_lens], dtype=torch.int64)
 
     def memo(self, key: tuple, build: Callable[[], T]) -> T:
-        """``build()`` once per layout and ``key``: the attention plans and their device
+        """``build()`` once per layout and ``key``: the attention's tiles and their device
         indices are built once per microbatch and reused by every layer."""
         if key not in self._memo:
             self._memo[key] = build()
@@ -316,7 +316,7 @@ class SequenceLayout:
         ``[r c, (r + 1) c)`` and ``[(2N - 1 - r) c, (2N - r) c)`` (``zigzag``, and ``doc_local`` or
         ``doc_zigzag`` on one document of a multiple of 2N tokens; ``doc_local`` where its blocked cuts
         are the even one); else ``None``. The per-pair counts of such a layout come in closed form
-        (``attention.mask_plans.zigzag_counts``): every pair of ranks but one's own sees alike."""
+        (``attention.tiling.zigzag_counts``): every pair of ranks but one's own sees alike."""
 
         def build() -> int | None:
             n, c = self.cp_size, self.seq_len // (2 * self.cp_size)
@@ -479,7 +479,7 @@ class SequenceLayout:
         )
 
 
-_CACHE_SIZE = 16  # get_layout's value-keyed memo: layouts (with their plans) of recent calls
+_CACHE_SIZE = 16  # get_layout's value-keyed memo: layouts (with their tiles) of recent calls
 
 
 def cut_at_shards(doc_lens: Sequence[Sequence[int]], seq_len: int, cp_size: int) -> list[list[int]]:

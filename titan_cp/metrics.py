@@ -1,7 +1,7 @@
 """Training metrics: a console line, ``metrics.jsonl`` (one JSON object per step), TensorBoard.
 
 MFU: ``step FLOPs / (seconds * peak * ranks)``, the step's FLOPs counting the attention
-work of the visible (query, key) pairs only (:func:`visible_pairs`, the attention plans' own
+work of the visible (query, key) pairs only (:func:`visible_pairs`, the attention tiles' own
 count). The peak is the device's dense bf16 rating on known GPUs. A CPU has no rating to look
 up: its peak is an *estimate*, the best of several timed fp32 matmuls at start-up on this
 rank's threads, raised to any higher throughput the run itself reaches (so CPU MFU never
@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Protocol, TextIO
 
 import torch
 
-from titan_cp.attention.mask_plans import make_plan
+from titan_cp.attention.strategy import DEFAULT_STRATEGY, attention_schedule
+from titan_cp.attention.tiling import CAUSAL, Mask, tile_mask
 from titan_cp.errors import UserError
 from titan_cp.layout import SequenceLayout, get_layout
 
@@ -81,12 +82,15 @@ class MFU:
 
 class StepMetrics:
     """The per-step record the trainer logs: loss, grad norm, lr, tokens/s, token counts, MFU,
-    memory, ETA (in that order, then the running tokens drawn per mixture source).
+    memory, ETA, the attention's schedule (in that order, then the running tokens drawn per mixture
+    source).
 
     ``tokens/s = tokens_per_step / seconds`` (every rank's rows); MFU from the step's model FLOPs
     over all ranks: this dp rank's microbatches' FLOPs (``model_args.training_flops`` with the
     visible pairs of the layout the step used) times ``dp_degree``, over ``seconds * peak *
     ranks``; ETA: the mean time per step since :meth:`start` times the steps left.
+    ``attention_schedule``: the schedule the CP attention ran (:func:`step_schedule`, from
+    ``strategy`` and the model's layer ``masks``).
     """
 
     def __init__(
@@ -99,9 +103,12 @@ class StepMetrics:
         seq_len: int,
         cp: int,
         balance: str,
+        strategy: str = DEFAULT_STRATEGY,
+        masks: Sequence[Mask] = (CAUSAL,),
     ) -> None:
         self.device, self.model_args, self.dp_degree = device, model_args, dp_degree
         self.tokens_per_step, self.seq_len, self.cp, self.balance = tokens_per_step, seq_len, cp, balance
+        self.strategy, self.masks = strategy, tuple(masks)
         self.mfu = MFU(device, ranks)
         self.start(0, 0)
 
@@ -141,6 +148,7 @@ class StepMetrics:
             "mfu_is_estimate": self.mfu.is_estimate,
             "memory_bytes": device_memory_bytes(self.device),
             "eta_seconds": (time.perf_counter() - self._t0) / (step - self._first) * (self._last - step),
+            "attention_schedule": step_schedule(self.strategy, layouts, self.masks),
         }
         record.update({f"tokens_drawn/{name}": n for name, n in sources.items()})
         return record
@@ -160,16 +168,39 @@ class StepMetrics:
         return record
 
 
+def step_schedule(strategy: str, layouts: Sequence[SequenceLayout], masks: Sequence[Mask] = (CAUSAL,)) -> str:
+    """The schedule ``strategy``'s attention ran on a step's microbatch ``layouts`` under each of the model's
+    layer ``masks`` (:func:`~titan_cp.attention.strategy.attention_schedule`: ``"local"`` on one rank, else
+    e.g. ``"ulysses"`` or ``"ring"``, the ring's schedule Ulysses runs where the documents stay home); the
+    names joined by ``+`` in alphabetical order where microbatches or layers ran different ones."""
+    names = {
+        attention_schedule(strategy, layout.cp_size, layout, mask, layout.batch_size)
+        for layout in layouts
+        for mask in masks
+    }
+    return "+".join(sorted(names))
+
+
+def layer_masks(model_args: object) -> tuple[Mask, ...]:
+    """The distinct attention masks of a model's layers, from its shapes' ``layer_mask(i)`` (``(window,
+    chunk)`` of layer ``i``, as :class:`~titan_cp.model.llama.ModelArgs` gives them) over ``n_layers``;
+    plain causal for shapes that give none."""
+    layer_mask, n = getattr(model_args, "layer_mask", None), getattr(model_args, "n_layers", 0)
+    if layer_mask is None or not n:
+        return (CAUSAL,)
+    return tuple(dict.fromkeys(Mask(True, *layer_mask(i)) for i in range(n)))
+
+
 def visible_pairs(doc_lens: list[list[int]], seq_len: int, cp: int = 1, balance: str = "contiguous") -> int:
     """Visible causal (query, key) pairs per head of packed rows (``doc_lens``: the document
-    lengths of each row): ``sum over documents of n (n + 1) / 2``, as the attention plan of the
+    lengths of each row): ``sum over documents of n (n + 1) / 2``, as the attention's tiles of the
     whole rows counts them. ``cp``/``balance`` name the layout the step used, to reuse it."""
     return layout_pairs(get_layout(seq_len, cp, balance, doc_lens))
 
 
 def layout_pairs(layout: SequenceLayout) -> int:
     """Visible causal (query, key) pairs per head of the rows of ``layout`` (:func:`visible_pairs`)."""
-    return make_plan(layout, None, None, True).pairs(layout.batch_size or 1)
+    return tile_mask(layout, None, None, True).pairs(layout.batch_size or 1)
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -352,6 +383,7 @@ class MetricsLogger:
         if console and "loss" in record:  # a skipped step was announced as a warning
             extra = "".join(f"  {k} {record[k]:.3f}" for k in record if k.startswith(("val_loss", "recall")))
             extra += "".join(f"  {k} {record[k]}" for k in record if k.startswith("tokens_drawn/"))
+            extra += f"  attention {record['attention_schedule']}" if "attention_schedule" in record else ""
             logger.info(
                 "step %d  loss %.4f  grad_norm %.3f  lr %.2e  tokens/s %.0f  mfu%s %.1f%%  memory %.2f GiB  eta %.0fs%s",
                 record["step"],

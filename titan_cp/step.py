@@ -66,7 +66,7 @@ class Microbatch:
 
     def to(self, device: torch.device | str) -> Microbatch:
         """The per-token tensors on ``device``; ``doc_lens`` stays on the host, where the attention
-        reads it once per microbatch to build its plans (read from a GPU it would synchronise every layer)."""
+        reads it once per microbatch to build its tiles (read from a GPU it would synchronise every layer)."""
         return Microbatch(
             self.tokens.to(device),
             self.labels.to(device),

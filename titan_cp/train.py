@@ -41,6 +41,7 @@ from titan_cp.mesh import ParallelDims
 from titan_cp.metrics import (
     MetricsLogger,
     StepMetrics,
+    layer_masks,
     recall_counts,
     recall_metrics,
     shard_edges,
@@ -224,6 +225,8 @@ class Trainer:
             cfg.training.seq_len,
             self.dims.cp,
             p.context_parallel_load_balancer,
+            p.context_parallel_strategy,
+            layer_masks(self.model_args),
         )
 
     def close(self) -> None:

@@ -3,13 +3,14 @@
 from titan_cp.attention.api import cp_attention, local_attention, min_bytes_per_rank
 from titan_cp.attention.handle import CPHandle, register_sharder
 from titan_cp.attention.kernels import AttentionKernel, Segments, check_kernel, get_kernel, register_kernel
-from titan_cp.attention.strategy import Strategy, get_strategy, register_strategy, strategy_names
+from titan_cp.attention.strategy import Strategy, attention_schedule, get_strategy, register_strategy, strategy_names
 
 __all__ = [
     "AttentionKernel",
     "CPHandle",
     "Segments",
     "Strategy",
+    "attention_schedule",
     "check_kernel",
     "cp_attention",
     "get_kernel",

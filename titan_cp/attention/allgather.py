@@ -5,7 +5,7 @@ layout and the mask, known to every rank, so no size is exchanged). One collecti
 all-to-all with uneven sizes, hands every rank at once what it needs of every other rank: what
 an all-gather gives, without the rows nobody there reads. K/V travel at their own head count
 (GQA is never expanded before the collective). The key buffer is the rank's own K/V followed by
-the received rows, the collective writing straight into it; one plan (the local queries on the
+the received rows, the collective writing straight into it; one set of tiles (the local queries on the
 whole row) reads it::
 
     keys       = [kv_r, kv_j[need(r, j)] for j != r]            sum_i |need(i, r)| rows out of rank r
@@ -42,16 +42,16 @@ from titan_cp.attention.fold import (
     fold_forward,
     make_folds,
 )
-from titan_cp.attention.mask_plans import CAUSAL, Mask, PlanIndex, head_major, make_plan, token_major
 from titan_cp.attention.merge import sinks_grad
 from titan_cp.attention.ring import exchanged_rows, ring_bytes
 from titan_cp.attention.strategy import BackwardGrads, Strategy, kept_input, register_strategy
+from titan_cp.attention.tiling import CAUSAL, Mask, TileIndex, head_major, tile_mask, token_major
 from titan_cp.layout import SequenceLayout, to_device
 
 
 @dataclass(frozen=True)
 class Gather:
-    """One rank's exchange, planned once per microbatch.
+    """One rank's exchange, built once per microbatch.
 
     ``send``: device rows of my buffer sent to the other ranks, what each needs, in rank order;
     ``send_splits``/``recv_splits``: rows to and from each rank (0 to and from myself);
@@ -64,7 +64,7 @@ class Gather:
     send: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
-    index: PlanIndex
+    index: TileIndex
     folds: Folds
     own: Folds
     received_folds: Folds
@@ -75,12 +75,12 @@ class Gather:
         return sum(self.recv_splits)
 
 
-def gather_plan(layout: SequenceLayout, rank: int, mask: Mask, batch: int, device: torch.device) -> Gather:
+def gather_exchange(layout: SequenceLayout, rank: int, mask: Mask, batch: int, device: torch.device) -> Gather:
     """The :class:`Gather` of ``rank`` (cached on the layout)."""
 
     def build() -> Gather:
         n, local = layout.cp_size, batch * layout.local_len
-        need = lambda i, j: make_plan(layout, (i,), (j,), mask).key_rows(batch)  # noqa: E731 - rows of j i sees
+        need = lambda i, j: tile_mask(layout, (i,), (j,), mask).key_rows(batch)  # noqa: E731 - rows of j i sees
         wanted = {j: need(rank, j) for j in range(n) if j != rank}
         key_map = torch.full((batch * layout.seq_len,), -1, dtype=torch.int64)  # natural row -> key buffer row
         key_map[_natural_rows(layout, rank, batch)] = torch.arange(local)
@@ -88,12 +88,12 @@ def gather_plan(layout: SequenceLayout, rank: int, mask: Mask, batch: int, devic
         for j, rows in wanted.items():
             key_map[_natural_rows(layout, j, batch)[rows]] = offset + torch.arange(len(rows))
             offset += len(rows)
-        plan = make_plan(layout, (rank,), None, mask)
-        index = plan.index(batch, device, (("gathered", rank), key_map))
-        folds = make_folds([plan.q_dest(batch)], local, device)
+        tiles = tile_mask(layout, (rank,), None, mask)
+        index = tiles.index(batch, device, (("gathered", rank), key_map))
+        folds = make_folds([tiles.q_dest(batch)], local, device)
         given = [need(i, rank) if i != rank else torch.zeros(0, dtype=torch.int64) for i in range(n)]
         send = torch.cat(given)
-        keys = plan.k_dest(batch, key_map)
+        keys = tiles.k_dest(batch, key_map)
         minus = torch.tensor(-1)
         own = make_folds([[torch.where(d < local, d, minus) for d in keys] + [send]], local, device)
         received = make_folds([[torch.where(d >= local, d - local, minus) for d in keys]], offset - local, device)
@@ -120,8 +120,8 @@ class AllGather(Strategy):
 
     def forward(self, ctx: CPContext, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         batch = q.shape[0]
-        layout, kernel = ctx.planned()
-        g = gather_plan(layout, ctx.rank, ctx.mask, batch, q.device)
+        layout, kernel = ctx.layout_and_kernel()
+        g = gather_exchange(layout, ctx.rank, ctx.mask, batch, q.device)
         k_t, v_t, q_t = token_major(k), token_major(v), token_major(q)
         keys = k_t.new_empty((k_t.shape[0] + g.received, 2) + tuple(k_t.shape[1:]))  # (B*S + received, 2, K, E)
         torch.stack([k_t, v_t], dim=1, out=keys[: k_t.shape[0]])
@@ -146,8 +146,8 @@ class AllGather(Strategy):
         lse, keys = saved
         q, out = kept_input(q, "q", self.name), kept_input(out, "out", self.name)
         batch = q.shape[0]
-        layout, kernel = ctx.planned()
-        g = gather_plan(layout, ctx.rank, ctx.mask, batch, q.device)
+        layout, kernel = ctx.layout_and_kernel()
+        g = gather_exchange(layout, ctx.rank, ctx.mask, batch, q.device)
         dout_t, q_t, out_t = token_major(dout), token_major(q), token_major(out)
         local = q_t.shape[0]
         dqs, dks, dvs = attend_backward(dout_t, q_t, keys[:, 0], keys[:, 1], out_t, lse, g.index, kernel, ctx.scale)

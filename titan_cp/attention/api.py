@@ -35,8 +35,8 @@ import titan_cp.attention.ulysses  # noqa: F401
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.handle import CPHandle, handle_by_id
 from titan_cp.attention.kernels import check_kernel
-from titan_cp.attention.mask_plans import CAUSAL, Mask
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
+from titan_cp.attention.tiling import CAUSAL, Mask
 from titan_cp.layout import DocLens, SequenceLayout, get_layout
 
 

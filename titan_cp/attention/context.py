@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_cp.attention.kernels import AttentionKernel
-from titan_cp.attention.mask_plans import Mask, kernel_mask
+from titan_cp.attention.tiling import Mask, kernel_mask
 from titan_cp.layout import SequenceLayout
 
 
@@ -33,7 +33,7 @@ class CPContext:
 
     mesh: the cp ``DeviceMesh`` (1-D; 2-D ``(ring, ulysses)`` for hybrid), ``None`` on one device.
     layout: the sequence layout the shards were taken with (``None`` in the fake op, which asks only for shapes).
-    mask: causal, window and chunk (:class:`~titan_cp.attention.mask_plans.Mask`).
+    mask: causal, window and chunk (:class:`~titan_cp.attention.tiling.Mask`).
     q_heads, kv_heads: the local head counts of q and k/v (the backward may see neither tensor).
     sinks: ``(q_heads,)`` per-head sink logits, or ``None``.
     documents: whether some row of the call holds several documents (``doc_lens`` wider than one
@@ -56,7 +56,7 @@ class CPContext:
         if self.documents is None:
             object.__setattr__(self, "documents", self.layout is not None and self.layout.packs_documents)
 
-    def planned(self) -> tuple[SequenceLayout, AttentionKernel]:
+    def layout_and_kernel(self) -> tuple[SequenceLayout, AttentionKernel]:
         """``(layout, kernel)`` of a real call (the fake op, which has neither, asks only for shapes)."""
         if self.layout is None or self.kernel is None:
             raise RuntimeError("this CP attention context has no layout and kernel: it serves the fake op's shapes")

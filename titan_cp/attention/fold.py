@@ -1,16 +1,16 @@
-"""Attention of a query buffer on one key buffer under a mask plan, folded into the results.
+"""Attention of a query buffer on one key buffer under its mask's tiles, folded into the results.
 
 This is the arithmetic every strategy shares: the strategies decide *which* key buffer a rank
 holds at each moment (its own, a compact slice another rank sent, a gathered one);
-:func:`fold_forward` and :func:`fold_backward` compute its contribution for the plan's tiles
-(:mod:`titan_cp.attention.mask_plans`). Token-major shapes::
+:func:`fold_forward` and :func:`fold_backward` compute its contribution for those tiles
+(:mod:`titan_cp.attention.tiling`). Token-major shapes::
 
     q, out, dout:  (B*Sq, H, E)       k, v: (B*Sk, K, E)       lse: (H, B*Sq) fp32
 
 Host work per call is constant in the number of documents: the kernel gets one call per causal
 flag, its rows read as views where they are consecutive, else with one gather per tensor.
 
-Where its results go is planned once per microbatch over all the steps of a strategy
+Where its results go is worked out once per microbatch over all the steps of a strategy
 (:func:`make_folds`). A row that exactly one segment of one step reaches (a query of a document
 whole on its rank) is *final*: the kernel's output and lse are written into the result, in the
 input dtype, and never touch fp32. The other rows merge: the steps are taken in *groups* of
@@ -22,7 +22,7 @@ the result where the group brings a row's last contributions, else into an fp32 
 (only rows reached again in a later group have one), which the later group reads back. Where every
 step fits one group (a document split over few ranks) nothing is accumulated in fp32 at all: a
 merged row costs a read of each partial and one write, where a merge per step read and wrote an
-fp32 row each time. Every gradient is the same plan (:class:`Grads`): the queries', and the keys'
+fp32 row each time. Every gradient takes the same route (:class:`Grads`): the queries', and the keys'
 (the packed key rows of each call; what peers send back of the rows they read is one more partial,
 at the step it returns): a key row only one segment reads gets its gradient copied once.
 """
@@ -37,8 +37,8 @@ from torch import Tensor
 
 from titan_cp.attention.fused import add_into, merge_into, write_rows
 from titan_cp.attention.kernels import AttentionKernel
-from titan_cp.attention.mask_plans import MaskPlan, PlanIndex, Rows
 from titan_cp.attention.merge import apply_sinks_
+from titan_cp.attention.tiling import MaskTiles, Rows, TileIndex
 from titan_cp.layout import to_device
 
 
@@ -73,7 +73,7 @@ class Flush:
 
 @dataclass(frozen=True)
 class Folds:
-    """A strategy call's plan of where query results go (module docstring): per step, per kernel call,
+    """A strategy call's map of where query results go (module docstring): per step, per kernel call,
     the ``final`` rows written straight into the result (a :class:`Part`, or ``None``) and whether the
     call's packed rows are ``kept`` for a merge; per step, the :class:`Flush` es run after it (its group's
     last step); ``slots``: the fp32 accumulator rows; ``adopt``: the ``(step, call)`` whose packed rows are
@@ -156,7 +156,7 @@ def _reach(dests, groups, single, size: int) -> tuple[torch.Tensor, torch.Tensor
 HELD_EXTRA = 0.25  # the rows a group may hold beyond a merge per step's, as a share of the query buffer
 
 
-def _plan_groups(dests, single, count, size: int, budget: int | None):
+def _fold_groups(dests, single, count, size: int, budget: int | None):
     """``(groups, first, last, again, peak)``: the largest groups whose memory stays within a merge per
     step's and :data:`HELD_EXTRA`.
 
@@ -187,12 +187,12 @@ def _plan_groups(dests, single, count, size: int, budget: int | None):
 def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device, budget: int | None = None) -> Folds:
     """:class:`Folds` of steps whose calls' packed rows go to result rows ``dests[s][c]`` (host int64; -1: a
     packed row whose result goes elsewhere) of ``size`` rows; a group of steps holds at most ``budget``
-    packed rows of its kept calls (by default as many as :func:`_plan_groups` allows)."""
+    packed rows of its kept calls (by default as many as :func:`_fold_groups` allows)."""
     count = torch.zeros(size, dtype=torch.int64)
     for d in (d for ds in dests for d in ds):
         count += torch.bincount(d[d >= 0], minlength=size)
     single = count == 1
-    groups, first, last, again, peak = _plan_groups(dests, single, count, size, budget)
+    groups, first, last, again, peak = _fold_groups(dests, single, count, size, budget)
     slot = torch.full((size,), -1, dtype=torch.int64)
     slot[again] = torch.arange(int(again.sum()))
     flushes: list[tuple[Flush, ...]] = [() for _ in dests]
@@ -282,7 +282,7 @@ class Results:
 
 
 class Grads:
-    """A gradient being built on the plan of :class:`Folds` (module docstring; the queries', or the keys' of
+    """A gradient being built on the map of :class:`Folds` (module docstring; the queries', or the keys' of
     one all-gather step), into ``out`` if given (e.g. an fp32 buffer to send), in ``dtype`` (by default
     ``like``'s): final rows copied
     once (input dtype), the others summed per group of steps, straight into the result where the group
@@ -328,7 +328,7 @@ class Grads:
         out: Tensor | None = None,
         dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """The gradient of a one-step plan: its calls' packed ``grads`` summed, finished."""
+        """The gradient of a one-step map: its calls' packed ``grads`` summed, finished."""
         g = cls(like, folds, out, dtype)
         g.add(0, grads)
         return g.finish()
@@ -349,9 +349,9 @@ class Grads:
 
 # ---------------------------------------------------------------------------- one key buffer
 def attend(
-    q_t: Tensor, k_t: Tensor, v_t: Tensor, idx: PlanIndex, kernel: AttentionKernel, scale: float
+    q_t: Tensor, k_t: Tensor, v_t: Tensor, idx: TileIndex, kernel: AttentionKernel, scale: float
 ) -> list[tuple[Tensor, Tensor]]:
-    """Packed ``(out, lse)`` of each of the plan's calls, in order."""
+    """Packed ``(out, lse)`` of each of the tiles' calls, in order."""
     return [
         kernel.varlen_forward(
             call.q_rows.take(q_t),
@@ -376,13 +376,13 @@ def fold_forward(
     q_t: Tensor,
     k_t: Tensor,
     v_t: Tensor,
-    idx: PlanIndex,
+    idx: TileIndex,
     kernel: AttentionKernel,
     scale: float,
     results: Results,
     step: int,
 ) -> None:
-    """Fold attention of ``q_t`` on ``(k_t, v_t)`` under a plan's ``idx`` into ``results`` as step ``step``."""
+    """Fold attention of ``q_t`` on ``(k_t, v_t)`` under the tiles' ``idx`` into ``results`` as step ``step``."""
     results.fold(step, attend(q_t, k_t, v_t, idx, kernel, scale))
 
 
@@ -393,12 +393,12 @@ def attend_backward(
     v_t: Tensor,
     out_t: Tensor,
     lse: Tensor,
-    idx: PlanIndex,
+    idx: TileIndex,
     kernel: AttentionKernel,
     scale: float,
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-    """Packed ``(dq, dk, dv)`` of each of the plan's calls, in order (like :meth:`MaskPlan.q_dest` and
-    :meth:`~titan_cp.attention.mask_plans.MaskPlan.k_dest`), as three lists. ``out_t, lse`` are the final results."""
+    """Packed ``(dq, dk, dv)`` of each of the tiles' calls, in order (like :meth:`MaskTiles.q_dest` and
+    :meth:`~titan_cp.attention.tiling.MaskTiles.k_dest`), as three lists. ``out_t, lse`` are the final results."""
     grads = []
     for call in idx.calls:
         qr, kr = call.q_rows, call.k_rows
@@ -424,44 +424,44 @@ def attend_backward(
 
 # ---------------------------------------------------------------------------- one key buffer, whole
 def single_step(
-    plan: MaskPlan,
+    tiles: MaskTiles,
     batch: int,
     device: torch.device,
     key_size: int | None = None,
     key_map: tuple[object, Tensor] | None = None,
-) -> tuple[PlanIndex, Folds, Folds]:
-    """A plan run alone: its index, query folds and key folds (cached with the plan); ``key_map``: a name
+) -> tuple[TileIndex, Folds, Folds]:
+    """Tiles run alone: their index, query folds and key folds (cached with the tiles); ``key_map``: a name
     and, for each row of the full key buffer, its place among the rows held (-1: not held)."""
 
-    def build() -> tuple[PlanIndex, Folds, Folds]:
-        index = plan.index(batch, device, key_map)
-        folds = make_folds([plan.q_dest(batch)], batch * plan.q_len, device)
-        k_rows = plan.k_dest(batch, None if key_map is None else key_map[1])
-        size = batch * plan.k_len if key_size is None else key_size
+    def build() -> tuple[TileIndex, Folds, Folds]:
+        index = tiles.index(batch, device, key_map)
+        folds = make_folds([tiles.q_dest(batch)], batch * tiles.q_len, device)
+        k_rows = tiles.k_dest(batch, None if key_map is None else key_map[1])
+        size = batch * tiles.k_len if key_size is None else key_size
         return index, folds, make_folds([k_rows], size, device)
 
     name = None if key_map is None else key_map[0]
-    return plan._memo(("single", batch, torch.device(device), key_size, name), build)
+    return tiles._memo(("single", batch, torch.device(device), key_size, name), build)
 
 
-def plan_forward(
+def tiles_forward(
     q_t: Tensor,
     k_t: Tensor,
     v_t: Tensor,
     batch: int,
-    plan: MaskPlan,
+    tiles: MaskTiles,
     kernel: AttentionKernel,
     scale: float,
     sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out_t, lse)`` of ``q_t`` on one key buffer: out in the input dtype, lse ``(H, B*Sq)`` fp32."""
-    index, folds, _ = single_step(plan, batch, q_t.device)
+    index, folds, _ = single_step(tiles, batch, q_t.device)
     results = Results(q_t, folds)
     fold_forward(q_t, k_t, v_t, index, kernel, scale, results, 0)
     return results.finish(sinks)
 
 
-def plan_backward(
+def tiles_backward(
     dout_t: Tensor,
     q_t: Tensor,
     k_t: Tensor,
@@ -469,11 +469,11 @@ def plan_backward(
     out_t: Tensor,
     lse: Tensor,
     batch: int,
-    plan: MaskPlan,
+    tiles: MaskTiles,
     kernel: AttentionKernel,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq_t, dk_t, dv_t)`` in the input dtype for :func:`plan_forward`."""
-    index, folds, key_folds = single_step(plan, batch, q_t.device)
+    """``(dq_t, dk_t, dv_t)`` in the input dtype for :func:`tiles_forward`."""
+    index, folds, key_folds = single_step(tiles, batch, q_t.device)
     dqs, dks, dvs = attend_backward(dout_t, q_t, k_t, v_t, out_t, lse, index, kernel, scale)
     return Grads.summed(q_t, folds, dqs), Grads.summed(k_t, key_folds, dks), Grads.summed(v_t, key_folds, dvs)

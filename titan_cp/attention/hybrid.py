@@ -10,7 +10,7 @@ their union; those unions then run the ring among the ``R`` groups::
     backward: the ring's backward between the dual all-to-alls
 
 With documents that mostly lie whole on one rank the call runs the ring's schedule over every cp
-rank instead, as Ulysses does (:class:`~titan_cp.attention.ulysses.HeadExchange`): each rank attends
+rank instead, as Ulysses does (:meth:`~titan_cp.attention.ulysses.HeadExchange.schedule`): each rank attends
 its own queries over every head, addressing the other cp ranks by their global ranks.
 
 Ulysses needs fast links (it moves every activation once) and caps at the head count;
@@ -30,11 +30,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_cp.attention.comm import PeerComm
 from titan_cp.attention.context import CPContext
-from titan_cp.attention.mask_plans import CAUSAL, Mask, make_plan
 from titan_cp.attention.ring import (
     RING,
     RingGroup,
-    RingPlan,
+    RingSteps,
     exchanged_rows,
     fp32_returned_rows,
     kv_block_bytes,
@@ -44,6 +43,7 @@ from titan_cp.attention.ring import (
     ring_steps,
 )
 from titan_cp.attention.strategy import AxisBytes, kv_heads_per_shard, register_strategy
+from titan_cp.attention.tiling import CAUSAL, Mask, tile_mask
 from titan_cp.attention.ulysses import (
     HeadExchange,
     Heads,
@@ -80,14 +80,14 @@ def layout_peers(mesh: DeviceMesh) -> tuple[int, ...]:
 
 def _axes(
     ctx: CPContext, batch: int, device: torch.device
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int, RingPlan]:
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int, RingSteps]:
     mesh = ctx.mesh
     if mesh is None:
         raise RuntimeError("the hybrid strategy runs on a 2-D cp mesh; one device runs the ring's one step")
     ring_dim, uly_dim = hybrid_dims(mesh)
     ring_size, uly_size = mesh.size(ring_dim), mesh.size(uly_dim)
     ring_rank = mesh.get_local_rank(ring_dim)
-    steps = ring_steps(ctx.planned()[0], ring_rank, ring_size, _members(uly_size), ctx.mask, batch, device)
+    steps = ring_steps(ctx.layout_and_kernel()[0], ring_rank, ring_size, _members(uly_size), ctx.mask, batch, device)
     return mesh.get_group(ring_dim), mesh.get_group(uly_dim), uly_size, mesh.get_local_rank(uly_dim), steps
 
 
@@ -96,7 +96,7 @@ def _members(u: int) -> Callable[[int], tuple[int, ...]]:
     return lambda g: tuple(range(g * u, (g + 1) * u))
 
 
-class Hybrid(HeadExchange[tuple[RingGroup, RingPlan]]):
+class Hybrid(HeadExchange[tuple[RingGroup, RingSteps]]):
     """Ulysses inside each group of the ``cp_ulysses`` axis, the ring across ``cp_ring`` (module docstring)."""
 
     name = "hybrid"
@@ -124,9 +124,9 @@ class Hybrid(HeadExchange[tuple[RingGroup, RingPlan]]):
     def mesh_ulysses_degree(self, mesh: DeviceMesh) -> int:
         return mesh.size(hybrid_dims(mesh)[1])
 
-    def heads(self, ctx: CPContext, batch: int, device: torch.device) -> Heads[tuple[RingGroup, RingPlan]]:
+    def heads(self, ctx: CPContext, batch: int, device: torch.device) -> Heads[tuple[RingGroup, RingSteps]]:
         ring_group, uly_group, u, part, steps = _axes(ctx, batch, device)
-        kv = head_index(ctx.planned()[0], ctx.q_heads, ctx.kv_heads, u, device)
+        kv = head_index(ctx.layout_and_kernel()[0], ctx.q_heads, ctx.kv_heads, u, device)
         return Heads(
             u,
             uly_group,
@@ -140,7 +140,7 @@ class Hybrid(HeadExchange[tuple[RingGroup, RingPlan]]):
     def attend(
         self,
         ctx: CPContext,
-        x: Heads[tuple[RingGroup, RingPlan]],
+        x: Heads[tuple[RingGroup, RingSteps]],
         q_h: Tensor,
         k_h: Tensor,
         v_h: Tensor,
@@ -148,12 +148,12 @@ class Hybrid(HeadExchange[tuple[RingGroup, RingPlan]]):
         sinks: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         ring_group, steps = x.attend
-        return ring_forward(q_h, k_h, v_h, ring_group, steps, ctx.planned()[1], ctx.scale, sinks)
+        return ring_forward(q_h, k_h, v_h, ring_group, steps, ctx.layout_and_kernel()[1], ctx.scale, sinks)
 
     def attend_backward(
         self,
         ctx: CPContext,
-        x: Heads[tuple[RingGroup, RingPlan]],
+        x: Heads[tuple[RingGroup, RingSteps]],
         dout_h: Tensor,
         q_h: Tensor,
         k_h: Tensor,
@@ -163,7 +163,7 @@ class Hybrid(HeadExchange[tuple[RingGroup, RingPlan]]):
         batch: int,
     ) -> tuple[Tensor, Tensor, Tensor]:
         ring_group, steps = x.attend
-        kernel = ctx.planned()[1]
+        kernel = ctx.layout_and_kernel()[1]
         return ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, ring_group, steps, kernel, ctx.scale)
 
     def ring_group(self, ctx: CPContext) -> RingGroup:
@@ -174,13 +174,13 @@ class Hybrid(HeadExchange[tuple[RingGroup, RingPlan]]):
     def local_head_pairs(
         self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int, ulysses_degree: int = 1
     ) -> int:
-        """The Ulysses group's queries against every key, for 1/U of the heads (or, where documents stay
-        home, the ring's)."""
-        home = self.home_pairs(layout, rank, mask, batch, q_heads)
+        """The Ulysses group's queries against every key, for 1/U of the heads (or, where the call runs
+        the ring's schedule, the ring's)."""
+        home = self.ring_schedule_pairs(layout, rank, mask, batch, q_heads)
         if home is not None:
             return home
         u = ulysses_degree
-        return make_plan(layout, _members(u)(rank // u), None, mask).pairs(batch) * q_heads // u
+        return tile_mask(layout, _members(u)(rank // u), None, mask).pairs(batch) * q_heads // u
 
     def min_bytes(
         self,
@@ -210,10 +210,10 @@ class Hybrid(HeadExchange[tuple[RingGroup, RingPlan]]):
         mask: Mask = CAUSAL,
     ) -> tuple[AxisBytes, ...]:
         """The ring among groups on ``cp_ring``, the all-to-alls inside a group on ``cp_ulysses``; where
-        documents stay home the ring over every cp rank, on ``cp_ring`` (its neighbours are mostly in other
+        the call runs the ring's schedule, the ring over every cp rank, on ``cp_ring`` (its neighbours are mostly in other
         groups) unless there is one group."""
         u = ulysses_degree
-        home = self.home_bytes(q, k, cp, backward, layout, rank, mask)
+        home = self.ring_schedule_bytes(q, k, cp, backward, layout, rank, mask)
         if home is not None:
             on_ring = cp // u > 1
             return AxisBytes("cp_ring", cp // u, home if on_ring else 0, True), AxisBytes(

@@ -154,7 +154,7 @@ def run_pair_tiles(
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_tiles(
+def tiles_of_runs(
     q_runs: Runs, k_runs: Runs, causal: bool, window: int | None = None, native: bool = False
 ) -> tuple[Tile, ...]:
     """The tiles that compute exact (document-, window-)masked attention of a query buffer on a key buffer

@@ -45,20 +45,20 @@ from titan_cp.attention.fold import (
     make_folds,
 )
 from titan_cp.attention.kernels import AttentionKernel
-from titan_cp.attention.mask_plans import (
+from titan_cp.attention.merge import sinks_grad
+from titan_cp.attention.strategy import BackwardGrads, Strategy, kept_input, register_strategy
+from titan_cp.attention.tiling import (
     CAUSAL,
     Mask,
-    MaskPlan,
-    PlanIndex,
+    MaskTiles,
     Rows,
+    TileIndex,
     causal_counts,
     head_major,
-    make_plan,
+    tile_mask,
     token_major,
     zigzag_counts,
 )
-from titan_cp.attention.merge import sinks_grad
-from titan_cp.attention.strategy import BackwardGrads, Strategy, kept_input, register_strategy
 from titan_cp.layout import SequenceLayout
 
 RingGroup: TypeAlias = dist.ProcessGroup | PeerComm | None
@@ -82,8 +82,8 @@ class RingStep:
 
     src: int
     dst: int
-    plan: MaskPlan
-    index: PlanIndex
+    tiles: MaskTiles
+    index: TileIndex
     recv: int
     grads: Folds | None
     send: Rows | None
@@ -96,8 +96,8 @@ class RingStep:
 
 
 @dataclass(frozen=True)
-class RingPlan:
-    """One rank's ring, planned once per microbatch: its steps, where the results and the own K/V's
+class RingSteps:
+    """One rank's ring, built once per microbatch: its steps, where the results and the own K/V's
     gradients go (:mod:`titan_cp.attention.fold`; ``keys``: step 0's packed key rows, then at each later
     step the rows sent, whose gradients return)."""
 
@@ -109,10 +109,12 @@ class RingPlan:
         return len(self.steps)
 
 
-def ring_plans(layout: SequenceLayout, ring_rank: int, ring_size: int, members: Members, mask: Mask) -> list[MaskPlan]:
-    """Mask plan of each ring step: my queries against the K/V of ring rank ``ring_rank - step`` (full numbering)."""
+def ring_step_tiles(
+    layout: SequenceLayout, ring_rank: int, ring_size: int, members: Members, mask: Mask
+) -> list[MaskTiles]:
+    """The mask's tiles at each ring step: my queries against the K/V of ring rank ``ring_rank - step`` (full numbering)."""
     mine = tuple(members(ring_rank))
-    return [make_plan(layout, mine, tuple(members((ring_rank - s) % ring_size)), mask) for s in range(ring_size)]
+    return [tile_mask(layout, mine, tuple(members((ring_rank - s) % ring_size)), mask) for s in range(ring_size)]
 
 
 def _key_map(rows: torch.Tensor, size: int) -> torch.Tensor:
@@ -122,10 +124,10 @@ def _key_map(rows: torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
-def _read_once(plan: MaskPlan, batch: int) -> str:
-    """``"input"`` when every key row ``plan`` reads is read by one packed key row of one call (its
+def _read_once(tiles: MaskTiles, batch: int) -> str:
+    """``"input"`` when every key row ``tiles`` reads is read by one packed key row of one call (its
     gradient is one kernel output, exact in the input dtype), else ``"fp32"`` (host, from the tiles)."""
-    return "input" if plan.packed_key_count(batch) == plan.key_row_count(batch) else "fp32"
+    return "input" if tiles.packed_key_count(batch) == tiles.key_row_count(batch) else "fp32"
 
 
 def _step(
@@ -140,18 +142,18 @@ def _step(
     device: torch.device,
     size: int,
 ) -> tuple[RingStep, Tensor | None]:
-    """Step ``s``'s plan, its device index and what it exchanges (host rows sent, for the key folds)."""
-    plan = make_plan(layout, mine, tuple(members(src)), mask)
+    """Step ``s``'s tiles, their device index and what it exchanges (host rows sent, for the key folds)."""
+    tiles = tile_mask(layout, mine, tuple(members(src)), mask)
     if s == 0:
-        return RingStep(src, dst, plan, plan.index(batch, device), 0, None, None), None
-    need = plan.key_rows(batch)
+        return RingStep(src, dst, tiles, tiles.index(batch, device), 0, None, None), None
+    need = tiles.key_rows(batch)
     key_map = (("recv", s), _key_map(need, size))
-    index = plan.index(batch, device, key_map)
-    grads = make_folds([plan.k_dest(batch, key_map[1])], len(need), device)
-    peer = make_plan(layout, tuple(members(dst)), mine, mask)  # dst's step s: the same plan on both ends
+    index = tiles.index(batch, device, key_map)
+    grads = make_folds([tiles.k_dest(batch, key_map[1])], len(need), device)
+    peer = tile_mask(layout, tuple(members(dst)), mine, mask)  # dst's step s: the same tiles on both ends
     rows = peer.key_rows(batch)
     send = Rows.of(rows, device) if len(rows) else None
-    step = RingStep(src, dst, plan, index, len(need), grads, send, _read_once(plan, batch), _read_once(peer, batch))
+    step = RingStep(src, dst, tiles, index, len(need), grads, send, _read_once(tiles, batch), _read_once(peer, batch))
     return step, rows
 
 
@@ -163,10 +165,10 @@ def ring_steps(
     mask: Mask,
     batch: int,
     device: torch.device,
-) -> RingPlan:
-    """Ring rank ``ring_rank``'s :class:`RingPlan` (cached on the layout: once per microbatch)."""
+) -> RingSteps:
+    """Ring rank ``ring_rank``'s :class:`RingSteps` (cached on the layout: once per microbatch)."""
 
-    def build() -> RingPlan:
+    def build() -> RingSteps:
         mine = tuple(members(ring_rank))
         size = batch * layout.local_len * len(mine)
         steps, sent = [], []
@@ -175,10 +177,10 @@ def ring_steps(
             step, rows = _step(layout, mine, src, dst, s, members, mask, batch, device, size)
             steps.append(step)
             sent.append(rows)
-        folds = make_folds([st.plan.q_dest(batch) for st in steps], size, device)
+        folds = make_folds([st.tiles.q_dest(batch) for st in steps], size, device)
         returned = [[rows] if rows is not None and len(rows) else [] for rows in sent[1:]]
-        keys = make_folds([steps[0].plan.k_dest(batch)] + returned, size, device)
-        return RingPlan(tuple(steps), folds, keys)
+        keys = make_folds([steps[0].tiles.k_dest(batch)] + returned, size, device)
+        return RingSteps(tuple(steps), folds, keys)
 
     return layout.memo(("ring_steps", ring_rank, ring_size, tuple(members(ring_rank)), mask, batch, device), build)
 
@@ -201,7 +203,7 @@ class _KV:
         return out[0], out[1]
 
 
-def _post_kv(comm: PeerComm | None, kv: _KV, ring: RingPlan, s: int) -> Exchange:
+def _post_kv(comm: PeerComm | None, kv: _KV, ring: RingSteps, s: int) -> Exchange:
     """Post step ``s``'s K/V exchange, one ``(K rows, V rows)`` message each way: my rows ``dst`` needs out,
     ``src``'s in (``comm``: ``None`` only for a ring of one step, which posts none)."""
     if s >= len(ring):
@@ -231,7 +233,7 @@ def ring_forward(
     k_t: Tensor,
     v_t: Tensor,
     group: RingGroup,
-    ring: RingPlan,
+    ring: RingSteps,
     kernel: AttentionKernel,
     scale: float,
     sinks: Tensor | None = None,
@@ -261,7 +263,7 @@ def ring_backward(
     out_t: Tensor,
     lse: Tensor,
     group: RingGroup,
-    ring: RingPlan,
+    ring: RingSteps,
     kernel: AttentionKernel,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -283,7 +285,7 @@ def ring_backward(
         grad = None
         if buf is not None:
             if step.grads is None:
-                raise RuntimeError(f"ring step {s} received K/V rows but has no plan for their gradients")
+                raise RuntimeError(f"ring step {s} received K/V rows but has no folds for their gradients")
             dqs, dks, dvs = attend_backward(dout_t, q_t, buf[0], buf[1], out_t, lse, step.index, kernel, scale)
             dq.add(s, dqs)
             grad = received_grads(buf, step.grads, dks, dvs, step.dtype("grad", buf[0]))
@@ -321,8 +323,8 @@ def _add_home(dk: Grads, dv: Grads, returning: tuple[Exchange, int] | None) -> N
         dv.add(s, [grad[1]])
 
 
-def _steps(ctx: CPContext, rank: int, batch: int, device: torch.device) -> RingPlan:
-    layout, _ = ctx.planned()
+def _steps(ctx: CPContext, rank: int, batch: int, device: torch.device) -> RingSteps:
+    layout, _ = ctx.layout_and_kernel()
     return ring_steps(layout, rank, layout.cp_size, _alone, ctx.mask, batch, device)
 
 
@@ -338,7 +340,7 @@ def ring_attention(
     b = q.shape[0]
     steps = _steps(ctx, rank, b, q.device)
     out_t, lse = ring_forward(
-        token_major(q), token_major(k), token_major(v), group, steps, ctx.planned()[1], ctx.scale, ctx.sinks
+        token_major(q), token_major(k), token_major(v), group, steps, ctx.layout_and_kernel()[1], ctx.scale, ctx.sinks
     )
     return head_major(out_t, b), (lse,)
 
@@ -359,7 +361,16 @@ def ring_attention_backward(
     dout_t, out_t, lse = token_major(dout), token_major(out), saved[0]
     steps = _steps(ctx, rank, b, q.device)
     grads = ring_backward(
-        dout_t, token_major(q), token_major(k), token_major(v), out_t, lse, group, steps, ctx.planned()[1], ctx.scale
+        dout_t,
+        token_major(q),
+        token_major(k),
+        token_major(v),
+        out_t,
+        lse,
+        group,
+        steps,
+        ctx.layout_and_kernel()[1],
+        ctx.scale,
     )
     dsinks = None if ctx.sinks is None else sinks_grad(dout_t, out_t, lse, ctx.sinks)
     return head_major(grads[0], b), head_major(grads[1], b), head_major(grads[2], b), dsinks
@@ -377,7 +388,7 @@ def merged_query_rows(layout: SequenceLayout, rank: int, mask: Mask, batch: int)
 
 
 def _group(ctx: CPContext) -> dist.ProcessGroup | None:
-    return ctx.group if ctx.planned()[0].cp_size > 1 else None
+    return ctx.group if ctx.layout_and_kernel()[0].cp_size > 1 else None
 
 
 def kv_block_bytes(act_bytes: int, kv_heads: int, head_dim: int, tokens: int) -> int:
@@ -391,7 +402,7 @@ def exchanged_rows(
     """``(rows sent, rows received)`` of K/V by ring rank ``ring_rank`` over one pass of a ring of ``ring_size``
     groups of ``u`` consecutive cp ranks (1: the ring over every rank; hybrid's Ulysses groups) (host only;
     cached on the layout: the planner asks it for every candidate mesh and strategy sharing the layout; in
-    closed form on the even zigzag of one document a row, :func:`~titan_cp.attention.mask_plans.zigzag_counts`)."""
+    closed form on the even zigzag of one document a row, :func:`~titan_cp.attention.tiling.zigzag_counts`)."""
 
     def build() -> tuple[int, int]:
         if mask == CAUSAL and layout.zigzag_chunk() is not None and ring_size > 1:  # a later group sees u c rows
@@ -424,8 +435,8 @@ def fp32_returned_rows(layout: SequenceLayout, ring_rank: int, ring_size: int, u
             return (ring_size - 1 - ring_rank) * later + ring_rank * earlier
         mine, total = _members(ring_rank, u), 0
         for s in range(1, ring_size):
-            plan = make_plan(layout, mine, _members((ring_rank - s) % ring_size, u), mask)
-            total += plan.key_row_count(batch) if _read_once(plan, batch) == "fp32" else 0
+            tiles = tile_mask(layout, mine, _members((ring_rank - s) % ring_size, u), mask)
+            total += tiles.key_row_count(batch) if _read_once(tiles, batch) == "fp32" else 0
         return total
 
     return layout.memo(("fp32_returned_rows", ring_rank, ring_size, u, mask, batch), build)
@@ -444,8 +455,8 @@ def _rows_seen(
     if mask == CAUSAL:
         _, q_rows, k_rows = causal_counts(layout, q_ranks, k_ranks, batch)
         return q_rows, k_rows
-    plan = make_plan(layout, q_ranks, k_ranks, mask)
-    return plan.query_row_count(batch), plan.key_row_count(batch)
+    tiles = tile_mask(layout, q_ranks, k_ranks, mask)
+    return tiles.query_row_count(batch), tiles.key_row_count(batch)
 
 
 def _key_rows_seen(

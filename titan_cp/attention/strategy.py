@@ -9,6 +9,7 @@ benchmarks never compare a strategy's name; they ask its :class:`Strategy`::
     s.ring_size(cp=8, ulysses_degree=2)       4 ring steps
     s.check_heads(32, 8, cp=8, ulysses_degree=2)
     s.forward(ctx, q, k, v) / s.backward(...) / s.saved_like(...)   the op itself
+    s.schedule(layout, mask, batch)           the schedule a call runs ("ring", "ulysses", ...)
     s.min_bytes(q, k, cp, ulysses_degree)     bytes per rank, forward (+ backward)
     s.min_bytes_by_axis(q, k, cp, ...)        the same per axis of the cp sub-mesh (the planner's links)
     s.saved_bytes_per_token(...)              what the op keeps for backward, per local token
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torch import Tensor
 
-from titan_cp.attention.mask_plans import CAUSAL, Mask
+from titan_cp.attention.tiling import CAUSAL, Mask
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -154,6 +155,24 @@ class Strategy:
         return 1
 
     # ------------------------------------------------------------------ the op
+    def schedule(
+        self,
+        layout: SequenceLayout | None,
+        mask: Mask = CAUSAL,
+        batch: int | None = None,
+        documents: bool | None = None,
+    ) -> str:
+        """The schedule a call of this strategy runs on ``layout`` under ``mask`` for ``batch`` rows: the name
+        of the strategy whose exchange moves the data. A strategy runs its own (this default) unless it
+        hands some layouts to another's: Ulysses and hybrid run the ring's (``"ring"``) where a call's
+        documents stay whole on their ranks (:meth:`~titan_cp.attention.ulysses.HeadExchange.schedule`).
+
+        ``batch``: the call's rows (``None``: the layout's, or one); ``documents``: whether a row of the call
+        holds several documents (the op's ``doc_lens`` width; ``None``: the layout's
+        :attr:`~titan_cp.layout.SequenceLayout.packs_documents`). The op branches on this answer, and the
+        metrics and the planner report it (:func:`attention_schedule`)."""
+        return self.name
+
     def forward(self, ctx: CPContext, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         """``(out, saved)`` for this rank's shards."""
         raise NotImplementedError
@@ -235,12 +254,12 @@ class Strategy:
         self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int, ulysses_degree: int = 1
     ) -> int:
         """Visible (query, key) pairs this rank's kernels compute under ``mask`` (a
-        :class:`~titan_cp.attention.mask_plans.Mask`), summed over the heads they run (``q_heads``: local
+        :class:`~titan_cp.attention.tiling.Mask`), summed over the heads they run (``q_heads``: local
         query heads before any exchange). Summed over the cp ranks it is the whole layer's pairs
         times the heads: the work is split, never repeated."""
-        from titan_cp.attention.mask_plans import make_plan  # noqa: PLC0415 - the engine imports this module
+        from titan_cp.attention.tiling import tile_mask  # noqa: PLC0415 - the engine imports this module
 
-        return make_plan(layout, (rank,), None, mask).pairs(batch) * q_heads
+        return tile_mask(layout, (rank,), None, mask).pairs(batch) * q_heads
 
     def buffer_bytes(
         self,
@@ -279,6 +298,22 @@ def strategy_names() -> tuple[str, ...]:
     imported from outside the package, since Python imports the package ``titan_cp.attention``
     (whose ``__init__`` imports every built-in) before any of its modules."""
     return tuple(_REGISTRY)
+
+
+LOCAL_SCHEDULE = "local"
+"""The schedule of a call on one rank (a cp size of 1): plain local attention, nothing exchanged."""
+
+
+def attention_schedule(
+    strategy: str, cp: int, layout: SequenceLayout | None = None, mask: Mask = CAUSAL, batch: int | None = None
+) -> str:
+    """The schedule a ``strategy`` call runs over ``cp`` ranks on ``layout`` (``None``: no layout known, the
+    strategy's own exchange) under ``mask``: :data:`LOCAL_SCHEDULE` on one rank, else
+    :meth:`Strategy.schedule` (``"ring"``, ``"allgather"``, ``"ulysses"``, ``"hybrid"`` or a registered
+    strategy's name). What the per-step metrics record as ``attention_schedule`` and the planner prints."""
+    if cp == 1:
+        return LOCAL_SCHEDULE
+    return get_strategy(strategy).schedule(layout, mask, batch)
 
 
 def get_strategy(name: str) -> Strategy:

@@ -21,9 +21,10 @@ they replace), so the backward moves only ``dout`` in and the gradients out.
 With packed documents most of them lie whole on one rank under ``doc_local``, and such a
 document needs nothing from another rank: exchanging its heads would copy every token in and
 out of the exchange's buffers for no key it lacks. Where the layout keeps documents so
-(:func:`stays_home`, priced per rank from the layout alone) the call runs the ring's schedule
-instead, each rank attending its own queries over every head while only the split documents'
-K/V travel (:class:`HeadExchange`, shared with hybrid).
+(:func:`stays_home`, priced from the layout alone) the call runs the ring's schedule instead,
+each rank attending its own queries over every head while only the split documents' K/V travel.
+:meth:`HeadExchange.schedule` (shared with hybrid) says which schedule a call runs; the op branches
+on it, and the per-step metrics and the planner report it.
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ from torch import Tensor
 
 from titan_cp.attention.comm import all_to_all
 from titan_cp.attention.context import CPContext
-from titan_cp.attention.fold import plan_backward, plan_forward
-from titan_cp.attention.mask_plans import CAUSAL, Mask, MaskPlan, head_major, make_plan, token_major
+from titan_cp.attention.fold import tiles_backward, tiles_forward
 from titan_cp.attention.merge import sinks_grad
 from titan_cp.attention.ring import (
     RING,
@@ -56,6 +56,7 @@ from titan_cp.attention.strategy import (
     kv_heads_per_shard,
     register_strategy,
 )
+from titan_cp.attention.tiling import CAUSAL, Mask, MaskTiles, head_major, tile_mask, token_major
 from titan_cp.layout import SequenceLayout, to_device
 
 Group = dist.ProcessGroup | None
@@ -80,7 +81,7 @@ def head_index(
     layout: SequenceLayout, q_heads: int, kv_heads: int, n: int, device: torch.device
 ) -> torch.Tensor | None:
     """The K/V head each of ``n`` destinations needs, on ``device`` (``None`` when K/V heads split
-    evenly): built once per microbatch with the layout's plans, so no layer copies it to the device."""
+    evenly): built once per microbatch with the layout's tiles, so no layer copies it to the device."""
     heads = kv_head_map(q_heads, kv_heads, n)
     if heads is None:
         return None
@@ -128,29 +129,29 @@ def concat_to_stacked(x: torch.Tensor, batch: int, u: int) -> torch.Tensor:
     return x.reshape(batch, u, n // batch, *x.shape[1:]).transpose(0, 1).reshape(u, n, *x.shape[1:])
 
 
-def _plan(ctx: CPContext, batch: int) -> tuple[MaskPlan, Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
-    """``(plan, inward, outward)``: the mask plan over the full row and the maps from the all-to-all's
+def _row_tiles(ctx: CPContext, batch: int) -> tuple[MaskTiles, Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+    """``(tiles, inward, outward)``: the mask's tiles over the full row and the maps from the all-to-all's
     stacked shards to its buffer and back. The buffer is the shards in rank order (no reordering) when
     at most :data:`MERGED_SHARE` of its rows are then reached by several segments (documents mostly whole
     on their rank, as ``doc_local`` keeps them: only the split ones merge); else the natural order, one
     gather in and one scatter out, where every document is one run."""
-    layout, _ = ctx.planned()
+    layout, _ = ctx.layout_and_kernel()
     n = layout.cp_size
     ranks = tuple(range(n))
-    concat = make_plan(layout, ranks, ranks, ctx.mask)
+    concat = tile_mask(layout, ranks, ranks, ctx.mask)
     merged = layout.memo(("ulysses_merged", ctx.mask, batch), lambda: _merged_rows(concat, batch))
     if merged <= MERGED_SHARE * batch * layout.seq_len:
         return concat, (lambda x: stacked_to_concat(x, batch)), (lambda x: concat_to_stacked(x, batch, n))
     return (
-        make_plan(layout, None, None, ctx.mask),
+        tile_mask(layout, None, None, ctx.mask),
         lambda x: layout.stacked_to_natural(x, batch),
         lambda x: layout.natural_to_stacked(x, batch),
     )
 
 
-def _merged_rows(plan: MaskPlan, batch: int) -> int:
-    """Query rows of ``plan`` that several segments reach (host)."""
-    rows = torch.cat(plan.q_dest(batch)) if plan.q_dest(batch) else torch.zeros(0, dtype=torch.int64)
+def _merged_rows(tiles: MaskTiles, batch: int) -> int:
+    """Query rows of ``tiles`` that several segments reach (host)."""
+    rows = torch.cat(tiles.q_dest(batch)) if tiles.q_dest(batch) else torch.zeros(0, dtype=torch.int64)
     return int((torch.bincount(rows) > 1).sum()) if len(rows) else 0
 
 
@@ -199,7 +200,7 @@ def head_shard_saved_bytes(act_bytes: int, q_heads: int, kv_heads: int, head_dim
 class Heads(Generic[A]):
     """How one call exchanges heads: over ``group`` of ``n`` ranks (this one ``part``), K/V heads picked by
     ``kv`` (:func:`head_index`), the received shards put in the attention's buffer order by ``inward`` and
-    back by ``outward``; ``attend``: what the strategy attends with (its plan, or its ring)."""
+    back by ``outward``; ``attend``: what the strategy attends with (its tiles, or its ring)."""
 
     n: int
     group: Group
@@ -210,21 +211,20 @@ class Heads(Generic[A]):
     attend: A
 
 
-# Query rows merged with another rank's partial in the ring's schedule, summed over the ranks, per
-# token of the row, up to which that schedule moves less around the kernel than the head exchange
-# (counted, tools.gpu_model at 128K tokens on 8 ranks: log-normal mixes of mean 1K merge 0.1-0.4 a
-# token, and the ring moves 8-10x fewer bytes; long tails of mean 4K merging 0.66 and 1.54 a token
-# come out 0.04 and 0.015 of the kernel's limit better on the ring, ones merging 1.94 and 2.55 0.04
-# better exchanging heads: there long documents split over many ranks gather their tiles at every
-# step, while the head exchange moves the same bytes for any documents).
 HOME_MERGES = 1.6
+"""Query rows merged with another rank's partial in the ring's schedule, summed over the ranks, per token of
+the row, up to which that schedule moves less around the kernel than the head exchange: beyond it long
+documents split over many ranks gather their tiles at every ring step, while the head exchange moves the
+same bytes for any documents. Set from the counting model's rows in
+``benchmarks/results/2026-12-02-home-schedule.md``."""
 
 
 def stays_home(layout: SequenceLayout, mask: Mask, batch: int) -> bool:
-    """Whether ``layout``'s documents mostly stay whole on their ranks, so that the ring's schedule over every
-    cp rank (each rank attends its own queries, only the split documents' K/V travel) moves less around
-    the kernel than the head exchange (every token's heads exchanged): then Ulysses and hybrid run it.
-    Host only, the same on every rank, cached on the layout."""
+    """Whether ``layout``'s documents mostly stay whole on their ranks (at most :data:`HOME_MERGES` remote
+    partials merged a token), so that the ring's schedule over every cp rank (each rank attends its own
+    queries, only the split documents' K/V travel) moves less around the kernel than the head exchange
+    (every token's heads exchanged): the layout's half of :meth:`HeadExchange.schedule`. Host only, the
+    same on every rank, cached on the layout."""
 
     def build() -> bool:
         merged = sum(merged_query_rows(layout, r, mask, batch) for r in range(layout.cp_size))
@@ -233,20 +233,15 @@ def stays_home(layout: SequenceLayout, mask: Mask, batch: int) -> bool:
     return layout.memo(("stays_home", mask, batch), build)
 
 
-def runs_home(layout: SequenceLayout | None, mask: Mask, batch: int) -> bool:
-    """Whether a head exchange on ``layout`` runs the ring's schedule: several documents a row, mostly
-    whole on their ranks (:func:`stays_home`)."""
-    return layout is not None and layout.packs_documents and stays_home(layout, mask, batch)
-
-
 class HeadExchange(Strategy, Generic[A]):
     """A strategy that attends on head shards: Ulysses, and hybrid's Ulysses groups.
 
     Without documents (or one a row) every token's heads are exchanged and the head shards are kept
     for the backward. With documents (``doc_lens`` of several a row) a document whole on one rank
     needs nothing from any other, so where the layout keeps most documents whole (:func:`stays_home`,
-    ``doc_local``'s packed rows) the call runs the ring's schedule over every cp rank instead: each
-    rank attends its own queries over every head, and only the split documents' K/V travel. Either
+    ``doc_local``'s packed rows) the call runs the ring's schedule over every cp rank instead
+    (:meth:`schedule`): each rank attends its own queries over every head, and only the split
+    documents' K/V travel. Either
     way the op then keeps its own q, k, v, out and the log-sum-exp (what it keeps may depend on the
     ``doc_lens`` tensor's width, known when the op is traced, not on the lengths), and the head
     exchange sends q, K/V and out again in the backward.
@@ -287,15 +282,32 @@ class HeadExchange(Strategy, Generic[A]):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the op
-    def _home(self, ctx: CPContext, batch: int) -> bool:
-        return bool(ctx.documents) and stays_home(ctx.planned()[0], ctx.mask, batch)
+    def schedule(
+        self,
+        layout: SequenceLayout | None,
+        mask: Mask = CAUSAL,
+        batch: int | None = None,
+        documents: bool | None = None,
+    ) -> str:
+        """``"ring"`` (the ring's schedule over every cp rank) where the call has several documents a row and
+        the layout keeps them mostly whole on their ranks (:func:`stays_home`); else this strategy's own head
+        exchange (its name). Without a layout, the head exchange."""
+        if layout is None:
+            return self.name
+        documents = layout.packs_documents if documents is None else documents
+        rows = batch if batch is not None else (layout.batch_size or 1)
+        return RING.name if documents and stays_home(layout, mask, rows) else self.name
+
+    def _runs_ring(self, ctx: CPContext, batch: int) -> bool:
+        """Whether this call runs the ring's schedule (:meth:`schedule`, on the call's own ``doc_lens`` width)."""
+        return self.schedule(ctx.layout_and_kernel()[0], ctx.mask, batch, ctx.documents) == RING.name
 
     def _to_heads(self, x: Heads[A], q_t: Tensor, k_t: Tensor, v_t: Tensor) -> tuple[Tensor, Tensor]:
         return x.inward(scatter_heads(q_t, x.n, x.group)), x.inward(kv_to_heads(k_t, v_t, x.kv, x.n, x.group))
 
     def forward(self, ctx: CPContext, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         batch = q.shape[0]
-        if self._home(ctx, batch):
+        if self._runs_ring(ctx, batch):
             return ring_attention(ctx, q, k, v, self.ring_group(ctx), self._layout_rank(ctx))
         x = self.heads(ctx, batch, q.device)
         q_h, kv_h = self._to_heads(x, token_major(q), token_major(k), token_major(v))
@@ -322,7 +334,7 @@ class HeadExchange(Strategy, Generic[A]):
         saved: Sequence[Tensor],
     ) -> BackwardGrads:
         batch = dout.shape[0]
-        if self._home(ctx, batch):
+        if self._runs_ring(ctx, batch):
             q, k, v, out = (kept_input(t, n, self.name) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
             return ring_attention_backward(ctx, dout, q, k, v, out, saved, self.ring_group(ctx), self._layout_rank(ctx))
         x = self.heads(ctx, batch, dout.device)
@@ -399,11 +411,15 @@ class HeadExchange(Strategy, Generic[A]):
         resent = 3 * act_bytes * q_heads * head_dim * local_tokens
         return max(own + resent, RING.buffer_bytes(act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp))
 
-    def home_pairs(self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int) -> int | None:
-        """The ring schedule's pairs of ``rank`` where documents stay home (:func:`runs_home`), else ``None``."""
-        return RING.local_head_pairs(layout, rank, mask, batch, q_heads) if runs_home(layout, mask, batch) else None
+    def ring_schedule_pairs(
+        self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int
+    ) -> int | None:
+        """The ring schedule's pairs of ``rank`` where a call runs it (:meth:`schedule`), else ``None``."""
+        if self.schedule(layout, mask, batch) != RING.name:
+            return None
+        return RING.local_head_pairs(layout, rank, mask, batch, q_heads)
 
-    def home_bytes(
+    def ring_schedule_bytes(
         self,
         q: Tensor,
         k: Tensor,
@@ -413,8 +429,8 @@ class HeadExchange(Strategy, Generic[A]):
         rank: int | None,
         mask: Mask,
     ) -> int | None:
-        """The ring schedule's bytes where documents stay home (:func:`runs_home`), else ``None``."""
-        if layout is None or not runs_home(layout, mask, q.shape[0]):
+        """The ring schedule's bytes where a call runs it (:meth:`schedule`), else ``None``."""
+        if layout is None or self.schedule(layout, mask, q.shape[0]) != RING.name:
             return None
         return RING.min_bytes(q, k, cp, backward=backward, layout=layout, rank=rank, mask=mask)
 
@@ -432,7 +448,7 @@ def exchange_bytes(q: Tensor, k: Tensor, n: int, backward: bool, documents: bool
     return one * ((3 if documents else 2) if backward else 1)
 
 
-class Ulysses(HeadExchange[MaskPlan]):
+class Ulysses(HeadExchange[MaskTiles]):
     """All-to-all from sequence shards to head shards and back (module docstring)."""
 
     name = "ulysses"
@@ -440,29 +456,29 @@ class Ulysses(HeadExchange[MaskPlan]):
     def ulysses_size(self, cp: int, ulysses_degree: int = 1) -> int:
         return cp
 
-    def heads(self, ctx: CPContext, batch: int, device: torch.device) -> Heads[MaskPlan]:
-        layout, _ = ctx.planned()
+    def heads(self, ctx: CPContext, batch: int, device: torch.device) -> Heads[MaskTiles]:
+        layout, _ = ctx.layout_and_kernel()
         n = layout.cp_size
-        plan, inward, outward = _plan(ctx, batch)
+        tiles, inward, outward = _row_tiles(ctx, batch)
         kv = head_index(layout, ctx.q_heads, ctx.kv_heads, n, device)
-        return Heads(n, ctx.group, ctx.rank, kv, inward, outward, plan)
+        return Heads(n, ctx.group, ctx.rank, kv, inward, outward, tiles)
 
     def attend(
         self,
         ctx: CPContext,
-        x: Heads[MaskPlan],
+        x: Heads[MaskTiles],
         q_h: Tensor,
         k_h: Tensor,
         v_h: Tensor,
         batch: int,
         sinks: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
-        return plan_forward(q_h, k_h, v_h, batch, x.attend, ctx.planned()[1], ctx.scale, sinks)
+        return tiles_forward(q_h, k_h, v_h, batch, x.attend, ctx.layout_and_kernel()[1], ctx.scale, sinks)
 
     def attend_backward(
         self,
         ctx: CPContext,
-        x: Heads[MaskPlan],
+        x: Heads[MaskTiles],
         dout_h: Tensor,
         q_h: Tensor,
         k_h: Tensor,
@@ -471,7 +487,9 @@ class Ulysses(HeadExchange[MaskPlan]):
         lse_h: Tensor,
         batch: int,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        return plan_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, batch, x.attend, ctx.planned()[1], ctx.scale)
+        return tiles_backward(
+            dout_h, q_h, k_h, v_h, out_h, lse_h, batch, x.attend, ctx.layout_and_kernel()[1], ctx.scale
+        )
 
     def ring_group(self, ctx: CPContext) -> RingGroup:
         return ctx.group if ctx.cp_size > 1 else None
@@ -479,11 +497,11 @@ class Ulysses(HeadExchange[MaskPlan]):
     def local_head_pairs(
         self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int, ulysses_degree: int = 1
     ) -> int:
-        """The whole row's pairs for 1/N of the heads (or, where documents stay home, the ring's)."""
-        home = self.home_pairs(layout, rank, mask, batch, q_heads)
+        """The whole row's pairs for 1/N of the heads (or, where the call runs the ring's schedule, the ring's)."""
+        home = self.ring_schedule_pairs(layout, rank, mask, batch, q_heads)
         if home is not None:
             return home
-        return make_plan(layout, None, None, mask).pairs(batch) * q_heads // layout.cp_size
+        return tile_mask(layout, None, None, mask).pairs(batch) * q_heads // layout.cp_size
 
     def min_bytes(
         self,
@@ -496,9 +514,10 @@ class Ulysses(HeadExchange[MaskPlan]):
         rank: int | None = None,
         mask: Mask = CAUSAL,
     ) -> int:
-        """All-to-all traffic (:func:`exchange_bytes`): the layout changes it only where documents stay home
-        (the ring's bytes then, :func:`stays_home`), or with documents (the backward sends more)."""
-        home = self.home_bytes(q, k, cp, backward, layout, rank, mask)
+        """All-to-all traffic (:func:`exchange_bytes`): the layout changes it only where the call runs the
+        ring's schedule (its bytes then, :meth:`HeadExchange.schedule`), or with documents (the backward
+        sends more)."""
+        home = self.ring_schedule_bytes(q, k, cp, backward, layout, rank, mask)
         if home is not None:
             return home
         return exchange_bytes(q, k, cp, backward, layout is not None and layout.packs_documents)

@@ -72,7 +72,7 @@ class Llama3(ModelFamily):
         hf_checkpoint.load_hf(parts, path, shapes, key=key)
 
     def save_hf(self, parts: list[nn.Module], folder: str | Path, shapes: ModelArgs, assets: str | None = None) -> Path:
-        """The Llama's own export: safetensors and ``config.json`` (no tokenizer files, as before)."""
+        """The Llama's own export: safetensors and ``config.json`` (no tokenizer files)."""
         return hf_checkpoint.save_hf(parts, folder, shapes)
 
     def planner_args(self, cfg: JobConfig) -> ModelArgs:

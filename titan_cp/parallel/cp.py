@@ -21,7 +21,7 @@ stacked by rank), the convention of PyTorch's own load-balanced CP.
 The batch's document structure arrives as the ``doc_lens`` argument of every call, the
 zero-padded ``(B, max_docs)`` tensor *on the host* that the handle's ``shard`` returned; the
 handle finds the layout the batch was sharded by from it (:mod:`titan_cp.attention.handle`),
-with its mask plans and device indices built once and reused by every layer: no device
+with its mask tiles and device indices built once and reused by every layer: no device
 synchronisation in the layer loop, and each pipeline microbatch carries its own documents
 through every stage. The call is the ``titan_cp::cp_attention``
 custom op, so a compiled block keeps its whole graph (``fullgraph=True``).

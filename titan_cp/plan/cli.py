@@ -42,7 +42,8 @@ def _takes_ulysses(e: Estimate) -> bool:
 
 
 def record(e: Estimate, result: PlanResult) -> dict:
-    """The JSON line of ``e`` (the keys the planner has always printed)."""
+    """The JSON line of ``e`` (its keys: docs/planning.md); ``schedule``: the one the attention runs on the
+    planned rows (``"local"`` without CP; Ulysses and hybrid run ``"ring"`` where documents stay home)."""
     c, cost, ctx = e.candidate, e.cost, result.context
     comm = {INTRA: 0, INTER: 0}
     detail = {}
@@ -53,6 +54,7 @@ def record(e: Estimate, result: PlanResult) -> dict:
     ratio = cost.ring.ratio if cost.ring is not None else None
     out = {
         "strategy": c.strategy if c.cp > 1 else "none",
+        "schedule": cost.schedule,
         **{k: v for k, v in c.degrees.items() if k != "pp"},
         "pp": c.pp,
         "ulysses_degree": c.ulysses_size,
@@ -160,7 +162,8 @@ def row(r: dict) -> str:
     strat = r["strategy"] + (f"(u{r['ulysses_degree']})" if takes else "")
     ratio = r["ring_compute_over_transfer"]
     return (
-        f"{'*' if r['recommended'] else ' '} {mesh:<30} {strat:<12} {r['memory_bytes_per_rank'] / GB:8.1f} "
+        f"{'*' if r['recommended'] else ' '} {mesh:<30} {strat:<12} {r['schedule']:<9} "
+        f"{r['memory_bytes_per_rank'] / GB:8.1f} "
         f"{'yes' if r['fits'] else 'no':>4} {r['comm_bytes_per_rank'][INTRA] / GB:8.2f} "
         f"{r['comm_bytes_per_rank'][INTER] / GB:8.2f} {'-' if ratio is None else f'{ratio:.1f}':>6} "
         f"{r['step_seconds']:8.3f} {r['tokens_per_second_per_gpu']:10,.0f} {100 * r['mfu']:5.1f}"
@@ -169,7 +172,7 @@ def row(r: dict) -> str:
 
 PLOT_NAME = "plan.png"  # what --plot FOLDER writes in the folder
 HEADER = (
-    f"  {'mesh':<30} {'strategy':<12} {'mem GB':>8} {'fits':>4} {'intra GB':>8} {'inter GB':>8} "
+    f"  {'mesh':<30} {'strategy':<12} {'schedule':<9} {'mem GB':>8} {'fits':>4} {'intra GB':>8} {'inter GB':>8} "
     f"{'c/t':>6} {'step s':>8} {'tok/s/GPU':>10} {'MFU%':>5}"
 )
 
@@ -282,6 +285,8 @@ def max_seq_line(n: int, e: Estimate, practical: bool) -> str:
     c, step = e.candidate, e.cost.step
     mesh = f"pp{c.pp} rep{c.dp_replicate} fsdp{c.dp_shard} cp{c.cp} tp{c.tp}"
     strat = c.strategy + (f"(u{c.ulysses})" if _takes_ulysses(e) else "") if c.cp > 1 else "no CP"
+    if c.cp > 1 and e.cost.schedule != c.strategy:
+        strat += f" (the {e.cost.schedule} schedule)"
     line = (
         f"longest row: {n:,} tokens on {mesh} {strat}: one step takes {step:,.0f} s ({step / 3600:.2f} h), "
         f"{e.tokens_per_second_per_gpu:,.0f} tokens/s per GPU"

@@ -31,9 +31,9 @@ from functools import lru_cache
 
 import torch
 
-from titan_cp.attention.mask_plans import causal_counts, zigzag_counts
-from titan_cp.attention.strategy import AxisBytes, get_strategy
-from titan_cp.layout import DEFAULT_BALANCE, get_layout
+from titan_cp.attention.strategy import LOCAL_SCHEDULE, AxisBytes, attention_schedule, get_strategy
+from titan_cp.attention.tiling import CAUSAL, causal_counts, zigzag_counts
+from titan_cp.layout import DEFAULT_BALANCE, SequenceLayout, get_layout
 from titan_cp.model.llama import ModelArgs
 from titan_cp.plan.devices import Device
 from titan_cp.plan.memory import RankModel, Stage, head_offloaded, layer_params, stage_param_count, unit_inputs
@@ -175,14 +175,14 @@ def attention_work(seq_len: int, cp: int, ring: int, ulysses: int, balance: str,
         steps = (max(causal_counts(layout, (r,), None, b)[0] for r in range(cp)),)
         return AttentionWork(steps, total, min(eff_len, seq_len), (1.0,))
     group_rows = b * layout.local_len * ulysses  # the query rows of one ring group
-    if layout.zigzag_chunk() is not None:  # every pair of groups alike: closed form (mask_plans.zigzag_counts)
+    if layout.zigzag_chunk() is not None:  # every pair of groups alike: closed form (tiling.zigzag_counts)
         own = zigzag_counts(layout, 0, 0, ulysses, b)
         other = zigzag_counts(layout, 1, 0, ulysses, b) if ring > 1 else own  # a later group's queries: most rows
         pairs = [own[0]] + [other[0]] * (ring - 1)
         touched = [own[1] / group_rows] + [other[1] / group_rows] * (ring - 1)
         return AttentionWork(tuple(pairs), total, min(eff_len, seq_len // ring), tuple(touched))
     groups = [tuple(range(g * ulysses, (g + 1) * ulysses)) for g in range(ring)]
-    # step s: group g's queries on the keys of group g - s (the ring's order, titan_cp.attention.ring.ring_plans)
+    # step s: group g's queries on the keys of group g - s (the ring's order, titan_cp.attention.ring.ring_step_tiles)
     counts = [[causal_counts(layout, groups[g], groups[(g - s) % ring], b) for g in range(ring)] for s in range(ring)]
     pairs = [max(c[0] for c in step) for step in counts]
     touched = [max(c[1] for c in step) / group_rows for step in counts]
@@ -199,6 +199,7 @@ class Cost:
     microbatches: int = 1
     bubble: float = 0.0  # extra microbatch slots of the pipeline schedule
     accum: int = 1
+    schedule: str = LOCAL_SCHEDULE  # the schedule the attention runs (Setting.schedule)
 
     def _exposed(self, per_microbatch: bool) -> float:
         return sum(t.exposed for t in self.transfers.values() if t.per_microbatch == per_microbatch)
@@ -291,6 +292,20 @@ class Setting:
         """Forwards per backward: 1, plus the checkpointed blocks' recomputation (:meth:`RankModel.recomputed`)."""
         return 1 + self.m.recomputed(self.stage.layers) / self.stage.layers
 
+    @property
+    def layout(self) -> SequenceLayout | None:
+        """The layout of one microbatch's rows where the stack sends only what the other ranks need
+        (``None`` without CP, or for a ring that sends every K/V row to every rank)."""
+        if self.c.cp == 1 or not self.stack.ring.needed_only:
+            return None
+        return get_layout(self.w.seq_len, self.c.cp, self.w.balance, [list(r) for r in self.w.rows[: self.rows]])
+
+    @property
+    def schedule(self) -> str:
+        """The schedule the attention runs on :attr:`layout` (causal;
+        :func:`~titan_cp.attention.strategy.attention_schedule`), as its bytes are counted."""
+        return attention_schedule(self.c.strategy, self.c.cp, self.layout, CAUSAL, self.rows)
+
 
 def dense_seconds(s: Setting) -> float:
     """The stage's matmuls on one microbatch: ``2 x params`` FLOPs per token forward, twice that backward,
@@ -372,9 +387,7 @@ def attention_cost(s: Setting) -> tuple[float, dict[str, Transfer], RingExposure
     if c.cp == 1:
         return compute, {}, None
     q, k = _q_k_meta(s)
-    layout = None  # without: every K/V row to every rank (a ring that sends all of them)
-    if s.stack.ring.needed_only:
-        layout = get_layout(w.seq_len, c.cp, w.balance, [list(r) for r in w.rows[: s.rows]])
+    layout = s.layout
     fwd_axes = c.attention.min_bytes_by_axis(q, k, c.cp, c.ulysses, False, layout)
     transfers, ring = {}, None
     inner = c.tp
@@ -456,4 +469,4 @@ def step_cost(s: Setting) -> Cost:
     transfers.update(collective_transfers(s, dense, compute.total * s.microbatches))
     transfers.update(host_transfers(s, compute.total))
     bubble = pipeline(s.w.schedule, s.microbatches, s.c.pp).bubble
-    return Cost(compute, transfers, ring, s.microbatches, bubble, s.w.accum)
+    return Cost(compute, transfers, ring, s.microbatches, bubble, s.w.accum, s.schedule)

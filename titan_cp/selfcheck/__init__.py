@@ -392,8 +392,8 @@ def simulated_ring(
     the ring sends them). ``window``: a sliding window. Returns ``out`` in natural order (and ``dq, dk, dv``).
     """
     from titan_cp.attention import fold  # noqa: PLC0415 - the engine
-    from titan_cp.attention.mask_plans import Mask, head_major, kernel_mask, token_major  # noqa: PLC0415
     from titan_cp.attention.ring import received_grads, ring_steps  # noqa: PLC0415
+    from titan_cp.attention.tiling import Mask, head_major, kernel_mask, token_major  # noqa: PLC0415
 
     n, b = layout.cp_size, q.shape[0]
     mask = kernel_mask(Mask(causal, window), kernel)
@@ -429,7 +429,7 @@ def simulated_ring(
     dos = shards(dout)
     dq = [fold.Grads(qs[r], rings[r].folds) for r in range(n)]
     dkv = [[fold.Grads(kv[r][j], rings[r].keys) for j in (0, 1)] for r in range(n)]
-    for r in range(n):  # every rank's own step first: a plan's steps are added in order
+    for r in range(n):  # every rank's own step first: a ring's steps are added in order
         dqs, dks, dvs = fold.attend_backward(
             dos[r], qs[r], kv[r][0], kv[r][1], outs[r], lses[r], rings[r].steps[0].index, kernel, scale
         )

@@ -92,7 +92,7 @@ class Segments:
 class AttentionKernel:
     """A local tile kernel; subclasses implement :meth:`forward` and :meth:`backward`.
 
-    Kernels with ``native_varlen = True`` run all tiles of a mask plan in one
+    Kernels with ``native_varlen = True`` run all tiles of a mask in one
     :meth:`varlen_forward`/:meth:`varlen_backward` call; the default implementation here
     loops over the segments (on the host offsets) with :meth:`forward`/:meth:`backward`.
 

@@ -71,14 +71,14 @@ class CPUVarlenKernel(CPUFlashKernel):
     CHUNK = 1 << 22  # score elements per batched matmul (bounds the memory of a bucket)
 
     def __init__(self) -> None:
-        self._plans: dict[tuple, tuple] = {}
+        self._buckets: dict[tuple, tuple] = {}
 
-    def _plan(self, seg: Segments, causal: bool) -> tuple:
+    def _bucketing(self, seg: Segments, causal: bool) -> tuple:
         """``(big, buckets)`` for the segments, cached: big ``(a, b, c, d)`` query/key slices run one by
         one, and the :class:`Bucket` s of the small segments."""
         key = (seg.host_q, seg.host_k, causal)
-        if key in self._plans:
-            return self._plans[key]
+        if key in self._buckets:
+            return self._buckets[key]
         cq, ck = torch.tensor(seg.host_q), torch.tensor(seg.host_k)
         lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
         small = (lq * lk <= self.SMALL) & (lq > 0)
@@ -118,9 +118,9 @@ class CPUVarlenKernel(CPUFlashKernel):
                         k_rows=k_idx.flatten()[k_sel],
                     )
                 )
-        if len(self._plans) >= 256:
-            self._plans.pop(next(iter(self._plans)))
-        self._plans[key] = (big, buckets)
+        if len(self._buckets) >= 256:
+            self._buckets.pop(next(iter(self._buckets)))
+        self._buckets[key] = (big, buckets)
         return big, buckets
 
     @staticmethod
@@ -139,7 +139,7 @@ class CPUVarlenKernel(CPUFlashKernel):
     def varlen_forward(
         self, q: Tensor, k: Tensor, v: Tensor, seg: Segments, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
-        big, buckets = self._plan(seg, causal)
+        big, buckets = self._bucketing(seg, causal)
         groups = q.shape[1] // k.shape[1]
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
@@ -169,7 +169,7 @@ class CPUVarlenKernel(CPUFlashKernel):
         causal: bool,
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        big, buckets = self._plan(seg, causal)
+        big, buckets = self._bucketing(seg, causal)
         h, kh = q.shape[1], k.shape[1]
         groups = h // kh
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

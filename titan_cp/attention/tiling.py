@@ -1,4 +1,4 @@
-"""Mask plans: the tiles of a query buffer on a key buffer, planned once per microbatch on the
+"""The tiles a mask visits: those of a query buffer on a key buffer, built once per microbatch on the
 host, and their index tensors on the device.
 
 A *buffer* is the concatenation of the local shards of some cp ranks (``ranks``, a tuple), or
@@ -8,10 +8,10 @@ the whole row in natural order (``None``). Buffers are token-major over the batc
 
     q, out, dout:  (B*Sq, H, E)       k, v: (B*Sk, K, E)       lse: (H, B*Sq) fp32
 
-:func:`make_plan` gives a :class:`MaskPlan` (cached on the layout, so every layer of a
-microbatch reuses it); :meth:`MaskPlan.index` turns it, once per device, into a
-:class:`PlanIndex` of device-resident index tensors: one variable-length kernel call per causal
-flag (a plan of full tiles only whose query rows are two consecutive groups takes two, each read
+:func:`tile_mask` gives a :class:`MaskTiles` (cached on the layout, so every layer of a
+microbatch reuses it); :meth:`MaskTiles.index` turns it, once per device, into a
+:class:`TileIndex` of device-resident index tensors: one variable-length kernel call per causal
+flag (full tiles alone whose query rows are two consecutive groups take two, each read
 as a view; causal tiles that cover the query rows once in order but for a few take two, those read
 as a view and the few gathered: with full tiles beside them, three calls), its segments in query
 order, the packed rows to gather for it, and the accumulator row of each packed output row. An
@@ -19,8 +19,8 @@ order, the packed rows to gather for it, and the accumulator row of each packed 
 gathered in reverse order, where it is a causal square; a *windowed* tile (for a kernel that takes
 the window) carries the window to its call.
 
-A key buffer may arrive *compact*: only the rows some query of the plan reads
-(:meth:`MaskPlan.key_rows`), as the strategies send them; ``index(..., key_map=...)`` numbers
+A key buffer may arrive *compact*: only the rows some query of the tiles sees
+(:meth:`MaskTiles.key_rows`), as the strategies send them; ``index(..., key_map=...)`` numbers
 the key rows in the buffer actually held instead.
 """
 
@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from titan_cp.attention.kernels import AttentionKernel, Segments
-from titan_cp.attention.masks import Tile, plan_tiles
+from titan_cp.attention.masks import Tile, tiles_of_runs
 from titan_cp.layout import SequenceLayout, spans, to_device
 
 T = TypeVar("T")
@@ -52,7 +52,7 @@ class Mask:
 
 
 def kernel_mask(mask: Mask | bool, kernel: AttentionKernel | None) -> Mask:
-    """``mask`` (or ``causal`` alone) as planned for ``kernel``: windowed tiles where it takes the window
+    """``mask`` (or ``causal`` alone) as tiled for ``kernel``: windowed tiles where it takes the window
     (``native_window``)."""
     mask = mask if isinstance(mask, Mask) else Mask(causal=bool(mask))
     native = mask.window is not None and mask.causal and getattr(kernel, "native_window", False)
@@ -71,7 +71,7 @@ class RowTiles:
 
 
 class HostCall(NamedTuple):
-    """One variable-length call planned on the host: packed rows of each buffer and segment offsets."""
+    """One variable-length call laid out on the host: packed rows of each buffer and segment offsets."""
 
     causal: bool
     q_rows: torch.Tensor  # (total_q,) int64 rows of the query buffer, packed order
@@ -127,8 +127,8 @@ class VarlenCall:
 
 
 @dataclass(frozen=True)
-class PlanIndex:
-    """A plan's index tensors for one batch size on one device (built once, reused by every layer)."""
+class TileIndex:
+    """The tiles' index tensors for one batch size on one device (built once, reused by every layer)."""
 
     calls: tuple[VarlenCall, ...]  # one per causal flag present (two full calls where no causal tile is)
 
@@ -153,11 +153,11 @@ def _offsets(lens: list[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-class MaskPlan:
-    """Mask plan of a query buffer of ``q_len`` tokens per row on a key buffer of ``k_len``.
+class MaskTiles:
+    """The tiles a mask visits of a query buffer of ``q_len`` tokens per row on a key buffer of ``k_len``.
 
-    ``groups``: the tiles of each group of rows with one document structure. An empty plan
-    (nothing visible) is falsy and costs nothing.
+    ``groups``: the tiles of each group of rows with one document structure. Empty tiles
+    (nothing visible) are falsy and costs nothing.
     """
 
     def __init__(self, groups: tuple[RowTiles, ...], q_len: int, k_len: int) -> None:
@@ -205,7 +205,7 @@ class MaskPlan:
         return tuple(calls)
 
     def packed_key_count(self, batch: int) -> int:
-        """Packed key rows over the plan's calls (a key row counted once per tile reading it), from the
+        """Packed key rows over the tiles' calls (a key row counted once per tile reading it), from the
         tiles alone: equal to :meth:`key_row_count` exactly when every key row is read once."""
         return sum(self._batch_rows(g, batch) * sum(t.k1 - t.k0 for t in g.tiles) for g in self.groups)
 
@@ -223,11 +223,11 @@ class MaskPlan:
         return batch if group.rows is None else len(group.rows)
 
     def key_rows(self, batch: int) -> torch.Tensor:
-        """Sorted rows of the key buffer that some query of the plan sees (host, int64)."""
+        """Sorted rows of the key buffer that some query of the tiles sees (host, int64)."""
         return self._memo(("keys", batch), lambda: _unique([c.k_rows for c in self.host_calls(batch)]))
 
     def query_rows(self, batch: int) -> torch.Tensor:
-        """Sorted rows of the query buffer that see some key of the plan (host, int64)."""
+        """Sorted rows of the query buffer that see some key of the tiles (host, int64)."""
         return self._memo(("queries", batch), lambda: _unique([c.q_rows for c in self.host_calls(batch)]))
 
     def q_dest(self, batch: int) -> list[torch.Tensor]:
@@ -238,7 +238,7 @@ class MaskPlan:
         """The key buffer row of every packed key row, one tensor per call (host, int64; through ``key_map``)."""
         return [c.k_rows if key_map is None else key_map[c.k_rows] for c in self.host_calls(batch)]
 
-    def index(self, batch: int, device: torch.device, key_map: tuple[object, torch.Tensor] | None = None) -> PlanIndex:
+    def index(self, batch: int, device: torch.device, key_map: tuple[object, torch.Tensor] | None = None) -> TileIndex:
         """Device-resident index tensors for ``batch`` rows (cached).
 
         ``key_map``: ``(name, host int64 tensor)`` giving, for each row of the full key buffer,
@@ -247,11 +247,11 @@ class MaskPlan:
         key = ("index", batch, torch.device(device), None if key_map is None else key_map[0])
         return self._memo(key, lambda: self._index(batch, torch.device(device), key_map))
 
-    def _index(self, batch: int, device: torch.device, key_map: tuple[object, torch.Tensor] | None) -> PlanIndex:
+    def _index(self, batch: int, device: torch.device, key_map: tuple[object, torch.Tensor] | None) -> TileIndex:
         calls = []
         for c in self.host_calls(batch):
             k_rows = c.k_rows if key_map is None else key_map[1][c.k_rows]
-            assert bool((k_rows >= 0).all()), "the plan reads a key row the buffer does not hold"
+            assert bool((k_rows >= 0).all()), "the tiles read a key row the buffer does not hold"
             seg = Segments(
                 cu_q=to_device(torch.tensor(c.host_q, dtype=torch.int32), device),
                 cu_k=to_device(torch.tensor(c.host_k, dtype=torch.int32), device),
@@ -261,7 +261,7 @@ class MaskPlan:
                 host_k=c.host_k,
             )
             calls.append(VarlenCall(c.causal, seg, Rows.of(c.q_rows, device), Rows.of(k_rows, device), c.window))
-        return PlanIndex(tuple(calls))
+        return TileIndex(tuple(calls))
 
 
 def _union_len(spans: list[tuple[int, int]]) -> int:
@@ -278,7 +278,7 @@ def _union_len(spans: list[tuple[int, int]]) -> int:
 
 
 def _split_full(items: list, sq: int) -> list[list]:
-    """Full tiles (``(row, tile)`` in query order) of a plan with no causal tile as two calls where their
+    """Full tiles (``(row, tile)`` in query order) of tiles with no causal tile as two calls where their
     query rows are two groups of rows that follow each other (each then read as a view, not one
     gather of both); else one call. Never more than two: the host work per step stays constant."""
     groups: list[list] = []
@@ -293,7 +293,7 @@ def _split_full(items: list, sq: int) -> list[list]:
 
 
 def _split_causal(items: list, sq: int) -> list[list]:
-    """Causal tiles (``(row, tile)`` in query order) of a plan as two calls where all but
+    """Causal tiles (``(row, tile)`` in query order) of a mask's tiles as two calls where all but
     a few of them cover their query rows once, in order, as one span (then read as a view, and the
     call's output is the result): those, and the others (an upper tile at a window's edge, a piece's
     tile on an earlier piece of its document held by the same rank), gathered. Else one call."""
@@ -314,31 +314,31 @@ def _unique(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def make_plan(
+def tile_mask(
     layout: SequenceLayout, q_ranks: Sequence[int] | None, k_ranks: Sequence[int] | None, mask: Mask | bool
-) -> MaskPlan:
+) -> MaskTiles:
     """Tiles for the query buffer ``cat(shards of q_ranks)`` on the key buffer ``cat(shards of k_ranks)``.
 
     ``None`` for either side means the whole row in natural order; ``mask`` a :class:`Mask` (or
-    ``causal`` alone). Cached on the layout, so every layer of a microbatch reuses one plan (and
+    ``causal`` alone). Cached on the layout, so every layer of a microbatch reuses one set of tiles (and
     its device indices).
     """
     mask = mask if isinstance(mask, Mask) else Mask(causal=bool(mask))
     q_ranks = None if q_ranks is None else tuple(q_ranks)
     k_ranks = None if k_ranks is None else tuple(k_ranks)
 
-    def build() -> MaskPlan:
+    def build() -> MaskTiles:
         groups = []
         for rows in layout.row_groups():
             row = rows[0] if rows else None
             q_runs, k_runs = layout.runs(q_ranks, row, mask.chunk), layout.runs(k_ranks, row, mask.chunk)
-            tiles = plan_tiles(q_runs, k_runs, mask.causal, mask.window, mask.native_window)
+            tiles = tiles_of_runs(q_runs, k_runs, mask.causal, mask.window, mask.native_window)
             if tiles:
                 groups.append(RowTiles(rows or None, tiles))
         n = lambda ranks: layout.seq_len if ranks is None else layout.local_len * len(ranks)  # noqa: E731
-        return MaskPlan(tuple(groups), n(q_ranks), n(k_ranks))
+        return MaskTiles(tuple(groups), n(q_ranks), n(k_ranks))
 
-    return layout.memo(("plan", q_ranks, k_ranks, mask), build)
+    return layout.memo(("tiles", q_ranks, k_ranks, mask), build)
 
 
 # ---------------------------------------------------------------------------- buffers
@@ -387,7 +387,7 @@ def _run_counts(q_runs, k_runs) -> tuple[int, int, int]:
 def causal_counts(
     layout: SequenceLayout, q_ranks: Sequence[int] | None, k_ranks: Sequence[int] | None, batch: int
 ) -> tuple[int, int, int]:
-    """``(pairs, query_row_count, key_row_count)`` of ``make_plan(layout, q_ranks, k_ranks, CAUSAL)`` for
+    """``(pairs, query_row_count, key_row_count)`` of ``tile_mask(layout, q_ranks, k_ranks, CAUSAL)`` for
     ``batch`` rows, from the layout's runs in closed form (no tiles: the planner's counts over every pair of
     hundreds of ranks)."""
     q_ranks = None if q_ranks is None else tuple(q_ranks)
@@ -405,7 +405,7 @@ def causal_counts(
 
 
 def zigzag_counts(layout: SequenceLayout, g: int, h: int, u: int, batch: int) -> tuple[int, int, int, bool | None]:
-    """``causal_counts(layout, G, H, batch)`` and whether ``G``'s plan on ``H``'s keys reads a key row in more
+    """``causal_counts(layout, G, H, batch)`` and whether ``G``'s tiles on ``H``'s keys read a key row in more
     than one packed call (its gradients go home in fp32: ``ring._read_once``; ``None`` for ``g == h``, whose
     keys never travel), in closed form, for groups
     ``G``, ``H`` of ``u`` consecutive ranks (``g``-th and ``h``-th) of a layout holding the even zigzag of
@@ -415,19 +415,19 @@ def zigzag_counts(layout: SequenceLayout, g: int, h: int, u: int, batch: int) ->
     pairs: all of ``G``'s ``2 u c`` query rows see ``u c`` of ``H``'s keys when ``g > h``, ``u c`` of them
     see all ``2 u c`` when ``g < h``; the group's own, ``u (2u - 1)`` chunk pairs and the ``2u`` causal
     chunks. Whether keys are read more than once is the same for every pair of groups in one order: read
-    from groups 0 and 1's plan. Equal to the mask plans' counts for every pair in the tests."""
+    from groups 0 and 1's tiles. Equal to the tiles' own counts for every pair in the tests."""
     c = layout.zigzag_chunk()
     assert c is not None, "zigzag_counts needs a layout holding the even zigzag of one document a row"
     b = mask_rows(layout, batch)
     if g == h:
         return b * (c * c * u * (2 * u - 1) + u * c * (c + 1)), b * 2 * u * c, b * 2 * u * c, None
     near, far = (2 * u * c, u * c) if g > h else (u * c, 2 * u * c)
-    # the same for every pair of groups in this order: read on the first two (a plan, built once)
+    # the same for every pair of groups in this order: read on the first two (one set of tiles, built once)
     first, second = (tuple(range(u, 2 * u)), tuple(range(u))) if g > h else (tuple(range(u)), tuple(range(u, 2 * u)))
-    plan = make_plan(layout, first, second, CAUSAL)
-    return b * 2 * u * u * c * c, b * near, b * far, plan.packed_key_count(batch) != plan.key_row_count(batch)
+    tiles = tile_mask(layout, first, second, CAUSAL)
+    return b * 2 * u * u * c * c, b * near, b * far, tiles.packed_key_count(batch) != tiles.key_row_count(batch)
 
 
 def mask_rows(layout: SequenceLayout, batch: int) -> int:
-    """Rows a plan's counts cover: the layout's rows when it holds documents, else ``batch``."""
+    """Rows the tiles' counts cover: the layout's rows when it holds documents, else ``batch``."""
     return batch if layout.doc_lens is None else len(layout.doc_lens)
