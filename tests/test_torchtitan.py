@@ -197,6 +197,12 @@ def test_bad_input_gets_one_clear_line(monkeypatch):
         tt.TitanCPConfig(strategy="ring", ulysses_degree=2)
     with pytest.raises(ValueError, match=r"did you mean 'ulysses'"):
         tt.with_titan_cp(llama3_debugmodel, strategy="ulyses")
+    from torchtitan.models.gpt_oss.config_registry import gpt_oss_debugmodel  # noqa: PLC0415
+
+    with pytest.raises(
+        ValueError, match=r"does not run torchtitan's gpt-oss yet: .*sliding windows and per-head sinks"
+    ):
+        tt.with_titan_cp(gpt_oss_debugmodel)()
 
     trainer = SimpleNamespace(cp=CPHandle(None), config=tt.llama3_debugmodel_cp())
     tokens = torch.zeros(1, 8, dtype=torch.int64)

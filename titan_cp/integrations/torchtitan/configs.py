@@ -24,6 +24,13 @@ def _use_titan_cp_attention(model_config) -> None:
     refused by name, never run with a mask it does not describe)."""
     for i, layer in enumerate(model_config.layers):
         attention = getattr(layer, "attention", None)
+        if hasattr(attention, "sliding_window_size"):  # gpt-oss: windows, and sinks from the inner LSE
+            raise ValueError(
+                f"with_titan_cp does not run torchtitan's gpt-oss yet: its attention (layer {i}) applies per-layer "
+                "sliding windows and per-head sinks through an out_transform of the inner attention's log-sum-exp, "
+                "which TitanCPAttention does not return; titan_cp runs gpt-oss's windows and sinks exactly through "
+                "transformers (context_parallel_trainer, apply_cp) and its own trainer"
+            )
         if not isinstance(attention, GQAttention.Config):
             raise ValueError(
                 f"with_titan_cp runs torchtitan's GQA attention (Llama 3, Qwen3); layer {i} has "
