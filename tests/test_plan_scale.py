@@ -160,7 +160,7 @@ def _general(monkeypatch):
     from titan_cp.plan.cost import attention_work  # noqa: PLC0415
 
     monkeypatch.setattr(SequenceLayout, "zigzag_chunk", lambda self: None)
-    layout_module._LAYOUT_CACHE.clear()
+    layout_module._layout.cache_clear()
     attention_work.cache_clear()
 
 
@@ -213,7 +213,7 @@ def test_zigzag_closed_forms_equal_the_general_counts(monkeypatch):
         ]
         got.append(attention_work(seq, n, ring, u, balance, ((seq,),) * (rows or 2)))
         assert got == want, (balance, n, c, rows, u)
-    layout_module._LAYOUT_CACHE.clear()
+    layout_module._layout.cache_clear()
     attention_work.cache_clear()
 
 
