@@ -109,12 +109,12 @@ def test_each_update_is_one_operation():
 
 def test_compiled_group_updates_take_any_number_of_partials():
     """On CUDA the group updates run compiled with ``fullgraph``, where every new list length is a new
-    variant and dynamo fails hard past its recompile limit (8): twelve different numbers of partials
-    compile into a few padded variants and equal the eager sums."""
+    variant and dynamo fails hard past its recompile limit (8): nine different numbers of partials, one
+    past the limit, run compiled and equal the eager sums."""
     g = torch.Generator().manual_seed(5)
     acc = torch.randn(6, 3, 4, generator=g)
     rows, prior = torch.tensor([0, 2, 5, 7]), torch.tensor([1, -1, 4, 0])
-    for n in range(1, 13):
+    for n in range(1, 10):
         grads = [torch.randn(5, 3, 4, generator=g).bfloat16() for _ in range(n)]
         srcs = [torch.tensor([4, 1, 0]) for _ in range(n)]
         places = [torch.tensor([1, 1, 3]) for _ in range(n)]

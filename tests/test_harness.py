@@ -10,6 +10,10 @@ import torch.distributed as dist
 
 from titan_cp.testing.pool import DistPool, RankError
 
+# the failing pools below fork their workers from the forkserver (started once), but one that spawns them,
+# as the benchmarks' pools do
+FORKED = dict(preload=["titan_cp.testing.pool"])
+
 
 def _sum_ranks(rank, world_size):
     t = torch.tensor([float(rank)])
@@ -51,7 +55,7 @@ def test_exception_names_rank_and_traceback():
 
 
 def test_dead_rank_fails_fast():
-    pool = DistPool(2)
+    pool = DistPool(2, **FORKED)
     t0 = time.monotonic()
     with pytest.raises(RankError, match="rank 0 died"):
         pool.run(_die, grace=2.0)
@@ -59,7 +63,7 @@ def test_dead_rank_fails_fast():
 
 
 def test_timeout_fails_instead_of_hanging():
-    pool = DistPool(2)
+    pool = DistPool(2, **FORKED)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[0\] never finished"):
         pool.run(_hang, timeout=3.0)

@@ -6,9 +6,11 @@
   documents, launched with ``torchrun`` on 1 process and on 2 (CP 2: ring with doc_local), from one
   seed checkpoint (torchtitan's own ``--checkpoint.create_seed_checkpoint``: its random init of
   sharded parameters depends on the sharding): every step's loss (torchtitan's global average, read at float32 from its TensorBoard
-  events) equals the one-process run's within 1e-5 for 5 steps (the two launches run at once); the
-  one-process run's step-2 checkpoint resumed at CP 2 with Ulysses and doc_zigzag (another CP size,
-  strategy and balance) gives its steps 3-5 within 1e-5.
+  events) equals the one-process run's within 1e-5 for 5 steps; the one-process run's step-2 checkpoint
+  (copied by the page's line) resumed at CP 2 with Ulysses and doc_zigzag (another CP size, strategy and
+  balance) gives its steps 3-5 within 1e-5. The page's 1-process lines run in one ``torchrun`` launch and
+  its 2-process lines in another, at once, each line in a fresh forked process (tests/forked_launch.py:
+  torch and the other libraries imported once per worker).
 - The one-process attention equals torchtitan's own FlexAttention forward under its packed-document
   mask (the causal and packed-document mask mods of the same positions) within 1e-5.
 - The page's other blocks: the GPU command's arguments load with torchtitan's own ``ConfigManager``, and
@@ -23,14 +25,13 @@ import glob
 import os
 import re
 import shlex
-import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.forked_launch import free_port, launch, sections
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3 is in the dev extra (Python >= 3.11)")
 
@@ -51,15 +52,17 @@ def _doc_commands() -> list[list[str]]:
     return [shlex.split(line) for line in lines if line.strip()]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Imported by each launch's workers once, before its steps (tests/forked_launch.py): what torchtitan's
+# trainer imports besides torchtitan itself, which each step imports afresh (after the CPU shim).
+PRELOAD = [
+    "titan_cp", "torch._inductor.compile_fx", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+    "torchdata.stateful_dataloader", "datasets", "tensorboard",
+]  # fmt: skip
 
 
-def _launch(command: list[str], dump: Path, seed: Path | None = None, **flags: str) -> subprocess.Popen:
-    """A ``torchrun --nproc-per-node N -m ...`` line of the page, run from the repository root on its own
-    port, writing to ``dump`` (and loading ``seed``), with ``flags`` (``strategy="ulysses"``:
+def _program(command: list[str], dump: Path, seed: Path | None = None, **flags: str) -> list[str]:
+    """What follows ``torchrun --nproc-per-node N`` on a command line of the page (``-m ...`` and its
+    arguments), writing to ``dump`` (and loading ``seed``), with ``flags`` (``strategy="ulysses"``:
     ``--titan_cp.strategy ulysses``) set in place of the line's own and TensorBoard on."""
     assert command[:2] == ["torchrun", "--nproc-per-node"], command
     args = [*command[3:], "--metrics.enable_tensorboard"]
@@ -69,17 +72,26 @@ def _launch(command: list[str], dump: Path, seed: Path | None = None, **flags: s
     assert seed is not None or "--checkpoint.initial_load_path" not in args, "pass the seed checkpoint"
     for key, value in flags.items():
         args[args.index(f"--titan_cp.{key}") + 1] = value
+    return args
+
+
+def _launch(nproc: str, steps: list[dict], tmp: Path) -> subprocess.Popen:
+    """One ``torchrun --nproc-per-node <nproc>`` from the repository root running ``steps`` (programs of the
+    page's command lines, each on its own port, and shell lines) in turn, each in a fresh process."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", command[2]]
-    argv += ["--master-port", str(_free_port()), *args]
-    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for step in steps:
+        if "argv" in step:
+            step["port"] = free_port()
+    plan = dict(preload=PRELOAD, steps=steps, markers=str(tmp / "markers"))
+    return launch(int(nproc), plan, tmp / f"plan{nproc}.json", ROOT, env)
 
 
-def _finish(run: subprocess.Popen, name: str) -> str:
-    out, _ = run.communicate(timeout=900)
-    assert run.returncode == 0, f"{name} exited {run.returncode}:\n{out[-4000:]}"
-    return out
+def _finish(run: subprocess.Popen, name: str) -> dict[str, str]:
+    """The launch's output by step; it must exit 0."""
+    out, err = run.communicate(timeout=900)
+    assert run.returncode == 0, f"{name} exited {run.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
+    return sections(out)
 
 
 def _losses(dump: Path) -> list[float]:
@@ -95,14 +107,27 @@ def _losses(dump: Path) -> list[float]:
 def test_cp2_losses_equal_the_one_process_run(tmp_path):
     seed_line, one_line, cp2_line, resumed_line = (c for c in _doc_commands() if CPU_LAUNCHER in c)
     assert "--checkpoint.create_seed_checkpoint" in seed_line and "--parallelism.context_parallel_degree" in cp2_line
-    _finish(_launch(seed_line, tmp_path / "seed"), "the seed checkpoint")
+    assert seed_line[2] == one_line[2] == "1" and cp2_line[2] == resumed_line[2] == "2"
+    (copy_line,) = (" ".join(c) for c in _doc_commands() if "cp" in c)
     seed = tmp_path / "seed" / "checkpoint" / "step-0"
-    runs = {"one process": _launch(one_line, tmp_path / "one", seed), "CP 2": _launch(cp2_line, tmp_path / "cp2", seed)}
-    for name, run in runs.items():
-        _finish(run, name)
-    shutil.copytree(tmp_path / "one" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
-    out = _finish(_launch(resumed_line, tmp_path / "resumed"), "the resumed run")
-    assert "Training starts at step 3" in out
+    # the one-process launch: the seed checkpoint, the one-process run, the page's copy of its step-2
+    # checkpoint; the CP 2 launch, at once: the CP 2 run once the seed is written, the resumed run once copied
+    one_process = [
+        dict(name="seed", argv=_program(seed_line, tmp_path / "seed")),
+        dict(name="one", argv=_program(one_line, tmp_path / "one", seed)),
+        dict(name="copy", shell=copy_line.replace("outputs/", f"{tmp_path}/")),
+    ]
+    cp2 = [
+        dict(name="cp2", argv=_program(cp2_line, tmp_path / "cp2", seed), after=["seed"]),
+        dict(name="resumed", argv=_program(resumed_line, tmp_path / "resumed"), after=["copy"]),
+    ]
+    runs = {
+        "the one-process launch": _launch("1", one_process, tmp_path),
+        "the CP 2 launch": _launch("2", cp2, tmp_path),
+    }
+    out = {name: _finish(run, name) for name, run in runs.items()}
+    assert (tmp_path / "resumed" / "checkpoint" / "step-2").is_dir()
+    assert "Training starts at step 3" in out["the CP 2 launch"]["resumed"]
     one = _losses(tmp_path / "one")
     assert len(one) == 5 and one[-1] < one[0] - 1.0, one  # five steps, and it trains
     cp2, resumed = _losses(tmp_path / "cp2"), _losses(tmp_path / "resumed")

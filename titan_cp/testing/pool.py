@@ -6,6 +6,12 @@ A :class:`DistPool` keeps ``world_size`` worker processes alive, each with a glo
 group already initialised, so that the many small distributed tests of the suite pay the
 start-up cost (importing torch, rendezvous) once per world size instead of once per test.
 
+Workers start by ``spawn`` (each imports torch and titan_cp: seconds apiece) or, with ``preload``
+(module names), fork from a ``multiprocessing`` forkserver that imported those modules once: the
+workers of every pool then start in a fraction of a second with them already imported. The
+forkserver is one per process, started with the first pool that asks for it: the first ``preload``
+given is the one it keeps.
+
 ``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns the
 list of per-rank results. ``fn`` must be importable by name (a module-level function), and
 its arguments and results picklable.
@@ -26,10 +32,11 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _CTX = mp.get_context("spawn")
+_FORKSERVER = mp.get_context("forkserver")
 
 
 class RankError(RuntimeError):
@@ -114,18 +121,28 @@ def _share_process_groups() -> None:
 
 
 class DistPool:
-    """``world_size`` live gloo ranks that run test functions on request."""
+    """``world_size`` live gloo ranks that run test functions on request (``preload``: see the module's
+    docstring)."""
 
     def __init__(
-        self, world_size: int, collective_timeout_s: float = 120.0, start_timeout_s: float = 120.0, threads: int = 1
+        self,
+        world_size: int,
+        collective_timeout_s: float = 120.0,
+        start_timeout_s: float = 120.0,
+        threads: int = 1,
+        preload: Sequence[str] = (),
     ) -> None:
         self.world_size = world_size
         port = _free_port()
         self._conns = []
         self._procs = []
+        ctx: Any = _CTX
+        if preload:
+            _FORKSERVER.set_forkserver_preload(list(preload))
+            ctx = _FORKSERVER
         for rank in range(world_size):
-            parent, child = _CTX.Pipe()
-            p = _CTX.Process(
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
                 target=_worker, args=(rank, world_size, port, child, collective_timeout_s, threads), daemon=True
             )
             p.start()
@@ -221,11 +238,13 @@ class PoolCache:
     while their workers number at most ``max_processes`` (idle workers cost memory, and little
     CPU since their process groups are shared, see :func:`_share_process_groups`): the
     pools of worlds 1, 2, 3, 4 and 8 fit together. Past that, the least recently used pool closes.
+    Every pool starts with ``preload`` (see :class:`DistPool`).
     """
 
-    def __init__(self, max_processes: int = 18) -> None:
+    def __init__(self, max_processes: int = 18, preload: Sequence[str] = ()) -> None:
         self._pools: dict[int, DistPool] = {}
         self._max = max_processes
+        self._preload = tuple(preload)
 
     def get(self, world_size: int) -> DistPool:
         pool = self._pools.pop(world_size, None)
@@ -235,7 +254,7 @@ class PoolCache:
         while self._pools and sum(self._pools) + world_size > self._max:
             oldest = next(iter(self._pools))
             self._pools.pop(oldest).close()
-        pool = DistPool(world_size)
+        pool = DistPool(world_size, preload=self._preload)
         self._pools[world_size] = pool
         return pool
 
