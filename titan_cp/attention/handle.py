@@ -100,6 +100,13 @@ class CPHandle:
         return get_strategy("ring") if self.mesh is None else self._strategy
 
     @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group of every cp rank (a 2-D hybrid mesh flattened); ``None`` on one device."""
+        if self.mesh is None:
+            return None
+        return (self.mesh if self.mesh.ndim == 1 else self.mesh._flatten()).get_group()
+
+    @property
     def ulysses_degree(self) -> int:
         return 1 if self.mesh is None else self._strategy.mesh_ulysses_degree(self.mesh)
 
@@ -175,11 +182,10 @@ class CPHandle:
         if self.mesh is None:
             return x
         layout = self.find(x.shape[dim] * self.size, doc_lens)
-        mesh = self.mesh if self.mesh.ndim == 1 else self.mesh._flatten()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         ranks = [torch.zeros((), dtype=torch.int64, device=x.device) for _ in range(self.size)]
-        dist.all_gather(parts, x.detach().contiguous(), group=mesh.get_group())
-        dist.all_gather(ranks, torch.tensor(self.rank, device=x.device), group=mesh.get_group())
+        dist.all_gather(parts, x.detach().contiguous(), group=self.group)
+        dist.all_gather(ranks, torch.tensor(self.rank, device=x.device), group=self.group)
         by_rank = [parts[i] for i in sorted(range(self.size), key=lambda i: int(ranks[i]))]
         return layout.unshard(by_rank, dim)
 

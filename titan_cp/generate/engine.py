@@ -152,22 +152,19 @@ class Generator:
     def __init__(self, model: nn.Module, kernel: str | None = None) -> None:
         self.runner, self.kernel_name = runner_of(model), kernel
         self.handle = handle_of(model) or local_handle()
-        mesh = self.handle.mesh
-        self.cp, self.rank = self.handle.size, self.handle.rank
-        self.group = None if mesh is None else (mesh if mesh.ndim == 1 else mesh._flatten()).get_group()
+        self.cp, self.rank, self.group = self.handle.size, self.handle.rank, self.handle.group
         self.multiple = seq_len_multiple(self.handle.balance, self.cp)
         self.device = self.runner.device
 
     # ------------------------------------------------------------------ shared pieces
     def _layout(self, packed: PackedPrompts):
-        """The layout of the packed row, and this rank's tokens and positions ``(1, S_local)`` on the device;
-        ``self._doc_lens`` is its documents tensor for the model (registered with the handle while it lives)."""
+        """The layout of the packed row, this rank's tokens and positions ``(1, S_local)`` on the device, and
+        the layout's documents tensor for the model (registered with the handle while it lives)."""
         layout, doc_lens = self.handle.register(packed.seq_len, [list(packed.doc_lens)])
         assert doc_lens is not None, "a packed row has documents"
-        self._doc_lens = doc_lens
         tokens = layout.shard(packed.tokens, 1, self.rank)
         positions = layout.doc_positions(self.rank)
-        return layout, to_device(tokens, self.device), to_device(positions, self.device)
+        return layout, to_device(tokens, self.device), to_device(positions, self.device), doc_lens
 
     def _sum_over_cp(self, x: Tensor) -> Tensor:
         if self.group is not None:
@@ -182,7 +179,7 @@ class Generator:
         ``(B, V)`` fp32 (the same on every rank) and the decode state."""
         _check_prompts("prompts", prompts, self.runner, max(new_tokens - 1, 0))
         packed = PackedPrompts.pack(prompts, self.multiple)
-        layout, tokens, positions = self._layout(packed)
+        layout, tokens, positions, doc_lens = self._layout(packed)
         n = len(prompts)
         prompt_of = [torch.where(layout.doc_ids(r)[0] < n, layout.doc_ids(r)[0], -1) for r in range(self.cp)]
         held = torch.stack([torch.bincount(p[p >= 0], minlength=n) for p in prompt_of], dim=1).tolist()
@@ -200,7 +197,7 @@ class Generator:
         def capture(i: int, k: Tensor, v: Tensor) -> None:  # k, v (1, K, S_local, E): this rank's tokens
             cache.write(i, rows_d, *(x[0].transpose(0, 1).index_select(0, slots_d) for x in (k, v)))
 
-        h = self.runner.hidden(tokens, positions, self._doc_lens, capture)
+        h = self.runner.hidden(tokens, positions, doc_lens, capture)
         last = torch.tensor(packed.lengths).cumsum(0) - 1  # the global slot of each prompt's last token
         here, slot = _find(layout.index(self.rank), last)
         rows_h = h.new_zeros((n, h.shape[-1]))
@@ -315,7 +312,7 @@ class Generator:
         docs = [list(c) + list(x) for c, x in zip(contexts, continuations)]
         _check_prompts("contexts + continuations", docs, self.runner)
         packed = PackedPrompts.pack(docs, self.multiple)
-        layout, tokens, positions = self._layout(packed)
+        layout, tokens, positions, doc_lens = self._layout(packed)
         # label j of pair b: the slot of continuation token j's predecessor, and the token
         starts = torch.tensor([0, *packed.lengths]).cumsum(0)
         lens = torch.tensor([len(x) for x in continuations])
@@ -323,7 +320,7 @@ class Generator:
         targets = packed.tokens[0, label_at + 1]
         here, slot = _find(layout.index(self.rank), label_at)
         local, slot_of = torch.nonzero(here).flatten(), slot[here]  # the labels whose slot is here, and where
-        h = self.runner.hidden(tokens, positions, self._doc_lens)[0]
+        h = self.runner.hidden(tokens, positions, doc_lens)[0]
         result = torch.zeros(2, len(label_at), dtype=torch.float64, device=self.device)
         chunk = max(1, LOSS_CHUNK_BYTES // (4 * self.runner.vocab_size))
         local_d, slot_d = to_device(local, self.device), to_device(slot_of, self.device)

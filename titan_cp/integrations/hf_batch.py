@@ -265,10 +265,9 @@ def _fingerprint(ids: Tensor, shifted: Tensor | None, rows: list[list[int]]) -> 
     )
 
 
-def _check_same_rows(ids: Tensor, shifted: Tensor | None, rows: list[list[int]], cp_mesh) -> None:
+def _check_same_rows(ids: Tensor, shifted: Tensor | None, rows: list[list[int]], group: dist.ProcessGroup) -> None:
     """Every rank of a cp group must hold the same rows (each takes its shard of them): one small
     all-gather of fingerprints over the cp group."""
-    group = cp_mesh.get_group() if cp_mesh.ndim == 1 else cp_mesh._flatten().get_group()
     on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     mine = _fingerprint(ids, shifted, rows).to(on)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -364,8 +363,8 @@ def shard_batch(
     rows = _documents(batch, b, s)
     shifted = _shifted_labels(batch, ids, rows)
     _check_meshes(cp_mesh, dp_mesh)
-    if cp_mesh is not None and cp_mesh.size() > 1:
-        _check_same_rows(ids, shifted, rows, cp_mesh)
+    if cp.group is not None and cp.size > 1:
+        _check_same_rows(ids, shifted, rows, cp.group)
     size = cp.size
     extra = -s % seq_len_multiple(balance, size)
     if extra:

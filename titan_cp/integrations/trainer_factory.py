@@ -422,9 +422,8 @@ class ContextParallelMixin(TrainerHooks):
             self._cp_eval.ce_sum += float(ce_sum)
             self._cp_eval.tokens += mine
         total = ce_sum.float().clone()
-        if self.cp_mesh is not None:
-            group = self.cp_mesh.get_group() if self.cp_mesh.ndim == 1 else self.cp_mesh._flatten().get_group()
-            dist.all_reduce(total, group=group)
+        if self.cp.group is not None:
+            dist.all_reduce(total, group=self.cp.group)
         return total / max(group_tokens, 1)
 
     def _cp_mask_repeated(self, inputs: dict, sample_lens: Any) -> dict:

@@ -7,6 +7,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.config import load_config
@@ -247,6 +248,21 @@ MAX_SEQ_DEFAULTS = {  # --max-seq plans one row per rank under full AC unless th
 }
 
 
+def _machine(args: argparse.Namespace, tt: torchtitan.TorchtitanPlan | None) -> dict[str, Any]:
+    """What :func:`plan` and :func:`max_seq_len` take besides the job config: the machine and the rows
+    from the command line, and a torchtitan run's model (``given``)."""
+    return dict(
+        ngpu=args.ngpu,
+        gpu=args.gpu,
+        nnodes=args.nnodes,
+        doc_mix=args.doc_mix,
+        hbm_gb=args.hbm_gb,
+        matmul_speedup=args.matmul_speedup,
+        host_gb=args.host_gb,
+        given=tt.given if tt is not None else None,
+    )
+
+
 def _print_max_seq(args: argparse.Namespace, rest: list[str], tt: torchtitan.TorchtitanPlan | None) -> int:
     if tt is not None:  # a torchtitan run is planned with its own batch and checkpointing
         job_config = tt.job_config
@@ -254,17 +270,7 @@ def _print_max_seq(args: argparse.Namespace, rest: list[str], tt: torchtitan.Tor
         given = {a.split("=")[0] for a in rest}
         defaults = [x for k, v in MAX_SEQ_DEFAULTS.items() if k not in given for x in (k, v)]
         job_config = load_config(defaults + rest)
-    n, result = max_seq_len(
-        job_config,
-        args.ngpu,
-        args.gpu,
-        args.nnodes,
-        args.doc_mix,
-        args.hbm_gb,
-        args.matmul_speedup,
-        args.host_gb,
-        given=tt.given if tt is not None else None,
-    )
+    n, result = max_seq_len(job_config, **_machine(args, tt))
     if result is None:
         raise ValueError(
             f"--max-seq: not even 65536 tokens fit {plural(args.ngpu, args.gpu + ' GPU')} with every option on"
@@ -361,17 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_seq:
         return _print_max_seq(args, rest, tt)
     job_config = tt.job_config if tt is not None else load_config(rest)
-    result = plan(
-        job_config,
-        args.ngpu,
-        args.gpu,
-        args.nnodes,
-        args.doc_mix,
-        args.hbm_gb,
-        args.matmul_speedup,
-        host_gb=args.host_gb,
-        given=tt.given if tt is not None else None,
-    )
+    result = plan(job_config, **_machine(args, tt))
     records = [record(e, result) for e in result.estimates]
     shown = records[: args.top] if args.top else records
     for r in shown:
