@@ -131,4 +131,7 @@ def main(plan_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    status = main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # the steps ran in children: nothing of this process's teardown is needed (seconds of it)

@@ -78,7 +78,8 @@ def test_shard_cut_refuses_what_it_cannot_cut(keys, message):
 
 def _validate_and_reference(rank, world, argv):
     """``Trainer.validate()`` under CP, and the same rows through the one-process model: whole, and
-    shard by shard (each shard's tokens alone, with their own positions and their documents' pieces)."""
+    shard by shard (each shard's tokens alone, with their own positions and their documents' pieces);
+    the ranks share out the two references."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from titan_cp.config import load_config
@@ -98,7 +99,7 @@ def _validate_and_reference(rank, world, argv):
         buckets, edges = trainer.cfg.validation.recall_buckets, shard_edges(S, cp)
         trainer.val_loader.load_state_dict(trainer.val_start)
         ref = {}
-        for mode in ("", "_shard_cut"):
+        for mode in ("", "_shard_cut")[rank::world]:
             loss = tokens = 0.0
             counts, shards = (
                 torch.zeros(len(buckets) + 1, 2, dtype=torch.float64),
@@ -155,7 +156,8 @@ def test_full_evaluation_equals_one_process_and_shard_cut_equals_each_shard_alon
         "--training.seq_len", "256", "--validation.steps", "2",
         "--parallelism.context_parallel_degree", "2",
     ]  # fmt: skip
-    (metrics, ref), _ = dist_pools.run(2, _validate_and_reference, argv, timeout=600)
+    (metrics, whole), (_, cut) = dist_pools.run(2, _validate_and_reference, argv, timeout=600)
+    ref = {**whole, **cut}
     assert metrics["recall_chance"] == pytest.approx(1 / 35)
     del metrics["recall_chance"]
     assert set(metrics) == set(ref) and {"recall_remote", "recall_remote_shard_cut", "recall_shards_1"} <= set(ref)
