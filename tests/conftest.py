@@ -1,6 +1,8 @@
+import os
 import sys
 
 import pytest
+import torch
 
 from titan_cp.testing.pool import PoolCache
 
@@ -9,11 +11,17 @@ from titan_cp.testing.pool import PoolCache
 # that imported these once (PoolCache's preload), instead of each importing them after it starts.
 _HEAVY = {"transformers": "transformers.trainer", "trl": "trl.trainer.sft_trainer"}
 
+# Under pytest-xdist (``-n 2``: one test process per core) each test process computes on one thread and
+# keeps fewer idle pool workers alive: the two share the cores and the memory.
+_XDIST = "PYTEST_XDIST_WORKER" in os.environ
+if _XDIST:
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def dist_pools():
     """Live gloo process pools keyed by world size: ``dist_pools.run(world, fn, *args)``."""
     preload = ["titan_cp.testing.pool", *(heavy for lib, heavy in _HEAVY.items() if lib in sys.modules)]
-    cache = PoolCache(preload=preload)
+    cache = PoolCache(max_processes=10 if _XDIST else 18, preload=preload)
     yield cache
     cache.close()

@@ -53,7 +53,7 @@ def peak_flops_per_second(device: torch.device) -> float:
             if key in name:
                 return peak
         return 312e12
-    n, reps = 1024, 4
+    n, reps = 256, 8  # a few milliseconds: every rank of every run pays it at start-up
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
     best = float("inf")

@@ -36,31 +36,23 @@ def _write(dst: Tensor, index: Tensor, acc: Tensor) -> None:
 
 
 @functools.cache
-def _compiled(fn: Callable[..., None]) -> Callable[..., None]:
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+def _compiled(fn: Callable[..., None], backend: str = "inductor") -> Callable[..., None]:
+    return torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
 
 
-RECOMPILE_LIMIT = 64  # compiled variants of one update: padded lane counts times optional arguments
-_LIST_DIMS = {merge.merge_into_: (0, 1, 0, 0), merge.add_into_: (0, 0, 0)}  # the row dim of each list's entries
+# Compiled variants of one update: one per number of partials in its lists (dynamo specialises on a
+# list's length) times its optional arguments. Past the limit an update runs eager (exact, unfused).
+RECOMPILE_LIMIT = 64
 
 
-def _pad(x: list[Tensor], n: int, dim: int = 0) -> list[Tensor]:
-    """``x`` padded to ``n`` entries with empty views of its first (zero rows along ``dim``: nothing added)."""
-    return x + [x[0].narrow(dim, 0, 0)] * (n - len(x))
-
-
-def compiled_call(fn: Callable[..., None], *args: Any) -> None:
-    """``fn(*args)`` compiled (inductor: the gathers, the arithmetic and the scatter fused). The list
-    arguments of the group updates (one entry per partial) are padded to a power of two with empty
-    entries, so one compiled variant serves every group of up to that many partials (each list length
-    is a variant of its own, and ``fullgraph`` fails hard past dynamo's recompile limit)."""
-    lists = [i for i, a in enumerate(args) if isinstance(a, list)]
-    if lists and args[lists[0]]:
-        n = 1 << (len(args[lists[0]]) - 1).bit_length()
-        dims = dict(zip(lists, _LIST_DIMS[fn]))
-        args = tuple(_pad(a, n, dims[i]) if i in dims else a for i, a in enumerate(args))
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-        _compiled(fn)(*args)
+def compiled_call(fn: Callable[..., None], *args: Any, backend: str = "inductor") -> None:
+    """``fn(*args)`` compiled (inductor: the gathers, the arithmetic and the scatter fused), or eager once
+    ``fn`` has :data:`RECOMPILE_LIMIT` compiled variants (``fullgraph`` fails hard past dynamo's limit)."""
+    try:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            _compiled(fn, backend)(*args)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        fn(*args)
 
 
 def _run(fn: Callable[..., None], *args: Any) -> None:
