@@ -168,7 +168,7 @@ def test_cpu_debug_configs_train_with_falling_loss(dist_pools, tmp_path, name):
         "--training.seq_len",
         "512",
         "--training.steps",
-        "12",
+        "8",
         "--lr_scheduler.warmup_steps",
         "2",
         "--optimizer.lr",
@@ -178,14 +178,14 @@ def test_cpu_debug_configs_train_with_falling_loss(dist_pools, tmp_path, name):
         "--checkpoint.enable",
         "false",
         "--validation.freq",
-        "6",
+        "4",
         "--validation.steps",
         "1",
         "--metrics.log_freq",
         "100",
     ]
     losses = dist_pools.run(CONFIGS[name], _train, argv, timeout=600)[0]
-    assert len(losses) == 12
+    assert len(losses) == 8
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
     assert Path(tmp_path / "metrics.jsonl").exists()
 
