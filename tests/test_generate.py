@@ -37,9 +37,6 @@ from titan_cp.mesh import ParallelDims
 from titan_cp.model import hf_checkpoint, model_args
 from titan_cp.testing.logs import captured
 
-# one test process computes the module's shared fixture (pytest-xdist: ``--dist loadgroup``)
-pytestmark = pytest.mark.xdist_group("generate")
-
 TOL = 1e-4
 NEW = 6  # tokens generated per prompt
 BYTE_VOCAB = 259

@@ -26,9 +26,6 @@ from titan_cp.attention.tiling import CAUSAL, Mask, tile_mask
 from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.layout import get_layout
 
-# one test process computes the module's shared fixture (pytest-xdist: ``--dist loadgroup``)
-pytestmark = pytest.mark.xdist_group("gpu_model")
-
 SEQ, CP, HEADS, KV_HEADS, DIM = 131072, 8, 32, 8, 128
 
 
