@@ -20,6 +20,7 @@ global valid-token count, gradients summed over ``dp x cp`` by FSDP), equal to t
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,15 @@ def shard_by_documents(
     return Microbatch(inputs, labels, positions, _documents(positions)).shard(cp)
 
 
+def _schedules_take_microbatch_lists() -> bool:
+    """Whether this torch's pipeline schedules take the per-microbatch lists torchtitan 0.3 passes."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle  # noqa: PLC0415
+
+    return all(
+        "arg_mbs" in inspect.signature(s.step).parameters for s in (PipelineScheduleSingle, PipelineScheduleMulti)
+    )
+
+
 class TitanCPTrainer(Trainer):
     """torchtitan's ``Trainer`` with titan_cp's context parallelism (module docstring)."""
 
@@ -131,6 +141,13 @@ class TitanCPTrainer(Trainer):
             raise ValueError(
                 "titan_cp's Trainer does not run torchtitan's validator yet (it shards and masks its batches "
                 "torchtitan's way, not by titan_cp's layout): drop --validator.enable"
+            )
+        if config.parallelism.pipeline_parallel_degree > 1 and not _schedules_take_microbatch_lists():
+            raise ValueError(
+                "torchtitan 0.3's pipeline step calls the schedule's step(arg_mbs=..., kwarg_mbs=...), "
+                f"which torch {torch.__version__}'s torch.distributed.pipelining does not take (it would split the "
+                "list as a model argument): pipeline parallelism under torchtitan 0.3 needs a torch whose schedules "
+                "do; drop --parallelism.pipeline_parallel_degree (titan_cp's own trainer runs PP x CP)"
             )
         bind_titan_cp(config.model_spec.model, config.titan_cp)
         super().__init__(config)
