@@ -560,7 +560,7 @@ def test_bad_input_is_named_before_any_process_group(tmp_path, capsys):
     with pytest.raises(ValueError, match="data-parallel degree of 2"):
         _prepare(ok + ["--generate.prompt_file", str(tmp_path / "ok.txt")], world=2)
     torchtitan = ["--checkpoint.initial_load_path", str(tmp_path / "torchtitan")]
-    wrong = r"initial_load_path = .*: tok_embeddings.weight has shape \(259, 64\), but model.flavor = 'debugmodel_gqa'"
+    wrong = r"initial_load_path = .*: tok_embeddings.weight has shape \(259, 64\), but the model's .*model.flavor = 'debugmodel_gqa'"
     with pytest.raises(ValueError, match=wrong):
         _prepare(
             ok[:4]

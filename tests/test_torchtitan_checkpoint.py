@@ -26,15 +26,18 @@ from titan_cp.model import build_model
 pytest.importorskip("torchtitan", reason="torchtitan 0.3 is in the dev extra (Python >= 3.11)")
 
 
-def _torchtitan_llama3_debugmodel(n_kv_heads: int | None) -> nn.Module:
+def _torchtitan_llama3_debugmodel(n_kv_heads: int | None, vocab_size: int | None = None) -> nn.Module:
     """torchtitan 0.3's ``llama3`` ``debugmodel`` (fused Q/K/V), with ``n_kv_heads`` KV heads (None: its
     own 16), causal SDPA as its inner attention (its FlexAttention compiles, which a CPU test cannot
-    afford), built and initialised by torchtitan from seed 0, in float32."""
+    afford), with ``vocab_size`` tokens (None: its own 2048), built and initialised by torchtitan from seed 0,
+    in float32."""
     from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: PLC0415
     from torchtitan.models.common.config_utils import make_gqa_config  # noqa: PLC0415
     from torchtitan.models.llama3 import model_registry  # noqa: PLC0415
 
     config = model_registry("debugmodel").model
+    if vocab_size is not None:
+        config.vocab_size = config.tok_embeddings.num_embeddings = config.lm_head.out_features = vocab_size
     for layer in config.layers:
         if n_kv_heads is not None:
             old = layer.attention
@@ -89,3 +92,42 @@ def test_another_models_checkpoint_is_refused_in_one_line(tmp_path):
     dcp.save(state, checkpoint_id=str(tmp_path / "short"), no_dist=True)
     with pytest.raises(ValueError, match=r"has no layers.3.attention.wk.weight \(nor .*qkv_linear.wk.weight nor"):
         Checkpointer(tmp_path / "ckpt", [ours], [], {}).load_model(tmp_path / "short")
+
+
+def _generate(rank, world, argvs):
+    from titan_cp.generate.cli import main  # noqa: PLC0415
+
+    return [[r["tokens"] for r in main(argv)] for argv in argvs]
+
+
+def test_generation_reads_a_torchtitan_03_folder(dist_pools, tmp_path):
+    """``python -m titan_cp.generate`` with ``checkpoint.initial_load_path`` at torchtitan 0.3's DCP folder (its
+    names: ``lm_head``, ``qkv_linear``; the byte vocabulary of titan_cp's default tokenizer) generates the tokens
+    it generates from the same weights as titan_cp's own checkpoint; at CP 2 too."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: PLC0415
+
+    from titan_cp.data.tokenizer import ByteTokenizer  # noqa: PLC0415
+
+    vocab = ByteTokenizer().vocab_size
+    theirs = _torchtitan_llama3_debugmodel(None, vocab_size=vocab)
+    state = {k: v.detach() for k, v in theirs.state_dict().items()}
+    dcp.save({**state, "train_state": {"step": torch.tensor(7)}}, checkpoint_id=str(tmp_path / "tt"), no_dist=True)
+    ours = build_model("debugmodel", device="cpu", vocab_size=vocab)
+    Checkpointer(tmp_path / "ckpt", [ours], [], {}).load_model(tmp_path / "tt")
+    own = tmp_path / "run" / "checkpoint" / "step-1"
+    dcp.save({"model": get_model_state_dict(ours)}, checkpoint_id=str(own), no_dist=True)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Packed documents, one after another.\n")
+
+    def argv(cp: int, *weights: str) -> list[str]:
+        return [
+            "--model.flavor", "debugmodel", "--job.dump_folder", str(tmp_path / "run"),
+            "--parallelism.context_parallel_degree", str(cp), "--generate.max_new_tokens", "8",
+            "--generate.prompt_file", str(prompts), "--generate.output_file", f"out{cp}.jsonl", *weights,
+        ]  # fmt: skip
+
+    torchtitan = ["--checkpoint.initial_load_path", str(tmp_path / "tt")]
+    (one,) = dist_pools.run(1, _generate, [argv(1, *torchtitan), argv(1, "--checkpoint.enable")])
+    assert one[0] == one[1] and len(one[0][0]) == 8, one
+    cp2 = dist_pools.run(2, _generate, [argv(2, *torchtitan)])
+    assert cp2[0] == cp2[1] == [one[0]]

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_cp import checkpoint
 from titan_cp.families import ModelSpec
+from titan_cp.model import torchtitan_checkpoint
 from titan_cp.preflight import check_model
 
 if TYPE_CHECKING:
@@ -115,6 +116,18 @@ def check_weights(source: WeightSource, spec: ModelSpec) -> None:
         return
     saved = _saved_shapes(source)
     fix = family.mismatch_fix(spec.what)
+    if source.kind == "torchtitan":  # torchtitan 0.2's names or 0.3's (lm_head, qkv_linear): read as the load does
+        try:
+            found = torchtitan_checkpoint.sources(spec.shapes, saved, source.where)
+        except ValueError as e:
+            raise ValueError(f"{e} ({spec.what}, vocabulary from the tokenizer); {fix}") from None
+        extra = torchtitan_checkpoint.extra_keys(saved, [s.key for s in found.values()])
+        if extra:
+            more = f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""
+            raise ValueError(
+                f"{source.where} holds {', '.join(extra[:3])}{more}, which {spec.what} does not have; {fix}"
+            )
+        return
     for name, shape in spec.shapes.items():
         if name not in saved:
             raise ValueError(f"{source.where} has no {name}, which {spec.what} has; {fix}")
@@ -124,8 +137,6 @@ def check_weights(source: WeightSource, spec: ModelSpec) -> None:
                 f"makes {shape}; {fix}"
             )
     extra = sorted(set(saved) - set(spec.shapes) - set(spec.aliases))
-    if source.kind == "torchtitan":  # its DCP folders hold the training state at the top level too
-        extra = [k for k in extra if k.split(".")[0] not in ("optimizer", "lr_scheduler", "dataloader", "train_state")]
     if extra:
         more = f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""
         raise ValueError(f"{source.where} holds {', '.join(extra[:3])}{more}, which {spec.what} does not have; {fix}")
