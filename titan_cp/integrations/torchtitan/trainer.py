@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torchtitan.trainer import Trainer
 
 from titan_cp.attention.api import local_handle
@@ -116,8 +117,6 @@ def shard_by_documents(
 
 def _schedules_take_microbatch_lists() -> bool:
     """Whether this torch's pipeline schedules take the per-microbatch lists torchtitan 0.3 passes."""
-    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle  # noqa: PLC0415
-
     return all(
         "arg_mbs" in inspect.signature(s.step).parameters for s in (PipelineScheduleSingle, PipelineScheduleMulti)
     )
