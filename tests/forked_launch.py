@@ -13,6 +13,9 @@ accelerate state. ``PLAN["steps"]``, in order:
   script and its arguments, or ``-m MODULE`` and its arguments; run as ``__main__``. Its process
   group meets on ``port`` (the same in every worker) with rank 0 hosting the store: the launch's
   agent store still holds the previous step's rendezvous keys;
+- ``"nproc": 1`` (a program step): run by local rank 0 alone, as under ``torchrun --nproc-per-node 1``
+  (world size 1); the other ranks wait for it to end. One launch then runs a page's 1-process and
+  2-process lines, paying the imports of one worker fewer;
 - ``{"name", "shell"}``: a bash command line, run by local rank 0 only;
 - ``"after": [names]`` (either kind): wait until those steps, of this launch or another, have
   finished (local rank 0 of the launch that ran one writes ``PLAN["markers"]/NAME.ok``, or
@@ -68,6 +71,8 @@ def _script_imports(path: str) -> None:
 def _run_program(step: dict) -> int:
     """The child: ``step``'s program as ``__main__``; its exit status."""
     os.environ.update(MASTER_PORT=str(step["port"]), TORCHELASTIC_USE_AGENT_STORE="False")
+    if step.get("nproc") == 1:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     argv = step["argv"]
     try:
         if argv[0] == "-m":
@@ -106,7 +111,10 @@ def main(plan_path: str) -> int:
     failed = False
     for step in plan["steps"]:
         code = 1
-        if not failed and _wait(step.get("after", []), markers):
+        alone = step.get("nproc") == 1  # local rank 0's step: the others take its status
+        if not failed and alone and not rank0:
+            code = 0 if _wait([step["name"]], markers) else 1
+        elif not failed and _wait(step.get("after", []), markers):
             if os.environ.get("RANK", "0") == "0":
                 print(f"== {step['name']}", flush=True)
             if "shell" in step:

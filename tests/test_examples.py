@@ -2,8 +2,8 @@
 ``torchrun --nproc-per-node 2`` (CP 2 on gloo) prints, on rank 0, the same losses and gradient norms as
 the one-process run (``--nproc-per-node 1``: the stock Trainer / SFTTrainer, the loop at CP 1).
 
-The three scripts share a launch per process count (tests/forked_launch.py: their imports paid once, then
-each in a fresh process of its own, forked), and the two launches run at once. Tolerances: the printed numbers have six decimals
+The three scripts share one launch of 2 processes (tests/forked_launch.py: their imports paid once, then
+each run in a fresh process of its own, forked; the 1-process runs on the launch's first process alone). Tolerances: the printed numbers have six decimals
 (rounding 5e-7 each) and the CP runs add the same fp32 numbers in another order (~1e-6 on a loss of ~6).
 """
 
@@ -25,36 +25,36 @@ ROOT = Path(__file__).parents[1]
 EXAMPLES = ["hf_trainer.py", "sft_trainer.py", "hf_loop.py"]
 
 
-def _launch(nproc: int, tmp: Path) -> subprocess.Popen:
-    """``torchrun --nproc-per-node <nproc>`` of every example from the repository root (its own ports)."""
+def _launch(tmp: Path) -> subprocess.Popen:
+    """One ``torchrun --nproc-per-node 2`` from the repository root running every example on 2 processes,
+    then on 1 (``nproc: 1``: as under ``torchrun --nproc-per-node 1``), each on its own port."""
     env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "CP")}
     env.update(
         OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     )
-    steps = [dict(name=e, argv=[f"examples/{e}"], port=free_port()) for e in EXAMPLES]
-    plan = dict(steps=steps, markers=str(tmp / f"markers{nproc}"))
-    return launch(nproc, plan, tmp / f"plan{nproc}.json", ROOT, env)
+    steps = [dict(name=f"{e}:{n}", argv=[f"examples/{e}"], port=free_port(), nproc=n) for e in EXAMPLES for n in (2, 1)]
+    plan = dict(steps=steps, markers=str(tmp / "markers"))
+    return launch(2, plan, tmp / "plan.json", ROOT, env)
 
 
-def _steps(run: subprocess.Popen, nproc: int) -> dict[str, list[tuple[float, float]]]:
-    """The (loss, grad_norm) rank 0 printed per step, by example; the launch must exit 0."""
+def _steps(run: subprocess.Popen) -> dict[str, list[tuple[float, float]]]:
+    """The (loss, grad_norm) rank 0 printed per step, by ``example:nproc``; the launch must exit 0."""
     out, err = run.communicate(timeout=900)
-    assert run.returncode == 0, f"the examples on {nproc} processes exited {run.returncode}:\n{err[-3000:]}"
+    assert run.returncode == 0, f"the examples' launch exited {run.returncode}:\n{err[-3000:]}"
     found = sections(out)
-    assert list(found) == EXAMPLES, f"the examples on {nproc} processes printed:\n{out}"
+    assert list(found) == [f"{e}:{n}" for e in EXAMPLES for n in (2, 1)], f"the examples printed:\n{out}"
     got = {}
-    for example, text in found.items():
+    for name, text in found.items():
         lines = [line.split() for line in text.splitlines() if line.startswith("step ")]
-        assert [line[1] for line in lines] == ["1", "2", "3"], f"{example} on {nproc} processes printed:\n{text}"
-        got[example] = [(float(line[3]), float(line[5])) for line in lines]
+        assert [line[1] for line in lines] == ["1", "2", "3"], f"{name} printed:\n{text}"
+        got[name] = [(float(line[3]), float(line[5])) for line in lines]
     return got
 
 
 def test_each_example_under_cp2_prints_the_one_process_losses(tmp_path):
-    runs = {n: _launch(n, tmp_path) for n in (2, 1)}
-    got = {n: _steps(run, n) for n, run in runs.items()}
+    got = _steps(_launch(tmp_path))
     for example in EXAMPLES:
-        cp2, one = got[2][example], got[1][example]
+        cp2, one = got[f"{example}:2"], got[f"{example}:1"]
         assert [loss for loss, _ in cp2] == pytest.approx([loss for loss, _ in one], abs=2e-6), example
         assert [norm for _, norm in cp2] == pytest.approx([norm for _, norm in one], rel=1e-5, abs=2e-6), example
         assert one[2][0] < one[0][0], example  # it trains

@@ -9,9 +9,9 @@
   sharded parameters depends on the sharding): every step's loss (torchtitan's global average, read at float32 from its TensorBoard
   events) equals the one-process run's within 1e-5 for 5 steps; the one-process run's step-2 checkpoint
   (copied by the page's line) resumed at CP 2 with Ulysses and doc_zigzag (another CP size, strategy and
-  balance) gives its steps 3-5 within 1e-5. The page's 1-process lines run in one ``torchrun`` launch and
-  its 2-process lines in another, at once, each line in a fresh forked process (tests/forked_launch.py:
-  torch and the other libraries imported once per worker).
+  balance) gives its steps 3-5 within 1e-5. The page's lines run in one ``torchrun`` launch of 2
+  processes, in order, each line in a fresh forked process (tests/forked_launch.py: torch and the other
+  libraries imported once per worker; the 1-process lines on the first process alone).
 - The one-process attention equals torchtitan's own FlexAttention forward under its packed-document
   mask (the causal and packed-document mask mods of the same positions) within 1e-5.
 - The page's other blocks: the GPU command's arguments load with torchtitan's own ``ConfigManager``, and
@@ -78,8 +78,8 @@ def _program(command: list[str], dump: Path, seed: Path | None = None, **flags: 
     return args
 
 
-def _launch(nproc: str, steps: list[dict], tmp: Path) -> subprocess.Popen:
-    """One ``torchrun --nproc-per-node <nproc>`` from the repository root running ``steps`` (programs of the
+def _launch(steps: list[dict], tmp: Path) -> subprocess.Popen:
+    """One ``torchrun --nproc-per-node 2`` from the repository root running ``steps`` (programs of the
     page's command lines, each on its own port, and shell lines) in turn, each in a fresh process."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -87,7 +87,7 @@ def _launch(nproc: str, steps: list[dict], tmp: Path) -> subprocess.Popen:
         if "argv" in step:
             step["port"] = free_port()
     plan = dict(preload=PRELOAD, steps=steps, markers=str(tmp / "markers"))
-    return launch(int(nproc), plan, tmp / f"plan{nproc}.json", ROOT, env)
+    return launch(2, plan, tmp / "plan.json", ROOT, env)
 
 
 def _finish(run: subprocess.Popen, name: str) -> dict[str, str]:
@@ -114,24 +114,19 @@ def test_cp2_losses_equal_the_one_process_run(tmp_path):
     assert seed_line[2] == one_line[2] == "1" and cp2_line[2] == resumed_line[2] == "2"
     (copy_line,) = (" ".join(c) for c in _doc_commands() if "cp" in c)
     seed = tmp_path / "seed" / "checkpoint" / "step-0"
-    # the one-process launch: the seed checkpoint, the one-process run, the page's copy of its step-2
-    # checkpoint; the CP 2 launch, at once: the CP 2 run once the seed is written, the resumed run once copied
-    one_process = [
-        dict(name="seed", argv=_program(seed_line, tmp_path / "seed")),
-        dict(name="one", argv=_program(one_line, tmp_path / "one", seed)),
+    # one launch of 2 processes, in the page's order: the seed checkpoint and the one-process run on its
+    # first process alone (as under --nproc-per-node 1), the page's copy of that run's step-2 checkpoint,
+    # the CP 2 run from the seed, the resumed run from the copy
+    steps = [
+        dict(name="seed", argv=_program(seed_line, tmp_path / "seed"), nproc=int(seed_line[2])),
+        dict(name="one", argv=_program(one_line, tmp_path / "one", seed), nproc=int(one_line[2])),
         dict(name="copy", shell=copy_line.replace("outputs/", f"{tmp_path}/")),
+        dict(name="cp2", argv=_program(cp2_line, tmp_path / "cp2", seed), nproc=int(cp2_line[2])),
+        dict(name="resumed", argv=_program(resumed_line, tmp_path / "resumed"), nproc=int(resumed_line[2])),
     ]
-    cp2 = [
-        dict(name="cp2", argv=_program(cp2_line, tmp_path / "cp2", seed), after=["seed"]),
-        dict(name="resumed", argv=_program(resumed_line, tmp_path / "resumed"), after=["copy"]),
-    ]
-    runs = {
-        "the one-process launch": _launch("1", one_process, tmp_path),
-        "the CP 2 launch": _launch("2", cp2, tmp_path),
-    }
-    out = {name: _finish(run, name) for name, run in runs.items()}
+    out = _finish(_launch(steps, tmp_path), "the launch")
     assert (tmp_path / "resumed" / "checkpoint" / "step-2").is_dir()
-    assert "Training starts at step 3" in out["the CP 2 launch"]["resumed"]
+    assert "Training starts at step 3" in out["resumed"]
     one = _losses(tmp_path / "one")
     assert len(one) == 5 and one[-1] < one[0] - 1.0, one  # five steps, and it trains
     cp2, resumed = _losses(tmp_path / "cp2"), _losses(tmp_path / "resumed")
