@@ -21,7 +21,12 @@ if _XDIST:
 @pytest.fixture(scope="session")
 def dist_pools():
     """Live gloo process pools keyed by world size: ``dist_pools.run(world, fn, *args)``."""
-    preload = ["titan_cp.testing.pool", *(heavy for lib, heavy in _HEAVY.items() if lib in sys.modules)]
+    # torch._dynamo: titan_cp does not import it (1.5 s), the trainer's pipelining and every compiled test do
+    preload = [
+        "titan_cp.testing.pool",
+        "torch._dynamo",
+        *(heavy for lib, heavy in _HEAVY.items() if lib in sys.modules),
+    ]
     cache = PoolCache(max_processes=10 if _XDIST else 18, preload=preload)
     yield cache
     cache.close()

@@ -140,3 +140,24 @@ def _compiled_matches_eager(rank, world, strategy, backend):
 def test_block_with_cp_attention_compiles_whole(dist_pools, world, strategy, backend):
     for out_err, grad_err in dist_pools.run(world, _compiled_matches_eager, strategy, backend, timeout=600):
         assert out_err <= 1e-5 and grad_err <= 1e-5, (out_err, grad_err)
+
+
+def test_the_local_handles_id_is_marked_as_torch_compiler_marks_a_constant_result():
+    """titan_cp marks :func:`api._local_id` itself (importing ``torch._dynamo`` costs 1.5 s at import): the
+    mark must be the one ``torch.compiler.assume_constant_result`` sets, and importing titan_cp must not
+    import dynamo."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    def reference(kernel):
+        return kernel
+
+    def ours(kernel):
+        return kernel
+
+    torch.compiler.assume_constant_result(reference)
+    api._assume_constant_result(ours)
+    assert vars(ours) == vars(reference) and vars(ours)
+    assert vars(api._local_id) == vars(reference)
+    code = "import sys, titan_cp, titan_cp.config, titan_cp.run; assert 'torch._dynamo' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -83,6 +85,7 @@ def _scale(scale: float | None, head_dim: int) -> float:
 
 
 # ---------------------------------------------------------------------------- the custom op
+T = TypeVar("T")
 _LOCAL: dict[str | None, CPHandle] = {}  # one-device handles, one per kernel name
 
 
@@ -93,7 +96,14 @@ def local_handle(kernel: str | None = None) -> CPHandle:
     return _LOCAL[kernel]
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn: Callable[..., T]) -> Callable[..., T]:
+    """``torch.compiler.assume_constant_result(fn)``: the mark it sets, without importing ``torch._dynamo``
+    (1.5 s) when titan_cp is imported (tests/test_hot_path.py checks that the two mark alike)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@_assume_constant_result
 def _local_id(kernel: str | None) -> int:
     """:func:`local_handle`'s id, run eagerly even while ``torch.compile`` traces a caller (a graph constant)."""
     return local_handle(kernel).id
