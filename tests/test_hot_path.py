@@ -8,6 +8,8 @@ dispatched around them (a ``TorchDispatchMode``), never seconds.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -146,8 +148,6 @@ def test_the_local_handles_id_is_marked_as_torch_compiler_marks_a_constant_resul
     """titan_cp marks :func:`api._local_id` itself (importing ``torch._dynamo`` costs 1.5 s at import): the
     mark must be the one ``torch.compiler.assume_constant_result`` sets, and importing titan_cp must not
     import dynamo."""
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
 
     def reference(kernel):
         return kernel
