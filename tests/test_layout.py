@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.strategies import doc_row, layout_shape
-from titan_cp import SequenceLayout
+from titan_cp import SequenceLayout, doc_local
 from titan_cp.layout import get_layout
 
 
@@ -157,7 +157,6 @@ def test_doc_local_cuts_a_split_document_at_whole_kernel_blocks_where_that_sends
     (the row's kernel blocks 9.4% over one call's); cut at whole blocks, every piece but the last is a
     multiple of 128 and the row's blocks are within 0.2% of one call's. No rank sends more than under
     the cheapest even cut, as the ring and as the all-gather count."""
-    from titan_cp import doc_local
     from titan_cp.data.row_mixes import lognormal_doc_lens
 
     lens = lognormal_doc_lens(131072, 1024, seed=8, sigma=1.0)
@@ -185,7 +184,6 @@ def test_doc_local_counts_the_rows_the_exchange_sends(mean, sigma, seed, window)
     16-bit K/V, and its count is exactly its bytes. On the long-tail row of seed 4, a guard counting those
     gradients once kept a blocked cut whose all-gather sent 2.6% more than the even cut: 1,030,250,496
     bytes against 1,003,683,840 on its busiest rank."""
-    from titan_cp import doc_local
     from titan_cp.attention.ring import exchanged_rows, ring_bytes
     from titan_cp.attention.tiling import Mask
     from titan_cp.data.row_mixes import lognormal_doc_lens
@@ -207,7 +205,6 @@ def test_doc_local_of_two_near_costs_keeps_the_one_sending_no_more_under_windows
     of 128 to 1,024 keys (the ring's busiest rank under a 1,024 window: 34,545,664 bytes against
     33,890,304). Of costs that close, the layout keeps the one sending no more under any window
     (33,394,688 bytes), and still no more than the even cut under causal masks."""
-    from titan_cp import doc_local
     from titan_cp.data.row_mixes import lognormal_doc_lens
 
     lens = lognormal_doc_lens(131072, 1024, seed=23, sigma=1.0)
@@ -239,3 +236,13 @@ def test_doc_local_sets_its_send_cap_by_the_even_cut_sending_least_under_windows
         for r in range(8)
     )
     assert sent <= 18_489_344, sent
+
+
+def test_doc_local_rows_kept_by_value_equal_a_fresh_search_and_are_the_callers_to_change():
+    lens = [300, 50, 700, 2, 996]
+    first = doc_local.doc_local_pieces(lens, 4)
+    first[0].append((0, 0))  # a caller's change does not reach the kept row
+    fresh = [list(rank) for rank in doc_local._pieces(tuple(lens), 4)]
+    assert doc_local.doc_local_pieces(lens, 4) == fresh == [p for p in doc_local.doc_local_pieces(list(lens), 4)]
+    big = [1] * (doc_local.MEMO_DOCS + 2)  # past the kept size: searched each time, the same answer
+    assert doc_local.doc_local_pieces(big, 2) == [list(rank) for rank in doc_local._pieces(tuple(big), 2)]

@@ -38,6 +38,7 @@ what it sends.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -281,15 +282,30 @@ def _buffer_order(pieces: list[tuple[int, int]], whole: set[tuple[int, int]]) ->
 
 def doc_local_pieces(doc_lens: Sequence[int], cp_size: int) -> list[list[tuple[int, int]]]:
     """The ``(start, length)`` pieces of global positions each rank holds, in buffer order: whole
-    documents, then pieces of split ones, each by position (module docstring)."""
+    documents, then pieces of split ones, each by position (module docstring). A row of at most
+    :data:`MEMO_DOCS` documents over at most :data:`MEMO_RANKS` ranks is kept by value (the last
+    :data:`MEMO_ROWS` of them): the search tries up to a hundred assignments, and a process meets the
+    same rows again (an evaluation set each time it is scored, the planner's searches, a test's cases)."""
+    key = tuple(doc_lens)
+    small = len(key) <= MEMO_DOCS and cp_size <= MEMO_RANKS  # a kept row holds at most a few hundred KB
+    return [list(rank) for rank in (_kept_pieces if small else _pieces)(key, cp_size)]
+
+
+MEMO_ROWS, MEMO_DOCS, MEMO_RANKS = 128, 4096, 64
+
+
+def _pieces(doc_lens: tuple[int, ...], cp_size: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     if len(doc_lens) == 1 and cp_size > 1 and doc_lens[0] % (2 * cp_size * BLOCK) == 0:
-        return _one_document(doc_lens[0], cp_size)
+        return tuple(map(tuple, _one_document(doc_lens[0], cp_size)))
     best = _choose(list(doc_lens), cp_size)
     starts = [0]
     for length in doc_lens[:-1]:
         starts.append(starts[-1] + length)
     whole = set(zip(starts, doc_lens))
-    return [_buffer_order(p, whole) for p in best.pieces]
+    return tuple(tuple(_buffer_order(p, whole)) for p in best.pieces)
+
+
+_kept_pieces = functools.lru_cache(maxsize=MEMO_ROWS)(_pieces)
 
 
 def _one_document(length: int, n: int) -> list[list[tuple[int, int]]]:
