@@ -4,7 +4,7 @@ launch ``examples/`` and torchtitan's trainer; not collected by pytest).
     torchrun --nproc-per-node N tests/forked_launch.py PLAN.json
 
 Importing torch, transformers, TRL or torchtitan is most of such a launch's time on a CPU. Each worker
-imports them once (``PLAN["preload"]``, module names, and the top-level imports of every script
+imports them once (``PLAN["preload"]``: module names, or ``module:function`` to import and call, and the top-level imports of every script
 step), then runs the steps one after another, each in a child forked from it, so that a step starts
 as a program does under its own ``torchrun``: nothing of it ran before, its own process group and
 accelerate state. ``PLAN["steps"]``, in order:
@@ -103,8 +103,11 @@ def _wait(names: list[str], markers: Path, timeout_s: float = 900.0) -> bool:
 def main(plan_path: str) -> int:
     plan = json.loads(Path(plan_path).read_text())
     markers, rank0 = Path(plan["markers"]), os.environ.get("LOCAL_RANK", "0") == "0"
-    for name in plan.get("preload", []):
-        importlib.import_module(name)
+    for name in plan.get("preload", []):  # a module, or "module:function" (imported, then called)
+        module, _, function = name.partition(":")
+        loaded = importlib.import_module(module)
+        if function:
+            getattr(loaded, function)()
     for step in plan["steps"]:
         if "argv" in step and step["argv"][0] != "-m":
             _script_imports(step["argv"][0])

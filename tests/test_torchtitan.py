@@ -53,11 +53,12 @@ def _doc_commands() -> list[list[str]]:
     return [shlex.split(line) for line in lines if line.strip()]
 
 
-# Imported by each launch's workers once, before its steps (tests/forked_launch.py): what torchtitan's
-# trainer imports besides torchtitan itself, which each step imports afresh (after the CPU shim).
+# Imported by the launch's workers once, before its steps (tests/forked_launch.py): what torchtitan's
+# trainer imports, and torchtitan itself behind the CPU launcher's shims (its prepare(): what each
+# step's launcher would do first, done once; a step's run then starts from there, forked).
 PRELOAD = [
     "titan_cp", "torch._inductor.compile_fx", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-    "torchdata.stateful_dataloader", "datasets", "tensorboard",
+    "torchdata.stateful_dataloader", "datasets", "tensorboard", f"{CPU_LAUNCHER}:prepare",
 ]  # fmt: skip
 
 

@@ -36,6 +36,8 @@ class _CPUDeviceModule:
     """``torch.cpu`` with what torchtitan's ``DeviceMemoryMonitor`` calls on a device module: a CPU
     keeps no allocator statistics, so none are reported (``memory_stats`` is empty)."""
 
+    titan_cp_cpu = True  # the mark of the shim (a class of this module run as __main__ is another class)
+
     def __getattr__(self, name: str):
         return getattr(torch.cpu, name)
 
@@ -69,6 +71,9 @@ def _import_torchtitan_on_cpu() -> None:
     found = torch._utils._get_available_device_type
     if found() is not None:
         return
+    imported = sys.modules.get("torchtitan.tools.utils")
+    if getattr(getattr(imported, "device_module", None), "titan_cp_cpu", False):
+        return  # done already in this process (by this module, or by it run as __main__)
     assert "torchtitan.tools.utils" not in sys.modules, "torchtitan read its device before the CPU shim"
     torch._utils._get_available_device_type = lambda: "cpu"
     try:
@@ -89,6 +94,8 @@ def _force_fsdp_sum_reduction() -> None:
     import torchtitan.distributed.fsdp as fsdp  # noqa: PLC0415
 
     disable_division = fsdp.disable_fsdp_gradient_division
+    if getattr(disable_division, "sum_only", False):
+        return  # done already in this process
 
     def disable_division_sum_only(model: torch.nn.Module) -> None:
         disable_division(model)
@@ -96,13 +103,21 @@ def _force_fsdp_sum_reduction() -> None:
             if isinstance(module, fsdp.FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
 
+    disable_division_sum_only.sum_only = True  # type: ignore[attr-defined]
     fsdp.disable_fsdp_gradient_division = disable_division_sum_only
 
 
-def main() -> None:
+def prepare() -> None:
+    """The three shims, then torchtitan's launcher imported: what :func:`main` does before it runs it.
+    A second call changes nothing (a test's launch calls it once, before it forks its runs)."""
     _import_torchtitan_on_cpu()
     _give_set_timeout()
     _force_fsdp_sum_reduction()
+    import torchtitan.train  # noqa: F401, PLC0415
+
+
+def main() -> None:
+    prepare()
     from torchtitan.train import main as torchtitan_main  # noqa: PLC0415
 
     torchtitan_main()
