@@ -4,8 +4,8 @@ launch ``examples/`` and torchtitan's trainer; not collected by pytest).
     torchrun --nproc-per-node N tests/forked_launch.py PLAN.json
 
 Importing torch, transformers, TRL or torchtitan is most of such a launch's time on a CPU. Each worker
-imports them once (``PLAN["preload"]``: module names, or ``module:function`` to import and call, and the top-level imports of every script
-step), then runs the steps one after another, each in a child forked from it, so that a step starts
+imports them once (``PLAN["preload"]``: module names, or ``module:function`` to import and call; and
+the top-level imports of every script step), then runs the steps one after another, each in a child forked from it, so that a step starts
 as a program does under its own ``torchrun``: nothing of it ran before, its own process group and
 accelerate state. ``PLAN["steps"]``, in order:
 

@@ -12,7 +12,6 @@ cross-entropy. fp32 throughout; the parallel runs add the same numbers in anothe
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 
@@ -311,19 +310,14 @@ def _under_cp(rank, world, cases):
     return results
 
 
-@functools.cache  # once per test process, however pytest-xdist deals this module's tests out
-def _one_process() -> dict:
+@pytest.fixture(scope="module")
+def one_process():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return {v: requests(Generator(build_generation_model(args_of(v)))) for v in VARIANTS}
     finally:
         torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def one_process():
-    return _one_process()
 
 
 @pytest.mark.parametrize("world", sorted(CASES))

@@ -16,8 +16,6 @@ CP 8, Llama 3 8B heads (32 query, 8 K/V, head_dim 128), bf16, one layer's forwar
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -85,14 +83,9 @@ ROW_BARS = {
 ROWS = {r.name: r for r in model_rows(SEQ, seed=7)}
 
 
-@functools.cache  # once per test process, however pytest-xdist deals this module's tests out
-def _row_records() -> dict:
-    return {key: predict_row(ROWS[key[0]], key[1]) for key in ROW_BARS}
-
-
-@pytest.fixture
+@pytest.fixture(scope="module")
 def row_records(one_thread):
-    return _row_records()
+    return {key: predict_row(ROWS[key[0]], key[1]) for key in ROW_BARS}
 
 
 @pytest.mark.parametrize("key", list(ROW_BARS), ids=["-".join(k) for k in ROW_BARS])

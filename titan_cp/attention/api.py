@@ -41,6 +41,8 @@ from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
 from titan_cp.attention.tiling import CAUSAL, Mask
 from titan_cp.layout import DocLens, SequenceLayout, get_layout
 
+T = TypeVar("T")
+
 
 # ---------------------------------------------------------------------------- checks
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -85,7 +87,6 @@ def _scale(scale: float | None, head_dim: int) -> float:
 
 
 # ---------------------------------------------------------------------------- the custom op
-T = TypeVar("T")
 _LOCAL: dict[str | None, CPHandle] = {}  # one-device handles, one per kernel name
 
 

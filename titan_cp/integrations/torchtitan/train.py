@@ -36,7 +36,7 @@ class _CPUDeviceModule:
     """``torch.cpu`` with what torchtitan's ``DeviceMemoryMonitor`` calls on a device module: a CPU
     keeps no allocator statistics, so none are reported (``memory_stats`` is empty)."""
 
-    titan_cp_cpu = True  # the mark of the shim (a class of this module run as __main__ is another class)
+    titan_cp_cpu = True  # the shims' mark (a class of this module run as __main__ is another class)
 
     def __getattr__(self, name: str):
         return getattr(torch.cpu, name)
@@ -94,7 +94,7 @@ def _force_fsdp_sum_reduction() -> None:
     import torchtitan.distributed.fsdp as fsdp  # noqa: PLC0415
 
     disable_division = fsdp.disable_fsdp_gradient_division
-    if getattr(disable_division, "sum_only", False):
+    if getattr(disable_division, "titan_cp_cpu", False):
         return  # done already in this process
 
     def disable_division_sum_only(model: torch.nn.Module) -> None:
@@ -103,7 +103,7 @@ def _force_fsdp_sum_reduction() -> None:
             if isinstance(module, fsdp.FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
 
-    disable_division_sum_only.sum_only = True  # type: ignore[attr-defined]
+    disable_division_sum_only.titan_cp_cpu = True  # type: ignore[attr-defined]
     fsdp.disable_fsdp_gradient_division = disable_division_sum_only
 
 
