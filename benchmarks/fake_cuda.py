@@ -16,18 +16,20 @@ make that possible (:func:`fake_cuda`):
   receive buffers stay as allocated: with no arithmetic their contents are never read); the bytes
   are counted by ``count_comm`` as on a real run.
 
-:func:`simulate` runs one layer's forward and backward of a strategy for every rank in turn, a
-warm-up first (the first layer of a microbatch builds the tiles), then the traced layer, and
-returns a :class:`RankTrace` per rank:
+:func:`simulate` runs one layer's forward and backward of a strategy for every rank in turn and
+returns a :class:`RankTrace` per rank. The layer plans on the host as the first layer of a
+microbatch does (the tiles and their indices, which later layers reuse); host operations move no
+device bytes and are not counted, so one layer's counts are those of every layer:
 
 - every call of ATen's flash ops, checked against the kernel's preconditions (dtype, last-dim
   contiguity, head_dim, int32 contiguous cumulative lengths on the device, Python-int maximum
   lengths, the log-sum-exp's shape and dtype): each broken one is listed in ``violations``;
 - a host synchronisation (``.item()``, ``.tolist()``, ``bool()``, ``nonzero`` of a device
-  tensor) or a blocking host-to-device copy in either layer raises :class:`HostSyncError`;
+  tensor) or a blocking host-to-device copy in the layer, its planning included, raises
+  :class:`HostSyncError`;
 - kernel calls per ring step, the bytes sent, the kernel's segments (for its work), and the
   operations outside the kernel with the HBM bytes they read and write (:class:`TrafficMeter`: an
-  index operation counted by the rows it touches, views and allocations free), from which
+  index operation counted by the rows it touches, views, allocations and host operations free), from which
   :mod:`benchmarks.gpu_model` predicts GPU time.
 """
 
@@ -41,8 +43,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import titan_cp.layout as layout_module
 from titan_cp.attention import comm
@@ -328,11 +331,21 @@ def _cuda_methods():
         torch.Tensor.copy_, torch.Tensor.contiguous, torch.Tensor.to = real_copy, real_contiguous, real_to
 
 
+_MODE: list[FakeTensorMode] = []  # the one fake mode of this process (see fake_cuda)
+_FAKE = "fake_cuda"  # the first element of a plan's key built under fake_cuda
+
+
 @contextlib.contextmanager
 def fake_cuda():
     """A ``FakeTensorMode`` in which the CUDA path runs on a CPU-only build (module docstring); yields
-    ``(mode, aten)`` with ``aten`` the :class:`CheckedAten` the ``cuda_flash`` kernel calls."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    ``(mode, aten)`` with ``aten`` the :class:`CheckedAten` the ``cuda_flash`` kernel calls.
+
+    The plans a layout or its mask tiles keep (their device indices fake CUDA tensors) are kept under
+    keys of their own, never served to a real CUDA run, and every entry uses the same mode: a layout
+    met again (``get_layout`` keeps the last few) reuses its fake indices as they are."""
+    if not _MODE:
+        _MODE.append(FakeTensorMode(allow_non_fake_inputs=True))
+    mode = _MODE[0]
     real_to_device, real_memo, real_dist, real_aten = (
         layout_module.to_device,
         SequenceLayout.memo,
@@ -348,13 +361,15 @@ def fake_cuda():
             return real_to_device(t, device)
         return mode.fake_tensor_converter.from_meta_and_device(mode, t.to("meta"), torch.device(device))
 
+    # planning runs on host tensors with every dispatch mode set aside: it moves no device bytes, and
+    # the meters would only add their cost to each host operation
     def memo(self, key, build):
-        with unset_fake_temporarily():
-            return real_memo(self, key, build)
+        with _disable_current_modes():
+            return real_memo(self, (_FAKE, *key), build)
 
     def tiles_memo(self, key, build):
-        with unset_fake_temporarily():
-            return real_tiles_memo(self, key, build)
+        with _disable_current_modes():
+            return real_tiles_memo(self, (_FAKE, *key), build)
 
     users = [m for m in list(sys.modules.values()) if getattr(m, "to_device", None) is real_to_device]
     aten = CheckedAten()
@@ -472,6 +487,11 @@ def op_bytes(func, args, kwargs, out) -> int:
     return sum(map(_nbytes, inputs)) + sum(map(_nbytes, outs))
 
 
+def _on_device(args, out) -> bool:
+    """Whether an operation touches a (fake) CUDA tensor: the host's own planning moves no HBM bytes."""
+    return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in pytree.tree_leaves((args, out)))
+
+
 def engine_site() -> str:
     """Where the engine issued the operation being dispatched: ``module.function`` of the innermost
     frame in :mod:`titan_cp.attention` or :mod:`titan_cp.layout` (``"other"`` when none is)."""
@@ -485,7 +505,7 @@ def engine_site() -> str:
 
 
 class TrafficMeter(TorchDispatchMode):
-    """Counts the operations outside the kernel and the HBM bytes they read and write (:func:`op_bytes`);
+    """Counts the device operations outside the kernel and the HBM bytes they read and write (:func:`op_bytes`);
     ``sites`` splits them by where the engine issued them and which op it was
     (``{("fold.Results.fold", "index_copy"): [ops, bytes]}``)."""
 
@@ -497,7 +517,7 @@ class TrafficMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.kernel.inside:
+        if not self.kernel.inside and _on_device(args, out):
             nbytes = op_bytes(func, args, kwargs, out)
             self.bytes += nbytes
             self.ops += nbytes > 0
@@ -567,9 +587,6 @@ def simulate(
         for mesh in fake_meshes(strategy, cp, ulysses_degree):
             ctx = CPContext(mesh, layout, mask, head_dim**-0.5, meter, heads, kv_heads)
             q, k, v, dout = _inputs(batch, seq_len // cp, heads, kv_heads, head_dim, dtype)
-            with SyncDetector():  # warm-up: the first layer builds tiles and indices
-                out, saved = s.forward(ctx, q, k, v)
-                s.backward(ctx, dout, q, k, v, out, saved)
             aten.calls.clear()
             meter.segments.clear()
             traffic = TrafficMeter(meter)
