@@ -511,13 +511,15 @@ class TrafficMeter(TorchDispatchMode):
 
     def __init__(self, kernel: MeteredFlash):
         super().__init__()
-        self.kernel, self.ops, self.bytes = kernel, 0, 0
+        self.kernel, self.ops, self.bytes, self.host_ops = kernel, 0, 0, 0
         self.sites: dict[tuple[str, str], list[int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.kernel.inside and _on_device(args, out):
+        if not _on_device(args, out):
+            self.host_ops += 1
+        elif not self.kernel.inside:
             nbytes = op_bytes(func, args, kwargs, out)
             self.bytes += nbytes
             self.ops += nbytes > 0
@@ -542,6 +544,7 @@ class RankTrace:
     outside_ops: int = 0  # operations outside the kernel that move data (views and allocations excluded)
     outside_bytes: int = 0  # HBM bytes they read and write
     sites: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (site, op): [ops, bytes]
+    host_ops: int = 0  # host operations outside the layout's and the tiles' plans (redone in every layer)
 
     def calls_per_step(self, op: str) -> float:
         return sum(c.op == op for c in self.calls) / self.steps
@@ -600,6 +603,7 @@ def simulate(
                 list(meter.segments),
             )
             trace.outside_ops, trace.outside_bytes, trace.sites = traffic.ops, traffic.bytes, traffic.sites
+            trace.host_ops = traffic.host_ops
             traces.append(trace)
             aten.violations.clear()
     return traces

@@ -4,8 +4,9 @@
 
 Checked: ATen's schema accepts every call (the real op runs, on its fake kernel), the flash
 kernel's preconditions hold, the log-sum-exp comes back as the engine expects, nothing in the
-layer synchronises with the host or copies to the device blocking, at most one kernel call per
-causal flag per ring step, and the bytes sent equal the strategy's minimum. No arithmetic runs.
+layer synchronises with the host or copies to the device blocking, no host work is redone in a
+layer (the plans are built once per microbatch), at most one kernel call per causal flag per ring
+step, and the bytes sent equal the strategy's minimum. No arithmetic runs.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def test_cuda_flash_calls_at_full_size(strategy, ulysses, docs):
     assert [t.rank for t in traces] == list(range(CP))
     for t in traces:
         assert t.violations == [], t.violations
+        assert t.host_ops == 0  # every host operation is in the plans later layers reuse
         assert t.calls and all(c.varlen for c in t.calls)
         assert 0 < t.calls_per_step("forward") <= 2 and 0 < t.calls_per_step("backward") <= 2
         assert t.bytes_sent == _min_bytes(strategy, ulysses, get_layout(SEQ, CP, balance, docs), t.rank)
@@ -109,6 +111,18 @@ def test_a_broken_precondition_is_reported(kernel, message):
 def test_a_host_sync_in_the_layer_is_caught(kernel, message):
     with pytest.raises(HostSyncError, match=message):
         simulate("ring", 4096, 2, 4, 2, 64, [[1000, 3096]], kernel=kernel())
+
+
+class _PlansInEveryLayer(CUDAFlashKernel):
+    def varlen_forward(self, q, k, v, seg, causal, scale):
+        torch.tensor(seg.host_q).cumsum(0)  # host work outside the plans: redone in every layer
+        return super().varlen_forward(q, k, v, seg, causal, scale)
+
+
+def test_host_work_outside_the_plans_is_counted():
+    traces = simulate("ring", 4096, 2, 4, 2, 64, [[1000, 3096]], kernel=_PlansInEveryLayer())
+    assert all(t.host_ops > 0 for t in traces)
+    assert all(t.host_ops == 0 for t in simulate("ring", 4096, 2, 4, 2, 64, [[1000, 3096]]))
 
 
 @pytest.mark.parametrize("strategy,ulysses", [("ulysses", 1), ("hybrid", 8)])
