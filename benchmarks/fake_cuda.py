@@ -8,7 +8,8 @@ make that possible (:func:`fake_cuda`):
 - **host to device**: ``titan_cp.layout.to_device`` (the one place host index tensors reach the
   device) returns a fake CUDA tensor of the host tensor's shape and dtype;
 - **host-side planning** (the layout, the mask tiles and their index tensors, built once per
-  microbatch) runs on real CPU tensors, the fake mode suspended while it does;
+  microbatch) runs on real CPU tensors, the fake mode and the meters set aside while it does, its
+  plans kept under keys of their own (never served to a real CUDA run);
 - **CUDA tensor methods** a CPU-only build refuses even on fake tensors (Python indexing such as
   ``x[0]`` and ``x[rank, slot] = y``, ``copy_``, ``contiguous``, ``.to("cuda")``) go through the ATen
   ops they stand for (so a host-to-device copy is seen, and a blocking one caught);
@@ -36,6 +37,7 @@ device bytes and are not counted, so one layer's counts are those of every layer
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 from collections.abc import Sequence
@@ -331,21 +333,21 @@ def _cuda_methods():
         torch.Tensor.copy_, torch.Tensor.contiguous, torch.Tensor.to = real_copy, real_contiguous, real_to
 
 
-_MODE: list[FakeTensorMode] = []  # the one fake mode of this process (see fake_cuda)
 _FAKE = "fake_cuda"  # the first element of a plan's key built under fake_cuda
+
+
+@functools.cache
+def _fake_mode() -> FakeTensorMode:
+    """The one fake mode of this process: a plan kept from an earlier simulation holds its tensors."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 @contextlib.contextmanager
 def fake_cuda():
     """A ``FakeTensorMode`` in which the CUDA path runs on a CPU-only build (module docstring); yields
-    ``(mode, aten)`` with ``aten`` the :class:`CheckedAten` the ``cuda_flash`` kernel calls.
-
-    The plans a layout or its mask tiles keep (their device indices fake CUDA tensors) are kept under
-    keys of their own, never served to a real CUDA run, and every entry uses the same mode: a layout
+    ``(mode, aten)`` with ``aten`` the :class:`CheckedAten` the ``cuda_flash`` kernel calls. A layout
     met again (``get_layout`` keeps the last few) reuses its fake indices as they are."""
-    if not _MODE:
-        _MODE.append(FakeTensorMode(allow_non_fake_inputs=True))
-    mode = _MODE[0]
+    mode = _fake_mode()
     real_to_device, real_memo, real_dist, real_aten = (
         layout_module.to_device,
         SequenceLayout.memo,
@@ -361,8 +363,6 @@ def fake_cuda():
             return real_to_device(t, device)
         return mode.fake_tensor_converter.from_meta_and_device(mode, t.to("meta"), torch.device(device))
 
-    # planning runs on host tensors with every dispatch mode set aside: it moves no device bytes, and
-    # the meters would only add their cost to each host operation
     def memo(self, key, build):
         with _disable_current_modes():
             return real_memo(self, (_FAKE, *key), build)
@@ -602,8 +602,8 @@ def simulate(
                 sent.bytes_sent,
                 list(meter.segments),
             )
-            trace.outside_ops, trace.outside_bytes, trace.sites = traffic.ops, traffic.bytes, traffic.sites
-            trace.host_ops = traffic.host_ops
+            trace.outside_ops, trace.outside_bytes, trace.host_ops = traffic.ops, traffic.bytes, traffic.host_ops
+            trace.sites = traffic.sites
             traces.append(trace)
             aten.violations.clear()
     return traces
