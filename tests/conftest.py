@@ -21,10 +21,17 @@ if _XDIST:
 @pytest.fixture(scope="session")
 def dist_pools():
     """Live gloo process pools keyed by world size: ``dist_pools.run(world, fn, *args)``."""
-    # torch._dynamo: titan_cp does not import it (1.5 s), the trainer's pipelining and every compiled test do
+    # torch._dynamo: titan_cp does not import it (1.5 s), the trainer's pipelining and every compiled test do.
+    # A worker imports the test module of each function it runs (pytest, the shared helpers): of a session's
+    # ~60 workers most import pytest and these (0.3 s a worker), so the forkserver imports them once.
     preload = [
         "titan_cp.testing.pool",
         "torch._dynamo",
+        "pytest",
+        "tests.dist_utils",
+        "titan_cp.train",
+        "titan_cp.parallel",
+        "titan_cp.integrations.hf_family",
         *(heavy for lib, heavy in _HEAVY.items() if lib in sys.modules),
     ]
     cache = PoolCache(max_processes=10 if _XDIST else 18, preload=preload)
