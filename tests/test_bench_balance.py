@@ -89,20 +89,6 @@ def test_mixes_fill_the_row_deterministically():
     assert max(huge) >= 8192 // 2
 
 
-def test_document_helpers_import_without_numpy():
-    """numpy is not a dependency of titan_cp: the document helpers that non-test code imports (the
-    trainer, the config, the length rows) load without it; only drawing mixed rows needs it."""
-    code = (
-        "import sys; sys.modules['numpy'] = None\n"
-        "import titan_cp.config, titan_cp.train, titan_cp.testing\n"
-        "from titan_cp.data.row_mixes import ROW_MIXES, lognormal_doc_lens, proportional_doc_lens\n"
-        "assert sum(lognormal_doc_lens(4096, 512)) == 4096 and sum(proportional_doc_lens(100, 3)) == 100\n"
-        "print(sorted(ROW_MIXES))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "code_repo" in out
-
-
 def test_contiguous_is_worse_than_doc_zigzag_on_one_huge_document():
     rows = bb.make_rows("one_huge", 8192, 2, seed=0)
     for cp in (2, 4):
