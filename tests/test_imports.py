@@ -4,10 +4,11 @@ and the earlier ones imported and nothing else.
 
 1. ``load_config`` imports no family, model, parallel or integration code (the layers' run-time promise,
    docs/architecture.md; the static arrows are tests/test_layers.py's);
-2. titan_cp, its config and its launcher import no ``torch._dynamo`` (1.5 s at import: titan_cp marks its
-   constant-result function itself, tests/test_hot_path.py);
+2. titan_cp, its config, its launcher and its trainer import no ``torch._dynamo`` (1.5 s at import: titan_cp
+   marks its constant-result function itself, tests/test_hot_path.py; the trainer imports
+   ``torch.distributed.pipelining``, which imports it, only for a pipelined run);
 3. ``titan_cp.plan`` imports and plans the default (causal) mix without numpy;
-4. the trainer, the testing helpers and the document helpers of the length rows load without numpy (numpy
+4. the trainer (imported in stage 2), the testing helpers and the document helpers of the length rows load without numpy (numpy
    is not a dependency of titan_cp: only drawing mixed rows needs it).
 
 One interpreter for the four instead of one each: starting one and importing torch is most of each check.
@@ -33,8 +34,8 @@ load_config([])
 assert not {"families", "model", "parallel", "integrations"} & parts(), sorted(parts())
 print("stage 1: load_config imports", sorted(parts()))
 
-import titan_cp, titan_cp.run
-assert "torch._dynamo" not in sys.modules, "titan_cp, titan_cp.config or titan_cp.run imported torch._dynamo"
+import titan_cp, titan_cp.run, titan_cp.train
+assert "torch._dynamo" not in sys.modules, "titan_cp, titan_cp.config, .run or .train imported torch._dynamo"
 print("stage 2: no torch._dynamo")
 
 import titan_cp.plan as P
@@ -43,7 +44,7 @@ rc = P.main(["--ngpu", "2", "--gpu", "cpu", "--model.flavor", "debugmodel_gqa", 
 assert rc == 0, rc
 print("stage 3: planned")
 
-import titan_cp.train, titan_cp.testing
+import titan_cp.testing
 from titan_cp.data.row_mixes import ROW_MIXES, lognormal_doc_lens, proportional_doc_lens
 assert sum(lognormal_doc_lens(4096, 512)) == 4096 and sum(proportional_doc_lens(100, 3)) == 100
 print("stage 4: row mixes", sorted(ROW_MIXES))

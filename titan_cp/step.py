@@ -16,15 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from titan_cp.attention.handle import CPHandle, register_sharder
 from titan_cp.layout import SequenceLayout
 from titan_cp.loss import GlobalTokenLoss
+
+if TYPE_CHECKING:  # types only: torch.distributed.pipelining imports torch._dynamo (0.7 s)
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 
 @dataclass

@@ -28,22 +28,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    ScheduleDualPipeV,
-    ScheduleZBVZeroBubble,
-    get_schedule_class,
-)
 
 from titan_cp.model.llama import Transformer
 
-Schedule = PipelineScheduleSingle | PipelineScheduleMulti
+if TYPE_CHECKING:  # torch.distributed.pipelining imports torch._dynamo (0.7 s): only a pipelined run loads it
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+Schedule: TypeAlias = "PipelineScheduleSingle | PipelineScheduleMulti"
 """A built pipeline schedule: one stage per rank, or several."""
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -106,6 +102,14 @@ def pipeline_llama(
     Returns ``(schedule, model_parts, has_first_stage, has_last_stage)``; ``model_parts``
     are this rank's stage modules (for the optimizer and checkpoints).
     """
+    from torch.distributed.pipelining import PipelineStage  # noqa: PLC0415 - see the imports
+    from torch.distributed.pipelining.schedules import (  # noqa: PLC0415
+        PipelineScheduleSingle,
+        ScheduleDualPipeV,
+        ScheduleZBVZeroBubble,
+        get_schedule_class,
+    )
+
     try:
         schedule_class = get_schedule_class(schedule_name)
     except ValueError as e:
