@@ -2,9 +2,6 @@ import os
 import sys
 
 import pytest
-import torch
-
-from titan_cp.testing.pool import PoolCache
 
 # What every pool worker imports anyway, and the heavy libraries a collected test module imports (it has
 # imported them in this process by the time the first pool starts): the workers fork from one process
@@ -14,13 +11,17 @@ _HEAVY = {"transformers": "transformers.trainer", "trl": "trl.trainer.sft_traine
 # Under pytest-xdist (``-n 2``: one test process per core) each test process computes on one thread and
 # keeps fewer idle pool workers alive: the two share the cores and the memory.
 _XDIST = "PYTEST_XDIST_WORKER" in os.environ
-if _XDIST:
+if _XDIST:  # torch only here and in the fixture: pytest-xdist's controller, which runs no test, loads this too
+    import torch
+
     torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
 def dist_pools():
     """Live gloo process pools keyed by world size: ``dist_pools.run(world, fn, *args)``."""
+    from titan_cp.testing.pool import PoolCache  # noqa: PLC0415 - see the imports
+
     # torch._dynamo: titan_cp does not import it (1.5 s), the trainer's pipelining and every compiled test do.
     # A worker imports the test module of each function it runs (pytest, the shared helpers): of a session's
     # ~60 workers most import pytest and these (0.3 s a worker), so the forkserver imports them once.
