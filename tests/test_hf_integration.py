@@ -711,7 +711,6 @@ def test_trainer_config_errors_name_the_key(tmp_path):
 
 
 def _readme_loop() -> str:
-
     text = (Path(__file__).parents[1] / "docs" / "huggingface.md").read_text()
     block = text.split("<!-- doc-test: tested tests/test_hf_integration.py -->\n```python\n", 1)[1].split("```", 1)[0]
     return block
