@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 
@@ -15,6 +16,18 @@ if _XDIST:  # torch only here and in the fixture: pytest-xdist's controller, whi
     import torch
 
     torch.set_num_threads(1)
+    gc.disable()  # while the test modules import what they need: all of it lives on (see below)
+
+
+def pytest_collection_finish(session):
+    """The test modules and what they import (torch, transformers, TRL, torchtitan: ~0.5M objects) live as
+    long as this process: frozen, the full collections while the tests run scan only what the tests make."""
+    gc.freeze()
+    gc.enable()
+
+
+def pytest_unconfigure(config):
+    gc.unfreeze()  # collected at exit again (triton's nanobind bindings report what they see leaked)
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,7 @@ the steps after it and the launch exits 1. :func:`launch` starts such a launch f
 from __future__ import annotations
 
 import ast
+import gc
 import importlib
 import json
 import os
@@ -111,6 +112,7 @@ def main(plan_path: str) -> int:
     for step in plan["steps"]:
         if "argv" in step and step["argv"][0] != "-m":
             _script_imports(step["argv"][0])
+    gc.freeze()  # what every step inherits: its full collections scan only what the step makes
     failed = False
     for step in plan["steps"]:
         code = 1

@@ -4,7 +4,7 @@ MFU: ``step FLOPs / (seconds * peak * ranks)``, the step's FLOPs counting the at
 work of the visible (query, key) pairs only (:func:`visible_pairs`, the attention tiles' own
 count). The peak is the device's dense bf16 rating on known GPUs. A CPU has no rating to look
 up: its peak is an *estimate*, the best of several timed fp32 matmuls at start-up on this
-rank's threads, raised to any higher throughput the run itself reaches (so CPU MFU never
+rank's threads (once per process), raised to any higher throughput the run itself reaches (so CPU MFU never
 exceeds 100%; it reads as a fraction of what this machine was seen to do, and is logged as
 ``mfu`` with ``mfu_is_estimate = true``).
 """
@@ -53,7 +53,18 @@ def peak_flops_per_second(device: torch.device) -> float:
             if key in name:
                 return peak
         return 312e12
-    n, reps = 256, 8  # a few milliseconds: every rank of every run pays it at start-up
+    threads = torch.get_num_threads()
+    if threads not in _CPU_PEAKS:  # once per process and thread count: a process may run many trainers
+        _CPU_PEAKS[threads] = _timed_matmul_flops()
+    return _CPU_PEAKS[threads]
+
+
+_CPU_PEAKS: dict[int, float] = {}
+
+
+def _timed_matmul_flops() -> float:
+    """FLOP/s of the best of several timed fp32 matmuls on this process's threads (a few milliseconds)."""
+    n, reps = 256, 8
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
     best = float("inf")

@@ -51,6 +51,7 @@ def _free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, conn, collective_timeout_s: float, threads: int) -> None:
     import datetime
+    import gc
 
     import torch
     import torch.distributed as dist
@@ -65,6 +66,10 @@ def _worker(rank: int, world_size: int, port: int, conn, collective_timeout_s: f
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
         _share_process_groups()
+        # What the worker holds now (torch and the preloaded modules: ~0.5M objects) lives as long as
+        # it does: frozen, the full collections of the calls to come (a measurement's gc.collect(), and
+        # the automatic ones) scan only what the calls made, not the whole heap (0.2 s a pass).
+        gc.freeze()
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001 - reported to the parent
         conn.send(("error", traceback.format_exc()))
