@@ -2,9 +2,10 @@
 a crash during a save leaves the previous checkpoint loadable, and the CPU debug configs
 train with a falling loss.
 
-Resume tolerance: fp32; the resumed run re-shards the same numbers over another mesh, so
-only the reduction order changes (~1e-6 relative per step); after four more AdamW steps
-we allow 1e-4 relative on the loss.
+Resume tolerance: fp32; the reference is one process's run, and the meshes' runs re-shard the same
+numbers, so only the reduction order changes (~1e-7 relative per step, seen ~8e-8 over the four steps
+before the checkpoint, held to 1e-6); after the resume and four more AdamW steps we allow 1e-4 relative
+on the loss.
 """
 
 from __future__ import annotations
@@ -93,6 +94,13 @@ LONG_CONTEXT = [
 ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def straight(dist_pools, tmp_path_factory) -> list[float]:
+    """The eight steps on one process, without a checkpoint: what a run on any mesh, preempted and resumed
+    on another, must reproduce."""
+    return _losses(dist_pools, 1, tmp_path_factory.mktemp("straight"), {}, extra=["--checkpoint.enable", "false"])
+
+
 @pytest.mark.parametrize(
     "first,second,options",
     [
@@ -102,8 +110,7 @@ LONG_CONTEXT = [
     ],
     ids=["cp4_to_dp2cp2_long_context", "cp2_to_tp2cp2", "cp2_to_pp2cp2"],
 )
-def test_resume_on_another_mesh_continues_the_same_training(dist_pools, tmp_path, first, second, options):
-    straight = _losses(dist_pools, first[0], tmp_path / "straight", first[1], extra=["--checkpoint.enable", "false"])
+def test_resume_on_another_mesh_continues_the_same_training(dist_pools, straight, tmp_path, first, second, options):
     run = tmp_path / "run"
     head = _losses(dist_pools, first[0], run, first[1], stop_after_save=4, extra=options)
     assert saved_steps(run / "checkpoint") == [4]
