@@ -4,9 +4,9 @@ MFU: ``step FLOPs / (seconds * peak * ranks)``, the step's FLOPs counting the at
 work of the visible (query, key) pairs only (:func:`visible_pairs`, the attention tiles' own
 count). The peak is the device's dense bf16 rating on known GPUs. A CPU has no rating to look
 up: its peak is an *estimate*, the best of several timed fp32 matmuls at start-up on this
-rank's threads (once per process), raised to any higher throughput the run itself reaches (so CPU MFU never
-exceeds 100%; it reads as a fraction of what this machine was seen to do, and is logged as
-``mfu`` with ``mfu_is_estimate = true``).
+rank's threads (once per process), raised to any higher throughput the run itself reaches (so
+CPU MFU never exceeds 100%; it reads as a fraction of what this machine was seen to do, and is
+logged as ``mfu`` with ``mfu_is_estimate = true``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class FlopCounter(Protocol):
 logger = logging.getLogger("titan_cp")
 
 _GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "B200": 2250e12}
+_CPU_PEAKS: dict[int, float] = {}  # by thread count, timed once per process
 
 
 def peak_flops_per_second(device: torch.device) -> float:
@@ -54,12 +55,9 @@ def peak_flops_per_second(device: torch.device) -> float:
                 return peak
         return 312e12
     threads = torch.get_num_threads()
-    if threads not in _CPU_PEAKS:  # once per process and thread count: a process may run many trainers
+    if threads not in _CPU_PEAKS:  # a process may run many trainers
         _CPU_PEAKS[threads] = _timed_matmul_flops()
     return _CPU_PEAKS[threads]
-
-
-_CPU_PEAKS: dict[int, float] = {}
 
 
 def _timed_matmul_flops() -> float:
