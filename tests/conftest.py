@@ -9,6 +9,12 @@ import pytest
 # that imported these once (PoolCache's preload), instead of each importing them after it starts.
 _HEAVY = {"transformers": "transformers.trainer", "trl": "trl.trainer.sft_trainer"}
 
+# Inductor on a CPU compiles C++ with gcc. Before its first kernel it probes which vector ISAs the compiler
+# and the CPU support: six compiles (7 s on a clean machine, more than the kernels of the two tests that
+# compile through inductor). Scalar kernels lower the same graphs: the tests check titan_cp's graphs, not
+# inductor's vectoriser (on a GPU inductor writes Triton instead).
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
 # Under pytest-xdist (``-n 2``: one test process per core) each test process computes on one thread and
 # keeps fewer idle pool workers alive: the two share the cores and the memory.
 _XDIST = "PYTEST_XDIST_WORKER" in os.environ
