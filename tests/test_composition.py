@@ -12,6 +12,8 @@ assert rtol 1e-4 / atol 2e-5 for losses and gradients and 5e-5 for parameters.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -58,7 +60,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+@functools.cache
 def _reference(n_layers: int, flavor: str = "tiny"):
+    """The single-process run: its losses, its first step's gradients and its parameters after the steps
+    (computed once per model in the test process; every rank of every mesh compares with it)."""
     model = build_model(flavor, n_layers=n_layers)
     materialize(model, "cpu", SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -113,8 +118,8 @@ def local_microbatch(pd: ParallelDims, built: ModelParts, full: Microbatch) -> M
     return mine.shard(built.cp, 1 if built.schedule is None else 2)
 
 
-def _compare(rank, world, combo: dict):
-    ref_losses, ref_grads, ref_params = _reference(combo.get("n_layers", 2), combo.get("flavor", "tiny"))
+def _compare(rank, world, combo: dict, reference):
+    ref_losses, ref_grads, ref_params = reference
     pd, options, built, loss_fn = build_combo(world, combo)
     parts, schedule, first, last = built.parts, built.schedule, built.has_first, built.has_last
     opt = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=LR)
@@ -162,8 +167,9 @@ COMBOS = {
 @pytest.mark.parametrize("name", list(COMBOS))
 def test_composition_matches_single_process(dist_pools, name):
     world, combo = COMBOS[name]
+    reference = _reference(combo.get("n_layers", 2), combo.get("flavor", "tiny"))
     for rank, (ref_losses, losses, grad_errs, param_errs) in enumerate(
-        dist_pools.run(world, _compare, combo, timeout=600)
+        dist_pools.run(world, _compare, combo, reference, timeout=600)
     ):
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), (rank, losses, ref_losses)
         bad = {n: e for n, e in grad_errs.items() if not e <= 2e-5}
