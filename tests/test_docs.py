@@ -25,7 +25,6 @@ import inspect
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -167,17 +166,13 @@ def test_sketches_name_the_api_as_it_is(block):
             inspect.signature(target).bind(*args, **kwargs)  # a renamed or removed argument fails here
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("block", _of("run"), ids=str)
 def test_run_blocks_exit_0(block, tmp_path):
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["PET_MASTER_PORT"] = str(_free_port())  # torchrun's --master-port when the block names none
+    # torchrun's --standalone: its rendezvous store binds a port of its own choosing, where a free port picked
+    # here could be taken by the other test process's pools before torchrun binds it
+    env["PET_STANDALONE"] = "1"
     if block.lang == "python":
         argv = [sys.executable, "-c", block.body]
     else:
