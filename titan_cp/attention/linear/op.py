@@ -1,0 +1,379 @@
+"""The linear-attention layers' custom ops: the gated delta rule, Mamba2's SSD and the short convolution.
+
+Each op runs one exchange between the cp ranks, through one driver::
+
+    forward     sent = outgoing(x)            this rank's summaries (or halo rows), from its own tokens
+                recv = send_rows(sent)        what the ranks after it in each document need  (plan)
+                out  = local(x, sent, recv)   every piece from the state (or halo) before it
+    backward    recompute the forward under autograd, then
+                d_x, d_sent, d_recv = grad(out)           through local()
+                d_sent += return_rows(d_recv)             the exchange reversed: gradients home
+                d_x += grad(sent, d_sent)                 through outgoing()
+
+so the op keeps only its inputs (the backward recomputes the local kernel, as activation checkpointing
+would) and its fake needs only shapes. Settings travel as the handle's integer id and the documents as
+the ``doc_lens`` host tensor, as for :mod:`titan_cp.attention.api`'s op.
+
+Shapes are token-major, as ``transformers`` and ``fla`` hold them: ``(batch, seq_local, heads, dim)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from titan_cp.attention.handle import CPHandle, handle_by_id
+from titan_cp.attention.linear import conv as conv_kernel
+from titan_cp.attention.linear import gated_delta, ssd
+from titan_cp.attention.linear.chunks import Chunks, chunked
+from titan_cp.attention.linear.exchange import Transport, return_rows, send_rows, transport
+from titan_cp.attention.linear.plan import HaloPlan, StatePlan, halo_plan, state_plan
+
+
+class Kind(Protocol):
+    """One op's arithmetic, bound to a call's plan (:func:`run`, :func:`run_backward`)."""
+
+    send: dict[int, tuple[int, ...]]
+    recv: dict[int, int]
+    crosses: bool
+
+    def prepare(self, *inputs: Tensor | None) -> Any: ...
+    def outgoing(self, prep: Any) -> Tensor: ...
+    def local(self, prep: Any, sent: Tensor, recv: Tensor) -> Tensor: ...
+
+
+def run(kind: Kind, comm: Transport | None, inputs: Sequence[Tensor | None]) -> Tensor:
+    """The forward (module docstring)."""
+    prep = kind.prepare(*inputs)
+    sent = kind.outgoing(prep)
+    return kind.local(prep, sent, send_rows(comm, sent, kind.send, kind.recv, kind.crosses))
+
+
+@contextlib.contextmanager
+def _autograd() -> Iterator[None]:
+    """Autograd inside a custom op's implementation (which runs below autograd: its keys excluded), for
+    the backward's recomputation; autocast stays excluded."""
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
+
+
+def run_backward(
+    kind: Kind, comm: Transport | None, inputs: Sequence[Tensor | None], dout: Tensor
+) -> list[Tensor | None]:
+    """The gradients of ``inputs`` (``None`` where an input is ``None`` or not floating point)."""
+    leaves = [None if x is None else x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
+    wanted = [x for x in leaves if x is not None and x.requires_grad]
+    with _autograd():
+        prep = kind.prepare(*leaves)
+        sent = kind.outgoing(prep)
+        recv = send_rows(comm, sent.detach(), kind.send, kind.recv, kind.crosses).requires_grad_()
+        sent_leaf = sent.detach().requires_grad_()
+        out = kind.local(prep, sent_leaf, recv)
+        grads = list(torch.autograd.grad(out, [*wanted, sent_leaf, recv], dout, retain_graph=True, allow_unused=True))
+        d_recv, d_sent = grads.pop(), grads.pop()
+        d_sent = torch.zeros_like(sent) if d_sent is None else d_sent
+        d_recv = torch.zeros_like(recv) if d_recv is None else d_recv
+        d_sent = return_rows(comm, d_recv, d_sent, kind.send, kind.recv, kind.crosses)
+        if sent.requires_grad and sent.numel():
+            more = torch.autograd.grad(sent, wanted, d_sent, allow_unused=True)
+            grads = [a if b is None else b if a is None else a + b for a, b in zip(grads, more)]
+    by_leaf = iter(grads)
+    return [None if x is None or not x.requires_grad else next(by_leaf) for x in leaves]
+
+
+# ---------------------------------------------------------------------------- the call's plan
+@dataclass(frozen=True)
+class Call:
+    """A linear op's setting: the handle, its layout for this batch, the rows and the transport."""
+
+    handle: CPHandle
+    batch: int
+    local_len: int
+    comm: Transport | None
+
+    def layout(self, doc_lens: Tensor | None):  # noqa: ANN201 - a SequenceLayout
+        return self.handle.find(self.local_len * self.handle.size, doc_lens)
+
+    def state(self, doc_lens: Tensor | None) -> StatePlan:
+        return state_plan(self.layout(doc_lens), self.handle.rank, self.batch)
+
+    def halo(self, doc_lens: Tensor | None, kernel: int) -> HaloPlan:
+        return halo_plan(self.layout(doc_lens), self.handle.rank, self.batch, kernel)
+
+
+def _call(handle: int, x: Tensor) -> Call:
+    cp = handle_by_id(handle)
+    return Call(cp, x.shape[0], x.shape[1], transport(cp.mesh))
+
+
+def _acc(x: Tensor) -> Tensor:
+    """``x`` in the kernels' precision: fp32, or the input's own where wider."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _flat(x: Tensor) -> Tensor:
+    """``(batch, seq, *F)`` -> ``(batch * seq, *F)`` (the flat token order of :mod:`.plan`)."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _compose(apply: Callable[[Tensor, Tensor | None], Tensor], plan: StatePlan, sent: Tensor, recv: Tensor) -> list:
+    """Each piece's initial state from the summaries before it (``None``: a document's first piece)."""
+    states: list[Tensor | None] = []
+    for chain in plan.chains:
+        s = None
+        for received, i in chain:
+            s = apply((recv if received else sent)[i], s)
+        states.append(s)
+    return states
+
+
+# ---------------------------------------------------------------------------- the gated delta rule
+@dataclass(frozen=True)
+class GatedDelta:
+    """:mod:`.gated_delta` on a call's pieces. ``q, k`` ``(B, S, Hk, Dk)``, ``v`` ``(B, S, Hv, Dv)``,
+    ``g, beta`` ``(B, S, Hv)``; q/k heads repeated to ``Hv`` (grouped value attention), normalised
+    (``qk_l2norm``) and q scaled, in fp32."""
+
+    plan: StatePlan
+    chunks: Chunks
+    scale: float
+    qk_l2norm: bool
+
+    @property
+    def send(self) -> dict[int, tuple[int, ...]]:
+        return self.plan.send
+
+    @property
+    def recv(self) -> dict[int, int]:
+        return self.plan.recv
+
+    @property
+    def crosses(self) -> bool:
+        return self.plan.crosses
+
+    def prepare(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> gated_delta.Prepared:
+        rep = v.shape[2] // q.shape[2]
+        q, k = (_acc(_flat(x)).repeat_interleave(rep, dim=1) for x in (q, k))
+        if self.qk_l2norm:
+            q, k = gated_delta.l2norm(q), gated_delta.l2norm(k)
+        v, g, beta = (_acc(_flat(x)) for x in (v, g, beta))
+        return gated_delta.prepare(self.chunks, q * self.scale, k, v, g, beta)
+
+    def outgoing(self, prep: gated_delta.Prepared) -> Tensor:
+        return gated_delta.summaries(self.chunks, prep, self.plan.summarize, self.plan.middle)
+
+    def local(self, prep: gated_delta.Prepared, sent: Tensor, recv: Tensor) -> Tensor:
+        return gated_delta.outputs(self.chunks, prep, _compose(gated_delta.apply, self.plan, sent, recv))
+
+
+def _gated_delta(handle: int, q: Tensor, doc_lens: Tensor | None, scale: float, qk_l2norm: bool, chunk: int):
+    call = _call(handle, q)
+    plan = call.state(doc_lens)
+    return GatedDelta(plan, chunked(plan.runs, call.batch * call.local_len, chunk), scale, qk_l2norm), call
+
+
+@torch.library.custom_op("titan_cp::cp_gated_delta", mutates_args=())
+def _gated_delta_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, doc_lens: Tensor | None, handle: int, scale: float,
+    qk_l2norm: bool, chunk: int,
+) -> Tensor:  # fmt: skip
+    kind, call = _gated_delta(handle, q, doc_lens, scale, qk_l2norm, chunk)
+    out = run(kind, call.comm, (q, k, v, g, beta))
+    return out.view(v.shape).to(q.dtype)
+
+
+@_gated_delta_op.register_fake
+def _(q, k, v, g, beta, doc_lens, handle, scale, qk_l2norm, chunk):
+    return v.new_empty(v.shape, dtype=q.dtype)
+
+
+@torch.library.custom_op("titan_cp::cp_gated_delta_backward", mutates_args=())
+def _gated_delta_backward_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, doc_lens: Tensor | None, handle: int,
+    scale: float, qk_l2norm: bool, chunk: int,
+) -> list[Tensor]:  # fmt: skip
+    kind, call = _gated_delta(handle, q, doc_lens, scale, qk_l2norm, chunk)
+    grads = run_backward(kind, call.comm, (q, k, v, g, beta), _acc(_flat(dout)))
+    return [gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta))]  # type: ignore[union-attr]
+
+
+@_gated_delta_backward_op.register_fake
+def _(dout, q, k, v, g, beta, doc_lens, handle, scale, qk_l2norm, chunk):
+    return [torch.empty_like(x) for x in (q, k, v, g, beta)]
+
+
+def _gd_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:5])
+    ctx.args = inputs[5:]
+
+
+def _gd_backward(ctx, dout):
+    grads = _gated_delta_backward_op(dout, *ctx.saved_tensors, *ctx.args)
+    return (*grads, None, None, None, None, None)
+
+
+_gated_delta_op.register_autograd(_gd_backward, setup_context=_gd_setup)
+
+
+# ---------------------------------------------------------------------------- Mamba2's SSD
+@dataclass(frozen=True)
+class StateSpace:
+    """:mod:`.ssd` on a call's pieces. ``x`` ``(B, S, H, P)``, ``dt`` ``(B, S, H)``, ``A`` ``(H,)``, ``B, C``
+    ``(B, S, G, N)`` with ``H % G == 0`` (groups repeated to heads), in fp32."""
+
+    plan: StatePlan
+    chunks: Chunks
+
+    @property
+    def send(self) -> dict[int, tuple[int, ...]]:
+        return self.plan.send
+
+    @property
+    def recv(self) -> dict[int, int]:
+        return self.plan.recv
+
+    @property
+    def crosses(self) -> bool:
+        return self.plan.crosses
+
+    def prepare(self, x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor) -> ssd.Prepared:
+        rep = x.shape[2] // b.shape[2]
+        b, c = (_acc(_flat(t)).repeat_interleave(rep, dim=1) for t in (b, c))
+        return ssd.prepare(self.chunks, _acc(_flat(x)), _acc(_flat(dt)), _acc(a), b, c)
+
+    def outgoing(self, prep: ssd.Prepared) -> Tensor:
+        return ssd.summaries(self.chunks, prep, self.plan.summarize, self.plan.middle)
+
+    def local(self, prep: ssd.Prepared, sent: Tensor, recv: Tensor) -> Tensor:
+        return ssd.outputs(self.chunks, prep, _compose(ssd.apply, self.plan, sent, recv))
+
+
+def _state_space(handle: int, x: Tensor, doc_lens: Tensor | None, chunk: int):
+    call = _call(handle, x)
+    plan = call.state(doc_lens)
+    return StateSpace(plan, chunked(plan.runs, call.batch * call.local_len, chunk)), call
+
+
+@torch.library.custom_op("titan_cp::cp_ssd", mutates_args=())
+def _ssd_op(
+    x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, doc_lens: Tensor | None, handle: int, chunk: int
+) -> Tensor:
+    kind, call = _state_space(handle, x, doc_lens, chunk)
+    return run(kind, call.comm, (x, dt, a, b, c)).view(x.shape).to(x.dtype)
+
+
+@_ssd_op.register_fake
+def _(x, dt, a, b, c, doc_lens, handle, chunk):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("titan_cp::cp_ssd_backward", mutates_args=())
+def _ssd_backward_op(
+    dout: Tensor, x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, doc_lens: Tensor | None, handle: int,
+    chunk: int,
+) -> list[Tensor]:  # fmt: skip
+    kind, call = _state_space(handle, x, doc_lens, chunk)
+    grads = run_backward(kind, call.comm, (x, dt, a, b, c), _acc(_flat(dout)))
+    return [gr.to(t.dtype) for gr, t in zip(grads, (x, dt, a, b, c))]  # type: ignore[union-attr]
+
+
+@_ssd_backward_op.register_fake
+def _(dout, x, dt, a, b, c, doc_lens, handle, chunk):
+    return [torch.empty_like(t) for t in (x, dt, a, b, c)]
+
+
+def _ssd_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:5])
+    ctx.args = inputs[5:]
+
+
+def _ssd_backward(ctx, dout):
+    return (*_ssd_backward_op(dout, *ctx.saved_tensors, *ctx.args), None, None, None)
+
+
+_ssd_op.register_autograd(_ssd_backward, setup_context=_ssd_setup)
+
+
+# ---------------------------------------------------------------------------- the short convolution
+@dataclass(frozen=True)
+class Convolution:
+    """:mod:`.conv` on a call's tokens: ``x`` ``(B, S, channels)``, ``weight`` ``(channels, K)``."""
+
+    plan: HaloPlan
+    activation: str | None
+
+    @property
+    def send(self) -> dict[int, tuple[int, ...]]:
+        return self.plan.send
+
+    @property
+    def recv(self) -> dict[int, int]:
+        return self.plan.recv
+
+    @property
+    def crosses(self) -> bool:
+        return self.plan.crosses
+
+    def prepare(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        return _flat(x), weight, bias
+
+    def outgoing(self, prep: tuple[Tensor, Tensor, Tensor | None]) -> Tensor:
+        return prep[0]
+
+    def local(self, prep: tuple[Tensor, Tensor, Tensor | None], sent: Tensor, recv: Tensor) -> Tensor:
+        x, weight, bias = prep
+        return conv_kernel.conv(x, recv, self.plan.taps.to(x.device), weight, bias, self.activation)
+
+
+def _convolution(handle: int, x: Tensor, weight: Tensor, doc_lens: Tensor | None, activation: str):
+    call = _call(handle, x)
+    return Convolution(call.halo(doc_lens, weight.shape[-1]), activation or None), call
+
+
+@torch.library.custom_op("titan_cp::cp_causal_conv1d", mutates_args=())
+def _conv_op(
+    x: Tensor, weight: Tensor, bias: Tensor | None, doc_lens: Tensor | None, handle: int, activation: str
+) -> Tensor:
+    kind, call = _convolution(handle, x, weight, doc_lens, activation)
+    return run(kind, call.comm, (x, weight, bias)).view(x.shape)
+
+
+@_conv_op.register_fake
+def _(x, weight, bias, doc_lens, handle, activation):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("titan_cp::cp_causal_conv1d_backward", mutates_args=())
+def _conv_backward_op(
+    dout: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, doc_lens: Tensor | None, handle: int, activation: str
+) -> list[Tensor]:
+    kind, call = _convolution(handle, x, weight, doc_lens, activation)
+    grads = run_backward(kind, call.comm, (x, weight, bias), _flat(dout))
+    return [g for g in grads if g is not None]
+
+
+@_conv_backward_op.register_fake
+def _(dout, x, weight, bias, doc_lens, handle, activation):
+    return [torch.empty_like(t) for t in (x, weight, bias) if t is not None]
+
+
+def _conv_setup(ctx, inputs, output):
+    x, weight, bias = inputs[:3]
+    ctx.save_for_backward(x, weight, *(() if bias is None else (bias,)))
+    ctx.has_bias, ctx.args = bias is not None, inputs[3:]
+
+
+def _conv_backward(ctx, dout):
+    saved = ctx.saved_tensors
+    x, weight, bias = saved[0], saved[1], saved[2] if ctx.has_bias else None
+    grads = _conv_backward_op(dout, x, weight, bias, *ctx.args)
+    return grads[0], grads[1], grads[2] if ctx.has_bias else None, None, None, None
+
+
+_conv_op.register_autograd(_conv_backward, setup_context=_conv_setup)
