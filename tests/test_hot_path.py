@@ -142,6 +142,48 @@ def test_block_with_cp_attention_compiles_whole(dist_pools, world, strategy, bac
         assert out_err <= 1e-5 and grad_err <= 1e-5, (out_err, grad_err)
 
 
+def _functional_block_matches_eager(rank, world, strategy, backend):
+    """A block that calls :func:`cp_attention` itself (a custom model's path, no ``apply_cp``), compiled with
+    fullgraph=True, gives the eager output and gradients; a batch with other documents reuses the graph.
+    Returns (output error, gradient error, graphs compiled) over both batches."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from titan_cp import SequenceLayout, cp_attention
+
+    torch._dynamo.reset()
+    mesh = cp_mesh(strategy, world) if world > 1 else None
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(16, 48)  # q, k, v: 2 heads of 8
+
+    def block(x, layout):
+        b, s, _ = x.shape
+        q, k, v = proj(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        return cp_attention(q, k, v, mesh, layout, strategy=strategy, window=24).square().mean()
+
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(block, backend=counter, fullgraph=True)
+    errors = []
+    for rows in ([[10, 30, 24], [64]], [[40, 16, 8], [32, 32]]):  # other documents, the same width
+        layout = SequenceLayout(64, world, "doc_zigzag", rows)
+        x = layout.shard(torch.randn(2, 64, 16), 1, rank).requires_grad_()
+        grads = []
+        for fn in (block, compiled):
+            x.grad = proj.weight.grad = None
+            loss = fn(x, layout)
+            loss.backward()
+            grads.append((loss.detach(), x.grad, proj.weight.grad))
+        (loss, *g), (loss_c, *g_c) = grads
+        errors.append(((loss - loss_c).abs().item(), max((a - b).abs().max().item() for a, b in zip(g, g_c))))
+    return max(e[0] for e in errors), max(e[1] for e in errors), counter.frame_count
+
+
+@pytest.mark.parametrize("world,strategy,backend", [(1, "ring", "inductor"), (2, "ring", "aot_eager")])
+def test_a_block_calling_cp_attention_compiles_whole(dist_pools, world, strategy, backend):
+    for out_err, grad_err, graphs in dist_pools.run(world, _functional_block_matches_eager, strategy, backend):
+        assert out_err <= 1e-6 and grad_err <= 1e-6, (out_err, grad_err)
+        assert graphs == 1, f"{graphs} graphs: a batch with other documents must reuse the compiled graph"
+
+
 def test_the_local_handles_id_is_marked_as_torch_compiler_marks_a_constant_result():
     """titan_cp marks :func:`api._local_id` itself (importing ``torch._dynamo`` costs 1.5 s at import): the
     mark must be the one ``torch.compiler.assume_constant_result`` sets (that importing titan_cp imports no

@@ -239,6 +239,10 @@ class SequenceLayout:
         self.cp_size = cp_size
         self.balance = balance
         self.doc_lens = _normalize_doc_lens(seq_len, doc_lens)
+        self.documents = self.doc_lens_tensor()
+        """``doc_lens`` as one ``(batch, max_docs)`` tensor built with the layout (``None`` without documents):
+        what :func:`~titan_cp.attention.cp_attention` hands the op. A tensor held by the layout is an input of a
+        graph ``torch.compile`` traces from the layout, so a new batch's documents are new data, not a new graph."""
         self.local_len = seq_len // cp_size
         rows = self.doc_lens if self.doc_lens is not None else (None,)
         # rows with the same documents share everything; keep one entry per distinct row

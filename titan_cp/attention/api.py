@@ -21,7 +21,6 @@ tensor (on the host), by which the handle finds the layout the batch was sharded
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import TypeVar
@@ -110,11 +109,50 @@ def _local_id(kernel: str | None) -> int:
     return local_handle(kernel).id
 
 
-@functools.lru_cache(maxsize=64)
-def _functional_handle(mesh: DeviceMesh | None, strategy: str, balance: str, kernel: str | None) -> CPHandle:
-    """The handle :func:`cp_attention` runs by: one per setting (a compiled caller keeps one graph),
-    the last 64 kept (a call's backward needs its handle: its documents tensor holds it too)."""
-    return CPHandle(mesh, strategy, balance, kernel)
+class _CallerLayouts(CPHandle):
+    """The handle :func:`cp_attention` runs by. Its caller gives the layout with every call, so the op finds
+    no registered layout: it takes the layout of the call's documents under this handle's balance, which is
+    the layout given (a layout is a function of its sequence length, cp size, balance and documents;
+    :func:`~titan_cp.layout.get_layout`, memoised by value, returns the caller's own object when the caller
+    took it from there). Nothing is registered per call, so nothing runs outside the op while
+    ``torch.compile`` traces a caller."""
+
+    def find(self, seq_len: int, doc_lens: DocLens | None) -> SequenceLayout:
+        if self.size == 1:
+            return super().find(seq_len, doc_lens)
+        return get_layout(seq_len, self.size, self.balance, doc_lens)
+
+
+_FUNCTIONAL: dict[tuple[DeviceMesh | None, str, str, str | None], CPHandle] = {}
+
+
+@_assume_constant_result
+def _functional_id(
+    mesh: DeviceMesh | None,
+    strategy: str,
+    balance: str,
+    kernel: str | None,
+    cp_size: int,
+    q: tuple[torch.device, torch.dtype, int, int],
+    kv_heads: int,
+) -> int:
+    """Checks :func:`cp_attention`'s settings and returns the id of the handle it runs by: one per setting
+    (mesh, strategy, the layout's balance, kernel), kept for the process, as a compiled graph holds the id.
+    Run eagerly even while ``torch.compile`` traces a caller (a graph constant, as :func:`_local_id`); its
+    ``ValueError`` then reaches the caller wrapped by dynamo, message and all.
+
+    ``cp_size``: the layout's; ``q``: its ``(device, dtype, heads, head_dim)``."""
+    device, dtype, q_heads, head_dim = q
+    check_kernel(kernel, device, dtype, head_dim)
+    if mesh is None:
+        if cp_size != 1:
+            raise ValueError(f"mesh is None but the layout spreads the sequence over {cp_size} ranks")
+    else:
+        get_strategy(strategy).check_mesh(mesh, cp_size, q_heads, kv_heads)
+    key = (mesh, strategy, balance, kernel)
+    if key not in _FUNCTIONAL:
+        _FUNCTIONAL[key] = _CallerLayouts(mesh, strategy, balance, kernel)
+    return _FUNCTIONAL[key].id
 
 
 def _mask(causal: bool, window: int, chunk: int) -> Mask:
@@ -365,20 +403,14 @@ def cp_attention(
         sinks: ``(q_heads,)`` learned per-head logits that join every query's softmax denominator
             (gpt-oss), differentiable; ``None``: no sinks.
     """
-    strat = get_strategy(strategy)
+    get_strategy(strategy)
     check_qkv(q, k, v)
     _check_layout(q, layout)
     mask = check_mask(causal, window, chunk, sinks, q.shape[1])
     scale = _scale(scale, q.shape[-1])
-    check_kernel(kernel, q.device, q.dtype, q.shape[-1])
-    if mesh is None:
-        if layout.cp_size != 1:
-            raise ValueError(f"mesh is None but the layout spreads the sequence over {layout.cp_size} ranks")
-    else:
-        strat.check_mesh(mesh, layout.cp_size, q.shape[1], k.shape[1])
-    cp = _functional_handle(mesh, strategy, layout.balance, kernel)
-    _, doc_lens = cp.register(layout.seq_len, layout.doc_lens)
-    return attend(q, k, v, cp.id, doc_lens, mask.causal, scale, mask.window, mask.chunk, sinks)
+    settings = (q.device, q.dtype, q.shape[1], q.shape[-1])
+    handle = _functional_id(mesh, strategy, layout.balance, kernel, layout.cp_size, settings, k.shape[1])
+    return attend(q, k, v, handle, layout.documents, mask.causal, scale, mask.window, mask.chunk, sinks)
 
 
 def local_attention(
