@@ -175,6 +175,14 @@ def test_chat_jsonl_that_cannot_be_parsed_names_the_file_and_line(tmp_path, cont
         build_dataset(load(argv), TOK)
 
 
+def test_a_data_file_that_cannot_be_parsed_stops_the_trainer_before_any_process_group(tmp_path):
+    """The trainer reads its data files before its process group starts (and before the mesh line): every
+    rank meets the bad line alone, so rank 0's line is the run's one line."""
+    (tmp_path / "chat.jsonl").write_bytes(CHAT.encode() + b"\n" + CHAT.encode()[:-1] + b"\n")
+    argv = tiny_run_args() + ["--training.dataset", "chat", "--training.dataset_path", str(tmp_path / "chat.jsonl")]
+    refused_before_start(argv, "chat.jsonl, line 2: not JSON", tmp_path / "out")
+
+
 def test_a_line_broken_after_the_start_is_named_when_read(tmp_path):
     chat, text = tmp_path / "chat.jsonl", tmp_path / "docs.jsonl"
     chat.write_text(CHAT + "\n" + CHAT + "\n")
@@ -397,14 +405,17 @@ def test_a_newest_step_holding_only_the_model_is_refused_naming_the_steps_to_cho
 def test_pruning_never_removes_the_newest_whole_state(tmp_path):
     """checkpoint.keep_latest_k = 2 over a whole step 2 and model-only steps 3 and 4 (model-only final
     saves of runs extended twice): step 2 stays, the only step a resume can continue; once a whole
-    step 5 is saved it goes."""
+    step 5 is saved it goes. The step-N-model exports keep the newest 2."""
     folder = tmp_path / "checkpoint"
     dcp_step(folder, 2)
     dcp_step(folder, 3, with_optimizer=False)
     dcp_step(folder, 4, with_optimizer=False)
+    for step in (2, 3, 4):  # the model exports of three runs' last steps: pruned to the newest k as well
+        (folder / f"step-{step}-model").mkdir()
     ckpt = Checkpointer(folder, [], [], {}, keep_latest_k=2)
     ckpt._purge()
     assert saved_steps(folder) == [2, 3, 4]
+    assert sorted(p.name for p in folder.glob("*-model")) == ["step-3-model", "step-4-model"]
     dcp_step(folder, 5)
     ckpt._purge()
     assert saved_steps(folder) == [4, 5]
@@ -442,6 +453,72 @@ def test_non_finite_weights_or_optimizer_state_in_a_checkpoint_are_named(tmp_pat
             match=r"step-6 holds non-finite values \(NaN or inf\) in .*optimizer.state.tok_embeddings.weight.exp_avg",
         ):
             ckpt.load()
+
+
+def _trained_checkpointer(folder: Path) -> Checkpointer:
+    """A Checkpointer of the tiny model and an AdamW that took one step (so it holds moments)."""
+    model = build_model("tiny", device="cpu")
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long)).float().sum().backward()
+    opt.step()
+    return Checkpointer(folder, [model], [opt], {})
+
+
+def _overwrite(folder: Path, prefix: str, values: int = 1000) -> str:
+    """Overwrite ``values`` floats of the largest item named ``prefix...`` in ``folder``'s payload with 0.5,
+    from 1 KiB into its bytes (inside the tensor's data: DCP reads them without complaint); its name."""
+    items = dcp.FileSystemReader(str(folder)).read_metadata().storage_data.items()
+    index, info = max(((i, s) for i, s in items if i.fqn.startswith(prefix)), key=lambda item: item[1].length)
+    assert info.length > 1024 + 4 * values
+    with open(folder / info.relative_path, "r+b") as f:
+        f.seek(info.offset + 1024)
+        f.write(torch.full((values,), 0.5).numpy().tobytes())
+    return index.fqn
+
+
+@pytest.mark.parametrize("section", ["optimizer", "model"])
+def test_a_flipped_region_of_a_saved_file_is_refused_naming_the_step_to_resume(tmp_path, section):
+    """Steps 4 and 8 saved with their checksums; 1,000 floats of one of step 8's optimizer (or model)
+    tensors overwritten with 0.5 (finite: DCP and the NaN check load them without a word, and the run
+    goes on differently): the resume refuses step 8 in one line naming the bytes, the tensor and step 4
+    to resume from instead. Step 4, intact, loads, as does step 8 before the damage."""
+    from titan_cp.checkpoint import ChecksumWriter, has_checksums
+
+    ckpt = _trained_checkpointer(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        for step in (4, 8):
+            dcp.save(
+                ckpt._state(model_only=False), storage_writer=ChecksumWriter(tmp_path / f"step-{step}"), no_dist=True
+            )
+    assert has_checksums(dcp.FileSystemReader(str(tmp_path / "step-8")).read_metadata())
+    assert ckpt.load() == 8
+    name = _overwrite(tmp_path / "step-8", section)
+    with pytest.raises(
+        UserError,
+        match=rf"checkpoint {tmp_path}/step-8 is damaged: bytes \d+-\d+ of __0_0.distcp \({name}\) are not the bytes "
+        r"saved \(their CRC-32 differs\); resume from an older step with --checkpoint.load_step 4 \(saved steps: "
+        rf"\[4\]\); moving {tmp_path}/step-8 away, the run resumes from step 4$",
+    ):
+        ckpt.load()
+    assert ckpt.load(4) == 4
+
+
+def test_a_checkpoint_without_checksums_loads_with_a_warning(tmp_path):
+    """A step saved by DCP alone (titan_cp before checksums, or another program): loaded, with one
+    warning saying its bytes are not checked."""
+    from titan_cp.testing.logs import captured
+
+    ckpt = _trained_checkpointer(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(ckpt._state(model_only=False), checkpoint_id=str(tmp_path / "step-3"), no_dist=True)
+    with captured() as out:
+        assert ckpt.load() == 3
+    assert [m for level, m in out.lines if level == "WARNING"] == [
+        f"checkpoint {tmp_path}/step-3 carries no checksums (saved by titan_cp before it wrote them, or by another "
+        "program): its bytes are loaded unchecked (DCP's own checks and the NaN/inf check only)"
+    ]
 
 
 def test_a_payload_damaged_in_place_is_a_user_error_when_loaded(tmp_path):

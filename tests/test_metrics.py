@@ -106,7 +106,7 @@ def test_a_full_disk_under_the_metrics_file_is_one_line_naming_the_file_and_the_
     metrics._jsonl = _FullDisk()
     line = (
         rf"metrics of step 3 could not be written to {path}: the disk is full \(\d+ bytes free\); the records before "
-        r"it are kept\. Free space there \(or choose another job.dump_folder, or set metrics.save_jsonl_file = '' to "
+        r"it are kept, and a rerun starts from step 1\. Free space there \(or choose another job.dump_folder, or set metrics.save_jsonl_file = '' to "
         r"write none\) and rerun"
     )
     with pytest.raises(UserError, match=line):

@@ -11,7 +11,10 @@ on the loss.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,10 +24,12 @@ from titan_cp import metrics as metrics_module
 from titan_cp.checkpoint import saved_steps
 from titan_cp.config import load_config
 from titan_cp.data import build_dataloader, build_tokenizer
+from titan_cp.errors import DEBUG_ENV
 from titan_cp.testing.logs import captured
 from titan_cp.testing.trainer import tiny_run_args
 from titan_cp.train import main
 
+REPO = Path(__file__).resolve().parents[1]
 BASE = tiny_run_args(steps=8, warmup_steps=2, global_batch_size=4) + [
     "--checkpoint.interval",
     "4",
@@ -128,9 +133,9 @@ def test_resume_on_another_mesh_continues_the_same_training(dist_pools, straight
 def _train_crashing_at_save(rank, world, argv, crash_step):
     real = ckpt_module.dcp.save
 
-    def save(state, checkpoint_id):
-        real(state, checkpoint_id=checkpoint_id)
-        if checkpoint_id.endswith(f"step-{crash_step}.tmp"):
+    def save(state, storage_writer):
+        real(state, storage_writer=storage_writer)
+        if str(storage_writer.path).endswith(f"step-{crash_step}.tmp"):
             raise RuntimeError("simulated crash while saving")
 
     ckpt_module.dcp.save = save
@@ -342,7 +347,8 @@ def test_extending_a_finished_run_continues_where_it_ended(dist_pools, tmp_path)
     whole state (checkpoint.last_save_model_only puts the model alone beside it); the three runs'
     losses are the losses of one 6-step run, metrics.jsonl lists each step once and nothing is set
     aside; with interval 3 and keep_latest_k 2 (the second run saves its last step only) a whole
-    state is always kept. The log names the saved and the new mesh, and the checkpoint once."""
+    state is always kept, and the newest 2 model exports. The log names the saved and the new mesh, and
+    the checkpoint once."""
     constant_lr = ["--lr_scheduler.decay_ratio", "0"]  # the same schedule whatever training.steps says
     argv = tiny_run_args(global_batch_size=4) + constant_lr + [
         "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "2",
@@ -364,7 +370,7 @@ def test_extending_a_finished_run_continues_where_it_ended(dist_pools, tmp_path)
     assert [r["loss"] for r in rows] == pytest.approx(straight, rel=1e-4)
     assert saved_steps(folder) == [5, 6] and not any(ckpt_module._model_only(folder / f"step-{s}") for s in (5, 6))
     exports = sorted(p.name for p in folder.glob("*-model"))
-    assert exports == ["step-4-model", "step-5-model", "step-6-model"]
+    assert exports == ["step-5-model", "step-6-model"]  # keep_latest_k prunes the exports too
     for name in exports:  # the model alone
         saved = ckpt_module.dcp.FileSystemReader(str(folder / name)).read_metadata().state_dict_metadata
         assert saved and all(key.startswith("model.") for key in saved), name
@@ -436,7 +442,8 @@ def test_a_run_that_cannot_train_stops_with_one_message(dist_pools, tmp_path):
 
 def test_resume_applies_the_configs_lr_and_keeps_the_history(dist_pools, tmp_path):
     """A finished run (steps 2 and 3): a resume from step 2 with a new optimizer.lr takes it (the
-    schedule's position from the checkpoint); another flavor is named as such, not as damage; the
+    schedule's position from the checkpoint); another flavor is named as such, not as damage; a
+    training.steps below the newest step is refused, one equal to it trains nothing; the
     resume keeps the first run's metrics.jsonl as metrics.jsonl.1 (its step 3 is trained again), a start
     from step 0 keeps the history as metrics.jsonl.2."""
     run = tmp_path / "run"
@@ -446,9 +453,16 @@ def test_resume_applies_the_configs_lr_and_keeps_the_history(dist_pools, tmp_pat
     ]  # fmt: skip
     resumed = [*argv, "--training.steps", "4", "--optimizer.lr", "1e-3", "--checkpoint.load_step", "2"]
     other = [*argv, "--model.flavor", "tiny_swa"]
+    short, done = [*argv, "--training.steps", "3"], [*argv, "--training.steps", "4"]
     fresh = [*argv, "--checkpoint.enable", "false", "--training.steps", "1"]
-    first, again, flavor, scratch = dist_pools.run(1, _messages, [argv, resumed, other, fresh], timeout=600)[0]
+    argvs = [argv, resumed, other, short, done, fresh]
+    first, again, flavor, past, nothing, scratch = dist_pools.run(1, _messages, argvs, timeout=600)[0]
     assert saved_steps(run / "checkpoint") == [2, 3, 4]
+    assert past == (
+        f"the checkpoint to resume, step 4 ({run}/checkpoint/step-4), is past training.steps = 3: the run would "
+        "train nothing. Raise training.steps above 4 to continue it, or resume step 3 with --checkpoint.load_step 3"
+    )
+    assert nothing == []  # step 4 = training.steps: a finished run, said in a warning
     schedule = [r["lr"] / 8e-4 for r in first]  # debug_cp.toml's optimizer.lr
     assert [r["step"] for r in again] == [3, 4] and again[0]["lr"] == pytest.approx(1e-3 * schedule[2])
     assert flavor.startswith(f"checkpoint {run}/checkpoint/step-4 was saved from another model than model.flavor")
@@ -458,60 +472,88 @@ def test_resume_applies_the_configs_lr_and_keeps_the_history(dist_pools, tmp_pat
     assert history == [[1, 2, 3], [1, 2, 3, 4]] and (run / "metrics.jsonl").read_text().count("\n") == 1
 
 
-def _full_disk_at(rank, world, argv, folder):
-    """``main(argv)`` with the file system refusing the writes into the checkpoint folder ``folder``
-    (e.g. ``step-4.tmp``: step 4's save in progress) with ENOSPC."""
-    import errno
-
-    from torch.distributed.checkpoint import filesystem
-
-    from titan_cp.errors import UserError
-
-    real = filesystem._write_item
-
-    def write_item(*args, **kwargs):
-        stream = args[1] if len(args) > 1 else kwargs["stream"]
-        if f"/{folder}/" in str(getattr(stream, "name", "")):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(*args, **kwargs)
-
-    filesystem._write_item = write_item
-    try:
-        main(argv)
-    except UserError as e:
-        return str(e)
-    finally:
-        filesystem._write_item = real
+def _launch_on_a_full_disk(argv: list[str], prefix: Path, free: int) -> str:
+    """``python -m titan_cp.run --nproc-per-node 2 -m titan_cp.train argv`` as a user runs it, with the files
+    written under ``prefix`` on a disk with ``free`` bytes left (:mod:`titan_cp.testing.full_disk`); the one
+    line it ended with, after checking that it is the only one: exit status 2, no traceback, nothing from
+    rank 1, every other line the trainer's log or the launcher's."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for name in (DEBUG_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    launcher = ["-m", "titan_cp.run", "--standalone", "--nproc-per-node", "2", "-m", "titan_cp.testing.full_disk"]
+    done = subprocess.run(
+        [sys.executable, *launcher, str(prefix), str(free), *argv],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 2 and "Traceback" not in output and "[rank" not in output, output
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
+    log = re.compile(r"\d{4}-\d\d-\d\d [\d:,]+ (INFO|WARNING) |\S+ [\d:.]+ \d+ \S*torch/distributed/")
+    assert len(errors) == 1 and all(log.match(line) or line in errors for line in done.stderr.splitlines()), output
+    return errors[0]
 
 
-def test_a_full_disk_during_a_save_is_one_line_naming_the_folder_and_the_step_kept(dist_pools, tmp_path):
+def test_a_full_disk_mid_metrics_or_mid_checkpoint_is_one_line_on_two_ranks(dist_pools, straight, tmp_path):
+    """Under the launcher, 2 ranks (CP 2), 8 steps saved every 4: metrics.jsonl's disk filling after step
+    4's save, then, rerun, step 8's save not fitting (refused inside torch.save, whose zip writer reports
+    only a position mismatch): each run ends with exactly one line, rank 0's, naming the file or folder,
+    the free bytes and the step kept, and exit status 2. Nothing is lost: the records before are kept,
+    step 4 stays whole, and the run resumed from it afterwards trains the straight run's steps 5-8."""
     run = tmp_path / "run"
-    argv = tiny_run_args(steps=4) + [
-        "--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(run), "--checkpoint.enable",
-        "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+    argv = BASE + _mesh_args(cp=2) + ["--job.dump_folder", str(run)]
+    kept = "step-4 is kept whole and a rerun resumes from it"
+    line = _launch_on_a_full_disk(argv, run / "metrics.jsonl", 1600)  # ~4.5 records of ~350 bytes
+    found = re.fullmatch(
+        rf"error: metrics of step (\d) could not be written to {run}/metrics.jsonl: the disk is full \(\d+ bytes "
+        rf"free\); the records before it are kept, {kept}\. Free space there .* and rerun",
+        line,
+    )
+    assert found and int(found.group(1)) > 4, line
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    head = [json.loads(x)["loss"] for x in lines[: int(found.group(1)) - 1]]  # then a record cut by the disk
+    assert head[:4] == pytest.approx(straight[:4], rel=1e-6) and saved_steps(run / "checkpoint") == [4]
+    line = _launch_on_a_full_disk(argv, run / "checkpoint" / "step-8", 100_000)
+    size = sum(f.stat().st_size for f in (run / "checkpoint" / "step-4").rglob("*") if f.is_file())
+    assert re.fullmatch(
+        rf"error: checkpoint step 8 could not be written to {run}/checkpoint: the disk is full \(\d+ bytes free; the "
+        rf"last saved step takes {size} bytes\); {kept}\. Free space there .* and rerun",
+        line,
+    ), line
+    assert saved_steps(run / "checkpoint") == [4] and not (run / "checkpoint" / "step-8.tmp").exists()
+    tail = dist_pools.run(2, _train, argv, timeout=600)[0]  # space freed: the rerun resumes from step 4
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9)) and saved_steps(run / "checkpoint") == [4, 8]
+    assert tail == pytest.approx([r["loss"] for r in rows[4:]], rel=1e-6)
+    assert tail == pytest.approx(straight[4:], rel=1e-4)
+
+
+def _export_on_a_full_disk(rank, world, argv, prefix):
+    """``main(argv)`` with the files written under ``prefix`` on a full disk: the ``UserError`` it stops with."""
+    from titan_cp.errors import UserError
+    from titan_cp.testing.full_disk import full_disk
+
+    with full_disk(prefix, 0):
+        try:
+            main(argv)
+        except UserError as e:
+            return str(e)
+
+
+def test_a_full_disk_during_the_model_export_names_the_step_holding_the_same_model(dist_pools, tmp_path):
+    argv = tiny_run_args(steps=2) + [
+        "--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(tmp_path), "--checkpoint.enable",
+        "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0", "--checkpoint.last_save_model_only",
     ]  # fmt: skip
-    messages = dist_pools.run(2, _full_disk_at, argv, "step-4.tmp", timeout=600)
+    messages = dist_pools.run(2, _export_on_a_full_disk, argv, tmp_path / "checkpoint" / "step-2-model", timeout=600)
     same = [re.sub(r"\d+ bytes free", "", m) for m in messages]  # the free space moves between the two looks
     assert same[0] == same[1], messages  # every rank stops with the same line
-    size = sum(f.stat().st_size for f in (run / "checkpoint" / "step-2").rglob("*") if f.is_file())
-    assert re.fullmatch(
-        rf"checkpoint step 4 could not be written to {run}/checkpoint: the disk is full \(\d+ bytes free; the last "
-        rf"saved step takes {size} bytes\); step-2 is kept whole and a rerun resumes from it\. Free space there .*",
-        messages[0],
-    ), messages[0]
-    assert saved_steps(run / "checkpoint") == [2] and not (run / "checkpoint" / "step-4.tmp").exists()
-    # the model export after the last step: its step holds the same model
-    argv = [*argv, "--training.steps", "2", "--checkpoint.last_save_model_only", "--job.dump_folder", str(tmp_path)]
-    message = dist_pools.run(2, _full_disk_at, argv, "step-2-model.tmp", timeout=600)[0]
     assert re.fullmatch(
         rf"the model export step-2-model could not be written to {tmp_path}/checkpoint: the disk is full \(\d+ bytes "
         r"free; the last saved step takes \d+ bytes\); step-2 holds the same model with the whole state "
         r"\(checkpoint.initial_load_path loads its model alone\)",
-        message,
-    ), message
-    assert saved_steps(tmp_path / "checkpoint") == [2] and sorted(
-        p.name for p in (tmp_path / "checkpoint").iterdir()
-    ) == ["step-2"]
+        messages[0],
+    ), messages[0]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
 
 
 def _log_of(rank, world, argv):

@@ -23,8 +23,9 @@ or :meth:`Checkpointer.close` is called.
 Every ``step-N`` holds the whole state, the last step's too, so a finished run extended with a
 larger ``training.steps`` continues exactly where it ended. ``checkpoint.last_save_model_only``
 adds an export of the model alone, ``step-N-model`` (:meth:`Checkpointer.export_model`): not a
-step to resume from, and never pruned. ``checkpoint.keep_latest_k`` prunes the older ``step-N``
-folders but never the newest one holding the whole state. A ``step-N`` holding the model alone
+step to resume from. ``checkpoint.keep_latest_k`` prunes the older ``step-N`` folders but never
+the newest one holding the whole state, and the ``step-N-model`` exports to the newest k as well
+(``step-N-hf``, the Hugging Face export, is never pruned). A ``step-N`` holding the model alone
 (a model-only final save as torchtitan writes it) is refused as the newest step of a resume,
 naming the steps to choose from; named by ``checkpoint.load_step`` it loads the model alone.
 
@@ -36,33 +37,47 @@ lists missing or shorter than the metadata says, or DCP failing to read it) is a
 any process group starts. Leftover ``step-N.tmp`` folders (saves that never finished) are
 removed when the next run starts, and after every save.
 
+Every saved item (a tensor's shard, or a pickled object) carries the CRC-32 of its bytes as
+written: :class:`ChecksumWriter` sums them while DCP writes them (no second read) and records each
+in the item's storage record of ``.metadata``; :class:`ChecksumReader` checks them as DCP reads the
+items. An item whose bytes changed since (a flipped region, a torn page) is a ``UserError`` naming
+the file, the bytes, the tensor and the step to resume from instead. A checkpoint without checksums
+(saved by titan_cp before it wrote them, or by another program) loads with a one-line warning.
+
 Never silently wrong: before loading, the checkpoint's model tensors are compared with the
 model's (names and shapes, every pipeline stage's together): another model's checkpoint (a
 flavor or ``model.hf_assets_path`` changed since the save) is a ``UserError`` that says so and
 that the checkpoint is not damaged. After loading, the weights and optimizer state are checked
 for NaN/inf (bytes damaged in a way DCP cannot tell), naming the checkpoint and the tensors. A
-save the file system refuses (a full disk: ``ENOSPC``) is one ``UserError`` on every rank naming
-the folder, the free bytes, the last saved step's size and the step kept (:func:`save_failure`).
+save the file system refuses (a full disk: ``ENOSPC``, seen by :class:`ChecksumWriter` where
+``torch.save``'s writer would report only a position mismatch) is one ``UserError`` on every rank
+naming the folder, the free bytes, the last saved step's size and the step kept
+(:func:`save_failure`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import logging
 import os
 import re
 import shutil
-from collections.abc import Sequence, Set
+import zlib
+from collections.abc import Iterator, Sequence, Set
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -72,6 +87,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.futures import Future as TorchFuture
 
 from titan_cp.errors import UserError, process_rank
 from titan_cp.model import hf_checkpoint, torchtitan_checkpoint
@@ -79,6 +95,7 @@ from titan_cp.model.llama import ModelArgs
 
 logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_EXPORT_DIR = re.compile(r"^step-(\d+)-model$")
 _INITIAL_FIX = "point it at a checkpoint that is whole"
 
 
@@ -228,6 +245,127 @@ def check_resume(folder: Path, step: int = -1, weights: bool = False) -> int | N
     return _step_of(path)
 
 
+CRC_FIELD = "crc32"
+"""The attribute of an item's storage record (DCP's ``_StorageInfo`` in ``.metadata``: file, offset,
+length) that holds the CRC-32 of the item's bytes as written. An attribute of torch's own record,
+so any DCP reader still reads the checkpoint (and ignores it)."""
+
+
+class _SummedStream:
+    """A file DCP writes, passed every byte, keeping the CRC-32 of each item's bytes.
+
+    DCP asks a file's position (``tell``) right before and right after each item it writes
+    (``filesystem._write_item``), so the bytes between two asks are one item: ``sums[(start, end)]``
+    is their CRC-32 (``zlib.crc32``, chained over the writes). An ``OSError`` of the file (a full
+    disk) is kept in ``error``: ``torch.save``'s zip writer reports it only as a position mismatch."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self._file = file
+        self.pos = self._mark = self._crc = 0
+        self.sums: dict[tuple[int, int], int] = {}
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            n = self._file.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+        self._crc = zlib.crc32(memoryview(data).cast("B")[:n], self._crc)
+        self.pos += n
+        return n
+
+    def tell(self) -> int:
+        if self.pos != self._mark:
+            self.sums[self._mark, self.pos] = self._crc
+            self._mark, self._crc = self.pos, 0
+        return self.pos
+
+    def __getattr__(self, name: str) -> Any:  # flush, close, fileno (fsync): the file's own
+        return getattr(self._file, name)
+
+
+class _SummingFileSystem(FileSystem):
+    """DCP's local file system, whose files opened for writing are :class:`_SummedStream` s (by name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streams: dict[str, _SummedStream] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            summed = self.streams[Path(path).name] = _SummedStream(cast(IO[bytes], stream))
+            yield cast(io.IOBase, summed)
+
+
+class ChecksumWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` that records the CRC-32 of every item it writes in the item's
+    storage record (:data:`CRC_FIELD`), summed as the bytes go to the file, and that raises the
+    file's own ``OSError`` (a full disk) where ``torch.save`` would report a position mismatch.
+    Costs one ``zlib.crc32`` pass over the bytes (benchmarks/results/2026-12-05-checkpoint-checksum.md)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self.fs = self._files = _SummingFileSystem()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture:
+        try:
+            results = super().write_data(plan, planner).wait()
+        except Exception as e:
+            refused = next((s.error for s in self._files.streams.values() if s.error is not None), None)
+            if refused is None:
+                raise
+            raise refused from e
+        for result in results:
+            info = result.storage_data
+            stream = self._files.streams[info.relative_path]
+            stream.tell()  # the file's last item ends here
+            span = (info.offset, info.offset + info.length)
+            assert info.length == 0 or span in stream.sums, f"DCP wrote {info} between two positions it did not ask"
+            setattr(info, CRC_FIELD, stream.sums.get(span, 0))
+        done: TorchFuture = TorchFuture()
+        done.set_result(results)
+        return done
+
+
+class DamagedItem(Exception):
+    """An item of a checkpoint whose bytes do not match the CRC-32 written with them."""
+
+    def __init__(self, file: str, offset: int, length: int, name: str) -> None:
+        super().__init__(f"bytes {offset}-{offset + length - 1} of {file} ({name}) are not the bytes saved")
+        self.file, self.name = file, name
+
+
+class ChecksumReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` that checks each item's bytes against the CRC-32 of its storage
+    record (:data:`CRC_FIELD`) before DCP decodes them, raising :class:`DamagedItem` when they differ.
+    Items without one (older checkpoints) are read as DCP reads them. Holds one item's bytes at a time."""
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._names = {(info.relative_path, info.offset): index.fqn for index, info in self.storage_data.items()}
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        view = super()._slice_file(file, sinfo)
+        expected = getattr(sinfo, CRC_FIELD, None)
+        if expected is None:
+            return view
+        data = view.read()
+        if len(data) != sinfo.length or zlib.crc32(data) != expected:
+            name = self._names.get((sinfo.relative_path, sinfo.offset), "an item")
+            raise DamagedItem(sinfo.relative_path, sinfo.offset, sinfo.length, name)
+        return io.BytesIO(data)
+
+
+def has_checksums(metadata: Metadata) -> bool:
+    """Whether the checkpoint of ``metadata`` records its items' CRC-32 (:class:`ChecksumWriter`)."""
+    return any(hasattr(info, CRC_FIELD) for info in (metadata.storage_data or {}).values())
+
+
 class Checkpointer:
     """Save and load the whole training state with DCP.
 
@@ -294,19 +432,26 @@ class Checkpointer:
         self.close()
         final = self.folder / name
         tmp = self.folder / f"{name}.tmp"
+        refused = None
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as e:  # a full disk refuses a folder too
+                refused = save_failure(self.folder, tmp, e)
+        refused = next((r for r in _all_ranks([refused]) if r is not None), None)  # and every rank waits for it
+        if refused is not None:
+            raise UserError(refused)
         state = self._state(model_only=model_only)
+        writer = ChecksumWriter(tmp)
         if self.async_mode == "async":
-            saving = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
+            saving = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
             # a staged save (an async stager's) answers with its two futures: the upload is the save's end
             future = saving.upload_completion if isinstance(saving, AsyncSaveResponse) else saving
             self._pending = (future, tmp, final)
             return final
         try:
-            dcp.save(state, checkpoint_id=str(tmp))
+            dcp.save(state, storage_writer=writer)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
             self._write_failed(e, tmp)
         self._finish(tmp, final)
@@ -345,9 +490,9 @@ class Checkpointer:
         dist.barrier()
 
     def _purge(self) -> None:
-        """Remove leftovers of crashed saves, and the steps older than the newest ``keep_latest_k``
-        but the newest one holding the whole state (a resume needs it; a model-only step cannot
-        stand in for it)."""
+        """Remove leftovers of crashed saves, the steps older than the newest ``keep_latest_k`` but
+        the newest one holding the whole state (a resume needs it; a model-only step cannot stand in
+        for it), and the ``step-N-model`` exports older than the newest ``keep_latest_k``."""
         for p in self.folder.glob("step-*.tmp"):  # leftovers of crashed saves
             shutil.rmtree(p, ignore_errors=True)
         if self.keep_latest_k > 0:
@@ -356,6 +501,9 @@ class Checkpointer:
             for step in steps[: -self.keep_latest_k]:
                 if step != whole:
                     shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
+            exports = sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := _EXPORT_DIR.match(p.name)))
+            for step in exports[: -self.keep_latest_k]:
+                shutil.rmtree(self.folder / f"step-{step}-model", ignore_errors=True)
 
     def remove_leftovers(self) -> None:
         """Remove the ``step-N.tmp`` folders of saves that never finished (rank 0)."""
@@ -434,7 +582,7 @@ class Checkpointer:
         fused = {s.key for s in found.values() if s.part is not None}
         load = {s.key: state[name] for name, s in found.items() if s.part is None}
         load.update({k: torch.empty(saved[k], dtype=metadata.state_dict_metadata[k].properties.dtype) for k in fused})
-        _dcp_load(load, path, what, _INITIAL_FIX)
+        _dcp_load(load, path, metadata, what, _INITIAL_FIX)
         if fused:
             self._split_fused_qkv(state, found, load, what)
         _check_finite({"model": state}, what, _INITIAL_FIX)
@@ -513,7 +661,7 @@ class Checkpointer:
             state["train_state"] = {k: v for k, v in state["train_state"].items() if f"train_state.{k}" in saved}
         if "model" in state:
             self._check_model_keys(metadata, state["model"], what)
-        _dcp_load(state, path, what, fix)
+        _dcp_load(state, path, metadata, what, fix)
         _check_finite({k: state[k] for k in ("model", "optimizer") if k in state}, what, fix)
         if "model" in state:
             for part in self.model_parts:
@@ -586,11 +734,23 @@ def _check_finite(state: dict, what: str, fix: str) -> None:
         )
 
 
-def _dcp_load(state: dict, path: Path, what: str, fix: str) -> None:
-    """``dcp.load`` of ``state`` from ``path``; a failure to read it is a ``UserError`` naming ``what``."""
+def _dcp_load(state: dict, path: Path, metadata: Metadata, what: str, fix: str) -> None:
+    """``dcp.load`` of ``state`` from ``path`` (its ``metadata`` read), each item checked against its checksum
+    (:class:`ChecksumReader`); an item that does not match, or a failure to read, is a ``UserError``
+    naming ``what``. A checkpoint without checksums is loaded with a warning (rank 0)."""
+    if not has_checksums(metadata) and _rank0():
+        logger.warning(
+            "%s carries no checksums (saved by titan_cp before it wrote them, or by another program): its bytes are "
+            "loaded unchecked (DCP's own checks and the NaN/inf check only)",
+            what,
+        )
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=ChecksumReader(str(path)))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+        failures = [f[0] for f in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+        damaged = next((f for f in failures if isinstance(f, DamagedItem)), None)
+        if damaged is not None:
+            raise UserError(f"{what} is damaged: {damaged} (their CRC-32 differs); {fix}") from e
         raise UserError(f"{what} cannot be loaded ({_cause(e)}); {fix}") from e
 
 

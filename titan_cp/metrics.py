@@ -26,6 +26,7 @@ import torch
 
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, attention_schedule
 from titan_cp.attention.tiling import CAUSAL, Mask, tile_mask
+from titan_cp.checkpoint import saved_steps
 from titan_cp.errors import UserError
 from titan_cp.layout import SequenceLayout, get_layout
 
@@ -309,16 +310,23 @@ def _free_name(path: Path) -> Path:
     return path.with_name(f"{path.name}.{n}")
 
 
-def write_failure(path: Path, step: int, error: OSError) -> str:
+def write_failure(path: Path, step: int, error: OSError, checkpoints: Path | None = None) -> str:
     """The one line for the metrics file ``path`` that ``error`` (a full disk: ``ENOSPC``) kept from
-    taking the records of ``step`` (and those after it)."""
+    taking the records of ``step`` (and those after it): the file, the free bytes, and the newest
+    step saved in ``checkpoints`` (the checkpoint folder; ``None``: checkpoints are off), which a rerun
+    resumes from."""
     reason = error.strerror or str(error)
     if error.errno == errno.ENOSPC:
         free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else 0
         reason = f"the disk is full ({free} bytes free)"
+    steps = saved_steps(checkpoints) if checkpoints is not None else []
+    kept = (
+        f", step-{steps[-1]} is kept whole and a rerun resumes from it" if steps else ", and a rerun starts from step 1"
+    )
     return (
-        f"metrics of step {step} could not be written to {path}: {reason}; the records before it are kept. Free "
-        "space there (or choose another job.dump_folder, or set metrics.save_jsonl_file = '' to write none) and rerun"
+        f"metrics of step {step} could not be written to {path}: {reason}; the records before it are kept{kept}. "
+        "Free space there (or choose another job.dump_folder, or set metrics.save_jsonl_file = '' to write none) and "
+        "rerun"
     )
 
 
@@ -332,12 +340,14 @@ class MetricsLogger:
     once and no record is deleted. A run from step 0 over an existing file keeps that history
     under the first free name too. A file deleted while the run writes it is created again at the
     next record (with a warning). A write the file system refuses (a full disk) is one
-    ``UserError`` naming the file and the step (:func:`write_failure`)."""
+    ``UserError`` naming the file, the step and the checkpoint a rerun resumes from
+    (:func:`write_failure`); rank 0 alone writes, so the trainer raises it on every rank."""
 
     def __init__(self, dump_folder: Path, cfg: JobConfig, enabled: bool, resumed_step: int = 0) -> None:
         self.enabled = enabled
         self._jsonl: TextIO | None = None
         self._tb = None
+        self._checkpoints = dump_folder / cfg.checkpoint.folder if cfg.checkpoint.enable else None
         if not enabled:
             return
         dump_folder.mkdir(parents=True, exist_ok=True)
@@ -346,7 +356,7 @@ class MetricsLogger:
             try:
                 self._jsonl = self._open(path, resumed_step)
             except OSError as e:
-                raise UserError(write_failure(path, resumed_step + 1, e)) from None
+                raise UserError(write_failure(path, resumed_step + 1, e, self._checkpoints)) from None
             self._path = path
         if cfg.metrics.enable_tensorboard:
             try:
@@ -384,7 +394,7 @@ class MetricsLogger:
                 jsonl, self._jsonl = self._jsonl, None
                 with contextlib.suppress(OSError):  # its unwritten bytes would fail again at exit
                     jsonl.close()
-                raise UserError(write_failure(self._path, record["step"], e)) from None
+                raise UserError(write_failure(self._path, record["step"], e, self._checkpoints)) from None
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):

@@ -23,16 +23,18 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from titan_cp.ac_modes import ac_mode_and_every
-from titan_cp.checkpoint import Checkpointer
+from titan_cp.checkpoint import Checkpointer, saved_steps
 from titan_cp.config import JobConfig, load_config, usage
 from titan_cp.data import build_dataloader, build_tokenizer
-from titan_cp.data.loader import Step
+from titan_cp.data.loader import Step, build_sources
 from titan_cp.errors import UserError, plural, run_cli
 from titan_cp.layout import SequenceLayout, cut_at_shards
 from titan_cp.lock import DumpLock, watch_launcher
@@ -57,6 +59,7 @@ from titan_cp.step import Microbatch, forward_backward
 __all__ = ["Trainer", "compute_precision", "init_distributed", "main", "mesh_line"]
 
 logger = logging.getLogger("titan_cp")
+T = TypeVar("T")
 ZERO_GRAD_STEPS = 3
 """Steps in a row with a grad norm of exactly 0 that stop a run (nothing trains)."""
 
@@ -185,6 +188,9 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
+        # every data file is read and checked before any process group starts: a bad one is one line
+        self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
+        self.sources = build_sources(cfg, self.tokenizer, announce=os.environ.get("RANK", "0") == "0")
         self.device = init_distributed(cfg)
         self.rank0 = dist.get_rank() == 0
         torch.manual_seed(cfg.training.seed)
@@ -212,7 +218,7 @@ class Trainer:
         self.zero_grad_steps = 0  # steps in a row whose grad norm was exactly 0
         self.dump = Path(cfg.job.dump_folder)
         self._build_checkpointer()
-        self.metrics = MetricsLogger(self.dump, cfg, enabled=self.rank0, resumed_step=self.state.step)
+        self.metrics = _on_every_rank(MetricsLogger, self.dump, cfg, self.rank0, self.state.step)
         self.profiler = Profiler(cfg.profiling, self.dump, dist.get_rank(), self.device)
         dist.barrier()  # ranks sharing a machine measure together, each seeing its share of it
         p = cfg.parallelism
@@ -243,12 +249,12 @@ class Trainer:
         self.tp_rank = self.dims.get_mesh("tp").get_local_rank()
 
     def _build_data(self) -> None:
-        """The tokenizer, this dp rank's training loader and, with validation, its validation loader."""
-        cfg = self.cfg
-        self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
-        self.loader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "train", self.rank0)
+        """This dp rank's training loader and, with validation, its validation loader (over the sources
+        read before the process group started)."""
+        cfg, sources, dp = self.cfg, self.sources, (self.dp_rank, self.dp_degree)
+        self.loader = build_dataloader(cfg, self.tokenizer, *dp, "train", self.rank0, sources["train"])
         self.val_loader = (
-            build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, "validation", self.rank0)
+            build_dataloader(cfg, self.tokenizer, *dp, "validation", self.rank0, sources["validation"])
             if cfg.validation.enable
             else None
         )
@@ -309,6 +315,8 @@ class Trainer:
             model_what=self.family.describe(self.cfg.model),
         )
         resumed = c.enable and self.checkpointer.load(c.load_step) is not None
+        if resumed and self.state.step > self.cfg.training.steps:
+            raise UserError(_past_the_end(self.state.step, self.cfg.training.steps, self.checkpointer.folder))
         if resumed and self.state.step > 0:  # the whole state loaded: the config's hyperparameters win
             self._apply_config_hyperparameters()
         if not resumed and c.initial_load_path:  # into the sharded, initialised model
@@ -438,6 +446,10 @@ class Trainer:
         history = []
         first_step = self.state.step
         self.step_metrics.start(first_step, t.steps)
+        if first_step == t.steps and self.rank0:
+            logger.warning(
+                "resumed at step %d = training.steps: nothing left to train (raise training.steps to go on)", t.steps
+            )
         while self.state.step < t.steps:
             step_data = next(self.loader)
             t0 = time.perf_counter()
@@ -462,7 +474,8 @@ class Trainer:
             if self.val_loader is not None and step % cfg.validation.freq == 0:
                 record.update(self.validate())
             history.append(record)
-            self.metrics.log(record, console=step % cfg.metrics.log_freq == 0 or step == t.steps)
+            console = step % cfg.metrics.log_freq == 0 or step == t.steps
+            _on_every_rank(self.metrics.log, record, console)  # rank 0 writes; a full disk stops every rank
             if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps):
                 self.checkpointer.save(step)  # the last step's too: a longer run continues from it exactly
                 if step == t.steps and cfg.checkpoint.last_save_model_only:
@@ -519,20 +532,41 @@ class Trainer:
         return self.step_metrics.skipped_record(step, lr, step_data, self.loader.source_tokens)
 
 
+def _past_the_end(step: int, steps: int, folder: Path) -> str:
+    """The line refusing a resume at ``step`` (saved in the checkpoint ``folder``) past ``training.steps``."""
+    earlier = [s for s in saved_steps(folder) if s <= steps]
+    other = f", or resume step {earlier[-1]} with --checkpoint.load_step {earlier[-1]}" if earlier else ""
+    return (
+        f"the checkpoint to resume, step {step} ({folder / f'step-{step}'}), is past training.steps = {steps}: the "
+        f"run would train nothing. Raise training.steps above {step} to continue it{other}"
+    )
+
+
+def _on_every_rank(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on this rank; a ``UserError`` it raises on any rank is raised on every rank alike (the
+    lowest rank's). For what one rank does alone (rank 0 writes the metrics file, takes the lock): the
+    others stop with its one line rather than in their next collective, where a peer gone is a
+    traceback each. One ``all_gather_object`` of a ``None`` when nothing failed."""
+    error: str | None = None
+    try:
+        result = fn(*args)
+    except UserError as e:
+        error = str(e)
+    errors: list[str | None] = [error]
+    if dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise UserError(first)
+    return result
+
+
 def _lock_dump_folder(folder: Path, rank0: bool) -> DumpLock | None:
     """Rank 0 takes the dump folder's lock (:class:`titan_cp.lock.DumpLock`); a folder another run holds
     is the same ``UserError`` on every rank."""
-    lock, refused = (DumpLock(folder) if rank0 else None), None
-    if lock is not None:
-        try:
-            lock.acquire()
-        except UserError as e:
-            refused = str(e)
-    message: list[str | None] = [refused]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(message, src=0)
-    if message[0] is not None:
-        raise UserError(message[0])
+    lock = DumpLock(folder) if rank0 else None
+    _on_every_rank(lock.acquire if lock is not None else lambda: None)
     return lock
 
 

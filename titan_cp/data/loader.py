@@ -195,17 +195,19 @@ def build_dataloader(
     dp_degree: int,
     split: Split = "train",
     announce: bool = False,
+    source: DocumentSource | None = None,
 ) -> PackedDataLoader:
     """The loader of ``split`` for dp rank ``dp_rank`` of ``dp_degree`` (the ``"dp"`` mesh view).
 
     Training steps take ``training.global_batch_size`` rows; validation steps take
     ``validation.local_batch_size x dp_degree`` rows (no accumulation). Both pack with
     ``training.packing`` (``training.packing_lookahead`` pieces ahead, padding with the
-    tokenizer's PAD id). ``announce``: log what the source drops (chat records without a loss
+    tokenizer's PAD id). ``source``: the split's documents, built already (:func:`build_sources`);
+    ``None``: built here. ``announce``: log what the source drops (chat records without a loss
     turn), on one rank.
     """
     t, v = job_config.training, job_config.validation
-    source = build_dataset(job_config, tokenizer, split, announce)
+    source = build_dataset(job_config, tokenizer, split, announce) if source is None else source
     packing: dict[str, Any] = dict(packing=t.packing, lookahead=t.packing_lookahead, pad_id=tokenizer.pad_id)
     if split == "train":
         global_batch_size, _ = job_config.resolve_batch_sizes(dp_degree)
@@ -216,3 +218,11 @@ def build_dataloader(
     seq_len = t.seq_len if v.seq_len == -1 else v.seq_len
     local = t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
     return PackedDataLoader(source, seq_len, local * dp_degree, local, dp_rank, dp_degree, **packing)
+
+
+def build_sources(job_config: JobConfig, tokenizer: Tokenizer, announce: bool = False) -> dict[Split, DocumentSource]:
+    """The documents of the training split and, with ``validation.enable``, of the validation split
+    (:func:`~titan_cp.data.datasets.build_dataset`): every data file is read and checked here, so the
+    trainer calls this before any process group starts. ``announce``: as :func:`build_dataloader`."""
+    splits: tuple[Split, ...] = ("train", "validation") if job_config.validation.enable else ("train",)
+    return {split: build_dataset(job_config, tokenizer, split, announce) for split in splits}
