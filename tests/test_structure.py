@@ -19,7 +19,7 @@ ROOT = Path(titan_cp.__file__).parent
 MAX_FUNCTION_LINES = 80
 
 # Registries own their names: comparing against them there is the point.
-REGISTRIES = {"families/base.py", "families/llama3.py", "integrations/hf_family.py", "attention/strategy.py"}
+REGISTRIES = {"families/base.py", "families/llama3/family.py", "integrations/hf_family.py", "attention/strategy.py"}
 # The same words meaning something else, compared where they mean that: (module, word, what it is there).
 OTHER_MEANINGS = {
     ("data/datasets.py", "hf"): "training.dataset = 'hf', a dataset saved by the datasets library",
