@@ -20,7 +20,7 @@ import torch
 from benchmarks.fake_cuda import HostSyncError, simulate
 from titan_cp.attention.kernels import cuda_flash
 from titan_cp.attention.kernels.cuda_flash import CUDAFlashKernel
-from titan_cp.attention.strategy import get_strategy
+from titan_cp.attention.pricing import AttentionCall, cost_of
 from titan_cp.layout import get_layout
 
 SEQ, CP, HEADS, KV_HEADS, DIM = 131072, 8, 32, 8, 128
@@ -46,7 +46,7 @@ def _min_bytes(strategy: str, ulysses: int, layout, rank: int) -> int:
     meta = dict(dtype=torch.bfloat16, device="meta")
     q = torch.empty(1, HEADS, SEQ // CP, DIM, **meta)
     k = torch.empty(1, KV_HEADS, SEQ // CP, DIM, **meta)
-    return get_strategy(strategy).min_bytes(q, k, CP, ulysses, layout=layout, rank=rank)
+    return cost_of(strategy).min_bytes(AttentionCall.of(q, k, CP, ulysses, layout), rank=rank)
 
 
 @pytest.mark.parametrize("docs", [None, DOCS], ids=["causal", "documents"])

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from benchmarks.memory import BYTE_VOCAB, measure_cp, measure_mesh
 from titan_cp import plan as P
@@ -63,7 +62,7 @@ def test_memory_matches_bench_memory(dist_pools, cp):
         sent = max(r["bytes_sent"] for r in got)
         docs = [proportional_doc_lens(SEQ, DOCS)]
         assert sent == P.cp_bytes_per_rank(
-            DEBUG, SEQ, 1, "ring", cp, ac=ac, dtype=torch.float32, doc_rows=docs, balance="doc_zigzag"
+            DEBUG, SEQ, 1, "ring", cp, ac=ac, act_bytes=4, doc_rows=docs, balance="doc_zigzag"
         )
 
 
@@ -83,7 +82,7 @@ def test_saved_and_comm_bytes_per_strategy(dist_pools, strategy, ulysses):
                 4,
                 ulysses=ulysses,
                 ac=ac,
-                dtype=torch.float32,
+                act_bytes=4,
                 doc_rows=docs,
                 balance="doc_zigzag",
                 rank=rank,
@@ -165,7 +164,7 @@ def test_comm_bytes_on_composition_meshes(dist_pools, name):
                         combo.get("ulysses", 1),
                         args.n_layers // pp,
                         combo.get("ac", "none"),
-                        torch.float32,
+                        4,
                         doc_rows=mb,
                         balance=combo.get("balance", "doc_zigzag"),
                         rank=c,

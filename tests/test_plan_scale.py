@@ -171,7 +171,8 @@ def test_zigzag_closed_forms_equal_the_general_counts(monkeypatch):
     pairs and merged rows per ring step equal the mask tiles' (for zigzag, doc_local and doc_zigzag, one
     and two rows, chunks of one token to several blocks)."""
     from titan_cp import layout as layout_module  # noqa: PLC0415
-    from titan_cp.attention.ring import _read_once, exchanged_rows, fp32_returned_rows  # noqa: PLC0415
+    from titan_cp.attention.pricing import exchanged_rows, fp32_returned_rows  # noqa: PLC0415
+    from titan_cp.attention.ring import read_once  # noqa: PLC0415
     from titan_cp.attention.tiling import CAUSAL, causal_counts, tile_mask, zigzag_counts  # noqa: PLC0415
     from titan_cp.plan.cost import attention_work  # noqa: PLC0415
 
@@ -190,7 +191,7 @@ def test_zigzag_closed_forms_equal_the_general_counts(monkeypatch):
             for g in range(ring):
                 for h in range(ring):
                     tiles = tile_mask(layout, group(g), group(h), CAUSAL)
-                    fp32 = None if g == h else _read_once(tiles, 2) == "fp32"
+                    fp32 = None if g == h else read_once(tiles, 2) == "fp32"
                     assert zigzag_counts(layout, g, h, u, 2) == (*causal_counts(layout, group(g), group(h), 2), fp32)
                     checked += 1
             key = (balance, n, c, rows, u)
@@ -225,7 +226,7 @@ def test_the_planner_counts_a_one_document_ring_of_4096_ranks_without_a_pair_of_
 
     from titan_cp import doc_local  # noqa: PLC0415
     from titan_cp.attention import tiling  # noqa: PLC0415
-    from titan_cp.attention.strategy import get_strategy  # noqa: PLC0415
+    from titan_cp.attention.pricing import AttentionCall, cost_of  # noqa: PLC0415
     from titan_cp.layout import get_layout  # noqa: PLC0415
     from titan_cp.plan.cost import attention_work  # noqa: PLC0415
 
@@ -253,6 +254,6 @@ def test_the_planner_counts_a_one_document_ring_of_4096_ranks_without_a_pair_of_
     layout = get_layout(seq, n, "doc_local", [[seq]])
     q = torch.empty(1, 8, seq // n, 128, dtype=torch.bfloat16, device="meta")
     for name, u in (("ring", 1), ("allgather", 1), ("hybrid", 2)):
-        assert get_strategy(name).min_bytes(q, q, n, u, True, layout) > 0
+        assert cost_of(name).min_bytes(AttentionCall.of(q, q, n, u, layout)) > 0
     assert len(calls) <= 8, calls
     attention_work.cache_clear()

@@ -43,9 +43,8 @@ from titan_cp.attention.fold import (
     make_folds,
 )
 from titan_cp.attention.merge import sinks_grad
-from titan_cp.attention.ring import exchanged_rows, ring_bytes
 from titan_cp.attention.strategy import BackwardGrads, Strategy, kept_input, register_strategy
-from titan_cp.attention.tiling import CAUSAL, Mask, TileIndex, head_major, tile_mask, token_major
+from titan_cp.attention.tiling import Mask, TileIndex, head_major, tile_mask, token_major
 from titan_cp.layout import SequenceLayout, to_device
 
 
@@ -167,42 +166,6 @@ class AllGather(Strategy):
         b, h, s, e = q.shape
         rows = torch.library.get_ctx().new_dynamic_size()
         return q.new_empty((h, b * s), dtype=torch.float32), k.new_empty((rows, 2, k.shape[1], e))
-
-    def min_bytes(
-        self,
-        q: Tensor,
-        k: Tensor,
-        cp: int,
-        ulysses_degree: int = 1,
-        backward: bool = True,
-        layout: SequenceLayout | None = None,
-        rank: int | None = None,
-        mask: Mask = CAUSAL,
-    ) -> int:
-        """What each peer needs of this rank's K/V, and in the backward the fp32 gradients of the rows it
-        received (the ring's count, in one collective). Without a layout every rank needs everything."""
-        if layout is None:
-            sent = recv = (cp - 1) * k.shape[0] * k.shape[2]
-            return ring_bytes(k, sent, recv, backward, resend=False)
-        ranks = range(cp) if rank is None else (rank,)
-        return max(
-            ring_bytes(k, *exchanged_rows(layout, r, cp, 1, mask, k.shape[0]), backward, resend=False) for r in ranks
-        )
-
-    def saved_bytes_per_token(
-        self,
-        act_bytes: int,
-        q_heads: int,
-        kv_heads: int,
-        head_dim: int,
-        cp: int,
-        ulysses_degree: int = 1,
-        documents: bool = True,
-    ) -> float:
-        """Local q, out and lse, and the key buffer: at most ``cp`` tokens' K/V per local token (all of them
-        when every row is seen by another rank; fewer under ``doc_local`` or a window)."""
-        a, h, e = act_bytes, q_heads, head_dim
-        return 2 * a * h * e + 4 * h + cp * 2 * a * kv_heads * e
 
 
 ALLGATHER = register_strategy(AllGather())

@@ -36,6 +36,7 @@ import titan_cp.attention.ulysses  # noqa: F401
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.handle import CPHandle, handle_by_id
 from titan_cp.attention.kernels import check_kernel
+from titan_cp.attention.pricing import AttentionCall, cost_of
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
 from titan_cp.attention.tiling import CAUSAL, Mask
 from titan_cp.layout import DocLens, SequenceLayout, get_layout
@@ -144,15 +145,15 @@ def _functional_id(
     ``cp_size``: the layout's; ``q``: its ``(device, dtype, heads, head_dim)``."""
     device, dtype, q_heads, head_dim = q
     check_kernel(kernel, device, dtype, head_dim)
-    if mesh is None:
-        if cp_size != 1:
-            raise ValueError(f"mesh is None but the layout spreads the sequence over {cp_size} ranks")
-    else:
-        get_strategy(strategy).check_mesh(mesh, cp_size, q_heads, kv_heads)
+    if mesh is None and cp_size != 1:
+        raise ValueError(f"mesh is None but the layout spreads the sequence over {cp_size} ranks")
     key = (mesh, strategy, balance, kernel)
-    if key not in _FUNCTIONAL:
+    if key not in _FUNCTIONAL:  # the handle resolves the strategy (and refuses a mesh of other dims)
         _FUNCTIONAL[key] = _CallerLayouts(mesh, strategy, balance, kernel)
-    return _FUNCTIONAL[key].id
+    handle = _FUNCTIONAL[key]
+    if mesh is not None:
+        handle.strategy_impl.check_mesh(mesh, cp_size, q_heads, kv_heads)
+    return handle.id
 
 
 def _mask(causal: bool, window: int, chunk: int) -> Mask:
@@ -305,27 +306,30 @@ _cp_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------- FLOPs
-def local_head_pairs(handle: int, q: Tensor, doc_lens: Tensor | None, mask: Mask) -> int:
-    """Visible (query, key) pairs times heads that this rank's kernels compute in one CP attention call."""
+def local_head_pairs(handle: int, q: Tensor, kv_heads: int, doc_lens: Tensor | None, mask: Mask) -> int:
+    """Visible (query, key) pairs times heads that this rank's kernels compute in one CP attention call
+    (its strategy's cost object: :meth:`~titan_cp.attention.pricing.StrategyCost.local_head_pairs`)."""
     cp = handle_by_id(handle)
     layout = cp.find(q.shape[2] * cp.size, doc_lens)
-    return cp.strategy_impl.local_head_pairs(layout, cp.rank, mask, q.shape[0], q.shape[1], cp.ulysses_degree)
+    b, h, s, e = q.shape
+    call = AttentionCall(cp.size, h, kv_heads, e, cp.ulysses_degree, b, s, q.element_size(), layout, mask)
+    return cost_of(cp.strategy_impl).local_head_pairs(call, cp.rank)
 
 
 @register_flop_formula(torch.ops.titan_cp.cp_attention, get_raw=True)
 def _cp_attention_flops(q, k, v, doc_lens, sinks, handle, causal, window, chunk, scale, *a, out_val=None, **kw) -> int:
     """``QK^T`` and ``PV`` over the visible pairs only: ``2 * 2 * head_dim`` per pair and head
     (masked-out and empty tiles are never computed, so they are not counted)."""
-    return 4 * q.shape[-1] * local_head_pairs(handle, q, doc_lens, _mask(causal, window, chunk))
+    return 4 * q.shape[-1] * local_head_pairs(handle, q, k.shape[1], doc_lens, _mask(causal, window, chunk))
 
 
 @register_flop_formula(torch.ops.titan_cp.cp_attention_backward, get_raw=True)
 def _cp_attention_backward_flops(
-    dout, q, k, v, out, saved, doc_lens, sinks, handle, causal, window, chunk, *a, out_val=None, **kw
+    dout, q, k, v, out, saved, doc_lens, sinks, handle, causal, window, chunk, scale, kv_heads, *a, out_val=None, **kw
 ) -> int:
     """Twice the forward (``dQ, dK, dV`` and ``dP``: four products per pair), the convention of
     PyTorch's SDPA backward formula (the recomputation of ``P`` is not counted)."""
-    return 8 * dout.shape[-1] * local_head_pairs(handle, dout, doc_lens, _mask(causal, window, chunk))
+    return 8 * dout.shape[-1] * local_head_pairs(handle, dout, kv_heads, doc_lens, _mask(causal, window, chunk))
 
 
 # ---------------------------------------------------------------------------- public functions
@@ -455,6 +459,7 @@ def min_bytes_per_rank(
     mask: Mask | None = None,
 ) -> int:
     """The bytes a rank sends for one forward (+ backward) on these local shapes: with ``layout``, what the
-    ranks need of each other under it (``rank``; ``None``: the rank sending most), else the dense case."""
-    mask = CAUSAL if mask is None else mask
-    return get_strategy(strategy).min_bytes(q, k, world, ulysses_size, backward, layout, rank, mask)
+    ranks need of each other under it (``rank``; ``None``: the rank sending most), else the dense case
+    (the strategy's cost object: :meth:`~titan_cp.attention.pricing.StrategyCost.min_bytes`)."""
+    call = AttentionCall.of(q, k, world, ulysses_size, layout, CAUSAL if mask is None else mask)
+    return cost_of(strategy).min_bytes(call, backward, rank)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
+from titan_cp.attention.strategy import DEFAULT_STRATEGY, LOCAL_STRATEGY, Strategy, get_strategy
 from titan_cp.balance import get_balance
 from titan_cp.layout import DEFAULT_BALANCE, DocLens, SequenceLayout, doc_lens_key, get_layout
 
@@ -79,25 +79,25 @@ class CPHandle:
         balance: str = DEFAULT_BALANCE,
         kernel: str | None = None,
     ) -> None:
-        self._strategy = get_strategy(strategy)
+        named = get_strategy(strategy)  # the one place the name is resolved: everything else reads the handle
         get_balance(balance)  # a typo is refused here, with the names it could be
-        if mesh is not None and mesh.ndim != self._strategy.mesh_ndim:
+        if mesh is not None and mesh.ndim != named.mesh_ndim:
             raise ValueError(
-                f"strategy {strategy!r} needs a {self._strategy.mesh_ndim}-D cp mesh, got a {mesh.ndim}-D mesh "
+                f"strategy {strategy!r} needs a {named.mesh_ndim}-D cp mesh, got a {mesh.ndim}-D mesh "
                 f"{mesh.mesh_dim_names}"
             )
         self.mesh, self.strategy, self.balance, self.kernel = mesh, strategy, balance, kernel
+        self.strategy_impl: Strategy = named if mesh is not None else get_strategy(LOCAL_STRATEGY)
+        """The registered :class:`~titan_cp.attention.strategy.Strategy` the op runs (on one device the
+        ring's one-step path, plain local attention); :attr:`strategy` is its name as given."""
         self.size = 1 if mesh is None else mesh.size()
-        self.rank = 0 if mesh is None else self._strategy.layout_rank(mesh)
+        self.rank = 0 if mesh is None else named.layout_rank(mesh)
         """This process's place in the layout (the flattened ring x ulysses index under hybrid)."""
+        self.ulysses_degree = 1 if mesh is None else named.mesh_ulysses_degree(mesh)
+        """The Ulysses degree the mesh gives the strategy (1 but under hybrid)."""
         self.id = next(_IDS)
         _HANDLES[self.id] = self
         self._layouts: dict[Key, list[Any]] = {}  # key -> [layout, live documents tensors]
-
-    @property
-    def strategy_impl(self) -> Strategy:
-        """The registered :class:`~titan_cp.attention.strategy.Strategy` (the ring on one device)."""
-        return get_strategy("ring") if self.mesh is None else self._strategy
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -105,10 +105,6 @@ class CPHandle:
         if self.mesh is None:
             return None
         return (self.mesh if self.mesh.ndim == 1 else self.mesh._flatten()).get_group()
-
-    @property
-    def ulysses_degree(self) -> int:
-        return 1 if self.mesh is None else self._strategy.mesh_ulysses_degree(self.mesh)
 
     # ------------------------------------------------------------------ layouts in flight
     def register(

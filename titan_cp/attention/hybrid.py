@@ -31,28 +31,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_cp.attention.comm import PeerComm
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.ring import (
-    RING,
     RingGroup,
     RingSteps,
-    exchanged_rows,
-    fp32_returned_rows,
-    kv_block_bytes,
     ring_backward,
-    ring_bytes,
     ring_forward,
     ring_steps,
 )
-from titan_cp.attention.strategy import AxisBytes, kv_heads_per_shard, register_strategy
-from titan_cp.attention.tiling import CAUSAL, Mask, tile_mask
+from titan_cp.attention.strategy import register_strategy
 from titan_cp.attention.ulysses import (
     HeadExchange,
     Heads,
     concat_to_stacked,
-    exchange_bytes,
     head_index,
     stacked_to_concat,
 )
-from titan_cp.layout import SequenceLayout
 
 
 def hybrid_dims(mesh: DeviceMesh) -> tuple[int, int]:
@@ -170,88 +162,6 @@ class Hybrid(HeadExchange[tuple[RingGroup, RingSteps]]):
         """Every cp rank of the 2-D mesh in layout order, addressed by its global rank in the default group
         (no group is created: the op may run on some stages of a pipeline only)."""
         return None if ctx.cp_size == 1 or ctx.mesh is None else PeerComm(None, layout_peers(ctx.mesh))
-
-    def local_head_pairs(
-        self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int, ulysses_degree: int = 1
-    ) -> int:
-        """The Ulysses group's queries against every key, for 1/U of the heads (or, where the call runs
-        the ring's schedule, the ring's)."""
-        home = self.ring_schedule_pairs(layout, rank, mask, batch, q_heads)
-        if home is not None:
-            return home
-        u = ulysses_degree
-        return tile_mask(layout, _members(u)(rank // u), None, mask).pairs(batch) * q_heads // u
-
-    def min_bytes(
-        self,
-        q: Tensor,
-        k: Tensor,
-        cp: int,
-        ulysses_degree: int = 1,
-        backward: bool = True,
-        layout: SequenceLayout | None = None,
-        rank: int | None = None,
-        mask: Mask = CAUSAL,
-    ) -> int:
-        """The Ulysses all-to-alls inside the group, then the ring among groups on the groups' unions
-        (``U`` times the tokens, at the K/V heads of one head shard), only the rows another group needs."""
-        axes = self.min_bytes_by_axis(q, k, cp, ulysses_degree, backward, layout, rank, mask)
-        return sum(a.nbytes for a in axes)
-
-    def min_bytes_by_axis(
-        self,
-        q: Tensor,
-        k: Tensor,
-        cp: int,
-        ulysses_degree: int = 1,
-        backward: bool = True,
-        layout: SequenceLayout | None = None,
-        rank: int | None = None,
-        mask: Mask = CAUSAL,
-    ) -> tuple[AxisBytes, ...]:
-        """The ring among groups on ``cp_ring``, the all-to-alls inside a group on ``cp_ulysses``; where
-        the call runs the ring's schedule, the ring over every cp rank, on ``cp_ring`` (its neighbours are mostly in other
-        groups) unless there is one group."""
-        u = ulysses_degree
-        home = self.ring_schedule_bytes(q, k, cp, backward, layout, rank, mask)
-        if home is not None:
-            on_ring = cp // u > 1
-            return AxisBytes("cp_ring", cp // u, home if on_ring else 0, True), AxisBytes(
-                "cp_ulysses", u, 0 if on_ring else home, not on_ring
-            )
-        uly = exchange_bytes(q, k, u, backward, layout is not None and layout.packs_documents)
-        b, _, s, d = k.shape
-        k_ring = torch.empty(b, kv_heads_per_shard(q.shape[1], k.shape[1], u), s * u, d, dtype=k.dtype, device="meta")
-        if layout is None:
-            ring = RING.min_bytes(q, k_ring, cp // u, backward=backward)
-        else:
-            groups = range(cp // u) if rank is None else (rank // u,)
-            ring = max(
-                ring_bytes(
-                    k_ring,
-                    *exchanged_rows(layout, g, cp // u, u, mask, b),
-                    backward,
-                    fp32=fp32_returned_rows(layout, g, cp // u, u, mask, b) if backward else None,
-                )
-                for g in groups
-            )
-        return AxisBytes("cp_ring", cp // u, ring, cp // u > 1), AxisBytes("cp_ulysses", u, uly, False)
-
-    def exchange_buffer_bytes(
-        self,
-        act_bytes: int,
-        q_heads: int,
-        kv_heads: int,
-        head_dim: int,
-        local_tokens: int,
-        cp: int,
-        ulysses_degree: int = 1,
-    ) -> int:
-        """The ring's two K/V blocks and two fp32 dK/dV accumulators, on the group's union."""
-        if cp == 1:
-            return 0
-        kvb = kv_block_bytes(act_bytes, kv_heads, head_dim, local_tokens)
-        return 2 * kvb * ulysses_degree + 2 * kvb * 4 // act_bytes
 
 
 HYBRID = register_strategy(Hybrid())

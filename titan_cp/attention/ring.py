@@ -57,7 +57,6 @@ from titan_cp.attention.tiling import (
     head_major,
     tile_mask,
     token_major,
-    zigzag_counts,
 )
 from titan_cp.layout import SequenceLayout
 
@@ -124,7 +123,7 @@ def _key_map(rows: torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
-def _read_once(tiles: MaskTiles, batch: int) -> str:
+def read_once(tiles: MaskTiles, batch: int) -> str:
     """``"input"`` when every key row ``tiles`` reads is read by one packed key row of one call (its
     gradient is one kernel output, exact in the input dtype), else ``"fp32"`` (host, from the tiles)."""
     return "input" if tiles.packed_key_count(batch) == tiles.key_row_count(batch) else "fp32"
@@ -153,7 +152,7 @@ def _step(
     peer = tile_mask(layout, tuple(members(dst)), mine, mask)  # dst's step s: the same tiles on both ends
     rows = peer.key_rows(batch)
     send = Rows.of(rows, device) if len(rows) else None
-    step = RingStep(src, dst, tiles, index, len(need), grads, send, _read_once(tiles, batch), _read_once(peer, batch))
+    step = RingStep(src, dst, tiles, index, len(need), grads, send, read_once(tiles, batch), read_once(peer, batch))
     return step, rows
 
 
@@ -382,7 +381,7 @@ def merged_query_rows(layout: SequenceLayout, rank: int, mask: Mask, batch: int)
 
     def build() -> int:
         n = layout.cp_size
-        return sum(_rows_seen(layout, (rank,), ((rank - s) % n,), mask, batch)[0] for s in range(1, n))
+        return sum(rows_seen(layout, (rank,), ((rank - s) % n,), mask, batch)[0] for s in range(1, n))
 
     return layout.memo(("merged_query_rows", rank, mask, batch), build)
 
@@ -391,63 +390,7 @@ def _group(ctx: CPContext) -> dist.ProcessGroup | None:
     return ctx.group if ctx.layout_and_kernel()[0].cp_size > 1 else None
 
 
-def kv_block_bytes(act_bytes: int, kv_heads: int, head_dim: int, tokens: int) -> int:
-    """Bytes of one K/V block (K and V of ``tokens`` tokens)."""
-    return 2 * kv_heads * head_dim * tokens * act_bytes
-
-
-def exchanged_rows(
-    layout: SequenceLayout, ring_rank: int, ring_size: int, u: int, mask: Mask, batch: int
-) -> tuple[int, int]:
-    """``(rows sent, rows received)`` of K/V by ring rank ``ring_rank`` over one pass of a ring of ``ring_size``
-    groups of ``u`` consecutive cp ranks (1: the ring over every rank; hybrid's Ulysses groups) (host only;
-    cached on the layout: the planner asks it for every candidate mesh and strategy sharing the layout; in
-    closed form on the even zigzag of one document a row, :func:`~titan_cp.attention.tiling.zigzag_counts`)."""
-
-    def build() -> tuple[int, int]:
-        if mask == CAUSAL and layout.zigzag_chunk() is not None and ring_size > 1:  # a later group sees u c rows
-            by_later, by_earlier = zigzag_counts(layout, 1, 0, u, batch)[2], zigzag_counts(layout, 0, 1, u, batch)[2]
-            earlier, later = ring_rank, ring_size - 1 - ring_rank
-            return later * by_later + earlier * by_earlier, earlier * by_later + later * by_earlier
-        mine, sent, recv = _members(ring_rank, u), 0, 0
-        for s in range(1, ring_size):
-            src, dst = (ring_rank - s) % ring_size, (ring_rank + s) % ring_size
-            recv += _key_rows_seen(layout, mine, _members(src, u), mask, batch)
-            sent += _key_rows_seen(layout, _members(dst, u), mine, mask, batch)
-        return sent, recv
-
-    return layout.memo(("exchanged_rows", ring_rank, ring_size, u, mask, batch), build)
-
-
-def fp32_returned_rows(layout: SequenceLayout, ring_rank: int, ring_size: int, u: int, mask: Mask, batch: int) -> int:
-    """Rows ring rank ``ring_rank`` (of groups of ``u`` consecutive cp ranks, :func:`exchanged_rows`) receives
-    whose gradients go home in fp32 (read by several packed key rows of their step, :func:`_read_once`); the
-    others' go home in the input dtype (host; cached; in closed form on the even zigzag of one document a row)."""
-
-    def build() -> int:
-        if mask == CAUSAL and layout.zigzag_chunk() is not None:
-            if ring_size == 1:
-                return 0
-            _, _, later_rows, later_fp32 = zigzag_counts(layout, 0, 1, u, batch)  # each later group's keys read
-            _, _, earlier_rows, earlier_fp32 = zigzag_counts(layout, 1, 0, u, batch)
-            later = later_rows if later_fp32 else 0  # two different groups: the flag is always given
-            earlier = earlier_rows if earlier_fp32 else 0
-            return (ring_size - 1 - ring_rank) * later + ring_rank * earlier
-        mine, total = _members(ring_rank, u), 0
-        for s in range(1, ring_size):
-            tiles = tile_mask(layout, mine, _members((ring_rank - s) % ring_size, u), mask)
-            total += tiles.key_row_count(batch) if _read_once(tiles, batch) == "fp32" else 0
-        return total
-
-    return layout.memo(("fp32_returned_rows", ring_rank, ring_size, u, mask, batch), build)
-
-
-def _members(g: int, u: int) -> tuple[int, ...]:
-    """The cp ranks of ring rank ``g`` when each ring rank is a group of ``u`` consecutive cp ranks."""
-    return tuple(range(g * u, (g + 1) * u))
-
-
-def _rows_seen(
+def rows_seen(
     layout: SequenceLayout, q_ranks: Sequence[int], k_ranks: Sequence[int], mask: Mask, batch: int
 ) -> tuple[int, int]:
     """``(query rows, key rows)``: ``q_ranks``' queries that see some key of ``k_ranks``, and the keys they
@@ -457,25 +400,6 @@ def _rows_seen(
         return q_rows, k_rows
     tiles = tile_mask(layout, q_ranks, k_ranks, mask)
     return tiles.query_row_count(batch), tiles.key_row_count(batch)
-
-
-def _key_rows_seen(
-    layout: SequenceLayout, q_ranks: Sequence[int], k_ranks: Sequence[int], mask: Mask, batch: int
-) -> int:
-    """Rows of ``k_ranks``' keys that ``q_ranks``' queries see."""
-    return _rows_seen(layout, q_ranks, k_ranks, mask, batch)[1]
-
-
-def ring_bytes(k: Tensor, sent: int, recv: int, backward: bool, resend: bool = True, fp32: int | None = None) -> int:
-    """Bytes a rank sends: its K/V rows (forward, and again in the backward when they are not kept:
-    ``resend``), and the gradients of the rows it received: ``fp32`` of them (all by default) in fp32, the
-    rest in the input dtype."""
-    row = 2 * k.shape[1] * k.shape[3]  # K and V elements of one token
-    fp32 = recv if fp32 is None else fp32
-    total = sent * row * k.element_size()
-    if backward:
-        total += sent * row * k.element_size() * resend + fp32 * row * 4 + (recv - fp32) * row * k.element_size()
-    return total
 
 
 class Ring(Strategy):
@@ -506,66 +430,6 @@ class Ring(Strategy):
     def saved_like(self, ctx: CPContext, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
         b, h, s, _ = q.shape
         return (q.new_empty((h, b * s), dtype=torch.float32),)
-
-    def min_bytes(
-        self,
-        q: Tensor,
-        k: Tensor,
-        cp: int,
-        ulysses_degree: int = 1,
-        backward: bool = True,
-        layout: SequenceLayout | None = None,
-        rank: int | None = None,
-        mask: Mask = CAUSAL,
-    ) -> int:
-        """K/V rows sent to the ranks that need them, and the gradients of the rows received sent home
-        (:func:`ring_bytes`). Without a layout every rank needs all of every other rank's K/V (their
-        gradients counted in fp32: an upper bound)."""
-        if layout is None:
-            sent = recv = (cp - 1) * k.shape[0] * k.shape[2]
-        else:
-            ranks = range(cp) if rank is None else (rank,)
-            return max(
-                ring_bytes(
-                    k,
-                    *exchanged_rows(layout, r, cp, 1, mask, k.shape[0]),
-                    backward,
-                    fp32=fp32_returned_rows(layout, r, cp, 1, mask, k.shape[0]) if backward else None,
-                )
-                for r in ranks
-            )
-        return ring_bytes(k, sent, recv, backward)
-
-    def saved_bytes_per_token(
-        self,
-        act_bytes: int,
-        q_heads: int,
-        kv_heads: int,
-        head_dim: int,
-        cp: int,
-        ulysses_degree: int = 1,
-        documents: bool = True,
-    ) -> float:
-        """q, out, k, v as stored locally and the fp32 lse."""
-        a, h, e = act_bytes, q_heads, head_dim
-        return 2 * a * h * e + 2 * a * kv_heads * e + 4 * h
-
-    def buffer_bytes(
-        self,
-        act_bytes: int,
-        q_heads: int,
-        kv_heads: int,
-        head_dim: int,
-        local_tokens: int,
-        cp: int,
-        ulysses_degree: int = 1,
-        documents: bool = True,
-    ) -> int:
-        """At most two K/V blocks (the one read, the one arriving) and two fp32 dK/dV blocks."""
-        if cp == 1:
-            return 0
-        kvb = kv_block_bytes(act_bytes, kv_heads, head_dim, local_tokens)
-        return 2 * kvb + 2 * kvb * 4 // act_bytes
 
 
 RING = register_strategy(Ring())

@@ -1,7 +1,7 @@
-"""What a CP strategy is: one object per kind, answering everything the package asks of it.
+"""What a CP strategy is: one object per kind, answering what running it asks.
 
-The attention op, ``ContextParallel``, the mesh, the config checks, the planner and the
-benchmarks never compare a strategy's name; they ask its :class:`Strategy`::
+The attention op, ``ContextParallel``, the mesh and the config checks never compare a strategy's
+name; they ask its :class:`Strategy`::
 
     s = get_strategy("hybrid")
     s.mesh_ndim                               2: a (cp_ring, cp_ulysses) sub-mesh
@@ -10,10 +10,10 @@ benchmarks never compare a strategy's name; they ask its :class:`Strategy`::
     s.check_heads(32, 8, cp=8, ulysses_degree=2)
     s.forward(ctx, q, k, v) / s.backward(...) / s.saved_like(...)   the op itself
     s.schedule(layout, mask, batch)           the schedule a call runs ("ring", "ulysses", ...)
-    s.min_bytes(q, k, cp, ulysses_degree)     bytes per rank, forward (+ backward)
-    s.min_bytes_by_axis(q, k, cp, ...)        the same per axis of the cp sub-mesh (the planner's links)
-    s.saved_bytes_per_token(...)              what the op keeps for backward, per local token
-    s.buffer_bytes(...)                       receive buffers alive during the op
+
+What a call costs (bytes sent, kept and buffered, the pairs its kernels compute) is not the strategy's:
+its cost object prices it (:mod:`titan_cp.attention.pricing`, for the planner, the FLOP formula and the
+benchmarks).
 
 Shapes as in :mod:`titan_cp.attention.context`: ``q, out, dout (B, H, S_local, E)``,
 ``k, v (B, K, S_local, E)``; ``saved`` is what the backward needs beyond them. The
@@ -21,14 +21,14 @@ Shapes as in :mod:`titan_cp.attention.context`: ``q, out, dout (B, H, S_local, E
 backward reads (the others arrive as ``None`` and are not kept alive); :meth:`Strategy.kept` may
 make it depend on whether the call has documents.
 
-A fifth strategy is one subclass and one :func:`register_strategy` call.
+A fifth strategy is one subclass and one :func:`register_strategy` call (and its cost object, one
+:func:`~titan_cp.attention.pricing.register_cost` call).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from torch import Tensor
 
@@ -73,22 +73,8 @@ def kept_input(x: Tensor | None, name: str, strategy: str) -> Tensor:
     return x
 
 
-@dataclass(frozen=True)
-class AxisBytes:
-    """Bytes one rank sends on one axis of a strategy's cp sub-mesh (see :meth:`Strategy.min_bytes_by_axis`).
-
-    ``ring``: sent as ``size - 1`` ring steps per pass, each overlapping a step of attention;
-    otherwise in collectives the attention waits for.
-    """
-
-    axis: str
-    size: int
-    nbytes: int
-    ring: bool
-
-
 class Strategy:
-    """One CP strategy. Subclasses set :attr:`name` and implement the op and its costs."""
+    """One CP strategy. Subclasses set :attr:`name` and implement the op (its costs: :mod:`titan_cp.attention.pricing`)."""
 
     name: ClassVar[str]
     mesh_ndim: ClassVar[int] = 1
@@ -124,11 +110,6 @@ class Strategy:
         u = self.ulysses_size(cp, ulysses_degree)
         if u > 1:
             kv_head_map(q_heads, kv_heads, u)
-
-    def attention_kv_heads(self, q_heads: int, kv_heads: int, cp: int, ulysses_degree: int = 1) -> int:
-        """K/V heads of the buffers the local kernel attends with (after any all-to-all)."""
-        u = self.ulysses_size(cp, ulysses_degree)
-        return kv_heads if u == 1 else kv_heads_per_shard(q_heads, kv_heads, u)
 
     # ------------------------------------------------------------------ mesh
     def mesh_dims(self, cp: int, ulysses_degree: int = 1) -> tuple[tuple[str, int], ...]:
@@ -195,87 +176,6 @@ class Strategy:
         """Empty tensors shaped like ``saved`` (the fake op's outputs)."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------------ costs, per rank
-    def min_bytes(
-        self,
-        q: Tensor,
-        k: Tensor,
-        cp: int,
-        ulysses_degree: int = 1,
-        backward: bool = True,
-        layout: SequenceLayout | None = None,
-        rank: int | None = None,
-        mask: Mask = CAUSAL,
-    ) -> int:
-        """Bytes this rank sends for one forward (+ backward) on local shapes ``q, k``.
-
-        With ``layout`` (and ``mask``) the bytes of what the ranks actually need
-        of each other under that layout, for ``rank`` (``None``: the rank sending most); without, the
-        dense case (every rank needs every other rank's K/V).
-        """
-        raise NotImplementedError
-
-    def min_bytes_by_axis(
-        self,
-        q: Tensor,
-        k: Tensor,
-        cp: int,
-        ulysses_degree: int = 1,
-        backward: bool = True,
-        layout: SequenceLayout | None = None,
-        rank: int | None = None,
-        mask: Mask = CAUSAL,
-    ) -> tuple[AxisBytes, ...]:
-        """:meth:`min_bytes` split over the axes of :meth:`mesh_dims` (outermost first)."""
-        ((axis, size),) = self.mesh_dims(cp, ulysses_degree)
-        ring = self.ring_size(cp, ulysses_degree) > 1
-        nbytes = self.min_bytes(q, k, cp, ulysses_degree, backward, layout, rank, mask)
-        return (AxisBytes(axis, size, nbytes, ring),)
-
-    def saved_bytes_per_token(
-        self,
-        act_bytes: int,
-        q_heads: int,
-        kv_heads: int,
-        head_dim: int,
-        cp: int,
-        ulysses_degree: int = 1,
-        documents: bool = True,
-    ) -> float:
-        """Bytes the op keeps for backward per local token: its kept inputs/outputs and ``saved``, with
-        ``documents`` (several a row) or not (what the head exchanges keep depends on it).
-
-        When the op does not keep ``out``, the output projection saves its input instead; that
-        is counted here too, so every strategy's figure covers the same tensors.
-        """
-        raise NotImplementedError
-
-    def local_head_pairs(
-        self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int, ulysses_degree: int = 1
-    ) -> int:
-        """Visible (query, key) pairs this rank's kernels compute under ``mask`` (a
-        :class:`~titan_cp.attention.tiling.Mask`), summed over the heads they run (``q_heads``: local
-        query heads before any exchange). Summed over the cp ranks it is the whole layer's pairs
-        times the heads: the work is split, never repeated."""
-        from titan_cp.attention.tiling import tile_mask  # noqa: PLC0415 - the engine imports this module
-
-        return tile_mask(layout, (rank,), None, mask).pairs(batch) * q_heads
-
-    def buffer_bytes(
-        self,
-        act_bytes: int,
-        q_heads: int,
-        kv_heads: int,
-        head_dim: int,
-        local_tokens: int,
-        cp: int,
-        ulysses_degree: int = 1,
-        documents: bool = True,
-    ) -> int:
-        """Receive buffers alive while the op runs (beyond what it saves), for ``local_tokens`` tokens
-        (``documents`` as for :meth:`saved_bytes_per_token`)."""
-        return 0
-
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 
@@ -283,9 +183,14 @@ class Strategy:
 _REGISTRY: dict[str, Strategy] = {}
 DEFAULT_STRATEGY = "ring"
 """The strategy a config, ``ContextParallel`` and ``apply_cp`` use when none is named."""
+LOCAL_STRATEGY = "ring"
+"""The strategy attention runs by on one rank, whatever was named: the ring's one step, plain local attention."""
 
 
-def register_strategy(strategy: Strategy) -> Strategy:
+S = TypeVar("S", bound="Strategy")
+
+
+def register_strategy(strategy: S) -> S:
     """Make ``strategy`` selectable by its name."""
     _REGISTRY[strategy.name] = strategy
     return strategy

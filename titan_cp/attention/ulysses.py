@@ -188,14 +188,6 @@ def head_shards_like(q: Tensor, k: Tensor, n: int) -> tuple[Tensor, Tensor, Tens
     )
 
 
-def head_shard_saved_bytes(act_bytes: int, q_heads: int, kv_heads: int, head_dim: int, n: int) -> float:
-    """Bytes per local token of the head shards Ulysses keeps: q_h and out_h (the bytes of q and out),
-    K/V at the heads each shard needs for ``n`` times the tokens, the lse; and ``wo``'s input, since
-    the op keeps no ``out``."""
-    a, h, e = act_bytes, q_heads, head_dim
-    return 2 * a * h * e + 2 * a * kv_heads_per_shard(h, kv_heads, n) * n * e + 4 * h + a * h * e
-
-
 @dataclass(frozen=True)
 class Heads(Generic[A]):
     """How one call exchanges heads: over ``group`` of ``n`` ranks (this one ``part``), K/V heads picked by
@@ -362,91 +354,6 @@ class HeadExchange(Strategy, Generic[A]):
             raise RuntimeError(f"strategy {self.name!r} runs on a cp mesh; one device runs the ring's one step")
         return head_shards_like(q, k, self.ulysses_size(ctx.cp_size, self.mesh_ulysses_degree(ctx.mesh)))
 
-    # ------------------------------------------------------------------ costs
-    def saved_bytes_per_token(
-        self,
-        act_bytes: int,
-        q_heads: int,
-        kv_heads: int,
-        head_dim: int,
-        cp: int,
-        ulysses_degree: int = 1,
-        documents: bool = True,
-    ) -> float:
-        """With documents (several a row) what a ring keeps, whichever schedule runs; without (or one a
-        row), the head shards (:func:`head_shard_saved_bytes`)."""
-        if documents:
-            return RING.saved_bytes_per_token(act_bytes, q_heads, kv_heads, head_dim, cp)
-        return head_shard_saved_bytes(act_bytes, q_heads, kv_heads, head_dim, self.ulysses_size(cp, ulysses_degree))
-
-    def exchange_buffer_bytes(
-        self,
-        act_bytes: int,
-        q_heads: int,
-        kv_heads: int,
-        head_dim: int,
-        local_tokens: int,
-        cp: int,
-        ulysses_degree: int = 1,
-    ) -> int:
-        """The head exchange's buffers alive during the op (its part of :meth:`buffer_bytes`)."""
-        raise NotImplementedError
-
-    def buffer_bytes(
-        self,
-        act_bytes: int,
-        q_heads: int,
-        kv_heads: int,
-        head_dim: int,
-        local_tokens: int,
-        cp: int,
-        ulysses_degree: int = 1,
-        documents: bool = True,
-    ) -> int:
-        """The head exchange's buffers; with documents the larger of the ring's and those, plus the head
-        shards of q, out and dout the backward exchanges again (each the bytes of the local q)."""
-        own = self.exchange_buffer_bytes(act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp, ulysses_degree)
-        if not documents or cp == 1:
-            return own
-        resent = 3 * act_bytes * q_heads * head_dim * local_tokens
-        return max(own + resent, RING.buffer_bytes(act_bytes, q_heads, kv_heads, head_dim, local_tokens, cp))
-
-    def ring_schedule_pairs(
-        self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int
-    ) -> int | None:
-        """The ring schedule's pairs of ``rank`` where a call runs it (:meth:`schedule`), else ``None``."""
-        if self.schedule(layout, mask, batch) != RING.name:
-            return None
-        return RING.local_head_pairs(layout, rank, mask, batch, q_heads)
-
-    def ring_schedule_bytes(
-        self,
-        q: Tensor,
-        k: Tensor,
-        cp: int,
-        backward: bool,
-        layout: SequenceLayout | None,
-        rank: int | None,
-        mask: Mask,
-    ) -> int | None:
-        """The ring schedule's bytes where a call runs it (:meth:`schedule`), else ``None``."""
-        if layout is None or self.schedule(layout, mask, q.shape[0]) != RING.name:
-            return None
-        return RING.min_bytes(q, k, cp, backward=backward, layout=layout, rank=rank, mask=mask)
-
-
-def exchange_bytes(q: Tensor, k: Tensor, n: int, backward: bool, documents: bool) -> int:
-    """Bytes one rank sends through the head exchange over ``n`` ranks: q, the K/V each rank must ship and
-    the output; the backward moves ``dout`` in and the gradients out, and with documents (the head shards
-    not kept) q, K/V and out again (each all-to-all keeps ``1/n`` of its buffer)."""
-    if n == 1:
-        return 0
-    kv_heads = max(k.shape[1], n) if kv_head_map(q.shape[1], k.shape[1], n) else k.shape[1]
-    kv = 2 * kv_heads * k[:, :1].numel() * k.element_size()
-    qb = q.numel() * q.element_size()
-    one = (2 * qb + kv) * (n - 1) // n  # q (or dout) and K/V one way, the output (or dq) back
-    return one * ((3 if documents else 2) if backward else 1)
-
 
 class Ulysses(HeadExchange[MaskTiles]):
     """All-to-all from sequence shards to head shards and back (module docstring)."""
@@ -493,49 +400,6 @@ class Ulysses(HeadExchange[MaskTiles]):
 
     def ring_group(self, ctx: CPContext) -> RingGroup:
         return ctx.group if ctx.cp_size > 1 else None
-
-    def local_head_pairs(
-        self, layout: SequenceLayout, rank: int, mask: Mask, batch: int, q_heads: int, ulysses_degree: int = 1
-    ) -> int:
-        """The whole row's pairs for 1/N of the heads (or, where the call runs the ring's schedule, the ring's)."""
-        home = self.ring_schedule_pairs(layout, rank, mask, batch, q_heads)
-        if home is not None:
-            return home
-        return tile_mask(layout, None, None, mask).pairs(batch) * q_heads // layout.cp_size
-
-    def min_bytes(
-        self,
-        q: Tensor,
-        k: Tensor,
-        cp: int,
-        ulysses_degree: int = 1,
-        backward: bool = True,
-        layout: SequenceLayout | None = None,
-        rank: int | None = None,
-        mask: Mask = CAUSAL,
-    ) -> int:
-        """All-to-all traffic (:func:`exchange_bytes`): the layout changes it only where the call runs the
-        ring's schedule (its bytes then, :meth:`HeadExchange.schedule`), or with documents (the backward
-        sends more)."""
-        home = self.ring_schedule_bytes(q, k, cp, backward, layout, rank, mask)
-        if home is not None:
-            return home
-        return exchange_bytes(q, k, cp, backward, layout is not None and layout.packs_documents)
-
-    def exchange_buffer_bytes(
-        self,
-        act_bytes: int,
-        q_heads: int,
-        kv_heads: int,
-        head_dim: int,
-        local_tokens: int,
-        cp: int,
-        ulysses_degree: int = 1,
-    ) -> int:
-        """The all-to-all's send and receive copies of the local K/V, and the stacked pair."""
-        if cp == 1:
-            return 0
-        return 3 * 2 * kv_heads * head_dim * local_tokens * act_bytes
 
 
 ULYSSES = register_strategy(Ulysses())

@@ -73,19 +73,13 @@ class ContextParallel(ParallelStyle):
         super().__init__()
         if handle is not None:
             strategy, balance, kernel = handle.strategy, handle.balance, handle.kernel
-        self._strategy = get_strategy(strategy)
+        get_strategy(strategy)  # a typo is refused here; the handle resolves the name it runs by
         get_balance(balance)
         self.strategy, self.balance, self.causal, self.kernel = strategy, balance, causal, kernel
         self.handle = handle
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        want = self._strategy.mesh_ndim
-        if device_mesh.ndim != want:
-            raise ValueError(
-                f"ContextParallel(strategy={self.strategy!r}) needs a {want}-D cp mesh, got "
-                f"{device_mesh.ndim}-D {device_mesh.mesh_dim_names}"
-            )
-        if self.handle is None:
+        if self.handle is None:  # resolves the strategy and refuses a mesh of other dims
             self.handle = CPHandle(device_mesh, self.strategy, self.balance, self.kernel)
         elif self.handle.mesh is not device_mesh:
             raise ValueError(f"ContextParallel is applied with a mesh other than its handle's ({self.handle})")

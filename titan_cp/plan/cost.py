@@ -10,7 +10,7 @@ straggler rank of the largest pipeline stage:
   own mask plans on the document mix, plus each step's elementwise merge traffic at HBM
   bandwidth (the bytes per element of :class:`RingImpl`).
 - **transfers** (:class:`Transfer`): bytes per rank and link kind of every collective: CP from
-  the strategy's own ``min_bytes_by_axis`` (the forward twice under full AC), FSDP's
+  the strategy's cost object's ``min_bytes_by_axis`` (the forward twice under full AC), FSDP's
   all-gathers (compute dtype) and fp32 reduce-scatter, HSDP's all-reduce, TP's four
   sequence-parallel collectives per block and pass, PP's activations.
 - **ring exposure** (:class:`RingExposure`): per ring step, the transfer that must arrive
@@ -29,9 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-import torch
-
-from titan_cp.attention.strategy import LOCAL_SCHEDULE, AxisBytes, attention_schedule, get_strategy
+from titan_cp.attention.pricing import AttentionCall, AxisBytes, cost_of
+from titan_cp.attention.strategy import LOCAL_SCHEDULE, attention_schedule
 from titan_cp.attention.tiling import CAUSAL, causal_counts, zigzag_counts
 from titan_cp.layout import DEFAULT_BALANCE, SequenceLayout, get_layout
 from titan_cp.model.llama import ModelArgs
@@ -221,10 +220,6 @@ class Cost:
         return t.nbytes * (self.microbatches if t.per_microbatch else 1) * self.accum
 
 
-def cp_dtype(act_bytes: int) -> torch.dtype:
-    return torch.bfloat16 if act_bytes == 2 else torch.float32
-
-
 def cp_bytes_per_rank(
     args: ModelArgs,
     seq_len: int,
@@ -235,24 +230,25 @@ def cp_bytes_per_rank(
     ulysses: int = 1,
     layers: int | None = None,
     ac: str = "none",
-    dtype: torch.dtype = torch.bfloat16,
+    act_bytes: int = 2,
     doc_rows: Sequence[Sequence[int]] | None = None,
     balance: str = DEFAULT_BALANCE,
     rank: int | None = None,
 ) -> int:
     """Bytes one rank hands to CP communication in one forward + backward (+ the forward again under
-    full AC) of ``layers`` blocks, from the strategy's own ``min_bytes`` on the local shapes: with
-    ``doc_rows`` (one list of document lengths per row) the rank sending most under ``balance``
-    (only what other ranks can see travels; ``rank``: that cp rank's), else every row to every rank."""
+    full AC) of ``layers`` blocks, from the strategy's cost object (``min_bytes``) on the local shapes, elements
+    of ``act_bytes``: with ``doc_rows`` (one list of document lengths per row) the rank sending most under
+    ``balance`` (only what other ranks can see travels; ``rank``: that cp rank's), else every row to every rank."""
     if cp == 1:
         return 0
-    s = get_strategy(strategy)
-    q = torch.empty(rows, args.n_heads // tp, seq_len // cp, args.head_dim, dtype=dtype, device="meta")
-    k = torch.empty(rows, args.kv_heads // tp, seq_len // cp, args.head_dim, dtype=dtype, device="meta")
     layout = None if doc_rows is None else get_layout(seq_len, cp, balance, [list(r) for r in doc_rows])
-    per = s.min_bytes(q, k, cp, ulysses, True, layout, rank)
+    call = AttentionCall(
+        cp, args.n_heads // tp, args.kv_heads // tp, args.head_dim, ulysses, rows, seq_len // cp, act_bytes, layout
+    )
+    cost = cost_of(strategy)
+    per = cost.min_bytes(call, True, rank)
     if ac == "full":  # the checkpointed forward runs again
-        per += s.min_bytes(q, k, cp, ulysses, False, layout, rank)
+        per += cost.min_bytes(call, False, rank)
     return per * (args.n_layers if layers is None else layers)
 
 
@@ -301,6 +297,16 @@ class Setting:
         return get_layout(self.w.seq_len, self.c.cp, self.w.balance, [list(r) for r in self.w.rows[: self.rows]])
 
     @property
+    def call(self) -> AttentionCall:
+        """One layer's attention call of one microbatch on this rank, as the strategy's cost object prices it
+        (the documents: :attr:`layout`'s)."""
+        h, k, _ = self.m.heads
+        local = self.w.seq_len // self.c.cp
+        return AttentionCall(
+            self.c.cp, h, k, self.w.args.head_dim, self.c.ulysses, self.rows, local, self.w.act_bytes, self.layout
+        )
+
+    @property
     def schedule(self) -> str:
         """The schedule the attention runs on :attr:`layout` (causal;
         :func:`~titan_cp.attention.strategy.attention_schedule`), as its bytes are counted."""
@@ -320,21 +326,11 @@ def dense_seconds(s: Setting) -> float:
     return flops / (s.dev.matmul_flops * s.stack.matmul_speedup)
 
 
-def _q_k_meta(s: Setting) -> tuple[torch.Tensor, torch.Tensor]:
-    """Meta tensors of the local q and k of one microbatch (the strategies' byte counts read their shapes)."""
-    h, k, _ = s.m.heads
-    local = s.w.seq_len // s.c.cp
-    dtype = cp_dtype(s.w.act_bytes)
-    q = torch.empty(s.rows, h, local, s.w.args.head_dim, dtype=dtype, device="meta")
-    return q, torch.empty(s.rows, k, local, s.w.args.head_dim, dtype=dtype, device="meta")
-
-
 def _heads(s: Setting) -> tuple[int, int]:
     """``(query heads, K/V heads)`` of one kernel call (per Ulysses shard; K/V as the ring moves them)."""
-    h, k, _ = s.m.heads
-    c = s.c
-    kv = c.attention.attention_kv_heads(h, k, c.cp, c.ulysses)
-    q = h // c.ulysses_size
+    call = s.call
+    kv = s.c.cost.attention_kv_heads(call)
+    q = call.q_heads // s.c.ulysses_size
     return q, q if s.stack.ring.expand_kv else kv
 
 
@@ -366,7 +362,7 @@ def _ring_exposure(
     dkv = (ring.nbytes - fwd_bytes) / steps - block  # its gradient, fp32
     _, kv_heads = _heads(s)
     if s.stack.ring.expand_kv:  # at the query heads instead
-        own = s.c.attention.attention_kv_heads(*s.m.heads[:2], s.c.cp, s.c.ulysses)
+        own = s.c.cost.attention_kv_heads(s.call)
         block, dkv = block * kv_heads / own, dkv * kv_heads / own
     if s.stack.ring.gather_kv:  # gathered once per pass, waited on before the second step; dK/dV step by step
         gather, t_dkv = s.dev.seconds(steps * block, link), s.dev.seconds(dkv, link)
@@ -386,14 +382,11 @@ def attention_cost(s: Setting) -> tuple[float, dict[str, Transfer], RingExposure
     compute = layers * (s.forward_passes * sum(fwd) + sum(bwd))
     if c.cp == 1:
         return compute, {}, None
-    q, k = _q_k_meta(s)
-    layout = s.layout
-    fwd_axes = c.attention.min_bytes_by_axis(q, k, c.cp, c.ulysses, False, layout)
+    call = s.call
+    fwd_axes = c.cost.min_bytes_by_axis(call, False)
     transfers, ring = {}, None
     inner = c.tp
-    for axis, fwd_axis in reversed(
-        list(zip(c.attention.min_bytes_by_axis(q, k, c.cp, c.ulysses, True, layout), fwd_axes))
-    ):
+    for axis, fwd_axis in reversed(list(zip(c.cost.min_bytes_by_axis(call, True), fwd_axes))):
         inner *= axis.size  # axes outermost first: a group of this axis spans the axes inside it
         name = "cp" if len(fwd_axes) == 1 else axis.axis
         nbytes = int(layers * (axis.nbytes + (s.forward_passes - 1) * fwd_axis.nbytes))

@@ -8,7 +8,7 @@ stage after TP, ``F = dp_shard x cp`` the FSDP shards::
     comm_buffers FSDP without PP: two blocks' gathered weights (compute dtype) + one block's
                  unsharded fp32 gradient (the reduce-scatter's input); with PP (weights stay
                  gathered between a stage's microbatches): the stage's gathered weights;
-                 CP: the strategy's receive buffers (``Strategy.buffer_bytes``) of one microbatch
+                 CP: the strategy's receive buffers (its cost object's ``buffer_bytes``) of one microbatch
     activations, gradients, loss, recompute
                  the step's peak above its start (:func:`step_peak`), the larger of the first
                  stage (most microbatches in flight) and the last (the loss)
@@ -29,7 +29,7 @@ width over ``tp``; sequence parallelism shards the norms' tensors and a block's 
 
     attention_norm   input, output (a D / tp each), rstd (a / tp)       ffn_norm: the same
     wq               its input (a D; wk and wv share it)
-    attention        the strategy's own figure (Strategy.saved_bytes_per_token):
+    attention        the strategy's own figure (its cost object's saved_bytes_per_token):
                      ring: q, out (a H E each), k, v (a K E each), lse (4 H); Ulysses and
                      hybrid the same with several documents a row, else their head shards
     feed_forward     w1 x, w3 x, silu(w1 x) (a F each); w1 input (a D); w2 input (a F)
@@ -48,6 +48,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from titan_cp.attention.pricing import AttentionCall, StrategyCost, cost_of
 from titan_cp.attention.ring import RING as LOCAL  # attention on one rank: the ring's one-device path
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
 from titan_cp.loss import LOSS_CHUNK_BYTES
@@ -98,6 +99,18 @@ class RankModel:
     @property
     def attention(self) -> Strategy:
         return get_strategy(self.strategy) if self.cp > 1 else LOCAL
+
+    @property
+    def cost(self) -> StrategyCost:
+        """The cost object of :attr:`attention` (:mod:`titan_cp.attention.pricing`)."""
+        return cost_of(self.attention)
+
+    def attention_call(self, tokens: int = 1) -> AttentionCall:
+        """One layer's attention call on this rank, over ``tokens`` local tokens, as its cost object prices it."""
+        h, k, _ = self.heads
+        return AttentionCall(
+            self.cp, h, k, self.args.head_dim, self.ulysses, 1, tokens, self.act_bytes, documents=self.documents
+        )
 
     def checkpointed(self, layers: int) -> int:
         """Blocks of ``layers`` fully checkpointed (selective: blocks 0, k, 2k, ...)."""
@@ -165,10 +178,9 @@ def norm_saved_per_token(m: RankModel) -> float:
 
 def block_saved_per_token(m: RankModel) -> float:
     """Bytes one block saves per local token without checkpointing (module docstring)."""
-    a, d, e = m.act_bytes, m.args.dim, m.args.head_dim
-    h, k, f = m.heads
+    a, d = m.act_bytes, m.args.dim
     norm = norm_saved_per_token(m)
-    attn = m.attention.saved_bytes_per_token(a, h, k, e, m.cp, m.ulysses, documents=m.documents)
+    attn = m.cost.saved_bytes_per_token(m.attention_call())
     return norm + a * d + attn + ffn_saved_per_token(m) + norm
 
 
@@ -437,9 +449,7 @@ def rank_memory(
         buffers, grad_shards = 2 * m.act_bytes * layer + FP32 * layer, f
     else:
         buffers, grad_shards = m.act_bytes * params + FP32 * layer, f
-    h, k, _ = m.heads
-    tokens = local_tokens * rows
-    buffers += m.attention.buffer_bytes(m.act_bytes, h, k, m.args.head_dim, tokens, m.cp, m.ulysses, m.documents)
+    buffers += m.cost.buffer_bytes(m.attention_call(local_tokens * rows))
     step = step_peak(m, stage, local_tokens, docs_per_row, rows, grad_shards, in_flight, grads_held)
     host = host_bytes(m, stage, local_tokens * rows, in_flight, params, f)
     if m.host.fsdp_offload and f > 1:  # shards, gradients and AdamW on the host; a block's gradient in buffers

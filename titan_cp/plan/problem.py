@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, ScheduleGPipe, get_schedule_class
 
+from titan_cp.attention.pricing import StrategyCost, cost_of
 from titan_cp.attention.ring import RING as LOCAL  # attention on one rank: the ring's one-device path
 from titan_cp.attention.strategy import Strategy, get_strategy
 from titan_cp.layout import DEFAULT_BALANCE
@@ -29,6 +30,11 @@ class Candidate:
     def attention(self) -> Strategy:
         """The strategy's object (plain local attention without CP)."""
         return get_strategy(self.strategy) if self.cp > 1 else LOCAL
+
+    @property
+    def cost(self) -> StrategyCost:
+        """The strategy's cost object (:mod:`titan_cp.attention.pricing`)."""
+        return cost_of(self.attention)
 
     @property
     def ngpu(self) -> int:
