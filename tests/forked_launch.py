@@ -19,10 +19,13 @@ accelerate state. ``PLAN["steps"]``, in order:
 - ``{"name", "shell"}``: a bash command line, run by local rank 0 only;
 - ``"after": [names]`` (either kind): wait until those steps, of this launch or another, have
   finished (local rank 0 of the launch that ran one writes ``PLAN["markers"]/NAME.ok``, or
-  ``NAME.failed``, when it ends: a collective save has finished everywhere by then).
+  ``NAME.failed``, when it ends: a collective save has finished everywhere by then);
+- ``"status": N`` (either kind): the exit status the step must end with (default 0: a command refusing
+  bad input ends with 2).
 
-Rank 0 prints ``== NAME`` before each step's output (:func:`sections` splits it). A failed step skips
-the steps after it and the launch exits 1. :func:`launch` starts such a launch from a test.
+Rank 0 prints ``== NAME`` before each step's output, on stdout and on stderr (:func:`sections` splits
+either). A failed step (another status than its own) skips the steps after it and the launch exits 1.
+:func:`launch` starts such a launch from a test.
 """
 
 from __future__ import annotations
@@ -115,31 +118,33 @@ def main(plan_path: str) -> int:
     gc.freeze()  # what every step inherits: its full collections scan only what the step makes
     failed = False
     for step in plan["steps"]:
-        code = 1
+        want = step.get("status", 0)
+        code: int | None = None  # None: not run (an earlier step failed, or a wait timed out)
         alone = step.get("nproc") == 1  # local rank 0's step: the others take its status
         if not failed and alone and not rank0:
-            code = 0 if _wait([step["name"]], markers) else 1
+            code = want if _wait([step["name"]], markers) else None
         elif not failed and _wait(step.get("after", []), markers):
             if os.environ.get("RANK", "0") == "0":
                 print(f"== {step['name']}", flush=True)
+                print(f"== {step['name']}", file=sys.stderr, flush=True)
             if "shell" in step:
-                code = subprocess.run(["bash", "-euo", "pipefail", "-c", step["shell"]]).returncode if rank0 else 0
+                code = subprocess.run(["bash", "-euo", "pipefail", "-c", step["shell"]]).returncode if rank0 else want
             else:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    code = _run_program(step)
+                    status = _run_program(step)
                     sys.stdout.flush()
                     sys.stderr.flush()
-                    os._exit(code)
+                    os._exit(status)
                 code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            if code != 0:
+            if code != want:
                 print(f"{step['name']} exited {code}", file=sys.stderr, flush=True)
-        failed = failed or code != 0
+        failed = failed or code != want
         if rank0:
             markers.mkdir(parents=True, exist_ok=True)
-            (markers / f"{step['name']}.{'failed' if code else 'ok'}").touch()
+            (markers / f"{step['name']}.{'failed' if code != want else 'ok'}").touch()
     return 1 if failed else 0
 
 
