@@ -8,6 +8,8 @@ how it is checked, in an HTML comment on the line before it, and is checked so:
 - ``<!-- doc-test: parse (why it is not run) -->``: a command that needs GPUs, a cluster or files a user
   brings: every titan_cp command line in it loads with ``load_config`` (keys, values, cross-section
   checks) and passes its model family's checks (``preflight.check_model``), and every config file it names exists; a TOML block loads as a config file;
+  a torchtitan 0.3 launcher line (``-m torchtitan.train``) loads with torchtitan's ``ConfigManager`` and
+  passes the torchtitan door's checks (``check_run``);
 - ``<!-- doc-test: excerpt PATH -->``: every line of the block but ``...`` / ``...,`` (lines left out) is a line of
   ``PATH``, in order, indentation aside (the file itself runs in its own test);
 - ``<!-- doc-test: tested TEST -->``: run as it is by the test file ``TEST``, which names this page;
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_cp.config import load_config
+from titan_cp.config import JobConfig, load_config
 from titan_cp.preflight import check_model
 
 ROOT = Path(__file__).parents[1]
@@ -81,9 +83,9 @@ def test_every_block_says_how_it_is_checked():
 
 
 def _commands(body: str) -> list[list[str]]:
-    """The command lines of a bash block: continuation lines joined, comments and ``#!`` dropped, optional
-    arguments (``[--key value ...]``) taken as given."""
-    text = re.sub(r"\[(--[^\]]*)\]", r"\1", re.sub(r"\\\n\s*", " ", body))
+    """The command lines of a bash block: continuation lines joined, comments and ``#!`` dropped (a line
+    pasted as it is: ``[--key value]`` is two arguments that load as no key)."""
+    text = re.sub(r"\\\n\s*", " ", body)
     lines = [line.split(" #", 1)[0].strip() for line in text.splitlines()]
     return [shlex.split(line) for line in lines if line and not line.startswith("#")]
 
@@ -96,12 +98,32 @@ def _titan_cp_argv(argv: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
-def _loads(block: Block, argv: list[str]) -> None:
+def _torchtitan_argv(argv: list[str]) -> list[str] | None:
+    """The arguments of a ``-m torchtitan.train`` command line (torchtitan 0.3's launcher), else ``None``."""
+    for i, word in enumerate(argv[:-1]):
+        if word == "-m" and argv[i + 1] == "torchtitan.train":
+            return argv[i + 2 :]
+    return None
+
+
+def _loads_in_torchtitan(argv: list[str]) -> None:
+    pytest.importorskip("torchtitan", reason="torchtitan 0.3 is in the dev extra (Python >= 3.11)")
+    from torchtitan.config import ConfigManager  # noqa: PLC0415
+
+    from titan_cp.integrations.torchtitan import check_run  # noqa: PLC0415
+
+    check_run(ConfigManager().parse_args(argv))
+
+
+def _loads(block: Block, argv: list[str], training: bool = True) -> JobConfig:
+    """The config of a command line (``training=False``: generation's, as ``titan_cp.generate`` loads it)."""
     config = argv[argv.index("--job.config_file") + 1] if "--job.config_file" in argv else None
     if config is not None:
         assert (ROOT / config).is_file(), f"{block}: names {config}, which is not in the repository"
         argv = [a if a != config else str(ROOT / config) for a in argv]
-    check_model(load_config(argv, warn_adjustments=False))
+    cfg = load_config(argv, warn_adjustments=False, training=training)
+    check_model(cfg)
+    return cfg
 
 
 @pytest.mark.parametrize("block", _of("parse"), ids=str)
@@ -111,11 +133,15 @@ def test_parse_blocks_load(block, tmp_path):
         config.write_text(block.body)
         load_config(["--job.config_file", str(config)], warn_adjustments=False)
         return
-    found = [cmd for cmd in map(_titan_cp_argv, _commands(block.body)) if cmd]
-    for _, argv in found:
-        _loads(block, argv)
+    commands = _commands(block.body)
+    found = [cmd for cmd in map(_titan_cp_argv, commands) if cmd]
+    torchtitan = [argv for argv in map(_torchtitan_argv, commands) if argv is not None]
+    for module, argv in found:
+        _loads(block, argv, training=module == "titan_cp.train")
+    for argv in torchtitan:
+        _loads_in_torchtitan(argv)
     if block.lang == "bash" and "titan_cp." in block.body:
-        assert found, f"{block}: names titan_cp but no '-m titan_cp.train/generate' command was found"
+        assert found or torchtitan, f"{block}: names titan_cp but no '-m titan_cp.train/generate' command was found"
 
 
 def test_ci_blocks_are_the_ci_command_and_the_main_job():
@@ -179,3 +205,40 @@ def test_run_blocks_exit_0(block, tmp_path):
         argv = ["bash", "-euo", "pipefail", "-c", block.body]
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{block} exited {done.returncode}:\n{done.stderr[-3000:]}"
+
+
+_FENCE = re.compile(r"^```(\S*)", re.M)
+_INDENTED_COMMAND = re.compile(r"^ {4,}(python3? |torchrun |pip |accelerate |\.venv/bin/)", re.M)
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_fence_names_its_language_and_no_command_hides_in_an_indented_block(path):
+    """A block the checks above cannot see is unchecked: a fence opened without a language (``text`` for
+    what is not run: trees, renderings) and a command in a 4-space indented block both fail, naming the line."""
+    text = path.read_text()
+    fences = list(_FENCE.finditer(text))
+    bare = [text.count("\n", 0, m.start()) + 1 for m in fences[::2] if not m[1]]  # openings: every other fence
+    assert not bare, f"{path.name}: fences opened without a language at lines {bare}"
+    outside = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    hidden = [m.group(0).strip() for m in _INDENTED_COMMAND.finditer(outside)]
+    assert not hidden, f"{path.name}: commands in indented blocks (fence them, with a doc-test marker): {hidden}"
+
+
+def _files_a_user_brings(cfg: JobConfig) -> list[str]:
+    """The paths a loaded config reads (tokenizer, weights, data, prompts) that the repository lacks."""
+    t, v = cfg.training, cfg.validation
+    paths = [cfg.model.hf_assets_path, cfg.checkpoint.initial_load_path, t.dataset_path, cfg.generate.prompt_file]
+    paths += [s.path for s in t.mixture] + ([v.dataset_path] if v.enable else [])
+    return [p for p in paths if p and not (ROOT / p).exists()]
+
+
+@pytest.mark.parametrize("block", [b for b in _of("parse") if b.lang == "bash"], ids=str)
+def test_parse_blocks_say_on_the_page_which_files_a_user_brings(block):
+    """A command not run for want of files names them in the page's text before it (not only in the
+    config file it loads, nor in an HTML comment): ``./assets/hf/Llama-3.1-8B`` of a preset, a data folder."""
+    page = block.path.read_text().splitlines()[: block.line - 1]
+    before = re.sub(r"<!--.*?-->", "", "\n".join(page), flags=re.S)
+    for module, argv in filter(None, map(_titan_cp_argv, _commands(block.body))):
+        for path in _files_a_user_brings(_loads(block, argv, training=module == "titan_cp.train")):
+            named = path.removeprefix("./").rstrip("/")
+            assert named in before, f"{block}: needs {path}, which the page does not name before the block"

@@ -1,21 +1,26 @@
 """titan_cp inside torchtitan 0.3's own Trainer (:mod:`titan_cp.integrations.torchtitan`), offline on a CPU.
 
-- The exactness bar: the CPU commands of docs/torchtitan.md, run as that page writes them (their dump
-  folders moved to a temporary one, TensorBoard on): ``python -m titan_cp.integrations.torchtitan.train
-  --module titan_cp.integrations.torchtitan --config llama3_debugmodel_cp`` on the repository's packed
-  documents, launched with ``torchrun`` on 1 process and on 2 (CP 2: ring with doc_local, every block
-  compiled by torchtitan: ``aot_eager`` here, the same traced graphs inductor compiles), from one
-  seed checkpoint (torchtitan's own ``--checkpoint.create_seed_checkpoint``: its random init of
-  sharded parameters depends on the sharding): every step's loss (torchtitan's global average, read at float32 from its TensorBoard
-  events) equals the one-process run's within 1e-5 for 5 steps; the one-process run's step-2 checkpoint
-  (copied by the page's line) resumed at CP 2 with Ulysses and doc_zigzag (another CP size, strategy and
-  balance) gives its steps 3-5 within 1e-5. The page's lines run in one ``torchrun`` launch of 2
-  processes, in order, each line in a fresh forked process (tests/forked_launch.py: torch and the other
-  libraries imported once per worker; the 1-process lines on the first process alone).
+- The exactness bar: docs/torchtitan.md's CPU block, run as the page writes it, in a temporary folder (its
+  ``outputs/`` there, ``$PWD`` that folder): ``python -m titan_cp.integrations.torchtitan.train --module
+  titan_cp.integrations.torchtitan --config llama3_debugmodel_cp`` on the repository's packed documents,
+  on 1 process and on 2 (CP 2: ring with doc_local, every block compiled by torchtitan through
+  ``aot_eager``, the traced graphs inductor compiles), from one seed checkpoint (torchtitan's own
+  ``--checkpoint.create_seed_checkpoint``: its random init of sharded parameters depends on the sharding).
+  Every step's loss metrics, as torchtitan writes them to TensorBoard (float32), equal the one-process
+  run's within 1e-5 for 5 steps: ``global_avg_loss``, and ``global_max_loss`` (one dp rank: its rows'
+  mean, the average); so do the tokens seen. The one-process run's step-2 checkpoint (copied by the
+  page's line) resumed at CP 2 with Ulysses and doc_zigzag (another CP size, strategy and balance) gives
+  its steps 3-5 within 1e-5. The log names the CP that runs (from the handle, not the config), and its
+  lines come once, not once per rank. The page's lines run in one ``torchrun`` launch of 2 processes, in
+  order, each line in a fresh forked process (tests/forked_launch.py: torch and the other libraries
+  imported once per worker; the 1-process lines on the first process alone).
+- The torchtitan door's mistakes, in the same launch: each is one line naming the flag and exit status 2,
+  with no traceback, before any model is built (a bad kernel, strategy, Ulysses degree, sequence length
+  for the CP degree, pipeline parallel, another spmd backend, the validator, more ranks than processes).
 - The one-process attention equals torchtitan's own FlexAttention forward under its packed-document
   mask (the causal and packed-document mask mods of the same positions) within 1e-5.
-- The page's other blocks: the GPU command's arguments load with torchtitan's own ``ConfigManager``, and
-  the ``with_titan_cp`` example makes a config function whose config runs titan_cp's attention.
+- The page's python block: the ``with_titan_cp`` example makes a config function whose config runs
+  titan_cp's attention (the GPU command's arguments load in tests/test_docs.py).
 - Bad input gets one clear line: strategy / balance typos, a batch without positions, CP with an
   attention titan_cp does not replace, another spmd backend, another torchtitan version.
 """
@@ -26,7 +31,6 @@ import glob
 import os
 import re
 import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -47,10 +51,10 @@ def _doc_blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", DOC.read_text(), re.S)
 
 
-def _doc_commands() -> list[list[str]]:
-    """The command lines of the page's bash blocks (continuations joined), as argv lists."""
-    lines = [line for block in _doc_blocks("bash") for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
-    return [shlex.split(line) for line in lines if line.strip()]
+def _cpu_block() -> list[str]:
+    """The command lines of the page's bash block that runs the CPU launcher (continuations joined)."""
+    (block,) = (b for b in _doc_blocks("bash") if CPU_LAUNCHER in b)
+    return [line for line in re.sub(r"\\\n\s*", " ", block).splitlines() if line.strip()]
 
 
 # Imported by the launch's workers once, before its steps (tests/forked_launch.py): what torchtitan's
@@ -61,89 +65,102 @@ PRELOAD = [
     "torchdata.stateful_dataloader", "datasets", "tensorboard", f"{CPU_LAUNCHER}:prepare",
 ]  # fmt: skip
 
+# The door's mistakes, each added to the page's one-process run: (name, flags, what its one line names).
+REFUSED = [
+    ("kernel", ["--titan_cp.kernel", "bogus"], "--titan_cp.kernel 'bogus': unknown attention kernel"),
+    ("strategy", ["--titan_cp.strategy", "rnig"], "--titan_cp.strategy 'rnig' .*did you mean 'ring'"),
+    ("seq_len", ["--parallelism.context_parallel_degree", "3"],
+     "--training.seq_len 256 is not a multiple of 6, as --parallelism.context_parallel_degree 3 needs"),
+    ("hybrid", ["--parallelism.context_parallel_degree", "4", "--titan_cp.strategy", "hybrid",
+                "--titan_cp.ulysses_degree", "3"],
+     "--titan_cp.ulysses_degree 3 on --parallelism.context_parallel_degree 4: .*must divide"),
+    ("pipeline", ["--parallelism.pipeline_parallel_degree", "2"], "--parallelism.pipeline_parallel_degree 2: "),
+    ("backend", ["--parallelism.spmd_backend", "full_dtensor"], "set --parallelism.spmd_backend partial_dtensor"),
+    ("validator", ["--validator.enable"], "drop --validator.enable"),
+    ("world", ["--parallelism.context_parallel_degree", "2"],
+     "world size 1 .*--parallelism.context_parallel_degree 2 .* must divide it"),
+]  # fmt: skip
 
-def _program(command: list[str], dump: Path, seed: Path | None = None, **flags: str) -> list[str]:
-    """What follows ``torchrun --nproc-per-node N`` on a command line of the page (``-m ...`` and its
-    arguments), writing to ``dump`` (and loading ``seed``), with ``flags`` (``strategy="ulysses"``:
-    ``--titan_cp.strategy ulysses``) set in place of the line's own and TensorBoard on."""
-    assert command[:2] == ["torchrun", "--nproc-per-node"], command
-    args = [*command[3:], "--metrics.enable_tensorboard"]
-    args[args.index("--dump_folder") + 1] = str(dump)
-    if seed is not None:
-        args[args.index("--checkpoint.initial_load_path") + 1] = str(seed)
-    assert seed is not None or "--checkpoint.initial_load_path" not in args, "pass the seed checkpoint"
-    for key, value in flags.items():
-        args[args.index(f"--titan_cp.{key}") + 1] = value
-    if "--compile.enable" in args:  # the page's compiled line: traced through the same graphs, not code-generated
-        args += ["--compile.backend", "aot_eager"]
-    return args
+
+def _step(name: str, line: str, cwd: Path, *flags: str, status: int = 0) -> dict:
+    """A launch step of one of the page's lines, run in ``cwd`` (``$PWD`` there) as written, with ``flags`` after
+    it: ``torchrun --nproc-per-node N -m ...`` as a program on N processes, another line as a shell line."""
+    line = line.replace("$PWD", str(cwd))
+    argv = shlex.split(line)
+    if argv[:2] != ["torchrun", "--nproc-per-node"]:
+        assert not flags
+        return dict(name=name, shell=line, status=status)
+    return dict(name=name, argv=[*argv[3:], *flags], nproc=int(argv[2]), port=free_port(), status=status)
 
 
-def _launch(steps: list[dict], tmp: Path) -> subprocess.Popen:
-    """One ``torchrun --nproc-per-node 2`` from the repository root running ``steps`` (programs of the
-    page's command lines, each on its own port, and shell lines) in turn, each in a fresh process."""
+def _launch(steps: list[dict], cwd: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """One ``torchrun --nproc-per-node 2`` in ``cwd`` running ``steps`` in turn, each in a fresh process; it
+    must exit 0 (every step with its status). The launch's stdout and stderr, by step."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    for step in steps:
-        if "argv" in step:
-            step["port"] = free_port()
-    plan = dict(preload=PRELOAD, steps=steps, markers=str(tmp / "markers"))
-    return launch(2, plan, tmp / "plan.json", ROOT, env)
-
-
-def _finish(run: subprocess.Popen, name: str) -> dict[str, str]:
-    """The launch's output by step; it must exit 0."""
+    env.pop("TITAN_CP_DEBUG", None)
+    plan = dict(preload=PRELOAD, steps=steps, markers=str(cwd / "markers"))
+    run = launch(2, plan, cwd / "plan.json", cwd, env)
     out, err = run.communicate(timeout=900)
-    assert run.returncode == 0, f"{name} exited {run.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
-    return sections(out)
+    assert run.returncode == 0, f"the launch exited {run.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
+    return sections(out), sections(err)
 
 
-def _losses(dump: Path) -> list[float]:
-    """Every step's global average loss, as torchtitan wrote it to TensorBoard (float32)."""
+def _scalars(dump: Path, tag: str) -> list[float]:
+    """Every step's value of ``tag`` (``global_avg_loss``, ...), as torchtitan wrote it to TensorBoard (float32)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415
 
     (events,) = glob.glob(str(dump / "tb" / "**" / "events.*"), recursive=True)
     acc = EventAccumulator(events)
     acc.Reload()
-    return [e.value for e in acc.Scalars("loss_metrics/global_avg_loss")]
+    return [e.value for e in acc.Scalars(tag)]
 
 
-def test_cp2_losses_equal_the_one_process_run(tmp_path):
-    seed_line, one_line, cp2_line, resumed_line = (c for c in _doc_commands() if CPU_LAUNCHER in c)
-    assert "--checkpoint.create_seed_checkpoint" in seed_line and "--parallelism.context_parallel_degree" in cp2_line
-    assert "--compile.enable" in cp2_line  # every block compiled (torchtitan's fullgraph) with titan_cp's attention
-    assert seed_line[2] == one_line[2] == "1" and cp2_line[2] == resumed_line[2] == "2"
-    (copy_line,) = (" ".join(c) for c in _doc_commands() if "cp" in c)
-    seed = tmp_path / "seed" / "checkpoint" / "step-0"
-    # one launch of 2 processes, in the page's order: the seed checkpoint and the one-process run on its
-    # first process alone (as under --nproc-per-node 1), the page's copy of that run's step-2 checkpoint,
-    # the CP 2 run from the seed, the resumed run from the copy
-    steps = [
-        dict(name="seed", argv=_program(seed_line, tmp_path / "seed"), nproc=int(seed_line[2])),
-        dict(name="one", argv=_program(one_line, tmp_path / "one", seed), nproc=int(one_line[2])),
-        dict(name="copy", shell=copy_line.replace("outputs/", f"{tmp_path}/")),
-        dict(name="cp2", argv=_program(cp2_line, tmp_path / "cp2", seed), nproc=int(cp2_line[2])),
-        dict(name="resumed", argv=_program(resumed_line, tmp_path / "resumed"), nproc=int(resumed_line[2])),
-    ]
-    out = _finish(_launch(steps, tmp_path), "the launch")
-    assert (tmp_path / "resumed" / "checkpoint" / "step-2").is_dir()
+def _metrics(dump: Path) -> dict[str, list[float]]:
+    tags = ("loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "n_tokens_seen")
+    return {tag.rpartition("/")[2]: _scalars(dump, tag) for tag in tags}
+
+
+def _check_refused(name: str, out: str, err: str, names: str) -> None:
+    """The step's output: its one error line names the flag; no traceback; no model built."""
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and re.search(names, errors[0]), f"{name}: {errors}\n{err[-2000:]}"
+    assert "Traceback" not in err and "Building" not in out, f"{name}:\n{out[-1000:]}\n{err[-2000:]}"
+
+
+def test_the_pages_cpu_runs_equal_one_process_and_the_mistakes_are_one_line(tmp_path):
+    lines = _cpu_block()
+    seed, one, cp2, copy, resumed = lines
+    assert "--checkpoint.create_seed_checkpoint" in seed and "--parallelism.context_parallel_degree 2" in cp2
+    assert "--compile.enable" in cp2  # every block compiled (torchtitan's fullgraph) with titan_cp's attention
+    assert copy.startswith("mkdir") and "ulysses" in resumed
+    names = ["seed", "one", "cp2", "copy", "resumed"]
+    steps = [_step(name, line, tmp_path) for name, line in zip(names, lines)]
+    refusals = [(f"refused_{name}", flags, text) for name, flags, text in REFUSED]
+    steps += [_step(n, one, tmp_path, *flags, "--dump_folder", "refused", status=2) for n, flags, _ in refusals]
+    out, err = _launch(steps, tmp_path)
+    outputs = tmp_path / "outputs"
+    assert (outputs / "resumed" / "checkpoint" / "step-2").is_dir()
     assert "Training starts at step 3" in out["resumed"]
-    one = _losses(tmp_path / "one")
-    assert len(one) == 5 and one[-1] < one[0] - 1.0, one  # five steps, and it trains
-    cp2, resumed = _losses(tmp_path / "cp2"), _losses(tmp_path / "resumed")
-    assert cp2 == pytest.approx(one, abs=1e-5), f"CP 2 ring, doc_local: {cp2} vs one process {one}"
-    assert resumed == pytest.approx(one[2:], abs=1e-5), f"resumed at CP 2 ulysses: {resumed} vs {one[2:]}"
+    single, under_cp, after = (_metrics(outputs / name) for name in ("one", "cp2", "resumed"))
+    losses = single["global_avg_loss"]
+    assert len(losses) == 5 and losses[-1] < losses[0] - 1.0, losses  # five steps, and it trains
+    assert single["global_max_loss"] == losses  # one process: its rows' mean is the average
+    for key, values in single.items():
+        assert under_cp[key] == pytest.approx(values, abs=1e-5), f"CP 2 ring, doc_local {key}: {under_cp[key]}"
+    for key in ("global_avg_loss", "global_max_loss"):  # n_tokens_seen: torchtitan's train state is one rank's
+        assert after[key] == pytest.approx(single[key][2:], abs=1e-5), f"resumed at CP 2 ulysses {key}: {after[key]}"
+    assert "titan_cp: no context parallelism (CP 1)" in out["one"]
+    assert out["cp2"].count("titan_cp: CP 2 (cp 2): ring attention, doc_local layout") == 1, out["cp2"][-3000:]
+    assert out["resumed"].count("titan_cp: CP 2 (cp 2): ulysses attention, doc_zigzag layout") == 1
+    assert len(re.findall(r"step:\s+1\s", out["cp2"])) == 1, "torchtitan's lines come once, not once per rank"
+    for name, _, text in refusals:
+        _check_refused(name, out[name], err[name], text)
 
 
-def test_the_pages_gpu_command_and_recipe_load():
-    from torchtitan.config import ConfigManager  # noqa: PLC0415
+def test_the_pages_recipe_puts_titan_cp_in_every_layer():
+    from titan_cp.integrations.torchtitan import TitanCPAttention  # noqa: PLC0415
 
-    from titan_cp.integrations.torchtitan import TitanCPAttention, TitanCPTrainer  # noqa: PLC0415
-
-    (gpu,) = (c for c in _doc_commands() if "torchtitan.train" in c)
-    config = ConfigManager().parse_args(gpu[gpu.index("torchtitan.train") + 1 :])
-    assert isinstance(config, TitanCPTrainer.Config) and config.parallelism.context_parallel_degree == 8
-    assert (config.titan_cp.strategy, config.titan_cp.balance) == ("ring", "doc_local")
     (recipe,) = _doc_blocks("python")
     names: dict = {}
     exec(recipe, names)
@@ -212,14 +229,14 @@ def test_bad_input_gets_one_clear_line(monkeypatch):
 
     import titan_cp.integrations.torchtitan as tt  # noqa: PLC0415
 
-    with pytest.raises(ValueError, match=r"--titan_cp.strategy 'rnig'.*did you mean 'ring'"):
-        tt.TitanCPConfig(strategy="rnig")
+    with pytest.raises(ValueError, match=r"--titan_cp.strategy 'rnig'.*strategies; did you mean 'ring'"):
+        tt.TitanCPConfig(strategy="rnig").check()
     with pytest.raises(ValueError, match=r"--titan_cp.balance 'doc_locl'.*did you mean 'doc_local'"):
-        tt.TitanCPConfig(balance="doc_locl")
+        tt.TitanCPConfig(balance="doc_locl").check()
     with pytest.raises(ValueError, match=r"'hybrid' takes a --titan_cp.ulysses_degree of 2 or more, got .* 1"):
-        tt.TitanCPConfig(strategy="hybrid")
+        tt.TitanCPConfig(strategy="hybrid").check()
     with pytest.raises(ValueError, match=r"'ring' takes none, got --titan_cp.ulysses_degree 2"):
-        tt.TitanCPConfig(strategy="ring", ulysses_degree=2)
+        tt.TitanCPConfig(strategy="ring", ulysses_degree=2).check()
     with pytest.raises(ValueError, match=r"did you mean 'ulysses'"):
         tt.with_titan_cp(llama3_debugmodel, strategy="ulyses")
     from torchtitan.models.gpt_oss.config_registry import gpt_oss_debugmodel  # noqa: PLC0415
@@ -245,7 +262,7 @@ def test_bad_input_gets_one_clear_line(monkeypatch):
     with pytest.raises(
         ValueError, match=r"an attention titan_cp does not replace: \['layers.0.attention.inner_attention"
     ):
-        tt.apply_titan_cp(flex_model, None)
+        tt.apply_titan_cp(flex_model, CPHandle(None))
 
     config = tt.llama3_debugmodel_cp()
     config.parallelism.spmd_backend = "spmd_types"
@@ -259,12 +276,70 @@ def test_bad_input_gets_one_clear_line(monkeypatch):
     config = tt.llama3_debugmodel_cp()
     config.parallelism.pipeline_parallel_degree = 2
     if not tt.trainer._schedules_take_microbatch_lists():  # torchtitan 0.3's PP on this torch: refused, naming why
-        with pytest.raises(ValueError, match=r"step\(arg_mbs=\.\.\., kwarg_mbs=\.\.\.\).*drop --parallelism.pipeline"):
+        with pytest.raises(ValueError, match=r"step\(arg_mbs=\.\.\., kwarg_mbs=\.\.\.\).*drop it"):
             tt.TitanCPTrainer(config)
 
     monkeypatch.setattr(torchtitan, "__version__", "0.2.0")
     with pytest.raises(RuntimeError, match=r"written for torchtitan 0\.3\.0, but torchtitan 0\.2\.0 is installed"):
         tt.check_version()
+
+
+def test_the_run_is_checked_against_torchtitans_settings_when_built():
+    """Parsed with torchtitan's own command line, a run titan_cp cannot run is a config (torchtitan's checks wait:
+    they would name another cause first, in their parser's box), refused by check_run naming the flag."""
+    from torchtitan.config import ConfigManager  # noqa: PLC0415
+
+    import titan_cp.integrations.torchtitan as tt  # noqa: PLC0415
+
+    base = ["--module", "titan_cp.integrations.torchtitan", "--config", "llama3_debugmodel_cp"]
+
+    def refusal(*flags: str) -> str:
+        config = ConfigManager().parse_args([*base, *flags])
+        with pytest.raises(ValueError) as refused:
+            tt.check_run(config)
+        return str(refused.value)
+
+    tt.check_run(ConfigManager().parse_args([*base, "--parallelism.context_parallel_degree", "4"]))
+    cp3 = ["--parallelism.context_parallel_degree", "3"]
+    assert refusal(*cp3, "--titan_cp.strategy", "ulysses") == (
+        "--titan_cp.strategy ulysses on --parallelism.context_parallel_degree 3: ulysses needs the query heads (16) "
+        "to be divisible by its cp size (3)"
+    )
+    tp2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+    assert refusal(*tp2, "--training.seq_len", "2052").startswith(
+        "--training.seq_len 2052 is not a multiple of 8, as --parallelism.context_parallel_degree 2 needs "
+        "(torchtitan's Trainer: 2 x CP x TP = 8"
+    )
+    assert refusal("--titan_cp.kernel", "flash_atn").startswith(
+        "--titan_cp.kernel 'flash_atn': unknown attention kernel"
+    )
+    if not tt.trainer._schedules_take_microbatch_lists():  # before torchtitan's own "CUDA graphs" refusal of PP
+        assert refusal("--parallelism.pipeline_parallel_degree", "2").startswith(
+            "--parallelism.pipeline_parallel_degree 2: torchtitan 0.3's pipeline step"
+        )
+
+
+def test_every_layer_reads_the_one_handle():
+    """The CP step binds the run's one handle to every layer (on one cp rank too: its kernel runs there); an
+    unbound parallelize function is refused."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    import titan_cp.integrations.torchtitan as tt  # noqa: PLC0415
+
+    spec = tt.llama3_debugmodel_cp().model_spec
+    model = spec.model.build()
+    seen = []
+    parallelize = tt.TitanCPParallelize(lambda m, **kw: seen.append(kw["parallel_dims"]) or m)
+    one_rank = SimpleNamespace(cp_enabled=False)
+    with pytest.raises(ValueError, match="TitanCPParallelize has no CP handle: build the run with .*TitanCPTrainer"):
+        parallelize(model, parallel_dims=one_rank, parallelism=None)
+    handle = CPHandle(None, "ulysses", "doc_zigzag", kernel="cuda_flash")
+    assert parallelize.bound(handle)(model, parallel_dims=one_rank, parallelism=None) is model and seen == [one_rank]
+    layers = [m for m in model.modules() if isinstance(m, tt.TitanCPAttention)]
+    assert len(layers) == 6 and all(layer.cp is handle for layer in layers)
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="attention kernel 'cuda_flash' runs on cuda"):  # the handle's kernel runs
+        layers[0](q, q, q, attention_masks=torch.tensor([[8]]))
 
 
 @pytest.mark.parametrize(

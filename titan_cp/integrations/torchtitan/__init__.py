@@ -7,8 +7,9 @@ torchtitan imports this module and calls the config function ``NAME``)::
         --config llama3_debugmodel_cp --parallelism.context_parallel_degree 8 \\
         --titan_cp.strategy ring --titan_cp.balance doc_local
 
-On a CPU (gloo) the same arguments go to ``python -m titan_cp.integrations.torchtitan.train``
-(:mod:`.train`: torchtitan's launcher plus what torchtitan lacks on a CPU).
+On a CPU (gloo) the same arguments go to ``torchrun --nproc-per-node N -m titan_cp.integrations.torchtitan.train``
+(or ``python -m titan_cp.integrations.torchtitan.train`` alone, one process; :mod:`.train`: torchtitan's launcher
+plus what torchtitan lacks on a CPU, and titan_cp's one-line errors).
 
 A run of one's own gains titan_cp's CP in one call, in one's own module::
 
@@ -21,8 +22,10 @@ What it changes in torchtitan's config (:func:`with_titan_cp`): every layer's ``
 becomes :class:`~.attention.TitanCPAttention` (titan_cp's exact packed-document attention), the
 model's ``parallelize_fn`` becomes :class:`~.parallelize.TitanCPParallelize` (torchtitan's own,
 with only its CP step replaced by titan_cp's), the Trainer becomes :class:`~.trainer.TitanCPTrainer`
-(batches sharded by titan_cp's layout of their documents; a ``titan_cp`` config section) and the
-spmd backend ``partial_dtensor``. The CP size is torchtitan's ``--parallelism.context_parallel_degree``.
+(a ``titan_cp`` config section, checked with torchtitan's settings when built; one CP handle of it that
+every layer reads; batches sharded by titan_cp's layout of their documents; loss metrics per
+data-parallel rank) and the spmd backend ``partial_dtensor``. The CP size is torchtitan's
+``--parallelism.context_parallel_degree``.
 
 Tested with torchtitan 0.3.0 on CPU (gloo): Llama 3 (dense, GQA) with a 1-D cp mesh.
 
@@ -39,8 +42,8 @@ TESTED_VERSION = "0.3.0"
 _NAMES = {
     "configs": ("ASSETS", "llama3_8b_cp", "llama3_debugmodel_cp", "qwen3_debugmodel_cp", "with_titan_cp"),
     "attention": ("DocumentAttention", "TitanCPAttention"),
-    "parallelize": ("TitanCPParallelize", "apply_titan_cp"),
-    "trainer": ("TitanCPConfig", "TitanCPTrainer", "bind_titan_cp", "shard_by_documents"),
+    "parallelize": ("TitanCPParallelize", "apply_titan_cp", "cp_handle"),
+    "trainer": ("TitanCPConfig", "TitanCPTrainer", "check_run", "shard_by_documents"),
 }
 _MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
 __all__ = sorted(_MODULE_OF)

@@ -10,7 +10,7 @@ with q ``(B, L, N, H)`` and k/v ``(B, L, K, H)`` after RoPE (``K`` KV heads, GQA
 and returns the output as ``(B, L, N, H)``. Under context parallelism the CP step
 (:func:`~titan_cp.integrations.torchtitan.parallelize.apply_titan_cp`) applies titan_cp's
 :class:`~titan_cp.parallel.ContextParallel` to each ``core``, so the same call runs any registered
-strategy over the cp mesh.
+strategy over the cp mesh; every layer reads the run's one CP handle (strategy, balance, kernel).
 
 The documents reach every layer as ``attention_masks``: the ``(B, max_docs)`` host tensor of
 document lengths that :class:`~titan_cp.integrations.torchtitan.trainer.TitanCPTrainer` made from
@@ -30,52 +30,52 @@ from torch import Tensor
 from torchtitan.protocols.module import Module
 
 from titan_cp.attention.api import local_attention
-from titan_cp.attention.strategy import DEFAULT_STRATEGY
-from titan_cp.layout import DEFAULT_BALANCE
+from titan_cp.attention.handle import CPHandle
 
 
 class DocumentAttention(Module):
     """Exact causal attention inside each packed document: ``forward(q, k, v, doc_lens) -> out`` with
     q ``(B, N, L, H)``, k/v ``(B, K, L, H)``, ``doc_lens`` the ``(B, max_docs)`` host tensor; returns
     ``(B, N, L, H)``. The seam titan_cp's ``ContextParallel`` replaces under CP (the role of
-    ``inner_attention`` in titan_cp's own Llama)."""
+    ``inner_attention`` in titan_cp's own Llama). ``cp_handle`` is the run's one
+    :class:`~titan_cp.attention.handle.CPHandle` once the CP step has bound it (its kernel runs here
+    on one cp rank); ``None`` before (the default kernel for the device and dtype)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
-        kernel: str | None = None
-        """titan_cp's local attention kernel (``None``: the fastest for the device and dtype)."""
+        """No settings: the kernel is the bound handle's."""
 
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.kernel = config.kernel
+        self.cp_handle: CPHandle | None = None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, doc_lens: Tensor | None) -> Tensor:
-        return local_attention(q, k, v, doc_lens=doc_lens, causal=True, kernel=self.kernel)
+        kernel = None if self.cp_handle is None else self.cp_handle.kernel
+        return local_attention(q, k, v, doc_lens=doc_lens, causal=True, kernel=kernel)
 
 
 class TitanCPAttention(Module):
     """A torchtitan inner attention that runs titan_cp's packed-document attention (module docstring).
 
-    ``strategy``, ``balance``, ``kernel`` and ``ulysses_degree`` are set from the run's ``titan_cp`` config section by
-    :class:`~titan_cp.integrations.torchtitan.trainer.TitanCPTrainer` before the model is built.
+    It holds no strategy, balance or kernel of its own: those are the run's ``titan_cp`` section, held by
+    the one :class:`~titan_cp.attention.handle.CPHandle` that
+    :class:`~titan_cp.integrations.torchtitan.trainer.TitanCPTrainer` builds and its CP step binds to every
+    layer's ``core`` (:attr:`cp`).
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
-        strategy: str = DEFAULT_STRATEGY
-        """CP attention strategy over the cp mesh (any registered: ring, allgather, ulysses, ...)."""
-        balance: str = DEFAULT_BALANCE
-        """sequence layout the batches are sharded with."""
-        kernel: str | None = None
-        """titan_cp's local attention kernel (``None``: the fastest for the device and dtype)."""
-        ulysses_degree: int = 1
-        """ranks of a Ulysses group inside the cp axis (``hybrid`` only; the rest make its ring)."""
+        """No settings: strategy, balance and kernel are the run's handle's."""
 
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.strategy, self.balance, self.kernel = config.strategy, config.balance, config.kernel
-        self.ulysses_degree = config.ulysses_degree
-        self.core = DocumentAttention.Config(kernel=config.kernel).build()
+        self.core = DocumentAttention.Config().build()
+
+    @property
+    def cp(self) -> CPHandle | None:
+        """The handle this layer runs by (``None`` until the CP step binds it)."""
+        handle = getattr(self.core, "cp_handle", None)
+        return handle if isinstance(handle, CPHandle) else None
 
     def forward(
         self,
@@ -93,7 +93,7 @@ class TitanCPAttention(Module):
         return out_BNLH.transpose(1, 2)
 
     def __repr__(self) -> str:
-        return f"TitanCPAttention(strategy={self.strategy!r}, balance={self.balance!r}, kernel={self.kernel!r})"
+        return f"TitanCPAttention({self.cp!r})"
 
 
 def _check_call(doc_lens, scale: float | None, head_dim: int, kwargs: dict) -> None:

@@ -48,9 +48,11 @@ def with_titan_cp(
 ) -> Callable[[], TitanCPTrainer.Config]:
     """A config function: ``config_fn``'s run (a torchtitan Llama 3 / Qwen3 config function) with
     titan_cp's context parallelism (module docstring); ``strategy``, ``balance``, ``kernel`` and
-    ``ulysses_degree`` (hybrid) are the defaults of its ``titan_cp`` section, which torchtitan's CLI
-    overrides (``--titan_cp.strategy hybrid --titan_cp.ulysses_degree 2``)."""
+    ``ulysses_degree`` (hybrid) are the defaults of its ``titan_cp`` section (checked now), which torchtitan's
+    CLI overrides (``--titan_cp.strategy hybrid --titan_cp.ulysses_degree 2``). The layers' attention holds
+    none of them: the Trainer builds one CP handle of the section, which every layer reads."""
     section = TitanCPConfig(strategy=strategy, balance=balance, kernel=kernel, ulysses_degree=ulysses_degree)
+    section.check()
 
     def config() -> TitanCPTrainer.Config:
         base = config_fn()
@@ -62,12 +64,11 @@ def with_titan_cp(
         spec = base.model_spec
         _use_titan_cp_attention(spec.model)
         spec.parallelize_fn = TitanCPParallelize(spec.parallelize_fn)
-        out = TitanCPTrainer.Config(
+        base.parallelism.spmd_backend = SPMD_BACKEND
+        return TitanCPTrainer.Config(
             **{f.name: getattr(base, f.name) for f in fields(Trainer.Config)},
             titan_cp=replace(section),
         )
-        out.parallelism.spmd_backend = SPMD_BACKEND
-        return out
 
     config.__name__ = config.__qualname__ = f"{getattr(config_fn, '__name__', 'config')}_cp"
     config.__doc__ = f"{config.__name__}: torchtitan's {config.__name__[:-3]} with titan_cp's context parallelism."

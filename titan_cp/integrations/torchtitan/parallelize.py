@@ -4,11 +4,15 @@
 
     model_spec.parallelize_fn = TitanCPParallelize(model_spec.parallelize_fn)
 
-:class:`TitanCPParallelize` applies titan_cp's :class:`~titan_cp.parallel.ContextParallel` to every
-:class:`~.attention.TitanCPAttention` core over torchtitan's ``cp`` mesh (1-D), where torchtitan's
-own CP step runs (first: TP's ``local_map``, activation checkpointing and compile wrap it), then
-calls torchtitan's function (TP, activation checkpointing, ``torch.compile``, FSDP2 over
-``dp_shard x cp``: all torchtitan's) with a view of ``parallel_dims`` whose ``cp_enabled`` is
+The run's one :class:`~titan_cp.attention.handle.CPHandle` (:func:`cp_handle`: the ``titan_cp``
+section's strategy, balance and kernel over torchtitan's ``cp`` mesh) is built by
+:class:`~.trainer.TitanCPTrainer` once that mesh exists and given to :class:`TitanCPParallelize`
+(:meth:`TitanCPParallelize.bound`), which binds every :class:`~.attention.TitanCPAttention` to it
+(:func:`apply_titan_cp`): under CP titan_cp's :class:`~titan_cp.parallel.ContextParallel` on every
+attention core, where torchtitan's own CP step runs (first: TP's ``local_map``, activation
+checkpointing and compile wrap it); on one cp rank the cores hold the handle and run its kernel
+locally. It then calls torchtitan's function (TP, activation checkpointing, ``torch.compile``, FSDP2
+over ``dp_shard x cp``: all torchtitan's) with a view of ``parallel_dims`` whose ``cp_enabled`` is
 ``False``, so torchtitan's CP step (``apply_cp_to_forward``: FlexAttention K/V all-gather, which
 raises for any other attention) is skipped and everything else sees the real meshes. It is the CP step
 of torchtitan's ``partial_dtensor`` backend; under ``spmd_types`` / ``full_dtensor`` the model's
@@ -22,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torchtitan.distributed import ParallelDims
 
@@ -46,27 +49,58 @@ class _WithoutCP:
 
 
 class TitanCPParallelize:
-    """torchtitan's ``parallelize_fn`` (``torchtitan_fn``) with titan_cp's CP step (module docstring)."""
+    """torchtitan's ``parallelize_fn`` (``torchtitan_fn``) with titan_cp's CP step by ``handle`` (module
+    docstring); ``handle`` ``None`` until the Trainer binds the run's (:meth:`bound`)."""
 
-    def __init__(self, torchtitan_fn: Callable[..., nn.Module]) -> None:
-        self.torchtitan_fn = torchtitan_fn
+    def __init__(self, torchtitan_fn: Callable[..., nn.Module], handle: CPHandle | None = None) -> None:
+        self.torchtitan_fn, self.handle = torchtitan_fn, handle
+
+    def bound(self, handle: CPHandle) -> TitanCPParallelize:
+        """The same function, binding the attention of each model part it parallelizes to ``handle``."""
+        return TitanCPParallelize(self.torchtitan_fn, handle)
 
     def __call__(self, model: nn.Module, *, parallel_dims: ParallelDims, parallelism: Any, **kwargs: Any) -> nn.Module:
-        if not parallel_dims.cp_enabled:
-            return self.torchtitan_fn(model, parallel_dims=parallel_dims, parallelism=parallelism, **kwargs)
-        apply_titan_cp(model, parallel_dims.get_mesh("cp"))
-        return self.torchtitan_fn(model, parallel_dims=_WithoutCP(parallel_dims), parallelism=parallelism, **kwargs)
+        if self.handle is None:
+            raise ValueError(
+                "TitanCPParallelize has no CP handle: build the run with titan_cp.integrations.torchtitan's "
+                "TitanCPTrainer (with_titan_cp's config), which binds the one it builds from the titan_cp section"
+            )
+        apply_titan_cp(model, self.handle)
+        dims = _WithoutCP(parallel_dims) if parallel_dims.cp_enabled else parallel_dims
+        return self.torchtitan_fn(model, parallel_dims=dims, parallelism=parallelism, **kwargs)
 
     def __repr__(self) -> str:
         return f"TitanCPParallelize({getattr(self.torchtitan_fn, '__qualname__', self.torchtitan_fn)!r})"
 
 
-def apply_titan_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """titan_cp's CP step: :class:`~titan_cp.parallel.ContextParallel` on the core of every
-    :class:`~.attention.TitanCPAttention` of ``model`` over ``cp_mesh``, all by one
-    :class:`~titan_cp.attention.handle.CPHandle` of their strategy, balance and kernel (the Trainer
-    shards each batch with it: :func:`~titan_cp.parallel.handle_of`). Another inner attention under CP is refused by name (it would attend to its
-    own shard only)."""
+def cp_handle(parallel_dims: ParallelDims, strategy: str, balance: str, kernel: str | None, ulysses: int) -> CPHandle:
+    """The run's one handle: ``strategy`` / ``balance`` / ``kernel`` over torchtitan's cp mesh (hybrid: that
+    1-D axis unflattened to ``(cp_ring, cp_ulysses)``, Ulysses groups of ``ulysses`` consecutive cp ranks),
+    or on one cp rank (no mesh) where CP is off."""
+    if not parallel_dims.cp_enabled:
+        return CPHandle(None, strategy, balance, kernel)
+    mesh = parallel_dims.get_mesh("cp")
+    axes = get_strategy(strategy).mesh_dims(mesh.size(), ulysses)
+    if len(axes) > 1:
+        names, sizes = zip(*axes)
+        mesh = mesh._unflatten(0, tuple(sizes), tuple(names))
+    return CPHandle(mesh, strategy, balance, kernel)
+
+
+def describe(handle: CPHandle) -> str:
+    """The log's line of the CP that runs: the mesh the handle holds, not the config's request."""
+    kernel = handle.kernel or "default"
+    if handle.mesh is None:
+        return f"titan_cp: no context parallelism (CP 1): each rank attends over its whole rows, kernel {kernel}"
+    axes = " x ".join(f"{name} {size}" for name, size in zip(handle.mesh.mesh_dim_names or (), handle.mesh.shape))
+    return f"titan_cp: CP {handle.size} ({axes}): {handle.strategy} attention, {handle.balance} layout, kernel {kernel}"
+
+
+def apply_titan_cp(model: nn.Module, handle: CPHandle) -> None:
+    """titan_cp's CP step: every :class:`~.attention.TitanCPAttention` core of ``model`` bound to ``handle``:
+    :class:`~titan_cp.parallel.ContextParallel` over its mesh, or (no mesh) the handle held for its kernel.
+    The Trainer shards each batch with the same handle. Another inner attention is refused by name (under CP
+    it would attend to its own shard only; on one rank it would not read the documents the batch carries)."""
     others = sorted(
         f"{name}.inner_attention ({type(m.inner_attention).__name__})"
         for name, m in model.named_modules()
@@ -75,22 +109,13 @@ def apply_titan_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     )
     if others:
         raise ValueError(
-            f"context parallelism with an attention titan_cp does not replace: {others[:3]}"
+            f"titan_cp's CP step found an attention titan_cp does not replace: {others[:3]}"
             f"{' ...' if len(others) > 3 else ''}; build the model with titan_cp.integrations.torchtitan's "
             "with_titan_cp(config_fn), which puts TitanCPAttention in every layer"
         )
-    attentions = [m for m in model.modules() if isinstance(m, TitanCPAttention)]
-    settings = {(m.strategy, m.balance, m.kernel, m.ulysses_degree) for m in attentions}
-    if len(settings) > 1:
-        raise ValueError(f"TitanCPAttention layers disagree on (strategy, balance, kernel, ulysses): {settings}")
-    if not attentions:
-        return
-    strategy, balance, kernel, ulysses = settings.pop()
-    get_strategy(strategy).check_degrees(cp_mesh.size(), ulysses)
-    axes = get_strategy(strategy).mesh_dims(cp_mesh.size(), ulysses)
-    if len(axes) > 1:  # hybrid: torchtitan's 1-D cp axis as (cp_ring, cp_ulysses), Ulysses groups consecutive
-        names, sizes = zip(*axes)
-        cp_mesh = cp_mesh._unflatten(0, tuple(sizes), tuple(names))
-    handle = CPHandle(cp_mesh, strategy, balance, kernel)
-    for module in attentions:
-        parallelize_module(module.core, cp_mesh, ContextParallel(handle=handle))
+    for module in model.modules():
+        if isinstance(module, TitanCPAttention):
+            if handle.mesh is None:
+                module.core.cp_handle = handle
+            else:
+                parallelize_module(module.core, handle.mesh, ContextParallel(handle=handle))

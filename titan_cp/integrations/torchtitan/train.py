@@ -1,5 +1,15 @@
 """``python -m titan_cp.integrations.torchtitan.train``: torchtitan 0.3's launcher
-(``torchtitan.train``, the same arguments) on a CPU with gloo, for development and CI.
+(``torchtitan.train``, the same arguments) on a CPU with gloo, for development and CI, ending as
+titan_cp's commands do.
+
+Under ``torchrun`` (``torchrun --nproc-per-node 2 -m titan_cp.integrations.torchtitan.train ...``), or
+alone as one process (no ``LOCAL_RANK`` set: rank 0 of a world of 1, its store on a port of its own).
+A mistake in the run's settings (the ``titan_cp`` section and its agreement with torchtitan's:
+:func:`~titan_cp.integrations.torchtitan.trainer.check_run`, checked before any process group or
+model) is one line naming the flag and exit status 2 (:func:`titan_cp.errors.error_exit`; under
+``python -m titan_cp.run`` the launch exits 2 with nothing after it); under torchtitan's own launcher
+the same message ends torchtitan's traceback. torchtitan's INFO lines come from rank 0 alone
+(:func:`~titan_cp.integrations.torchtitan.reporting.log_info_on_rank0`).
 
 On GPUs run torchtitan's own launcher, unmodified (``-m torchtitan.train``). This one adds only what
 torchtitan 0.3 lacks on a CPU, each scoped to this process:
@@ -30,6 +40,9 @@ import torch
 import torch._utils
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from titan_cp.errors import debug_requested, error_exit
+from titan_cp.integrations.torchtitan.reporting import log_info_on_rank0
 
 
 class _CPUDeviceModule:
@@ -116,11 +129,29 @@ def prepare() -> None:
     import torchtitan.train  # noqa: F401, PLC0415
 
 
+ONE_PROCESS = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+"""What torchrun would set for one process; with ``MASTER_ADDR`` localhost and ``MASTER_PORT`` 0 (its store
+binds a free port)."""
+
+
+def _one_process_default() -> None:
+    """Started without torchrun (no ``LOCAL_RANK``): the environment of one process alone."""
+    if "LOCAL_RANK" in os.environ:
+        return
+    for key, value in {**ONE_PROCESS, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}.items():
+        os.environ.setdefault(key, value)
+
+
 def main() -> None:
+    """torchtitan's ``main`` on a CPU (module docstring), under titan_cp's error path (``TITAN_CP_DEBUG=1``:
+    the traceback of a user error too)."""
+    _one_process_default()
+    log_info_on_rank0()
     prepare()
     from torchtitan.train import main as torchtitan_main  # noqa: PLC0415
 
-    torchtitan_main()
+    with error_exit(debug_requested([])[1]):
+        torchtitan_main()
 
 
 if __name__ == "__main__":

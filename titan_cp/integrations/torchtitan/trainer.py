@@ -1,17 +1,27 @@
 """torchtitan 0.3's ``Trainer`` with titan_cp's packed-document context parallelism.
 
 :class:`TitanCPTrainer` is torchtitan's ``Trainer`` (its loop, loss, optimizer, checkpoints,
-logging, launch) with two changes:
+logging, launch) with these changes:
 
 - its ``Config`` has a ``titan_cp`` section (:class:`TitanCPConfig`: ``--titan_cp.strategy``,
-  ``--titan_cp.balance``, ``--titan_cp.kernel`` on torchtitan's command line), which it binds to
-  every :class:`~.attention.TitanCPAttention` of the model before building it;
+  ``--titan_cp.balance``, ``--titan_cp.kernel``, ``--titan_cp.ulysses_degree`` on torchtitan's command
+  line), checked with its agreement with torchtitan's own settings (:func:`check_run`: the cp degree,
+  the heads, ``seq_len``, the backend, pipeline and validator) when the Trainer is built, before any
+  process group or model, each mistake one ``ValueError`` naming the flag;
+- once torchtitan's meshes exist it builds the run's one :class:`~titan_cp.attention.handle.CPHandle`
+  from that section (:func:`~.parallelize.cp_handle`), logs the CP that runs
+  (:func:`~.parallelize.describe`) and binds it to the model's ``parallelize_fn``, whose CP step binds
+  it to every :class:`~.attention.TitanCPAttention`;
 - :meth:`TitanCPTrainer.post_dataloading_process` turns each batch's ``positions`` (0 at each
   document start, as torchtitan's dataloaders yield them) into titan_cp's documents, builds the
-  layout with the model's CP handle (the ``titan_cp.balance``) and shards inputs, labels and
-  positions by it (:meth:`titan_cp.step.Microbatch.shard`, titan_cp's own trainer's sharding),
-  instead of torchtitan's head-tail split; the layout's documents tensor goes to every layer as
-  ``attention_masks``.
+  layout with that handle (the ``titan_cp.balance``) and shards inputs, labels and positions by it
+  (:meth:`titan_cp.step.Microbatch.shard`, titan_cp's own trainer's sharding), instead of
+  torchtitan's head-tail split; the layout's documents tensor goes to every layer as
+  ``attention_masks``;
+- under CP the loss its forward-backward returns to torchtitan's metrics is each dp rank's whole
+  (:func:`~.reporting.loss_for_metrics`), so ``global_max_loss`` is the max over dp ranks of their
+  rows' mean loss, not of a cp shard's share; and torchtitan's INFO lines come from rank 0 alone
+  (:func:`~.reporting.log_info_on_rank0`).
 
 torchtitan's labels are already next-token targets inside each document, so sharding them with
 the tokens keeps every target; the loss stays torchtitan's (local summed CE over the step's
@@ -21,31 +31,39 @@ global valid-token count, gradients summed over ``dp x cp`` by FSDP), equal to t
 from __future__ import annotations
 
 import inspect
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.common.attention import GQAttention
+from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from titan_cp.attention.api import local_handle
 from titan_cp.attention.handle import CPHandle
+from titan_cp.attention.kernels import get_kernel
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy, strategy_names
 from titan_cp.balance import balance_names
 from titan_cp.errors import did_you_mean
 from titan_cp.integrations.hf_batch import _from_positions
-from titan_cp.integrations.torchtitan.attention import TitanCPAttention
-from titan_cp.layout import DEFAULT_BALANCE
-from titan_cp.parallel import handle_of
+from titan_cp.integrations.torchtitan.parallelize import TitanCPParallelize, cp_handle, describe
+from titan_cp.integrations.torchtitan.reporting import log_info_on_rank0, loss_for_metrics
+from titan_cp.layout import DEFAULT_BALANCE, seq_len_multiple
 from titan_cp.step import Microbatch
 
 SPMD_BACKEND = "partial_dtensor"  # torchtitan's backend whose CP step is a function titan_cp replaces
+CP_FLAG = "--parallelism.context_parallel_degree"
 
 
 @dataclass(kw_only=True, slots=True)
 class TitanCPConfig:
     """The ``titan_cp`` section of a torchtitan run (the CP size is torchtitan's own
-    ``--parallelism.context_parallel_degree``)."""
+    ``--parallelism.context_parallel_degree``). Checked by :meth:`check` (with torchtitan's settings by
+    :func:`check_run`) when the Trainer is built, not when parsed: torchtitan's parser would print a
+    mistake found while parsing in a box of its own, on every rank."""
 
     strategy: str = DEFAULT_STRATEGY
     """CP attention strategy: ring, allgather, ulysses, hybrid (with ulysses_degree) or any registered."""
@@ -56,16 +74,23 @@ class TitanCPConfig:
     ulysses_degree: int = 1
     """hybrid only: ranks of each Ulysses group inside the cp axis (the cp degree / it make the ring)."""
 
-    def __post_init__(self):
-        for key, value, names in (
-            ("strategy", self.strategy, strategy_names()),
-            ("balance", self.balance, balance_names()),
+    def check(self) -> None:
+        """``ValueError`` naming the flag: a strategy, balance or kernel titan_cp does not have (with the
+        close names), or a Ulysses degree the strategy does not take."""
+        for key, plural, value, names in (
+            ("strategy", "strategies", self.strategy, strategy_names()),
+            ("balance", "balances", self.balance, balance_names()),
         ):
             if value not in names:
                 raise ValueError(
-                    f"--titan_cp.{key} {value!r} is not one of titan_cp's {key}s{did_you_mean(value, names)} "
+                    f"--titan_cp.{key} {value!r} is not one of titan_cp's {plural}{did_you_mean(value, names)} "
                     f"(choose one of {', '.join(names)})"
                 )
+        if self.kernel is not None:
+            try:
+                get_kernel(self.kernel, torch.device("cpu"), torch.float32)  # a named kernel: the name and its package
+            except ValueError as e:
+                raise ValueError(f"--titan_cp.kernel {self.kernel!r}: {e}") from None
         strategy = get_strategy(self.strategy)
         if strategy.takes_ulysses_degree() != (self.ulysses_degree > 1) or self.ulysses_degree < 1:
             want = "a --titan_cp.ulysses_degree of 2 or more" if strategy.takes_ulysses_degree() else "none"
@@ -75,19 +100,98 @@ class TitanCPConfig:
             )
 
 
-def bind_titan_cp(model_config: Any, section: TitanCPConfig) -> int:  # a torchtitan model's Config
-    """Set ``section``'s strategy, balance, kernel and Ulysses degree on every ``TitanCPAttention`` config of
-    ``model_config``; returns how many there are (``ValueError`` when none)."""
-    found = [cfg for _, cfg, _, _ in model_config.traverse(TitanCPAttention.Config)]
-    if not found:
+def _schedules_take_microbatch_lists() -> bool:
+    """Whether this torch's pipeline schedules take the per-microbatch lists torchtitan 0.3 passes."""
+    return all(
+        "arg_mbs" in inspect.signature(s.step).parameters for s in (PipelineScheduleSingle, PipelineScheduleMulti)
+    )
+
+
+def _check_torchtitan_settings(config: Any) -> None:
+    """The spmd backend, validator and pipeline settings titan_cp's Trainer runs with."""
+    if config.parallelism.spmd_backend != SPMD_BACKEND:
         raise ValueError(
-            "the model has no TitanCPAttention layer: build the config with "
-            "titan_cp.integrations.torchtitan.with_titan_cp(config_fn), which puts it in every layer"
+            f"titan_cp's Trainer runs under --parallelism.spmd_backend {SPMD_BACKEND}, not "
+            f"{config.parallelism.spmd_backend!r} (its model sharding all-gathers K/V itself and its batches "
+            f"are typed by torchtitan's own sharding): set --parallelism.spmd_backend {SPMD_BACKEND}"
         )
-    for cfg in found:
-        cfg.strategy, cfg.balance, cfg.kernel = section.strategy, section.balance, section.kernel
-        cfg.ulysses_degree = section.ulysses_degree
-    return len(found)
+    if config.validator.enable:
+        raise ValueError(
+            "titan_cp's Trainer does not run torchtitan's validator yet (it shards and masks its batches "
+            "torchtitan's way, not by titan_cp's layout): drop --validator.enable"
+        )
+    if config.parallelism.pipeline_parallel_degree > 1 and not _schedules_take_microbatch_lists():
+        raise ValueError(
+            f"--parallelism.pipeline_parallel_degree {config.parallelism.pipeline_parallel_degree}: torchtitan "
+            "0.3's pipeline step calls the schedule's step(arg_mbs=..., kwarg_mbs=...), which torch "
+            f"{torch.__version__}'s torch.distributed.pipelining does not take (it would split the list as a model "
+            "argument), with titan_cp or without: drop it (titan_cp's own trainer runs PP x CP)"
+        )
+
+
+def _head_counts(model_spec: Any) -> set[tuple[int, int]]:
+    """``(query heads, KV heads)`` of the model's GQA attention layers (none without a model)."""
+    layers = getattr(getattr(model_spec, "model", None), "layers", None) or ()
+    attentions = [layer.attention for layer in layers if isinstance(layer.attention, GQAttention.Config)]
+    return {(a.n_heads, a.n_heads if a.n_kv_heads is None else a.n_kv_heads) for a in attentions}
+
+
+def _check_cp(config: Any) -> None:
+    """The titan_cp section against the cp degree: Ulysses degree, heads, sequence length."""
+    section, p = config.titan_cp, config.parallelism
+    cp, tp, ulysses = p.context_parallel_degree, p.tensor_parallel_degree, section.ulysses_degree
+    if cp <= 1:
+        return
+    strategy = get_strategy(section.strategy)
+    try:
+        strategy.check_degrees(cp, ulysses)
+    except ValueError as e:
+        raise ValueError(f"--titan_cp.ulysses_degree {ulysses} on {CP_FLAG} {cp}: {e}") from None
+    for heads, kv_heads in _head_counts(config.model_spec):
+        if heads % tp == 0 and kv_heads % tp == 0:
+            try:
+                strategy.check_heads(heads // tp, kv_heads // tp, cp, ulysses)
+            except ValueError as e:
+                per_tp = f" (per TP rank of {tp})" if tp > 1 else ""
+                raise ValueError(f"--titan_cp.strategy {section.strategy} on {CP_FLAG} {cp}{per_tp}: {e}") from None
+    sp = tp if tp > 1 and p.enable_sequence_parallel else 1
+    layout = seq_len_multiple(section.balance, cp)
+    need = math.lcm(layout, sp * 2 * cp)
+    if config.training.seq_len % need:
+        raise ValueError(
+            f"--training.seq_len {config.training.seq_len} is not a multiple of {need}, as {CP_FLAG} {cp} needs "
+            f"(torchtitan's Trainer: 2 x CP{' x TP' if sp > 1 else ''} = {sp * 2 * cp}; titan_cp's "
+            f"{section.balance} layout: {layout})"
+        )
+
+
+def check_run(config: Any) -> None:
+    """``ValueError`` naming the flag for a run titan_cp's Trainer cannot run as set: its ``titan_cp``
+    section (:meth:`TitanCPConfig.check`), torchtitan's backend, validator and pipeline settings, and the
+    section against torchtitan's cp degree, model heads and ``training.seq_len``. Reads the config alone."""
+    config.titan_cp.check()
+    _check_torchtitan_settings(config)
+    _check_cp(config)
+
+
+def _check_world(parallelism: Any, comm_mode: str) -> None:
+    """The parallel degrees against the processes torchrun started (``WORLD_SIZE``)."""
+    if comm_mode != "default":
+        return  # torchtitan's fake and local-tensor modes read their world size from NGPU
+    world, p = int(os.environ.get("WORLD_SIZE", "1")), parallelism
+    fixed = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+    fixed *= p.pipeline_parallel_degree
+    shard = p.data_parallel_shard_degree
+    fits = world % fixed == 0 if shard == -1 else fixed * shard == world
+    if not fits:
+        shards = "" if shard == -1 else f" x --parallelism.data_parallel_shard_degree {shard}"
+        raise ValueError(
+            f"the world size {world} (torchrun's --nproc-per-node x nodes) cannot run the parallel degrees set: "
+            f"{CP_FLAG} {p.context_parallel_degree} x --parallelism.tensor_parallel_degree "
+            f"{p.tensor_parallel_degree} x --parallelism.pipeline_parallel_degree {p.pipeline_parallel_degree} x "
+            f"--parallelism.data_parallel_replicate_degree {p.data_parallel_replicate_degree}{shards} = "
+            f"{fixed * max(shard, 1)} must {'divide' if shard == -1 else 'equal'} it"
+        )
 
 
 def _documents(positions: torch.Tensor) -> torch.Tensor:
@@ -115,13 +219,6 @@ def shard_by_documents(
     return Microbatch(inputs, labels, positions, _documents(positions)).shard(cp)
 
 
-def _schedules_take_microbatch_lists() -> bool:
-    """Whether this torch's pipeline schedules take the per-microbatch lists torchtitan 0.3 passes."""
-    return all(
-        "arg_mbs" in inspect.signature(s.step).parameters for s in (PipelineScheduleSingle, PipelineScheduleMulti)
-    )
-
-
 class TitanCPTrainer(Trainer):
     """torchtitan's ``Trainer`` with titan_cp's context parallelism (module docstring)."""
 
@@ -129,28 +226,33 @@ class TitanCPTrainer(Trainer):
     class Config(Trainer.Config):
         titan_cp: TitanCPConfig = field(default_factory=TitanCPConfig)
 
+        def __post_init__(self) -> None:
+            try:
+                check_run(self)
+            except ValueError:
+                return  # refused in one line when the Trainer is built; torchtitan's checks would name another cause
+            Trainer.Config.__post_init__(self)
+
     def __init__(self, config: Config) -> None:
-        if config.parallelism.spmd_backend != SPMD_BACKEND:
+        check_run(config)
+        _check_world(config.parallelism, config.comm.mode)
+        if not isinstance(config.model_spec.parallelize_fn, TitanCPParallelize):
             raise ValueError(
-                f"titan_cp's Trainer runs under --parallelism.spmd_backend {SPMD_BACKEND}, not "
-                f"{config.parallelism.spmd_backend!r} (its model sharding all-gathers K/V itself and its batches "
-                f"are typed by torchtitan's own sharding): set --parallelism.spmd_backend {SPMD_BACKEND}"
+                "the model's parallelize_fn is not titan_cp's TitanCPParallelize: build the config with "
+                "titan_cp.integrations.torchtitan.with_titan_cp(config_fn)"
             )
-        if config.validator.enable:
-            raise ValueError(
-                "titan_cp's Trainer does not run torchtitan's validator yet (it shards and masks its batches "
-                "torchtitan's way, not by titan_cp's layout): drop --validator.enable"
-            )
-        if config.parallelism.pipeline_parallel_degree > 1 and not _schedules_take_microbatch_lists():
-            raise ValueError(
-                "torchtitan 0.3's pipeline step calls the schedule's step(arg_mbs=..., kwarg_mbs=...), "
-                f"which torch {torch.__version__}'s torch.distributed.pipelining does not take (it would split the "
-                "list as a model argument): pipeline parallelism under torchtitan 0.3 needs a torch whose schedules "
-                "do; drop --parallelism.pipeline_parallel_degree (titan_cp's own trainer runs PP x CP)"
-            )
-        bind_titan_cp(config.model_spec.model, config.titan_cp)
+        log_info_on_rank0()
+        self.cp: CPHandle | None = None  # the run's one handle, built once the cp mesh exists (init_distributed)
         super().__init__(config)
-        self.cp: CPHandle = handle_of(self.model_parts[0]) or local_handle()  # what every batch is sharded with
+
+    def init_distributed(self) -> ParallelDims:
+        """torchtitan's meshes, then the run's one CP handle, bound to the model's ``parallelize_fn``."""
+        parallel_dims = super().init_distributed()
+        section, spec = self.config.titan_cp, self.config.model_spec
+        self.cp = cp_handle(parallel_dims, section.strategy, section.balance, section.kernel, section.ulysses_degree)
+        spec.parallelize_fn = spec.parallelize_fn.bound(self.cp)  # the spec torchtitan's __init__ holds
+        logger.info(describe(self.cp))
+        return parallel_dims
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
@@ -164,7 +266,19 @@ class TitanCPTrainer(Trainer):
                 "({'input': tokens, 'positions': positions}, labels) with positions (batch, seq_len) restarting "
                 "at 0 at each document (torchtitan's text dataloaders do)"
             )
+        assert self.cp is not None, "the CP handle is built with the meshes"
         local = shard_by_documents(input_dict["input"], labels, extra["positions"], self.cp)
         extra["positions"], extra["attention_masks"] = local.positions, local.doc_lens
         self.ntokens_seen += local.labels.numel()
         return local.tokens, local.labels, extra
+
+    def forward_backward_step(self, *, input_dict: Any, labels: Any, global_valid_tokens: torch.Tensor) -> torch.Tensor:
+        """torchtitan's step; under CP, on a step torchtitan logs, the loss returned for its metrics is the
+        dp rank's whole (:func:`~.reporting.loss_for_metrics`)."""
+        loss = super().forward_backward_step(
+            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+        )
+        if not self.parallel_dims.cp_enabled or not self.metrics_processor.should_log(self.step):
+            return loss
+        cp = self.parallel_dims.get_mesh("cp")
+        return loss_for_metrics(loss, cp.get_group(), cp.get_local_rank())
