@@ -40,10 +40,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from titan_cp.attention.handle import CPHandle
 from titan_cp.families import get_family
-from titan_cp.families.llama3 import Llama3
+from titan_cp.families.llama3 import Llama3, LlamaBuilder
 from titan_cp.loss import GlobalTokenLoss
 from titan_cp.optim import build_optimizers, clip_grad_norm_
-from titan_cp.parallel.build import LlamaBuilder, build_parallel_model, cp_handle
+from titan_cp.parallel.build import build_parallel_model, cp_handle
 from titan_cp.parallel.offload import HostActivationStore
 from titan_cp.step import Microbatch, forward_backward
 

@@ -371,7 +371,7 @@ def _rank_fn(rank: int, world: int, cfg: dict) -> dict:
     """One rank: build the model (CP over all ``world`` ranks when world > 1, activation
     checkpointing ``cfg["ac"]``), measure one step (see :func:`measure_step`)."""
     from titan_cp.attention.comm import count_comm
-    from titan_cp.model import build_model
+    from titan_cp.families.llama3 import build_model
     from titan_cp.parallel import apply_ac
     from titan_cp.parallel.cp import apply_cp
     from titan_cp.testing import strategy_mesh
@@ -418,8 +418,8 @@ def _mesh_rank_fn(rank: int, world: int, cfg: dict) -> dict:
     collectives on its own threads, so the buffers of an asynchronous collective may outlive
     their last use by a varying margin (under TP with full AC, up to +25% at the debug model's
     sizes). ``saved_bytes`` is exact only without a pipeline (microbatches reuse addresses)."""
+    from titan_cp.families.llama3 import LlamaBuilder, model_args
     from titan_cp.mesh import ParallelDims
-    from titan_cp.model import model_args
     from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model
     from titan_cp.step import forward_backward
 
@@ -435,7 +435,13 @@ def _mesh_rank_fn(rank: int, world: int, cfg: dict) -> dict:
     loss_fn = GlobalTokenLoss()
     args = model_args(cfg["flavor"], n_layers=cfg["n_layers"], vocab_size=cfg["vocab_size"])
     built = build_parallel_model(
-        args, pd, ParallelizeOptions(ac_mode=cfg.get("ac", "none")), "cpu", 0, loss_fn, cfg.get("microbatches", 1)
+        LlamaBuilder(args),
+        pd,
+        ParallelizeOptions(ac_mode=cfg.get("ac", "none")),
+        "cpu",
+        0,
+        loss_fn,
+        cfg.get("microbatches", 1),
     )
     full = make_batch(cfg["seq_len"], cfg["batch"], cfg["docs"], cfg["vocab_size"])
     loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())

@@ -49,8 +49,8 @@ import torch.nn.functional as F
 
 from titan_cp.data import IGNORE_INDEX, ByteTokenizer, Document, Packer
 from titan_cp.data.datasets import _KEYS, _VALUE_CHARS, answers_mask
+from titan_cp.families.llama3 import build_model
 from titan_cp.metrics import recall_counts
-from titan_cp.model import build_model
 
 TOKENIZER = ByteTokenizer()
 KEYS = [ord(c) for c in _KEYS]

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from titan_cp import plan as P
-from titan_cp.model import model_args
+from titan_cp.families.llama3 import model_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,9 +22,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from titan_cp.attention import CPHandle
 from titan_cp.families import ModelFamily
+from titan_cp.families.init import ParamInit, draw_seed
+from titan_cp.families.llama3.model import InnerAttention
 from titan_cp.loss import chunked_cross_entropy_sum, chunked_evaluate
-from titan_cp.model.init import ParamInit, draw_seed
-from titan_cp.model.llama import InnerAttention
 from titan_cp.parallel.adapter import ParallelAdapter
 from titan_cp.parallel.build import ModelBuilder, build_parallel_model
 from titan_cp.parallel.cp import ContextParallel
@@ -61,7 +61,7 @@ class TinyNoPE(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Seeded per parameter name (``titan_cp.model.init``): the same values on any mesh."""
+        """Seeded per parameter name (``titan_cp.families.init``): the same values on any mesh."""
         init = ParamInit(self, draw_seed() if seed is None else seed)
         for name, p in self.named_parameters():
             if "norm" in name:

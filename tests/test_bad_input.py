@@ -19,8 +19,8 @@ from titan_cp.config import load_config
 from titan_cp.data import ByteTokenizer, TextFiles, build_dataset
 from titan_cp.data.chat import ChatJsonl
 from titan_cp.errors import UserError
-from titan_cp.model import build_model
-from titan_cp.model.hf_checkpoint import check_hf_folder, load_hf
+from titan_cp.families.llama3 import build_model
+from titan_cp.families.llama3.hf_checkpoint import check_hf_folder, load_hf
 from titan_cp.preflight import check_files
 from titan_cp.testing.trainer import tiny_run_args
 from titan_cp.train import main

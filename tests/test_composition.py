@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titan_cp.families.llama3 import LlamaBuilder, build_model, materialize, model_args
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
-from titan_cp.model import build_model, model_args
-from titan_cp.parallel.build import ModelParts, ParallelizeOptions, build_parallel_model, materialize
+from titan_cp.parallel.build import ModelParts, ParallelizeOptions, build_parallel_model
 from titan_cp.step import Microbatch, forward_backward
 
 SEQ, ROWS, STEPS, LR, SEED = 48, 4, 3, 1e-3, 0
@@ -97,7 +97,7 @@ def build_combo(world: int, combo: dict):
     )
     loss_fn = GlobalTokenLoss()
     built = build_parallel_model(
-        model_args(combo.get("flavor", "tiny"), n_layers=combo.get("n_layers", 2)),
+        LlamaBuilder(model_args(combo.get("flavor", "tiny"), n_layers=combo.get("n_layers", 2))),
         pd,
         options,
         "cpu",

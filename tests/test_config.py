@@ -296,7 +296,7 @@ def test_validate_checks_configs_built_in_code():
 
 
 def test_flavor_choices_are_the_model_module_flavors():
-    from titan_cp.model.flavors import FLAVORS
+    from titan_cp.families.llama3.flavors import FLAVORS
 
     for flavor in FLAVORS:
         assert load_quiet(["--model.flavor", flavor]).model.flavor == flavor

@@ -27,6 +27,7 @@ from titan_cp.attention.kernels import get_kernel
 from titan_cp.attention.merge import apply_sinks_
 from titan_cp.config import load_config
 from titan_cp.errors import UserError, run_cli
+from titan_cp.families.llama3 import hf_checkpoint, model_args
 from titan_cp.generate import Generator, Sampling, build_generation_model, plan_owners
 from titan_cp.generate.cli import main, prepare
 from titan_cp.generate.needle import accuracy_grid, needle_case
@@ -34,7 +35,6 @@ from titan_cp.generate.prompts import read_prompts
 from titan_cp.generate.sampling import nucleus
 from titan_cp.loss import IGNORE_INDEX
 from titan_cp.mesh import ParallelDims
-from titan_cp.model import hf_checkpoint, model_args
 from titan_cp.testing.logs import captured
 
 TOL = 1e-4
@@ -475,7 +475,7 @@ def test_lengths_beyond_a_flavors_informational_max_seq_len_run(tmp_path):
     _prepare([*ok, "--generate.task", "needle", "--generate.needle_lengths", "512,1024,2048,4096,8192"])  # no error
     assert len(_prepare([*ok, "--generate.prompt_file", str(tmp_path / "long.txt")]).prompts[0]) == 5001
     from titan_cp.config.training import MAX_SEQ_LEN
-    from titan_cp.model.llama import MAX_POSITIONS
+    from titan_cp.families.llama3.model import MAX_POSITIONS
 
     assert MAX_POSITIONS == MAX_SEQ_LEN  # generation's bound is training's
     model = build_generation_model(args_of("tiny"))

@@ -17,8 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from titan_cp.checkpoint import Checkpointer
-from titan_cp.model import RoPEScaling, Transformer, build_model, model_args
-from titan_cp.model.hf_checkpoint import check_hf_config, from_hf, hf_config, load_hf, to_hf
+from titan_cp.families.llama3 import RoPEScaling, Transformer, build_model, model_args
+from titan_cp.families.llama3.hf_checkpoint import check_hf_config, from_hf, hf_config, load_hf, to_hf
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra")
 pytest.importorskip("safetensors", reason="safetensors is in the dev extra")

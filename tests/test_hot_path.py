@@ -91,7 +91,7 @@ def test_varlen_calls_per_step_and_host_ops_do_not_grow_with_documents(dist_pool
 
 # ---------------------------------------------------------------------------- compile
 def _model_pair(seed: int = 0):
-    from titan_cp.model import build_model
+    from titan_cp.families.llama3 import build_model
 
     torch.manual_seed(seed)
     eager = build_model("tiny", device="cpu")

@@ -2,7 +2,7 @@
 allocates only its shards.
 
 Identity is bit-exact (``torch.equal``): every value is drawn by the same generator ops on
-the same seeded block of the unsharded tensor, whatever the shard (``titan_cp.model.init``).
+the same seeded block of the unsharded tensor, whatever the shard (``titan_cp.families.init``).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from titan_cp.families import init as init_module
+from titan_cp.families.init import block_seed, clean_name, seeded_fill_
+from titan_cp.families.llama3 import LlamaBuilder, ModelArgs, Transformer, build_model, materialize, model_args
 from titan_cp.loss import GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
-from titan_cp.model import ModelArgs, Transformer, build_model, model_args
-from titan_cp.model import init as init_module
-from titan_cp.model.init import block_seed, clean_name, seeded_fill_
-from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model, materialize
+from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model
 from titan_cp.testing.trainer import tiny_run_args
 
 SEED = 1234
@@ -51,7 +51,7 @@ def _gathered_state(rank, world, mesh: dict, ac: str):
     init_module.BLOCK_ELEMENTS = SMALL_BLOCK
     try:
         built = build_parallel_model(
-            model_args("tiny", n_layers=4),
+            LlamaBuilder(model_args("tiny", n_layers=4)),
             _mesh(world, mesh),
             ParallelizeOptions(cp_strategy="ring", ac_mode=ac),
             "cpu",
@@ -136,7 +136,7 @@ def _construction_growth(rank, world):
     before = _status_kib("VmRSS")
     pd = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, world_size=world)
     pd.build_mesh("cpu")
-    built = build_parallel_model(BIG, pd, ParallelizeOptions(), "cpu", seed=0)
+    built = build_parallel_model(LlamaBuilder(BIG), pd, ParallelizeOptions(), "cpu", seed=0)
     peak = _status_kib("VmHWM")
     local = sum(p.to_local().numel() * p.element_size() for p in built.parts[0].parameters())
     del built

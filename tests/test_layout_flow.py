@@ -90,9 +90,9 @@ def test_the_handle_registers_a_batchs_layouts_while_it_lives_and_refuses_others
 
 
 def _sharding_decides(rank, world):
+    from titan_cp.families.llama3 import build_model, parallelize_llama
     from titan_cp.mesh import ParallelDims
-    from titan_cp.model import build_model
-    from titan_cp.parallel.build import ParallelizeOptions, parallelize_llama
+    from titan_cp.parallel.build import ParallelizeOptions
     from titan_cp.step import forward_backward
 
     full = _microbatch()

@@ -23,11 +23,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.test_composition import SEED, _clean, _full, local_microbatch, make_batch
 from titan_cp.ac_modes import AC_MODES, ac_mode_and_every
 from titan_cp.config import load_config
+from titan_cp.families.llama3 import LlamaBuilder, build_model, materialize, model_args
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_cp.mesh import ParallelDims
-from titan_cp.model import build_model, model_args
 from titan_cp.parallel.ac import apply_ac, check_ac
-from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model, materialize
+from titan_cp.parallel.build import ParallelizeOptions, build_parallel_model
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp, check_tile_tokens
 from titan_cp.parallel.units import unit_blocks
 from titan_cp.step import forward_backward
@@ -154,7 +154,7 @@ def _run(world, combo: dict, **extra):
     options = ParallelizeOptions(cp_strategy="ring", cp_balance="doc_zigzag", ac_mode="full", **extra)
     loss_fn = GlobalTokenLoss()
     args = model_args("tiny", n_layers=4)
-    built = build_parallel_model(args, pd, options, "cpu", seed=SEED, loss_fn=loss_fn, pp_microbatches=2)
+    built = build_parallel_model(LlamaBuilder(args), pd, options, "cpu", seed=SEED, loss_fn=loss_fn, pp_microbatches=2)
     opt = torch.optim.AdamW([p for part in built.parts for p in part.parameters()], lr=1e-3)
     losses = []
     for step in range(1):  # the loss, and the parameters after an AdamW step (they carry the gradients)
@@ -233,7 +233,7 @@ def _step(world, combo: dict, options: dict):
     )
     loss_fn = GlobalTokenLoss()
     args = model_args("tiny", n_layers=combo.get("n_layers", 3))
-    built = build_parallel_model(args, pd, parallelize, "cpu", seed=SEED, loss_fn=loss_fn, pp_microbatches=2)
+    built = build_parallel_model(LlamaBuilder(args), pd, parallelize, "cpu", seed=SEED, loss_fn=loss_fn, pp_microbatches=2)
     full = make_batch(0)
     loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
     mb = local_microbatch(pd, built, full)

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests.test_parallel import S, full, packed_inputs, reference_grads, tiny
+from titan_cp.families.llama3 import apply_tp
 from titan_cp.loss import IGNORE_INDEX, GlobalTokenLoss, chunked_cross_entropy_sum, chunked_evaluate, token_loss_sum
-from titan_cp.parallel import apply_tp
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOL = dict(rtol=1e-5, atol=1e-5)

@@ -36,7 +36,7 @@ def test_step_record_tokens_per_second_mfu_and_eta(monkeypatch):
     from types import SimpleNamespace
 
     from titan_cp import metrics
-    from titan_cp.model import model_args
+    from titan_cp.families.llama3 import model_args
 
     args = model_args("tiny", vocab_size=256)
     batch = lambda lens: SimpleNamespace(doc_lens=[lens], tokens=torch.zeros(1, 8))  # noqa: E731

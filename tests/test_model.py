@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_cp.model import (
+from titan_cp.families.llama3 import (
     FLAVORS,
     InnerAttention,
     ModelArgs,

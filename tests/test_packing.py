@@ -567,10 +567,10 @@ def _padded_chat_batch(path, seq_len, rows):
 
 
 def _cp_matches_one_process(rank, world, path, strategy, balance):
+    from titan_cp.families.llama3 import build_model, parallelize_llama
     from titan_cp.loss import GlobalTokenLoss
     from titan_cp.mesh import ParallelDims
-    from titan_cp.model import build_model
-    from titan_cp.parallel.build import ParallelizeOptions, parallelize_llama
+    from titan_cp.parallel.build import ParallelizeOptions
     from titan_cp.step import Microbatch, forward_backward
 
     batch = _padded_chat_batch(path, 192, 2)

@@ -25,15 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests.test_model import batch, tiny
-from titan_cp.parallel import (
-    apply_ac,
-    apply_compile,
-    apply_fsdp,
-    apply_tp,
-    layers_per_stage,
-    pipeline_llama,
-    split_stage,
-)
+from titan_cp.families.llama3 import apply_tp, pipeline_llama, split_stage
+from titan_cp.parallel import apply_ac, apply_compile, apply_fsdp, layers_per_stage
 
 GRAD_TOL = dict(atol=2e-5, rtol=1e-4)
 S = 8  # sequence length; divisible by the TP degree for sequence parallelism

@@ -26,7 +26,7 @@ from benchmarks.memory import BYTE_VOCAB, measure_cp, measure_mesh
 from titan_cp import plan as P
 from titan_cp.config import load_config
 from titan_cp.data.row_mixes import proportional_doc_lens
-from titan_cp.model import model_args
+from titan_cp.families.llama3 import model_args
 
 DEBUG = model_args("debugmodel_gqa", vocab_size=BYTE_VOCAB)
 SEQ, DOCS = 1024, 4

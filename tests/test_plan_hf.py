@@ -7,7 +7,7 @@ import json
 import pytest
 
 from titan_cp.config import load_config
-from titan_cp.model.hf_shapes import hf_model_args
+from titan_cp.integrations.hf_shapes import hf_model_args
 from titan_cp.plan import plan
 from titan_cp.preflight import check_files
 

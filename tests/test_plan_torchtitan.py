@@ -38,7 +38,7 @@ def _page_command(page: str) -> list[str]:
 
 
 LLAMA3_8B_CP = _page_command("docs/planning.md")
-# the same run given titan_cp's way: torchtitan's Llama 3 8B is titan_cp's flavor 8B (titan_cp.model.flavors);
+# the same run given titan_cp's way: torchtitan's Llama 3 8B is titan_cp's flavor 8B (titan_cp.families.llama3.flavors);
 # llama3_8b_cp: 131072 tokens a row, one row, CP 8, torchtitan's SelectiveAC (op level), ring over doc_local
 THE_OTHER_WAY = [
     "--ngpu",

@@ -19,9 +19,9 @@ from titan_cp import plan as P
 from titan_cp.attention import CPHandle, attention_schedule
 from titan_cp.attention.tiling import CAUSAL, Mask
 from titan_cp.data.row_mixes import make_rows
+from titan_cp.families.llama3 import model_args
 from titan_cp.layout import get_layout
 from titan_cp.metrics import StepMetrics, layer_masks
-from titan_cp.model import model_args
 
 SEQ, WORLD, MIX = 8192, 4, "uniform_short"
 # the same documents (ten a row) under two balances: doc_local keeps them whole on their ranks (the

@@ -83,9 +83,9 @@ def _validate_and_reference(rank, world, argv):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from titan_cp.config import load_config
+    from titan_cp.families.llama3 import build_model
     from titan_cp.loss import IGNORE_INDEX
     from titan_cp.metrics import recall_metrics
-    from titan_cp.model import build_model
     from titan_cp.train import Trainer
 
     trainer = Trainer(load_config(argv))

@@ -1,5 +1,6 @@
 """The package's shape, read from its source: no import circle, registries that are the one source
-of their names, the default balance spelled once, no function over 80 lines.
+of their names, the default balance spelled once, no function over 80 lines, and a file map
+(docs/code_layout.md) that lists every module and only modules that exist.
 
 Each test parses ``titan_cp``'s modules (``ast``; nothing is imported) and prints what breaks its rule.
 """
@@ -24,7 +25,7 @@ REGISTRIES = {"families/base.py", "families/llama3/family.py", "integrations/hf_
 OTHER_MEANINGS = {
     ("data/datasets.py", "hf"): "training.dataset = 'hf', a dataset saved by the datasets library",
     ("preflight.py", "hf"): "training.dataset = 'hf': its path must be a save_to_disk folder",
-    ("model/hf_checkpoint.py", "llama3"): "config.json's rope_scaling.rope_type = 'llama3'",
+    ("families/llama3/hf_checkpoint.py", "llama3"): "config.json's rope_scaling.rope_type = 'llama3'",
     ("selfcheck/__init__.py", "ring"): "the name of a section of the GPU self-check's report",
 }
 
@@ -165,3 +166,58 @@ def test_no_function_is_longer_than_80_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
     assert not long, "\n".join(long)
+
+
+# ---------------------------------------------------------------------------- docs/code_layout.md
+CODE_LAYOUT = ROOT.parent / "docs" / "code_layout.md"
+COMPLETE = ("titan_cp/", "benchmarks/")
+"""The folders the map lists in full: every module in them has its line."""
+
+
+def layout_entries(text: str) -> list[str]:
+    """The paths of the map's one fenced block, one entry a line: ``name  description``, indented two
+    spaces a level under the folder (``name/``) that holds it."""
+    block = text.split("```")[1]
+    folders: list[tuple[int, str]] = []  # (indent, path) of the folders enclosing the line
+    entries = []
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip(" "))
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        path = (folders[-1][1] if folders else "") + line.split()[0]
+        entries.append(path)
+        if path.endswith("/"):
+            folders.append((indent, path))
+    return entries
+
+
+def tree_entries(folder: str) -> set[str]:
+    """Every module and package folder under ``folder`` (a folder's ``__init__``/``__main__`` is its line)."""
+    base = ROOT.parent / folder
+    found = {folder}
+    for path in base.rglob("*.py"):
+        if "__pycache__" in path.parts:
+            continue
+        rel = path.relative_to(ROOT.parent).as_posix()
+        found.add(rel.rpartition("/")[0] + "/" if path.stem in ("__init__", "__main__") else rel)
+    return found
+
+
+def test_the_code_layout_lists_every_module_and_only_what_exists():
+    assert layout_entries("```\na/\n  b.py  x\n  c/  y\n    d.py  z\ne.py  w\n```") == [
+        "a/",
+        "a/b.py",
+        "a/c/",
+        "a/c/d.py",
+        "e.py",
+    ]
+    listed = layout_entries(CODE_LAYOUT.read_text())
+    twice = sorted({p for p in listed if listed.count(p) > 1})
+    missing = sorted(p for p in listed if not (ROOT.parent / p).exists())
+    unlisted = sorted(set().union(*(tree_entries(f) for f in COMPLETE)) - set(listed))
+    assert not (twice or missing or unlisted), (
+        f"docs/code_layout.md: listed twice {twice}; listed but not in the tree {missing}; "
+        f"modules without a line {unlisted}"
+    )

@@ -1,6 +1,6 @@
 """titan_cp's own trainer starts from a torchtitan 0.3 DCP checkpoint (``checkpoint.initial_load_path``,
 docs/torchtitan.md): torchtitan 0.3's Llama 3 names the output ``lm_head`` and fuses each layer's Q/K/V
-into ``attention.qkv_linear.wqkv``, interleaved per KV group (``titan_cp.model.torchtitan_checkpoint``).
+into ``attention.qkv_linear.wqkv``, interleaved per KV group (``titan_cp.families.llama3.torchtitan_checkpoint``).
 
 torchtitan's debug model (and the same with 4 KV heads, so that the KV groups matter) is built in
 process, seeded and initialised by torchtitan, its state dict saved with DCP in one process: as torchtitan's
@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from titan_cp.checkpoint import Checkpointer
-from titan_cp.model import build_model
+from titan_cp.families.llama3 import build_model
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3 is in the dev extra (Python >= 3.11)")
 

@@ -410,7 +410,7 @@ def test_a_run_that_cannot_train_stops_with_one_message(dist_pools, tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from titan_cp.model import build_model
+    from titan_cp.families.llama3 import build_model
 
     zeros = {k: torch.zeros(v.shape) for k, v in get_model_state_dict(build_model("tiny", vocab_size=259)).items()}
     dcp.save({"model": zeros}, checkpoint_id=str(tmp_path / "zeros"))

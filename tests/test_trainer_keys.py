@@ -13,8 +13,8 @@ import torch
 from titan_cp import checkpoint as ckpt_module
 from titan_cp.ac_modes import ac_mode_and_every
 from titan_cp.checkpoint import Checkpointer, saved_steps
+from titan_cp.families.llama3 import build_model
 from titan_cp.metrics import MFU, visible_pairs
-from titan_cp.model import build_model
 from titan_cp.optim import LRSchedulers, build_optimizers, lr_lambda
 from titan_cp.parallel.ac import apply_ac
 from titan_cp.testing.trainer import tiny_run_args

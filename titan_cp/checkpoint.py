@@ -90,8 +90,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.futures import Future as TorchFuture
 
 from titan_cp.errors import UserError, process_rank
-from titan_cp.model import hf_checkpoint, torchtitan_checkpoint
-from titan_cp.model.llama import ModelArgs
+from titan_cp.families.llama3 import hf_checkpoint, torchtitan_checkpoint
+from titan_cp.families.llama3.model import ModelArgs
 
 logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -561,7 +561,7 @@ class Checkpointer:
         """A DCP checkpoint written by torchtitan: the model's parameters at the top level, under
         titan_cp's names (torchtitan 0.2: ``tok_embeddings.weight``, ``layers.0.attention.wq.weight`` ...)
         or torchtitan 0.3's (``lm_head``, the Q/K/V of ``qkv_linear``, fused or split:
-        :mod:`titan_cp.model.torchtitan_checkpoint`). Every parameter's name and shape is checked, and a
+        :mod:`titan_cp.families.llama3.torchtitan_checkpoint`). Every parameter's name and shape is checked, and a
         tensor of the checkpoint's model that this model does not have is refused, before anything loads."""
         what = f"checkpoint.initial_load_path = {str(path)!r}"
         if not model_only:
@@ -614,12 +614,12 @@ class Checkpointer:
     def load_hf(self, path: str | Path, model_args: ModelArgs) -> None:
         """Start from the Hugging Face Llama checkpoint folder ``path``
         (``checkpoint.initial_load_in_hf``): weights only, renamed and q/k permuted
-        (``titan_cp.model.hf_checkpoint.load_hf``); shapes and ``config.json`` are checked first."""
+        (``titan_cp.families.llama3.hf_checkpoint.load_hf``); shapes and ``config.json`` are checked first."""
         hf_checkpoint.load_hf(self.model_parts, path, model_args, key="checkpoint.initial_load_path")
 
     def save_hf(self, step: int, model_args: ModelArgs) -> Path:
         """Write the model as a Hugging Face Llama checkpoint to ``<folder>/step-<step>-hf``
-        (``checkpoint.last_save_in_hf``; ``titan_cp.model.hf_checkpoint.save_hf``)."""
+        (``checkpoint.last_save_in_hf``; ``titan_cp.families.llama3.hf_checkpoint.save_hf``)."""
         return hf_checkpoint.save_hf(self.model_parts, self.folder / f"step-{step}-hf", model_args)
 
     def _check_model_keys(self, metadata, model_state: dict, what: str) -> None:

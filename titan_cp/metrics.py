@@ -193,7 +193,7 @@ def step_schedule(strategy: str, layouts: Sequence[SequenceLayout], masks: Seque
 
 def layer_masks(model_args: object) -> tuple[Mask, ...]:
     """The distinct attention masks of a model's layers, from its shapes' ``layer_mask(i)`` (``(window,
-    chunk)`` of layer ``i``, as :class:`~titan_cp.model.llama.ModelArgs` gives them) over ``n_layers``;
+    chunk)`` of layer ``i``, as :class:`~titan_cp.families.llama3.model.ModelArgs` gives them) over ``n_layers``;
     plain causal for shapes that give none."""
     layer_mask, n = getattr(model_args, "layer_mask", None), getattr(model_args, "n_layers", 0)
     if layer_mask is None or not n:

@@ -19,9 +19,9 @@ from titan_cp import checkpoint
 from titan_cp.config import Checkpoint, JobConfig, Training, Validation
 from titan_cp.data.tokenizer import check_tokenizer_files
 from titan_cp.families import ModelFamily, get_family
+from titan_cp.families.llama3 import hf_checkpoint
 from titan_cp.files import check_saved_hf_dataset
 from titan_cp.integrations import hf_family  # noqa: F401 - registers model.name = 'hf'
-from titan_cp.model import hf_checkpoint
 
 
 def check_model(cfg: JobConfig) -> ModelFamily:

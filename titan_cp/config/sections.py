@@ -82,7 +82,7 @@ class Model(Section, name="model"):
     ``checkpoint.initial_load_path`` with ``checkpoint.initial_load_in_hf``."""
 
     flavor: str = "debugmodel"
-    """Model size (``titan_cp.model.flavors``): torchtitan's ``debugmodel``, ``8B``, ``70B``, ``405B``
+    """Model size (``titan_cp.families.llama3.flavors``): torchtitan's ``debugmodel``, ``8B``, ``70B``, ``405B``
     (the same models as torchtitan's flavors of those names), or titan_cp's ``tiny`` and
     ``debugmodel_gqa`` (CPU). Not set with ``name = "hf"`` (the folder's ``config.json`` shapes it)."""
 
@@ -164,7 +164,7 @@ class Checkpoint(Section, name="checkpoint"):
     """``initial_load_path`` is a Hugging Face Llama checkpoint folder (``*.safetensors``, one file
     or sharded with ``model.safetensors.index.json``; ``config.json`` checked where present):
     its weights are renamed to torchtitan's and q/k converted to titan_cp's RoPE layout
-    (``titan_cp.model.hf_checkpoint``); with ``model.name = "hf"`` they load by ``transformers``' own names
+    (``titan_cp.families.llama3.hf_checkpoint``); with ``model.name = "hf"`` they load by ``transformers``' own names
     (``titan_cp.integrations.hf_folder``). Weights only: needs ``initial_load_model_only``."""
 
     last_save_in_hf: bool = False

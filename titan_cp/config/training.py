@@ -20,7 +20,7 @@ from titan_cp.config.values import (
 NO_LOSS = "chat records would carry no loss; list at least one role"
 MIXTURE_KINDS = ("synthetic_recall", "synthetic_lookup", "text", "chat", "hf")
 MAX_SEQ_LEN = 2**24
-"""The longest row: RoPE turns positions into float32 angles (``titan_cp.model.llama.rope_cos_sin``),
+"""The longest row: RoPE turns positions into float32 angles (``titan_cp.families.llama3.model.rope_cos_sin``),
 and float32 holds every integer position exactly only up to 2**24 (16M tokens)."""
 SEQ_LEN_BOUND = AtMost(MAX_SEQ_LEN, "RoPE computes with float32 positions, exact only up to 2**24")
 MAX_MICROBATCH_TOKENS = 2**31 - 1

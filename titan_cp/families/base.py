@@ -20,8 +20,10 @@ The preflight checks, the trainer, the planner and generation never compare a fa
 (``training_flops``, ``n_layers``, ``n_heads``, ``head_dim``): the Llama's ``ModelArgs``, or
 ``HFModelArgs`` read from a Hugging Face model (the planner's: ``HFShapes`` from ``config.json``).
 
-This package sits above the config (it reads the job config) and the model and parallel code, and
-below everything that uses a family (docs/architecture.md): what a layer above does for a family
+This package sits above the config (it reads the job config) and the generic parallel code, and
+below everything that uses a family (docs/architecture.md). Each built-in family's model lives here, in
+a room of its own with its parallel plan and its spec (:mod:`titan_cp.families.llama3`; the Hugging Face
+family's is :mod:`titan_cp.integrations`, which needs ``transformers``): what a layer above does for a family
 registers there by the family's name, as the parallel adapter does
 (:func:`titan_cp.parallel.adapter.register_adapter`), generation's runners
 (:func:`titan_cp.generate.runners.register_generation`) and the Hugging Face family itself
@@ -129,7 +131,8 @@ class ModelFamily:
         """``model`` as the ``apply_*`` functions see it (:class:`~titan_cp.parallel.adapter.ParallelAdapter`,
         its ``family`` this family's name), ``None`` for a model of another family. A family that
         overrides this has it registered by :func:`register_family`; the built-ins register their
-        adapters beside their models (:mod:`titan_cp.parallel.llama`, :mod:`titan_cp.integrations.transformers`)."""
+        adapters beside their models (:mod:`titan_cp.families.llama3.parallelize`,
+        :mod:`titan_cp.integrations.transformers`)."""
         return None
 
     def __repr__(self) -> str:

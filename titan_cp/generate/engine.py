@@ -138,7 +138,7 @@ def _check_prompts(name: str, prompts, model, extra: int = 0) -> None:
 
 
 class Generator:
-    """Prefill, decode and scoring with ``model``: titan_cp's :class:`~titan_cp.model.llama.Transformer`
+    """Prefill, decode and scoring with ``model``: titan_cp's :class:`~titan_cp.families.llama3.model.Transformer`
     (tensor- and context-parallelized as in training, or plain on one device; :func:`.runners.build_generation_model`)
     or a Hugging Face causal LM (:func:`.hf.build_hf_model`).
 

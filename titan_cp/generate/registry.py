@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from titan_cp.families import LLAMA3, ModelSpec, family_of
+from titan_cp.families.llama3.model import Transformer
 from titan_cp.generate.runners import LlamaRunner, Runner, build_generation_model
 from titan_cp.integrations.hf_family import HF
 from titan_cp.mesh import ParallelDims
-from titan_cp.model.llama import Transformer
 
 BuildForGeneration = Callable[[ModelSpec, "ParallelDims | None", str, str, "torch.device | str"], nn.Module]
 """``(spec, dims, strategy, balance, device)`` -> the model of ``spec`` parallelized for generation over

@@ -28,9 +28,7 @@ import torch
 from torch import Tensor
 
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
-from titan_cp.layout import DEFAULT_BALANCE
-from titan_cp.mesh import ParallelDims
-from titan_cp.model.llama import (
+from titan_cp.families.llama3.model import (
     MAX_POSITIONS,
     InnerAttention,
     ModelArgs,
@@ -39,9 +37,11 @@ from titan_cp.model.llama import (
     rope_cos_sin,
     rope_frequencies,
 )
+from titan_cp.families.llama3.tp import apply_tp
+from titan_cp.layout import DEFAULT_BALANCE
+from titan_cp.mesh import ParallelDims
 from titan_cp.parallel.build import cp_mesh
 from titan_cp.parallel.cp import apply_cp
-from titan_cp.parallel.tp import apply_tp
 
 Capture = Callable[[int, Tensor, Tensor], None]
 Attend = Callable[[int, Tensor, Tensor, Tensor, float, "Tensor | None"], Tensor]
@@ -63,7 +63,7 @@ class Runner(Protocol):
 
 
 class LlamaRunner:
-    """The runner of a :class:`~titan_cp.model.llama.Transformer` (module docstring)."""
+    """The runner of a :class:`~titan_cp.families.llama3.model.Transformer` (module docstring)."""
 
     def __init__(self, model: Transformer) -> None:
         self.model, args = model, model.args

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_cp import checkpoint
 from titan_cp.families import ModelSpec
-from titan_cp.model import torchtitan_checkpoint
+from titan_cp.families.llama3 import torchtitan_checkpoint
 from titan_cp.preflight import check_model
 
 if TYPE_CHECKING:

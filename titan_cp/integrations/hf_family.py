@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from titan_cp.families.base import ModelFamily, ModelSpec, register_family
+from titan_cp.families.llama3 import hf_checkpoint
+from titan_cp.integrations import hf_shapes
 from titan_cp.integrations.hf_model import plain_head, text_config
 from titan_cp.integrations.hf_parallel import CausalLM
-from titan_cp.model import hf_checkpoint, hf_shapes
 from titan_cp.parallel import handle_of
 from titan_cp.parallel.build import ModelParts
 

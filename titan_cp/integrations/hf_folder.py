@@ -41,11 +41,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from titan_cp.attention.handle import CPHandle
 from titan_cp.errors import UserError, process_rank
+from titan_cp.families.llama3.hf_checkpoint import file_index, write_hf_folder
 from titan_cp.files import read_json
 from titan_cp.integrations.hf_model import check_supported, hf_model_of, text_config
 from titan_cp.integrations.hf_parallel import CausalLM
 from titan_cp.integrations.transformers import ATTN_IMPLEMENTATION, apply_cp
-from titan_cp.model.hf_checkpoint import file_index, write_hf_folder
 from titan_cp.parallel import build as parallel_build
 from titan_cp.parallel.build import ModelBuilder
 
@@ -77,7 +77,7 @@ class HFModelArgs:
 
     def training_flops(self, num_tokens: int, attention_pairs: int) -> int:
         """``6 N`` per token for the matmuls plus ``12 head_dim`` per head, layer and visible
-        (query, key) pair, as ``titan_cp.model.ModelArgs.training_flops`` counts them."""
+        (query, key) pair, as ``titan_cp.families.llama3.ModelArgs.training_flops`` counts them."""
         return 6 * self.matmul_params * num_tokens + 12 * self.n_layers * self.n_heads * self.head_dim * attention_pairs
 
 
@@ -268,7 +268,7 @@ def save_weights(
 ) -> Path:
     """Write ``model`` (every rank's shards) as a Hugging Face folder at ``path``: safetensors and their
     index, ``config.json`` (the parameters' dtype) and the tokenizer files of ``assets``, for
-    ``from_pretrained``. Collective over the default group (:func:`titan_cp.model.hf_checkpoint.write_hf_folder`)."""
+    ``from_pretrained``. Collective over the default group (:func:`titan_cp.families.llama3.hf_checkpoint.write_hf_folder`)."""
     state = _unique_state(model)
     sizes = {name: t.numel() * t.element_size() for name, t in state.items()}
 

@@ -17,7 +17,7 @@
                 :class:`~titan_cp.attention.handle.CPHandle` (no mesh: one device, documents still masked)
 
 Each family registers its provider (:func:`register_adapter`): titan_cp's Llama in
-:mod:`titan_cp.parallel.llama` (imported with the package), Hugging Face causal LMs in
+:mod:`titan_cp.families.llama3.parallelize` (imported with any module of its room), Hugging Face causal LMs in
 :mod:`titan_cp.integrations.transformers`, any other family through its ``ModelFamily.adapter``
 (registered by ``titan_cp.families.register_family``). A new memory option or kernel is then written
 once, for every family.

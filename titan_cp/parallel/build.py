@@ -12,11 +12,12 @@ ranks' — FSDP's reduce-scatter does that, with the division set to 1 (see ``lo
 ``build_parallel_model`` does it all from the model's shapes, as torchtitan does: build on
 ``meta`` (no memory), cut this rank's pipeline stages from it, parallelize each, then
 ``to_empty`` on the device (each rank allocates only its shards) and initialise in place
-with values that do not depend on the mesh (``titan_cp.model.init``).
+with values that do not depend on the mesh (``titan_cp.families.init``).
 
 What differs between families is a :class:`ModelBuilder`: how the model is built on ``meta``,
-split into pipeline stages, split over tp, made context-parallel and materialised
-(:class:`LlamaBuilder` here; Hugging Face models' in :mod:`titan_cp.integrations.hf_folder`).
+split into pipeline stages, split over tp, made context-parallel and materialised (each family's beside
+its model: the Llama's in :mod:`titan_cp.families.llama3.parallelize`, Hugging Face models' in
+:mod:`titan_cp.integrations.hf_folder`).
 Activation checkpointing, compile and FSDP are the same ``apply_*`` functions for every family
 (:mod:`titan_cp.parallel.adapter`).
 """
@@ -35,8 +36,7 @@ from titan_cp.attention.handle import CPHandle
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.layout import DEFAULT_BALANCE
 from titan_cp.mesh import ParallelDims
-from titan_cp.model.llama import ModelArgs, Transformer
-from titan_cp.parallel import apply_ac, apply_compile, apply_fsdp, apply_tp, pipeline_llama
+from titan_cp.parallel import apply_ac, apply_compile, apply_fsdp
 from titan_cp.parallel.cp import apply_cp
 from titan_cp.parallel.pp import LossFn, Schedule
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
@@ -101,44 +101,6 @@ class ModelBuilder:
         raise NotImplementedError
 
 
-@dataclass
-class LlamaBuilder(ModelBuilder):
-    """titan_cp's Llama of ``args``: every parallelism (TP, CP, PP included)."""
-
-    args: ModelArgs
-
-    def meta(self) -> nn.Module:
-        with torch.device("meta"):
-            return Transformer(self.args)
-
-    def pipeline(
-        self,
-        model: nn.Module,
-        pp_mesh: DeviceMesh,
-        microbatches: int,
-        schedule: str,
-        loss_fn: LossFn | None,
-        device: torch.device | str,
-        prepare: Callable[[nn.Module], object],
-    ) -> tuple[Schedule, list[nn.Module], bool, bool]:
-        return pipeline_llama(
-            _llama(model), pp_mesh, microbatches, schedule, loss_fn, device=device, parallelize_fn=prepare
-        )
-
-    def tensor_parallel(self, model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-        apply_tp(_llama(model), tp_mesh, loss_parallel=loss_parallel)
-
-    def materialize(self, model: nn.Module, device: torch.device | str, seed: int | None) -> None:
-        materialize(_llama(model), device, seed)
-
-
-def _llama(model: nn.Module) -> Transformer:
-    """``model``, which :meth:`LlamaBuilder.meta` built (a ``Transformer`` or a pipeline stage of one)."""
-    if not isinstance(model, Transformer):
-        raise TypeError(f"the Llama builder builds titan_cp's Transformer, got a {type(model).__name__}")
-    return model
-
-
 def parallelize(
     builder: ModelBuilder,
     model: nn.Module,
@@ -181,21 +143,6 @@ def cp_handle(parallel_dims: ParallelDims, options: ParallelizeOptions) -> CPHan
     return CPHandle(mesh, options.cp_strategy, options.cp_balance, options.cp_kernel)
 
 
-def parallelize_llama(model: Transformer, parallel_dims: ParallelDims, options: ParallelizeOptions) -> CPHandle:
-    """Parallelize titan_cp's Llama ``model`` (or a pipeline stage of it) in place; returns the CP handle
-    its batches are sharded with."""
-    handle = cp_handle(parallel_dims, options)
-    parallelize(LlamaBuilder(model.args), model, parallel_dims, options, handle=handle)
-    return handle
-
-
-def materialize(model: Transformer, device: torch.device | str, seed: int | None = None) -> None:
-    """Allocate ``model``'s parameters (this rank's shards, when parallelized) on ``device``
-    and initialise them in place (``Transformer.init_weights``: the same values on any mesh)."""
-    model.to_empty(device=device)
-    model.init_weights(seed)
-
-
 def buffers_to(model: nn.Module, device: torch.device | str) -> None:
     """Move every buffer of ``model`` to ``device`` in place (parameters stay where they are)."""
     for module in model.modules():
@@ -218,7 +165,7 @@ class ModelParts:
 
 
 def build_parallel_model(
-    model: ModelArgs | ModelBuilder,
+    builder: ModelBuilder,
     parallel_dims: ParallelDims,
     options: ParallelizeOptions,
     device: torch.device | str,
@@ -229,7 +176,7 @@ def build_parallel_model(
     fsdp: bool = True,
     cp: CPHandle | None = None,
 ) -> ModelParts:
-    """Build ``model`` (a family's :class:`ModelBuilder`, or the Llama's ``ModelArgs``) on ``meta``, cut
+    """Build the model of ``builder`` (its family's :class:`ModelBuilder`) on ``meta``, cut
     this rank's pipeline stages, parallelize, and materialise on ``device`` with weights that depend
     on ``seed`` only (not on the mesh).
 
@@ -238,7 +185,6 @@ def build_parallel_model(
     fsdp: false for no FSDP whatever the mesh. cp: the CP handle to bind (default: one of the mesh
     and ``options``), which :attr:`ModelParts.cp` holds: every batch is sharded with it.
     """
-    builder = model if isinstance(model, ModelBuilder) else LlamaBuilder(model)
     whole = builder.meta()
     handle = cp or cp_handle(parallel_dims, options)
 

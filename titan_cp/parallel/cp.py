@@ -33,14 +33,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_cp.attention.api import attend, check_qkv
 from titan_cp.attention.handle import CPHandle
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
 from titan_cp.balance import get_balance
 from titan_cp.layout import DEFAULT_BALANCE
-from titan_cp.model.llama import InnerAttention
 from titan_cp.parallel.adapter import adapter_of
 
 SEQ_DIM = 2
@@ -158,14 +157,3 @@ def handle_of(model: nn.Module) -> CPHandle | None:
         if isinstance(handle, CPHandle):
             return handle
     return None
-
-
-def llama_cp(model: nn.Module, handle: CPHandle) -> None:
-    """Make every Llama block's attention core context-parallel by ``handle`` (:class:`ContextParallel`);
-    on one device (no mesh) the cores run the local op, masked by document, and only hold the handle."""
-    if handle.mesh is None:
-        for module in model.modules():
-            if isinstance(module, InnerAttention):
-                module.cp_handle = handle  # type: ignore[assignment]
-        return
-    parallelize_module(model, handle.mesh, {"layers.*.attention.inner_attention": ContextParallel(handle=handle)})

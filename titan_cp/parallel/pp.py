@@ -1,11 +1,8 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: split by layers, run a schedule.
 
-Splitting follows torchtitan's manual split, without its deep copy: a stage is a
-``Transformer`` shell holding the modules it owns, taken from the whole model (the same
-module objects, not copies: cut from the model built on ``meta``, before any weight exists)
-and the others None (``tok_embeddings``/``norm``/``output``) or absent from the
-``ModuleDict`` (layers), so parameter names stay those of the full model and the unchanged
-``Transformer.forward`` runs every stage:
+A family splits its model into stages (``split(model, stage_id, num_stages)``: the Llama's
+:func:`~titan_cp.families.llama3.pp.split_stage`); :func:`build_pipeline` takes this rank's stages and
+builds the schedule around them::
 
   stage 0       tokens (B, S) int64        -> hidden (B, S, D)
   stage i       hidden (B, S, D)           -> hidden (B, S, D)
@@ -26,15 +23,12 @@ batch's (no division by the number of microbatches).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-
-from titan_cp.model.llama import Transformer
 
 if TYPE_CHECKING:  # torch.distributed.pipelining imports torch._dynamo (0.7 s): only a pipelined run loads it
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
@@ -42,6 +36,8 @@ if TYPE_CHECKING:  # torch.distributed.pipelining imports torch._dynamo (0.7 s):
 Schedule: TypeAlias = "PipelineScheduleSingle | PipelineScheduleMulti"
 """A built pipeline schedule: one stage per rank, or several."""
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+M = TypeVar("M", bound=nn.Module)
+"""A family's model class: its stages are of it too."""
 
 
 def layers_per_stage(n_layers: int, num_stages: int) -> list[list[str]]:
@@ -67,33 +63,20 @@ def stage_ids_of_rank(rank: int, pp: int, stages_per_rank: int, v_style: bool) -
     return [rank + s * pp for s in range(stages_per_rank)]
 
 
-def split_stage(model: Transformer, stage_id: int, num_stages: int) -> Transformer:
-    """Stage ``stage_id`` of ``num_stages``: a ``Transformer`` holding ``model``'s own modules
-    for that stage (shared, not copied; the other parts None or absent)."""
-    keep = layers_per_stage(len(model.layers), num_stages)[stage_id]
-    with torch.device("meta"):  # an empty shell: its own modules are replaced just below
-        part = Transformer(dataclasses.replace(model.args, n_layers=0))
-    part.args = model.args
-    part.layers = nn.ModuleDict({layer_id: model.layers[layer_id] for layer_id in keep})
-    part.tok_embeddings = model.tok_embeddings if stage_id == 0 else None
-    last = stage_id == num_stages - 1
-    part.norm = model.norm if last else None
-    part.output = model.output if last else None
-    return part
-
-
-def pipeline_llama(
-    model: Transformer,
+def build_pipeline(
+    model: M,
+    split: Callable[[M, int, int], M],
     pp_mesh: DeviceMesh,
     n_microbatches: int,
     schedule_name: str,
     loss_fn: LossFn | None,
     device: torch.device | str = "cpu",
-    parallelize_fn: Callable[[Transformer], object] | None = None,
+    parallelize_fn: Callable[[M], object] | None = None,
     stages_per_rank: int | None = None,
 ) -> tuple[Schedule, list[nn.Module], bool, bool]:
     """Split ``model`` into pipeline stages for this rank and build the schedule.
 
+    split: ``split(model, stage_id, num_stages)``, its family's stage ``stage_id`` of ``model``.
     schedule_name: any ``torch.distributed.pipelining`` schedule name ("GPipe", "1F1B",
         "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", ...).
     stages_per_rank: default 1 for single-stage schedules, 2 for multi-stage ones.
@@ -128,7 +111,7 @@ def pipeline_llama(
     stages: list[PipelineStage] = []
     model_parts: list[nn.Module] = []
     for stage_id in stage_ids_of_rank(rank, pp, stages_per_rank, v_style):
-        part = split_stage(model, stage_id, num_stages)
+        part = split(model, stage_id, num_stages)
         if parallelize_fn is not None:
             parallelize_fn(part)
         model_parts.append(part)

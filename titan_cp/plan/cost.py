@@ -32,8 +32,8 @@ from functools import lru_cache
 from titan_cp.attention.pricing import AttentionCall, AxisBytes, cost_of
 from titan_cp.attention.strategy import LOCAL_SCHEDULE, attention_schedule
 from titan_cp.attention.tiling import CAUSAL, causal_counts, zigzag_counts
+from titan_cp.families.llama3.model import ModelArgs
 from titan_cp.layout import DEFAULT_BALANCE, SequenceLayout, get_layout
-from titan_cp.model.llama import ModelArgs
 from titan_cp.plan.devices import Device
 from titan_cp.plan.memory import RankModel, Stage, head_offloaded, layer_params, stage_param_count, unit_inputs
 from titan_cp.plan.problem import Candidate, Workload, pipeline

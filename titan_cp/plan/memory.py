@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from titan_cp.attention.pricing import AttentionCall, StrategyCost, cost_of
 from titan_cp.attention.ring import RING as LOCAL  # attention on one rank: the ring's one-device path
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
+from titan_cp.families.llama3.model import ModelArgs
 from titan_cp.loss import LOSS_CHUNK_BYTES
-from titan_cp.model.llama import ModelArgs
 from titan_cp.parallel.pp import layers_per_stage
 
 FP32 = 4

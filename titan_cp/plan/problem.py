@@ -9,8 +9,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, Sched
 from titan_cp.attention.pricing import StrategyCost, cost_of
 from titan_cp.attention.ring import RING as LOCAL  # attention on one rank: the ring's one-device path
 from titan_cp.attention.strategy import Strategy, get_strategy
+from titan_cp.families.llama3.model import ModelArgs
 from titan_cp.layout import DEFAULT_BALANCE
-from titan_cp.model.llama import ModelArgs
 from titan_cp.plan.memory import HostOptions, RankModel
 
 

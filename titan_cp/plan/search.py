@@ -15,8 +15,8 @@ from titan_cp.config.training import MAX_SEQ_LEN
 from titan_cp.data.row_mixes import make_rows
 from titan_cp.errors import plural
 from titan_cp.families import get_family
+from titan_cp.families.llama3.model import ModelArgs
 from titan_cp.layout import seq_len_multiple
-from titan_cp.model.llama import ModelArgs
 from titan_cp.plan.cost import Cost, Setting, Stack, attention_work, step_cost
 from titan_cp.plan.devices import GB, HEADROOM, Device, device
 from titan_cp.plan.memory import HostOptions, RankMemory, Sharding, pipeline_stages, rank_memory

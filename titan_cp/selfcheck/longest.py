@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from titan_cp.model.flavors import model_args
-from titan_cp.model.llama import Transformer
+from titan_cp.families.llama3.flavors import model_args
+from titan_cp.families.llama3.model import Transformer
 from titan_cp.parallel.ac import apply_ac
 from titan_cp.parallel.tiled_mlp import apply_tiled_mlp
 

@@ -1,7 +1,8 @@
-"""``model.name = "llama3"``: titan_cp's own Llama 3 (:mod:`titan_cp.model`), shaped by ``model.flavor``.
+"""``model.name = "llama3"``: titan_cp's own Llama 3 (:mod:`.model`), shaped by ``model.flavor``.
 
-Every parallelism applies (TP, CP, AC, compile, FSDP/HSDP, PP: :func:`titan_cp.parallel.build.build_parallel_model`);
-Hugging Face checkpoints come in and go out renamed and with q/k permuted (:mod:`titan_cp.model.hf_checkpoint`).
+Every parallelism applies (TP, CP, AC, compile, FSDP/HSDP, PP: :func:`titan_cp.parallel.build.build_parallel_model`
+over its :class:`~titan_cp.families.llama3.parallelize.LlamaBuilder`);
+Hugging Face checkpoints come in and go out renamed and with q/k permuted (:mod:`titan_cp.families.llama3.hf_checkpoint`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from torch import nn
 
 from titan_cp.config.values import check_choice
 from titan_cp.families.base import ModelFamily, ModelSpec, register_family
-from titan_cp.model import hf_checkpoint
-from titan_cp.model.flavors import FLAVORS, model_args
-from titan_cp.model.llama import MAX_POSITIONS, ModelArgs, Transformer
+from titan_cp.families.llama3 import hf_checkpoint
+from titan_cp.families.llama3.flavors import FLAVORS, model_args
+from titan_cp.families.llama3.model import MAX_POSITIONS, ModelArgs, Transformer
+from titan_cp.families.llama3.parallelize import LlamaBuilder
 from titan_cp.parallel.build import ModelParts, build_parallel_model
 
 if TYPE_CHECKING:
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
     from titan_cp.parallel.build import ParallelizeOptions
 
 BOUND = "RoPE's float32 positions, exact up to 2**24; the flavor's max_seq_len is informational"
-"""What bounds the sequences the Llama takes (:data:`titan_cp.model.llama.MAX_POSITIONS`), for errors."""
+"""What bounds the sequences the Llama takes (:data:`titan_cp.families.llama3.model.MAX_POSITIONS`), for errors."""
 
 
 class Llama3(ModelFamily):
@@ -34,7 +36,7 @@ class Llama3(ModelFamily):
     name = "llama3"
 
     def check_section(self, model: Model) -> None:
-        """``model.flavor`` is one of :data:`titan_cp.model.flavors.FLAVORS`."""
+        """``model.flavor`` is one of :data:`titan_cp.families.llama3.flavors.FLAVORS`."""
         check_choice("model.flavor", model.flavor, list(FLAVORS))
 
     def check_keys(self, cfg: JobConfig) -> None:
@@ -55,7 +57,7 @@ class Llama3(ModelFamily):
         t, p = cfg.training, cfg.parallelism
         args = model_args(cfg.model.flavor, vocab_size=vocab_size)
         built = build_parallel_model(
-            args,
+            LlamaBuilder(args),
             dims,
             options,
             device,

@@ -35,7 +35,7 @@ from torchtitan.trainer import Trainer
 
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.errors import did_you_mean
-from titan_cp.model.hf_shapes import HFShapes
+from titan_cp.integrations.hf_shapes import HFShapes
 
 BUILDS_PIPELINE = False
 """Whether titan_cp's CP runs under torchtitan's pipeline parallelism (not run yet: no pipeline meshes planned)."""
@@ -43,7 +43,7 @@ BUILDS_PIPELINE = False
 
 @dataclass
 class TorchtitanShapes(HFShapes):
-    """The planner's shapes of a torchtitan model: :class:`~titan_cp.model.hf_shapes.HFShapes`'s explicit
+    """The planner's shapes of a torchtitan model: :class:`~titan_cp.integrations.hf_shapes.HFShapes`'s explicit
     head size (``hf_head_dim``), feed-forward width (``hf_ffn``) and weight tying, read from its config."""
 
 

@@ -46,8 +46,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from titan_cp.errors import process_rank
+from titan_cp.families.llama3.model import ModelArgs, RoPEScaling, Transformer
 from titan_cp.files import parse_json_line, read_json
-from titan_cp.model.llama import ModelArgs, RoPEScaling, Transformer
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan_cp.attention import local_attention
+from titan_cp.families.init import ParamInit, draw_seed
 from titan_cp.loss import chunked_cross_entropy_sum, chunked_evaluate
-from titan_cp.model.init import ParamInit, draw_seed
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,7 @@ class Transformer(nn.Module):
         """Initialise every parameter in place; skips parts a pipeline stage does not hold.
 
         Each parameter is drawn from generators seeded by ``(seed, its name, block of rows)``
-        and each rank fills only its own shard (``titan_cp.model.init``): the values do not
+        and each rank fills only its own shard (``titan_cp.families.init``): the values do not
         depend on the mesh, and nothing larger than a shard is allocated. ``seed`` None draws
         one from torch's global generator (deterministic given ``torch.manual_seed``).
         """

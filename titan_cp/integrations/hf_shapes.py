@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from titan_cp.model.llama import ModelArgs
+from titan_cp.families.llama3.model import ModelArgs
 
 _KINDS = {"full_attention": "F", "sliding_attention": "W", "chunked_attention": "C"}
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from titan_cp.model.llama import ModelArgs, RoPEScaling, Transformer
+from titan_cp.families.llama3.model import ModelArgs, RoPEScaling, Transformer
 
 FLAVORS: dict[str, ModelArgs] = {
     # titan_cp's own. A few thousand parameters per layer: unit and multi-process tests on CPU.

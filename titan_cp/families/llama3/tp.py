@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titan_cp.model.llama import Transformer
+from titan_cp.families.llama3.model import Transformer
 
 
 class VocabParallelOutput(ColwiseParallel):
