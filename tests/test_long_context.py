@@ -233,7 +233,9 @@ def _step(world, combo: dict, options: dict):
     )
     loss_fn = GlobalTokenLoss()
     args = model_args("tiny", n_layers=combo.get("n_layers", 3))
-    built = build_parallel_model(LlamaBuilder(args), pd, parallelize, "cpu", seed=SEED, loss_fn=loss_fn, pp_microbatches=2)
+    built = build_parallel_model(
+        LlamaBuilder(args), pd, parallelize, "cpu", seed=SEED, loss_fn=loss_fn, pp_microbatches=2
+    )
     full = make_batch(0)
     loss_fn.global_valid_tokens = int((full.labels != IGNORE_INDEX).sum())
     mb = local_microbatch(pd, built, full)
