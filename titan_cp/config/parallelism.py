@@ -88,7 +88,7 @@ class Parallelism(Section, name="parallelism"):
 
     def pipeline_stages(self) -> int:
         """Pipeline stages: one per rank for ``1F1B`` and ``GPipe``, two for the others
-        (``titan_cp.families.llama3.pp.pipeline_llama``'s default)."""
+        (``titan_cp.parallel.pp.build_pipeline``'s default)."""
         single = self.pipeline_parallel_schedule in ("1F1B", "GPipe")
         return self.pipeline_parallel_degree * (1 if single else 2)
 
