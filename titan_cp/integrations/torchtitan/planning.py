@@ -154,6 +154,7 @@ def read_run(module: str, name: str, args: list[str]) -> PlannedRun:
             f"--config {name!r} of {module} returns {type(config).__qualname__} without a titan_cp section: plan "
             "a config function made with titan_cp.integrations.torchtitan.with_titan_cp (docs/torchtitan.md)"
         )
+    section.check()  # its strategy, balance and kernel names, in one line naming the flag
     spec = config.model_spec
     if spec is None:
         raise ValueError(f"--config {name!r} of {module} sets no model_spec: the planner plans its model")
