@@ -4,7 +4,7 @@ The oracle is the stock Trainer on one process (eager attention, ``use_cache=Fal
 data: the first three steps' losses and gradient norms, and the eval loss of the whole set. The
 CP runs use the same Trainer class made context-parallel, on CP 2 (2 ranks), on dp 2 x cp 2 and
 on one CP 4 group (4 ranks); the cases share out the model families (Qwen3, Llama, gpt-oss with
-windows and sinks), the two trainers, the strategies (ring, all-gather, Ulysses, hybrid), gradient
+windows and sinks, Qwen3.5's Gated DeltaNet hybrid), the two trainers, the strategies (ring, all-gather, Ulysses, hybrid), gradient
 accumulation, ``average_tokens_across_devices`` off, gradient checkpointing, FSDP2, ``predict()``
 and bf16 autocast (run, compared loosely), so that each appears at least once; one pool call per
 world size.
@@ -41,6 +41,11 @@ FAMILIES = {
         "GptOssConfig",
         dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6,
              layer_types=["sliding_attention", "full_attention"], num_local_experts=2, num_experts_per_tok=1),
+    ),
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=8, linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"]),
     ),
 }  # fmt: skip
 
@@ -148,6 +153,8 @@ def _cases(folders: dict, tmp) -> dict:
                  average=False, predict=True, cp_kwargs=dict(strategy="ulysses", balance="doc_zigzag")),
             dict(name="sft_qwen3_bf16", folder=folders["qwen3"], trainer="sft", batch=2, eval_batch=2, cp=2,
                  bf16=True),  # TRL's default: autocast; compared with the fp32 run, loosely
+            dict(name="sft_qwen35", folder=folders["qwen3_5"], trainer="sft", batch=2, eval_batch=2, cp=2,
+                 cp_kwargs=dict(strategy="allgather")),  # Gated DeltaNet layers: their state across ranks
         ],
         4: [
             dict(name="sft_llama", folder=folders["llama"], trainer="sft", batch=4, eval_batch=2, cp=2, ga=2,
@@ -165,10 +172,13 @@ def _cases(folders: dict, tmp) -> dict:
 
 def _reference(case: dict) -> dict:
     """The same case on one process, the whole step's rows per batch, the eval set in one batch: the stock
-    Trainer with eager attention; for gpt-oss the factory's on one process (``transformers``' eager
-    gpt-oss does not keep a flattened row's documents apart: 6.1644 where each document alone gives
-    6.1433; titan_cp's one-process attention is checked per document in test_hf_integration)."""
-    return {**case, "cp": 1 if "gpt_oss" in case["folder"] else 0, "eval_batch": len(EVAL_DOCS)}
+    Trainer with eager attention; for gpt-oss and Qwen3.5 the factory's on one process (``transformers``'
+    eager gpt-oss does not keep a flattened row's documents apart: 6.1644 where each document alone gives
+    6.1433; its torch Gated DeltaNet refuses a flattened row without flash-linear-attention; titan_cp's
+    one-process attention and linear layers are checked per document in test_hf_integration and
+    test_hf_hybrid)."""
+    own = "gpt_oss" in case["folder"] or "qwen3_5" in case["folder"]
+    return {**case, "cp": 1 if own else 0, "eval_batch": len(EVAL_DOCS)}
 
 
 def _all(rank, world, cases, out_dir):

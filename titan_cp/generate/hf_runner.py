@@ -31,7 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from titan_cp.attention.strategy import DEFAULT_STRATEGY
 from titan_cp.generate.runners import Attend, Capture
 from titan_cp.integrations import hf_folder
-from titan_cp.integrations.hf_model import attention_modules, hf_model_of, plain_head, text_config
+from titan_cp.integrations.hf_model import attention_modules, hf_model_of, linear_modules, plain_head, text_config
 from titan_cp.integrations.transformers import BINDING, titan_cp_attention, titan_cp_mask
 from titan_cp.layout import DEFAULT_BALANCE
 from titan_cp.mesh import ParallelDims
@@ -107,6 +107,12 @@ class HFRunner:
             )
         self.head: nn.Linear = head
         self.decoder = hf.get_decoder()
+        if linear_modules(hf):
+            raise ValueError(
+                f"{type(hf).__name__} has linear-attention layers (Gated DeltaNet / Mamba2): titan_cp.generate decodes "
+                "from a sharded KV cache, which they do not have; they train and score under CP (apply_cp, the "
+                "trainer), and generate with transformers' own generate() on a model loaded without apply_cp"
+            )
         modules = attention_modules(hf)
         self.masks = [(getattr(m, BINDING).window, getattr(m, BINDING).chunk) for m in modules]
         assert [m.layer_idx for m in modules] == list(range(len(modules))), "layers out of order"

@@ -4,7 +4,9 @@
   (or the classes of ``_no_split_modules``), found again after activation checkpointing,
   ``torch.compile`` or FSDP wrapped them;
 - its attention modules: in each decoder layer, the modules with ``layer_idx`` and
-  ``is_causal`` (the ones that call ``AttentionInterface``);
+  ``is_causal`` (the ones that call ``AttentionInterface``); in each ``linear_attention`` layer
+  (``config.layer_types``), its linear-attention layer (Gated DeltaNet, Mamba2: :mod:`.hf_linear`);
+  ``mlp`` / ``moe`` layers (Nemotron-H) mix no tokens and need neither;
 - each layer's mask: plain causal, a sliding window or chunked attention, from its
   ``config.layer_types`` entry (:func:`layer_mask`); attention sinks arrive with the call;
 - what its layers use that titan_cp's CP attention does not run yet (logit soft-capping, layer
@@ -17,21 +19,40 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+from titan_cp.integrations.hf_linear import LINEAR_LAYER_TYPES, check_linear, linear_mixer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 # families whose ``ForCausalLM.forward`` computes ``logits = lm_head(hidden_states)`` and nothing
 # else (checked in transformers' modeling files; each is tested against its own forward)
-PLAIN_HEAD_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma", "gpt_oss"})
+PLAIN_HEAD_FAMILIES = frozenset(
+    {
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "gemma",
+        "gpt_oss",
+        "qwen3_5_text",
+        "qwen3_5_moe_text",
+        "qwen3_next",
+        "bamba",
+    }
+    | {"nemotron_h"}  # its forward casts the head's logits to fp32: the chunked loss is fp32 too
+)
 # ... and these when ``config.final_logit_softcapping`` is None (otherwise their forward soft-caps the logits)
 SOFTCAP_HEAD_FAMILIES = frozenset({"gemma2", "gemma3_text"})
 
 _MASK_FIELDS = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
-RUNNABLE_LAYER_TYPES = ("full_attention", *_MASK_FIELDS)
+TOKENWISE_LAYER_TYPES = ("mlp", "moe")  # Nemotron-H's layers without a sequence mixer
+ATTENTION_LAYER_TYPES = ("full_attention", *_MASK_FIELDS)
+RUNNABLE_LAYER_TYPES = (*ATTENTION_LAYER_TYPES, *LINEAR_LAYER_TYPES, *TOKENWISE_LAYER_TYPES)
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -77,18 +98,55 @@ def layer_list(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"{type(model).__name__} has no list of decoder layers that titan_cp can find")
 
 
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The attention module(s) of every decoder layer: those with ``layer_idx`` and ``is_causal``."""
-    found = []
-    for layer in layer_list(model):
-        mine = [m for m in unwrap(layer).modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+def mixer_modules(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """``(attention modules, linear-attention layers)`` of every decoder layer, by its ``config.layer_types``
+    entry: an attention layer's modules with ``layer_idx`` and ``is_causal``; a ``linear_attention``
+    layer's Gated DeltaNet or Mamba2 layer (any other is refused by name); nothing of an ``mlp`` / ``moe``
+    layer. ``ValueError`` for a layer that lacks what its type needs."""
+    c = text_config(hf_model_of(model).config)
+    attention, linear = [], []
+    for i, layer in enumerate(layer_list(model)):
+        inner = unwrap(layer)
+        kind = _layer_type(c, i)
+        if kind in TOKENWISE_LAYER_TYPES:
+            continue
+        if kind in LINEAR_LAYER_TYPES:
+            linear.append(_linear_of(inner, i))
+            continue
+        mine = [m for m in inner.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
         if not mine:
             raise ValueError(
-                f"{type(unwrap(layer)).__name__} has no attention module that calls transformers' "
+                f"{type(inner).__name__} has no attention module that calls transformers' "
                 "AttentionInterface (one with layer_idx and is_causal): titan_cp cannot run it"
             )
-        found += mine
-    return found
+        attention += mine
+    return attention, linear
+
+
+def _linear_of(layer: nn.Module, index: int) -> nn.Module:
+    """The linear-attention layer inside decoder layer ``layer`` (one titan_cp runs, or ``ValueError``)."""
+    known = [m for m in layer.modules() if linear_mixer(m) is not None]
+    if len(known) == 1:
+        return known[0]
+    candidates = [m for m in layer.modules() if hasattr(m, "layer_idx") and m is not layer]
+    if candidates and not hasattr(candidates[0], "is_causal"):
+        check_linear(candidates[0])  # names the class titan_cp does not run
+    held = ", ".join(type(m).__name__ for m in candidates) or "no sequence mixer titan_cp can find"
+    raise ValueError(
+        f"layer {index}: layers of type 'linear_attention' (config.layer_types) must hold a linear-attention layer "
+        f"titan_cp runs; {type(layer).__name__} holds {held}"
+    )
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention module(s) of every decoder layer: those with ``layer_idx`` and ``is_causal``
+    (:func:`mixer_modules`)."""
+    return mixer_modules(model)[0]
+
+
+def linear_modules(model: nn.Module) -> list[nn.Module]:
+    """The linear-attention layer of every ``linear_attention`` decoder layer (:func:`mixer_modules`)."""
+    return mixer_modules(model)[1]
 
 
 def _layer_type(c, layer_idx: int) -> str:
@@ -154,15 +212,26 @@ def unsupported_features(config: PretrainedConfig) -> list[str]:
 
 def check_supported(model: nn.Module) -> None:
     """``ValueError`` when titan_cp cannot run ``model``'s attention exactly: a model that does not
-    call ``AttentionInterface``, or layers that use what :func:`unsupported_features` lists."""
+    call ``AttentionInterface``, layers that use what :func:`unsupported_features` lists, or a
+    linear-attention layer titan_cp does not run."""
     hf = hf_model_of(model)
     name, family = type(hf).__name__, getattr(hf.config, "model_type", "?")
-    if not getattr(hf, "_supports_attention_backend", False):
-        raise ValueError(
-            f"{name} (model_type {family!r}) does not call attention through transformers' AttentionInterface "
-            "(its _supports_attention_backend is False), so attn_implementation='titan_cp' cannot reach it; "
-            "titan_cp supports decoders that do (Llama, Qwen2, Qwen3, Mistral, Gemma, ...)"
-        )
+    if getattr(hf, "_supports_attention_backend", False):
+        mixer_modules(hf)
+    else:
+        try:
+            attention = mixer_modules(hf)[0]
+        except ValueError as e:
+            if "linear-attention layer" in str(e):
+                raise
+            attention = []
+        if not attention or not all(_calls_interface(m) for m in attention):
+            raise ValueError(
+                f"{name} (model_type {family!r}) does not call attention through transformers' AttentionInterface "
+                "(its _supports_attention_backend is False, and its attention modules' forward does not look the "
+                "function up there), so attn_implementation='titan_cp' cannot reach it; titan_cp supports decoders "
+                "that do (Llama, Qwen2, Qwen3, Mistral, Gemma, Qwen3.5, Qwen3-Next, ...)"
+            )
     features = unsupported_features(hf.config)
     if features:
         raise ValueError(
@@ -170,7 +239,17 @@ def check_supported(model: nn.Module) -> None:
             + "; ".join(features)
             + ". Refused rather than run with the wrong mask"
         )
-    attention_modules(hf)
+
+
+def _calls_interface(module: nn.Module) -> bool:
+    """Whether ``module``'s class forward dispatches through ``transformers``' ``AttentionInterface``
+    (its source looks the function up there): how a model whose class does not declare
+    ``_supports_attention_backend`` (Qwen3.5, Qwen3-Next, Bamba, Nemotron-H) is recognised."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS.get_interface(" in source or "ALL_ATTENTION_FUNCTIONS[" in source
 
 
 def plain_head(model: nn.Module) -> nn.Linear | None:

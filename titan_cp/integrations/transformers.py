@@ -54,11 +54,13 @@ from transformers.masking_utils import AttentionMaskInterface
 from titan_cp.attention.api import attend, check_mask, check_qkv
 from titan_cp.attention.handle import CPHandle
 from titan_cp.integrations.hf_batch import count_loss_tokens, gather_unshard, shard_batch
+from titan_cp.integrations.hf_linear import bind_linear
 from titan_cp.integrations.hf_model import (
     attention_modules,
     check_supported,
     hf_model_of,
     layer_mask,
+    linear_modules,
     text_config,
     unsupported_features,
 )
@@ -291,6 +293,9 @@ def bind_cp(model: nn.Module, handle: CPHandle) -> nn.Module:
         window, chunk = layer_mask(hf.config, cast(int, module.layer_idx))
         setattr(module, BINDING, CPBinding(handle, window, chunk))
         module.cp_handle = handle  # type: ignore[assignment]  # found by handle_of; torch's stub: tensors/modules
+    for module in linear_modules(hf):  # Gated DeltaNet, Mamba2: titan_cp's linear ops (hf_linear)
+        bind_linear(module, handle)
+        module.cp_handle = handle  # type: ignore[assignment]
     hf.generate = _refuse_generate
     return model
 

@@ -12,7 +12,7 @@ Shapes are token-major, as ``transformers`` and ``fla`` hold them::
     gated delta rule   q, k: (batch, seq_local, k_heads, d_k)   v: (batch, seq_local, v_heads, d_v)
                        g, beta: (batch, seq_local, v_heads)     -> (batch, seq_local, v_heads, d_v)
     SSD (Mamba2)       x: (batch, seq_local, heads, head_dim)   dt: (batch, seq_local, heads)   A: (heads,)
-                       B, C: (batch, seq_local, groups, d_state) -> (batch, seq_local, heads, head_dim)
+                       B, C: (batch, seq_local, groups, d_state) -> (batch, seq_local, heads, head_dim), fp32
     causal conv        x: (batch, seq_local, channels)   weight: (channels, kernel)   bias: (channels,)
                        -> (batch, seq_local, channels)
 

@@ -122,6 +122,14 @@ def _flat(x: Tensor) -> Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def _chunk_size(plan: StatePlan, chunk: int) -> int:
+    """``chunk``, or the smallest power of two that holds the longest piece where that is less: pieces
+    shorter than a chunk are padded to one, and padding is work (a numerical choice: any size gives the
+    same result)."""
+    longest = max((n for _, n in plan.runs), default=1)
+    return min(chunk, 1 << (longest - 1).bit_length())
+
+
 def _compose(apply: Callable[[Tensor, Tensor | None], Tensor], plan: StatePlan, sent: Tensor, recv: Tensor) -> list:
     """Each piece's initial state from the summaries before it (``None``: a document's first piece)."""
     states: list[Tensor | None] = []
@@ -175,7 +183,8 @@ class GatedDelta:
 def _gated_delta(handle: int, q: Tensor, doc_lens: Tensor | None, scale: float, qk_l2norm: bool, chunk: int):
     call = _call(handle, q)
     plan = call.state(doc_lens)
-    return GatedDelta(plan, chunked(plan.runs, call.batch * call.local_len, chunk), scale, qk_l2norm), call
+    size = _chunk_size(plan, chunk)
+    return GatedDelta(plan, chunked(plan.runs, call.batch * call.local_len, size), scale, qk_l2norm), call
 
 
 @torch.library.custom_op("titan_cp::cp_gated_delta", mutates_args=())
@@ -257,7 +266,7 @@ class StateSpace:
 def _state_space(handle: int, x: Tensor, doc_lens: Tensor | None, chunk: int):
     call = _call(handle, x)
     plan = call.state(doc_lens)
-    return StateSpace(plan, chunked(plan.runs, call.batch * call.local_len, chunk)), call
+    return StateSpace(plan, chunked(plan.runs, call.batch * call.local_len, _chunk_size(plan, chunk))), call
 
 
 @torch.library.custom_op("titan_cp::cp_ssd", mutates_args=())
@@ -265,12 +274,12 @@ def _ssd_op(
     x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, doc_lens: Tensor | None, handle: int, chunk: int
 ) -> Tensor:
     kind, call = _state_space(handle, x, doc_lens, chunk)
-    return run(kind, call.comm, (x, dt, a, b, c)).view(x.shape).to(x.dtype)
+    return run(kind, call.comm, (x, dt, a, b, c)).view(x.shape)
 
 
 @_ssd_op.register_fake
 def _(x, dt, a, b, c, doc_lens, handle, chunk):
-    return torch.empty_like(x)
+    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, torch.float32))
 
 
 @torch.library.custom_op("titan_cp::cp_ssd_backward", mutates_args=())
