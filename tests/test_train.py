@@ -527,6 +527,27 @@ def test_a_full_disk_mid_metrics_or_mid_checkpoint_is_one_line_on_two_ranks(dist
     assert tail == pytest.approx(straight[4:], rel=1e-4)
 
 
+def test_a_damaged_checkpoint_is_refused_alike_on_every_rank(dist_pools, tmp_path):
+    """Steps 4 and 8 saved on CP 2, then 1,000 floats in one of step 8's optimizer tensors set to 0.5
+    (the issue's damage, which loaded before without a word): the resume stops on both ranks with the
+    same line (DCP passes the rank's error to the others), naming step 4 to resume from instead."""
+    argv = BASE + _mesh_args(cp=2) + ["--job.dump_folder", str(tmp_path)]
+    dist_pools.run(2, _train, argv, timeout=600)
+    step = tmp_path / "checkpoint" / "step-8"
+    items = ckpt_module.dcp.FileSystemReader(str(step)).read_metadata().storage_data.items()
+    index, info = max(((i, s) for i, s in items if i.fqn.startswith("optimizer")), key=lambda item: item[1].length)
+    with open(step / info.relative_path, "r+b") as f:
+        f.seek(info.offset + 1024)
+        f.write(b"\x00\x00\x00\x3f" * 1000)  # 0.5 in float32
+    messages = dist_pools.run(2, _messages, [argv + ["--training.steps", "10"]], timeout=600)
+    assert messages[0] == messages[1], messages
+    assert messages[0][0] == (
+        f"checkpoint {step} is damaged: bytes {info.offset}-{info.offset + info.length - 1} of {info.relative_path} "
+        f"({index.fqn}) are not the bytes saved (their CRC-32 differs); resume from an older step with "
+        f"--checkpoint.load_step 4 (saved steps: [4]); moving {step} away, the run resumes from step 4"
+    )
+
+
 def _export_on_a_full_disk(rank, world, argv, prefix):
     """``main(argv)`` with the files written under ``prefix`` on a full disk: the ``UserError`` it stops with."""
     from titan_cp.errors import UserError

@@ -333,11 +333,8 @@ class ChecksumWriter(FileSystemWriter):
 
 
 class DamagedItem(Exception):
-    """An item of a checkpoint whose bytes do not match the CRC-32 written with them."""
-
-    def __init__(self, file: str, offset: int, length: int, name: str) -> None:
-        super().__init__(f"bytes {offset}-{offset + length - 1} of {file} ({name}) are not the bytes saved")
-        self.file, self.name = file, name
+    """An item of a checkpoint whose bytes do not match the CRC-32 written with them; the message
+    names it (DCP pickles a rank's exception to the others: the message is its one argument)."""
 
 
 class ChecksumReader(FileSystemReader):
@@ -357,7 +354,8 @@ class ChecksumReader(FileSystemReader):
         data = view.read()
         if len(data) != sinfo.length or zlib.crc32(data) != expected:
             name = self._names.get((sinfo.relative_path, sinfo.offset), "an item")
-            raise DamagedItem(sinfo.relative_path, sinfo.offset, sinfo.length, name)
+            last = sinfo.offset + sinfo.length - 1
+            raise DamagedItem(f"bytes {sinfo.offset}-{last} of {sinfo.relative_path} ({name}) are not the bytes saved")
         return io.BytesIO(data)
 
 
