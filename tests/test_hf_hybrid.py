@@ -262,3 +262,19 @@ def test_generation_refuses_linear_layers_naming_what_runs(tmp_path):
     model = build_hf_model(tiny_qwen35_folder(tmp_path / "qwen35"))
     with pytest.raises(ValueError, match="linear-attention layers"):
         HFRunner(model)
+
+
+def test_linear_layers_compile_with_fullgraph_as_eager():
+    """A bound Gated DeltaNet layer and a Mamba2 mixer under ``torch.compile(fullgraph=True)``: the ops' fakes
+    give the shapes and strides the real ops return, forward and backward equal eager."""
+    for family in ("qwen3_5", "bamba"):
+        model = hybrid_model(family, torch.float32, attn="titan_cp")
+        apply_cp(model, None)
+        layer = linear_modules(model)[0]
+        h = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        docs = torch.tensor([[1, 13, 3, 7], [5, 1, 18, 0]])
+        eager = layer(h, cp_doc_lens=docs)
+        (grad,) = torch.autograd.grad(eager.square().sum(), h)
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)(h, cp_doc_lens=docs)
+        assert rel_err(compiled, eager) < 1e-6
+        assert rel_err(torch.autograd.grad(compiled.square().sum(), h)[0], grad) < 1e-6

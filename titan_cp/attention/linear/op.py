@@ -11,7 +11,8 @@ Each op runs one exchange between the cp ranks, through one driver::
                 d_x += grad(sent, d_sent)                 through outgoing()
 
 so the op keeps only its inputs (the backward recomputes the local kernel, as activation checkpointing
-would) and its fake needs only shapes. Settings travel as the handle's integer id and the documents as
+would) and its fake needs only shapes. Every output (and gradient) is contiguous, whatever the inputs'
+strides: the fakes say so. Settings travel as the handle's integer id and the documents as
 the ``doc_lens`` host tensor, as for :mod:`titan_cp.attention.api`'s op.
 
 Shapes are token-major, as ``transformers`` and ``fla`` hold them: ``(batch, seq_local, heads, dim)``.
@@ -194,7 +195,7 @@ def _gated_delta_op(
 ) -> Tensor:  # fmt: skip
     kind, call = _gated_delta(handle, q, doc_lens, scale, qk_l2norm, chunk)
     out = run(kind, call.comm, (q, k, v, g, beta))
-    return out.view(v.shape).to(q.dtype)
+    return out.reshape(v.shape).to(q.dtype).contiguous()
 
 
 @_gated_delta_op.register_fake
@@ -209,12 +210,12 @@ def _gated_delta_backward_op(
 ) -> list[Tensor]:  # fmt: skip
     kind, call = _gated_delta(handle, q, doc_lens, scale, qk_l2norm, chunk)
     grads = run_backward(kind, call.comm, (q, k, v, g, beta), _acc(_flat(dout)))
-    return [gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta))]  # type: ignore[union-attr]
+    return [gr.to(x.dtype).contiguous() for gr, x in zip(grads, (q, k, v, g, beta))]  # type: ignore[union-attr]
 
 
 @_gated_delta_backward_op.register_fake
 def _(dout, q, k, v, g, beta, doc_lens, handle, scale, qk_l2norm, chunk):
-    return [torch.empty_like(x) for x in (q, k, v, g, beta)]
+    return [x.new_empty(x.shape) for x in (q, k, v, g, beta)]
 
 
 def _gd_setup(ctx, inputs, output):
@@ -274,12 +275,12 @@ def _ssd_op(
     x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, doc_lens: Tensor | None, handle: int, chunk: int
 ) -> Tensor:
     kind, call = _state_space(handle, x, doc_lens, chunk)
-    return run(kind, call.comm, (x, dt, a, b, c)).view(x.shape)
+    return run(kind, call.comm, (x, dt, a, b, c)).reshape(x.shape).contiguous()
 
 
 @_ssd_op.register_fake
 def _(x, dt, a, b, c, doc_lens, handle, chunk):
-    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, torch.float32))
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, torch.float32))
 
 
 @torch.library.custom_op("titan_cp::cp_ssd_backward", mutates_args=())
@@ -289,12 +290,12 @@ def _ssd_backward_op(
 ) -> list[Tensor]:  # fmt: skip
     kind, call = _state_space(handle, x, doc_lens, chunk)
     grads = run_backward(kind, call.comm, (x, dt, a, b, c), _acc(_flat(dout)))
-    return [gr.to(t.dtype) for gr, t in zip(grads, (x, dt, a, b, c))]  # type: ignore[union-attr]
+    return [gr.to(t.dtype).contiguous() for gr, t in zip(grads, (x, dt, a, b, c))]  # type: ignore[union-attr]
 
 
 @_ssd_backward_op.register_fake
 def _(dout, x, dt, a, b, c, doc_lens, handle, chunk):
-    return [torch.empty_like(t) for t in (x, dt, a, b, c)]
+    return [t.new_empty(t.shape) for t in (x, dt, a, b, c)]
 
 
 def _ssd_setup(ctx, inputs, output):
@@ -350,12 +351,12 @@ def _conv_op(
     x: Tensor, weight: Tensor, bias: Tensor | None, doc_lens: Tensor | None, handle: int, activation: str
 ) -> Tensor:
     kind, call = _convolution(handle, x, weight, doc_lens, activation)
-    return run(kind, call.comm, (x, weight, bias)).view(x.shape)
+    return run(kind, call.comm, (x, weight, bias)).reshape(x.shape).contiguous()
 
 
 @_conv_op.register_fake
 def _(x, weight, bias, doc_lens, handle, activation):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("titan_cp::cp_causal_conv1d_backward", mutates_args=())
@@ -364,12 +365,12 @@ def _conv_backward_op(
 ) -> list[Tensor]:
     kind, call = _convolution(handle, x, weight, doc_lens, activation)
     grads = run_backward(kind, call.comm, (x, weight, bias), _flat(dout))
-    return [g for g in grads if g is not None]
+    return [g.contiguous() for g in grads if g is not None]
 
 
 @_conv_backward_op.register_fake
 def _(dout, x, weight, bias, doc_lens, handle, activation):
-    return [torch.empty_like(t) for t in (x, weight, bias) if t is not None]
+    return [t.new_empty(t.shape) for t in (x, weight, bias) if t is not None]
 
 
 def _conv_setup(ctx, inputs, output):
