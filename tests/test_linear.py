@@ -74,8 +74,9 @@ def expected(kind: str, rows: str) -> tuple[dict, torch.Tensor, dict, torch.Tens
 
 
 def _run(kind: str, local: dict, mesh, layout: SequenceLayout) -> torch.Tensor:
-    if kind == "gated_delta":
-        return cp_gated_delta_rule(*local.values(), mesh, layout, qk_l2norm=True, chunk=8)
+    if kind.startswith("gated_delta"):
+        backend = "fla" if kind == "gated_delta_fla" else "torch"
+        return cp_gated_delta_rule(*local.values(), mesh, layout, qk_l2norm=True, chunk=8, backend=backend)
     if kind == "ssd":
         return cp_ssd(*local.values(), mesh, layout, chunk=8)
     return cp_causal_conv1d(*local.values(), mesh, layout)
@@ -192,3 +193,25 @@ def test_bad_shapes_name_the_argument(change, message):
     inputs = {n: t.float() for n, t in _inputs("gated_delta", 1).items()}
     with pytest.raises(ValueError, match=message):
         local_gated_delta_rule(*change(inputs).values())
+
+
+def fla_case(rank: int, world: int, balance: str, rows: str, data) -> dict[str, float]:
+    """:func:`linear_case`'s gated delta rule through the ``fla`` backend (its stand-in, on the CPU)."""
+    from tests import fla_standin  # noqa: PLC0415
+
+    fla_standin.CALLS.clear()
+    with fla_standin.installed():
+        errors = linear_case(rank, world, "gated_delta_fla", balance, rows, "ring", data)
+    errors["calls"] = len(fla_standin.CALLS)
+    return errors
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_fla_backend_runs_the_same_pieces_and_states(dist_pools, world):
+    """The ``fla`` backend's calls (pieces by cu_seqlens, initial states, [v | 0] and [0 | I] for the summaries),
+    through a stand-in of fla's function: the same results as the reference, at world 1, 2 and 4."""
+    for rows in ROWS:
+        for errors in dist_pools.run(world, fla_case, "doc_zigzag", rows, expected("gated_delta", rows)):
+            calls = errors.pop("calls")
+            assert max(errors.values()) < TOL, (rows, errors)
+            assert calls >= 2  # forward: outputs (and summaries where a piece is followed); backward: again

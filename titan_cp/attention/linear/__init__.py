@@ -120,13 +120,15 @@ def _scale(scale: float | None, d_k: int) -> float:
 # ---------------------------------------------------------------------------- the ops, for callers that checked
 def gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, handle: int, doc_lens: Tensor | None,
-    scale: float | None = None, qk_l2norm: bool = False, chunk: int = CHUNK,
+    scale: float | None = None, qk_l2norm: bool = False, chunk: int = CHUNK, backend: str = "auto",
 ) -> Tensor:  # fmt: skip
     """The op on checked inputs under the CP handle ``handle`` (an id): traceable by ``torch.compile``.
 
     ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = S_t^T (scale q_t)``,
-    inside each document (``qk_l2norm``: q and k normalised first, as Qwen3.5 and Qwen3-Next do)."""
-    return op._gated_delta_op(q, k, v, g, beta, doc_lens, handle, _scale(scale, q.shape[-1]), qk_l2norm, chunk)
+    inside each document (``qk_l2norm``: q and k normalised first, as Qwen3.5 and Qwen3-Next do).
+    ``backend``: ``"auto"`` (``fla`` on CUDA where installed, else torch), ``"torch"`` or ``"fla"``."""
+    scale = _scale(scale, q.shape[-1])
+    return op._gated_delta_op(q, k, v, g, beta, doc_lens, handle, scale, qk_l2norm, chunk, backend)
 
 
 def ssd(
@@ -184,7 +186,7 @@ def _check_local(x: Tensor, layout: SequenceLayout) -> None:
 
 def cp_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, mesh: DeviceMesh | None, layout: SequenceLayout,
-    scale: float | None = None, qk_l2norm: bool = False, chunk: int = CHUNK,
+    scale: float | None = None, qk_l2norm: bool = False, chunk: int = CHUNK, backend: str = "auto",
 ) -> Tensor:  # fmt: skip
     """The gated delta rule on this rank's shards (shapes: module docstring), exact against the whole
     sequence: each piece of a document starts from the state the pieces before it leave, on any rank.
@@ -195,12 +197,15 @@ def cp_gated_delta_rule(
         layout: the :class:`~titan_cp.SequenceLayout` of the shards.
         scale: q's scale, ``d_k ** -0.5`` by default.
         qk_l2norm: normalise q and k first (Qwen3.5, Qwen3-Next).
-        chunk: tokens per chunk of the chunked kernel (a numerical choice: any size gives the same result).
+        chunk: tokens per chunk of the torch kernel (a numerical choice: any size gives the same result).
+        backend: ``"auto"`` (``fla`` on CUDA where flash-linear-attention is installed, else torch),
+            ``"torch"`` or ``"fla"``.
     """
     check_gated_delta(q, k, v, g, beta)
     _check_local(q, layout)
+    op.gated_delta_backend(backend, q.device)
     handle, doc_lens = _handle(mesh, layout)
-    return gated_delta_rule(q, k, v, g, beta, handle, doc_lens, scale, bool(qk_l2norm), _check_chunk(chunk))
+    return gated_delta_rule(q, k, v, g, beta, handle, doc_lens, scale, bool(qk_l2norm), _check_chunk(chunk), backend)
 
 
 def cp_ssd(

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from titan_cp.attention.handle import CPHandle, handle_by_id
 from titan_cp.attention.linear import conv as conv_kernel
-from titan_cp.attention.linear import gated_delta, ssd
+from titan_cp.attention.linear import fla, gated_delta, ssd
 from titan_cp.attention.linear.chunks import Chunks, chunked
 from titan_cp.attention.linear.exchange import Transport, return_rows, send_rows, transport
 from titan_cp.attention.linear.plan import HaloPlan, StatePlan, halo_plan, state_plan
@@ -143,16 +143,34 @@ def _compose(apply: Callable[[Tensor, Tensor | None], Tensor], plan: StatePlan, 
 
 
 # ---------------------------------------------------------------------------- the gated delta rule
+BACKENDS = ("auto", "torch", "fla")
+"""The gated delta rule's kernels: ``"torch"`` (:mod:`.gated_delta`, any device), ``"fla"``
+(:mod:`.fla`, CUDA with flash-linear-attention installed), ``"auto"``: ``fla`` where it runs."""
+
+
+def gated_delta_backend(name: str, device: torch.device) -> str:
+    """The backend ``name`` resolves to on ``device`` (``ValueError`` for a name that cannot run)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "fla" if device.type == "cuda" and fla.available() else "torch"
+    if name == "fla" and not fla.available():
+        raise ValueError("backend 'fla' needs flash-linear-attention: pip install fla-core (a CUDA build of torch)")
+    return name
+
+
 @dataclass(frozen=True)
 class GatedDelta:
-    """:mod:`.gated_delta` on a call's pieces. ``q, k`` ``(B, S, Hk, Dk)``, ``v`` ``(B, S, Hv, Dv)``,
-    ``g, beta`` ``(B, S, Hv)``; q/k heads repeated to ``Hv`` (grouped value attention), normalised
-    (``qk_l2norm``) and q scaled, in fp32."""
+    """The gated delta rule on a call's pieces. ``q, k`` ``(B, S, Hk, Dk)``, ``v`` ``(B, S, Hv, Dv)``,
+    ``g, beta`` ``(B, S, Hv)``. The torch backend (:mod:`.gated_delta`) repeats q/k heads to ``Hv``
+    (grouped value attention), normalises them (``qk_l2norm``) and scales q in fp32; ``fla``
+    (:mod:`.fla`) takes them as they are, with those settings."""
 
     plan: StatePlan
     chunks: Chunks
     scale: float
     qk_l2norm: bool
+    backend: str
 
     @property
     def send(self) -> dict[int, tuple[int, ...]]:
@@ -166,7 +184,10 @@ class GatedDelta:
     def crosses(self) -> bool:
         return self.plan.crosses
 
-    def prepare(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> gated_delta.Prepared:
+    def prepare(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Any:
+        if self.backend == "fla":
+            q, k, v, beta = (_flat(x) for x in (q, k, v, beta))
+            return fla.Prepared(q, k, v, _flat(g).float(), beta, self.scale, self.qk_l2norm)
         rep = v.shape[2] // q.shape[2]
         q, k = (_acc(_flat(x)).repeat_interleave(rep, dim=1) for x in (q, k))
         if self.qk_l2norm:
@@ -174,47 +195,56 @@ class GatedDelta:
         v, g, beta = (_acc(_flat(x)) for x in (v, g, beta))
         return gated_delta.prepare(self.chunks, q * self.scale, k, v, g, beta)
 
-    def outgoing(self, prep: gated_delta.Prepared) -> Tensor:
+    def outgoing(self, prep: Any) -> Tensor:
+        if self.backend == "fla":
+            return fla.summaries(self.plan.runs, prep, self.plan.summarize, self.plan.middle)
         return gated_delta.summaries(self.chunks, prep, self.plan.summarize, self.plan.middle)
 
-    def local(self, prep: gated_delta.Prepared, sent: Tensor, recv: Tensor) -> Tensor:
-        return gated_delta.outputs(self.chunks, prep, _compose(gated_delta.apply, self.plan, sent, recv))
+    def local(self, prep: Any, sent: Tensor, recv: Tensor) -> Tensor:
+        initial = _compose(gated_delta.apply, self.plan, sent, recv)
+        if self.backend == "fla":
+            return fla.outputs(self.plan.runs, prep, initial)
+        return gated_delta.outputs(self.chunks, prep, initial)
 
 
-def _gated_delta(handle: int, q: Tensor, doc_lens: Tensor | None, scale: float, qk_l2norm: bool, chunk: int):
+def _gated_delta(
+    handle: int, q: Tensor, doc_lens: Tensor | None, scale: float, qk_l2norm: bool, chunk: int, backend: str
+):
     call = _call(handle, q)
     plan = call.state(doc_lens)
-    size = _chunk_size(plan, chunk)
-    return GatedDelta(plan, chunked(plan.runs, call.batch * call.local_len, size), scale, qk_l2norm), call
+    chunks = chunked(plan.runs, call.batch * call.local_len, _chunk_size(plan, chunk))
+    return GatedDelta(plan, chunks, scale, qk_l2norm, gated_delta_backend(backend, q.device)), call
 
 
 @torch.library.custom_op("titan_cp::cp_gated_delta", mutates_args=())
 def _gated_delta_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, doc_lens: Tensor | None, handle: int, scale: float,
-    qk_l2norm: bool, chunk: int,
+    qk_l2norm: bool, chunk: int, backend: str,
 ) -> Tensor:  # fmt: skip
-    kind, call = _gated_delta(handle, q, doc_lens, scale, qk_l2norm, chunk)
+    kind, call = _gated_delta(handle, q, doc_lens, scale, qk_l2norm, chunk, backend)
     out = run(kind, call.comm, (q, k, v, g, beta))
     return out.reshape(v.shape).to(q.dtype).contiguous()
 
 
 @_gated_delta_op.register_fake
-def _(q, k, v, g, beta, doc_lens, handle, scale, qk_l2norm, chunk):
+def _(q, k, v, g, beta, doc_lens, handle, scale, qk_l2norm, chunk, backend):
     return v.new_empty(v.shape, dtype=q.dtype)
 
 
 @torch.library.custom_op("titan_cp::cp_gated_delta_backward", mutates_args=())
 def _gated_delta_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, doc_lens: Tensor | None, handle: int,
-    scale: float, qk_l2norm: bool, chunk: int,
+    scale: float, qk_l2norm: bool, chunk: int, backend: str,
 ) -> list[Tensor]:  # fmt: skip
-    kind, call = _gated_delta(handle, q, doc_lens, scale, qk_l2norm, chunk)
-    grads = run_backward(kind, call.comm, (q, k, v, g, beta), _acc(_flat(dout)))
+    kind, call = _gated_delta(handle, q, doc_lens, scale, qk_l2norm, chunk, backend)
+    grads = run_backward(
+        kind, call.comm, (q, k, v, g, beta), _flat(dout) if kind.backend == "fla" else _acc(_flat(dout))
+    )
     return [gr.to(x.dtype).contiguous() for gr, x in zip(grads, (q, k, v, g, beta))]  # type: ignore[union-attr]
 
 
 @_gated_delta_backward_op.register_fake
-def _(dout, q, k, v, g, beta, doc_lens, handle, scale, qk_l2norm, chunk):
+def _(dout, q, k, v, g, beta, doc_lens, handle, scale, qk_l2norm, chunk, backend):
     return [x.new_empty(x.shape) for x in (q, k, v, g, beta)]
 
 
@@ -225,7 +255,7 @@ def _gd_setup(ctx, inputs, output):
 
 def _gd_backward(ctx, dout):
     grads = _gated_delta_backward_op(dout, *ctx.saved_tensors, *ctx.args)
-    return (*grads, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None)
 
 
 _gated_delta_op.register_autograd(_gd_backward, setup_context=_gd_setup)

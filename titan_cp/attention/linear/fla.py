@@ -1,0 +1,94 @@
+"""The gated delta rule on CUDA through ``fla`` (flash-linear-attention), where it is installed.
+
+``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` runs variable-length pieces (``cu_seqlens``) each
+from a state of its own (``initial_state``: ``(pieces, v_heads, d_k, d_v)``, the layout of
+:mod:`.gated_delta`'s state) and returns their final states; grouped value heads, the q/k
+normalisation and the scale are its own arguments. It is an autograd function, so the op's backward
+recomputes through it as through the torch kernel. The calls, per rank and layer::
+
+    summaries   one call over the pieces some later piece follows, v widened to [v | 0] and the
+                state started at [0 | I] for a middle piece ([0 | 0] for a first): its final state is
+                [B | M] (:mod:`.gated_delta`'s docstring)
+    outputs     one call over every piece of the buffer, each from its composed initial state
+
+The import is never needed at titan_cp's import: :func:`available` looks for the package; the op picks
+this backend for CUDA tensors when it is there (``"auto"``), and the torch chunked kernel otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@functools.cache
+def available() -> bool:
+    """Whether ``fla`` is importable (checked once, without importing it)."""
+    return importlib.util.find_spec("fla") is not None
+
+
+def _kernel() -> Callable[..., Any]:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: PLC0415 - optional dependency
+
+    return chunk_gated_delta_rule
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The call's tokens, flat: ``q, k`` ``(tokens, k_heads, d_k)``, ``v`` ``(tokens, v_heads, d_v)``,
+    ``g, beta`` ``(tokens, v_heads)``; the settings passed to ``fla``."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    g: Tensor
+    beta: Tensor
+    scale: float
+    qk_l2norm: bool
+
+
+def _cu(lengths: list[int], device: torch.device) -> tuple[Tensor, Tensor]:
+    cpu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+    return cpu.to(device), cpu
+
+
+def _call(p: Prepared, index: Tensor | None, v: Tensor, lengths: list[int], initial: Tensor) -> tuple[Tensor, Tensor]:
+    """``fla`` over the tokens ``index`` (``None``: all) cut into pieces of ``lengths``: ``(o, final states)``."""
+    pick = (lambda x: x) if index is None else (lambda x: x.index_select(0, index))  # noqa: E731
+    cu, cu_cpu = _cu(lengths, p.q.device)
+    o, final = _kernel()(
+        pick(p.q)[None], pick(p.k)[None], v[None], pick(p.g)[None], pick(p.beta)[None],
+        scale=p.scale, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=p.qk_l2norm,
+        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+    )  # fmt: skip
+    return o[0], final
+
+
+def summaries(
+    runs: tuple[tuple[int, int], ...], p: Prepared, pieces: tuple[int, ...], middle: tuple[bool, ...]
+) -> Tensor:
+    """``(len(pieces), v_heads, d_k, d_v + d_k)``: ``[B | M]`` of each piece (``M`` zero for a first piece)."""
+    h, dk, dv = p.v.shape[1], p.q.shape[-1], p.v.shape[-1]
+    if not pieces:
+        return p.v.new_zeros(0, h, dk, dv + dk, dtype=torch.float32)
+    index = torch.cat([torch.arange(runs[j][0], runs[j][0] + runs[j][1]) for j in pieces]).to(p.q.device)
+    v = p.v.index_select(0, index)
+    v = torch.cat([v, v.new_zeros(*v.shape[:2], dk)], -1)
+    eye = torch.eye(dk, device=p.q.device).expand(h, dk, dk)
+    zero = torch.zeros(h, dk, dv, device=p.q.device)
+    initial = torch.stack([torch.cat([zero, eye if mid else torch.zeros_like(eye)], -1) for mid in middle])
+    return _call(p, index, v, [runs[j][1] for j in pieces], initial)[1]
+
+
+def outputs(runs: tuple[tuple[int, int], ...], p: Prepared, initial: list[Tensor | None]) -> Tensor:
+    """``(tokens, v_heads, d_v)``: every piece from its state in ``initial`` (``None``: zero)."""
+    h, dk, dv = p.v.shape[1], p.q.shape[-1], p.v.shape[-1]
+    zero = torch.zeros(h, dk, dv, device=p.q.device)
+    states = torch.stack([zero if s is None else s.float() for s in initial])
+    return _call(p, None, p.v, [n for _, n in runs], states)[0]
