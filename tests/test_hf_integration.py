@@ -739,3 +739,14 @@ def test_the_readme_loop_runs_fsdp2_x_cp2_and_on_one_process(dist_pools, tmp_pat
         losses = [float(line.split()[-1]) for line in lines[0]]
         assert [line.split()[1] for line in lines[0]] == ["0", "1", "2"]
         assert all(torch.isfinite(torch.tensor(losses))) and losses[2] < losses[0]
+
+
+def test_the_readme_loop_trains_a_hybrid_model_unchanged(dist_pools, tmp_path):
+    """The same loop on a tiny Qwen3.5 folder (Gated DeltaNet layers beside gated attention, docs/hybrid.md):
+    CP 2 prints one process's losses."""
+    from titan_cp.integrations.hf_tiny import tiny_qwen35_folder  # noqa: PLC0415
+
+    folder, code = tiny_qwen35_folder(tmp_path / "qwen35"), _readme_loop()
+    cp2, one = (dist_pools.run(world, _run_readme_loop, code, folder, timeout=600)[0] for world in (2, 1))
+    losses = [[float(line.split()[-1]) for line in lines] for lines in (cp2, one)]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-5)
