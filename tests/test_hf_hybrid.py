@@ -1,12 +1,12 @@
 """Hybrid linear-attention models through the Hugging Face door: Qwen3.5 (dense, MoE), Qwen3-Next (MoE),
-Bamba and Nemotron-H (Mamba2 hybrids), tiny configs, packed documents, CP 1, 2 and 4 with the attention
-layers on ring, all-gather and Ulysses: loss and every gradient against each document run alone.
+Bamba, Nemotron-H and Granite 4 (Mamba2 hybrids), tiny configs, packed documents, CP 1, 2 and 4 with the
+attention layers on ring, all-gather and Ulysses: loss and every gradient against each document run alone.
 
 Two oracles, both the model's own ``transformers`` code run one document at a time:
 - fp64: the layers' recurrences swapped (in the reference process only) for a token-by-token fp64
   recurrence (``tests.reference``), since ``transformers``' torch kernels compute in fp32 whatever the
   model's dtype; the CP run in fp64 too: exact up to float64 rounding (bar 1e-5, measured ~1e-12);
-- fp32: ``transformers``' own torch kernels as shipped, the CP run in fp32 (the fp32 noise floor of these
+- fp32, on one process: ``transformers``' own torch kernels as shipped (the fp32 noise floor of these
   models' gradients is ~2e-5 against fp64, for transformers' kernels and titan_cp's alike: bar 1e-4).
 """
 
@@ -73,7 +73,23 @@ FAMILIES = {
             layers_block_type=["mamba", "attention", "moe", "mamba"],
         ),
     ),  # fmt: skip
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        dict(
+            **MAMBA,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_n_groups=2,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+        ),
+    ),
 }
+BAR = ("qwen3_5", "qwen3_next", "bamba")  # at CP 2 and 4 on every strategy; the others at CP 2, one strategy
 STRATEGIES = ("ring", "allgather", "ulysses")
 MODULES = {  # the modeling modules whose recurrences the fp64 oracle swaps
     "qwen3_5": "qwen3_5",
@@ -81,6 +97,7 @@ MODULES = {  # the modeling modules whose recurrences the fp64 oracle swaps
     "qwen3_next": "qwen3_next",
     "bamba": "bamba",
     "nemotron_h": "nemotron_h",
+    "granitemoehybrid": "granitemoehybrid",
 }
 
 
@@ -162,24 +179,33 @@ def _case(family: str, dtype: torch.dtype, strategy: str, balance: str, cp_mesh,
         "loss": rel_err(loss, want_loss),
         "grads": _grad_err(_grads(model, group), want_grads),
     }
-    model.zero_grad(set_to_none=True)  # titan_cp's chunked loss: every one of these families' heads is plain
+    model.zero_grad(set_to_none=True)  # titan_cp's loss: chunked where the head is plain (Granite's scales its logits)
     lm = CausalLM(model)
-    assert lm.head is not None, family
+    assert (lm.head is None) == (family == "granitemoehybrid"), family
     chunked = lm(local["input_ids"], local["position_ids"], local["cp_doc_lens"], local["shift_labels"])
     (chunked / local["num_items_in_batch"]).backward()
     errors["chunked_grads"] = _grad_err(_grads(lm, group), want_grads)
     return errors
 
 
+def _jobs(cp: int) -> list[tuple[str, str]]:
+    """``(family, strategy)`` runs at ``cp``: one process, every family; CP 2 and 4, each strategy for the
+    families of the bar and, at CP 2, one strategy (taking turns) for each other family."""
+    if cp == 1:
+        return [(f, "ring") for f in FAMILIES]
+    jobs = [(f, s) for f in BAR for s in STRATEGIES]
+    others = [f for f in FAMILIES if f not in BAR] if cp == 2 else []
+    return jobs + [(f, STRATEGIES[i % len(STRATEGIES)]) for i, f in enumerate(others)]
+
+
 def _exactness(rank, world, cps, dtype, wants, balances):
-    """Each family x strategy at each cp size of ``cps`` (a ``(world // cp, cp)`` mesh, the dp groups
-    sharing out the work), the balances taking turns."""
+    """:func:`_jobs` at each cp size of ``cps`` (a ``(world // cp, cp)`` mesh, the dp groups sharing out the
+    work), the balances taking turns."""
     results = {}
     for cp in cps:
         mesh = get_mesh((world // cp, cp), ("dp", "cp"))
         cp_mesh, group = (mesh["cp"] if cp > 1 else None), mesh["dp"].get_local_rank()
-        jobs = [(f, s) for f in FAMILIES for s in (STRATEGIES if cp > 1 else STRATEGIES[:1])]
-        for j, (family, strategy) in enumerate(jobs):
+        for j, (family, strategy) in enumerate(_jobs(cp)):
             if j % (world // cp) == group:
                 balance = balances[j % len(balances)]
                 results[(cp, family, strategy, balance)] = _case(
@@ -188,18 +214,28 @@ def _exactness(rank, world, cps, dtype, wants, balances):
     return results
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-5), (torch.float32, 1e-4)], ids=["fp64", "fp32"])
-def test_hybrid_models_equal_each_document_run_alone(dist_pools, dtype, tol):
-    wants = {family: oracle(family, dtype) for family in FAMILIES}
-    balances = ("doc_local", "doc_zigzag", "zigzag", "contiguous")
+BALANCES = ("doc_local", "doc_zigzag", "zigzag", "contiguous")
+
+
+def test_hybrid_models_equal_each_document_run_alone(dist_pools):
+    """fp64 (the bar): every family on one process, the bar's at CP 2 and 4 on every strategy, the others at
+    CP 2; the balances take turns, so that each runs at CP 2 and at CP 4."""
+    wants = {family: oracle(family, torch.float64) for family in FAMILIES}
     results = {}
-    for r in dist_pools.run(4, _exactness, (1, 2, 4), dtype, wants, balances, timeout=900):
+    for r in dist_pools.run(4, _exactness, (1, 2, 4), torch.float64, wants, BALANCES, timeout=900):
         results.update(r)
-    assert {(cp, f, s) for cp, f, s, _ in results} == {
-        (cp, f, s) for cp in (1, 2, 4) for f in FAMILIES for s in (STRATEGIES if cp > 1 else STRATEGIES[:1])
-    }
-    bad = {key: errors for key, errors in results.items() if max(errors.values()) > tol}
+    assert {(cp, f, s) for cp, f, s, _ in results} == {(cp, f, s) for cp in (1, 2, 4) for f, s in _jobs(cp)}
+    assert all({b for cp_, *_, b in results if cp_ == cp} == set(BALANCES) for cp in (2, 4))
+    bad = {key: errors for key, errors in results.items() if max(errors.values()) > 1e-5}
     assert not bad, bad
+
+
+def test_transformers_own_kernels_agree_on_one_process():
+    """fp32, against ``transformers``' torch kernels as shipped (their q/k normalisation, scale, gates and
+    limits, not the fp64 oracle's): every family on one process."""
+    for family in FAMILIES:
+        errors = _case(family, torch.float32, "ring", "contiguous", None, oracle(family, torch.float32))
+        assert max(errors.values()) < 1e-4, (family, errors)
 
 
 def test_every_linear_layer_is_bound_and_the_state_dict_is_unchanged():
