@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -551,14 +552,22 @@ def test_bad_input_is_named_before_any_process_group(tmp_path, capsys):
         (["--generate.prompt_file", str(tmp_path / "ok.txt"), "--checkpoint.enable", "false"],
          "generation needs trained weights"),
         (["--generate.task", "needle", "--generate.needle_lengths", "20"], "20 tokens cannot hold the header"),
+        (["--generate.task", "lookup", "--validation.seq_len", "20"], "6 facts needs at least 25 tokens, got 20"),
         (["--generate.prompt_file", str(tmp_path / "ok.txt"), "--parallelism.context_parallel_degree", "2"],
-         "world size 1 is not a multiple of"),
+         r"runs on parallelism.context_parallel_degree x tensor_parallel_degree = 2 x 1 = 2 ranks \(no data "
+         r"parallelism\), but 1 rank was launched: launch 2, or set --parallelism.context_parallel_degree 1$"),
     ]  # fmt: skip
     for extra, message in cases:
         with pytest.raises(ValueError, match=message):
             _prepare(ok + extra)
-    with pytest.raises(ValueError, match="data-parallel degree of 2"):
+    with pytest.raises(
+        ValueError, match="= 1 rank \\(no data parallelism\\), but 2 ranks were launched: launch 1, or set"
+    ):
         _prepare(ok + ["--generate.prompt_file", str(tmp_path / "ok.txt")], world=2)
+    with pytest.raises(ValueError, match="runs no pipeline stages"):
+        _prepare(
+            ok + ["--generate.prompt_file", str(tmp_path / "ok.txt"), "--parallelism.pipeline_parallel_degree", "2"]
+        )
     torchtitan = ["--checkpoint.initial_load_path", str(tmp_path / "torchtitan")]
     wrong = r"initial_load_path = .*: tok_embeddings.weight has shape \(259, 64\), but the model's .*model.flavor = 'debugmodel_gqa'"
     with pytest.raises(ValueError, match=wrong):
@@ -751,3 +760,92 @@ def test_a_hugging_face_checkpoint_with_tensors_the_model_lacks_is_refused(tmp_p
     with pytest.raises(ValueError, match=rf"initial_load_path = '{qwen3}' {extra}"):
         prepare(load_config([*argv, *from_hf], warn_adjustments=False), 1)
     assert not dist.is_initialized()
+
+
+# --------------------------------------------------------------------------------------------
+# the main job's questions (generate.task = "lookup"): docs/recall.md's command
+
+
+def _lookup_argv(tmp_path, *extra):
+    """The main job's config as docs/recall.md runs it, on its shipped start (checkpoints/lookup_tiny: no
+    step in the fresh dump folder): one held-out document of 2048 tokens (the job's are 8192)."""
+    return ["--job.config_file", "train_configs/cpu_main.toml", "--job.dump_folder", str(tmp_path),
+            "--generate.lookup_documents", "1", "--validation.seq_len", "2048", *extra]  # fmt: skip
+
+
+def test_lookup_questions_are_the_validation_rows_prefixes():
+    """Each question is the prefix of the trainer's validation row up to the key it asks: the token after
+    it is the row's label there, and its distance the row's recall_distance (what validation scores)."""
+    from titan_cp.data import ByteTokenizer
+    from titan_cp.data.datasets import LOOKUP_KEYS, SyntheticLookup
+    from titan_cp.data.packing import Packer
+    from titan_cp.generate.lookup import fact_name, lookup_questions
+
+    questions = lookup_questions(ByteTokenizer(), seed=3, tokens=300, documents=2)
+    packer = Packer(SyntheticLookup(ByteTokenizer(), seed=3, split="validation", tokens=300), 300)
+    rows = [packer.next_row() for _ in range(2)]
+    assert [(q.document, q.index) for q in questions] == [(d, j) for d in range(2) for j in range(len(LOOKUP_KEYS))]
+    for q in questions:
+        row, at = rows[q.document], len(q.prompt) - 1  # the position that predicts the answer
+        assert q.prompt == row.tokens[: at + 1].tolist() and q.prompt[-2] == ord("?")
+        assert row.labels[at] == q.answer and row.recall_distance[at] == q.distance > 0
+        assert fact_name(q.answer).startswith(chr(q.prompt[-1]) + "=")  # the fact of the key asked
+    assert sorted(int(d) for row in rows for d in row.recall_distance[row.recall_distance > 0]) == sorted(
+        q.distance for q in questions
+    )  # every answer the validation scores is asked, once
+    assert fact_name(ord(".")) is None
+
+
+def _run_lookup(rank, world, argv):
+    """``main(argv)``'s records, and what this rank printed."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        records = main(argv)
+    return records, out.getvalue()
+
+
+def _lookup_oracle(argv):
+    """The shipped model's one-process forward over each held-out row: its argmax at each question."""
+    from titan_cp.data import ByteTokenizer
+    from titan_cp.families.llama3 import build_model
+    from titan_cp.generate.lookup import lookup_questions
+
+    cfg = load_config(argv, training=False)
+    model = build_model(cfg.model.flavor, vocab_size=BYTE_VOCAB, device="cpu")
+    state = model.state_dict()
+    with warnings.catch_warnings():  # DCP's note that it loads in one process, as this oracle means to
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": state}, checkpoint_id=cfg.checkpoint.initial_load_path, no_dist=True)
+    model.load_state_dict(state)
+    seq_len = cfg.validation_rows()[1]
+    questions = lookup_questions(ByteTokenizer(), cfg.training.seed, seq_len, cfg.generate.lookup_documents)
+    with torch.no_grad():
+        return [int(model(torch.tensor(q.prompt)[None])[0, -1].argmax()) for q in questions]
+
+
+def test_the_main_jobs_questions_are_answered_alike_on_1_2_and_4_processes(dist_pools, tmp_path):
+    """``python -m titan_cp.generate`` on the main job's config (its [generate] task is "lookup"): on 4
+    processes as it is, on 2 and 1 with the cp degree they have (its shard-cut validation, a training key,
+    does not stop generation). Every mesh answers each question with the token the one-process model's
+    forward ranks first there (what the trainer's validation scores), and prints recall by shards."""
+    runs = {world: _lookup_argv(tmp_path / f"cp{world}", *(["--parallelism.context_parallel_degree", str(world)]
+                                                           if world != 4 else [])) for world in (4, 2, 1)}  # fmt: skip
+    want = _lookup_oracle(runs[1])
+    printed = {}
+    for world, argv in runs.items():
+        by_rank = dist_pools.run(world, _run_lookup, argv, timeout=600)
+        records, printed[world] = by_rank[0]
+        assert all(r[0] == records for r in by_rank)  # every rank: the same answers
+        assert [r["generated_token"] for r in records] == want, world
+        assert [json.loads(x) for x in (tmp_path / f"cp{world}" / "lookup.jsonl").read_text().splitlines()] == records
+    assert len(records) == 6 and {r["document"] for r in records} == {0}
+    assert [r["correct"] for r in records] == [r["generated_token"] == r["answer_token"] for r in records]
+    recall = sum(r["correct"] for r in records) / 6
+    summary = {w: [line for line in text.splitlines() if line.startswith("recall ")] for w, text in printed.items()}
+    assert summary[4][0].startswith(f"recall {recall:.3f} ") and "shards of 512 tokens (cp 4): 0 back" in summary[4][0]
+    assert "on another rank" in summary[4][0] and "shards" not in summary[1][0]  # one rank: no shards to count by
+    answered = [line for line in printed[1].splitlines() if line.startswith("[document 0, question ")]
+    assert len(answered) == 6 and all(line.endswith(("(right)", "(wrong)")) for line in answered)

@@ -21,8 +21,8 @@ CLI overrides: ``--section.key value`` or ``--section.key=value``; booleans also
 optional value.
 
 :func:`load_config` validates the values (:meth:`JobConfig.validate`), then checks them across
-sections and makes the adjustments that calls for (:meth:`JobConfig.reconcile`), without
-starting any process group. The model family's own rules (``model.name``, ``model.flavor``, the
+sections and makes the adjustments that calls for (:meth:`JobConfig.reconcile`; training's checks, not
+made for generation: ``load_config(argv, training=False)``), without starting any process group. The model family's own rules (``model.name``, ``model.flavor``, the
 model's heads and layers against the degrees) are the family's, checked by
 :func:`titan_cp.preflight.check_model`: this package imports no model, parallel or family code
 (docs/architecture.md). What needs the world size (mesh degrees, the gradient-accumulation

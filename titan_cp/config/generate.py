@@ -1,4 +1,5 @@
-"""``[generate]``: generation, scoring and the needle-in-a-haystack evaluation (``python -m titan_cp.generate``).
+"""``[generate]``: generation, scoring, the needle-in-a-haystack evaluation and the main job's questions
+(``python -m titan_cp.generate``).
 
 The model, its weights (``[checkpoint]``), the tokenizer (``model.hf_assets_path``) and the mesh
 (``[parallelism]``: cp and tp degrees, the CP strategy and layout) come from the other sections,
@@ -15,10 +16,14 @@ from titan_cp.config.values import AtLeast, IncreasingPositive, InRange, NonEmpt
 
 @dataclass
 class Generate(Section, name="generate"):
-    task: Literal["generate", "score", "needle"] = "generate"
+    task: Literal["generate", "score", "needle", "lookup"] = "generate"
     """``generate``: continue each prompt of ``prompt_file``; ``score``: the log-likelihood of each
     record's ``continuation`` given its ``prompt`` (no decoding); ``needle``: the needle-in-a-haystack
-    evaluation over ``needle_lengths`` x ``needle_depths``, with a heatmap."""
+    evaluation over ``needle_lengths`` x ``needle_depths``, with a heatmap; ``lookup``: the main job's
+    questions, answered by the model: the first ``lookup_documents`` held-out ``synthetic_lookup``
+    documents (the validation split of ``training.seed``, ``validation.seq_len`` tokens each, as the
+    trainer's validation reads them), each question a prompt of the document up to it, its answer
+    the token greedy decoding gives (``titan_cp/generate/lookup.py``)."""
 
     prompt_file: str | None = None
     """The prompts: a text file (the whole file is one prompt), or JSON lines (``.jsonl``/``.json``)
@@ -58,6 +63,10 @@ class Generate(Section, name="generate"):
 
     needle_trials: Annotated[int, Positive] = 2
     """``task = "needle"``: haystacks (different facts and filler) per length and depth."""
+
+    lookup_documents: Annotated[int, Positive] = 8
+    """``task = "lookup"``: held-out documents whose questions are asked (six each). The main job's
+    validation reads the first 8 (``validation.steps`` rows of one document)."""
 
     heatmap_file: str = "needle_heatmap.png"
     """``task = "needle"``: the accuracy heatmap (depth x length, PNG; needs matplotlib), relative

@@ -1,6 +1,7 @@
 """The whole job config: one field per TOML section, and what is checked across sections.
 
-Two steps, each explicit (:func:`titan_cp.config.load_config` runs both):
+Two steps, each explicit (:func:`titan_cp.config.load_config` runs both for training, the first alone
+for generation, which reads none of the keys the second checks):
 
 1. :meth:`JobConfig.validate` — every value against its field's type, choices and bounds,
    then each section's own rules. Pure: changes nothing, reads no file or environment.

@@ -138,7 +138,7 @@ class _Values:
         return "; ".join(parts) or None
 
 
-def load_config(argv: list[str] | None = None, *, warn_adjustments: bool = True) -> JobConfig:
+def load_config(argv: list[str] | None = None, *, warn_adjustments: bool = True, training: bool = True) -> JobConfig:
     """Build a validated :class:`JobConfig` from ``argv``: the TOML in ``--job.config_file`` (if any)
     overridden by the other ``--section.key value`` arguments. Starts no process group.
 
@@ -146,6 +146,10 @@ def load_config(argv: list[str] | None = None, *, warn_adjustments: bool = True)
     the torchtitan keys that are ignored or renamed. The adjustments :meth:`JobConfig.reconcile`
     makes (a warmup longer than the run) are warned about when ``warn_adjustments``: a launcher
     that starts one process per rank passes it on one rank only, so the job warns once.
+    ``training=False`` (generation): the checks across sections (:meth:`JobConfig.reconcile`) are
+    not made: they are all the trainer's (its rows, batches, schedule, validation and memory options),
+    none of which generation reads, so a training key (``validation.recall_shard_cut`` on one rank)
+    does not stop a generation run on the same config.
     """
     cli = parse_cli(list(argv or []))
     given = _Values()
@@ -160,7 +164,7 @@ def load_config(argv: list[str] | None = None, *, warn_adjustments: bool = True)
         warnings.warn(message, UserWarning, stacklevel=2)
     job_config = JobConfig.from_values(given.values)
     job_config.validate()
-    for note in job_config.reconcile():
+    for note in job_config.reconcile() if training else []:
         if warn_adjustments:
             warnings.warn(note, UserWarning, stacklevel=2)
     return job_config

@@ -12,7 +12,7 @@ layer (:mod:`titan_cp.attention.decode`)::
 Modules: :mod:`.engine` (:class:`Generator`), :mod:`.runners` (what a model answers; :func:`build_generation_model`),
 :mod:`.hf_runner` (Hugging Face models), :mod:`.registry` (each family's builder and runner), :mod:`.cache`, :mod:`.sampling`,
 :mod:`.prompts` (prompt files), :mod:`.weights` (the config's checkpoint), :mod:`.needle`
-(needle in a haystack), :mod:`.cli` (``python -m titan_cp.generate``).
+(needle in a haystack), :mod:`.lookup` (the main job's questions), :mod:`.cli` (``python -m titan_cp.generate``).
 """
 
 from titan_cp.generate.cache import ShardedKVCache, plan_owners

@@ -2,12 +2,14 @@
 
 The trainer's config (model, tokenizer, checkpoint, mesh) with a ``[generate]`` section
 (:class:`titan_cp.config.Generate`): ``generate.task`` is ``generate`` (continue each prompt of
-``generate.prompt_file``), ``score`` (log-likelihood of each record's continuation) or
-``needle`` (needle in a haystack over lengths x depths, with a heatmap). Rank 0 prints the
-results and writes one JSON line per prompt (per trial) to ``generate.output_file`` (default
-``<task>.jsonl``).
+``generate.prompt_file``), ``score`` (log-likelihood of each record's continuation), ``needle``
+(needle in a haystack over lengths x depths, with a heatmap) or ``lookup`` (the main job's
+questions: held-out ``synthetic_lookup`` documents, each question answered by the model). Rank 0
+prints the results and writes one JSON line per prompt (per trial, per question) to
+``generate.output_file`` (default ``<task>.jsonl``).
 
-The ranks are ``cp x tp``: each prompt batch is sharded over cp by the layout
+The ranks are ``cp x tp`` (``parallelism.context_parallel_degree x tensor_parallel_degree``, launched as
+that many processes): each prompt batch is sharded over cp by the layout
 (``parallelism.context_parallel_load_balancer``, strategy ``context_parallel_strategy``), heads
 over tp. Everything the config and the files can tell is checked before any process group
 starts (:func:`prepare`): bad keys, the prompt file, each prompt's length against the positions the
@@ -30,9 +32,11 @@ import torch.distributed as dist
 
 from titan_cp.config import Generate, JobConfig, load_config
 from titan_cp.data import build_tokenizer
+from titan_cp.data.datasets import LOOKUP_VALUES
 from titan_cp.data.tokenizer import Tokenizer
 from titan_cp.errors import plural, run_cli
 from titan_cp.generate.engine import Generator
+from titan_cp.generate.lookup import lookup_eval, lookup_questions, recall_by_shards
 from titan_cp.generate.needle import accuracy_grid, draw_heatmap, needle_case, needle_eval
 from titan_cp.generate.prompts import PromptRecord, read_prompts
 from titan_cp.generate.registry import build_for_generation
@@ -104,6 +108,11 @@ def _check_length(where: str, tokens: int, reach: int, spec: ModelSpec, hint: st
 def _read(cfg: JobConfig, tokenizer, spec: ModelSpec):
     """``(records, prompts, continuations)`` of ``generate.prompt_file``, tokenized and checked."""
     g = cfg.generate
+    if g.task == "lookup":
+        seq_len = cfg.validation_rows()[1]
+        lookup_questions(tokenizer, cfg.training.seed, seq_len, 1)  # a tokenizer or a length it cannot take
+        _check_length(f"generate.task = 'lookup' on validation.seq_len = {seq_len}", seq_len, seq_len, spec, "")
+        return [], [], []
     if g.task == "needle":
         for n in g.needle_lengths:
             answer = needle_case(tokenizer, n, 0.0, 0, g.seed).answer  # too short a length is named here
@@ -126,20 +135,28 @@ def _read(cfg: JobConfig, tokenizer, spec: ModelSpec):
     return records, prompts, continuations
 
 
+def _check_ranks(cfg: JobConfig, world_size: int) -> None:
+    """``world_size`` is the ``cp x tp`` ranks generation runs on (no pipeline, no data parallelism), and
+    those degrees make a mesh (:meth:`JobConfig.parallel_dims`)."""
+    p = cfg.parallelism
+    if p.pipeline_parallel_degree > 1:
+        raise ValueError("titan_cp.generate runs no pipeline stages: set parallelism.pipeline_parallel_degree = 1")
+    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+    if world_size != cp * tp:
+        fix = f", or set --parallelism.context_parallel_degree {world_size // tp}" if world_size % tp == 0 else ""
+        raise ValueError(
+            f"titan_cp.generate runs on parallelism.context_parallel_degree x tensor_parallel_degree = {cp} x {tp} = "
+            f"{plural(cp * tp, 'rank')} (no data parallelism), but {plural(world_size, 'rank')} "
+            f"{'was' if world_size == 1 else 'were'} launched: launch {cp * tp}{fix}"
+        )
+    cfg.parallel_dims(world_size)
+
+
 def prepare(cfg: JobConfig, world_size: int) -> GenerateJob:
     """Check everything the config and the files can tell for ``world_size`` ranks, before any process
     group: ``ValueError`` naming the key (and the file and line); the training data are not checked."""
     check_files(cfg, training=False)
-    p = cfg.parallelism
-    dims = cfg.parallel_dims(world_size)
-    if dims.pp_enabled:
-        raise ValueError("titan_cp.generate runs no pipeline stages: set parallelism.pipeline_parallel_degree = 1")
-    if dims.dp_degree > 1:
-        raise ValueError(
-            f"titan_cp.generate runs on context x tensor parallel ranks, but {world_size} ranks give a data-parallel "
-            f"degree of {dims.dp_degree}: launch parallelism.context_parallel_degree x tensor_parallel_degree = "
-            f"{plural(p.context_parallel_degree * p.tensor_parallel_degree, 'rank')}"
-        )
+    _check_ranks(cfg, world_size)
     tokenizer = build_tokenizer(cfg.model.hf_assets_path)
     spec = model_spec(cfg, tokenizer.vocab_size)
     stop = _stop_tokens(cfg.generate, tokenizer)
@@ -201,37 +218,72 @@ def _needle(job: GenerateJob, generator: Generator) -> list[dict]:
     return needle_eval(generator, job.tokenizer, g.needle_lengths, g.needle_depths, g.needle_trials, g.seed)
 
 
-TASKS = {"generate": _generate, "score": _score, "needle": _needle}
+def _lookup(job: GenerateJob, generator: Generator) -> list[dict]:
+    g, seq_len = job.cfg.generate, job.cfg.validation_rows()[1]
+    return lookup_eval(generator, lookup_questions(job.tokenizer, job.cfg.training.seed, seq_len, g.lookup_documents))
+
+
+TASKS = {"generate": _generate, "score": _score, "needle": _needle, "lookup": _lookup}
+
+
+def _print_generated(job: GenerateJob, records: list[dict], world: int) -> None:
+    for r in records:
+        print(f"[{r['index']}] {r['text']}")
+        logger.info(
+            "prompt %d: %d prompt tokens, %d generated (%s), first token after %.3f s, %s tokens/s",
+            r["index"], r["prompt_tokens"], len(r["tokens"]), r["finish_reason"],
+            r["time_to_first_token_s"], r["tokens_per_s"],
+        )  # fmt: skip
+
+
+def _print_scores(job: GenerateJob, records: list[dict], world: int) -> None:
+    for r in records:
+        print(f"[{r['index']}] loglik {r['loglik']:.4f} over {r['continuation_tokens']} tokens, greedy {r['greedy']}")
+
+
+def _print_needle(job: GenerateJob, records: list[dict], world: int) -> None:
+    """The accuracy grid on stdout, and its heatmap."""
+    g, p = job.cfg.generate, job.cfg.parallelism
+    grid = accuracy_grid(records, g.needle_lengths, g.needle_depths)
+    print("depth \\ tokens " + " ".join(f"{n:>7}" for n in g.needle_lengths))
+    for d, row in zip(g.needle_depths, grid):
+        print(f"{100 * d:>13.0f}% " + " ".join(f"{a:>7.2f}" for a in row))
+    title = f"needle in a haystack: {job.model.what}, {plural(world, 'rank')} (cp {p.context_parallel_degree})"
+    assert job.heatmap is not None, "the needle task always names its heatmap (prepare)"
+    job.heatmap.parent.mkdir(parents=True, exist_ok=True)
+    draw_heatmap(grid, g.needle_lengths, g.needle_depths, str(job.heatmap), title)
+    logger.info("heatmap: %s", job.heatmap)
+
+
+def _print_lookup(job: GenerateJob, records: list[dict], world: int) -> None:
+    """Each question and the model's answer, then recall: over all, and by distance in shards of this mesh."""
+    for r in records:
+        answered = r["generated_fact"] or f"token {r['generated_token']}"
+        print(
+            f"[document {r['document']}, question {r['question']}] ?{r['key']} asked {r['distance']} tokens after "
+            f"its fact {r['fact']}: answered {answered} ({'right' if r['correct'] else 'wrong'})"
+        )
+    seq_len, cp = job.cfg.validation_rows()[1], job.cfg.parallelism.context_parallel_degree
+    recall = recall_by_shards(records, seq_len, cp)
+    right = sum(r["correct"] for r in records)
+    line = f"recall {recall.pop('recall'):.3f} ({right} of {len(records)} answers; chance 1/{len(LOOKUP_VALUES)})"
+    if cp > 1:
+        named = {f"recall_shards_{k}": f"{k} back" for k in range(cp)} | {"recall_remote": "on another rank"}
+        line += f"; by distance in shards of {seq_len // cp} tokens (cp {cp}): " + ", ".join(
+            f"{named[k]} {v:.3f}" for k, v in recall.items()
+        )
+    print(line)
+
+
+PRINTS = {"generate": _print_generated, "score": _print_scores, "needle": _print_needle, "lookup": _print_lookup}
+"""What rank 0 prints of each ``generate.task``'s records (and draws: the needle's heatmap)."""
 
 
 def _report(job: GenerateJob, records: list[dict], world: int) -> None:
-    """Rank 0: the JSON lines, the text (or scores, or the grid) on stdout, the heatmap."""
-    g, p = job.cfg.generate, job.cfg.parallelism
+    """Rank 0: the JSON lines, and the task's own account (:data:`PRINTS`)."""
     job.output.parent.mkdir(parents=True, exist_ok=True)
     job.output.write_text("".join(json.dumps(r) + "\n" for r in records))
-    if g.task == "generate":
-        for r in records:
-            print(f"[{r['index']}] {r['text']}")
-            logger.info(
-                "prompt %d: %d prompt tokens, %d generated (%s), first token after %.3f s, %s tokens/s",
-                r["index"], r["prompt_tokens"], len(r["tokens"]), r["finish_reason"],
-                r["time_to_first_token_s"], r["tokens_per_s"],
-            )  # fmt: skip
-    elif g.task == "score":
-        for r in records:
-            print(
-                f"[{r['index']}] loglik {r['loglik']:.4f} over {r['continuation_tokens']} tokens, greedy {r['greedy']}"
-            )
-    else:
-        grid = accuracy_grid(records, g.needle_lengths, g.needle_depths)
-        print("depth \\ tokens " + " ".join(f"{n:>7}" for n in g.needle_lengths))
-        for d, row in zip(g.needle_depths, grid):
-            print(f"{100 * d:>13.0f}% " + " ".join(f"{a:>7.2f}" for a in row))
-        title = f"needle in a haystack: {job.model.what}, {plural(world, 'rank')} (cp {p.context_parallel_degree})"
-        assert job.heatmap is not None, "the needle task always names its heatmap (prepare)"
-        job.heatmap.parent.mkdir(parents=True, exist_ok=True)
-        draw_heatmap(grid, g.needle_lengths, g.needle_depths, str(job.heatmap), title)
-        logger.info("heatmap: %s", job.heatmap)
+    PRINTS[job.cfg.generate.task](job, records, world)
     logger.info("wrote %d records to %s", len(records), job.output)
 
 
@@ -275,7 +327,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(usage())
         raise SystemExit(0 if argv else 2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    cfg = load_config(argv, warn_adjustments=os.environ.get("RANK", "0") == "0")
+    cfg = load_config(argv, warn_adjustments=os.environ.get("RANK", "0") == "0", training=False)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     return run(prepare(cfg, world))
 
