@@ -22,6 +22,7 @@ run on the same shards as the attention layers beside them, whatever their strat
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -126,8 +127,14 @@ def gated_delta_rule(
 
     ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = S_t^T (scale q_t)``,
     inside each document (``qk_l2norm``: q and k normalised first, as Qwen3.5 and Qwen3-Next do).
-    ``backend``: ``"auto"`` (``fla`` on CUDA where installed, else torch), ``"torch"`` or ``"fla"``."""
+    ``backend``: ``"auto"`` (``fla`` on CUDA where installed, else torch), ``"torch"`` or ``"fla"``.
+
+    Through ``fla`` and outside ``torch.compile``, the same arithmetic runs as plain autograd
+    (:func:`.op.gated_delta_eager`), so the backward does not recompute the forward; a compiled graph
+    calls the custom op, whose backward recomputes it."""
     scale = _scale(scale, q.shape[-1])
+    if not torch.compiler.is_compiling() and op.gated_delta_backend(backend, q.device) == "fla":
+        return op.gated_delta_eager(q, k, v, g, beta, doc_lens, handle, scale, qk_l2norm)
     return op._gated_delta_op(q, k, v, g, beta, doc_lens, handle, scale, qk_l2norm, chunk, backend)
 
 

@@ -261,6 +261,41 @@ def _gd_backward(ctx, dout):
 _gated_delta_op.register_autograd(_gd_backward, setup_context=_gd_setup)
 
 
+class _Exchange(torch.autograd.Function):
+    """:func:`send_rows` under autograd: its backward is :func:`return_rows` (the exchange reversed)."""
+
+    @staticmethod
+    def forward(ctx, sent: Tensor, comm: Transport | None, plan: StatePlan) -> Tensor:  # type: ignore[override]
+        ctx.comm, ctx.plan, ctx.shape = comm, plan, sent.shape
+        return send_rows(comm, sent, plan.send, plan.recv, plan.crosses)
+
+    @staticmethod
+    def backward(ctx, d_recv: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        d_sent = d_recv.new_zeros(ctx.shape)
+        return (
+            return_rows(ctx.comm, d_recv.contiguous(), d_sent, ctx.plan.send, ctx.plan.recv, ctx.plan.crosses),
+            None,
+            None,
+        )
+
+
+def gated_delta_eager(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, doc_lens: Tensor | None, handle: int, scale: float,
+    qk_l2norm: bool,
+) -> Tensor:  # fmt: skip
+    """The op's forward through ``fla`` as plain autograd (eager only: the plan is read from ``doc_lens``'
+    values): ``fla``'s own functions keep what their backward needs, so nothing is recomputed beyond what
+    ``fla`` recomputes itself; the summaries' exchange is :class:`_Exchange`."""
+    kind, call = _gated_delta(handle, q, doc_lens, scale, qk_l2norm, CHUNK_UNUSED, "fla")
+    prep = kind.prepare(q, k, v, g, beta)
+    sent = kind.outgoing(prep)
+    recv = _Exchange.apply(sent, call.comm, kind.plan)
+    return kind.local(prep, sent, recv).reshape(v.shape).to(q.dtype)
+
+
+CHUNK_UNUSED = 64  # fla chunks by itself; the torch kernel's chunk size does not apply
+
+
 # ---------------------------------------------------------------------------- Mamba2's SSD
 @dataclass(frozen=True)
 class StateSpace:
