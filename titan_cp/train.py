@@ -100,7 +100,8 @@ def mesh_name(dims: ParallelDims) -> str:
 
 def init_distributed(cfg: JobConfig) -> torch.device:
     """The process group (started unless one is: one process without a launcher is rank 0 of 1;
-    NCCL where CUDA is, else gloo) and this rank's device; CPU threads shared by the local ranks."""
+    NCCL where CUDA is, else gloo) and this rank's device; CPU threads: the cores this process may run on
+    (its affinity, which ``taskset`` sets), shared by the local ranks."""
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
@@ -118,7 +119,8 @@ def init_distributed(cfg: JobConfig) -> torch.device:
         torch.cuda.set_device(device)
         return device
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // local_world))
     return torch.device("cpu")
 
 
