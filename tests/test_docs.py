@@ -4,10 +4,12 @@ how it is checked, in an HTML comment on the line before it, and is checked so:
 - ``<!-- doc-test: run -->``: run as it is, from the repository root (python in a fresh interpreter,
   bash with this interpreter's folder first on ``PATH``), and it must exit 0;
 - ``<!-- doc-test: ci -->``: the README's two set-up commands: the test command is ``.ci/run``'s, and
-  the main job's training arguments load (``load_config``);
+  the main job's training arguments load (``load_config``) and its install pulls none of the test tools;
 - ``<!-- doc-test: parse (why it is not run) -->``: a command that needs GPUs, a cluster or files a user
-  brings: every titan_cp command line in it loads with ``load_config`` (keys, values, cross-section
-  checks) and passes its model family's checks (``preflight.check_model``), and every config file it names exists; a TOML block loads as a config file;
+  brings: every titan_cp command line in it (train, generate, plan) loads with ``load_config`` (keys, values,
+  cross-section checks for training) and passes its model family's checks (``preflight.check_model``), every
+  config file it names exists, and every other file or folder it reads that the repository lacks is named
+  in the page's text before it; a TOML block loads as a config file;
   a torchtitan 0.3 launcher line (``-m torchtitan.train``) loads with torchtitan's ``ConfigManager`` and
   passes the torchtitan door's checks (``check_run``);
 - ``<!-- doc-test: excerpt PATH -->``: every line of the block but ``...`` / ``...,`` (lines left out) is a line of
@@ -16,7 +18,9 @@ how it is checked, in an HTML comment on the line before it, and is checked so:
 - ``<!-- doc-test: sketch -->``: an API outline with placeholders: it compiles, its imports resolve, and
   every call of an imported titan_cp function or class binds to that function's signature.
 
-A block without a marker fails, naming its file and line.
+A block without a marker fails, naming its file and line, and so does a command where these checks cannot
+see it: in a fence without a language, or in an indented block. A line is taken as pasted: a bracketed
+``[--key value]`` is not an optional part but two arguments, and fails.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 from titan_cp.config import JobConfig, load_config
 from titan_cp.preflight import check_model
@@ -91,11 +100,23 @@ def _commands(body: str) -> list[list[str]]:
 
 
 def _titan_cp_argv(argv: list[str]) -> tuple[str, list[str]] | None:
-    """``(module, its arguments)`` of a ``-m titan_cp.<train|generate>`` command line, else ``None``."""
+    """``(module, its arguments)`` of a ``-m titan_cp.<train|generate|plan>`` command line, else ``None``."""
     for i, word in enumerate(argv[:-1]):
-        if word == "-m" and argv[i + 1] in ("titan_cp.train", "titan_cp.generate"):
+        if word == "-m" and argv[i + 1] in ("titan_cp.train", "titan_cp.generate", "titan_cp.plan"):
             return argv[i + 1], argv[i + 2 :]
     return None
+
+
+def _config_argv(module: str, argv: list[str]) -> list[str]:
+    """A titan_cp command line's config arguments: the planner's own options checked (``check_args``) and
+    left out."""
+    if module != "titan_cp.plan":
+        return argv
+    from titan_cp.plan.cli import check_args, parser  # noqa: PLC0415
+
+    args, rest = parser().parse_known_args(argv)
+    check_args(args)
+    return rest
 
 
 def _torchtitan_argv(argv: list[str]) -> list[str] | None:
@@ -137,7 +158,7 @@ def test_parse_blocks_load(block, tmp_path):
     found = [cmd for cmd in map(_titan_cp_argv, commands) if cmd]
     torchtitan = [argv for argv in map(_torchtitan_argv, commands) if argv is not None]
     for module, argv in found:
-        _loads(block, argv, training=module == "titan_cp.train")
+        _loads(block, _config_argv(module, argv), training=module != "titan_cp.generate")
     for argv in torchtitan:
         _loads_in_torchtitan(argv)
     if block.lang == "bash" and "titan_cp." in block.body:
@@ -151,6 +172,11 @@ def test_ci_blocks_are_the_ci_command_and_the_main_job():
     runs = [cmd for cmd in (_titan_cp_argv(shlex.split(part)) for part in main_job.split("&&")) if cmd]
     assert [module for module, _ in runs] == ["titan_cp.train"], main_job
     _loads(_of("ci")[0], runs[0][1])
+    # the main job installs what it runs (torch, the plot's matplotlib), not the test command's tools
+    extras = re.findall(r'-e "\.\[([^\]]*)\]"', main_job)[0].split(",")
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pulled = {re.split(r"[<>=;\[ ]", dep)[0] for extra in extras for dep in optional[extra]}
+    assert not pulled & {"pytest", "pytest-xdist", "hypothesis", "ruff", "mypy"}, (extras, pulled)
 
 
 @pytest.mark.parametrize("block", _of("tested"), ids=str)
@@ -207,28 +233,36 @@ def test_run_blocks_exit_0(block, tmp_path):
     assert done.returncode == 0, f"{block} exited {done.returncode}:\n{done.stderr[-3000:]}"
 
 
-_FENCE = re.compile(r"^```(\S*)", re.M)
-_INDENTED_COMMAND = re.compile(r"^ {4,}(python3? |torchrun |pip |accelerate |\.venv/bin/)", re.M)
+_FENCE = re.compile(r"^```(?P<lang>\S*)\n(?P<body>.*?)^```", re.M | re.S)
+_COMMAND = re.compile(r"^ *(python3? |torchrun |pip |accelerate |srun |\.venv/bin/)", re.M)
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_fence_names_its_language_and_no_command_hides_in_an_indented_block(path):
-    """A block the checks above cannot see is unchecked: a fence opened without a language (``text`` for
-    what is not run: trees, renderings) and a command in a 4-space indented block both fail, naming the line."""
+def test_no_command_hides_in_a_block_without_a_language_or_an_indented_one(path):
+    """A block the checks above cannot see is unchecked: a command in a fence opened without a language
+    (trees and renderings need none) or in a 4-space indented block fails, naming the block."""
     text = path.read_text()
-    fences = list(_FENCE.finditer(text))
-    bare = [text.count("\n", 0, m.start()) + 1 for m in fences[::2] if not m[1]]  # openings: every other fence
-    assert not bare, f"{path.name}: fences opened without a language at lines {bare}"
-    outside = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
-    hidden = [m.group(0).strip() for m in _INDENTED_COMMAND.finditer(outside)]
+    bare = [
+        text.count("\n", 0, m.start()) + 1
+        for m in _FENCE.finditer(text)
+        if not m["lang"] and _COMMAND.search(m["body"])
+    ]
+    assert not bare, (
+        f"{path.name}: commands in fences without a language (bash, with a doc-test marker) at lines {bare}"
+    )
+    outside = _FENCE.sub("", text)
+    hidden = [m.group(0).strip() for m in re.finditer(r"^ {4,}\S.*", outside, re.M) if _COMMAND.match(m.group(0))]
     assert not hidden, f"{path.name}: commands in indented blocks (fence them, with a doc-test marker): {hidden}"
 
 
-def _files_a_user_brings(cfg: JobConfig) -> list[str]:
-    """The paths a loaded config reads (tokenizer, weights, data, prompts) that the repository lacks."""
+def _files_a_user_brings(module: str, cfg: JobConfig) -> list[str]:
+    """The paths a command's config makes it read (tokenizer, weights, data, prompts; the planner: a Hugging
+    Face model's ``config.json``) that the repository lacks."""
     t, v = cfg.training, cfg.validation
     paths = [cfg.model.hf_assets_path, cfg.checkpoint.initial_load_path, t.dataset_path, cfg.generate.prompt_file]
     paths += [s.path for s in t.mixture] + ([v.dataset_path] if v.enable else [])
+    if module == "titan_cp.plan":
+        paths = [cfg.model.hf_assets_path] if cfg.model.name == "hf" else []
     return [p for p in paths if p and not (ROOT / p).exists()]
 
 
@@ -239,6 +273,7 @@ def test_parse_blocks_say_on_the_page_which_files_a_user_brings(block):
     page = block.path.read_text().splitlines()[: block.line - 1]
     before = re.sub(r"<!--.*?-->", "", "\n".join(page), flags=re.S)
     for module, argv in filter(None, map(_titan_cp_argv, _commands(block.body))):
-        for path in _files_a_user_brings(_loads(block, argv, training=module == "titan_cp.train")):
+        config = _loads(block, _config_argv(module, argv), training=module != "titan_cp.generate")
+        for path in _files_a_user_brings(module, config):
             named = path.removeprefix("./").rstrip("/")
             assert named in before, f"{block}: needs {path}, which the page does not name before the block"
