@@ -295,7 +295,7 @@ MEMO_ROWS, MEMO_DOCS, MEMO_RANKS = 128, 4096, 64
 
 
 def _pieces(doc_lens: tuple[int, ...], cp_size: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    if len(doc_lens) == 1 and cp_size > 1 and doc_lens[0] % (2 * cp_size * BLOCK) == 0:
+    if len(doc_lens) == 1 and cp_size > 1 and doc_lens[0] % (2 * cp_size) == 0:
         return tuple(map(tuple, _one_document(doc_lens[0], cp_size)))
     best = _choose(list(doc_lens), cp_size)
     starts = [0]
@@ -309,12 +309,14 @@ _kept_pieces = functools.lru_cache(maxsize=MEMO_ROWS)(_pieces)
 
 
 def _one_document(length: int, n: int) -> list[list[tuple[int, int]]]:
-    """What :func:`_choose` keeps for one document of ``length`` tokens, a multiple of ``2 n`` blocks, in buffer
+    """What :func:`_choose` keeps for one document of ``length`` tokens, a multiple of ``2 n``, in buffer
     order, without trying its assignments (each costs ``n^2``; the planner asks at ``n`` in the tens of
     thousands): the even zigzag, rank ``r`` holding pieces ``r`` and ``2n - 1 - r`` of ``c = length / 2n``.
     Every ``beta`` but the first splits the document (its work is ``n`` shares) over ``m = n`` ranks (its
-    length is ``n`` ranks' room), all empty, so ranks ``0 .. n-1`` in order; every cut is the even one (the
-    pieces are whole blocks); the first ``beta`` keeps it whole, cut contiguously, outside :data:`BALANCE`.
-    Equal to :func:`_choose` in the tests."""
+    length is ``n`` ranks' room), all empty, so ranks ``0 .. n-1`` in order; where the pieces are whole
+    blocks every cut is the even one, and where they are not, the blocked cuts (pieces cut down to whole
+    blocks, the last taking the rest) load a rank beyond the even cut's balance or send more; the first
+    ``beta`` keeps it whole, cut contiguously, outside :data:`BALANCE`. Equal to :func:`_choose` in the tests
+    (``tests/test_plan_scale.py``: pieces of one token to several blocks)."""
     c = length // (2 * n)
     return [[(r * c, c), ((2 * n - 1 - r) * c, c)] for r in range(n)]

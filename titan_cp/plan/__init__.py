@@ -1,15 +1,16 @@
 """The planner: which mesh and CP strategy to run, before spending a GPU-hour.
 
     python -m titan_cp.plan --job.config_file X.toml --ngpu 8 [--gpu h100|h200|a100|cpu]
-        [--nnodes 1] [--doc-mix NAME] [--hbm-gb G] [--matmul-speedup F] [--plot out.png | FOLDER]
+        [--nnodes N] [--doc-mix NAME] [--hbm-gb G] [--matmul-speedup F] [--plot out.png | FOLDER] [--all]
         [--section.key value ...]          # any config key, as in the trainer
 
 For the config's model, ``training.seq_len``, ``training.local_batch_size``, activation
 checkpointing, compute dtype and pipeline schedule, it enumerates every mesh ``pp x
-dp_replicate x dp_shard x cp x tp`` of ``--ngpu`` GPUs that the model's heads and layers
-allow, and every CP strategy for it (each registered strategy the heads allow; hybrid with
-each Ulysses degree), and prints one JSON line and one table row per candidate, the
-recommended one first. Nothing runs on a GPU.
+dp_replicate x dp_shard x cp x tp`` of ``--ngpu`` GPUs on whole nodes, and every CP strategy for
+it (each registered strategy the heads allow; hybrid with each Ulysses degree), keeps the plans
+the trainer's own checks take, estimates those that can be the recommended one, and prints one
+JSON line and one table row per estimate, the recommended one first, and what it did not estimate.
+Nothing runs on a GPU.
 
 The parts:
 
@@ -17,8 +18,9 @@ The parts:
     kernels    the attention kernel's measured throughput per sequence length (FlashAttention-2, H100)
     memory     one memory model: saved bytes per token, parameters per stage, a step's peak, a rank's total
     problem    Workload (model, rows, AC, dtype, pipeline) and Candidate (mesh + strategy)
-    cost       compute, transfers and the ring's per-step exposure, as frozen dataclasses
-    search     the candidates, their estimates, the recommendation
+    cost       compute, transfers and the ring's per-step exposure, as frozen dataclasses; a step's lower bound
+    checks     a plan's config keys, put through the trainer's own checks
+    search     the plans the trainer runs, the estimates that can matter, the recommendation
     published  torchtitan's published runs as data, and the planner's estimate of each
     cli        the command line
 """

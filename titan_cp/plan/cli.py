@@ -14,14 +14,14 @@ from titan_cp.config import load_config
 from titan_cp.data.row_mixes import ROW_MIXES
 from titan_cp.errors import plural
 from titan_cp.plan import torchtitan
-from titan_cp.plan.devices import GB, GPUS, INTER, INTRA, device
+from titan_cp.plan.devices import GB, GPUS, INTER, INTRA, device, node_count
 from titan_cp.plan.search import Estimate, PlanResult, max_seq_len, plan
 
 USAGE = """The planner: which mesh and CP strategy to run, before spending a GPU-hour.
 
     python -m titan_cp.plan --job.config_file X.toml --ngpu 8 [--gpu h100|h200|a100|cpu]
-        [--nnodes 1] [--doc-mix NAME] [--hbm-gb G] [--host-gb G] [--matmul-speedup F]
-        [--plot out.png | --plot FOLDER] [--max-seq]
+        [--nnodes N] [--doc-mix NAME] [--hbm-gb G] [--host-gb G] [--matmul-speedup F]
+        [--plot out.png | --plot FOLDER] [--max-seq] [--all]
         [--section.key value ...]          # any config key, as in the trainer
     python -m titan_cp.plan --module M --config F --ngpu 8 [the options above]
         [--section.key value ...]          # torchtitan 0.3's own overrides of its config function
@@ -29,6 +29,13 @@ USAGE = """The planner: which mesh and CP strategy to run, before spending a GPU
 ``--module/--config``: a torchtitan 0.3 config function made with titan_cp's ``with_titan_cp``
 (``titan_cp.plan.torchtitan``), looked up as torchtitan's launcher does; the recommended plan's
 command is torchtitan's launcher.
+
+Every plan printed is one the trainer runs: its keys (the ``overrides`` of its JSON line, the TOML lines and
+the ``torchrun`` line of the recommended one) pass the trainer's own config checks
+(:mod:`titan_cp.plan.checks`). Without ``--nnodes`` the GPUs fill whole nodes of the device (8 GPUs; a
+CPU host runs any number of ranks). Only the plans that can be within 2% of the fastest are estimated
+(:mod:`titan_cp.plan.search`); the last line says how many others were not, and why. ``--all`` estimates
+every plan the trainer runs.
 
 ``--max-seq``: the longest row (``training.seq_len``) that trains, by bisection over multiples of
 65,536 tokens up to 2**24, with every option the planner may turn on (one row per rank,
@@ -84,6 +91,7 @@ def record(e: Estimate, result: PlanResult) -> dict:
         "balance": ctx.balance,
         "recommended": bool(e is result.best and result.recommended),
         **options_record(e),
+        "overrides": e.keys,
     }
     if e is result.best:
         out["reason"] = result.reason
@@ -104,49 +112,32 @@ def options_record(e: Estimate) -> dict:
     }
 
 
-def option_lines(e: Estimate) -> list[str]:
-    """The TOML lines of the long-context options ``e``'s plan turns on (none when it needs none)."""
-    w, h = e.workload, e.workload.host
-    if not h.any and w.ac == "none":
-        return []
-    lines = ["[activation_checkpoint]", f'mode = "{w.ac}"']
-    lines += ["cpu_offload = true"] * h.cpu_offload
-    lines += [f"blocks_per_checkpoint = {h.blocks_per_checkpoint}"] * (h.blocks_per_checkpoint > 1)
-    lines += [f"tile_tokens = {h.tile_tokens}"] * (h.tile_tokens > 0)
-    return lines + (["[training]", "enable_cpu_offload = true"] if h.fsdp_offload else [])
+def _toml(value: Any) -> str:
+    return json.dumps(value)  # TOML's own spelling of a string, an integer or a boolean
 
 
 def overrides(e: Estimate) -> list[str]:
-    """The ``[parallelism]`` TOML lines of ``e`` (and the options' lines)."""
-    c = e.candidate
-    lines = option_lines(e) + ["[parallelism]"]
-    lines += [
-        f"data_parallel_replicate_degree = {c.dp_replicate}",
-        f"data_parallel_shard_degree = {c.dp_shard}",
-        f"context_parallel_degree = {c.cp}",
-        f"tensor_parallel_degree = {c.tp}",
-        f"pipeline_parallel_degree = {c.pp}",
+    """The TOML lines of ``e``'s config keys (:attr:`~titan_cp.plan.search.Estimate.keys`), by section."""
+    sections: dict[str, list[str]] = {}
+    for key, value in e.keys.items():
+        section, name = key.split(".")
+        sections.setdefault(section, []).append(f"{name} = {_toml(value)}")
+    return [line for section, lines in sections.items() for line in (f"[{section}]", *lines)]
+
+
+def flags(keys: dict[str, Any]) -> list[str]:
+    """``keys`` as the trainer's command-line overrides (``--section.key value``, booleans ``true``/``false``)."""
+    return [
+        x
+        for key, value in keys.items()
+        for x in (f"--{key}", str(value).lower() if value in (True, False) else str(value))
     ]
-    if c.cp > 1:
-        lines.append(f'context_parallel_strategy = "{c.strategy}"')
-    if _takes_ulysses(e):
-        lines.append(f"context_parallel_ulysses_degree = {c.ulysses}")
-    return lines
 
 
 def launch_lines(e: Estimate, ngpu: int, nnodes: int, config_file: str | None) -> list[str]:
-    """The ``torchrun`` line that runs ``e`` on ``nnodes`` nodes of ``ngpu // nnodes`` GPUs."""
-    c = e.candidate
+    """The ``torchrun`` line that runs ``e`` (every key it sets) on ``nnodes`` nodes of ``ngpu // nnodes`` GPUs."""
     cfg = f"--job.config_file {config_file or 'X.toml'}"
-    keys = (
-        f"--parallelism.data_parallel_replicate_degree {c.dp_replicate} "
-        f"--parallelism.data_parallel_shard_degree {c.dp_shard} --parallelism.context_parallel_degree {c.cp} "
-        f"--parallelism.tensor_parallel_degree {c.tp} --parallelism.pipeline_parallel_degree {c.pp}"
-    )
-    if c.cp > 1:
-        keys += f" --parallelism.context_parallel_strategy {c.strategy}"
-    if _takes_ulysses(e):
-        keys += f" --parallelism.context_parallel_ulysses_degree {c.ulysses}"
+    keys = " ".join(flags(e.keys))
     per_node = ngpu // nnodes
     if nnodes == 1:
         return [f"torchrun --standalone --nproc-per-node {per_node} -m titan_cp.train {cfg} {keys}"]
@@ -210,7 +201,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ngpu", type=int, required=True, help="GPUs in all")
     p.add_argument("--gpu", default="h100", help=f"one of {sorted(GPUS)}")
-    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument(
+        "--nnodes", type=int, default=None, help="nodes (default: --ngpu in whole nodes of the device, 8 GPUs each)"
+    )
     p.add_argument("--doc-mix", default="causal", help=f"document mix of the rows: {sorted(ROW_MIXES)}")
     p.add_argument("--hbm-gb", type=float, default=None, help="memory per GPU, GB (default: the GPU's)")
     p.add_argument("--host-gb", type=float, default=2000.0, help="host memory per node, GB, for the offloads")
@@ -220,6 +213,9 @@ def parser() -> argparse.ArgumentParser:
         "--plot", metavar="PNG", help=f"draw the candidates to this .png file, or to {PLOT_NAME} in this folder"
     )
     p.add_argument("--top", type=int, default=0, help="print only the best N rows (0: all)")
+    p.add_argument(
+        "--all", action="store_true", help="estimate every plan the trainer runs, not only those that can be the best"
+    )
     p.add_argument("--module", help="a torchtitan 0.3 run: the module of its config function (with --config)")
     p.add_argument("--config", help="a torchtitan 0.3 run: the config function's name (with --module)")
     return p
@@ -238,7 +234,7 @@ def _print_launch(result: PlanResult, config_file: str | None, tt: torchtitan.To
         print(line)
     if ctx.nnodes == 1:
         several = lines(2 * ctx.ngpu, 2)[0].replace("--nnodes 2", "--nnodes N")
-        print(several + "   # several nodes (set the degrees for N nodes)")
+        print(several + "   # several nodes (plan again with --nnodes N for their degrees)")
 
 
 MAX_SEQ_DEFAULTS = {  # --max-seq plans one row per rank under full AC unless the config says otherwise
@@ -311,10 +307,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--doc-mix {args.doc_mix!r} is unknown; choose one of {sorted(ROW_MIXES)}")
     device(args.gpu)
     for name, value in (("--ngpu", args.ngpu), ("--nnodes", args.nnodes)):
-        if value < 1:
+        if value is not None and value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value}")
-    if args.ngpu % args.nnodes:
-        raise ValueError(f"--ngpu ({args.ngpu}) must be a multiple of --nnodes ({args.nnodes})")
+    node_count(args.gpu, args.ngpu, args.nnodes)  # --nnodes dividing --ngpu, or --ngpu in whole nodes
     for name, value in (
         ("--hbm-gb", args.hbm_gb),
         ("--host-gb", args.host_gb),
@@ -367,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_seq:
         return _print_max_seq(args, rest, tt)
     job_config = tt.job_config if tt is not None else load_config(rest)
-    result = plan(job_config, **_machine(args, tt))
+    result = plan(job_config, **_machine(args, tt), exhaustive=args.all)
     records = [record(e, result) for e in result.estimates]
     shown = records[: args.top] if args.top else records
     for r in shown:
@@ -375,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + HEADER)
     for r in shown:
         print(row(r))
-    print(f"\nrecommended: {result.reason}")
+    print(f"\n{result.skipped.line(len(records))}")
+    print(f"recommended: {result.reason}")
     if result.recommended:
         _print_launch(result, job_config.job.config_file, tt)
     if args.plot is not None:

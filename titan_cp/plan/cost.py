@@ -35,6 +35,7 @@ from titan_cp.attention.tiling import CAUSAL, causal_counts, zigzag_counts
 from titan_cp.families.llama3.model import ModelArgs
 from titan_cp.layout import DEFAULT_BALANCE, SequenceLayout, get_layout
 from titan_cp.plan.devices import Device
+from titan_cp.plan.kernels import BWD_FLOPS_PER_PAIR_DIM, FWD_FLOPS_PER_PAIR_DIM
 from titan_cp.plan.memory import RankModel, Stage, head_offloaded, layer_params, stage_param_count, unit_inputs
 from titan_cp.plan.problem import Candidate, Workload, pipeline
 
@@ -452,6 +453,39 @@ def host_transfers(s: Setting, compute: float) -> dict[str, Transfer]:
         exposed = max(0.0, nbytes / bw - step) + shard / FP32 / CPU_ADAM_PARAMS_PER_S
         out["host_fsdp"] = Transfer(nbytes, "host", exposed, False)
     return out
+
+
+def causal_pairs(rows: Sequence[Sequence[int]]) -> int:
+    """Every visible (query, key) pair of ``rows`` (document lengths) under the causal mask: ``L (L + 1) / 2``
+    a document, wherever the layout puts it (``attention_work(...).total`` without a layout)."""
+    return sum(n * (n + 1) // 2 for row in rows for n in row)
+
+
+def attention_floor(s: Setting, pairs: int) -> float:
+    """Seconds of one layer's attention kernels on one microbatch at the least any strategy can take: an even
+    share of the ``pairs`` of every local row (``1 / cp`` of them, times the local query heads) at the
+    kernel's fastest rate, forward passes and backward, no merge (:func:`_ring_steps` counts the slowest
+    rank's pairs of each step at the rate of its length, and the merges)."""
+    share = pairs / s.microbatches * s.m.heads[0] / s.c.cp * s.w.args.head_dim
+    rates = s.dev.attention
+    return s.forward_passes * FWD_FLOPS_PER_PAIR_DIM * share / rates.peak(False) + (
+        BWD_FLOPS_PER_PAIR_DIM * share / rates.peak(True)
+    )
+
+
+def step_lower_bound(s: Setting, pairs: int) -> float:
+    """A lower bound of :func:`step_cost`'s step, from closed forms alone (no layout, no mask tiles): the
+    matmuls, :func:`attention_floor` (``pairs``: :func:`causal_pairs` of the workload's rows), no CP transfer
+    exposed, and FSDP's, HSDP's, TP's, PP's and the host copies as :func:`step_cost` counts them. Each of
+    those exposes its transfer less the compute it hides behind, so the step grows with the compute: less
+    compute, and less CP exposure, bound it from below. A plan whose bound is slower than another's step
+    needs no estimate (:func:`titan_cp.plan.search.plan`)."""
+    dense = dense_seconds(s)
+    compute = Compute(dense, s.stage.layers * attention_floor(s, pairs))
+    transfers = collective_transfers(s, dense, compute.total * s.microbatches)
+    transfers.update(host_transfers(s, compute.total))
+    bubble = pipeline(s.w.schedule, s.microbatches, s.c.pp).bubble
+    return Cost(compute, transfers, None, s.microbatches, bubble, s.w.accum).step
 
 
 def step_cost(s: Setting) -> Cost:

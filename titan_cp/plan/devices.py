@@ -50,7 +50,8 @@ class Device:
     inter_bw: float  # network (between nodes)
     matmul_efficiency: float  # achieved fraction of peak in the model's matmuls
     attention: AttentionRates
-    gpus_per_node: int = 8
+    gpus_per_node: int = 8  # the plan's ranks per node (:func:`device` sets it)
+    node_size: int | None = 8  # GPUs a node of this kind holds (None: a host runs any number of ranks, the CPU)
 
     def link(self, span: int) -> str:
         """The link kind of a group whose ranks span ``span`` consecutive ranks."""
@@ -96,7 +97,7 @@ GPUS: dict[str, Device] = {
         1.25 * GB,
         1.0,
         flat_rates("cpu flash kernel", "nominal, order of magnitude", 0.1),
-        gpus_per_node=1,
+        node_size=None,
     ),
 }
 
@@ -109,3 +110,25 @@ def device(gpu: str, hbm_gb: float | None = None, nnodes: int = 1, ngpu: int = 8
     if gpu == "cpu":  # the ranks of a host share its memory
         d = dataclasses.replace(d, memory_bytes=d.memory_bytes / d.gpus_per_node)
     return d if hbm_gb is None else dataclasses.replace(d, memory_bytes=hbm_gb * GB)
+
+
+def node_count(gpu: str, ngpu: int, nnodes: int | None = None) -> int:
+    """The nodes ``ngpu`` GPUs of kind ``gpu`` run on: ``nnodes`` when given (it must divide ``ngpu``), else
+    whole nodes of the kind's :attr:`Device.node_size` (one node up to that many; a CPU host runs any
+    number). ``ValueError`` naming ``--nnodes`` when it does not divide ``--ngpu``, or ``--ngpu`` fills no
+    whole number of nodes and ``--nnodes`` is not given; ``--gpu`` when the kind is unknown."""
+    if gpu not in GPUS:
+        raise ValueError(f"--gpu {gpu!r} is unknown; choose one of {sorted(GPUS)}")
+    if nnodes is not None:
+        if nnodes < 1 or ngpu % nnodes:
+            raise ValueError(f"--nnodes ({nnodes}) must divide --ngpu ({ngpu})")
+        return nnodes
+    size = GPUS[gpu].node_size
+    if size is None or ngpu <= size:
+        return 1
+    if ngpu % size:
+        raise ValueError(
+            f"--ngpu {ngpu} is not a whole number of {size}-GPU {gpu} nodes: give --nnodes (the GPUs per node "
+            f"are --ngpu / --nnodes)"
+        )
+    return ngpu // size

@@ -60,6 +60,11 @@ class AttentionRates:
         bwd = self._at(self.backward, seq)
         return (bwd * fwd_causal / fwd if causal else bwd) * TFLOPS
 
+    def peak(self, backward: bool) -> float:
+        """The fastest :meth:`rate` at any length, with or without a causal mask (FLOP/s): the rates are
+        linear between the measured lengths, so the fastest is at one of them."""
+        return max(self.rate(n, causal, backward) for n in self.seq_lens for causal in (False, True))
+
     def seconds(self, pairs_heads_dim: float, seq: float, causal: bool) -> tuple[float, float]:
         """``(forward, backward)`` seconds of kernel calls over ``pairs x heads x head_dim``."""
         fwd = FWD_FLOPS_PER_PAIR_DIM * pairs_heads_dim / self.rate(seq, causal, False)

@@ -1,12 +1,25 @@
-"""The search: every mesh and CP strategy a config allows on ``ngpu`` GPUs, each one's estimate,
-and the recommendation (of the plans that fit within 2% of the fastest, the one with the most
-memory to spare, in 2 GB steps, then the fastest)."""
+"""The search: every mesh and CP strategy the trainer runs on ``ngpu`` GPUs, the estimates that can
+matter, and the recommendation (of the plans that fit within 2% of the fastest, the one with the most
+memory to spare, in 2 GB steps, then the fastest).
+
+- **What runs is the trainer's to say.** Every mesh ``pp x dp_replicate x dp_shard x cp x tp`` of the
+  nodes (:func:`meshes`: TP inside a node) with every strategy its heads allow (:func:`strategies_for`) is
+  a plan; its config keys are set on the job config and put through the trainer's own checks
+  (:class:`~titan_cp.plan.checks.TrainerChecks`), and a plan the trainer refuses is never estimated.
+- **Only what can matter is estimated** (branch and bound). Whether a plan fits is known from its shapes
+  (:func:`stage_memories`), and a lower bound of its step in closed form
+  (:func:`~titan_cp.plan.cost.step_lower_bound`: no layout, no mask tiles). Plans that fit are estimated
+  in the order of their bounds; once a plan's bound is more than 2% slower than the fastest estimate, it
+  and every plan after it can be neither the fastest nor within 2% of it, so none is estimated
+  (:class:`Skipped` counts them). ``exhaustive`` estimates every plan the trainer runs, fitting or not.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from titan_cp.ac_modes import ac_mode_and_every
@@ -16,9 +29,10 @@ from titan_cp.data.row_mixes import make_rows
 from titan_cp.errors import plural
 from titan_cp.families import get_family
 from titan_cp.families.llama3.model import ModelArgs
-from titan_cp.layout import seq_len_multiple
-from titan_cp.plan.cost import Cost, Setting, Stack, attention_work, step_cost
-from titan_cp.plan.devices import GB, HEADROOM, Device, device
+from titan_cp.layout import get_layout
+from titan_cp.plan.checks import Keys, TrainerChecks, with_keys
+from titan_cp.plan.cost import Cost, Setting, Stack, attention_work, causal_pairs, step_cost, step_lower_bound
+from titan_cp.plan.devices import GB, HEADROOM, Device, device, node_count
 from titan_cp.plan.memory import HostOptions, RankMemory, Sharding, pipeline_stages, rank_memory
 from titan_cp.plan.problem import LOCAL, Candidate, Workload, pipeline
 from titan_cp.preflight import check_model
@@ -31,7 +45,9 @@ MEMORY_STEP = 2 * GB
 
 
 def _divisors(n: int) -> list[int]:
-    return [i for i in range(1, n + 1) if n % i == 0]
+    """The divisors of ``n``, ascending."""
+    small = [i for i in range(1, math.isqrt(n) + 1) if n % i == 0]
+    return small + [n // i for i in reversed(small) if i * i != n]
 
 
 def strategies_for(cp: int, q_heads: int, kv_heads: int) -> list[tuple[str, int]]:
@@ -52,27 +68,34 @@ def strategies_for(cp: int, q_heads: int, kv_heads: int) -> list[tuple[str, int]
     return out
 
 
-def candidates(
-    args: ModelArgs, seq_len: int, ngpu: int, nnodes: int, balance: str, local_batch: int, microbatch_rows: int = 1
-) -> list[Candidate]:
-    """Every mesh and CP strategy the model, ``seq_len`` and ``ngpu`` allow (TP inside a node; a
-    pipeline needs a layer per stage and a microbatch per stage)."""
-    out = []
+def meshes(ngpu: int, nnodes: int) -> Iterator[Candidate]:
+    """Every mesh ``pp x dp_replicate x dp_shard x cp x tp`` of ``ngpu`` GPUs on ``nnodes`` nodes, with the
+    ring on its cp axis (TP inside a node; HSDP replicates over the nodes, or nothing). What the trainer
+    runs of them is its checks' to say (:func:`candidates`)."""
     for tp in _divisors(ngpu // nnodes):
-        if args.n_heads % tp or args.kv_heads % tp:
-            continue
         for pp in _divisors(ngpu // tp):
-            if pp > 1 and (args.n_layers < pp or local_batch // microbatch_rows < pp):
-                continue
+            rest = ngpu // (tp * pp)
             for rep in sorted({1, nnodes}):
-                rest = ngpu // (tp * pp)
-                if rest % rep:
-                    continue
-                for cp in _divisors(rest // rep):
-                    if seq_len % seq_len_multiple(balance, cp):
-                        continue
-                    for strategy, u in strategies_for(cp, args.n_heads // tp, args.kv_heads // tp):
-                        out.append(Candidate(strategy, rest // rep // cp, rep, cp, tp, pp, u))
+                if rest % rep == 0:
+                    for cp in _divisors(rest // rep):
+                        yield Candidate(LOCAL.name, rest // rep // cp, rep, cp, tp, pp)
+
+
+def candidates(
+    checks: TrainerChecks, w: Workload, ngpu: int, nnodes: int, runs: Callable[[Candidate], bool]
+) -> list[Candidate]:
+    """Every mesh (:func:`meshes`) and CP strategy (:func:`strategies_for`) the trainer runs with ``w``'s
+    options, as ``checks`` says, and ``runs`` (a given model's trainer) takes. A mesh is checked with the
+    ring, which splits no heads, before its other strategies: one the trainer refuses then has none."""
+    out = []
+    for mesh in meshes(ngpu, nnodes):
+        if not (runs(mesh) and checks.runs(mesh, w)):
+            continue
+        heads, kv_heads = w.args.n_heads // mesh.tp, w.args.kv_heads // mesh.tp
+        for strategy, u in strategies_for(mesh.cp, heads, kv_heads):
+            c = dataclasses.replace(mesh, strategy=strategy, ulysses=u)
+            if c == mesh or (runs(c) and checks.runs(c, w)):
+                out.append(c)
     return out
 
 
@@ -85,6 +108,7 @@ class Estimate:
     device: Device
     stages: tuple[RankMemory, ...]  # the first and the last pipeline stage (one without a pipeline)
     cost: Cost
+    keys: Keys = field(default_factory=dict)  # the config keys that run it (titan_cp.plan.checks.plan_keys)
 
     @property
     def memory(self) -> RankMemory:
@@ -106,8 +130,7 @@ class Estimate:
 
     @property
     def global_tokens(self) -> int:
-        w, c = self.workload, self.candidate
-        return w.seq_len * len(w.rows) * c.dp_shard * c.dp_replicate * w.accum
+        return global_tokens(self.candidate, self.workload)
 
     @property
     def model_flops(self) -> int:
@@ -123,6 +146,11 @@ class Estimate:
     @property
     def mfu(self) -> float:
         return self.model_flops / self.cost.step / self.candidate.ngpu / self.device.peak_flops
+
+
+def global_tokens(c: Candidate, w: Workload) -> int:
+    """Tokens of one optimizer step of ``c`` over every data-parallel rank."""
+    return w.seq_len * len(w.rows) * c.dp_shard * c.dp_replicate * w.accum
 
 
 def stage_memories(c: Candidate, w: Workload) -> tuple[RankMemory, ...]:
@@ -148,10 +176,21 @@ def plan_fits(stages: tuple[RankMemory, ...], c: Candidate, w: Workload, dev: De
     return max(r.total for r in stages) <= (1 - HEADROOM) * dev.memory_bytes and host_fits
 
 
-def evaluate(c: Candidate, w: Workload, dev: Device, stack: Stack) -> Estimate:
-    """Memory (the worse of the first and the last pipeline stage) and time (the largest stage) of ``c``."""
-    largest = max(pipeline_stages(w.args, c.pp), key=lambda s: s.layers)
-    return Estimate(c, w, dev, stage_memories(c, w), step_cost(Setting(c, w, dev, stack, largest)))
+def evaluate(c: Candidate, w: Workload, dev: Device, stack: Stack, keys: Keys | None = None) -> Estimate:
+    """Memory (the worse of the first and the last pipeline stage) and time (the largest stage) of ``c``;
+    ``keys``: the config keys that run it."""
+    return Estimate(c, w, dev, stage_memories(c, w), step_cost(_setting(c, w, dev, stack)), dict(keys or {}))
+
+
+def _setting(c: Candidate, w: Workload, dev: Device, stack: Stack) -> Setting:
+    """``c``'s :class:`~titan_cp.plan.cost.Setting` on its largest pipeline stage (the time's)."""
+    return Setting(c, w, dev, stack, max(pipeline_stages(w.args, c.pp), key=lambda s: s.layers))
+
+
+def speed_bound(c: Candidate, w: Workload, dev: Device, stack: Stack, pairs: int) -> float:
+    """An upper bound of ``c``'s tokens/s per GPU: its step's lower bound (:func:`~titan_cp.plan.cost.step_lower_bound`;
+    ``pairs``: :func:`~titan_cp.plan.cost.causal_pairs` of the rows)."""
+    return global_tokens(c, w) / step_lower_bound(_setting(c, w, dev, stack), pairs) / c.ngpu
 
 
 @dataclass(frozen=True)
@@ -169,13 +208,37 @@ class Context:
 
 
 @dataclass(frozen=True)
+class Skipped:
+    """The plans not estimated, by why: ``refused`` by the trainer's checks (``refusal``: the most frequent
+    error), ``no_fit`` (their memory, known from shapes, exceeds the device's while others fit), ``bounded``
+    (the lower bound of their step is more than 2% slower than the fastest estimate)."""
+
+    refused: int = 0
+    refusal: str | None = None
+    no_fit: int = 0
+    bounded: int = 0
+
+    def line(self, estimated: int) -> str:
+        """One line saying what was estimated and what not, and why."""
+        parts = [f"{plural(self.no_fit, 'plan')} that do not fit"] * (self.no_fit > 0)
+        parts += [f"{plural(self.bounded, 'plan')} whose step's lower bound is over 2% slower than the fastest"] * (
+            self.bounded > 0
+        )
+        parts += [f"{plural(self.refused, 'plan')} the trainer refuses (most often: {self.refusal})"] * (
+            self.refused > 0
+        )
+        return f"estimated {plural(estimated, 'plan')}; not estimated: " + ("; ".join(parts) or "none")
+
+
+@dataclass(frozen=True)
 class PlanResult:
-    """Every candidate's estimate, the recommended one first."""
+    """The estimated plans, the recommended one first, and what was not estimated (:class:`Skipped`)."""
 
     estimates: tuple[Estimate, ...]
     context: Context
     reason: str
     recommended: bool = False
+    skipped: Skipped = Skipped()
 
     @property
     def best(self) -> Estimate:
@@ -310,56 +373,118 @@ class GivenModel:
     nothing_fits: str = NOTHING_FITS
 
 
-def _setup(job_config, ngpu: int, gpu: str, nnodes: int, doc_mix: str, hbm_gb, seed: int, host_gb: float, given=None):
-    """``(device, workload, candidates)`` of a plan: the checks :func:`plan` makes before estimating anything
-    (``given``: a :class:`GivenModel`, whose trainer's candidates alone are listed)."""
+@dataclass(frozen=True)
+class Search:
+    """What a plan is searched from: the device, the workload as configured (``base``), the nodes, the
+    trainer's checks and the plans it runs with the configured options (``cands``), and how many it refused."""
+
+    dev: Device
+    base: Workload
+    nnodes: int
+    checks: TrainerChecks
+    cands: list[Candidate]
+    refused: int
+
+
+def _setup(
+    job_config: JobConfig,
+    ngpu: int,
+    gpu: str,
+    nnodes: int | None,
+    doc_mix: str,
+    hbm_gb: float | None,
+    seed: int,
+    host_gb: float,
+    given: GivenModel | None = None,
+) -> Search:
+    """The :class:`Search` of a plan: the checks :func:`plan` makes before estimating anything (``nnodes``:
+    ``None`` for whole nodes of the device; ``given``: a :class:`GivenModel`, whose trainer's plans alone
+    are listed). ``ValueError`` with the trainer's most frequent refusal when it runs no plan at all."""
     if ngpu < 1:
         raise ValueError(f"--ngpu must be positive, got {ngpu}")
-    if nnodes < 1 or ngpu % nnodes:
-        raise ValueError(f"--nnodes ({nnodes}) must divide --ngpu ({ngpu})")
+    nnodes = node_count(gpu, ngpu, nnodes)
     dev = device(gpu, hbm_gb, nnodes, ngpu)
     job_config.parallel_dims(ngpu)  # the configured degrees must lay out on ngpu (names the key)
-    t, p = job_config.training, job_config.parallelism
-    balance = p.context_parallel_load_balancer
-    if t.seq_len % seq_len_multiple(balance, 1):
-        raise ValueError(f"training.seq_len ({t.seq_len}) is odd: no {balance!r} layout divides it")
     w, _ = workload_of(job_config, gpu, doc_mix, seed, host_gb, given)
-    cands = candidates(w.args, t.seq_len, ngpu, nnodes, balance, t.local_batch_size, w.microbatch_rows)
-    if given is not None:
-        cands = [c for c in cands if given.runs(c)]
-    else:
-        family = get_family(job_config.model.name)  # only the meshes its models are built for
-        cands = [c for c in cands if (c.tp == 1 or family.builds("tp")) and (c.pp == 1 or family.builds("pp"))]
+    label = given.label if given is not None else get_family(job_config.model.name).plan_label(job_config, w.args)
+    checks = TrainerChecks(job_config, ngpu, w.args, label, w, family=given is None)
+    cands = candidates(checks, w, ngpu, nnodes, given.runs if given is not None else _any_candidate)
     if not cands:
         raise ValueError(
-            f"training.seq_len ({t.seq_len}) is divided by no cp degree of {plural(ngpu, 'GPU')} "
-            f"for parallelism.context_parallel_load_balancer = {balance!r}"
+            f"no mesh of {plural(ngpu, 'GPU')} passes the trainer's checks; most often: {checks.most_refused()}"
         )
-    return dev, w, cands
+    return Search(dev, w, nnodes, checks, cands, sum(checks.refusals.values()))
 
 
-def _escalated(
-    cands: list[Candidate], w: Workload, dev: Device, levels: int = len(ESCALATION)
-) -> tuple[Workload, str, bool]:
-    """``(workload, note, fits)``: ``w`` with the first levels of :data:`ESCALATION` (at most ``levels``) on
-    that make some candidate fit (all of them when none does), the note naming them, and whether one fits.
-    Memory only: whether a plan fits never depends on its time, so no time is estimated at a level where
-    nothing fits."""
-    note = ""
+def _escalated(s: Search, levels: int = len(ESCALATION)) -> tuple[Workload, str, bool]:
+    """``(workload, note, fits)``: the configured workload with the first levels of :data:`ESCALATION` (at
+    most ``levels``) on that make some plan the trainer runs fit (all of them when none does), the note
+    naming them, and whether one fits. Memory only: whether a plan fits never depends on its time, so no
+    time is estimated at a level where nothing fits."""
+    w, note = s.base, ""
     for level in range(levels + 1):
         if level:
-            w = escalate(w, level)
+            w = escalate(s.base, level)
             note = "nothing fits as configured; with " + options_text(w) + ": "
-        if any(plan_fits(stage_memories(c, w), c, w, dev) for c in cands):
+        if any(plan_fits(stage_memories(c, w), c, w, s.dev) and s.checks.runs(c, w) for c in s.cands):
             return w, note, True
     return w, note, False
+
+
+MAX_COUNTED_CP = 256
+"""The most cp ranks whose layout the planner counts pair of ranks by pair (seconds a plan; 1,024 ranks take
+minutes: the counts are quadratic in cp). Rows of one document held as the even zigzag are counted in closed
+form at any cp (``SequenceLayout.zigzag_chunk``)."""
+
+
+def countable(c: Candidate, w: Workload) -> bool:
+    """Whether ``c``'s layout is counted in seconds: at most :data:`MAX_COUNTED_CP` cp ranks, or rows of one
+    document held as the even zigzag (the closed form needs one document a row, so rows of several are not
+    laid out to ask)."""
+    if c.cp <= MAX_COUNTED_CP:
+        return True
+    if w.docs_per_row > 1:
+        return False
+    return get_layout(w.seq_len, c.cp, w.balance, [list(r) for r in w.rows]).zigzag_chunk() is not None
+
+
+def _estimates(plans: list[Candidate], w: Workload, s: Search, stack: Stack, exhaustive: bool) -> list[Estimate]:
+    """The estimates of ``plans`` that can matter (module docstring: those that fit, or all when none does,
+    in the order of their speed's upper bound, until that bound is more than 2% below the fastest
+    estimate); every plan's with ``exhaustive``. A plan that can matter but is not :func:`countable` is a
+    ``ValueError`` saying what narrows the search."""
+    keys = {c: s.checks.keys(c, w) for c in plans}
+    pairs = causal_pairs(w.rows)
+    pool = plans if exhaustive else [c for c in plans if plan_fits(stage_memories(c, w), c, w, s.dev)] or plans
+    bounds = sorted(((speed_bound(c, w, s.dev, stack, pairs), i, c) for i, c in enumerate(pool)), reverse=True)
+    out: list[Estimate] = []
+    fastest, uncounted = 0.0, []
+    for bound, _, c in bounds:
+        if bound < NEAR_FASTEST * fastest and not exhaustive:
+            break
+        if not countable(c, w):
+            uncounted.append((bound, c))
+            continue
+        out.append(evaluate(c, w, s.dev, stack, keys[c]))
+        fastest = max(fastest, out[-1].tokens_per_second_per_gpu)
+    matter = [c for bound, c in uncounted if exhaustive or bound >= NEAR_FASTEST * fastest]
+    if matter:
+        cp = min(c.cp for c in matter)
+        raise ValueError(
+            f"{plural(len(matter), 'plan')} that may be the fastest put {cp:,} or more cp ranks on a layout with no "
+            "closed form (rows of several documents, or other than the even zigzag of one), which the planner counts "
+            f"pair of ranks by pair up to {MAX_COUNTED_CP} ranks: narrow the search with --doc-mix causal and a "
+            "zigzag or doc_local balance, a larger training.global_batch_size (more data-parallel ranks, fewer cp), "
+            "or fewer --ngpu"
+        )
+    return out
 
 
 def plan(
     job_config: JobConfig,
     ngpu: int,
     gpu: str = "h100",
-    nnodes: int = 1,
+    nnodes: int | None = None,
     doc_mix: str = "causal",
     hbm_gb: float | None = None,
     matmul_speedup: float = 1.0,
@@ -367,15 +492,22 @@ def plan(
     stack: Stack | None = None,
     host_gb: float = 2000.0,
     given: GivenModel | None = None,
+    exhaustive: bool = False,
 ) -> PlanResult:
-    """Every candidate's estimate for ``job_config`` on ``ngpu`` GPUs, the recommended one first. When
-    nothing fits as configured, the options of :data:`ESCALATION` are turned on one by one until
-    something does (the rows then carry the options; the reason says so). ``given``: the model and the
-    trainer planned (:class:`GivenModel`), when not the config's family's."""
-    dev, w, cands = _setup(job_config, ngpu, gpu, nnodes, doc_mix, hbm_gb, seed, host_gb, given)
+    """The estimates that can matter for ``job_config`` on ``ngpu`` GPUs (module docstring; every plan the
+    trainer runs with ``exhaustive``), the recommended one first. When nothing fits as configured, the options
+    of :data:`ESCALATION` are turned on one by one until something does (the rows then carry the options; the
+    reason says so). ``nnodes``: ``None`` for whole nodes of the device (:func:`~titan_cp.plan.devices.node_count`);
+    ``given``: the model and the trainer planned (:class:`GivenModel`), when not the config's family's."""
+    s = _setup(job_config, ngpu, gpu, nnodes, doc_mix, hbm_gb, seed, host_gb, given)
     stack = stack or Stack(matmul_speedup=matmul_speedup)
-    w, note, _ = _escalated(cands, w, dev, given.escalation if given is not None else len(ESCALATION))
-    ranked = _rank([evaluate(c, w, dev, stack) for c in cands])
+    w, note, _ = _escalated(s, given.escalation if given is not None else len(ESCALATION))
+    plans = [c for c in s.cands if s.checks.runs(c, w)]  # with the options turned on
+    ranked = _rank(_estimates(plans, w, s, stack, exhaustive))
+    fitting = sum(plan_fits(stage_memories(c, w), c, w, s.dev) for c in plans)
+    no_fit = len(plans) - fitting if fitting and not exhaustive else 0
+    refused = s.refused + len(s.cands) - len(plans)
+    skipped = Skipped(refused, s.checks.most_refused(), no_fit, len(plans) - no_fit - len(ranked))
     p = job_config.parallelism
     takes = get_strategy(p.context_parallel_strategy).takes_ulysses_degree()
     configured = Candidate(
@@ -387,11 +519,9 @@ def plan(
         p.pipeline_parallel_degree,
         p.context_parallel_ulysses_degree if takes else 1,
     )
-    label = given.label if given is not None else get_family(job_config.model.name).plan_label(job_config, w.args)
-    balance = p.context_parallel_load_balancer
-    context = Context(gpu, ngpu, nnodes, doc_mix, w.ac, label, balance, configured)
+    context = Context(gpu, ngpu, s.nnodes, doc_mix, w.ac, s.checks.label, p.context_parallel_load_balancer, configured)
     why = reason(ranked[0], given.nothing_fits if given is not None else NOTHING_FITS)
-    return PlanResult(tuple(ranked), context, note + why, ranked[0].fits)
+    return PlanResult(tuple(ranked), context, note + why, ranked[0].fits, skipped)
 
 
 def options_text(w: Workload) -> str:
@@ -411,7 +541,7 @@ def max_seq_len(
     job_config: JobConfig,
     ngpu: int,
     gpu: str,
-    nnodes: int = 1,
+    nnodes: int | None = None,
     doc_mix: str = "causal",
     hbm_gb: float | None = None,
     matmul_speedup: float = 1.0,
@@ -422,12 +552,11 @@ def max_seq_len(
     (options escalated as :func:`plan` does), and that plan; ``(0, None)`` when not even one granule fits."""
     levels = given.escalation if given is not None else len(ESCALATION)
 
-    def config(n: int):
-        return dataclasses.replace(job_config, training=dataclasses.replace(job_config.training, seq_len=n))
+    def config(n: int) -> JobConfig:
+        return with_keys(job_config, {"training.seq_len": n})
 
     def fitting(n: int) -> bool:  # as plan(...).recommended, from memory alone (no time estimated)
-        dev, w, cands = _setup(config(n), ngpu, gpu, nnodes, doc_mix, hbm_gb, 0, host_gb, given)
-        return _escalated(cands, w, dev, levels)[2]
+        return _escalated(_setup(config(n), ngpu, gpu, nnodes, doc_mix, hbm_gb, 0, host_gb, given), levels)[2]
 
     lo, hi = 0, MAX_SEQ_LEN // SEQ_GRANULE + 1  # in granules: lo fits, hi does not
     step = 1
