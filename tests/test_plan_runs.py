@@ -123,3 +123,29 @@ def test_a_search_past_what_can_be_counted_says_what_to_narrow(capsys):
     out, err = capsys.readouterr()
     assert exit_.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "narrow the search with --doc-mix causal" in err and "training.global_batch_size" in err
+
+
+@pytest.mark.parametrize(
+    "argv,ngpu",
+    [
+        (["--model.flavor", "8B", "--training.seq_len", "131072", "--training.local_batch_size", "1"], 16),
+        (["--model.flavor", "8B", "--parallelism.pipeline_parallel_schedule", "GPipe"], 32),
+        (["--job.config_file", "train_configs/debug_cp.toml"], 4),
+    ],
+)
+def test_the_bound_is_below_every_estimate_and_the_answer_is_the_exhaustive_ones(argv, ngpu):
+    """Every plan's step is at least its closed-form lower bound (so no plan that could be within 2% of the
+    fastest is left out), and the bounded search recommends what estimating every plan recommends."""
+    from titan_cp.plan import search  # noqa: PLC0415
+    from titan_cp.plan.cost import Stack, causal_pairs, step_lower_bound  # noqa: PLC0415
+
+    cfg = load_config(argv)
+    every, bounded = plan(cfg, ngpu, exhaustive=True), plan(cfg, ngpu)
+    for e in every.estimates:
+        lower = step_lower_bound(
+            search._setting(e.candidate, e.workload, e.device, Stack()), causal_pairs(e.workload.rows)
+        )
+        assert lower <= e.cost.step * (1 + 1e-9), (e.candidate, lower, e.cost.step)
+    assert bounded.best.candidate == every.best.candidate and len(bounded.estimates) < len(every.estimates)
+    skipped = bounded.skipped
+    assert len(bounded.estimates) + skipped.no_fit + skipped.bounded == len(every.estimates)
