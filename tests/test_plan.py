@@ -226,6 +226,7 @@ def test_cli_prints_plans_and_launch_line(capsys, tmp_path):
             "1",
             "--plot",
             str(tmp_path),  # a folder: plan.png in it (never <folder>.png beside it)
+            "--all",  # every plan estimated, not only those that can be the fastest
         ]
     )
     out = capsys.readouterr().out
@@ -308,7 +309,7 @@ def test_nnodes_puts_the_ring_across_nodes():
             "full",
         ]
     )
-    result = P.plan(cfg, 16, "h100", nnodes=2)
+    result = P.plan(cfg, 16, "h100", nnodes=2, exhaustive=True)
     recs = [P.record(e, result) for e in result.estimates]
     r = next(r for r in recs if r["cp"] == 16 and r["strategy"] == "ring")
     assert r["comm_detail"]["cp"]["link"] == "inter" and r["comm_bytes_per_rank"]["inter"] > 0

@@ -29,7 +29,9 @@ def test_the_plan_of_a_qwen3_8b_config_uses_its_shapes_and_no_tp_or_pp(tmp_path)
     assert args.ffn_hidden_dim == 12288 and args.attention_pattern == "F" * 36
     assert args.num_params() == pytest.approx(8.19e9, rel=0.01)  # Qwen3-8B: 8.2 B parameters
     hf = plan(_job("--job.config_file", "train_configs/hf/qwen3_cp.toml", "--model.hf_assets_path", str(tmp_path)), 8)
-    debug = plan(_job("--job.config_file", "train_configs/hf/qwen3_cp.toml", "--model.name", "llama3"), 8)
+    debug = plan(
+        _job("--job.config_file", "train_configs/hf/qwen3_cp.toml", "--model.name", "llama3"), 8, exhaustive=True
+    )
     assert hf.context.flavor == "hf:qwen3"
     assert {(e.candidate.tp, e.candidate.pp) for e in hf.estimates} == {(1, 1)}
     assert any(e.candidate.tp > 1 for e in debug.estimates)

@@ -67,8 +67,9 @@ def _record(strategy: str, balance: str, rows: list[list[int]], masks=(CAUSAL,))
 
 
 def _planned(balance: str, capsys: pytest.CaptureFixture) -> tuple[dict, str]:
-    """The planner's JSON line and table row of CP 4 Ulysses on the same documents (``--doc-mix``)."""
-    argv = ["--ngpu", str(WORLD), "--gpu", "cpu", "--doc-mix", MIX, "--model.flavor", "debugmodel_gqa"]
+    """The planner's JSON line and table row of CP 4 Ulysses on the same documents (``--doc-mix``; ``--all``: every
+    plan estimated, not only those that can be the fastest)."""
+    argv = ["--ngpu", str(WORLD), "--gpu", "cpu", "--doc-mix", MIX, "--model.flavor", "debugmodel_gqa", "--all"]
     argv += ["--training.seq_len", str(SEQ), "--training.local_batch_size", "1"]
     assert P.main([*argv, "--parallelism.context_parallel_load_balancer", balance]) == 0
     out = capsys.readouterr().out
