@@ -9,9 +9,11 @@ is the state after its last, padded chunk.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from titan_cp.attention.linear.plan import on_device
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class Chunks:
     slots: torch.Tensor
     spans: tuple[tuple[int, int], ...]
     token_slot: torch.Tensor
+    device: dict = field(default_factory=dict, compare=False, repr=False)  # on_device's cache
 
     @property
     def count(self) -> int:
@@ -32,12 +35,13 @@ class Chunks:
     def gather(self, x: torch.Tensor, pad: float = 0.0) -> torch.Tensor:
         """``x`` ``(tokens, *F)`` -> ``(chunks, size, *F)``, padding slots filled with ``pad``."""
         filler = x.new_full((1, *x.shape[1:]), pad)
-        slots = self.slots.to(x.device)
+        slots = on_device(self.device, "slots", lambda: self.slots, x.device)
         return torch.cat([x, filler]).index_select(0, slots).view(self.count, self.size, *x.shape[1:])
 
     def scatter(self, y: torch.Tensor) -> torch.Tensor:
         """``(chunks, size, *F)`` -> ``(tokens, *F)``: each token's slot (padding dropped)."""
-        return y.reshape(self.count * self.size, *y.shape[2:]).index_select(0, self.token_slot.to(y.device))
+        token_slot = on_device(self.device, "token_slot", lambda: self.token_slot, y.device)
+        return y.reshape(self.count * self.size, *y.shape[2:]).index_select(0, token_slot)
 
 
 @functools.lru_cache(maxsize=64)

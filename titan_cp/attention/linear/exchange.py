@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_cp.attention.comm import all_to_all_uneven
 from titan_cp.attention.hybrid import layout_peers
+from titan_cp.attention.linear.plan import rows_index
 
 
 class Transport:
@@ -83,14 +84,15 @@ def send_rows(
     send: dict[int, tuple[int, ...]],
     recv: dict[int, int],
     crosses: bool,
+    index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(sum(recv), *sent.shape[1:])``: the rows each peer sends this rank, in layout-rank order; this
-    rank sends ``sent[send[p]]`` to each peer ``p``. ``crosses``: whether any row crosses anywhere."""
+    rank sends ``sent[send[p]]`` to each peer ``p`` (``index``: those rows, peers in order, on ``sent``'s
+    device, :func:`.plan.rows_index`). ``crosses``: whether any row crosses anywhere."""
     if comm is None or not crosses:
         return sent.new_empty((0, *sent.shape[1:]))
-    index = [i for p in sorted(send) for i in send[p]]
-    rows = sent.index_select(0, torch.tensor(index, dtype=torch.int64, device=sent.device))
-    return _exchange(comm, rows, {p: len(v) for p, v in send.items()}, recv)
+    index = rows_index(send).to(sent.device) if index is None else index
+    return _exchange(comm, sent.index_select(0, index), {p: len(v) for p, v in send.items()}, recv)
 
 
 def return_rows(
@@ -100,11 +102,12 @@ def return_rows(
     send: dict[int, tuple[int, ...]],
     recv: dict[int, int],
     crosses: bool,
+    index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`send_rows`' backward: each received row's gradient goes back to the peer it came from and
     is added into ``d_sent`` (in place) at the rows sent there."""
     if comm is None or not crosses:
         return d_sent
     back = _exchange(comm, d_recv, recv, {p: len(v) for p, v in send.items()})
-    index = [i for p in sorted(send) for i in send[p]]
-    return d_sent.index_add_(0, torch.tensor(index, dtype=torch.int64, device=d_sent.device), back)
+    index = rows_index(send).to(d_sent.device) if index is None else index
+    return d_sent.index_add_(0, index, back)

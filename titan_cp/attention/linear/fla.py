@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from titan_cp.attention.linear.plan import on_device
+
 
 @functools.cache
 def available() -> bool:
@@ -53,9 +55,14 @@ class Prepared:
     qk_l2norm: bool
 
 
+_DEVICE: dict = {}  # on_device's cache: the pieces' cumulative lengths and token indices, by their values
+
+
 def _cu(lengths: list[int], device: torch.device) -> tuple[Tensor, Tensor]:
     cpu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
-    return cpu.to(device), cpu
+    if len(_DEVICE) > 256:
+        _DEVICE.clear()
+    return on_device(_DEVICE, ("cu", tuple(lengths)), lambda: cpu, device), cpu
 
 
 def _call(p: Prepared, index: Tensor | None, v: Tensor, lengths: list[int], initial: Tensor) -> tuple[Tensor, Tensor]:
@@ -77,7 +84,8 @@ def summaries(
     h, dk, dv = p.v.shape[1], p.q.shape[-1], p.v.shape[-1]
     if not pieces:
         return p.v.new_zeros(0, h, dk, dv + dk, dtype=torch.float32)
-    index = torch.cat([torch.arange(runs[j][0], runs[j][0] + runs[j][1]) for j in pieces]).to(p.q.device)
+    host = lambda: torch.cat([torch.arange(runs[j][0], runs[j][0] + runs[j][1]) for j in pieces])  # noqa: E731
+    index = on_device(_DEVICE, ("index", runs, pieces), host, p.q.device)
     v = p.v.index_select(0, index)
     v = torch.cat([v, v.new_zeros(*v.shape[:2], dk)], -1)
     eye = torch.eye(dk, device=p.q.device).expand(h, dk, dk)

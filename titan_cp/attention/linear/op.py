@@ -43,6 +43,8 @@ class Kind(Protocol):
     recv: dict[int, int]
     crosses: bool
 
+    def send_index(self, device: torch.device) -> Tensor: ...
+
     def prepare(self, *inputs: Tensor | None) -> Any: ...
     def outgoing(self, prep: Any) -> Tensor: ...
     def local(self, prep: Any, sent: Tensor, recv: Tensor) -> Tensor: ...
@@ -52,7 +54,11 @@ def run(kind: Kind, comm: Transport | None, inputs: Sequence[Tensor | None]) -> 
     """The forward (module docstring)."""
     prep = kind.prepare(*inputs)
     sent = kind.outgoing(prep)
-    return kind.local(prep, sent, send_rows(comm, sent, kind.send, kind.recv, kind.crosses))
+    return kind.local(prep, sent, _send(kind, comm, sent))
+
+
+def _send(kind: Kind, comm: Transport | None, sent: Tensor) -> Tensor:
+    return send_rows(comm, sent, kind.send, kind.recv, kind.crosses, kind.send_index(sent.device))
 
 
 @contextlib.contextmanager
@@ -73,14 +79,14 @@ def run_backward(
     with _autograd():
         prep = kind.prepare(*leaves)
         sent = kind.outgoing(prep)
-        recv = send_rows(comm, sent.detach(), kind.send, kind.recv, kind.crosses).requires_grad_()
+        recv = _send(kind, comm, sent.detach()).requires_grad_()
         sent_leaf = sent.detach().requires_grad_()
         out = kind.local(prep, sent_leaf, recv)
         grads = list(torch.autograd.grad(out, [*wanted, sent_leaf, recv], dout, retain_graph=True, allow_unused=True))
         d_recv, d_sent = grads.pop(), grads.pop()
         d_sent = torch.zeros_like(sent) if d_sent is None else d_sent
         d_recv = torch.zeros_like(recv) if d_recv is None else d_recv
-        d_sent = return_rows(comm, d_recv, d_sent, kind.send, kind.recv, kind.crosses)
+        d_sent = return_rows(comm, d_recv, d_sent, kind.send, kind.recv, kind.crosses, kind.send_index(d_sent.device))
         if sent.requires_grad and sent.numel():
             more = torch.autograd.grad(sent, wanted, d_sent, allow_unused=True)
             grads = [a if b is None else b if a is None else a + b for a, b in zip(grads, more)]
@@ -184,6 +190,9 @@ class GatedDelta:
     def crosses(self) -> bool:
         return self.plan.crosses
 
+    def send_index(self, device: torch.device) -> Tensor:
+        return self.plan.send_index(device)
+
     def prepare(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Any:
         if self.backend == "fla":
             q, k, v, beta = (_flat(x) for x in (q, k, v, beta))
@@ -267,7 +276,7 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sent: Tensor, comm: Transport | None, plan: StatePlan) -> Tensor:  # type: ignore[override]
         ctx.comm, ctx.plan, ctx.shape = comm, plan, sent.shape
-        return send_rows(comm, sent, plan.send, plan.recv, plan.crosses)
+        return send_rows(comm, sent, plan.send, plan.recv, plan.crosses, plan.send_index(sent.device))
 
     @staticmethod
     def backward(ctx, d_recv: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
@@ -316,6 +325,9 @@ class StateSpace:
     @property
     def crosses(self) -> bool:
         return self.plan.crosses
+
+    def send_index(self, device: torch.device) -> Tensor:
+        return self.plan.send_index(device)
 
     def prepare(self, x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor) -> ssd.Prepared:
         rep = x.shape[2] // b.shape[2]
@@ -395,6 +407,9 @@ class Convolution:
     def crosses(self) -> bool:
         return self.plan.crosses
 
+    def send_index(self, device: torch.device) -> Tensor:
+        return self.plan.send_index(device)
+
     def prepare(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         return _flat(x), weight, bias
 
@@ -403,7 +418,7 @@ class Convolution:
 
     def local(self, prep: tuple[Tensor, Tensor, Tensor | None], sent: Tensor, recv: Tensor) -> Tensor:
         x, weight, bias = prep
-        return conv_kernel.conv(x, recv, self.plan.taps.to(x.device), weight, bias, self.activation)
+        return conv_kernel.conv(x, recv, self.plan.taps_on(x.device), weight, bias, self.activation)
 
 
 def _convolution(handle: int, x: Tensor, weight: Tensor, doc_lens: Tensor | None, activation: str):

@@ -26,11 +26,26 @@ buffer is ``b * local_len + j``.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 
 import torch
 
-from titan_cp.layout import SequenceLayout
+from titan_cp.layout import SequenceLayout, to_device
+
+
+def on_device(cache: dict, key: Hashable, host: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``host()`` on ``device``, made once per plan and device (a pinned, non-blocking copy to a GPU: the
+    layers of a microbatch reuse it, and the host never waits for the device)."""
+    if (key, device) not in cache:
+        cache[(key, device)] = to_device(host(), device)
+    return cache[(key, device)]
+
+
+def rows_index(send: dict[int, tuple[int, ...]]) -> torch.Tensor:
+    """The rows sent to each peer, peers in layout order, as one int64 host tensor."""
+    return torch.tensor([i for p in sorted(send) for i in send[p]], dtype=torch.int64)
+
 
 Ref = tuple[bool, int]
 """Where a summary is on this rank: ``(False, i)``: row ``i`` of the summaries it computed;
@@ -98,6 +113,11 @@ class StatePlan:
     recv: dict[int, int]
     chains: tuple[tuple[Ref, ...], ...]
     crosses: bool
+    device: dict = field(default_factory=dict, compare=False, repr=False)  # on_device's cache
+
+    def send_index(self, device: torch.device) -> torch.Tensor:
+        """:func:`rows_index` of :attr:`send` on ``device``."""
+        return on_device(self.device, "send", lambda: rows_index(self.send), device)
 
     @property
     def received(self) -> int:
@@ -172,6 +192,14 @@ class HaloPlan:
     recv: dict[int, int]
     taps: torch.Tensor
     crosses: bool
+    device: dict = field(default_factory=dict, compare=False, repr=False)  # on_device's cache
+
+    def send_index(self, device: torch.device) -> torch.Tensor:
+        """:func:`rows_index` of :attr:`send` on ``device``."""
+        return on_device(self.device, "send", lambda: rows_index(self.send), device)
+
+    def taps_on(self, device: torch.device) -> torch.Tensor:
+        return on_device(self.device, "taps", lambda: self.taps, device)
 
     @property
     def received(self) -> int:
