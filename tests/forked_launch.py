@@ -13,9 +13,9 @@ accelerate state. ``PLAN["steps"]``, in order:
   script and its arguments, or ``-m MODULE`` and its arguments; run as ``__main__``. Its process
   group meets on ``port`` (the same in every worker) with rank 0 hosting the store: the launch's
   agent store still holds the previous step's rendezvous keys;
-- ``"nproc": 1`` (a program step): run by local rank 0 alone, as under ``torchrun --nproc-per-node 1``
-  (world size 1); the other ranks wait for it to end. One launch then runs a page's 1-process and
-  2-process lines, paying the imports of one worker fewer;
+- ``"nproc": N`` (a program step, N below the launch's size): run by local ranks 0 to N - 1 alone, as under
+  ``torchrun --nproc-per-node N`` (world size N); the other ranks wait for it to end. One launch then runs a
+  page's 1-, 2- and 4-process lines, paying the imports of its workers once;
 - ``{"name", "shell"}``: a bash command line, run by local rank 0 only;
 - ``"after": [names]`` (either kind): wait until those steps, of this launch or another, have
   finished (local rank 0 of the launch that ran one writes ``PLAN["markers"]/NAME.ok``, or
@@ -75,8 +75,9 @@ def _script_imports(path: str) -> None:
 def _run_program(step: dict) -> int:
     """The child: ``step``'s program as ``__main__``; its exit status."""
     os.environ.update(MASTER_PORT=str(step["port"]), TORCHELASTIC_USE_AGENT_STORE="False")
-    if step.get("nproc") == 1:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    if "nproc" in step:  # a single node's first N ranks: the rank is the local rank
+        n = str(step["nproc"])
+        os.environ.update(RANK=os.environ["LOCAL_RANK"], WORLD_SIZE=n, LOCAL_WORLD_SIZE=n)
     argv = step["argv"]
     try:
         if argv[0] == "-m":
@@ -106,7 +107,8 @@ def _wait(names: list[str], markers: Path, timeout_s: float = 900.0) -> bool:
 
 def main(plan_path: str) -> int:
     plan = json.loads(Path(plan_path).read_text())
-    markers, rank0 = Path(plan["markers"]), os.environ.get("LOCAL_RANK", "0") == "0"
+    markers, local_rank = Path(plan["markers"]), int(os.environ.get("LOCAL_RANK", "0"))
+    rank0, size = local_rank == 0, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     for name in plan.get("preload", []):  # a module, or "module:function" (imported, then called)
         module, _, function = name.partition(":")
         loaded = importlib.import_module(module)
@@ -120,8 +122,8 @@ def main(plan_path: str) -> int:
     for step in plan["steps"]:
         want = step.get("status", 0)
         code: int | None = None  # None: not run (an earlier step failed, or a wait timed out)
-        alone = step.get("nproc") == 1  # local rank 0's step: the others take its status
-        if not failed and alone and not rank0:
+        left_out = local_rank >= step.get("nproc", size)  # a step of fewer ranks: the others take its status
+        if not failed and left_out:
             code = want if _wait([step["name"]], markers) else None
         elif not failed and _wait(step.get("after", []), markers):
             if os.environ.get("RANK", "0") == "0":
