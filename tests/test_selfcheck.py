@@ -78,7 +78,19 @@ def test_small_cpu_run_passes_every_section_but_train():
         assert r["measured_efficiency"] > 0 and set(r["predicted_efficiency"]) == {"fa2_rates", "flat_60"}
         assert 0 < r["predicted_efficiency"]["flat_60"] <= r["predicted_efficiency"]["fa2_rates"]
     assert set(summary["model_efficiency"]) == set(selfcheck.SMALL.model_cases)
-    assert {r.get("section") for r in records[1:-1]} == {"kernels", "ring", "model"}
+    linear = [r for r in records if r.get("section") == "linear"]
+    assert [r["backend"] for r in linear] == ["torch"] and set(summary["linear_cut_overhead"]) == {linear[0]["case"]}
+    assert {r.get("section") for r in records[1:-1]} == {"kernels", "ring", "linear", "model"}
+
+
+def test_linear_section_through_fla():
+    """The section's fla path (what a GPU with flash-linear-attention runs), through tests/fla_standin.py."""
+    from tests import fla_standin  # noqa: PLC0415
+    from titan_cp.selfcheck.linear import check_linear  # noqa: PLC0415
+
+    with fla_standin.installed():
+        (rec,) = check_linear(torch.device("cpu"), True, selfcheck.timed, 1, backend="fla")
+    assert rec["backend"] == "fla" and rec["status"] == "ok", rec["errors"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed where there is no GPU")

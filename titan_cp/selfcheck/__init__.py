@@ -23,6 +23,10 @@ Sections
              ``efficiency = t(one call) / t(simulated ring summed over ranks)``: 1.0 means
              splitting the work over the ring steps costs nothing; the bars are 0.90 (causal)
              and 0.85 (documents of mean length 1K) for forward + backward.
+``linear``   :mod:`titan_cp.selfcheck.linear`: the gated delta rule of hybrid models (Qwen3.5), one
+             document cut into pieces and run as the CP op runs them (summaries, composed states),
+             through flash-linear-attention where installed, against the fp64 torch kernel over the
+             whole document, forward and backward; its time against one call over the document.
 ``train``    the trainer on the debug model, bf16, one process, a few dozen steps, with
              tokens/s and MFU from its ``metrics.jsonl``.
 ``longest``  (when named) :mod:`titan_cp.selfcheck.longest`: the longest row one device trains.
@@ -67,7 +71,7 @@ from titan_cp.data.row_mixes import lognormal_doc_lens
 if TYPE_CHECKING:
     from titan_cp.layout import SequenceLayout
 
-SECTIONS = ("kernels", "ring", "train")  # run by default
+SECTIONS = ("kernels", "ring", "linear", "train")  # run by default
 OPTIONAL_SECTIONS = ("longest",)  # run when named (selfcheck.longest: the longest row one device trains)
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding this titan_cp: the train section runs it
 # A section: (device, sizes, the ring's kernel name or None) -> its records.
@@ -601,11 +605,19 @@ def longest_section(device: torch.device, small: bool) -> list[dict]:
     return check_longest(device, **(TOY if small else {}))
 
 
+def linear_section(device: torch.device, sizes: Sizes) -> list[dict]:
+    """Section ``linear`` (:func:`titan_cp.selfcheck.linear.check_linear`; toy sizes with ``SMALL``)."""
+    from titan_cp.selfcheck.linear import check_linear  # noqa: PLC0415 - its module beside this one
+
+    return check_linear(device, sizes is SMALL, timed, sizes.repeats)
+
+
 def sections_of(extra_sections: Mapping[str, Section] | None = None) -> dict[str, Section]:
     """Every section by name: the package's, then ``extra_sections`` (a checkout's, e.g. ``model``)."""
     own: dict[str, Section] = {
         "kernels": lambda dev, sizes, kernel: check_kernels(dev, sizes),
         "ring": check_ring,
+        "linear": lambda dev, sizes, kernel: linear_section(dev, sizes),
         "train": lambda dev, sizes, kernel: [check_train(dev, sizes)],
         "longest": lambda dev, sizes, kernel: longest_section(dev, sizes is SMALL),
     }
@@ -672,6 +684,11 @@ def summarize(records: list[dict], dev: torch.device, timing: dict, seconds: flo
             if r.get("section") == "model" and "measured_efficiency" in r
         },
         train={k: train.get(k) for k in ("tokens_per_second", "mfu", "last_loss")} if train else None,
+        linear_cut_overhead={  # section linear: one document cut into pieces against one call over it
+            r["case"]: {"backend": r["backend"], "overhead": r["cut_overhead"]}
+            for r in records
+            if r.get("section") == "linear" and "cut_overhead" in r
+        },
         section_seconds=timing,
         seconds=seconds,
         sizes=asdict(sizes) if sizes is not None else "full",
