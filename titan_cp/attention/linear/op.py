@@ -148,6 +148,28 @@ def _compose(apply: Callable[[Tensor, Tensor | None], Tensor], plan: StatePlan, 
     return states
 
 
+@dataclass(frozen=True)
+class _Planned:
+    """What the driver reads of a kind: its plan's exchange (:class:`Kind`)."""
+
+    plan: StatePlan | HaloPlan
+
+    @property
+    def send(self) -> dict[int, tuple[int, ...]]:
+        return self.plan.send
+
+    @property
+    def recv(self) -> dict[int, int]:
+        return self.plan.recv
+
+    @property
+    def crosses(self) -> bool:
+        return self.plan.crosses
+
+    def send_index(self, device: torch.device) -> Tensor:
+        return self.plan.send_index(device)
+
+
 # ---------------------------------------------------------------------------- the gated delta rule
 BACKENDS = ("auto", "torch", "fla")
 """The gated delta rule's kernels: ``"torch"`` (:mod:`.gated_delta`, any device), ``"fla"``
@@ -166,7 +188,7 @@ def gated_delta_backend(name: str, device: torch.device) -> str:
 
 
 @dataclass(frozen=True)
-class GatedDelta:
+class GatedDelta(_Planned):
     """The gated delta rule on a call's pieces. ``q, k`` ``(B, S, Hk, Dk)``, ``v`` ``(B, S, Hv, Dv)``,
     ``g, beta`` ``(B, S, Hv)``. The torch backend (:mod:`.gated_delta`) repeats q/k heads to ``Hv``
     (grouped value attention), normalises them (``qk_l2norm``) and scales q in fp32; ``fla``
@@ -177,21 +199,6 @@ class GatedDelta:
     scale: float
     qk_l2norm: bool
     backend: str
-
-    @property
-    def send(self) -> dict[int, tuple[int, ...]]:
-        return self.plan.send
-
-    @property
-    def recv(self) -> dict[int, int]:
-        return self.plan.recv
-
-    @property
-    def crosses(self) -> bool:
-        return self.plan.crosses
-
-    def send_index(self, device: torch.device) -> Tensor:
-        return self.plan.send_index(device)
 
     def prepare(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Any:
         if self.backend == "fla":
@@ -307,27 +314,12 @@ CHUNK_UNUSED = 64  # fla chunks by itself; the torch kernel's chunk size does no
 
 # ---------------------------------------------------------------------------- Mamba2's SSD
 @dataclass(frozen=True)
-class StateSpace:
+class StateSpace(_Planned):
     """:mod:`.ssd` on a call's pieces. ``x`` ``(B, S, H, P)``, ``dt`` ``(B, S, H)``, ``A`` ``(H,)``, ``B, C``
     ``(B, S, G, N)`` with ``H % G == 0`` (groups repeated to heads), in fp32."""
 
     plan: StatePlan
     chunks: Chunks
-
-    @property
-    def send(self) -> dict[int, tuple[int, ...]]:
-        return self.plan.send
-
-    @property
-    def recv(self) -> dict[int, int]:
-        return self.plan.recv
-
-    @property
-    def crosses(self) -> bool:
-        return self.plan.crosses
-
-    def send_index(self, device: torch.device) -> Tensor:
-        return self.plan.send_index(device)
 
     def prepare(self, x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor) -> ssd.Prepared:
         rep = x.shape[2] // b.shape[2]
@@ -389,26 +381,11 @@ _ssd_op.register_autograd(_ssd_backward, setup_context=_ssd_setup)
 
 # ---------------------------------------------------------------------------- the short convolution
 @dataclass(frozen=True)
-class Convolution:
+class Convolution(_Planned):
     """:mod:`.conv` on a call's tokens: ``x`` ``(B, S, channels)``, ``weight`` ``(channels, K)``."""
 
     plan: HaloPlan
     activation: str | None
-
-    @property
-    def send(self) -> dict[int, tuple[int, ...]]:
-        return self.plan.send
-
-    @property
-    def recv(self) -> dict[int, int]:
-        return self.plan.recv
-
-    @property
-    def crosses(self) -> bool:
-        return self.plan.crosses
-
-    def send_index(self, device: torch.device) -> Tensor:
-        return self.plan.send_index(device)
 
     def prepare(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         return _flat(x), weight, bias
