@@ -11,18 +11,28 @@
   mean, the average); so do the tokens seen. The one-process run's step-2 checkpoint (copied by the
   page's line) resumed at CP 2 with Ulysses and doc_zigzag (another CP size, strategy and balance) gives
   its steps 3-5 within 1e-5. The log names the CP that runs (from the handle, not the config), and its
-  lines come once, not once per rank. The page's lines run in one ``torchrun`` launch of 2 processes, in
-  order, each line in a fresh forked process (tests/forked_launch.py: torch and the other libraries
-  imported once per worker; the 1-process lines on the first process alone).
-- The torchtitan door's mistakes, in the same launch: each is one line naming the flag and exit status 2,
-  with no traceback, before any model is built (a bad kernel, strategy, Ulysses degree, sequence length
-  for the CP degree, pipeline parallel, another spmd backend, the validator, more ranks than processes).
+  lines come once, not once per rank.
+- The torchtitan door's mistakes: each is one line naming the flag and exit status 2, with no traceback,
+  before any model is built (a bad kernel, strategy, Ulysses degree, sequence length for the CP degree,
+  pipeline parallel, another spmd backend, the validator, more ranks than processes).
+- The page's Qwen3.5 block (``--config qwen35_debugmodel_cp``: Gated DeltaNet layers through titan_cp's
+  linear ops, imported without ``fla``), from its own seed checkpoint: CP 2 ring and CP 2 Ulysses give the
+  one-process run's losses at every step, and the CP 2 ring run's step-2 checkpoint resumes at CP 4 (2 rings x
+  Ulysses 2) with the straight run's steps 3 and 4.
+- All of it runs in one ``torchrun`` launch of 4 processes (a module fixture), in order, each line in a fresh
+  forked process (tests/forked_launch.py: torch and the other libraries imported once per worker; a line of
+  fewer processes on the first ones alone).
+- titan_cp's Gated DeltaNet on packed rows equals torchtitan's own layer on each document alone (its forward
+  and convolution, the recurrence token by token where fla's kernel was), output and every gradient; its
+  state dict is torchtitan's. Without fla, torchtitan's Qwen3.5 imports with stand-ins that refuse to run
+  and leave no fla module behind.
 - The one-process attention equals torchtitan's own FlexAttention forward under its packed-document
   mask (the causal and packed-document mask mods of the same positions) within 1e-5.
 - The page's python block: the ``with_titan_cp`` example makes a config function whose config runs
   titan_cp's attention (the GPU command's arguments load in tests/test_docs.py).
-- Bad input gets one clear line: strategy / balance typos, a batch without positions, CP with an
-  attention titan_cp does not replace, another spmd backend, another torchtitan version.
+- Bad input gets one clear line: strategy / balance typos, a batch without positions or with images, CP with
+  an attention or Gated DeltaNet titan_cp does not replace, another spmd backend, another torchtitan
+  version, tensor parallel or too wide a Ulysses for Qwen3.5.
 """
 
 from __future__ import annotations
@@ -51,9 +61,9 @@ def _doc_blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", DOC.read_text(), re.S)
 
 
-def _cpu_block() -> list[str]:
-    """The command lines of the page's bash block that runs the CPU launcher (continuations joined)."""
-    (block,) = (b for b in _doc_blocks("bash") if CPU_LAUNCHER in b)
+def _cpu_block(config: str) -> list[str]:
+    """The command lines of the page's bash block that runs the CPU launcher on ``config`` (continuations joined)."""
+    (block,) = (b for b in _doc_blocks("bash") if CPU_LAUNCHER in b and f"--config {config} " in b)
     return [line for line in re.sub(r"\\\n\s*", " ", block).splitlines() if line.strip()]
 
 
@@ -63,6 +73,7 @@ def _cpu_block() -> list[str]:
 PRELOAD = [
     "titan_cp", "torch._inductor.compile_fx", "torch.distributed.fsdp", "torch.distributed.checkpoint",
     "torchdata.stateful_dataloader", "datasets", "tensorboard", f"{CPU_LAUNCHER}:prepare",
+    "titan_cp.integrations.torchtitan.linear",  # torchtitan's Qwen3.5, after the CPU shims
 ]  # fmt: skip
 
 # The door's mistakes, each added to the page's one-process run: (name, flags, what its one line names).
@@ -94,14 +105,14 @@ def _step(name: str, line: str, cwd: Path, *flags: str, status: int = 0) -> dict
 
 
 def _launch(steps: list[dict], cwd: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """One ``torchrun --nproc-per-node 2`` in ``cwd`` running ``steps`` in turn, each in a fresh process; it
-    must exit 0 (every step with its status). The launch's stdout and stderr, by step."""
+    """One ``torchrun`` of as many processes as the largest step in ``cwd`` running ``steps`` in turn, each in a
+    fresh process; it must exit 0 (every step with its status). The launch's stdout and stderr, by step."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.pop("TITAN_CP_DEBUG", None)
     plan = dict(preload=PRELOAD, steps=steps, markers=str(cwd / "markers"))
-    run = launch(2, plan, cwd / "plan.json", cwd, env)
-    out, err = run.communicate(timeout=900)
+    run = launch(max(step.get("nproc", 1) for step in steps), plan, cwd / "plan.json", cwd, env)
+    out, err = run.communicate(timeout=1200)
     assert run.returncode == 0, f"the launch exited {run.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
     return sections(out), sections(err)
 
@@ -128,18 +139,34 @@ def _check_refused(name: str, out: str, err: str, names: str) -> None:
     assert "Traceback" not in err and "Building" not in out, f"{name}:\n{out[-1000:]}\n{err[-2000:]}"
 
 
-def test_the_pages_cpu_runs_equal_one_process_and_the_mistakes_are_one_line(tmp_path):
-    lines = _cpu_block()
-    seed, one, cp2, copy, resumed = lines
+LLAMA_STEPS = ["seed", "one", "cp2", "copy", "resumed"]
+QWEN35_STEPS = ["qwen35_seed", "qwen35_one", "qwen35_ring", "qwen35_ulysses", "qwen35_copy", "qwen35_resumed"]
+
+
+@pytest.fixture(scope="module")
+def pages_runs(tmp_path_factory) -> tuple[Path, dict[str, str], dict[str, str]]:
+    """The page's two CPU blocks (Llama 3, then Qwen3.5) and the door's mistakes, in one launch of 4 processes
+    in a temporary folder: that folder, and the launch's stdout and stderr by step."""
+    cwd = tmp_path_factory.mktemp("torchtitan")
+    llama = _cpu_block("llama3_debugmodel_cp")
+    steps = [_step(name, line, cwd) for name, line in zip(LLAMA_STEPS, llama, strict=True)]
+    steps += [
+        _step(f"refused_{n}", llama[1], cwd, *flags, "--dump_folder", "refused", status=2) for n, flags, _ in REFUSED
+    ]
+    steps += [
+        _step(name, line, cwd) for name, line in zip(QWEN35_STEPS, _cpu_block("qwen35_debugmodel_cp"), strict=True)
+    ]
+    out, err = _launch(steps, cwd)
+    return cwd, out, err
+
+
+def test_the_pages_cpu_runs_equal_one_process_and_the_mistakes_are_one_line(pages_runs):
+    seed, one, cp2, copy, resumed = _cpu_block("llama3_debugmodel_cp")
     assert "--checkpoint.create_seed_checkpoint" in seed and "--parallelism.context_parallel_degree 2" in cp2
     assert "--compile.enable" in cp2  # every block compiled (torchtitan's fullgraph) with titan_cp's attention
     assert copy.startswith("mkdir") and "ulysses" in resumed
-    names = ["seed", "one", "cp2", "copy", "resumed"]
-    steps = [_step(name, line, tmp_path) for name, line in zip(names, lines)]
-    refusals = [(f"refused_{name}", flags, text) for name, flags, text in REFUSED]
-    steps += [_step(n, one, tmp_path, *flags, "--dump_folder", "refused", status=2) for n, flags, _ in refusals]
-    out, err = _launch(steps, tmp_path)
-    outputs = tmp_path / "outputs"
+    cwd, out, err = pages_runs
+    outputs = cwd / "outputs"
     assert (outputs / "resumed" / "checkpoint" / "step-2").is_dir()
     assert "Training starts at step 3" in out["resumed"]
     single, under_cp, after = (_metrics(outputs / name) for name in ("one", "cp2", "resumed"))
@@ -154,8 +181,36 @@ def test_the_pages_cpu_runs_equal_one_process_and_the_mistakes_are_one_line(tmp_
     assert out["cp2"].count("titan_cp: CP 2 (cp 2): ring attention, doc_local layout") == 1, out["cp2"][-3000:]
     assert out["resumed"].count("titan_cp: CP 2 (cp 2): ulysses attention, doc_zigzag layout") == 1
     assert len(re.findall(r"step:\s+1\s", out["cp2"])) == 1, "torchtitan's lines come once, not once per rank"
-    for name, _, text in refusals:
-        _check_refused(name, out[name], err[name], text)
+    for name, _, text in REFUSED:
+        _check_refused(f"refused_{name}", out[f"refused_{name}"], err[f"refused_{name}"], text)
+
+
+def test_qwen35_at_cp_2_ring_and_ulysses_gives_one_process_losses_and_resumes_at_cp_4(pages_runs):
+    """torchtitan's Qwen3.5 (Gated DeltaNet layers through titan_cp's linear ops, gated attention through its
+    attention), the page's Qwen3.5 block: one seed; CP 2 ring and CP 2 Ulysses equal one process, every step; the
+    CP 2 ring run's step-2 checkpoint resumed at CP 4 (2 rings x Ulysses 2) equals its steps 3 and 4. Within 1e-5
+    relative: float32 reduction order, carried through AdamW at the debug recipe's lr 5e-3 (the page's figures)."""
+    seed, one, ring, ulysses, copy, resumed = _cpu_block("qwen35_debugmodel_cp")
+    assert "--checkpoint.interval 2" in ring and "qwen35_ring/checkpoint/step-2" in copy
+    assert "--parallelism.context_parallel_degree 4" in resumed and "--nproc-per-node 4" in resumed
+    cwd, out, _ = pages_runs
+    outputs = cwd / "outputs"
+    single, by_ring, by_ulysses, after = (
+        _metrics(outputs / f"qwen35_{name}") for name in ("one", "ring", "ulysses", "resumed")
+    )
+    losses = single["global_avg_loss"]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 1.0, losses  # four steps, and it trains
+    assert single["global_max_loss"] == losses
+    for name, run in (("CP 2 ring", by_ring), ("CP 2 ulysses", by_ulysses)):
+        assert run["n_tokens_seen"] == single["n_tokens_seen"], name
+        for key in ("global_avg_loss", "global_max_loss"):
+            assert run[key] == pytest.approx(single[key], rel=1e-5, abs=0), f"{name} {key}: {run[key]} vs {single[key]}"
+    assert "Training starts at step 3" in out["qwen35_resumed"]
+    for key in ("global_avg_loss", "global_max_loss"):
+        assert after[key] == pytest.approx(by_ring[key][2:], rel=1e-5, abs=0), f"resumed at CP 4 {key}: {after[key]}"
+    assert "titan_cp: CP 2 (cp 2): ring attention, doc_local layout" in out["qwen35_ring"]
+    assert "titan_cp: CP 2 (cp 2): ulysses attention, doc_zigzag layout" in out["qwen35_ulysses"]
+    assert "titan_cp: CP 4 (cp_ring 2 x cp_ulysses 2): hybrid attention, doc_zigzag layout" in out["qwen35_resumed"]
 
 
 def test_the_pages_recipe_puts_titan_cp_in_every_layer():
@@ -260,9 +315,22 @@ def test_bad_input_gets_one_clear_line(monkeypatch):
     with torch.device("meta"):
         flex_model = llama3_debugmodel().model_spec.model.build()
     with pytest.raises(
-        ValueError, match=r"an attention titan_cp does not replace: \['layers.0.attention.inner_attention"
+        ValueError, match=r"linear-attention layer titan_cp does not replace: \['layers.0.attention.inner_attention"
     ):
         tt.apply_titan_cp(flex_model, CPHandle(None))
+    from titan_cp.integrations.torchtitan.without_fla import import_qwen35  # noqa: PLC0415
+
+    with torch.device("meta"):  # torchtitan's own Qwen3.5: its Gated DeltaNet would run each shard alone
+        qwen35 = import_qwen35().model_registry("debugmodel").model.build()
+    with pytest.raises(ValueError, match=r"does not replace: .*'layers.0.attn \(GatedDeltaNet\)'"):
+        tt.apply_titan_cp(qwen35, CPHandle(None))
+    positions = torch.arange(8)[None]
+    with pytest.raises(ValueError, match=r"the batch holds \['pixel_values'\] besides input and positions"):
+        batch = {"input": tokens, "positions": positions, "pixel_values": torch.zeros(1, 4)}
+        tt.TitanCPTrainer.post_dataloading_process(trainer, batch, tokens)
+    with pytest.raises(ValueError, match="TitanCPGatedDeltaNet has no CP handle: build the run with"):
+        layer = tt.qwen35_debugmodel_cp().model_spec.model.layers[0].delta_net.build()
+        layer(torch.zeros(1, 8, 256), torch.tensor([[8]]))
 
     config = tt.llama3_debugmodel_cp()
     config.parallelism.spmd_backend = "spmd_types"
@@ -317,6 +385,24 @@ def test_the_run_is_checked_against_torchtitans_settings_when_built():
         assert refusal("--parallelism.pipeline_parallel_degree", "2").startswith(
             "--parallelism.pipeline_parallel_degree 2: torchtitan 0.3's pipeline step"
         )
+    base[-1] = "qwen35_debugmodel_cp"  # Qwen3.5: Ulysses splits its attention layers' 4 query heads; no TP yet
+    tt.check_run(
+        ConfigManager().parse_args(
+            [*base, "--parallelism.context_parallel_degree", "4", "--titan_cp.strategy", "ulysses"]
+        )
+    )
+    assert refusal("--parallelism.context_parallel_degree", "8", "--titan_cp.strategy", "ulysses") == (
+        "--titan_cp.strategy ulysses on --parallelism.context_parallel_degree 8: ulysses needs the query heads (4) "
+        "to be divisible by its cp size (8)"
+    )
+    assert refusal("--parallelism.tensor_parallel_degree", "2").startswith(
+        "--parallelism.tensor_parallel_degree 2: titan_cp's Gated DeltaNet layers (Qwen3.5) do not run under "
+        "torchtitan's tensor parallelism yet"
+    )
+    from titan_cp.integrations.torchtitan.planning import read_run  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=r"layer 0 is a Gated DeltaNet .*the planner plans torchtitan's GQA decoders"):
+        read_run("titan_cp.integrations.torchtitan", "qwen35_9b_cp", [])
 
 
 def test_every_layer_reads_the_one_handle():
@@ -342,17 +428,121 @@ def test_every_layer_reads_the_one_handle():
         layers[0](q, q, q, attention_masks=torch.tensor([[8]]))
 
 
+def _titan_cp_layers(model_config) -> list[str]:
+    """What runs each layer of torchtitan's model config: ``attention`` (titan_cp's inner attention), ``linear``
+    (titan_cp's Gated DeltaNet and its kernel), or ``torchtitan`` (not titan_cp's)."""
+    from titan_cp.integrations.torchtitan import TitanCPAttention, TitanCPGatedDeltaKernel, TitanCPGatedDeltaNet  # noqa: PLC0415
+
+    kinds = []
+    for layer in model_config.layers:
+        attention, linear = getattr(layer, "attention", None), getattr(layer, "delta_net", None)
+        if isinstance(getattr(attention, "inner_attention", None), TitanCPAttention.Config):
+            kinds.append("attention")
+        elif isinstance(linear, TitanCPGatedDeltaNet.Config) and isinstance(
+            linear.kernel, TitanCPGatedDeltaKernel.Config
+        ):
+            kinds.append("linear")
+        else:
+            kinds.append("torchtitan")
+    return kinds
+
+
 @pytest.mark.parametrize(
     "name, layers, seq_len",
-    [("llama3_debugmodel_cp", 6, 2048), ("qwen3_debugmodel_cp", 8, 2048), ("llama3_8b_cp", 32, 131072)],
+    [
+        ("llama3_debugmodel_cp", ["attention"] * 6, 2048),
+        ("qwen3_debugmodel_cp", ["attention"] * 8, 2048),
+        ("llama3_8b_cp", ["attention"] * 32, 131072),
+        ("qwen35_debugmodel_cp", ["linear", "linear", "linear", "attention"] * 2, 256),
+        ("qwen35_9b_cp", ["linear", "linear", "linear", "attention"] * 8, 131072),
+    ],
 )
 def test_each_config_function_loads_with_titan_cp_in_every_layer(name, layers, seq_len):
     from torchtitan.config import ConfigManager  # noqa: PLC0415
 
-    from titan_cp.integrations.torchtitan import TitanCPAttention, TitanCPParallelize  # noqa: PLC0415
+    from titan_cp.integrations.torchtitan import TitanCPParallelize  # noqa: PLC0415
 
     config = ConfigManager().parse_args(["--module", "titan_cp.integrations.torchtitan", "--config", name])
-    attentions = [layer.attention.inner_attention for layer in config.model_spec.model.layers]
-    assert len(attentions) == layers and all(isinstance(a, TitanCPAttention.Config) for a in attentions)
+    assert _titan_cp_layers(config.model_spec.model) == layers
     assert isinstance(config.model_spec.parallelize_fn, TitanCPParallelize)
     assert config.training.seq_len == seq_len and config.parallelism.spmd_backend == "partial_dtensor"
+
+
+# ---------------------------------------------------------------------------- Qwen3.5's Gated DeltaNet
+def test_torchtitans_qwen35_imports_without_fla_whose_names_refuse_to_run():
+    """Where fla is absent torchtitan's Qwen3.5 imports with stand-ins that raise, naming fla, and that leave no
+    fla module behind (transformers would take one for fla's kernels)."""
+    import importlib.util  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from titan_cp.integrations.torchtitan.without_fla import fla_installed, import_qwen35  # noqa: PLC0415
+
+    if fla_installed():
+        pytest.skip("fla is installed here: torchtitan imports it, nothing is stood in")
+    model = import_qwen35("torchtitan.models.qwen3_5.model")
+    assert not [m for m in sys.modules if m.split(".")[0] == "fla"] and importlib.util.find_spec("fla") is None
+    with pytest.raises(RuntimeError, match=r"fla.chunk_gated_delta_rule is not installed here: .*with_titan_cp"):
+        model._fla_chunk_gated_delta_rule(None)
+    with pytest.raises(RuntimeError, match=r"fla.ChunkGatedDeltaRuleFunction is not installed here"):
+        model.ChunkGatedDeltaRuleFunction.apply(torch.zeros(1))
+
+
+class _TokenByToken(torch.nn.Module):
+    """torchtitan's GatedDeltaKernel call, run one token at a time (tests/reference.py) where fla's kernel was."""
+
+    def forward(self, q, k, v, g, beta, *, cu_seqlens=None, cu_seqlens_cpu=None):
+        from tests.reference import reference_gated_delta  # noqa: PLC0415
+
+        assert cu_seqlens is None, "each document alone: no offsets"
+        return reference_gated_delta(q, k, v, g, beta, qk_l2norm=True)
+
+
+def test_qwen35_gated_deltanet_is_torchtitans_layer_on_each_document_alone():
+    """titan_cp's Gated DeltaNet (its convolutions and gated delta rule, on one cp rank) on rows of packed
+    documents equals torchtitan's own GatedDeltaNet run on each document alone (its forward and pure-torch
+    convolution, the recurrence token by token where fla's kernel was): output and every gradient, in float64
+    (torchtitan computes the decay g in float32: hence 1e-6). Parameter names and shapes are torchtitan's."""
+    from titan_cp.integrations.torchtitan.linear import TitanCPGatedDeltaNet, use_titan_cp_linear  # noqa: PLC0415
+    from titan_cp.integrations.torchtitan.trainer import shard_by_documents  # noqa: PLC0415
+    from titan_cp.integrations.torchtitan.without_fla import import_qwen35  # noqa: PLC0415
+
+    model_config = import_qwen35().model_registry("debugmodel").model
+    torch.manual_seed(0)
+    theirs = model_config.layers[0].delta_net.build()
+    theirs.init_states()
+    theirs.kernel = _TokenByToken()
+    use_titan_cp_linear(model_config)
+    ours = model_config.layers[0].delta_net.build()
+    assert isinstance(ours, TitanCPGatedDeltaNet)
+    state = theirs.state_dict()
+    assert ours.state_dict().keys() == state.keys() and ours.load_state_dict(state, strict=True)
+    theirs.double(), ours.double()
+    ours.bind_cp(CPHandle(None))
+
+    rows = [[5, 20, 39], [64]]
+    positions = _packed_positions(rows)
+    x = torch.randn(2, 64, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    doc_lens = shard_by_documents(positions, positions, positions, CPHandle(None)).doc_lens
+    weight = torch.randn(2, 64, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def run(layer, each_alone: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        xs = x.clone().requires_grad_()
+        if each_alone:
+            ends = [list(torch.tensor(row).cumsum(0)) for row in rows]
+            out = torch.stack([
+                torch.cat([layer(xs[b : b + 1, int(e - n) : int(e)])[0] for n, e in zip(row, ends[b])])
+                for b, row in enumerate(rows)
+            ])  # fmt: skip
+        else:
+            out = layer(xs, doc_lens)
+        grads = torch.autograd.grad((out * weight).sum(), [xs, *layer.parameters()])
+        return out, list(grads)
+
+    (want, want_grads), (got, got_grads) = run(theirs, True), run(ours, False)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    names = ["x", *(n for n, _ in ours.named_parameters())]
+    assert names[1:] == [n for n, _ in theirs.named_parameters()]
+    for name, g, w in zip(names, got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    across = torch.autograd.grad((theirs(x.clone().requires_grad_()) * weight).sum(), [theirs.conv_q.weight])[0]
+    assert not torch.allclose(across, want_grads[names.index("conv_q.weight")], atol=1e-3)  # documents matter

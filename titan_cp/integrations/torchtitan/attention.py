@@ -1,6 +1,7 @@
 """titan_cp's attention as a torchtitan 0.3 layer's ``inner_attention``.
 
-torchtitan's ``GQAttention`` calls its inner attention as::
+torchtitan's ``GQAttention`` (and Qwen3.5's gated ``Qwen35Attention``, after its q/k norms and partial RoPE)
+calls its inner attention as::
 
     out_BLNH = inner_attention(q_BLNH, k_BLNH, v_BLNH, attention_masks=..., scale=..., enable_gqa=...)
 
@@ -96,15 +97,22 @@ class TitanCPAttention(Module):
         return f"TitanCPAttention({self.cp!r})"
 
 
-def _check_call(doc_lens, scale: float | None, head_dim: int, kwargs: dict) -> None:
-    """What titan_cp's attention cannot run exactly is refused, naming it."""
+def check_documents(doc_lens: Any, who: str) -> Tensor:
+    """``doc_lens`` if it is the documents tensor (``(B, max_docs)`` int64 on the host) that titan_cp's Trainer
+    gives every layer; else ``ValueError``: ``who`` was run outside titan_cp's Trainer."""
     if not isinstance(doc_lens, Tensor) or doc_lens.device.type != "cpu" or doc_lens.dtype != torch.int64:
         got = type(doc_lens).__name__ if not isinstance(doc_lens, Tensor) else f"a {doc_lens.dtype} tensor"
         raise ValueError(
-            f"TitanCPAttention got attention_masks = {got}, not the documents tensor that titan_cp's Trainer "
+            f"{who} got attention_masks = {got}, not the documents tensor that titan_cp's Trainer "
             "makes from the batch's positions: run the model with titan_cp.integrations.torchtitan's config "
             "(its Trainer shards each batch by titan_cp's layout), not torchtitan's own Trainer"
         )
+    return doc_lens
+
+
+def _check_call(doc_lens, scale: float | None, head_dim: int, kwargs: dict) -> None:
+    """What titan_cp's attention cannot run exactly is refused, naming it."""
+    check_documents(doc_lens, "TitanCPAttention")
     if scale is not None and not math.isclose(scale, head_dim**-0.5, rel_tol=1e-12):
         raise ValueError(
             f"TitanCPAttention runs softmax scale head_dim ** -0.5 = {head_dim**-0.5:g}, the model asks for {scale:g}"

@@ -22,6 +22,7 @@ sharding config itself all-gathers K/V, and inputs are typed by torchtitan's own
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,18 @@ from torchtitan.distributed import ParallelDims
 from titan_cp.attention.handle import CPHandle
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.integrations.torchtitan.attention import TitanCPAttention
+from titan_cp.integrations.torchtitan.without_fla import QWEN35
 from titan_cp.parallel import ContextParallel
+
+
+class BindsCP:
+    """A module of titan_cp's in a torchtitan model, besides :class:`~.attention.TitanCPAttention`, that runs by
+    the run's one handle: :func:`apply_titan_cp` gives it the handle (:meth:`bind_cp`). The Gated DeltaNet
+    layers of Qwen3.5 (:class:`~.linear.TitanCPGatedDeltaNet`) are: titan_cp's linear ops run on the same
+    shards under every strategy, with nothing of the strategy but its layout."""
+
+    def bind_cp(self, handle: CPHandle) -> None:
+        raise NotImplementedError
 
 
 class _WithoutCP:
@@ -66,11 +78,23 @@ class TitanCPParallelize:
                 "TitanCPTrainer (with_titan_cp's config), which binds the one it builds from the titan_cp section"
             )
         apply_titan_cp(model, self.handle)
+        _freeze_vision_encoder(model)
         dims = _WithoutCP(parallel_dims) if parallel_dims.cp_enabled else parallel_dims
         return self.torchtitan_fn(model, parallel_dims=dims, parallelism=parallelism, **kwargs)
 
     def __repr__(self) -> str:
         return f"TitanCPParallelize({getattr(self.torchtitan_fn, '__qualname__', self.torchtitan_fn)!r})"
+
+
+def _freeze_vision_encoder(model: nn.Module) -> None:
+    """A multimodal model's vision encoder (torchtitan's Qwen3.5 has one) trains nothing under titan_cp's Trainer,
+    which runs text batches only: its parameters never have a gradient, so AdamW neither steps them nor keeps
+    state for them. They are frozen (``requires_grad`` off), which changes no step but keeps them out of the
+    optimizer: torchtitan's resume gives every trainable parameter an optimizer state and then looks for it in
+    the checkpoint, where a parameter without a gradient has none."""
+    encoder = getattr(model, "vision_encoder", None)
+    if isinstance(encoder, nn.Module):
+        encoder.requires_grad_(False)
 
 
 def cp_handle(parallel_dims: ParallelDims, strategy: str, balance: str, kernel: str | None, ulysses: int) -> CPHandle:
@@ -98,24 +122,41 @@ def describe(handle: CPHandle) -> str:
 
 def apply_titan_cp(model: nn.Module, handle: CPHandle) -> None:
     """titan_cp's CP step: every :class:`~.attention.TitanCPAttention` core of ``model`` bound to ``handle``:
-    :class:`~titan_cp.parallel.ContextParallel` over its mesh, or (no mesh) the handle held for its kernel.
-    The Trainer shards each batch with the same handle. Another inner attention is refused by name (under CP
-    it would attend to its own shard only; on one rank it would not read the documents the batch carries)."""
+    :class:`~titan_cp.parallel.ContextParallel` over its mesh, or (no mesh) the handle held for its kernel; every
+    :class:`BindsCP` module (Qwen3.5's Gated DeltaNet) given the handle. The Trainer shards each batch with the
+    same handle. Another inner attention, or torchtitan's own Gated DeltaNet, is refused by name (under CP it
+    would run its own shard alone; on one rank it would not read the documents the batch carries)."""
     others = sorted(
         f"{name}.inner_attention ({type(m.inner_attention).__name__})"
         for name, m in model.named_modules()
         if isinstance(getattr(m, "inner_attention", None), nn.Module)
         and not isinstance(m.inner_attention, TitanCPAttention)
     )
+    others += _linear_layers_not_replaced(model)
     if others:
         raise ValueError(
-            f"titan_cp's CP step found an attention titan_cp does not replace: {others[:3]}"
-            f"{' ...' if len(others) > 3 else ''}; build the model with titan_cp.integrations.torchtitan's "
-            "with_titan_cp(config_fn), which puts TitanCPAttention in every layer"
+            f"titan_cp's CP step found an attention or linear-attention layer titan_cp does not replace: "
+            f"{others[:3]}{' ...' if len(others) > 3 else ''}; build the model with titan_cp.integrations.torchtitan's "
+            "with_titan_cp(config_fn), which puts titan_cp in every layer"
         )
     for module in model.modules():
-        if isinstance(module, TitanCPAttention):
+        if isinstance(module, BindsCP):
+            module.bind_cp(handle)
+        elif isinstance(module, TitanCPAttention):
             if handle.mesh is None:
                 module.core.cp_handle = handle
             else:
                 parallelize_module(module.core, handle.mesh, ContextParallel(handle=handle))
+
+
+def _linear_layers_not_replaced(model: nn.Module) -> list[str]:
+    """torchtitan's own Gated DeltaNet layers in ``model`` (Qwen3.5's, not titan_cp's :class:`BindsCP` one):
+    under CP each would run its own shard alone. None exist unless torchtitan's Qwen3.5 module is loaded."""
+    qwen35 = sys.modules.get(f"{QWEN35}.model")
+    if qwen35 is None:
+        return []
+    return [
+        f"{name} ({type(m).__name__})"
+        for name, m in model.named_modules()
+        if isinstance(m, qwen35.GatedDeltaNet) and not isinstance(m, BindsCP)
+    ]

@@ -228,6 +228,11 @@ def model_shapes(model: Any, what: str, label: str = "torchtitan") -> Torchtitan
 def _layer_shapes(layer: Any, dim: int, what: str, i: int) -> tuple[int, int, int, int]:
     """``(heads, kv heads, head size, feed-forward width)`` of layer ``i``'s config."""
     attention = layer.attention
+    if getattr(layer, "delta_net", None) is not None:
+        raise ValueError(
+            f"{what}: layer {i} is a Gated DeltaNet (linear attention: torchtitan's Qwen3.5); the planner plans "
+            "torchtitan's GQA decoders, not hybrid models yet"
+        )
     if not isinstance(attention, GQAttention.Config):
         raise ValueError(
             f"{what}: layer {i} has {type(attention).__qualname__}; the planner plans torchtitan's GQA attention"

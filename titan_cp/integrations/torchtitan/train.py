@@ -11,8 +11,10 @@ model) is one line naming the flag and exit status 2 (:func:`titan_cp.errors.err
 the same message ends torchtitan's traceback. torchtitan's INFO lines come from rank 0 alone
 (:func:`~titan_cp.integrations.torchtitan.reporting.log_info_on_rank0`).
 
-On GPUs run torchtitan's own launcher, unmodified (``-m torchtitan.train``). This one adds only what
-torchtitan 0.3 lacks on a CPU, each scoped to this process:
+On GPUs run torchtitan's own launcher, unmodified (``-m torchtitan.train``). torchtitan's Qwen3.5 imports
+``fla``, whose kernels need a GPU: where ``fla`` is not installed, titan_cp's Qwen3.5 config functions import
+it with stand-ins under any launcher (:mod:`.without_fla`), not here. This one adds only what torchtitan 0.3
+lacks on a CPU, each scoped to this process:
 
 1. **A "cpu" device.** ``torchtitan.tools.utils`` picks its device at import as
    ``torch._utils._get_available_device_type() or "cuda"``: with no accelerator it would ask for

@@ -6,18 +6,19 @@ logging, launch) with these changes:
 - its ``Config`` has a ``titan_cp`` section (:class:`TitanCPConfig`: ``--titan_cp.strategy``,
   ``--titan_cp.balance``, ``--titan_cp.kernel``, ``--titan_cp.ulysses_degree`` on torchtitan's command
   line), checked with its agreement with torchtitan's own settings (:func:`check_run`: the cp degree,
-  the heads, ``seq_len``, the backend, pipeline and validator) when the Trainer is built, before any
-  process group or model, each mistake one ``ValueError`` naming the flag;
+  the heads, ``seq_len``, the backend, pipeline and validator, TP / EP beside Gated DeltaNet layers) when
+  the Trainer is built, before any process group or model, each mistake one ``ValueError`` naming the flag;
 - once torchtitan's meshes exist it builds the run's one :class:`~titan_cp.attention.handle.CPHandle`
   from that section (:func:`~.parallelize.cp_handle`), logs the CP that runs
   (:func:`~.parallelize.describe`) and binds it to the model's ``parallelize_fn``, whose CP step binds
-  it to every :class:`~.attention.TitanCPAttention`;
+  it to every :class:`~.attention.TitanCPAttention` (and Qwen3.5's Gated DeltaNet layers);
 - :meth:`TitanCPTrainer.post_dataloading_process` turns each batch's ``positions`` (0 at each
   document start, as torchtitan's dataloaders yield them) into titan_cp's documents, builds the
   layout with that handle (the ``titan_cp.balance``) and shards inputs, labels and positions by it
   (:meth:`titan_cp.step.Microbatch.shard`, titan_cp's own trainer's sharding), instead of
   torchtitan's head-tail split; the layout's documents tensor goes to every layer as
-  ``attention_masks``;
+  ``attention_masks`` (Qwen3.5: under both of its mask keys, :func:`.linear.model_inputs`); a batch with
+  inputs the layout does not shard (images) is refused;
 - under CP the loss its forward-backward returns to torchtitan's metrics is each dp rank's whole
   (:func:`~.reporting.loss_for_metrics`), so ``global_max_loss`` is the max over dp ranks of their
   rows' mean loss, not of a cp shard's share; and torchtitan's INFO lines come from rank 0 alone
@@ -39,7 +40,6 @@ from typing import Any
 import torch
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torchtitan.distributed import ParallelDims
-from torchtitan.models.common.attention import GQAttention
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -49,6 +49,7 @@ from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy, strategy
 from titan_cp.balance import balance_names
 from titan_cp.errors import did_you_mean
 from titan_cp.integrations.hf_batch import _from_positions
+from titan_cp.integrations.torchtitan.attention import TitanCPAttention
 from titan_cp.integrations.torchtitan.parallelize import TitanCPParallelize, cp_handle, describe
 from titan_cp.integrations.torchtitan.reporting import log_info_on_rank0, loss_for_metrics
 from titan_cp.layout import DEFAULT_BALANCE, seq_len_multiple
@@ -129,11 +130,39 @@ def _check_torchtitan_settings(config: Any) -> None:
         )
 
 
+def _layers(model_config: Any) -> list[Any]:
+    return list(getattr(model_config, "layers", None) or ())
+
+
+def has_linear_layers(model_config: Any) -> bool:
+    """Whether torchtitan's model config has linear-attention layers (Qwen3.5's Gated DeltaNet: a layer config
+    with a ``delta_net``), whose kernels titan_cp runs too (:mod:`.linear`)."""
+    return any(getattr(layer, "delta_net", None) is not None for layer in _layers(model_config))
+
+
 def _head_counts(model_spec: Any) -> set[tuple[int, int]]:
-    """``(query heads, KV heads)`` of the model's GQA attention layers (none without a model)."""
-    layers = getattr(getattr(model_spec, "model", None), "layers", None) or ()
-    attentions = [layer.attention for layer in layers if isinstance(layer.attention, GQAttention.Config)]
-    return {(a.n_heads, a.n_heads if a.n_kv_heads is None else a.n_kv_heads) for a in attentions}
+    """``(query heads, KV heads)`` of the model's attention layers that run titan_cp's attention (none without a
+    model): Llama 3's and Qwen3's GQA, Qwen3.5's gated attention."""
+    attentions = [getattr(layer, "attention", None) for layer in _layers(getattr(model_spec, "model", None))]
+    ours: list[Any] = [
+        a for a in attentions if isinstance(getattr(a, "inner_attention", None), TitanCPAttention.Config)
+    ]
+    return {(a.n_heads, a.n_heads if a.n_kv_heads is None else a.n_kv_heads) for a in ours}
+
+
+def _check_linear(config: Any) -> None:
+    """A model with linear-attention layers runs under torchtitan's FSDP and titan_cp's CP, not (yet) TP or EP:
+    torchtitan's Qwen3.5 then parallelizes its modules by their sharding configs (TP splits the Gated DeltaNet's
+    heads and channels, as DTensors), where titan_cp's linear seams take whole local tensors."""
+    if not has_linear_layers(getattr(config.model_spec, "model", None)):
+        return
+    p = config.parallelism
+    for kind, degree in (("tensor", p.tensor_parallel_degree), ("expert", p.expert_parallel_degree)):
+        if degree > 1:
+            raise ValueError(
+                f"--parallelism.{kind}_parallel_degree {degree}: titan_cp's Gated DeltaNet layers (Qwen3.5) do not "
+                f"run under torchtitan's {kind} parallelism yet: drop it (FSDP and CP run)"
+            )
 
 
 def _check_cp(config: Any) -> None:
@@ -171,6 +200,7 @@ def check_run(config: Any) -> None:
     section against torchtitan's cp degree, model heads and ``training.seq_len``. Reads the config alone."""
     config.titan_cp.check()
     _check_torchtitan_settings(config)
+    _check_linear(config)
     _check_cp(config)
 
 
@@ -258,7 +288,8 @@ class TitanCPTrainer(Trainer):
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """``(inputs, labels, extra_kwargs)`` of this cp rank, sharded by titan_cp's layout; the
-        model gets ``positions`` (this rank's) and ``attention_masks`` (the documents tensor)."""
+        model gets ``positions`` (this rank's) and ``attention_masks`` (the documents tensor). A batch with
+        other per-batch inputs (images) is refused: they are not sharded by the layout."""
         extra: dict[str, Any] = {k: v for k, v in input_dict.items() if k != "input"}
         if extra.get("positions") is None:
             raise ValueError(
@@ -266,11 +297,27 @@ class TitanCPTrainer(Trainer):
                 "({'input': tokens, 'positions': positions}, labels) with positions (batch, seq_len) restarting "
                 "at 0 at each document (torchtitan's text dataloaders do)"
             )
+        unsharded = sorted(set(extra) - {"positions"})
+        if unsharded:
+            raise ValueError(
+                f"the batch holds {unsharded} besides input and positions, which titan_cp's Trainer does not shard "
+                "by its layout (multimodal inputs among them): give it text batches (torchtitan's text dataloaders)"
+            )
         assert self.cp is not None, "the CP handle is built with the meshes"
         local = shard_by_documents(input_dict["input"], labels, extra["positions"], self.cp)
-        extra["positions"], extra["attention_masks"] = local.positions, local.doc_lens
+        extra["positions"] = local.positions
+        extra.update(self._model_inputs(local.doc_lens))
         self.ntokens_seen += local.labels.numel()
         return local.tokens, local.labels, extra
+
+    def _model_inputs(self, doc_lens: torch.Tensor | None) -> dict[str, Any]:
+        """What the model takes besides tokens and positions: the documents tensor as ``attention_masks``, in the
+        form the model's layers read it (a model with linear-attention layers: :func:`.linear.model_inputs`)."""
+        if has_linear_layers(self.config.model_spec.model):
+            from titan_cp.integrations.torchtitan.linear import model_inputs  # noqa: PLC0415 - imports Qwen3.5
+
+            return model_inputs(doc_lens)
+        return {"attention_masks": doc_lens}
 
     def forward_backward_step(self, *, input_dict: Any, labels: Any, global_valid_tokens: torch.Tensor) -> torch.Tensor:
         """torchtitan's step; under CP, on a step torchtitan logs, the loss returned for its metrics is the
