@@ -519,11 +519,11 @@ def test_qwen35_gated_deltanet_is_torchtitans_layer_on_each_document_alone():
     theirs.double(), ours.double()
     ours.bind_cp(CPHandle(None))
 
-    rows = [[5, 20, 39], [64]]
+    rows = [[5, 20, 23], [48]]
     positions = _packed_positions(rows)
-    x = torch.randn(2, 64, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 48, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     doc_lens = shard_by_documents(positions, positions, positions, CPHandle(None)).doc_lens
-    weight = torch.randn(2, 64, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    weight = torch.randn(2, 48, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
 
     def run(layer, each_alone: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         xs = x.clone().requires_grad_()
@@ -544,5 +544,5 @@ def test_qwen35_gated_deltanet_is_torchtitans_layer_on_each_document_alone():
     assert names[1:] == [n for n, _ in theirs.named_parameters()]
     for name, g, w in zip(names, got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
-    across = torch.autograd.grad((theirs(x.clone().requires_grad_()) * weight).sum(), [theirs.conv_q.weight])[0]
-    assert not torch.allclose(across, want_grads[names.index("conv_q.weight")], atol=1e-3)  # documents matter
+    across = ours(x, torch.tensor([[48], [48]]))  # each row one document
+    assert not torch.allclose(across, want, atol=1e-3)  # the documents matter in this batch
