@@ -287,12 +287,9 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_recv: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        d_sent = d_recv.new_zeros(ctx.shape)
-        return (
-            return_rows(ctx.comm, d_recv.contiguous(), d_sent, ctx.plan.send, ctx.plan.recv, ctx.plan.crosses),
-            None,
-            None,
-        )
+        d_sent, plan = d_recv.new_zeros(ctx.shape), ctx.plan
+        index = plan.send_index(d_recv.device)  # made once per plan and device: no blocking copy here
+        return return_rows(ctx.comm, d_recv.contiguous(), d_sent, plan.send, plan.recv, plan.crosses, index), None, None
 
 
 def gated_delta_eager(
