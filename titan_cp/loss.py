@@ -196,6 +196,114 @@ def chunked_evaluate(
     return total, pred.view(labels.shape)
 
 
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """Per token: ``log p(y)`` and (``want_entropy``) the entropy of ``p = softmax(h W^T / T)``, where
+    a label is given; see :func:`chunked_token_logprobs`. h ``(N, D)``, W ``(V, D)``, labels ``(N,)``."""
+
+    @staticmethod
+    def forward(ctx, h_ND, w_VD, labels_N, inv_t, chunk, want_entropy):
+        n, vocab = h_ND.shape[0], w_VD.shape[0]
+        valid_N = labels_N != IGNORE_INDEX
+        lse_N, logp_N = (torch.zeros(n, dtype=torch.float32, device=h_ND.device) for _ in range(2))
+        mean_N = torch.zeros_like(lse_N) if want_entropy else None  # E_p[z]
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            z = torch.mm(h_ND[s:e], w_VD.t()).float().mul_(inv_t)
+            target = z.gather(1, labels_N[s:e].clamp(0, vocab - 1)[:, None]).squeeze(1)
+            m = z.amax(1)
+            m = m.where(m.isfinite(), 0.0)
+            z.sub_(m[:, None])
+            if mean_N is None:
+                sumexp = z.exp_().sum(1)
+            else:
+                p = z.exp()
+                sumexp = p.sum(1)
+                mean_N[s:e] = p.mul_(z).sum(1).div_(sumexp).add_(m)  # sum_v p_v z_v, z shifted back by m
+                del p
+            del z
+            lse_N[s:e] = sumexp.log_().add_(m)
+            logp_N[s:e] = (target - lse_N[s:e]).where(valid_N[s:e], 0.0)
+        entropy_N = (lse_N - mean_N).where(valid_N, 0.0) if mean_N is not None else lse_N.new_zeros(0)
+        ctx.save_for_backward(h_ND, w_VD, labels_N, lse_N, mean_N if mean_N is not None else lse_N.new_zeros(0))
+        ctx.inv_t, ctx.chunk, ctx.want_entropy = inv_t, chunk, want_entropy
+        if not want_entropy:
+            ctx.mark_non_differentiable(entropy_N)
+        return logp_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        """``dz = g_logp (onehot(y) - p) - g_entropy p (z - E_p[z])`` per valid token, then through
+        ``z = h W^T / T``: ``dh = dz W / T``, ``dW = dz^T h / T``."""
+        h_ND, w_VD, labels_N, lse_N, mean_N = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        vocab, valid_N = w_VD.shape[0], labels_N != IGNORE_INDEX
+        g_logp = (torch.zeros_like(lse_N) if g_logp is None else g_logp.float()).where(valid_N, 0.0)
+        with_entropy = ctx.want_entropy and g_entropy is not None
+        g_ent = g_entropy.float().where(valid_N, 0.0) if with_entropy else None
+        dh_ND = torch.empty_like(h_ND) if need_h else None
+        dw_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_w else None
+        for s in range(0, h_ND.shape[0], ctx.chunk):
+            e = min(s + ctx.chunk, h_ND.shape[0])
+            h_c = h_ND[s:e]
+            z = torch.mm(h_c, w_VD.t()).float().mul_(ctx.inv_t)
+            if g_ent is None:
+                dz = z.sub_(lse_N[s:e, None]).exp_().mul_(-g_logp[s:e, None])
+            else:
+                dz = (z - lse_N[s:e, None]).exp_()  # p
+                dz.mul_(z.sub_(mean_N[s:e, None]).mul_(-g_ent[s:e, None]).sub_(g_logp[s:e, None]))
+            del z
+            dz.scatter_add_(1, labels_N[s:e].clamp(0, vocab - 1)[:, None], g_logp[s:e, None])
+            dz = dz.mul_(ctx.inv_t).to(h_ND.dtype)
+            if need_h:
+                torch.mm(dz, w_VD, out=dh_ND[s:e])
+            if need_w:
+                if dz.dtype == torch.float32:
+                    dw_VD.addmm_(dz.t(), h_c)
+                else:
+                    dw_VD += torch.mm(dz.t(), h_c)
+            del dz
+        dw = dw_VD.to(w_VD.dtype) if need_w else None
+        return dh_ND, dw, None, None, None, None
+
+
+def chunked_token_logprobs(
+    h: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """``(log p(label), entropy)`` of every token of ``softmax(h @ weight.T / temperature)``, fp32,
+    computed chunk by chunk: the ``(tokens x vocab)`` logits never exist whole. Per chunk ``c``::
+
+        z_c = h_c W^T / T    lse_c = logsumexp(z_c)    logp = z_c[y] - lse_c
+        entropy = lse_c - sum_v p_v z_v   (p = exp(z_c - lse_c))
+
+    Only ``lse`` (and ``E_p[z]`` for the entropy) is kept for the backward, which recomputes each
+    chunk's logits; both outputs have gradients (the entropy's: ``-p (z - E_p[z])``).
+
+    h: ``(..., D)`` last hidden states; weight: ``(V, D)`` the output projection (a plain tensor: the
+    vocabulary is not split); labels: ``(...)`` int64 token ids, ``IGNORE_INDEX`` where no log-prob is
+    wanted (both outputs 0 there). Returns tensors of ``labels``' shape; the entropy ``None`` unless
+    ``entropy``. chunk_tokens: as :func:`chunked_cross_entropy_sum`. Under autocast the matmuls run
+    in the autocast dtype, as ``F.linear`` would.
+    """
+    if isinstance(weight, DTensor):
+        raise ValueError(
+            "chunked_token_logprobs takes the output weight whole (a plain tensor); a vocabulary-sharded "
+            f"DTensor ({weight.placements}) is not supported: gather it (weight.full_tensor()) first"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (the logits are divided by it), got {temperature}")
+    h, weight, chunk_tokens, _, _ = _local_operands(h, weight, chunk_tokens, grad=True)
+    with torch.autocast(h.device.type, enabled=False):
+        logp, ent = _ChunkedTokenLogprobs.apply(
+            h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), 1.0 / temperature, chunk_tokens, entropy
+        )
+    return logp.view(labels.shape), ent.view(labels.shape) if entropy else None
+
+
 class GlobalTokenLoss:
     """``loss_fn(output, labels) = token CE sum / global_valid_tokens``; set the count every step.
 

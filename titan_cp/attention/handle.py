@@ -5,6 +5,7 @@
     cp = apply_cp(model, cp_mesh, strategy="ring", balance="doc_local")   # binds the model to cp
     local = cp.shard(batch)                  # this rank's tokens, by the layout of the batch's documents
     loss = model(**local) ...                # every attention layer finds that layout through cp
+    lp = cp.token_logprobs(model, batch)     # per-token log-probs of the labels, without the logits
     full = cp.unshard(out, local_doc_lens)   # every rank's tokens, back in natural order (collective)
 
 The balance is given once, here: the batch is sharded by it and the attention runs by it.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,12 +45,37 @@ Key = tuple[int, tuple[tuple[int, ...], ...] | None]
 _IDS = itertools.count(1)
 _HANDLES: weakref.WeakValueDictionary[int, CPHandle] = weakref.WeakValueDictionary()
 _SHARDERS: list[tuple[type, Callable[..., Any]]] = []
+_SCORERS: list[tuple[type, Callable[..., Any]]] = []
 
 
 def register_sharder(kind: type, shard: Callable[..., Any]) -> None:
     """``shard(handle, batch, **options)`` shards batches of ``kind`` for :meth:`CPHandle.shard` (the
     trainer's ``Microbatch``, a Hugging Face mapping): registered by the layer that knows the batch."""
     _SHARDERS.append((kind, shard))
+
+
+def register_scorer(kind: type, score: Callable[..., TokenLogprobs]) -> None:
+    """``score(handle, model, batch, temperature=, entropy=, gather=, **options)`` computes per-token
+    log-probs of models of ``kind`` for :meth:`CPHandle.token_logprobs`: registered by the layer that
+    knows the model (Hugging Face causal LMs: :mod:`titan_cp.integrations.hf_logprobs`)."""
+    _SCORERS.append((kind, score))
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """What :meth:`CPHandle.token_logprobs` returns, fp32, 0 wherever no target was asked for.
+
+    Local (``gather=False``): this rank's tokens in layout order, ``(B, S_local)``: ``logprobs[b, i]``
+    is the log-probability of ``labels[b, i]``, the next-token target of local token ``i`` (shifted
+    inside its document before sharding, ``-100`` where none). Gathered (``gather=True``): every
+    token in natural order, ``(B, S)``, aligned with the targets as Hugging Face's unshifted labels
+    are: ``logprobs[b, t]`` is ``log p(labels[b, t] | the tokens before t in its document)``.
+    ``entropy``: the entropy of the same next-token distributions (``None`` unless asked for).
+    """
+
+    logprobs: torch.Tensor
+    labels: torch.Tensor
+    entropy: torch.Tensor | None = None
 
 
 def handle_by_id(handle_id: int) -> CPHandle:
@@ -171,6 +198,34 @@ class CPHandle:
                 return shard(self, batch, **options)
         kinds = ", ".join(k.__name__ for k, _ in _SHARDERS) or "none registered"
         raise ValueError(f"CPHandle.shard takes a batch of a known kind ({kinds}), got {type(batch).__name__}")
+
+    def token_logprobs(
+        self,
+        model: Any,
+        batch: Any,
+        *,
+        temperature: float = 1.0,
+        entropy: bool = False,
+        gather: bool = False,
+        **options: Any,
+    ) -> TokenLogprobs:
+        """Per-token log-probs of ``batch``'s targets under ``model`` run by this handle's layout,
+        without the ``(tokens x vocabulary)`` logits: the last hidden states and the output weight a
+        chunk of tokens at a time (:func:`titan_cp.loss.chunked_token_logprobs`), exact against one
+        process. ``batch``: what :meth:`shard` takes (labels: the tokens to score, -100 elsewhere), or
+        what it returned. ``temperature`` divides the logits; ``entropy``: also each distribution's
+        entropy; ``gather``: every token in natural order on every rank (:class:`TokenLogprobs`; its
+        gradient is the dual collective: each rank's gradient summed over the cp ranks, then its own
+        tokens kept). Gradients flow to the model. ``options``: :meth:`shard`'s. A model of a kind
+        registered with :func:`register_scorer`."""
+        for kind, score in reversed(_SCORERS):
+            if isinstance(model, kind):
+                return score(self, model, batch, temperature=temperature, entropy=entropy, gather=gather, **options)
+        kinds = ", ".join(k.__name__ for k, _ in _SCORERS) or "none registered"
+        raise ValueError(
+            f"CPHandle.token_logprobs takes a model of a known kind ({kinds}), got {type(model).__name__}; "
+            "import titan_cp.integrations.transformers for Hugging Face causal LMs"
+        )
 
     def unshard(self, x: torch.Tensor, doc_lens: DocLens | None, dim: int = 1) -> torch.Tensor:
         """Every rank's ``x`` (this rank's tokens along ``dim``) gathered and put back in natural token

@@ -55,6 +55,7 @@ from titan_cp.attention.api import attend, check_mask, check_qkv
 from titan_cp.attention.handle import CPHandle
 from titan_cp.integrations.hf_batch import count_loss_tokens, gather_unshard, shard_batch
 from titan_cp.integrations.hf_linear import bind_linear
+from titan_cp.integrations.hf_logprobs import hf_token_logprobs
 from titan_cp.integrations.hf_model import (
     attention_modules,
     check_supported,
@@ -89,6 +90,7 @@ __all__ = [
     "titan_cp_mask",
     "tiny_qwen3_folder",
     "gather_unshard",
+    "hf_token_logprobs",
     "unsupported_features",
 ]
 
