@@ -11,12 +11,14 @@ layer (:mod:`titan_cp.attention.decode`)::
 
 Modules: :mod:`.engine` (:class:`Generator`), :mod:`.runners` (what a model answers; :func:`build_generation_model`),
 :mod:`.hf_runner` (Hugging Face models), :mod:`.registry` (each family's builder and runner), :mod:`.cache`, :mod:`.sampling`,
-:mod:`.prompts` (prompt files), :mod:`.weights` (the config's checkpoint), :mod:`.needle`
+:mod:`.prompts` (prompt files), :mod:`.weights` (the config's checkpoint), :mod:`.rollouts` (RL rollouts,
+registered with the GRPO trainer), :mod:`.needle`
 (needle in a haystack), :mod:`.lookup` (the main job's questions), :mod:`.cli` (``python -m titan_cp.generate``).
 """
 
 from titan_cp.generate.cache import ShardedKVCache, plan_owners
 from titan_cp.generate.engine import Generation, Generator, PackedPrompts, Score
+from titan_cp.generate.rollouts import generate_rollouts
 from titan_cp.generate.runners import build_generation_model
 from titan_cp.generate.sampling import Sampling, sample_next
 
@@ -28,6 +30,7 @@ __all__ = [
     "Score",
     "ShardedKVCache",
     "build_generation_model",
+    "generate_rollouts",
     "plan_owners",
     "sample_next",
 ]

@@ -1,4 +1,4 @@
-"""Context parallelism inside ``transformers.Trainer`` and TRL's ``SFTTrainer``: a class factory.
+"""Context parallelism inside ``transformers.Trainer`` and TRL's ``SFTTrainer`` and ``GRPOTrainer``: a class factory.
 
 ::
 
@@ -29,7 +29,8 @@ schedule, logging, checkpoints) and changes what context parallelism needs:
   predictions are gathered over the dp ranks only.
 
 The private ``Trainer`` and ``accelerate`` parts this relies on are all in :mod:`.hf_compat`, checked
-against the versions it pins.
+against the versions it pins. For TRL's ``GRPOTrainer`` a mixin of its own (:mod:`.grpo`) comes first:
+rollouts, rewards, log-probs and the loss as TRL computes them, under the CP layout.
 
 What it refuses (``ValueError`` naming the argument): more processes launched than ``accelerate``
 runs together (torchrun on a CPU without ``use_cpu=True``: each would train alone), a world the cp
@@ -55,6 +56,7 @@ from titan_cp.attention.handle import CPHandle
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, get_strategy
 from titan_cp.balance import balance_names
 from titan_cp.errors import plural
+from titan_cp.integrations.grpo import GRPOMixin, check_grpo_hooks, is_grpo
 from titan_cp.integrations.hf_batch import count_loss_tokens
 from titan_cp.integrations.hf_compat import TrainerHooks, accelerate_device_mesh, check_trainer_hooks, mark_sharded
 from titan_cp.layout import DEFAULT_BALANCE
@@ -130,8 +132,8 @@ def context_parallel_trainer(
     blocks_per_checkpoint: int = 1,
     tile_tokens: int = 0,
 ) -> type:
-    """A subclass of ``trainer_class`` (``transformers.Trainer`` or a subclass: TRL's ``SFTTrainer``)
-    that trains its model under context parallelism (module docstring).
+    """A subclass of ``trainer_class`` (``transformers.Trainer`` or a subclass: TRL's ``SFTTrainer``, TRL's
+    ``GRPOTrainer``: :mod:`.grpo`) that trains its model under context parallelism (module docstring).
 
     Args:
         trainer_class: the Trainer class to extend.
@@ -159,7 +161,8 @@ def context_parallel_trainer(
 
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
         raise ValueError(f"context_parallel_trainer takes a transformers.Trainer subclass, got {trainer_class!r}")
-    check_trainer_hooks(trainer_class)
+    rl = is_grpo(trainer_class)
+    (check_grpo_hooks if rl else check_trainer_hooks)(trainer_class)
     options = CPOptions(
         cp_size=cp_size,
         strategy=strategy,
@@ -180,8 +183,15 @@ def context_parallel_trainer(
             f"{trainer_class.__name__} with fsdp={fsdp} computes its loss another way (SFTTrainer: its own fused "
             "head; FSDP: the head's weight is sharded outside the forward); drop chunked_loss"
         )
+    if rl and (chunked_loss or fsdp):
+        raise ValueError(
+            f"context_parallel_trainer({trainer_class.__name__}, chunked_loss={chunked_loss}, fsdp={fsdp}): GRPO "
+            "computes its log-probs chunked over the vocabulary already, from the head's weight outside the "
+            "forward (which FSDP shards there); drop chunked_loss and fsdp"
+        )
     name = f"ContextParallel{trainer_class.__name__}"
-    return type(name, (ContextParallelMixin, trainer_class), {"cp_options": options, "__module__": __name__})
+    bases = (GRPOMixin, ContextParallelMixin, trainer_class) if rl else (ContextParallelMixin, trainer_class)
+    return type(name, bases, {"cp_options": options, "__module__": __name__})
 
 
 @dataclass
@@ -220,12 +230,25 @@ class ContextParallelMixin(TrainerHooks):
             )
         if args is None:
             raise ValueError(f"{type(self).__name__} needs args= (TrainingArguments or SFTConfig)")
+        self._cp_setup(model, args)
+        super().__init__(model, args, *rest, **kwargs)
+        self._cp_after_init()
+
+    def _cp_setup(self, model: nn.Module, args: Any) -> None:
+        """Before the Trainer's own ``__init__``: the arguments checked, the meshes built, the model bound."""
         _check_args(args, self.cp_options)
         _check_launch(args, type(self).__name__)
         self._cp_build_meshes(args.device.type)
         self._cp_bind(model)
         self._cp_eval: _EvalTally | None = None
-        super().__init__(model, args, *rest, **kwargs)
+
+    def _cp_host(self) -> Any:
+        """The Trainer class's own methods (the class after this mixin's hooks in the MRO), for a mixin
+        put before this one (:class:`.grpo.GRPOMixin`)."""
+        return super()
+
+    def _cp_after_init(self) -> None:
+        """After the Trainer's own ``__init__``: what it must not have set up."""
         if getattr(self.accelerator, "parallelism_config", None) is not None:
             raise ValueError(
                 f"{type(self).__name__} builds its own (dp, cp) mesh: drop accelerate's parallelism_config "
