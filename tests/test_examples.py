@@ -1,8 +1,10 @@
 """The scripts in ``examples/`` run as their docstrings (and README.md) say, offline on a CPU: each launched with
 ``torchrun --nproc-per-node 2`` (CP 2 on gloo) prints, on rank 0, the same losses and gradient norms as
-the one-process run (``--nproc-per-node 1``: the stock Trainer / SFTTrainer, the loop at CP 1).
+the one-process run (``--nproc-per-node 1``: the stock Trainer / SFTTrainer, the loop at CP 1, the GRPO
+trainer at CP 1); ``grpo_agent.py`` (docs/rl.md) runs ten steps and prints each step's mean reward too:
+the same rollouts, so the same rewards.
 
-The three scripts share one launch of 2 processes (tests/forked_launch.py: their imports paid once, then
+The scripts share one launch of 2 processes (tests/forked_launch.py: their imports paid once, then
 each run in a fresh process of its own, forked; the 1-process runs on the launch's first process alone). Tolerances: the printed numbers have six decimals
 (rounding 5e-7 each) and the CP runs add the same fp32 numbers in another order (~1e-6 on a loss of ~6).
 """
@@ -22,7 +24,8 @@ pytest.importorskip("trl", reason="trl is in the trainer extra")
 pytest.importorskip("datasets", reason="datasets is in the dev extra")
 
 ROOT = Path(__file__).parents[1]
-EXAMPLES = ["hf_trainer.py", "sft_trainer.py", "hf_loop.py"]
+STEPS = {"hf_trainer.py": 3, "sft_trainer.py": 3, "hf_loop.py": 3, "grpo_agent.py": 10}  # what each prints
+EXAMPLES = list(STEPS)
 
 
 def _launch(tmp: Path) -> subprocess.Popen:
@@ -37,8 +40,8 @@ def _launch(tmp: Path) -> subprocess.Popen:
     return launch(2, plan, tmp / "plan.json", ROOT, env)
 
 
-def _steps(run: subprocess.Popen) -> dict[str, list[tuple[float, float]]]:
-    """The (loss, grad_norm) rank 0 printed per step, by ``example:nproc``; the launch must exit 0."""
+def _steps(run: subprocess.Popen) -> dict[str, list[tuple[float, ...]]]:
+    """The (loss, grad_norm[, reward]) rank 0 printed per step, by ``example:nproc``; the launch must exit 0."""
     out, err = run.communicate(timeout=900)
     assert run.returncode == 0, f"the examples' launch exited {run.returncode}:\n{err[-3000:]}"
     found = sections(out)
@@ -46,8 +49,9 @@ def _steps(run: subprocess.Popen) -> dict[str, list[tuple[float, float]]]:
     got = {}
     for name, text in found.items():
         lines = [line.split() for line in text.splitlines() if line.startswith("step ")]
-        assert [line[1] for line in lines] == ["1", "2", "3"], f"{name} printed:\n{text}"
-        got[name] = [(float(line[3]), float(line[5])) for line in lines]
+        steps = STEPS[name.split(":")[0]]
+        assert [line[1] for line in lines] == [str(i + 1) for i in range(steps)], f"{name} printed:\n{text}"
+        got[name] = [tuple(float(x) for x in line[3::2]) for line in lines]
     return got
 
 
@@ -55,6 +59,10 @@ def test_each_example_under_cp2_prints_the_one_process_losses(tmp_path):
     got = _steps(_launch(tmp_path))
     for example in EXAMPLES:
         cp2, one = got[f"{example}:2"], got[f"{example}:1"]
-        assert [loss for loss, _ in cp2] == pytest.approx([loss for loss, _ in one], abs=2e-6), example
-        assert [norm for _, norm in cp2] == pytest.approx([norm for _, norm in one], rel=1e-5, abs=2e-6), example
-        assert one[2][0] < one[0][0], example  # it trains
+        assert [step[0] for step in cp2] == pytest.approx([step[0] for step in one], abs=2e-6), example
+        assert [step[1] for step in cp2] == pytest.approx([step[1] for step in one], rel=1e-5, abs=2e-6), example
+        if example == "grpo_agent.py":  # the same rollouts, rewards and advantages, step by step
+            assert [step[2] for step in cp2] == [step[2] for step in one], example
+            assert len({step[2] for step in one}) > 1, example  # the policy moves: its rollouts' rewards change
+        else:
+            assert one[2][0] < one[0][0], example  # it trains
