@@ -278,18 +278,38 @@ _gated_delta_op.register_autograd(_gd_backward, setup_context=_gd_setup)
 
 
 class _Exchange(torch.autograd.Function):
-    """:func:`send_rows` under autograd: its backward is :func:`return_rows` (the exchange reversed)."""
+    """:func:`send_rows` under autograd: its backward is :func:`return_rows` (the exchange reversed). The
+    layer's inputs (``anchors``) make its result need a gradient on every rank whose layer does, whether or
+    not the rank has summaries of its own."""
 
     @staticmethod
-    def forward(ctx, sent: Tensor, comm: Transport | None, plan: StatePlan) -> Tensor:  # type: ignore[override]
-        ctx.comm, ctx.plan, ctx.shape = comm, plan, sent.shape
+    def forward(ctx, sent: Tensor, comm: Transport | None, plan: StatePlan, *anchors: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.comm, ctx.plan, ctx.shape, ctx.anchors = comm, plan, sent.shape, len(anchors)
         return send_rows(comm, sent, plan.send, plan.recv, plan.crosses, plan.send_index(sent.device))
 
     @staticmethod
-    def backward(ctx, d_recv: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, d_recv: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         d_sent, plan = d_recv.new_zeros(ctx.shape), ctx.plan
         index = plan.send_index(d_recv.device)  # made once per plan and device: no blocking copy here
-        return return_rows(ctx.comm, d_recv.contiguous(), d_sent, plan.send, plan.recv, plan.crosses, index), None, None
+        d_sent = return_rows(ctx.comm, d_recv.contiguous(), d_sent, plan.send, plan.recv, plan.crosses, index)
+        return (d_sent, None, None, *([None] * ctx.anchors))
+
+
+class _Join(torch.autograd.Function):
+    """``out`` as it is; backward, a zero gradient for ``recv`` beside ``out``'s, so that every rank runs the
+    exchange's backward (a collective) and returns the gradients of the summaries it received, even where
+    its own pieces read none of them: a rank that skipped it would leave the others waiting and the
+    summaries it sent without their gradients."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, recv: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.recv = (recv.shape, recv.dtype, recv.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        shape, dtype, device = ctx.recv
+        return d_out, torch.zeros(shape, dtype=dtype, device=device)
 
 
 def gated_delta_eager(
@@ -298,12 +318,16 @@ def gated_delta_eager(
 ) -> Tensor:  # fmt: skip
     """The op's forward through ``fla`` as plain autograd (eager only: the plan is read from ``doc_lens``'
     values): ``fla``'s own functions keep what their backward needs, so nothing is recomputed beyond what
-    ``fla`` recomputes itself; the summaries' exchange is :class:`_Exchange`."""
+    ``fla`` recomputes itself; the summaries' exchange is :class:`_Exchange`, joined to the output
+    (:class:`_Join`) wherever a summary crosses a rank boundary."""
     kind, call = _gated_delta(handle, q, doc_lens, scale, qk_l2norm, CHUNK_UNUSED, "fla")
     prep = kind.prepare(q, k, v, g, beta)
     sent = kind.outgoing(prep)
-    recv = _Exchange.apply(sent, call.comm, kind.plan)
-    return kind.local(prep, sent, recv).reshape(v.shape).to(q.dtype)
+    recv = _Exchange.apply(sent, call.comm, kind.plan, q, k, v, g, beta)
+    out = kind.local(prep, sent, recv)
+    if kind.plan.crosses and recv.requires_grad:
+        out = _Join.apply(out, recv)
+    return out.reshape(v.shape).to(q.dtype)
 
 
 CHUNK_UNUSED = 64  # fla chunks by itself; the torch kernel's chunk size does not apply
