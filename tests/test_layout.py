@@ -184,14 +184,15 @@ def test_doc_local_counts_the_rows_the_exchange_sends(mean, sigma, seed, window)
     16-bit K/V, and its count is exactly its bytes. On the long-tail row of seed 4, a guard counting those
     gradients once kept a blocked cut whose all-gather sent 2.6% more than the even cut: 1,030,250,496
     bytes against 1,003,683,840 on its busiest rank."""
-    from titan_cp.attention.ring import exchanged_rows, ring_bytes
+    from titan_cp.attention.pricing import AttentionCall, exchanged_rows, ring_bytes
     from titan_cp.attention.tiling import Mask
     from titan_cp.data.row_mixes import lognormal_doc_lens
 
     lens = lognormal_doc_lens(131072, mean, seed=seed, sigma=sigma)
     layout = SequenceLayout(131072, 8, "doc_local", [list(lens)])
     rows = [exchanged_rows(layout, r, 8, 1, Mask(window=window), 1) for r in range(8)]
-    k = torch.empty(1, 8, 131072 // 8, 128, dtype=torch.bfloat16, device="meta")
+    q = torch.empty(1, 8, 131072 // 8, 128, dtype=torch.bfloat16, device="meta")
+    k = AttentionCall.of(q, q, 8)  # the bytes of one K/V row at these shapes
     gather = max(ring_bytes(k, s, g, True, resend=False) for s, g in rows)
     sends = doc_local._choose(list(lens), 8).sends(window)
     assert sends == (max(s + g for s, g in rows), gather // ring_bytes(k, 1, 0, backward=False))
@@ -219,12 +220,13 @@ def test_doc_local_sets_its_send_cap_by_the_even_cut_sending_least_under_windows
     the rows of the other under a 1,024 window. Capping sends by it, the ring's busiest rank under that
     window sent 32,608,256 bytes; capped by the even cut nearest the least under every window, 13,963,264,
     under the 18,489,344 the engine of 2026-11-30 sent."""
-    from titan_cp.attention.ring import exchanged_rows, fp32_returned_rows, ring_bytes
+    from titan_cp.attention.pricing import AttentionCall, exchanged_rows, fp32_returned_rows, ring_bytes
     from titan_cp.attention.tiling import Mask
     from titan_cp.data.row_mixes import lognormal_doc_lens
 
     layout = SequenceLayout(131072, 8, "doc_local", [lognormal_doc_lens(131072, 1024, seed=3, sigma=1.0)])
-    k = torch.empty(1, 8, 131072 // 8, 128, dtype=torch.bfloat16, device="meta")
+    q = torch.empty(1, 8, 131072 // 8, 128, dtype=torch.bfloat16, device="meta")
+    k = AttentionCall.of(q, q, 8)  # the bytes of one K/V row at these shapes
     window, ranks = Mask(window=1024), 1
     sent = max(
         ring_bytes(
