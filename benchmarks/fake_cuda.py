@@ -249,15 +249,21 @@ class HostSyncError(RuntimeError):
 class SyncDetector(TorchDispatchMode):
     """Raises :class:`HostSyncError` where a device value is read on the host (``.item()``,
     ``.tolist()``, ``bool()``, ``nonzero`` of a CUDA tensor) or host data is copied to the device
-    blocking. Reading host tensors on the host (the layout's planning) is not a synchronisation."""
+    blocking. Reading host tensors on the host (the layout's planning) is not a synchronisation.
+    ``device_type``: the device the simulation stands for the GPU with (``"meta"`` where autograd runs,
+    :mod:`benchmarks.linear_model`)."""
+
+    def __init__(self, device_type: str = "cuda"):
+        super().__init__()
+        self.device_type = device_type
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _SYNC_OPS and args[0].device.type == "cuda":
+        if func in _SYNC_OPS and args[0].device.type == self.device_type:
             raise HostSyncError(f"{func} reads a device value on the host inside the layer")
         if func is _ATEN._to_copy.default and not kwargs.get("non_blocking", False):
             src, dst = args[0].device, torch.device(kwargs.get("device") or args[0].device)
-            if src.type == "cpu" and dst.type == "cuda":
+            if src.type == "cpu" and dst.type == self.device_type:
                 raise HostSyncError(f"a blocking host-to-device copy of {tuple(args[0].shape)} inside the layer")
         return func(*args, **kwargs)
 
@@ -487,9 +493,10 @@ def op_bytes(func, args, kwargs, out) -> int:
     return sum(map(_nbytes, inputs)) + sum(map(_nbytes, outs))
 
 
-def _on_device(args, out) -> bool:
-    """Whether an operation touches a (fake) CUDA tensor: the host's own planning moves no HBM bytes."""
-    return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in pytree.tree_leaves((args, out)))
+def _on_device(args, out, device_type: str = "cuda") -> bool:
+    """Whether an operation touches a (fake) CUDA tensor (one of ``device_type``): the host's own planning
+    moves no HBM bytes."""
+    return any(isinstance(t, torch.Tensor) and t.device.type == device_type for t in pytree.tree_leaves((args, out)))
 
 
 def engine_site() -> str:
@@ -507,17 +514,19 @@ def engine_site() -> str:
 class TrafficMeter(TorchDispatchMode):
     """Counts the device operations outside the kernel and the HBM bytes they read and write (:func:`op_bytes`);
     ``sites`` splits them by where the engine issued them and which op it was
-    (``{("fold.Results.fold", "index_copy"): [ops, bytes]}``)."""
+    (``{("fold.Results.fold", "index_copy"): [ops, bytes]}``). ``kernel``: anything with an ``inside`` flag
+    (the metered kernel); ``device_type``: as :class:`SyncDetector`'s."""
 
-    def __init__(self, kernel: MeteredFlash):
+    def __init__(self, kernel: MeteredFlash, device_type: str = "cuda"):
         super().__init__()
         self.kernel, self.ops, self.bytes, self.host_ops = kernel, 0, 0, 0
+        self.device_type = device_type
         self.sites: dict[tuple[str, str], list[int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not _on_device(args, out):
+        if not _on_device(args, out, self.device_type):
             self.host_ops += 1
         elif not self.kernel.inside:
             nbytes = op_bytes(func, args, kwargs, out)

@@ -1,14 +1,97 @@
-"""What a Gated DeltaNet layer does under CP: every rank of a crossing plan joins the exchange's backward and
-gets its summaries' gradients back (the ``fla`` path, through its stand-in, against the torch kernel)."""
+"""What a Gated DeltaNet layer does under CP, counted at full size (131072 tokens, CP 8, Qwen3-Next's heads, bf16)
+on the meta device through titan_cp's own ops and ``fla`` metered (``benchmarks.linear_model``): the ``fla`` calls
+(the summaries call over the pieces some later piece follows, at ``d_v + d_k`` columns, and the outputs call
+over every piece), the bytes each exchange sends, the bytes autograd keeps, no host synchronisation; what
+crosses is the same at two row lengths; and every rank of a crossing plan joins the exchange's backward.
+Counts only: the time model's seconds are the benchmark's to report, never asserted."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from benchmarks.fake_cuda import HostSyncError
+from benchmarks.linear_model import QWEN3_NEXT, FlaCall, mix_rows, simulate
+from titan_cp.attention.linear.plan import StatePlan, rows_index
 from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.layout import DEFAULT_BALANCE, SequenceLayout
+from titan_cp.plan import linear as lin
+
+SEQ, CP, S = 131072, 8, QWEN3_NEXT
+WIDE = S.d_v + S.d_k  # the summaries call's value width: [v | 0] from [0 | I]
+
+
+def _works(seq: int, cp: int, rows: list[list[int]] | None) -> tuple[lin.LinearWork, ...]:
+    return lin.linear_work(seq, cp, DEFAULT_BALANCE, tuple(tuple(r) for r in rows or [[seq]]), S.conv)
+
+
+def _expected_calls(work: lin.LinearWork) -> list[FlaCall]:
+    """Forward: the summaries (where the rank has some), then the outputs; backward in reverse."""
+    outputs = [FlaCall(op, work.lengths, S.d_v, True) for op in ("forward", "backward")]
+    if not work.summarized:
+        return outputs
+    return [FlaCall("forward", work.summarized, WIDE, True), *outputs, FlaCall("backward", work.summarized, WIDE, True)]
+
+
+@pytest.mark.parametrize("mix", ["docs_1k", "one_document"])
+def test_the_count_of_a_gated_deltanet_layer_at_full_size(mix):
+    rows = mix_rows(mix, SEQ)
+    pairs, works = simulate(S, SEQ, CP, rows), _works(SEQ, CP, rows)  # a host sync would raise here
+    assert [cp.rank for cp, _ in pairs] == list(range(CP))
+    assert any(w.summarized for w in works) and all(sum(w.lengths) == SEQ // CP for w in works)
+    for (cp, alone), work in zip(pairs, works):
+        assert cp.calls == _expected_calls(work), cp.rank
+        assert alone.calls == [FlaCall(op, work.lengths, S.d_v, True) for op in ("forward", "backward")]
+        summaries, halos = lin.exchange_bytes(S, work, 2, recompute=False)  # fla's autograd: no second send
+        assert (cp.summary_bytes, cp.halo_bytes) == (summaries, halos) and summaries > 0
+        assert summaries == (work.sent + work.received) * S.v_heads * S.d_k * WIDE * 4  # fp32 [B | M] rows
+        assert alone.summary_bytes == alone.halo_bytes == alone.collectives == 0
+        assert cp.collectives == 5  # halos: forward, backward's resend and return; summaries: forward, return
+        tokens = sum(work.lengths)
+        assert cp.saved_bytes == lin.ops_saved_per_token(S, 2) * tokens + lin.work_extra_bytes(S, work, 2)
+        assert alone.saved_bytes == lin.ops_saved_per_token(S, 2) * tokens + len(work.lengths) * S.state_bytes
+
+
+def test_what_crosses_is_the_same_at_two_row_lengths():
+    """One document over CP 8 at 32,768 and 131,072 tokens: each rank sends the same bytes (summaries of
+    ``heads x d_k x (d_v + d_k)`` numbers, halos of ``kernel - 1`` tokens), counted and as the planner prices
+    them; only the tokens summarised grow with the row."""
+    short, long = (simulate(S, n, CP) for n in (SEQ // 4, SEQ))
+    assert [(a.summary_bytes, a.halo_bytes) for a, _ in short] == [(a.summary_bytes, a.halo_bytes) for a, _ in long]
+    for n in (SEQ // 4, SEQ):
+        priced = [lin.exchange_bytes(S, w, 2, recompute=False) for w in _works(n, CP, None)]
+        assert priced == [(a.summary_bytes, a.halo_bytes) for a, _ in long]
+    assert sum(sum(w.summarized) for w in _works(SEQ, CP, None)) == 4 * sum(
+        sum(w.summarized) for w in _works(SEQ // 4, CP, None)
+    )
+
+
+def test_a_blocking_copy_in_the_layer_is_caught(monkeypatch):
+    """The count runs under the sync detector: the exchange's row index copied from the host in every layer
+    (what the eager backward did before its plan's device index) raises."""
+    monkeypatch.setattr(StatePlan, "send_index", lambda self, device: rows_index(self.send).to(device))
+    with pytest.raises(HostSyncError, match="blocking host-to-device copy"):
+        simulate(S, 4096, 4, mix_rows("docs_1k", 4096))
+
 
 SMALL_ROWS = [lognormal_doc_lens(256, 16, seed=2)]  # at CP 4, rank 3's summary is read only by other ranks
+
+
+def test_every_rank_of_a_crossing_plan_joins_the_exchange_backward():
+    """Where a rank's pieces read no summary it received (or it has none of its own), its backward still
+    joins the exchange, a collective, and returns the gradients of what it received; a rank whose summaries
+    only others read still gets their gradients (its summaries call's backward runs)."""
+    layout = SequenceLayout(256, 4, DEFAULT_BALANCE, SMALL_ROWS)
+    works = _works(256, 4, SMALL_ROWS)
+    assert not any(received for chain in _chains(layout, 3) for received, _ in chain) and works[3].summarized
+    for (cp, _), work in zip(simulate(S, 256, 4, SMALL_ROWS), works):
+        assert cp.collectives == 5 and cp.calls == _expected_calls(work)
+
+
+def _chains(layout: SequenceLayout, rank: int):
+    from titan_cp.attention.linear.plan import state_plan  # noqa: PLC0415
+
+    return state_plan(layout, rank, 1).chains
 
 
 def fla_error(rank: int, world: int) -> float:

@@ -211,7 +211,9 @@ class GRPOMixin(_Host):
     dp_size: int
     dp_group: dist.ProcessGroup | None
 
-    def __init__(self, model: nn.Module | None = None, reward_funcs: Any = None, args: Any = None, *rest, **kwargs):
+    def __init__(
+        self, model: nn.Module | None = None, reward_funcs: Any = None, args: Any = None, *rest: Any, **kwargs: Any
+    ) -> None:
         name = type(self).__name__
         if not isinstance(model, nn.Module):
             raise ValueError(

@@ -13,6 +13,10 @@ straggler rank of the largest pipeline stage:
   the strategy's cost object's ``min_bytes_by_axis`` (the forward twice under full AC), FSDP's
   all-gathers (compute dtype) and fp32 reduce-scatter, HSDP's all-reduce, TP's four
   sequence-parallel collectives per block and pass, PP's activations.
+- **linear layers** (a hybrid model's, :mod:`titan_cp.plan.linear`): each linear layer's kernel over the
+  straggler's pieces, its convolution and gated norm, the summaries call of the pieces it summarises, and
+  its exchange (the summaries and the convolution's halos), exposed whole (``cp_linear``); the attention
+  above counts the attention layers only.
 - **ring exposure** (:class:`RingExposure`): per ring step, the transfer that must arrive
   during the step against the step's compute (``exposed = max(0, transfer - compute)``), for
   the way the ring runs (:class:`RingImpl`). Collectives the attention waits for (all-gather,
@@ -34,9 +38,18 @@ from titan_cp.attention.strategy import LOCAL_SCHEDULE, attention_schedule
 from titan_cp.attention.tiling import CAUSAL, causal_counts, zigzag_counts
 from titan_cp.families.llama3.model import ModelArgs
 from titan_cp.layout import DEFAULT_BALANCE, SequenceLayout, get_layout
+from titan_cp.plan import linear as lin
 from titan_cp.plan.devices import Device
 from titan_cp.plan.kernels import BWD_FLOPS_PER_PAIR_DIM, FWD_FLOPS_PER_PAIR_DIM
-from titan_cp.plan.memory import RankModel, Stage, head_offloaded, layer_params, stage_param_count, unit_inputs
+from titan_cp.plan.memory import (
+    RankModel,
+    Stage,
+    head_offloaded,
+    stage_blocks,
+    stage_layer_params,
+    stage_param_count,
+    unit_inputs,
+)
 from titan_cp.plan.problem import Candidate, Workload, pipeline
 
 FP32 = 4
@@ -146,10 +159,11 @@ class Compute:
 
     dense: float
     attention: float  # kernels and their merges, all steps and passes
+    linear: float = 0.0  # a hybrid's linear layers: kernels, summaries, convolutions and norms
 
     @property
     def total(self) -> float:
-        return self.dense + self.attention
+        return self.dense + self.attention + self.linear
 
 
 @dataclass(frozen=True)
@@ -319,9 +333,9 @@ def dense_seconds(s: Setting) -> float:
     the forward again for checkpointed blocks (the embedding is a lookup, not a matmul), and with tiles the
     feed-forward's once more."""
     args, tp = s.w.args, s.c.tp
-    layer = layer_params(args, tp)
-    matmul_params = s.stage.layers * layer + (args.vocab_size * args.dim // tp) * s.stage.last
-    flops = 2 * s.tokens * (3 * matmul_params + s.m.recomputed(s.stage.layers) * layer)
+    blocks = stage_layer_params(args, tp, s.stage)
+    matmul_params = blocks + (args.vocab_size * args.dim // tp) * s.stage.last
+    flops = 2 * s.tokens * (3 * matmul_params + s.m.recomputed(s.stage.layers) * blocks / max(1, s.stage.layers))
     if s.w.host.tile_tokens:  # each tile's feed-forward runs once more, in its own backward
         flops += 2 * s.tokens * s.stage.layers * 3 * args.dim * args.ffn_hidden_dim // tp
     return flops / (s.dev.matmul_flops * s.stack.matmul_speedup)
@@ -376,8 +390,10 @@ def _ring_exposure(
 
 
 def attention_cost(s: Setting) -> tuple[float, dict[str, Transfer], RingExposure | None]:
-    """``(compute seconds, CP transfers, ring)`` of the stage's attention on one microbatch."""
-    c, w, layers = s.c, s.w, s.stage.layers
+    """``(compute seconds, CP transfers, ring)`` of the stage's attention layers on one microbatch."""
+    c, w, layers = s.c, s.w, stage_blocks(s.m, s.stage, s.stage.layers)[0]
+    if not layers:
+        return 0.0, {}, None
     work = attention_work(w.seq_len, c.cp, c.ring_size, c.ulysses_size, w.balance, w.rows)
     fwd, bwd = _ring_steps(s, work)
     compute = layers * (s.forward_passes * sum(fwd) + sum(bwd))
@@ -398,6 +414,25 @@ def attention_cost(s: Setting) -> tuple[float, dict[str, Transfer], RingExposure
         else:
             transfers[name] = Transfer(nbytes, link, s.dev.seconds(nbytes, link))
     return compute, transfers, ring
+
+
+def linear_cost(s: Setting) -> tuple[float, dict[str, Transfer]]:
+    """``(compute seconds, CP transfers)`` of the stage's linear layers on one microbatch (module docstring):
+    the straggler rank's (the most seconds), its exchange exposed whole, on the cp axis' link."""
+    shapes, _ = lin.linear_shapes(s.w.args)
+    layers = stage_blocks(s.m, s.stage, s.stage.layers)[1]
+    if shapes is None or not layers:
+        return 0.0, {}
+    link, passes, a = s.dev.link(s.c.span("cp")), s.forward_passes, s.w.act_bytes
+    times = [(lin.linear_time(shapes, w, s.dev, link, a), w) for w in s.w.linear_works(s.c.cp, s.c.pp)]
+    t, work = max(times, key=lambda tw: tw[0].total(passes))
+    compute = layers * (t.total(passes) - t.exchange) / s.c.tp  # heads split over tp
+    if s.c.cp == 1:
+        return compute, {}
+    recompute = not shapes.gated_delta or s.dev.name == "cpu"
+    once = sum(lin.exchange_bytes(shapes, work, a, recompute))
+    nbytes = layers * (once + (passes - 1) * lin.forward_exchange_bytes(shapes, work, a)) / s.c.tp
+    return compute, {"cp_linear": Transfer(int(nbytes), link, s.dev.seconds(nbytes, link))}
 
 
 def collective_transfers(s: Setting, dense: float, compute_step: float) -> dict[str, Transfer]:
@@ -473,6 +508,18 @@ def attention_floor(s: Setting, pairs: int) -> float:
     )
 
 
+def linear_floor(s: Setting) -> float:
+    """Seconds of one linear layer on one microbatch at the least any plan takes: the kernel over an even
+    share of the tokens in whole chunks, no summaries, the convolution and gated norm (0 for a model without
+    linear layers)."""
+    shapes, _ = lin.linear_shapes(s.w.args)
+    if shapes is None:
+        return 0.0
+    forward, backward = lin.call_flops(shapes, s.tokens // shapes.chunk, shapes.d_v)
+    kernel = (s.forward_passes * forward + backward) / lin.kernel_rate(shapes, s.dev) / s.c.tp
+    return kernel + lin.elementwise_bytes_per_token(shapes, s.w.act_bytes) * s.tokens / s.c.tp / s.dev.hbm_bandwidth
+
+
 def step_lower_bound(s: Setting, pairs: int) -> float:
     """A lower bound of :func:`step_cost`'s step, from closed forms alone (no layout, no mask tiles): the
     matmuls, :func:`attention_floor` (``pairs``: :func:`causal_pairs` of the workload's rows), no CP transfer
@@ -481,7 +528,8 @@ def step_lower_bound(s: Setting, pairs: int) -> float:
     compute, and less CP exposure, bound it from below. A plan whose bound is slower than another's step
     needs no estimate (:func:`titan_cp.plan.search.plan`)."""
     dense = dense_seconds(s)
-    compute = Compute(dense, s.stage.layers * attention_floor(s, pairs))
+    attention_layers, linear_layers = stage_blocks(s.m, s.stage, s.stage.layers)
+    compute = Compute(dense, attention_layers * attention_floor(s, pairs), linear_layers * linear_floor(s))
     transfers = collective_transfers(s, dense, compute.total * s.microbatches)
     transfers.update(host_transfers(s, compute.total))
     bubble = pipeline(s.w.schedule, s.microbatches, s.c.pp).bubble
@@ -492,7 +540,9 @@ def step_cost(s: Setting) -> Cost:
     """The candidate's :class:`Cost`: one microbatch's compute and transfers, the pipeline's slots."""
     dense = dense_seconds(s)
     attention, transfers, ring = attention_cost(s)
-    compute = Compute(dense, attention)
+    linear, linear_transfers = linear_cost(s)
+    transfers.update(linear_transfers)
+    compute = Compute(dense, attention, linear)
     transfers.update(collective_transfers(s, dense, compute.total * s.microbatches))
     transfers.update(host_transfers(s, compute.total))
     bubble = pipeline(s.w.schedule, s.microbatches, s.c.pp).bubble

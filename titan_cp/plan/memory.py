@@ -40,6 +40,11 @@ Under full AC a block keeps only its input (a D / tp), and the checkpoint also h
 and ``doc_lens`` (8 bytes per document per row). These equal, byte for byte, what
 ``benchmarks.memory.SavedTensorCounter`` counts on the debug model with CP, TP and PP
 (``tests/test_plan.py``).
+
+A hybrid model's linear-attention block (:mod:`titan_cp.plan.linear`) saves its norms and feed-forward as
+an attention block does, and its mixer's figure in place of ``wq``'s input and the attention's: per token
+(:func:`~titan_cp.plan.linear.saved_per_token`), plus what the rank keeping the most keeps beyond it (its
+summarised tokens' copies and its states, :func:`linear_extra_bytes`): never a function of ``tokens^2``.
 """
 
 from __future__ import annotations
@@ -52,8 +57,10 @@ from titan_cp.attention.pricing import AttentionCall, StrategyCost, cost_of
 from titan_cp.attention.ring import RING as LOCAL  # attention on one rank: the ring's one-device path
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
 from titan_cp.families.llama3.model import ModelArgs
+from titan_cp.integrations.hf_shapes import HFShapes
 from titan_cp.loss import LOSS_CHUNK_BYTES
 from titan_cp.parallel.pp import layers_per_stage
+from titan_cp.plan import linear as lin
 
 FP32 = 4
 INT64 = 8
@@ -95,6 +102,7 @@ class RankModel:
     host: HostOptions = HostOptions()
     fused_norm: bool = False  # RMSNorm as the GPU's fused kernel (:func:`norm_saved_per_token`)
     documents: bool = True  # several documents a row (what Ulysses and hybrid keep depends on it)
+    linear_work: lin.LinearWork | None = None  # a hybrid's linear layers on the rank that keeps the most
 
     @property
     def attention(self) -> Strategy:
@@ -184,6 +192,44 @@ def block_saved_per_token(m: RankModel) -> float:
     return norm + a * d + attn + ffn_saved_per_token(m) + norm
 
 
+def linear_block_saved_per_token(m: RankModel) -> float:
+    """Bytes a linear-attention block saves per local token (its mixer's widths over ``tp``, its input whole)."""
+    shapes, _ = lin.linear_shapes(m.args)
+    assert shapes is not None, "a linear block of a model with linear layers"
+    a, d = m.act_bytes, m.args.dim
+    mixer = (lin.saved_per_token(shapes, d, a) - a * d) / m.tp + a * d
+    return 2 * norm_saved_per_token(m) + mixer + ffn_saved_per_token(m)
+
+
+def linear_extra_bytes(m: RankModel) -> int:
+    """What one linear block keeps on the rank keeping the most beyond its per-token figure: the summarised
+    tokens' copies and the states (:func:`~titan_cp.plan.linear.work_extra_bytes`); 0 without linear layers."""
+    shapes, _ = lin.linear_shapes(m.args)
+    if shapes is None or m.linear_work is None:
+        return 0
+    return lin.work_extra_bytes(shapes, m.linear_work, m.act_bytes) // m.tp
+
+
+def stage_blocks(m: RankModel, stage: Stage, count: int) -> tuple[int, int]:
+    """``(attention, linear)`` blocks among ``count`` of ``stage``'s (a hybrid model's linear ones in proportion)."""
+    linear = lin.stage_linear_layers(m.args, stage.layers, stage.first, stage.last)
+    share = round(linear * count / stage.layers) if stage.layers else 0
+    return count - share, share
+
+
+def blocks_saved_per_token(m: RankModel, stage: Stage, count: int) -> float:
+    """Per-token bytes of ``count`` of ``stage``'s blocks, uncheckpointed (:func:`stage_blocks`)."""
+    attention, linear = stage_blocks(m, stage, count)
+    return block_saved_per_token(m) * attention + (linear_block_saved_per_token(m) * linear if linear else 0.0)
+
+
+def recomputed_linear_block(m: RankModel, tokens: int) -> float:
+    """Bytes of one linear block recomputed over ``tokens`` (0 for a model without linear layers)."""
+    if lin.linear_shapes(m.args)[0] is None:
+        return 0.0
+    return linear_block_saved_per_token(m) * tokens + linear_extra_bytes(m)
+
+
 def unit_inputs(m: RankModel, checkpointed: int) -> tuple[int, int]:
     """``(on the device, on the host)``: stored checkpoint-unit inputs of ``checkpointed`` blocks --
     one per ``blocks_per_checkpoint`` blocks (selective: one per block); with ``cpu_offload`` all of
@@ -206,7 +252,7 @@ def saved_per_token(m: RankModel, stage: Stage) -> float:
     a, d = m.act_bytes, m.args.dim
     full = m.checkpointed(stage.layers)
     per: float = INT64 * stage.first + rope_per_token(m.args)
-    per += a * d / m.tp * unit_inputs(m, full)[0] + block_saved_per_token(m) * (stage.layers - full)
+    per += a * d / m.tp * unit_inputs(m, full)[0] + blocks_saved_per_token(m, stage, stage.layers - full)
     if stage.last:
         per += INT64 if head_offloaded(m, stage) else head_saved_per_token(m)
     return per
@@ -265,8 +311,10 @@ def saved_bytes(
 
 def stage_saved_bytes(m: RankModel, stage: Stage, local_tokens: int, docs_per_row: int, rows: int) -> int:
     """One microbatch's saved bytes on ``stage`` (see :func:`saved_bytes`)."""
+    full = m.checkpointed(stage.layers)
     total = saved_per_token(m, stage) * local_tokens * rows
-    if m.checkpointed(stage.layers):
+    total += stage_blocks(m, stage, stage.layers - full)[1] * linear_extra_bytes(m)
+    if full:
         total += INT64 * docs_per_row * rows
     return int(total)
 
@@ -274,16 +322,37 @@ def stage_saved_bytes(m: RankModel, stage: Stage, local_tokens: int, docs_per_ro
 # ---------------------------------------------------------------------------- parameters
 
 
-def layer_params(args: ModelArgs, tp: int) -> int:
-    """Parameters of one block on one TP rank (the norms' weights are replicated)."""
+def attention_layer_params(args: ModelArgs, tp: int) -> int:
+    """Parameters of one attention block on one TP rank (the norms' weights are replicated; a Hugging Face
+    model's own attention projections, its output gate included)."""
     d, e = args.dim, args.head_dim
-    return (d * (args.n_heads * 2 + args.kv_heads * 2) * e + 3 * d * args.ffn_hidden_dim) // tp + 2 * d
+    attention = args.attention_params if isinstance(args, HFShapes) else d * (args.n_heads * 2 + args.kv_heads * 2) * e
+    return (attention + 3 * d * args.ffn_hidden_dim) // tp + 2 * d
+
+
+def linear_layer_params(args: ModelArgs, tp: int) -> int:
+    """Parameters of one linear-attention block of a hybrid model on one TP rank (0 for a model without any)."""
+    shapes, _ = lin.linear_shapes(args)
+    if shapes is None:
+        return 0
+    return (shapes.params(args.dim) + 3 * args.dim * args.ffn_hidden_dim) // tp + 2 * args.dim
+
+
+def layer_params(args: ModelArgs, tp: int) -> int:
+    """Parameters of the largest block on one TP rank."""
+    return max(attention_layer_params(args, tp), linear_layer_params(args, tp))
+
+
+def stage_layer_params(args: ModelArgs, tp: int, stage: Stage) -> int:
+    """Parameters of ``stage``'s blocks on one TP rank (a hybrid's linear blocks counted as theirs)."""
+    linear = lin.stage_linear_layers(args, stage.layers, stage.first, stage.last)
+    return (stage.layers - linear) * attention_layer_params(args, tp) + linear * linear_layer_params(args, tp)
 
 
 def stage_param_count(args: ModelArgs, tp: int, stage: Stage) -> int:
     """Parameters of ``stage`` on one TP rank: its blocks, the embedding (first), the final norm and output (last)."""
     emb = args.vocab_size * args.dim // tp
-    return stage.layers * layer_params(args, tp) + emb * stage.first + (emb + args.dim) * stage.last
+    return stage_layer_params(args, tp, stage) + emb * stage.first + (emb + args.dim) * stage.last
 
 
 # ---------------------------------------------------------------------------- one step's peak
@@ -342,8 +411,8 @@ def step_peak(
     # a unit of k > 1 blocks recomputes its k block inputs, then one block's internals at a time (units.py;
     # measured by tools/full_step: k inputs beside the stored one, not k - 1)
     inputs = min(k, max(full, 1))
-    per_token = block_saved_per_token(m) + m.act_bytes * m.args.dim / m.tp * (inputs if inputs > 1 else 0)
-    recompute = int(per_token * tokens) if full else 0
+    block = max(block_saved_per_token(m) * tokens, recomputed_linear_block(m, tokens))
+    recompute = int(block + m.act_bytes * m.args.dim / m.tp * (inputs if inputs > 1 else 0) * tokens) if full else 0
     recompute += tile_transient_bytes(m, tokens)
     first_grads = held + (layer_grad if grads_held else layer_grad + emb_grad * stage.last)
     moments = [StepPeak(saved, others + saved, first_grads, 0, recompute, all_grads)]
@@ -353,8 +422,9 @@ def step_peak(
         moments.append(StepPeak(saved, others + saved, held, loss, head, all_grads))
     if full:
         input_ = m.act_bytes * m.args.dim / m.tp
-        blocks = input_ * unit_inputs(m, full)[0] + block_saved_per_token(m) * (stage.layers - full)
-        left = saved - int((blocks - input_) * tokens)  # block 0's input and what no block owns
+        blocks = input_ * unit_inputs(m, full)[0] + blocks_saved_per_token(m, stage, stage.layers - full)
+        extra = stage_blocks(m, stage, stage.layers - full)[1] * linear_extra_bytes(m)
+        left = saved - int((blocks - input_) * tokens) - extra  # block 0's input and what no block owns
         grads = all_grads + layer_grad if grads_held else all_grads - emb_grad * stage.first
         moments.append(StepPeak(saved, others + left, grads, 0, recompute, all_grads))
     return max(moments, key=lambda p: p.peak)

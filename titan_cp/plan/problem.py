@@ -11,6 +11,7 @@ from titan_cp.attention.ring import RING as LOCAL  # attention on one rank: the 
 from titan_cp.attention.strategy import Strategy, get_strategy
 from titan_cp.families.llama3.model import ModelArgs
 from titan_cp.layout import DEFAULT_BALANCE
+from titan_cp.plan import linear as lin
 from titan_cp.plan.memory import HostOptions, RankModel
 
 
@@ -120,7 +121,22 @@ class Workload:
             self.host,
             self.fused_norm,
             self.docs_per_row > 1,
+            self.linear_work(c.cp, c.pp),
         )
+
+    def linear_works(self, cp: int, pp: int) -> tuple[lin.LinearWork, ...]:
+        """Every cp rank's share of one microbatch's linear layers (a hybrid model's; ``()`` for others)."""
+        shapes, _ = lin.linear_shapes(self.args)
+        if shapes is None:
+            return ()
+        rows = self.rows[: self.rows_per_microbatch(pp)]
+        return lin.linear_work(self.seq_len, cp, self.balance, rows, shapes.conv)
+
+    def linear_work(self, cp: int, pp: int) -> lin.LinearWork | None:
+        """:meth:`linear_works` of the rank that keeps the most (``None`` without linear layers)."""
+        shapes, _ = lin.linear_shapes(self.args)
+        works = self.linear_works(cp, pp)
+        return lin.heaviest(shapes, works, self.act_bytes) if shapes is not None and works else None
 
 
 @dataclass(frozen=True)

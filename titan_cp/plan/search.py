@@ -33,6 +33,7 @@ from titan_cp.layout import get_layout
 from titan_cp.plan.checks import Keys, TrainerChecks, with_keys
 from titan_cp.plan.cost import Cost, Setting, Stack, attention_work, causal_pairs, step_cost, step_lower_bound
 from titan_cp.plan.devices import GB, HEADROOM, Device, device, node_count
+from titan_cp.plan.linear import model_flops as linear_model_flops
 from titan_cp.plan.memory import HostOptions, RankMemory, Sharding, pipeline_stages, rank_memory
 from titan_cp.plan.problem import LOCAL, Candidate, Workload, pipeline
 from titan_cp.preflight import check_model
@@ -134,10 +135,12 @@ class Estimate:
 
     @property
     def model_flops(self) -> int:
-        """``ModelArgs.training_flops`` of the step over every data-parallel rank (the MFU numerator)."""
+        """``ModelArgs.training_flops`` of the step over every data-parallel rank (the MFU numerator), a hybrid's
+        linear kernels over its documents added (:func:`~titan_cp.plan.linear.model_flops`)."""
         w, c = self.workload, self.candidate
         total = attention_work(w.seq_len, c.cp, c.ring_size, c.ulysses_size, w.balance, w.rows).total
-        return w.args.training_flops(w.seq_len * len(w.rows), total) * c.dp_shard * c.dp_replicate * w.accum
+        flops = w.args.training_flops(w.seq_len * len(w.rows), total) + linear_model_flops(w.args, w.rows)
+        return flops * c.dp_shard * c.dp_replicate * w.accum
 
     @property
     def tokens_per_second_per_gpu(self) -> float:

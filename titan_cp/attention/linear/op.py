@@ -34,6 +34,7 @@ from titan_cp.attention.linear import fla, gated_delta, ssd
 from titan_cp.attention.linear.chunks import Chunks, chunked
 from titan_cp.attention.linear.exchange import Transport, return_rows, send_rows, transport
 from titan_cp.attention.linear.plan import HaloPlan, StatePlan, halo_plan, state_plan
+from titan_cp.layout import SequenceLayout
 
 
 class Kind(Protocol):
@@ -104,7 +105,7 @@ class Call:
     local_len: int
     comm: Transport | None
 
-    def layout(self, doc_lens: Tensor | None):  # noqa: ANN201 - a SequenceLayout
+    def layout(self, doc_lens: Tensor | None) -> SequenceLayout:
         return self.handle.find(self.local_len * self.handle.size, doc_lens)
 
     def state(self, doc_lens: Tensor | None) -> StatePlan:

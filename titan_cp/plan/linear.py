@@ -1,0 +1,326 @@
+"""A hybrid model's linear-attention layers in the planner: what one holds, sends and takes under CP.
+
+A Gated DeltaNet or Mamba2 layer (:class:`~titan_cp.integrations.hf_shapes.LinearShapes`) under CP runs
+each piece of each document from the state the pieces before it leave (:mod:`titan_cp.attention.linear`).
+What that costs a rank follows from the layout's pieces alone (:func:`linear_work`, from the ops' own
+:func:`~titan_cp.attention.linear.plan.state_plan` and :func:`~titan_cp.attention.linear.plan.halo_plan`):
+its pieces and their chunks, the pieces it summarises (a later piece of the same document follows them),
+the summaries it sends and receives, the convolution's halo tokens. Nothing grows with the row but the
+tokens a rank runs: a summary is ``heads x d_k x (d_v + d_k)`` numbers whatever the piece's length.
+
+**Kernel FLOPs** (:func:`chunk_flops`), per head and chunk of ``C`` tokens (a piece's last chunk padded and
+computed whole), ``K = d_k``, ``V`` the value width the call runs (``d_v``; ``d_v + d_k`` for the
+Gated DeltaNet summaries call, ``[v | 0]`` from ``[0 | I]``)::
+
+    Gated DeltaNet, fla's chunk_gated_delta_rule (the chunked algorithm of arXiv:2412.06464, section 3.3):
+      kkt      A = strict_lower(beta K K^T * D)            2 C^2 K
+      solve    T = (I + A)^-1, unit lower triangular        C^3 / 3
+      wy       W = T (beta K exp(c)),  U = T (beta V)       2 C^2 K + 2 C^2 V
+      state    V' = U - W S,  S <- exp(c_C) S + K'^T V'     4 C K V
+      output   O = (Q exp(c)) S + ((Q K^T) * D) V'          2 C K V + 2 C^2 K + 2 C^2 V
+      forward  F = 6 C^2 K + 4 C^2 V + 6 C K V + C^3 / 3
+      backward 2 F (each product's gradient: two products of its size) + what fla's backward recomputes
+               (W, U and the chunk states): 2 C^2 K + 2 C^2 V + 4 C K V
+    Mamba2's SSD, titan_cp's torch chunked kernel (N = d_state, P = head_dim; arXiv:2405.21060, section 6):
+      forward  F = 2 C^2 N (C B^T) + 2 C^2 P (its masked product with dt x) + 4 C N P (the chunk's state,
+               the outputs from the state before it) + 2 N P (the state passed on)
+      backward F (the op recomputes its forward) + 2 F
+
+**Rates.** Gated DeltaNet's kernel at :data:`GATED_DELTA_FRACTION` of the device's peak: 0.15, half the
+rate FlashAttention-2 reaches on an H100 at head dim 128 (0.29 to 0.37 of peak, :data:`~titan_cp.plan.kernels.FA2_H100`),
+since fla's chunked form runs as a chain of Triton kernels on 64-token tiles that pass ``A``, ``W``, ``U``
+and every chunk's state through HBM, and its state pass is sequential over chunks (parallel over heads
+and value blocks only). An assumption, not a measurement: no published kernel throughput of
+``chunk_gated_delta_rule`` was at hand (:mod:`benchmarks.linear_model` reports the layer at half and twice
+it). Mamba2's SSD runs titan_cp's torch kernel in fp32 on every device: fp32 matmuls (TF32 off, PyTorch's
+default) run on the CUDA cores, 67 TFLOP/s on an H100/H200 (datasheets), 0.068 of the bf16 peak;
+:data:`SSD_FRACTION` takes 0.05.
+
+**Memory** per rank and layer (:func:`saved_per_token`, :func:`state_bytes`), bf16 activations ``a``, on a
+GPU (``fla``'s own autograd for Gated DeltaNet, the custom op's saved inputs for Mamba2)::
+
+    per token   the layer's input (a D), the convolution's input (a x channels); Gated DeltaNet:
+                fla's saved q, k (normalised, a K each head), their rstd (4 each head), v (a V), g (4),
+                beta (a), A (a C) per value head; the gate z and the kernel's output (a value_dim each,
+                the gated norm's), the norm's rstd (4 per head), out_proj's input (a value_dim)
+                Mamba2: x, dt, B, C (the op's inputs, a each), the gate, the output (fp32), out_proj's input
+    per summarised token (CP)   the summaries call's copies: q, k, beta, A as above, v widened to V + K, g
+    per piece   its initial state (fp32 heads x K x V); per summary: its [0 | I] start, the summary itself
+                and the composed states (fp32, heads x K x (V + K) each); per received summary: the row
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from titan_cp.attention.linear.plan import halo_plan, state_plan
+from titan_cp.families.llama3.model import ModelArgs
+from titan_cp.integrations.hf_shapes import HFShapes, LinearShapes
+from titan_cp.layout import get_layout
+from titan_cp.plan.devices import Device
+
+FP32 = 4
+GATED_DELTA_FRACTION = 0.15
+SSD_FRACTION = 0.05
+
+
+def linear_shapes(args: ModelArgs) -> tuple[LinearShapes | None, tuple[int, ...]]:
+    """A model's linear layers: their shapes and indices (``(None, ())`` for a model without any)."""
+    if isinstance(args, HFShapes) and args.linear is not None:
+        return args.linear, args.linear_layers
+    return None, ()
+
+
+def stage_linear_layers(args: ModelArgs, layers: int, first: bool, last: bool) -> int:
+    """How many of a pipeline stage's ``layers`` are linear: the stage's first layers when it is the first
+    stage, its last ones when the last (all of them without a pipeline)."""
+    _, ids = linear_shapes(args)
+    if first:
+        return sum(i < layers for i in ids)
+    return sum(i >= args.n_layers - layers for i in ids) if last else round(len(ids) * layers / args.n_layers)
+
+
+# ---------------------------------------------------------------------------- the kernel
+def chunk_flops(shapes: LinearShapes, width: int, backward: bool, outputs: bool = True) -> float:
+    """FLOPs of one chunk of one head, forward or backward, at value width ``width`` (module docstring);
+    ``outputs=False``: Gated DeltaNet's state pass alone (kkt, solve, wy, state: no output term)."""
+    c, k, v = shapes.chunk, shapes.d_k, width
+    if shapes.gated_delta:
+        forward = 4 * c * c * k + 2 * c * c * v + 4 * c * k * v + c**3 / 3
+        if outputs:
+            forward += 2 * c * k * v + 2 * c * c * k + 2 * c * c * v
+        return 2 * forward + 2 * c * c * k + 2 * c * c * v + 4 * c * k * v if backward else forward
+    forward = 2 * c * c * k + 2 * c * c * v + 4 * c * k * v + 2 * k * v
+    return 3 * forward if backward else forward
+
+
+def chunks_of(lengths: tuple[int, ...] | list[int], chunk: int) -> int:
+    """Chunks of pieces of ``lengths`` (each piece's last chunk padded)."""
+    return sum(math.ceil(n / chunk) for n in lengths)
+
+
+def call_flops(shapes: LinearShapes, chunks: int, width: int) -> tuple[float, float]:
+    """``(forward, backward)`` FLOPs of one kernel call over ``chunks`` chunks, every head."""
+    return tuple(chunks * shapes.v_heads * chunk_flops(shapes, width, b) for b in (False, True))  # type: ignore[return-value]
+
+
+def model_flops(args: ModelArgs, rows: tuple[tuple[int, ...], ...]) -> int:
+    """A model's linear kernels' FLOPs over ``rows`` (each document one piece: no summaries), forward and
+    backward, every linear layer (0 for a model without linear layers)."""
+    shapes, ids = linear_shapes(args)
+    if shapes is None:
+        return 0
+    return int(len(ids) * sum(call_flops(shapes, chunks_of([n for r in rows for n in r], shapes.chunk), shapes.d_v)))
+
+
+def kernel_rate(shapes: LinearShapes, dev: Device) -> float:
+    """FLOP/s of the layer's kernel on ``dev`` (module docstring)."""
+    return dev.peak_flops * (GATED_DELTA_FRACTION if shapes.gated_delta else SSD_FRACTION)
+
+
+def summary_width(shapes: LinearShapes) -> int:
+    """The value width the summaries run at: Gated DeltaNet's ``d_v + d_k`` through ``fla``; Mamba2's ``d_v``
+    (its transition is a scalar per head, carried beside the state)."""
+    return shapes.d_v + shapes.d_k if shapes.gated_delta else shapes.d_v
+
+
+def summary_flops(shapes: LinearShapes, chunks: int) -> tuple[float, float]:
+    """``(forward, backward)`` FLOPs of the summaries over ``chunks`` chunks: Gated DeltaNet's one ``fla``
+    call at :func:`summary_width` (outputs and all); Mamba2's state pass alone, ``2 C N P + 2 N P`` a chunk
+    and head (its intra-chunk products are the outputs call's), three times that backward."""
+    if shapes.gated_delta:
+        return call_flops(shapes, chunks, summary_width(shapes))
+    c, n, p = shapes.chunk, shapes.d_k, shapes.d_v
+    forward = chunks * shapes.v_heads * (2 * c * n * p + 2 * n * p)
+    return forward, 3 * forward
+
+
+def elementwise_bytes_per_token(shapes: LinearShapes, act_bytes: int) -> int:
+    """HBM bytes per token of the layer's short convolution and gated norm, forward and backward, as fused
+    kernels run them: the convolution reads ``x`` and writes ``y`` forward, reads ``dy`` and ``x`` and writes
+    ``dx`` backward (5 x channels); the gated norm reads the output and ``z`` and writes forward, reads
+    ``dy``, the output and ``z`` and writes both gradients backward (8 x value_dim)."""
+    return act_bytes * (5 * shapes.conv_channels + 8 * shapes.value_dim)
+
+
+# ---------------------------------------------------------------------------- the layout's pieces
+@dataclass(frozen=True)
+class LinearWork:
+    """One rank's share of a linear layer of one microbatch under a layout (module docstring).
+
+    lengths: the rank's pieces (the outputs call's sequences); summarized: the pieces it summarises, and
+    whether each is a document's ``middle`` piece (else its first: only its offset ``B`` is needed); sent,
+    received: summary rows sent forward and received; halo_sent, halo_received: the convolution's halo tokens;
+    composed: the states composed from a composed state (``M s + B`` keeps ``s``: every link of a chain of
+    summaries after its second; the first ``s`` is a summary's ``B``); local_m, received_m: whether a chain of
+    two or more reads this rank's summaries / the received ones (``M s + B`` keeps them).
+    """
+
+    lengths: tuple[int, ...]
+    summarized: tuple[int, ...]
+    middle: tuple[bool, ...]
+    sent: int
+    received: int
+    halo_sent: int
+    halo_received: int
+    composed: int = 0
+    local_m: bool = False
+    received_m: bool = False
+
+    def chunks(self, chunk: int) -> int:
+        return chunks_of(self.lengths, chunk)
+
+    def summary_chunks(self, chunk: int) -> int:
+        return chunks_of(self.summarized, chunk)
+
+
+@lru_cache(maxsize=64)
+def linear_work(seq_len: int, cp: int, balance: str, rows: tuple, conv: int) -> tuple[LinearWork, ...]:
+    """Every rank's :class:`LinearWork` for ``rows`` (document lengths, one tuple a row) under ``balance``
+    (a convolution of ``conv`` taps), from the ops' own plans."""
+    layout = get_layout(seq_len, cp, balance, [list(r) for r in rows])
+    out = []
+    for rank in range(cp):
+        state, halo = state_plan(layout, rank, len(rows)), halo_plan(layout, rank, len(rows), conv)
+        lengths = tuple(n for _, n in state.runs)
+        read = {received for chain in state.chains if len(chain) > 1 for received, _ in chain}
+        out.append(
+            LinearWork(
+                lengths,
+                tuple(lengths[i] for i in state.summarize),
+                state.middle,
+                sum(len(r) for r in state.send.values()),
+                state.received,
+                sum(len(r) for r in halo.send.values()),
+                halo.received,
+                sum(max(0, len(chain) - 2) for chain in state.chains),
+                False in read,
+                True in read,
+            )
+        )
+    return tuple(out)
+
+
+def exchange_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int, recompute: bool) -> tuple[int, int]:
+    """``(summaries, halos)``: bytes one rank hands to the exchange in one forward + backward of one layer,
+    as :func:`~titan_cp.attention.comm.count_comm` counts them: the summaries (fp32) sent forward, the
+    gradients of those received sent back, and with ``recompute`` (the ops' custom backward: Mamba2, the
+    torch kernel, a compiled graph) the forward's sends again; the halo rows (``act_bytes`` a channel) alike,
+    the convolution's op always recomputing."""
+    summaries = (work.sent * (1 + recompute) + work.received) * shapes.summary_bytes
+    halos = (2 * work.halo_sent + work.halo_received) * shapes.conv_channels * act_bytes
+    return summaries, halos
+
+
+def forward_exchange_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
+    """Bytes one rank sends in one forward of one layer (what a checkpointed forward sends again)."""
+    return work.sent * shapes.summary_bytes + work.halo_sent * shapes.conv_channels * act_bytes
+
+
+# ---------------------------------------------------------------------------- memory
+def saved_per_token(shapes: LinearShapes, dim: int, act_bytes: int) -> float:
+    """Bytes a linear layer's mixer saves per local token (module docstring), its norms and feed-forward aside:
+    the projections' input (``a D``), the gate ``z``, the kernel's output and ``out_proj``'s input (``a
+    value_dim`` each), the gated norm's rstd and the gates (fp32, three a value head), and the ops' own
+    (:func:`ops_saved_per_token`)."""
+    a = act_bytes
+    return a * dim + 3 * a * shapes.value_dim + 3 * FP32 * shapes.v_heads + ops_saved_per_token(shapes, a)
+
+
+def ops_saved_per_token(shapes: LinearShapes, act_bytes: int) -> int:
+    """What the linear ops save per token: the convolution's input (its custom op keeps its inputs); Gated
+    DeltaNet's ``fla`` outputs call (:func:`_fla_saved_per_token`); Mamba2's op its inputs ``x, dt, B, C``."""
+    a, h = act_bytes, shapes.v_heads
+    conv = a * shapes.conv_channels
+    if shapes.gated_delta:
+        return conv + _fla_saved_per_token(shapes, a, shapes.d_v)
+    return conv + a * (shapes.value_dim + h + 2 * shapes.k_heads * shapes.d_k)
+
+
+def _fla_saved_per_token(shapes: LinearShapes, a: int, width: int) -> int:
+    """What one ``fla`` call saves per token: q, k (normalised) and their rstd, v (``width``), g (fp32),
+    beta, A (``C`` a value head)."""
+    h, hk, k = shapes.v_heads, shapes.k_heads, shapes.d_k
+    return 2 * a * hk * k + 2 * FP32 * hk + a * h * width + FP32 * h + a * h + a * h * shapes.chunk
+
+
+def summarized_saved_per_token(shapes: LinearShapes, act_bytes: int) -> int:
+    """Bytes the summaries call saves per summarised token, and the tokens' index (int64) that gathers them
+    (Gated DeltaNet's ``fla`` path; Mamba2's op saves only its inputs)."""
+    return _fla_saved_per_token(shapes, act_bytes, summary_width(shapes)) + 8 if shapes.gated_delta else 0
+
+
+def state_bytes(shapes: LinearShapes, work: LinearWork) -> int:
+    """Bytes of states a layer keeps for its backward on a rank, through ``fla``'s autograd (Gated DeltaNet; 0
+    for Mamba2, whose op keeps only its inputs): each piece's initial state and each summary's start
+    (``[0 | I]``, a summary's size); each composed state a later link reads (``M s + B`` keeps ``s``); and the
+    summaries a chain of two or more reads, this rank's and the received ones (each buffer kept whole)."""
+    if not shapes.gated_delta:
+        return 0
+    summary = shapes.summary_bytes
+    states = (len(work.lengths) + work.composed) * shapes.state_bytes + len(work.summarized) * summary
+    return states + (work.local_m * len(work.summarized) + work.received_m * work.received) * summary
+
+
+def work_extra_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
+    """What one layer keeps on a rank beyond its per-token figure: the summarised tokens' copies and the states."""
+    return summarized_saved_per_token(shapes, act_bytes) * sum(work.summarized) + state_bytes(shapes, work)
+
+
+def work_saved_bytes(shapes: LinearShapes, work: LinearWork, dim: int, act_bytes: int) -> int:
+    """A rank's whole saved bytes of one linear layer's mixer of ``work``'s microbatch."""
+    per = saved_per_token(shapes, dim, act_bytes) * sum(work.lengths)
+    return int(per) + work_extra_bytes(shapes, work, act_bytes)
+
+
+def heaviest(shapes: LinearShapes, works: tuple[LinearWork, ...], act_bytes: int) -> LinearWork:
+    """The rank's work that keeps the most (every rank holds as many tokens)."""
+    return max(works, key=lambda w: work_extra_bytes(shapes, w, act_bytes))
+
+
+# ---------------------------------------------------------------------------- time
+@dataclass(frozen=True)
+class LinearTime:
+    """Seconds of one linear layer of one microbatch on one rank, by part (forward passes counted once).
+
+    own_forward, own_backward: the kernel over the rank's pieces; elementwise: the convolution and the gated
+    norm (:func:`elementwise_bytes_per_token`); summaries_forward, summaries_backward: the summaries call
+    (CP only); exchange: the summaries and halos at the link's bandwidth (exposed: each piece's outputs
+    wait for the states composed from what arrives)."""
+
+    own_forward: float
+    own_backward: float
+    elementwise: float
+    summaries_forward: float
+    summaries_backward: float
+    exchange: float
+
+    def total(self, forward_passes: float = 1.0) -> float:
+        forward = self.own_forward + self.summaries_forward
+        return forward_passes * forward + self.own_backward + self.summaries_backward + self.elementwise + self.exchange
+
+    @property
+    def overhead(self) -> float:
+        """What CP adds: the summaries call and the exchange."""
+        return self.summaries_forward + self.summaries_backward + self.exchange
+
+
+def linear_time(shapes: LinearShapes, work: LinearWork, dev: Device, link: str, act_bytes: int) -> LinearTime:
+    """:class:`LinearTime` of ``work`` on ``dev``, the exchange on ``link`` (``fla``'s eager autograd for Gated
+    DeltaNet on a GPU: its backward sends only the gradients back)."""
+    rate = kernel_rate(shapes, dev)
+    own = call_flops(shapes, work.chunks(shapes.chunk), shapes.d_v)
+    summaries = summary_flops(shapes, work.summary_chunks(shapes.chunk))
+    recompute = not shapes.gated_delta or dev.name == "cpu"
+    nbytes = sum(exchange_bytes(shapes, work, act_bytes, recompute))
+    elementwise = elementwise_bytes_per_token(shapes, act_bytes) * sum(work.lengths) / dev.hbm_bandwidth
+    return LinearTime(
+        own[0] / rate,
+        own[1] / rate,
+        elementwise,
+        summaries[0] / rate if work.summarized else 0.0,
+        summaries[1] / rate if work.summarized else 0.0,
+        dev.seconds(nbytes, link),
+    )
