@@ -117,3 +117,20 @@ def test_bamba_and_the_layer_kinds_from_the_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(odd))
     with pytest.raises(ValueError, match="neither Gated DeltaNet's linear_num_value_heads nor Mamba2's"):
         hf_model_args(str(tmp_path))
+
+
+def test_a_torchtitan_qwen35_config_function_plans_its_linear_layers(tmp_path):
+    """torchtitan's Qwen3.5 9B (titan_cp's config function) reads as transformers' Qwen3.5 defaults do: the same
+    linear layers, gated attention and parameters; its plans run without TP (titan_cp's Gated DeltaNet does
+    not run under torchtitan's TP yet) and price the linear layers' exchange."""
+    pytest.importorskip("torchtitan")
+    from titan_cp.plan.torchtitan import read  # noqa: PLC0415
+
+    run = read("titan_cp.integrations.torchtitan", "qwen35_9b_cp", [])
+    hf = hf_model_args(_folder(tmp_path))
+    shapes = run.given.shapes
+    assert (shapes.linear, shapes.linear_layers, shapes.q_gate) == (hf.linear, hf.linear_layers, True)
+    assert shapes.num_params() == hf.num_params()
+    result = plan(run.job_config, 8, gpu="h200", given=run.given, exhaustive=True)
+    assert {e.candidate.tp for e in result.estimates} == {1}
+    assert all("cp_linear" in e.cost.transfers for e in result.estimates if e.candidate.cp > 1)

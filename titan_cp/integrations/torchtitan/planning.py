@@ -35,7 +35,7 @@ from torchtitan.trainer import Trainer
 
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.errors import did_you_mean
-from titan_cp.integrations.hf_shapes import HFShapes
+from titan_cp.integrations.hf_shapes import LINEAR_KINDS, HFShapes, LinearShapes
 
 BUILDS_PIPELINE = False
 """Whether titan_cp's CP runs under torchtitan's pipeline parallelism (not run yet: no pipeline meshes planned)."""
@@ -199,50 +199,67 @@ def _keys(config: Any, section: Any, ac: str) -> list[str]:
 
 def model_shapes(model: Any, what: str, label: str = "torchtitan") -> TorchtitanShapes:
     """The planner's shapes of torchtitan's model config ``model`` (a ``Decoder.Config``: Llama 3,
-    Qwen3), named ``label`` in the plan; ``what`` names it in errors. Every layer must be a dense GQA block of the same shapes."""
+    Qwen3, Qwen3.5), named ``label`` in the plan; ``what`` names it in errors. Every attention layer must be a
+    dense GQA block (Qwen3.5's gated one too) of the same shapes, every Gated DeltaNet layer (Qwen3.5's linear
+    layers: :class:`~titan_cp.integrations.hf_shapes.LinearShapes`) too, with one feed-forward width."""
     layers = getattr(model, "layers", None)
     if not layers:
         raise ValueError(
             f"{what}: the planner reads a torchtitan decoder (Llama 3, Qwen3); {type(model).__name__} has no layers"
         )
-    shapes = {_layer_shapes(layer, model.dim, what, i) for i, layer in enumerate(layers)}
-    if len(shapes) > 1:
+    linear_layers = tuple(i for i, layer in enumerate(layers) if getattr(layer, "delta_net", None) is not None)
+    shapes = {_layer_shapes(layer, model.dim, what, i) for i, layer in enumerate(layers) if i not in linear_layers}
+    linear = {(_linear_shapes(layers[i].delta_net), _feed_forward(layers[i], what, i)) for i in linear_layers}
+    if len(shapes) != 1 or len(linear) > 1 or len({s[3] for s in shapes} | {f for _, f in linear}) > 1:
         raise ValueError(
-            f"{what}: the layers differ in shape {sorted(shapes)}; the planner plans one shape for every layer"
+            f"{what}: the layers differ in shape {sorted(shapes)} {sorted(map(str, linear))}; the planner plans one "
+            "shape for every layer of a kind"
         )
-    ((heads, kv_heads, head_dim, ffn),) = shapes
+    ((heads, kv_heads, head_dim, ffn, gate),) = shapes
+    first = next(layer for i, layer in enumerate(layers) if i not in linear_layers)
     return TorchtitanShapes(
         dim=model.dim,
         n_layers=len(layers),
         n_heads=heads,
         n_kv_heads=kv_heads,
         vocab_size=model.vocab_size,
-        max_seq_len=layers[0].attention.rope.max_seq_len,
+        max_seq_len=first.attention.rope.max_seq_len,
         hf_head_dim=head_dim,
         hf_ffn=ffn,
         tied=bool(model.enable_weight_tying),
         name=label,
+        q_gate=gate,
+        linear=next(iter(linear))[0] if linear else None,
+        linear_layers=linear_layers,
     )
 
 
-def _layer_shapes(layer: Any, dim: int, what: str, i: int) -> tuple[int, int, int, int]:
-    """``(heads, kv heads, head size, feed-forward width)`` of layer ``i``'s config."""
+def _linear_shapes(delta_net: Any) -> LinearShapes:
+    """A Gated DeltaNet layer's config (torchtitan's Qwen3.5) as the planner's :class:`LinearShapes`."""
+    k, v = delta_net.key_head_dim, delta_net.value_head_dim
+    heads = delta_net.in_proj_k.out_features // k, delta_net.in_proj_v.out_features // v
+    return LinearShapes(LINEAR_KINDS[0], heads[0], heads[1], k, v, delta_net.conv_kernel_size)
+
+
+def _layer_shapes(layer: Any, dim: int, what: str, i: int) -> tuple[int, int, int, int, bool]:
+    """``(heads, kv heads, head size, feed-forward width, gate)`` of attention layer ``i``'s config (``gate``:
+    Qwen3.5's gated attention, its ``wq`` twice as wide as its heads)."""
     attention = layer.attention
-    if getattr(layer, "delta_net", None) is not None:
-        raise ValueError(
-            f"{what}: layer {i} is a Gated DeltaNet (linear attention: torchtitan's Qwen3.5); the planner plans "
-            "torchtitan's GQA decoders, not hybrid models yet"
-        )
-    if not isinstance(attention, GQAttention.Config):
+    heads, head_dim = getattr(attention, "n_heads", 0), getattr(attention, "head_dim", None)
+    gated = getattr(getattr(attention, "wq", None), "out_features", 0) == 2 * heads * (head_dim or dim // max(1, heads))
+    if not (isinstance(attention, GQAttention.Config) or gated):
         raise ValueError(
             f"{what}: layer {i} has {type(attention).__qualname__}; the planner plans torchtitan's GQA attention"
         )
+    kv_heads = heads if attention.n_kv_heads is None else attention.n_kv_heads
+    return heads, kv_heads, head_dim if head_dim is not None else dim // heads, _feed_forward(layer, what, i), gated
+
+
+def _feed_forward(layer: Any, what: str, i: int) -> int:
+    """Layer ``i``'s dense feed-forward width (``ValueError`` for a mixture of experts)."""
     if getattr(layer, "moe", None) is not None or layer.feed_forward is None:
         raise ValueError(
             f"{what}: layer {i} is a mixture of experts; the planner models dense feed-forwards only (plan a dense "
             "model of the same attention shapes instead)"
         )
-    heads = attention.n_heads
-    kv_heads = heads if attention.n_kv_heads is None else attention.n_kv_heads
-    head_dim = attention.head_dim if attention.head_dim is not None else dim // heads
-    return heads, kv_heads, head_dim, layer.feed_forward.w1.out_features
+    return layer.feed_forward.w1.out_features
