@@ -14,6 +14,7 @@ from benchmarks.fake_cuda import HostSyncError
 from benchmarks.linear_model import QWEN3_NEXT, FlaCall, mix_rows, simulate
 from titan_cp.attention.linear.plan import StatePlan, rows_index
 from titan_cp.data.row_mixes import lognormal_doc_lens
+from titan_cp.integrations.hf_shapes import LinearShapes
 from titan_cp.layout import DEFAULT_BALANCE, SequenceLayout
 from titan_cp.plan import linear as lin
 
@@ -121,3 +122,35 @@ def test_the_fla_path_returns_every_summary_gradient(dist_pools):
     """At CP 4 on :data:`SMALL_ROWS` the ``fla`` path's gradients equal the torch kernel's on every rank (before
     the join, rank 3 skipped the exchange's backward: its summary's gradient lost, the others left waiting)."""
     assert max(dist_pools.run(4, fla_error)) < 1e-5
+
+
+def recomputed_bytes(rank: int, world: int, kind: str) -> int:
+    """Bytes this rank sends in one forward + backward of Mamba2's SSD, or of the gated delta rule through the
+    torch kernel (both custom ops whose backward recomputes, sending the summaries again), on :data:`SMALL_ROWS`."""
+    from tests.dist_utils import cp_mesh  # noqa: PLC0415
+    from titan_cp.attention.comm import count_comm  # noqa: PLC0415
+    from titan_cp.attention.linear import cp_gated_delta_rule, cp_ssd  # noqa: PLC0415
+
+    layout, mesh = SequenceLayout(256, world, DEFAULT_BALANCE, SMALL_ROWS), cp_mesh("ring", world)
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(1, 256 // world, *s, generator=gen).requires_grad_()  # noqa: E731
+    with count_comm() as counted:
+        if kind == "ssd":  # 4 heads of dim 3, 2 groups of state 5
+            a = -torch.rand(4, generator=gen).requires_grad_()
+            out = cp_ssd(r(4, 3), r(4).sigmoid(), a, r(2, 5), r(2, 5), mesh, layout, chunk=16)
+        else:  # 2 q/k heads, 4 value heads, d_k 8, d_v 6
+            out = cp_gated_delta_rule(r(2, 8), r(2, 8), r(4, 6), -r(4).sigmoid(), r(4).sigmoid(), mesh, layout)
+        out.sum().backward()
+    return counted.bytes_sent
+
+
+@pytest.mark.parametrize(
+    "kind, shapes",
+    [("ssd", LinearShapes("mamba2", 2, 4, 5, 3, 4, 16)), ("gated_delta", LinearShapes("gated_delta", 2, 4, 8, 6))],
+)
+def test_the_recomputing_ops_send_what_the_planner_prices(dist_pools, kind, shapes):
+    """Mamba2's SSD and the torch kernel's gated delta rule at CP 4: each rank's bytes equal the planner's
+    summaries (``recompute``: sent forward, sent again by the backward, the received ones' gradients returned)."""
+    works = lin.linear_work(256, 4, DEFAULT_BALANCE, tuple(tuple(r) for r in SMALL_ROWS), 4)
+    priced = [lin.exchange_bytes(shapes, w, 4, recompute=True)[0] for w in works]
+    assert dist_pools.run(4, recomputed_bytes, kind) == priced and max(priced) > 0
