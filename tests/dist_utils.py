@@ -39,12 +39,17 @@ def cp_mesh(strategy: str, world: int, ulysses: int = 1):
     return get_mesh((world,), ("cp",))
 
 
-def make_inputs(seed: int, batch: int, heads: int, kv_heads: int, seq: int, dim: int, dtype=torch.float32):
+def make_inputs(
+    seed: int, batch: int, heads: int, kv_heads: int, seq: int, dim: int, dtype=torch.float32, v_dim: int | None = None
+):
+    """``q, k (B, H|K, S, dim)``, ``v (B, K, S, v_dim)`` and ``dout (B, H, S, v_dim)`` (``v_dim``: ``dim`` when
+    ``None``; multi-head latent attention gives v a head dim of its own)."""
     g = torch.Generator().manual_seed(seed)
+    v_dim = dim if v_dim is None else v_dim
     q = torch.randn(batch, heads, seq, dim, generator=g)
     k = torch.randn(batch, kv_heads, seq, dim, generator=g)
-    v = torch.randn(batch, kv_heads, seq, dim, generator=g)
-    dout = torch.randn(batch, heads, seq, dim, generator=g)
+    v = torch.randn(batch, kv_heads, seq, v_dim, generator=g)
+    dout = torch.randn(batch, heads, seq, v_dim, generator=g)
     return q.to(dtype), k.to(dtype), v.to(dtype), dout.to(dtype)
 
 
@@ -59,7 +64,14 @@ def run_case(case: dict, world: int, dtype=torch.float32):
     rank = CPHandle(mesh, strategy).rank
     layout = SequenceLayout(case["seq"], world, case["balance"], case.get("doc_lens"))
     q, k, v, dout = make_inputs(
-        case.get("seed", 0), case["batch"], case["heads"], case["kv_heads"], case["seq"], case.get("dim", 8), dtype
+        case.get("seed", 0),
+        case["batch"],
+        case["heads"],
+        case["kv_heads"],
+        case["seq"],
+        case.get("dim", 8),
+        dtype,
+        case.get("v_dim"),
     )
 
     masks = {key: case.get(key) for key in ("window", "chunk")}

@@ -1,6 +1,8 @@
 """Every strategy against the fp64-computed full-sequence reference: output and the
 gradients of q, k and v, at world sizes 1, 2, 3, 4 (and 8 for the ring), causal and
-not, MHA and GQA (kv_heads = 1 included), batch 2, both layouts.
+not, MHA and GQA (kv_heads = 1 included), batch 2, both layouts. The GQA and single-K/V-head
+cases give v a head dim of its own (multi-head latent attention: 5 and 12 against q/k's 8,
+narrower and wider), so every strategy at every world size runs it.
 
 Tolerance: inputs and cp results are fp32; the only differences from the reference are
 fp32 rounding in a different summation order (tile splits and the log-sum-exp merge),
@@ -20,14 +22,17 @@ TOL = 5e-5
 SEQ = 48  # divisible by 2N for N = 1, 2, 3, 4 and 8
 
 
-def _kv_options(world: int) -> list[int]:
+def _kv_options(world: int) -> list[tuple[int, int | None]]:
+    """``(kv_heads, v_dim)``: MHA at one head dim; GQA and a single K/V head with v's own (``None``: q/k's 8)."""
     gqa = 3 if world == 3 else 4
-    return [12, gqa, 1]  # MHA, GQA, a single K/V head
+    return [(12, None), (gqa, 5), (1, 12)]
 
 
 def _cases(strategy: str, world: int, ulysses: int = 1) -> list[dict]:
     cases = []
-    for causal, kv_heads, balance in itertools.product((True, False), _kv_options(world), ("contiguous", "zigzag")):
+    for causal, (kv_heads, v_dim), balance in itertools.product(
+        (True, False), _kv_options(world), ("contiguous", "zigzag")
+    ):
         cases.append(
             dict(
                 strategy=strategy,
@@ -36,6 +41,7 @@ def _cases(strategy: str, world: int, ulysses: int = 1) -> list[dict]:
                 batch=2,
                 heads=12,
                 kv_heads=kv_heads,
+                v_dim=v_dim,
                 causal=causal,
                 balance=balance,
                 seed=world * 100 + kv_heads,

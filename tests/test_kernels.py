@@ -1,5 +1,6 @@
 """Local kernels against the plain math kernel, and the tile backward fed the *global*
-``out``/``lse`` (the identity every strategy's backward relies on)."""
+``out``/``lse`` (the identity every strategy's backward relies on). v takes a head dim of its own
+(multi-head latent attention) in every kernel: narrower and wider than q/k's 16."""
 
 import functools
 
@@ -23,16 +24,17 @@ from titan_cp.attention.kernels import flashattn as flashattn_module
 SCALE = 0.25
 
 
-def _qkv(dtype=torch.float32, device="cpu", sq=40, sk=40, heads=6, kv_heads=2, seed=0):
+def _qkv(dtype=torch.float32, device="cpu", sq=40, sk=40, heads=6, kv_heads=2, seed=0, v_dim=16):
+    """``q, k`` at head dim 16, ``v`` and ``dout`` at ``v_dim``."""
     g = torch.Generator().manual_seed(seed)
-    mk = lambda h, s: torch.randn(2, h, s, 16, generator=g).to(device=device, dtype=dtype)  # noqa: E731
-    return mk(heads, sq), mk(kv_heads, sk), mk(kv_heads, sk), mk(heads, sq)
+    mk = lambda h, s, e=16: torch.randn(2, h, s, e, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    return mk(heads, sq), mk(kv_heads, sk), mk(kv_heads, sk, v_dim), mk(heads, sq, v_dim)
 
 
 def _check(kernel, dtype, device, tol):
     ref = MathKernel()
-    for causal, sk in ((True, 40), (False, 24)):
-        q, k, v, dout = _qkv(dtype, device, sk=sk)
+    for causal, sk, v_dim in ((True, 40, 16), (False, 24, 16), (True, 40, 8), (False, 24, 24)):
+        q, k, v, dout = _qkv(dtype, device, sk=sk, v_dim=v_dim)
         out, lse = kernel.forward(q, k, v, causal, SCALE)
         rout, rlse = ref.forward(q.float(), k.float(), v.float(), causal, SCALE)
         assert lse.dtype == torch.float32
@@ -96,11 +98,12 @@ class AttentionKernelLoop(MathKernel):
     """The math kernel through the default segment-by-segment varlen loop."""
 
 
-def _packed(lens_q, lens_k, heads=6, kv_heads=2, dim=16, dtype=torch.float32, device="cpu", seed=0):
+def _packed(lens_q, lens_k, heads=6, kv_heads=2, dim=16, dtype=torch.float32, device="cpu", seed=0, v_dim=None):
+    """Packed ``q, k`` at ``dim``, ``v`` and ``dout`` at ``v_dim`` (``None``: ``dim``)."""
     g = torch.Generator().manual_seed(seed)
-    mk = lambda n, h: torch.randn(n, h, dim, generator=g).to(device=device, dtype=dtype)  # noqa: E731
-    tq, tk = sum(lens_q), sum(lens_k)
-    return mk(tq, heads), mk(tk, kv_heads), mk(tk, kv_heads), mk(tq, heads)
+    mk = lambda n, h, e=dim: torch.randn(n, h, e, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    tq, tk, e = sum(lens_q), sum(lens_k), dim if v_dim is None else v_dim
+    return mk(tq, heads), mk(tk, kv_heads), mk(tk, kv_heads, e), mk(tq, heads, e)
 
 
 def test_segments_from_offsets_and_lengths():
@@ -112,17 +115,17 @@ def test_segments_from_offsets_and_lengths():
     assert Segments.from_offsets([0], [0], "cpu").max_q == 0
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_default_varlen_loop_matches_each_segment_alone(causal):
-    """The base-class loop: packed (total, heads, dim) buffers, GQA, an empty query segment;
-    every segment equals dense attention of its own slices, dK/dV come back at kv_heads."""
+@pytest.mark.parametrize("causal,v_dim", [(True, 16), (False, 16), (True, 10)])
+def test_default_varlen_loop_matches_each_segment_alone(causal, v_dim):
+    """The base-class loop: packed (total, heads, dim) buffers, GQA, an empty query segment, v at its own
+    head dim or q's; every segment equals dense attention of its own slices, dK/dV come back at kv_heads."""
     lens_q = [5, 0, 9, 1]
     lens_k = lens_q if causal else [4, 3, 11, 2]
-    q, k, v, dout = _packed(lens_q, lens_k)
+    q, k, v, dout = _packed(lens_q, lens_k, v_dim=v_dim)
     seg = Segments.from_lengths(lens_q, lens_k, "cpu")
     kern = AttentionKernelLoop()
     out, lse = kern.varlen_forward(q, k, v, seg, causal, SCALE)
-    assert out.shape == q.shape and lse.shape == (6, sum(lens_q)) and lse.dtype == torch.float32
+    assert out.shape == dout.shape and lse.shape == (6, sum(lens_q)) and lse.dtype == torch.float32
     dq, dk, dv = kern.varlen_backward(dout, q, k, v, out, lse, seg, causal, SCALE)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     for (a, b), (c, d) in zip(zip(seg.host_q, seg.host_q[1:]), zip(seg.host_k, seg.host_k[1:])):
@@ -187,6 +190,28 @@ def test_cuda_flash_kernel_calls_and_shapes_on_meta_tensors(monkeypatch):
     assert bargs[6] is seg.cu_q and bargs[7] is seg.cu_k and bargs[8:10] == (17, 17)
 
 
+def test_cuda_flash_pads_a_value_head_dim_of_its_own_on_meta_tensors(monkeypatch):
+    """Multi-head latent attention on ATen's CUDA flash kernel, which takes one head dim: v (and the
+    backward's out and dout) reach it zero-padded to q/k's 192, the results come back at their own dims."""
+    rec = _RecordingAten()
+    monkeypatch.setattr(cuda_flash_module, "_ATEN", rec)
+    kern = CUDAFlashKernel()
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, k, v = torch.empty(2, 8, 40, 192, **meta), torch.empty(2, 8, 40, 192, **meta), torch.empty(2, 8, 40, 128, **meta)
+    out, lse = kern.forward(q, k, v, True, SCALE)
+    grads = kern.backward(torch.empty_like(out), q, k, v, out, lse, True, SCALE)
+    assert out.shape == (2, 8, 40, 128) and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    seg = Segments.from_lengths([5, 17, 1], [5, 17, 1], "cpu")
+    seg = Segments(seg.cu_q.to("meta"), seg.cu_k.to("meta"), seg.max_q, seg.max_k, seg.host_q, seg.host_k)
+    qp, vp = torch.empty(23, 8, 192, **meta), torch.empty(23, 8, 128, **meta)
+    out, lse = kern.varlen_forward(qp, qp, vp, seg, True, SCALE)
+    grads = kern.varlen_backward(torch.empty_like(out), qp, qp, vp, out, lse, seg, True, SCALE)
+    assert out.shape == (23, 8, 128) and [g.shape for g in grads] == [qp.shape, qp.shape, vp.shape]
+    assert len(rec.calls) == 4
+    for _, args, _ in rec.calls:  # q, k, v (and dout, out): every head dim the kernel sees is 192
+        assert {a.shape[-1] for a in args[:5] if isinstance(a, torch.Tensor) and a.dim() >= 3} == {192}
+
+
 def _fake_flash_attn(generation: str):
     """flash-attn's private functions of ``generation`` ("2.6": Python functions; "2.7": custom ops), math inside."""
     return standin(generation)
@@ -236,8 +261,8 @@ def test_flash_attn_forward_and_backward_with_either_generation(generation):
     schema, so the dense and variable-length forward and backward run and equal the math kernel."""
     kern = FlashAttnKernel(_fake_flash_attn(generation))
     ref = MathKernel()
-    for causal, sk in ((True, 40), (False, 24)):
-        q, k, v, dout = _qkv(torch.bfloat16, sk=sk)
+    for causal, sk, v_dim in ((True, 40, 16), (False, 24, 8)):  # flash-attn 2 takes one head dim: v padded
+        q, k, v, dout = _qkv(torch.bfloat16, sk=sk, v_dim=v_dim)
         out, lse = kern.forward(q, k, v, causal, SCALE)
         want = ref.forward(q, k, v, causal, SCALE)
         torch.testing.assert_close(out, want[0])
@@ -248,7 +273,7 @@ def test_flash_attn_forward_and_backward_with_either_generation(generation):
             assert got.shape == w.shape
             torch.testing.assert_close(got, w)
     lens_q, lens_k = [5, 17, 1], [9, 3, 30]
-    qp, kp, vp, dp = _packed(lens_q, lens_k, dtype=torch.bfloat16)
+    qp, kp, vp, dp = _packed(lens_q, lens_k, dtype=torch.bfloat16, v_dim=24)  # q and k padded to v's 24
     seg = Segments.from_lengths(lens_q, lens_k, "cpu")
     out, lse = kern.varlen_forward(qp, kp, vp, seg, False, SCALE)
     loop = AttentionKernelLoop()

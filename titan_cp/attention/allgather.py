@@ -9,6 +9,7 @@ the received rows, the collective writing straight into it; one set of tiles (th
 whole row) reads it::
 
     keys       = [kv_r, kv_j[need(r, j)] for j != r]            sum_i |need(i, r)| rows out of rank r
+                 (a row: its K and V side by side, each at its own head dim)
     forward    out_r = attn(q_r, keys)
     backward   dkv_r = dkeys[own part] + the dual collective of dkeys[received]  (fp32, each peer's share)
                dq_r  = dattn_q(q_r, keys)
@@ -44,7 +45,7 @@ from titan_cp.attention.fold import (
 )
 from titan_cp.attention.merge import sinks_grad
 from titan_cp.attention.strategy import BackwardGrads, Strategy, kept_input, register_strategy
-from titan_cp.attention.tiling import Mask, TileIndex, head_major, tile_mask, token_major
+from titan_cp.attention.tiling import Mask, TileIndex, head_major, split_kv, tile_mask, token_major
 from titan_cp.layout import SequenceLayout, to_device
 
 
@@ -104,6 +105,16 @@ def gather_exchange(layout: SequenceLayout, rank: int, mask: Mask, batch: int, d
     return layout.memo(("gather", rank, mask, batch, torch.device(device)), build)
 
 
+def key_buffer(k_t: Tensor, v_t: Tensor, received: int) -> Tensor:
+    """``(B*S + received, K, E + Ev)``: my K/V rows first, each row's K then its V along the last dim (one
+    buffer the collective writes the received rows into, however V's head dim compares with K's), then
+    room for the ``received`` rows."""
+    n = k_t.shape[0]
+    keys = k_t.new_empty((n + received, k_t.shape[1], k_t.shape[-1] + v_t.shape[-1]))
+    torch.cat([k_t, v_t], dim=-1, out=keys[:n])
+    return keys
+
+
 def _natural_rows(layout: SequenceLayout, rank: int, batch: int) -> torch.Tensor:
     """The natural token-major row (``b * seq_len + position``) of each row of ``rank``'s buffer."""
     index = layout.index(rank)
@@ -122,13 +133,12 @@ class AllGather(Strategy):
         layout, kernel = ctx.layout_and_kernel()
         g = gather_exchange(layout, ctx.rank, ctx.mask, batch, q.device)
         k_t, v_t, q_t = token_major(k), token_major(v), token_major(q)
-        keys = k_t.new_empty((k_t.shape[0] + g.received, 2) + tuple(k_t.shape[1:]))  # (B*S + received, 2, K, E)
-        torch.stack([k_t, v_t], dim=1, out=keys[: k_t.shape[0]])
+        keys = key_buffer(k_t, v_t, g.received)
         if g.active:
             kv = keys[: k_t.shape[0]]
             all_to_all_uneven(kv.index_select(0, g.send), g.send_splits, g.recv_splits, ctx.group, keys[k_t.shape[0] :])
-        results = Results(q_t, g.folds)
-        fold_forward(q_t, keys[:, 0], keys[:, 1], g.index, kernel, ctx.scale, results, 0)
+        results = Results(q_t, g.folds, v_t.shape[-1])
+        fold_forward(q_t, *split_kv(keys, k_t.shape[-1]), g.index, kernel, ctx.scale, results, 0)
         out_t, lse = results.finish(ctx.sinks)
         return head_major(out_t, batch), (lse, keys)
 
@@ -148,15 +158,18 @@ class AllGather(Strategy):
         layout, kernel = ctx.layout_and_kernel()
         g = gather_exchange(layout, ctx.rank, ctx.mask, batch, q.device)
         dout_t, q_t, out_t = token_major(dout), token_major(q), token_major(out)
-        local = q_t.shape[0]
-        dqs, dks, dvs = attend_backward(dout_t, q_t, keys[:, 0], keys[:, 1], out_t, lse, g.index, kernel, ctx.scale)
-        back = keys.new_empty((g.received, 2) + tuple(keys.shape[2:]), dtype=torch.float32)  # what goes home
-        for i, grads in enumerate((dks, dvs)):
-            Grads.summed(back[:, i], g.received_folds, grads, out=back[:, i])
+        local, e = q_t.shape[0], q_t.shape[-1]
+        dqs, dks, dvs = attend_backward(dout_t, q_t, *split_kv(keys, e), out_t, lse, g.index, kernel, ctx.scale)
+        back = keys.new_empty((g.received,) + tuple(keys.shape[1:]), dtype=torch.float32)  # what goes home
+        for part, grads in zip(split_kv(back, e), (dks, dvs)):
+            Grads.summed(part, g.received_folds, grads, out=part)
         home = back.new_empty((len(g.send),) + tuple(back.shape[1:]))
         if g.active:  # each peer's gradients of the rows it received go back to it
             all_to_all_uneven(back, g.recv_splits, g.send_splits, ctx.group, home)
-        dk, dv = (Grads.summed(keys[:local, i], g.own, grads + [home[:, i]]) for i, grads in enumerate((dks, dvs)))
+        dk, dv = (
+            Grads.summed(mine, g.own, grads + [peers])
+            for mine, peers, grads in zip(split_kv(keys[:local], e), split_kv(home, e), (dks, dvs))
+        )
         dq = Grads.summed(q_t, g.folds, dqs)
         dsinks = None if ctx.sinks is None else sinks_grad(dout_t, out_t, lse, ctx.sinks)
         return head_major(dq, batch), head_major(dk, batch), head_major(dv, batch), dsinks
@@ -165,7 +178,7 @@ class AllGather(Strategy):
         """The key buffer's length depends on the documents (what other ranks can see): a dynamic size."""
         b, h, s, e = q.shape
         rows = torch.library.get_ctx().new_dynamic_size()
-        return q.new_empty((h, b * s), dtype=torch.float32), k.new_empty((rows, 2, k.shape[1], e))
+        return q.new_empty((h, b * s), dtype=torch.float32), k.new_empty((rows, k.shape[1], e + v.shape[-1]))
 
 
 ALLGATHER = register_strategy(AllGather())

@@ -3,8 +3,9 @@
 Shapes (SDPA's)::
 
     q:   (batch, q_heads,  seq_local, head_dim)
-    k,v: (batch, kv_heads, seq_local, head_dim)     q_heads % kv_heads == 0 (GQA)
-    out: (batch, q_heads,  seq_local, head_dim)     in q's dtype
+    k:   (batch, kv_heads, seq_local, head_dim)     q_heads % kv_heads == 0 (GQA)
+    v:   (batch, kv_heads, seq_local, v_dim)        v_dim: v's own (multi-head latent attention: 192 / 128)
+    out: (batch, q_heads,  seq_local, v_dim)        in q's dtype
 
 ``seq_local`` tokens are this rank's shard under ``layout`` (``layout.shard(x, dim=2, rank)``).
 The result on every rank equals the matching rows of full-sequence attention with the
@@ -36,6 +37,7 @@ import titan_cp.attention.ulysses  # noqa: F401
 from titan_cp.attention.context import CPContext
 from titan_cp.attention.handle import CPHandle, handle_by_id
 from titan_cp.attention.kernels import check_kernel
+from titan_cp.attention.kernels.base import kernel_head_dim
 from titan_cp.attention.pricing import AttentionCall, cost_of
 from titan_cp.attention.strategy import DEFAULT_STRATEGY, Strategy, get_strategy
 from titan_cp.attention.tiling import CAUSAL, Mask
@@ -53,8 +55,11 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
             raise ValueError(f"{name} must be (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
         if 0 in t.shape:
             raise ValueError(f"{name} has an empty dimension: shape {tuple(t.shape)} (batch, heads, seq, head_dim)")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch, heads and seq (v's head_dim may "
+            "differ: multi-head latent attention)"
+        )
     if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, seq and head_dim")
     if q.shape[1] % k.shape[1]:
@@ -142,7 +147,8 @@ def _functional_id(
     Run eagerly even while ``torch.compile`` traces a caller (a graph constant, as :func:`_local_id`); its
     ``ValueError`` then reaches the caller wrapped by dynamo, message and all.
 
-    ``cp_size``: the layout's; ``q``: its ``(device, dtype, heads, head_dim)``."""
+    ``cp_size``: the layout's; ``q``: its ``(device, dtype, heads, head_dim)``, the head dim the kernel
+    runs at (:func:`~titan_cp.attention.kernels.base.kernel_head_dim`)."""
     device, dtype, q_heads, head_dim = q
     check_kernel(kernel, device, dtype, head_dim)
     if mesh is None and cp_size != 1:
@@ -170,10 +176,15 @@ def _context(
     scale: float,
     sinks: Tensor | None = None,
     fake: bool = False,
+    kernel_dim: int | None = None,
 ) -> tuple[CPContext, Strategy]:
+    """The call's context: ``q`` (or ``dout``) gives its batch, heads, tokens, device and dtype; ``kernel_dim``
+    the head dim its kernel runs at (:func:`~titan_cp.attention.kernels.base.kernel_head_dim`; ``None``:
+    ``q``'s)."""
     cp = handle_by_id(handle)
     layout = None if fake else cp.find(q.shape[2] * cp.size, doc_lens)
-    kernel = None if fake else check_kernel(cp.kernel, q.device, q.dtype, q.shape[-1])
+    dim = q.shape[-1] if kernel_dim is None else kernel_dim
+    kernel = None if fake else check_kernel(cp.kernel, q.device, q.dtype, dim)
     ctx = CPContext(cp.mesh, layout, mask, scale, kernel, q.shape[1], k_heads, sinks, _documents(doc_lens))
     return ctx, cp.strategy_impl
 
@@ -184,10 +195,11 @@ def _documents(doc_lens: Tensor | None) -> bool:
     return doc_lens is not None and doc_lens.shape[-1] > 1
 
 
-def _bshe_like(x: Tensor) -> Tensor:
-    """An empty ``(B, H, S, E)`` tensor stored token-major, the strides every op output has."""
-    b, h, s, e = x.shape
-    return x.new_empty((b, s, h, e)).transpose(1, 2)
+def _bshe_like(x: Tensor, e: int | None = None) -> Tensor:
+    """An empty ``(B, H, S, E)`` tensor like ``x`` (head dim ``e``; ``None``: x's) stored token-major, the
+    strides every op output has."""
+    b, h, s, x_e = x.shape
+    return x.new_empty((b, s, h, x_e if e is None else e)).transpose(1, 2)
 
 
 def _owned(outputs: list[Tensor], inputs: tuple[object, ...], layouts: int) -> list[Tensor]:
@@ -225,7 +237,10 @@ def _cp_attention_op(
     chunk: int,
     scale: float,
 ) -> list[Tensor]:
-    ctx, strategy = _context(handle, q, k.shape[1], doc_lens, _mask(causal, window, chunk), scale, sinks)
+    dim = kernel_head_dim(q.shape[-1], v.shape[-1])
+    ctx, strategy = _context(
+        handle, q, k.shape[1], doc_lens, _mask(causal, window, chunk), scale, sinks, kernel_dim=dim
+    )
     with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
         out, saved = strategy.forward(ctx, q, k, v)
     return _owned([out, *saved], (q, k, v, doc_lens, sinks), layouts=1)
@@ -234,7 +249,7 @@ def _cp_attention_op(
 @_cp_attention_op.register_fake
 def _(q, k, v, doc_lens, sinks, handle, causal, window, chunk, scale):
     ctx, strategy = _context(handle, q, k.shape[1], doc_lens, _mask(causal, window, chunk), scale, sinks, fake=True)
-    return [_bshe_like(q), *strategy.saved_like(ctx, q, k, v)]
+    return [_bshe_like(q, v.shape[-1]), *strategy.saved_like(ctx, q, k, v)]
 
 
 @torch.library.custom_op("titan_cp::cp_attention_backward", mutates_args=())
@@ -254,7 +269,11 @@ def _cp_attention_backward_op(
     scale: float,
     kv_heads: int,
 ) -> list[Tensor]:
-    ctx, strategy = _context(handle, dout, kv_heads, doc_lens, _mask(causal, window, chunk), scale, sinks)
+    """``[dq, dk, dv (, dsinks)]``; ``dout`` is ``(B, H, S, v_dim)``."""
+    dim = kernel_head_dim(_qk_dim(handle, q, k, saved), dout.shape[-1])
+    ctx, strategy = _context(
+        handle, dout, kv_heads, doc_lens, _mask(causal, window, chunk), scale, sinks, kernel_dim=dim
+    )
     with torch.autocast(dout.device.type, enabled=False):
         dq, dk, dv, dsinks = strategy.backward(ctx, dout, q, k, v, out, saved)
     if dsinks is not None and sinks is None:
@@ -265,9 +284,15 @@ def _cp_attention_backward_op(
 
 @_cp_attention_backward_op.register_fake
 def _(dout, q, k, v, out, saved, doc_lens, sinks, handle, causal, window, chunk, scale, kv_heads):
-    b, _, s, e = dout.shape
-    kv = dout.new_empty((b, s, kv_heads, e)).transpose(1, 2)
-    return [_bshe_like(dout), kv, torch.empty_like(kv)] + ([] if sinks is None else [torch.empty_like(sinks)])
+    b, _, s, v_dim = dout.shape
+    head_dim = _qk_dim(handle, q, k, saved)
+    dk, dv = (dout.new_empty((b, s, kv_heads, e)).transpose(1, 2) for e in (head_dim, v_dim))
+    return [_bshe_like(dout, head_dim), dk, dv] + ([] if sinks is None else [torch.empty_like(sinks)])
+
+
+def _qk_dim(handle: int, q: Tensor | None, k: Tensor | None, saved: list[Tensor]) -> int:
+    """q/k's head dim in the backward, which may keep neither (the strategy reads it from what it saved)."""
+    return handle_by_id(handle).strategy_impl.qk_head_dim(q, k, saved)
 
 
 _ARGS = ("doc_lens", "sinks", "handle", "causal", "window", "chunk", "scale")
@@ -318,18 +343,21 @@ def local_head_pairs(handle: int, q: Tensor, kv_heads: int, doc_lens: Tensor | N
 
 @register_flop_formula(torch.ops.titan_cp.cp_attention, get_raw=True)
 def _cp_attention_flops(q, k, v, doc_lens, sinks, handle, causal, window, chunk, scale, *a, out_val=None, **kw) -> int:
-    """``QK^T`` and ``PV`` over the visible pairs only: ``2 * 2 * head_dim`` per pair and head
-    (masked-out and empty tiles are never computed, so they are not counted)."""
-    return 4 * q.shape[-1] * local_head_pairs(handle, q, k.shape[1], doc_lens, _mask(causal, window, chunk))
+    """``QK^T`` and ``PV`` over the visible pairs only: ``2 * (head_dim + v_dim)`` per pair and head
+    (masked-out and empty tiles are never computed, so they are not counted; a kernel's zero padding of v
+    is not useful work, so not counted either)."""
+    dims = q.shape[-1] + v.shape[-1]
+    return 2 * dims * local_head_pairs(handle, q, k.shape[1], doc_lens, _mask(causal, window, chunk))
 
 
 @register_flop_formula(torch.ops.titan_cp.cp_attention_backward, get_raw=True)
 def _cp_attention_backward_flops(
     dout, q, k, v, out, saved, doc_lens, sinks, handle, causal, window, chunk, scale, kv_heads, *a, out_val=None, **kw
 ) -> int:
-    """Twice the forward (``dQ, dK, dV`` and ``dP``: four products per pair), the convention of
-    PyTorch's SDPA backward formula (the recomputation of ``P`` is not counted)."""
-    return 8 * dout.shape[-1] * local_head_pairs(handle, dout, kv_heads, doc_lens, _mask(causal, window, chunk))
+    """Twice the forward (``dQ, dK`` at q/k's head dim, ``dV, dP`` at v's: four products per pair), the
+    convention of PyTorch's SDPA backward formula (the recomputation of ``P`` is not counted)."""
+    dims = _qk_dim(handle, q, k, saved) + dout.shape[-1]
+    return 4 * dims * local_head_pairs(handle, dout, kv_heads, doc_lens, _mask(causal, window, chunk))
 
 
 # ---------------------------------------------------------------------------- public functions
@@ -412,7 +440,7 @@ def cp_attention(
     _check_layout(q, layout)
     mask = check_mask(causal, window, chunk, sinks, q.shape[1])
     scale = _scale(scale, q.shape[-1])
-    settings = (q.device, q.dtype, q.shape[1], q.shape[-1])
+    settings = (q.device, q.dtype, q.shape[1], kernel_head_dim(q.shape[-1], v.shape[-1]))
     handle = _functional_id(mesh, strategy, layout.balance, kernel, layout.cp_size, settings, k.shape[1])
     return attend(q, k, v, handle, layout.documents, mask.causal, scale, mask.window, mask.chunk, sinks)
 
@@ -457,9 +485,11 @@ def min_bytes_per_rank(
     layout: SequenceLayout | None = None,
     rank: int | None = None,
     mask: Mask | None = None,
+    v: Tensor | None = None,
 ) -> int:
     """The bytes a rank sends for one forward (+ backward) on these local shapes: with ``layout``, what the
     ranks need of each other under it (``rank``; ``None``: the rank sending most), else the dense case
-    (the strategy's cost object: :meth:`~titan_cp.attention.pricing.StrategyCost.min_bytes`)."""
-    call = AttentionCall.of(q, k, world, ulysses_size, layout, CAUSAL if mask is None else mask)
+    (the strategy's cost object: :meth:`~titan_cp.attention.pricing.StrategyCost.min_bytes`); ``v``: shaped
+    like ``k`` when ``None`` (a value head dim of its own counts V and the output at it)."""
+    call = AttentionCall.of(q, k, world, ulysses_size, layout, CAUSAL if mask is None else mask, v)
     return cost_of(strategy).min_bytes(call, backward, rank)

@@ -8,10 +8,11 @@ Every strategy (:mod:`titan_cp.attention.strategy`) has the same shape::
     kept(documents): the inputs/outputs among ("q", "k", "v", "out") its backward reads (others arrive
                  as None), for a call with or without documents
 
-``q, out, dout`` are ``(batch, q_heads, seq_local, head_dim)``, ``k, v`` ``(batch, kv_heads,
-seq_local, head_dim)``; ``saved`` is what the backward needs beyond them (the log-sum-exp,
-gathered K/V, head shards), returned as outputs of the custom op so that autograd and
-``torch.compile`` see them.
+``q`` is ``(batch, q_heads, seq_local, head_dim)``, ``k`` ``(batch, kv_heads, seq_local, head_dim)``,
+``v`` ``(batch, kv_heads, seq_local, v_dim)`` and ``out, dout`` ``(batch, q_heads, seq_local, v_dim)``
+(``v_dim``: v's own head dim, multi-head latent attention's, or ``head_dim``); ``saved`` is what the
+backward needs beyond them (the log-sum-exp, gathered K/V, head shards), returned as outputs of the
+custom op so that autograd and ``torch.compile`` see them.
 """
 
 from __future__ import annotations

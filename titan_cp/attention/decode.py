@@ -13,7 +13,8 @@ A query that sees no key on a rank contributes ``o_j = 0, lse_j = -inf`` (weight
 (:func:`titan_cp.attention.merge.apply_sinks_`). Only the partial outputs and their
 log-sum-exp travel, never the cache: ``(cp - 1) * B * H * (E + 1) * 4`` bytes per rank and layer.
 
-The cache of a rank is token-major, ``k, v (N, K, E)`` (K/V heads at their own count, GQA);
+The cache of a rank is token-major, ``k (N, K, E)``, ``v (N, K, Ev)`` (K/V heads at their own count, GQA;
+V at its own head dim, multi-head latent attention, the partials then ``(B, H, Ev)``);
 query ``b`` sees the keys ``[start_b, end_b)`` of it (:class:`KeyRanges`), the ranges sorted
 and disjoint. All of a rank's queries run as one variable-length kernel call: the keys
 between two ranges are a segment without queries, so the cache is never copied.
@@ -68,13 +69,13 @@ class KeyRanges:
 def decode_partial(
     q: Tensor, k: Tensor, v: Tensor, keys: KeyRanges, kernel: AttentionKernel, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """This rank's partial attention: ``q (B, H, E)`` against the cache ``k, v (N, K, E)``.
+    """This rank's partial attention: ``q (B, H, E)`` against the cache ``k (N, K, E)``, ``v (N, K, Ev)``.
 
-    Returns ``(out (B, H, E), lse (B, H))`` fp32, ``out`` normalised over this rank's keys alone;
+    Returns ``(out (B, H, Ev), lse (B, H))`` fp32, ``out`` normalised over this rank's keys alone;
     queries that see no key here get ``out = 0, lse = -inf``.
     """
-    b, h, e = q.shape
-    out = q.new_zeros((b, h, e), dtype=torch.float32)
+    b, h, _ = q.shape
+    out = q.new_zeros((b, h, v.shape[-1]), dtype=torch.float32)
     lse = q.new_full((b, h), -math.inf, dtype=torch.float32)
     if keys.seg is not None:
         part, part_lse = kernel.varlen_forward(q.index_select(0, keys.rows), k, v, keys.seg, False, scale)
@@ -116,8 +117,8 @@ def decode_attention(
     sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact attention of the decode queries ``q (B, H, E)`` over the cache of every rank of
-    ``group`` (this rank's: ``k, v (N, K, E)`` and ``keys``); ``(B, H, E)`` in q's dtype, equal on
-    every rank. ``sinks``: ``(H,)`` per-head logits joining each softmax denominator."""
+    ``group`` (this rank's: ``k (N, K, E)``, ``v (N, K, Ev)`` and ``keys``); ``(B, H, Ev)`` in q's dtype,
+    equal on every rank. ``sinks``: ``(H,)`` per-head logits joining each softmax denominator."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out, lse = merge_partials(*decode_partial(q, k, v, keys, kernel, scale), group)
     if sinks is not None:

@@ -5,7 +5,9 @@ holds at each moment (its own, a compact slice another rank sent, a gathered one
 :func:`fold_forward` and :func:`fold_backward` compute its contribution for those tiles
 (:mod:`titan_cp.attention.tiling`). Token-major shapes::
 
-    q, out, dout:  (B*Sq, H, E)       k, v: (B*Sk, K, E)       lse: (H, B*Sq) fp32
+    q: (B*Sq, H, E)     out, dout: (B*Sq, H, Ev)     k: (B*Sk, K, E)     v: (B*Sk, K, Ev)     lse: (H, B*Sq) fp32
+
+(``Ev``: v's head dim, which may differ from q/k's ``E``: multi-head latent attention)
 
 Host work per call is constant in the number of documents: the kernel gets one call per causal
 flag, its rows read as views where they are consecutive, else with one gather per tensor.
@@ -217,20 +219,22 @@ def make_folds(dests: list[list[torch.Tensor]], size: int, device: torch.device,
 
 
 # ---------------------------------------------------------------------------- results
-def _adoptable(out: torch.Tensor, like: torch.Tensor, dtype=None) -> bool:
-    """Whether a kernel's packed output can serve as the result buffer itself (dense, ``like``'s shape, and
-    ``dtype``, by default ``like``'s)."""
-    return out.is_contiguous() and out.shape == like.shape and out.dtype == (dtype or like.dtype)
+def _adoptable(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Whether a kernel's packed output can serve as the result buffer itself (dense, of ``shape`` and
+    ``dtype``)."""
+    return out.is_contiguous() and tuple(out.shape) == shape and out.dtype == dtype
 
 
 class Results:
     """The forward's results being built: ``out`` (input dtype) and ``lse`` (fp32) of every row, and the
     fp32 accumulator slots of :class:`Folds`. Where one call's packed rows are the whole buffer in order
-    (``folds.adopt``), its output is taken as the result."""
+    (``folds.adopt``), its output is taken as the result. ``out`` is ``(B*Sq, H, v_dim)``: v's head dim
+    (``None``: q's)."""
 
-    def __init__(self, q_t: torch.Tensor, folds: Folds) -> None:
+    def __init__(self, q_t: torch.Tensor, folds: Folds, v_dim: int | None = None) -> None:
         n, h, e = q_t.shape
-        self.folds, self._q = folds, q_t
+        e = e if v_dim is None else v_dim
+        self.folds, self._q, self._shape = folds, q_t, (n, h, e)
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
         self.acc_out = torch.empty(folds.slots, h, e, dtype=torch.float32, device=q_t.device)
@@ -240,15 +244,15 @@ class Results:
     def _alloc(self) -> tuple[Tensor, Tensor]:
         """``(out, lse)``, allocated on first use (the two are always set together)."""
         if self.out is None or self.lse is None:
-            n, h, e = self._q.shape
-            self.out = self._q.new_empty((n, h, e))
+            n, h, _ = self._shape
+            self.out = self._q.new_empty(self._shape)
             self.lse = torch.empty((h, n), dtype=torch.float32, device=self._q.device)
         return self.out, self.lse
 
     def fold(self, step: int, packed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fold step ``step``'s packed ``(out, lse)`` of each call in (see the module docstring)."""
         for c, (final, (out, lse)) in enumerate(zip(self.folds.final[step], packed)):
-            if self.folds.adopt == (step, c) and self.out is None and _adoptable(out, self._q):
+            if self.folds.adopt == (step, c) and self.out is None and _adoptable(out, self._shape, self._q.dtype):
                 self.out, self.lse = out, lse.contiguous()
             elif final is not None:
                 res_out, res_lse = self._alloc()
@@ -299,7 +303,11 @@ class Grads:
     def add(self, step: int, grads: list[torch.Tensor]) -> None:
         """Step ``step``'s packed gradient of each call in."""
         for c, (final, grad) in enumerate(zip(self.folds.final[step], grads)):
-            if self.folds.adopt == (step, c) and self.final is None and _adoptable(grad, self.like, self.dtype):
+            if (
+                self.folds.adopt == (step, c)
+                and self.final is None
+                and _adoptable(grad, tuple(self.like.shape), self.dtype)
+            ):
                 self.final = grad
             elif final is not None:
                 dest = self._alloc()
@@ -454,9 +462,10 @@ def tiles_forward(
     scale: float,
     sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(out_t, lse)`` of ``q_t`` on one key buffer: out in the input dtype, lse ``(H, B*Sq)`` fp32."""
+    """``(out_t, lse)`` of ``q_t`` on one key buffer: out ``(B*Sq, H, v_dim)`` in the input dtype, lse
+    ``(H, B*Sq)`` fp32."""
     index, folds, _ = single_step(tiles, batch, q_t.device)
-    results = Results(q_t, folds)
+    results = Results(q_t, folds, v_t.shape[-1])
     fold_forward(q_t, k_t, v_t, index, kernel, scale, results, 0)
     return results.finish(sinks)
 

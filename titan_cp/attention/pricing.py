@@ -5,7 +5,7 @@ its :class:`StrategyCost` prices a call of it, for the planner, the op's FLOP fo
 Everything a price depends on is one small frozen :class:`AttentionCall`::
 
     call = AttentionCall(cp=8, q_heads=32, kv_heads=8, head_dim=128, ulysses=2, batch=1, local_len=16384,
-                         act_bytes=2, layout=layout)
+                         act_bytes=2, layout=layout)     # v_head_dim=128 for MLA's q/k 192, v 128
     cost = cost_of("hybrid")                 # or cost_of(handle.strategy_impl)
     cost.min_bytes(call)                     bytes this rank sends, forward + backward
     cost.min_bytes_by_axis(call)             the same per axis of the cp sub-mesh (the planner's links)
@@ -46,11 +46,13 @@ class AttentionCall:
     """One CP attention call as it is priced: this rank's shapes and the cp sub-mesh it runs on.
 
     cp: ranks of the cp sub-mesh; ulysses: hybrid's Ulysses degree (1 for the others).
-    q_heads, kv_heads, head_dim: the local heads (after TP) and their size; act_bytes: bytes of an element.
+    q_heads, kv_heads, head_dim: the local heads (after TP) and q/k's size; act_bytes: bytes of an element.
     batch: rows; local_len: tokens of a row on this rank (``q, k`` are ``(batch, heads, local_len, head_dim)``).
     layout, mask: what the ranks need of each other (``None``: the dense case).
     documents: whether a row holds several documents (what Ulysses and hybrid keep, and send again in the
         backward, depend on it); ``None``: the layout's ``packs_documents`` (no documents without a layout).
+    v_head_dim: v's head size (and so out's, dout's): multi-head latent attention's own (DeepSeek V3: q/k 192,
+        v 128); ``None``: ``head_dim``. Every byte of V, the output and their gradients is counted at it.
     """
 
     cp: int
@@ -64,18 +66,36 @@ class AttentionCall:
     layout: SequenceLayout | None = None
     mask: Mask = CAUSAL
     documents: bool | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.documents is None:
             object.__setattr__(self, "documents", self.layout is not None and self.layout.packs_documents)
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
 
     @classmethod
     def of(
-        cls, q: Tensor, k: Tensor, cp: int, ulysses: int = 1, layout: SequenceLayout | None = None, mask: Mask = CAUSAL
+        cls,
+        q: Tensor,
+        k: Tensor,
+        cp: int,
+        ulysses: int = 1,
+        layout: SequenceLayout | None = None,
+        mask: Mask = CAUSAL,
+        v: Tensor | None = None,
     ) -> AttentionCall:
-        """The call on local shards shaped ``q (B, H, S, E)``, ``k (B, K, S, E)`` (meta tensors serve)."""
+        """The call on local shards shaped ``q (B, H, S, E)``, ``k (B, K, S, E)`` and ``v (B, K, S, Ev)`` (``None``:
+        shaped like ``k``; meta tensors serve)."""
         b, h, s, e = q.shape
-        return cls(cp, h, k.shape[1], e, ulysses, b, s, k.element_size(), layout, mask)
+        v_dim = e if v is None else v.shape[-1]
+        return cls(cp, h, k.shape[1], e, ulysses, b, s, k.element_size(), layout, mask, v_head_dim=v_dim)
+
+    @property
+    def v_dim(self) -> int:
+        """v's head size (:attr:`v_head_dim`, filled in)."""
+        assert self.v_head_dim is not None
+        return self.v_head_dim
 
     @property
     def tokens(self) -> int:
@@ -84,8 +104,12 @@ class AttentionCall:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one token's K and V."""
-        return 2 * self.kv_heads * self.head_dim * self.act_bytes
+        """Bytes of one token's K and V (each at its own head size)."""
+        return self.kv_heads * (self.head_dim + self.v_dim) * self.act_bytes
+
+    def qo_bytes(self, tokens: int) -> int:
+        """Bytes of ``tokens`` tokens' q and output (or ``dq`` and ``dout``) at every query head."""
+        return self.q_heads * (self.head_dim + self.v_dim) * tokens * self.act_bytes
 
 
 @dataclass(frozen=True)
@@ -153,11 +177,6 @@ def _layout(call: AttentionCall) -> SequenceLayout:
 
 
 # ---------------------------------------------------------------------------- rows the ring moves
-
-
-def kv_block_bytes(act_bytes: int, kv_heads: int, head_dim: int, tokens: int) -> int:
-    """Bytes of one K/V block (K and V of ``tokens`` tokens)."""
-    return 2 * kv_heads * head_dim * tokens * act_bytes
 
 
 def _members(g: int, u: int) -> tuple[int, ...]:
@@ -267,14 +286,13 @@ class RingCost(StrategyCost[Strategy]):
 
     def saved_bytes_per_token(self, call: AttentionCall) -> float:
         """q, out, k, v as stored locally and the fp32 lse."""
-        a, h, e = call.act_bytes, call.q_heads, call.head_dim
-        return 2 * a * h * e + 2 * a * call.kv_heads * e + 4 * h
+        return call.qo_bytes(1) + call.row_bytes + 4 * call.q_heads
 
     def buffer_bytes(self, call: AttentionCall) -> int:
         """At most two K/V blocks (the one read, the one arriving) and two fp32 dK/dV blocks."""
         if call.cp == 1:
             return 0
-        kvb = kv_block_bytes(call.act_bytes, call.kv_heads, call.head_dim, call.tokens)
+        kvb = call.row_bytes * call.tokens
         return 2 * kvb + 2 * kvb * 4 // call.act_bytes
 
 
@@ -301,16 +319,16 @@ class AllGatherCost(StrategyCost[Strategy]):
     def saved_bytes_per_token(self, call: AttentionCall) -> float:
         """Local q, out and lse, and the key buffer: at most ``cp`` tokens' K/V per local token (all of them
         when every row is seen by another rank; fewer under ``doc_local`` or a window)."""
-        a, h, e = call.act_bytes, call.q_heads, call.head_dim
-        return 2 * a * h * e + 4 * h + call.cp * 2 * a * call.kv_heads * e
+        return call.qo_bytes(1) + 4 * call.q_heads + call.cp * call.row_bytes
 
 
 def head_shard_saved_bytes(call: AttentionCall, n: int) -> float:
     """Bytes per local token of the head shards a head exchange over ``n`` ranks keeps: q_h and out_h (the
     bytes of q and out), K/V at the heads each shard needs for ``n`` times the tokens, the lse; and ``wo``'s
-    input, since the op keeps no ``out``."""
-    a, h, e = call.act_bytes, call.q_heads, call.head_dim
-    return 2 * a * h * e + 2 * a * kv_heads_per_shard(h, call.kv_heads, n) * n * e + 4 * h + a * h * e
+    input (the output, at v's head size), since the op keeps no ``out``."""
+    a, h = call.act_bytes, call.q_heads
+    shard_kv = kv_heads_per_shard(h, call.kv_heads, n) * n * (call.head_dim + call.v_dim) * a
+    return call.qo_bytes(1) + shard_kv + 4 * h + a * h * call.v_dim
 
 
 def exchange_bytes(call: AttentionCall, n: int, backward: bool) -> int:
@@ -320,9 +338,8 @@ def exchange_bytes(call: AttentionCall, n: int, backward: bool) -> int:
     if n == 1:
         return 0
     kv_heads = max(call.kv_heads, n) if kv_head_map(call.q_heads, call.kv_heads, n) else call.kv_heads
-    kv = 2 * kv_heads * call.tokens * call.head_dim * call.act_bytes
-    qb = call.q_heads * call.tokens * call.head_dim * call.act_bytes
-    one = (2 * qb + kv) * (n - 1) // n  # q (or dout) and K/V one way, the output (or dq) back
+    kv = kv_heads * call.tokens * (call.head_dim + call.v_dim) * call.act_bytes
+    one = (call.qo_bytes(call.tokens) + kv) * (n - 1) // n  # q (or dout) and K/V one way, the output (or dq) back
     return one * ((3 if call.documents else 2) if backward else 1)
 
 
@@ -343,11 +360,11 @@ class HeadExchangeCost(StrategyCost[HeadExchange[Any]]):
 
     def buffer_bytes(self, call: AttentionCall) -> int:
         """The head exchange's buffers; with documents the larger of the ring's and those, plus the head
-        shards of q, out and dout the backward exchanges again (each the bytes of the local q)."""
+        shards of q, out and dout the backward exchanges again (the bytes of the local q, out and dout)."""
         own = self.exchange_buffer_bytes(call)
         if not call.documents or call.cp == 1:
             return own
-        resent = 3 * call.act_bytes * call.q_heads * call.head_dim * call.tokens
+        resent = call.act_bytes * call.q_heads * (call.head_dim + 2 * call.v_dim) * call.tokens  # q, out, dout
         return max(own + resent, RING_COST.buffer_bytes(call))
 
     def runs_ring(self, call: AttentionCall) -> bool:
@@ -383,7 +400,7 @@ class UlyssesCost(HeadExchangeCost):
         """The all-to-all's send and receive copies of the local K/V, and the stacked pair."""
         if call.cp == 1:
             return 0
-        return 3 * 2 * call.kv_heads * call.head_dim * call.tokens * call.act_bytes
+        return 3 * call.row_bytes * call.tokens
 
 
 class HybridCost(HeadExchangeCost):
@@ -430,7 +447,7 @@ class HybridCost(HeadExchangeCost):
         """The ring's two K/V blocks and two fp32 dK/dV accumulators, on the group's union."""
         if call.cp == 1:
             return 0
-        kvb = kv_block_bytes(call.act_bytes, call.kv_heads, call.head_dim, call.tokens)
+        kvb = call.row_bytes * call.tokens
         return 2 * kvb * call.ulysses + 2 * kvb * 4 // call.act_bytes
 
 

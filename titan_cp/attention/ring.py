@@ -26,6 +26,7 @@ Ulysses group, and its buffer the concatenation of the group members' shards.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -185,21 +186,22 @@ def ring_steps(
 
 
 class _KV:
-    """My K/V as the messages take them: ``k_t, v_t (B*S, K, E)``; a message is a pair ``(K rows, V rows)``,
-    two views where the rows sent are one span (no copy), else one gather of each into a new buffer."""
+    """My K/V as the messages take them: ``k_t (B*S, K, E)``, ``v_t (B*S, K, Ev)``; a message is a pair
+    ``(K rows, V rows)``, two views where the rows sent are one span (no copy), else one gather of each into
+    a new buffer (:func:`kv_pair`)."""
 
     def __init__(self, k_t: torch.Tensor, v_t: torch.Tensor) -> None:
         self.k_t, self.v_t = k_t, v_t
 
     def message(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(K rows, V rows)``, each ``(len(rows), K, E)``."""
+        """``(K rows, V rows)``, ``(len(rows), K, E)`` and ``(len(rows), K, Ev)``."""
         if rows.gather is None:
             n = rows.stop - rows.start
             return self.k_t.narrow(0, rows.start, n), self.v_t.narrow(0, rows.start, n)
-        out = self.k_t.new_empty((2, len(rows)) + tuple(self.k_t.shape[1:]))
-        rows.take_into(self.k_t, out[0])
-        rows.take_into(self.v_t, out[1])
-        return out[0], out[1]
+        k, v = kv_pair(self.k_t, self.v_t, len(rows))
+        rows.take_into(self.k_t, k)
+        rows.take_into(self.v_t, v)
+        return k, v
 
 
 def _post_kv(comm: PeerComm | None, kv: _KV, ring: RingSteps, s: int) -> Exchange:
@@ -211,14 +213,19 @@ def _post_kv(comm: PeerComm | None, kv: _KV, ring: RingSteps, s: int) -> Exchang
         raise RuntimeError("a ring of several steps needs its transport")
     step = ring.steps[s]
     send = None if step.send is None else kv.message(step.send)
-    recv = _pair(kv.k_t, step.recv) if step.recv else None
+    recv = kv_pair(kv.k_t, kv.v_t, step.recv) if step.recv else None
     return comm.exchange(send, step.dst, recv, step.src, tag=0)
 
 
-def _pair(like: torch.Tensor, rows: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two empty ``(rows, K, E)`` buffers (K's and V's) in one allocation, to receive a pair into."""
-    buf = like.new_empty((2, rows) + tuple(like.shape[1:]), dtype=dtype)
-    return buf[0], buf[1]
+def kv_pair(
+    k: torch.Tensor, v: torch.Tensor, rows: int, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two empty contiguous buffers in one allocation, ``(rows, *k.shape[1:])`` and ``(rows, *v.shape[1:])``
+    (K's and V's, each at its own head dim), to gather or receive a pair into (``dtype``: by default k's)."""
+    k_shape, v_shape = (rows, *k.shape[1:]), (rows, *v.shape[1:])
+    n = math.prod(k_shape)
+    buf = k.new_empty(n + math.prod(v_shape), dtype=dtype)
+    return buf[:n].view(k_shape), buf[n:].view(v_shape)
 
 
 def _comm(group: RingGroup) -> PeerComm:
@@ -237,12 +244,12 @@ def ring_forward(
     scale: float,
     sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(out_t, lse)``: ``(B*S, H, E)`` output in q's dtype and ``(H, B*S)`` fp32 lse (sinks folded in).
+    """``(out_t, lse)``: ``(B*S, H, Ev)`` output in q's dtype and ``(H, B*S)`` fp32 lse (sinks folded in).
 
-    Token-major ``q_t (B*S, H, E)``, ``k_t, v_t (B*S, K, E)``; ``ring`` from :func:`ring_steps`.
+    Token-major ``q_t (B*S, H, E)``, ``k_t (B*S, K, E)``, ``v_t (B*S, K, Ev)``; ``ring`` from :func:`ring_steps`.
     """
     comm = _comm(group) if len(ring) > 1 else None
-    results = Results(q_t, ring.folds)
+    results = Results(q_t, ring.folds, v_t.shape[-1])
     kv = _KV(k_t, v_t)
     pending = _post_kv(comm, kv, ring, 1)
     fold_forward(q_t, k_t, v_t, ring.steps[0].index, kernel, scale, results, 0)
@@ -289,7 +296,7 @@ def ring_backward(
             dq.add(s, dqs)
             grad = received_grads(buf, step.grads, dks, dvs, step.dtype("grad", buf[0]))
         _add_home(dk, dv, returning)
-        recv = _pair(k_t, len(step.send), step.dtype("home", k_t)) if step.send else None  # dK, dV dst read
+        recv = kv_pair(k_t, v_t, len(step.send), step.dtype("home", k_t)) if step.send else None  # dK, dV dst read
         if comm is None:
             raise RuntimeError("a ring of several steps needs its transport")
         returning = (comm.exchange(grad, step.src, recv, step.dst, tag=1), s)
@@ -304,8 +311,8 @@ def received_grads(
     dvs: list[Tensor],
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dK, dV)``, each ``(R, K, E)`` in ``dtype``: the gradients of the ``R`` received K/V rows ``buf`` (a
-    pair) from each call's packed ``dks, dvs``, to be sent home, each row summed in one pass (the input
+    """``(dK, dV)``, ``(R, K, E)`` and ``(R, K, Ev)`` in ``dtype``: the gradients of the ``R`` received K/V rows
+    ``buf`` (a pair) from each call's packed ``dks, dvs``, to be sent home, each row summed in one pass (the input
     dtype only where every row has one contribution, :attr:`RingStep.grad_dtype`; then a call whose packed
     keys are the received rows in order is sent as it is)."""
     return Grads.summed(buf[0], folds, dks, dtype=dtype), Grads.summed(buf[1], folds, dvs, dtype=dtype)

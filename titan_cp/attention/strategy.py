@@ -15,8 +15,9 @@ What a call costs (bytes sent, kept and buffered, the pairs its kernels compute)
 its cost object prices it (:mod:`titan_cp.attention.pricing`, for the planner, the FLOP formula and the
 benchmarks).
 
-Shapes as in :mod:`titan_cp.attention.context`: ``q, out, dout (B, H, S_local, E)``,
-``k, v (B, K, S_local, E)``; ``saved`` is what the backward needs beyond them. The
+Shapes as in :mod:`titan_cp.attention.context`: ``q (B, H, S_local, E)``, ``k (B, K, S_local, E)``,
+``v (B, K, S_local, Ev)``, ``out, dout (B, H, S_local, Ev)`` (``Ev``: v's own head dim, or ``E``); ``saved``
+is what the backward needs beyond them. The
 ``keeps`` tuple names the inputs and outputs among ``("q", "k", "v", "out")`` that the
 backward reads (the others arrive as ``None`` and are not kept alive); :meth:`Strategy.kept` may
 make it depend on whether the call has documents.
@@ -175,6 +176,14 @@ class Strategy:
     def saved_like(self, ctx: CPContext, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
         """Empty tensors shaped like ``saved`` (the fake op's outputs)."""
         raise NotImplementedError
+
+    def qk_head_dim(self, q: Tensor | None, k: Tensor | None, saved: Sequence[Tensor]) -> int:
+        """q/k's head dim as the backward sees it (v's may differ): its kept ``q`` or ``k``; a strategy that
+        keeps neither reads it from its ``saved`` (the backward op's fake and FLOP formula ask it)."""
+        kept = q if q is not None else k
+        if kept is None:
+            raise NotImplementedError(f"strategy {self.name!r} keeps neither q nor k: say q/k's head dim from saved")
+        return kept.shape[-1]
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

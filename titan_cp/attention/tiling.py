@@ -354,6 +354,12 @@ def head_major(x: torch.Tensor, batch: int) -> torch.Tensor:
     return x.view(batch, n // batch, h, e).transpose(1, 2)
 
 
+def split_kv(kv: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(K, V)`` views of a buffer holding each row's (or head's) K, its first ``e`` elements, and V side by
+    side in its last dim: the buffers that carry K and V together do so whatever V's head dim (MLA: 192 + 128)."""
+    return kv.narrow(-1, 0, e), kv.narrow(-1, e, kv.shape[-1] - e)
+
+
 def _causal_prefix(x: int, n: int) -> int:
     """``sum(min(a, n) for a in range(1, x + 1))`` (0 for ``x <= 0``)."""
     if x <= 0:

@@ -5,9 +5,10 @@ rank's shard of its own head group, attends over the full sequence for those hea
 sends the result back::
 
     forward    q_h   = all_to_all(q,  scatter heads, gather seq)    (B*S, H/N, E)
-               kv_h  = all_to_all(kv, scatter heads, gather seq)    at their own head count
+               kv_h  = all_to_all(kv, scatter heads, gather seq)    at their own head count, a head's K
+                                                                    and V side by side (E + Ev)
                out_h = attn(q_h, kv_h)
-               out   = all_to_all(out_h, scatter seq, gather heads)  (B, H, S/N, E)
+               out   = all_to_all(out_h, scatter seq, gather heads)  (B, H, S/N, Ev)
     backward   the same three exchanges in the other direction (the dual)
 
 Query heads must divide by N. K/V heads either divide by N (each rank gets its own
@@ -56,7 +57,7 @@ from titan_cp.attention.strategy import (
     kv_heads_per_shard,
     register_strategy,
 )
-from titan_cp.attention.tiling import CAUSAL, Mask, MaskTiles, head_major, tile_mask, token_major
+from titan_cp.attention.tiling import CAUSAL, Mask, MaskTiles, head_major, split_kv, tile_mask, token_major
 from titan_cp.layout import SequenceLayout, to_device
 
 Group = dist.ProcessGroup | None
@@ -90,23 +91,24 @@ def head_index(
 
 
 def kv_to_heads(k_t: Tensor, v_t: Tensor, heads: torch.Tensor | None, n: int, group: Group) -> torch.Tensor:
-    """``(N, T, K', 2, E)``: every rank's tokens of the K/V heads my query heads use (K' = max(1, K/N)).
+    """``(N, T, K', E + Ev)``: every rank's tokens of the K/V heads my query heads use (K' = max(1, K/N)), each
+    head's K and V side by side in its last dim (:func:`split_kv`), whatever V's head dim.
 
     ``heads``: :func:`head_index` (``None`` when the K/V heads split evenly over the ``n`` ranks).
     """
     if heads is not None:
-        kv = torch.stack([k_t, v_t], dim=2).index_select(1, heads)  # (T, N, 2, E): one head per destination
+        kv = torch.cat([k_t, v_t], dim=-1).index_select(1, heads)  # (T, N, E + Ev): one head per destination
         return scatter_heads(kv, n, group)
-    t, kv_heads = k_t.shape[:2]
-    kv = k_t.new_empty((n, t, kv_heads // n, 2) + tuple(k_t.shape[2:]))  # the send buffer, head groups first
-    for i, x in enumerate((k_t, v_t)):  # one copy each into it: a head carries its K and V
-        kv[:, :, :, i].copy_(x.reshape(t, n, kv_heads // n, *x.shape[2:]).transpose(0, 1))
+    t, kv_heads, e = k_t.shape
+    kv = k_t.new_empty((n, t, kv_heads // n, e + v_t.shape[-1]))  # the send buffer, head groups first
+    for part, x in zip(split_kv(kv, e), (k_t, v_t)):  # one copy each into it: a head carries its K and V
+        part.copy_(x.reshape(t, n, kv_heads // n, x.shape[-1]).transpose(0, 1))
     return all_to_all(kv, group)
 
 
 def kv_from_heads(dkv_h: torch.Tensor, heads: torch.Tensor | None, kv_heads: int, group: Group) -> torch.Tensor:
-    """Dual of :func:`kv_to_heads`: ``(N, T, K', 2, E)`` gradients bound for each rank -> mine ``(T, K, 2, E)``."""
-    dkv = gather_heads(dkv_h, group)  # (T, N*K', 2, E)
+    """Dual of :func:`kv_to_heads`: ``(N, T, K', E + Ev)`` gradients bound for each rank -> mine ``(T, K, E + Ev)``."""
+    dkv = gather_heads(dkv_h, group)  # (T, N*K', E + Ev)
     if heads is None:
         return dkv
     out = dkv.new_zeros((dkv.shape[0], kv_heads) + tuple(dkv.shape[2:]))
@@ -176,14 +178,14 @@ def head_slice_grad(grad: torch.Tensor, sinks: torch.Tensor, part: int, parts: i
     return full
 
 
-def head_shards_like(q: Tensor, k: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def head_shards_like(q: Tensor, k: Tensor, v: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Empty ``(q_h, kv_h, out_h, lse_h)`` as an all-to-all over ``n`` ranks leaves them (the fake op's outputs)."""
     b, h, s, e = q.shape
     q_h = q.new_empty((b * s * n, h // n, e))
     return (
         q_h,
-        k.new_empty((b * s * n, kv_heads_per_shard(h, k.shape[1], n), 2, e)),
-        torch.empty_like(q_h),
+        k.new_empty((b * s * n, kv_heads_per_shard(h, k.shape[1], n), e + v.shape[-1])),
+        q.new_empty((b * s * n, h // n, v.shape[-1])),
         q.new_empty((h // n, b * s * n), dtype=torch.float32),
     )
 
@@ -304,7 +306,7 @@ class HeadExchange(Strategy, Generic[A]):
         x = self.heads(ctx, batch, q.device)
         q_h, kv_h = self._to_heads(x, token_major(q), token_major(k), token_major(v))
         sinks = head_slice(ctx.sinks, x.part, x.n)
-        out_h, lse_h = self.attend(ctx, x, q_h, kv_h[:, :, 0], kv_h[:, :, 1], batch, sinks)
+        out_h, lse_h = self.attend(ctx, x, q_h, *split_kv(kv_h, q.shape[-1]), batch, sinks)
         out = head_major(gather_heads(x.outward(out_h), x.group), batch)
         if ctx.documents:  # kept as the (H, B*S) tensor the op declares: the same numbers, not moved
             return out, (lse_h.view(-1, lse_h.shape[1] // x.n),)
@@ -338,21 +340,27 @@ class HeadExchange(Strategy, Generic[A]):
         else:
             q_h, kv_h, out_h, lse_h = saved
         dout_h = x.inward(scatter_heads(token_major(dout), x.n, x.group))
-        dq_h, dk_h, dv_h = self.attend_backward(ctx, x, dout_h, q_h, kv_h[:, :, 0], kv_h[:, :, 1], out_h, lse_h, batch)
+        e = q_h.shape[-1]
+        dq_h, dk_h, dv_h = self.attend_backward(ctx, x, dout_h, q_h, *split_kv(kv_h, e), out_h, lse_h, batch)
         dq = gather_heads(x.outward(dq_h), x.group)
-        dkv = kv_from_heads(x.outward(torch.stack([dk_h, dv_h], dim=2)), x.kv, ctx.kv_heads, x.group)
+        dkv = kv_from_heads(x.outward(torch.cat([dk_h, dv_h], dim=-1)), x.kv, ctx.kv_heads, x.group)
         dsinks = None
         if ctx.sinks is not None:
             grad = sinks_grad(dout_h, out_h, lse_h, head_slice(ctx.sinks, x.part, x.n))
             dsinks = head_slice_grad(grad, ctx.sinks, x.part, x.n)
-        return head_major(dq, batch), head_major(dkv[:, :, 0], batch), head_major(dkv[:, :, 1], batch), dsinks
+        dk, dv = split_kv(dkv, e)
+        return head_major(dq, batch), head_major(dk, batch), head_major(dv, batch), dsinks
+
+    def qk_head_dim(self, q: Tensor | None, k: Tensor | None, saved: Sequence[Tensor]) -> int:
+        """Without documents neither q nor k is kept: the head shard of q (``saved[0]``) has their head dim."""
+        return saved[0].shape[-1] if q is None and k is None else super().qk_head_dim(q, k, saved)
 
     def saved_like(self, ctx: CPContext, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
         if ctx.documents:
             return (q.new_empty((q.shape[1], q.shape[0] * q.shape[2]), dtype=torch.float32),)
         if ctx.mesh is None:
             raise RuntimeError(f"strategy {self.name!r} runs on a cp mesh; one device runs the ring's one step")
-        return head_shards_like(q, k, self.ulysses_size(ctx.cp_size, self.mesh_ulysses_degree(ctx.mesh)))
+        return head_shards_like(q, k, v, self.ulysses_size(ctx.cp_size, self.mesh_ulysses_degree(ctx.mesh)))
 
 
 class Ulysses(HeadExchange[MaskTiles]):

@@ -80,13 +80,13 @@ class ShardedKVCache:
         return slots, rows
 
     def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store ``k, v (n, K, E)`` at cache ``rows (n,)`` of ``layer`` (allocating the layer's
-        ``(capacity, K, E)`` buffers, in k's dtype, at its first write)."""
+        """Store ``k (n, K, E)``, ``v (n, K, Ev)`` at cache ``rows (n,)`` of ``layer`` (allocating the layer's
+        ``(capacity, K, E)`` and ``(capacity, K, Ev)`` buffers, each in its own dtype, at its first write; v's
+        head dim may differ from k's: multi-head latent attention)."""
         k_layer, v_layer = self.k[layer], self.v[layer]
         if k_layer is None or v_layer is None:
-            shape = (self.capacity, *k.shape[1:])
-            k_layer = self.k[layer] = torch.zeros(shape, dtype=k.dtype, device=self.device)
-            v_layer = self.v[layer] = torch.zeros(shape, dtype=v.dtype, device=self.device)
+            k_layer = self.k[layer] = k.new_zeros((self.capacity, *k.shape[1:]), device=self.device)
+            v_layer = self.v[layer] = v.new_zeros((self.capacity, *v.shape[1:]), device=self.device)
         k_layer.index_copy_(0, rows, k)
         v_layer.index_copy_(0, rows, v)
 

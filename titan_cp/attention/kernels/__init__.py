@@ -14,6 +14,11 @@ name           device        dtypes           head_dim
                                               package, where installed; only when named)
 =============  ============  ===============  ==============================================
 
+Every kernel takes a value head dim of its own (multi-head latent attention: q/k 192, v 128); the
+flash kernels (``cpu_flash``, ``cpu_varlen``'s long segments, ``cuda_flash``, ``flash_attn``), whose
+backends need one head dim, pad the smaller side with zeros and slice the results back
+(:func:`~.base.common_head_dim`); their head_dim column is then the larger of the two.
+
 :func:`check_kernel` turns a kernel name (or ``None`` for the default) into a kernel and
 raises ``ValueError`` for a combination it cannot run; :func:`register_kernel` adds one.
 """

@@ -5,10 +5,12 @@ Every kernel computes dense attention of one tile (see :mod:`titan_cp.attention.
     forward(q, k, v, causal, scale)                    -> (out, lse)
     backward(dout, q, k, v, out, lse, causal, scale)   -> (dq, dk, dv)
 
-    q, out, dout: (batch, q_heads, sq, head_dim)        in the input dtype
-    k, v:         (batch, kv_heads, sk, head_dim)       kv_heads divides q_heads (GQA)
+    q:            (batch, q_heads, sq, head_dim)        in the input dtype
+    k:            (batch, kv_heads, sk, head_dim)       kv_heads divides q_heads (GQA)
+    v:            (batch, kv_heads, sk, v_dim)          a value head dim of its own (MLA: 192 / 128)
+    out, dout:    (batch, q_heads, sq, v_dim)
     lse:          (batch, q_heads, sq)                  fp32, natural log
-    dk, dv:       at kv_heads, like k and v
+    dq, dk, dv:   like q, k and v
     causal:       top-left aligned; the tiles make every causal call square
 
 and many tiles packed token-major into one variable-length call (:class:`Segments`)::
@@ -16,14 +18,23 @@ and many tiles packed token-major into one variable-length call (:class:`Segment
     varlen_forward(q, k, v, seg, causal, scale)                  -> (out, lse)
     varlen_backward(dout, q, k, v, out, lse, seg, causal, scale) -> (dq, dk, dv)
 
-    q, out, dout: (total_q, q_heads, head_dim)      k, v, dk, dv: (total_k, kv_heads, head_dim)
-    lse:          (q_heads, total_q) fp32
+    q: (total_q, q_heads, head_dim)     out, dout: (total_q, q_heads, v_dim)
+    k: (total_k, kv_heads, head_dim)    v: (total_k, kv_heads, v_dim)      lse: (q_heads, total_q) fp32
 
 ``backward`` receives the *final* ``out`` and ``lse`` of the whole attention, not the
 tile's own: with ``P = exp(q k^T * scale - lse)`` and ``D = rowsum(dout * out)`` the tile's
 gradients are then exact pieces of the full gradient (the flash-attention backward)::
 
     dv = P^T dout       dS = P * (dout v^T - D)       dq = dS k * scale       dk = dS^T q * scale
+
+Every kernel takes a value head dim of its own (``v_dim``, multi-head latent attention). One whose
+backend needs equal dims (ATen's CPU and CUDA flash kernels, flash-attn 2) pads the smaller side with
+zeros to their common dim (:func:`common_head_dim`) and slices its results back (:func:`head_slice`);
+exact, since zero columns add nothing to ``q k^T`` and ``P [v, 0] = [P v, 0]``, ``D`` included::
+
+    forward    [out, 0] = attn(q, k, [v, 0])                         (v_dim < head_dim: MLA)
+    backward   (dq, dk, [dv, *]) = dattn([dout, 0], q, k, [v, 0], [out, 0])
+    and with v_dim > head_dim q and k padded instead, dq and dk sliced
 """
 
 from __future__ import annotations
@@ -47,6 +58,29 @@ def unit_stride(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     wrong, so every kernel passes its inputs through here first. Other dimensions may have any
     stride (slices, expanded heads); the kernels take those as they are."""
     return tuple(x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous() for x in xs)
+
+
+def common_head_dim(*xs: Tensor) -> tuple[Tensor, ...]:
+    """Each tensor zero-padded in its last dim to the largest last dim among them (those already that wide
+    as they are): what a kernel needing equal q/k and v head dims runs on (module docstring)."""
+    width = max(x.shape[-1] for x in xs)
+    return tuple(x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in xs)
+
+
+def kernel_head_dim(head_dim: int, v_dim: int) -> int:
+    """The head dim a kernel runs q/k (``head_dim``) and v (``v_dim``) at: the larger, to which a kernel
+    needing equal dims pads the other (what :func:`check_kernel` checks against the kernel's limits)."""
+    return max(head_dim, v_dim)
+
+
+def head_slice(x: Tensor, width: int) -> Tensor:
+    """``x[..., :width]``: a result of a padded call back at its own head dim (a view; ``x`` where it is that wide)."""
+    return x if x.shape[-1] == width else x.narrow(-1, 0, width)
+
+
+def empty_result(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of a packed call without a query segment: ``(total_q, H, v_dim)`` and ``(H, total_q)`` fp32."""
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def _offsets(lens: Sequence[int]) -> list[int]:
@@ -139,7 +173,7 @@ class AttentionKernel:
             outs.append(out[0].transpose(0, 1))
             lses.append(lse[0])
         if not outs:
-            return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+            return empty_result(q, v)
         return torch.cat(outs), torch.cat(lses, dim=1)
 
     def varlen_backward(
@@ -268,7 +302,8 @@ def check_kernel(
     ``kernel``: a registered name, ``None``/``"auto"`` (see :func:`default_kernel_name`), or
     a kernel object. Raises ``ValueError`` naming the problem and the choices when the name is
     unknown, the kernel cannot be built here, or it does not run on the device, the dtype or
-    the head dimension.
+    the head dimension. ``head_dim``: the one the kernel runs at, q/k's, or v's where that is larger
+    (a kernel needing equal dims pads the smaller to it, module docstring).
     """
     device = torch.device(device)
     if not dtype.is_floating_point:

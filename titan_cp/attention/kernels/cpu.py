@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from titan_cp.attention.kernels.base import FLOATS, AttentionKernel, Segments, unit_stride
+from titan_cp.attention.kernels.base import FLOATS, AttentionKernel, Segments, common_head_dim, head_slice, unit_stride
 
 _ATEN = torch.ops.aten
 
@@ -35,23 +35,28 @@ class Bucket(NamedTuple):
 
 
 class CPUFlashKernel(AttentionKernel):
-    """ATen's CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``); takes GQA as is."""
+    """ATen's CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``); takes GQA as is. It needs
+    equal q/k and v head dims: a value dim of its own runs padded (:func:`~.base.common_head_dim`)."""
 
     name = "cpu_flash"
     devices = ("cpu",)
     dtypes = FLOATS
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        q, k, v = unit_stride(q, k, v)  # the kernel reads the head dimension as dense memory
-        return _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        v_dim = v.shape[-1]
+        q, k, v = unit_stride(*common_head_dim(q, k, v))  # the kernel reads the head dimension as dense memory
+        out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return head_slice(out, v_dim), lse
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
-        dout, q, k, v, out = unit_stride(dout, q, k, v, out)
-        return _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
+        qk_dim, v_dim = q.shape[-1], v.shape[-1]
+        dout, q, k, v, out = unit_stride(*common_head_dim(dout, q, k, v, out))
+        dq, dk, dv = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
+        return head_slice(dq, qk_dim), head_slice(dk, qk_dim), head_slice(dv, v_dim)
 
 
 class CPUVarlenKernel(CPUFlashKernel):
@@ -141,7 +146,7 @@ class CPUVarlenKernel(CPUFlashKernel):
     ) -> tuple[Tensor, Tensor]:
         big, buckets = self._bucketing(seg, causal)
         groups = q.shape[1] // k.shape[1]
-        out = torch.empty_like(q)
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
         for bk in buckets:
             s = torch.matmul(self._gather(q, bk.q_idx, bk.m), self._gather(k, bk.k_idx, bk.m, groups).transpose(-1, -2))

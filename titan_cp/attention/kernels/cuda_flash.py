@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from titan_cp.attention.kernels.base import HALF, AttentionKernel, Segments, unit_stride
+from titan_cp.attention.kernels.base import (
+    HALF,
+    AttentionKernel,
+    Segments,
+    common_head_dim,
+    empty_result,
+    head_slice,
+    unit_stride,
+)
 
 _ATEN = torch.ops.aten
 
@@ -32,6 +40,11 @@ class CUDAFlashKernel(AttentionKernel):
     tensor, so the dense backward passes ``None``. With ``dropout_p = 0`` the kernel never
     reads ``rng_state``; an empty placeholder is passed. The kernel aligns a causal mask
     bottom-right; the tiles make every causal call square, where that is top-left too.
+
+    The kernel needs one head dim for q, k and v: a value dim of its own (MLA: q/k 192, v 128) runs
+    with v (and in the backward ``dout`` and ``out``) zero-padded to q/k's, the results sliced back
+    (:func:`~.base.common_head_dim`; the padding is outside the kernel, and the fake-CUDA model counts
+    its bytes); the kernel computes ``P V`` and ``dV`` at the padded width.
     """
 
     name = "cuda_flash"
@@ -52,16 +65,18 @@ class CUDAFlashKernel(AttentionKernel):
         return self._rng[device]
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        qt, kt, vt = (x.transpose(1, 2) for x in unit_stride(q, k, v))  # (B, S, H, D) views
+        v_dim = v.shape[-1]
+        qt, kt, vt = (x.transpose(1, 2) for x in unit_stride(*common_head_dim(q, k, v)))  # (B, S, H, D) views
         res = _ATEN._flash_attention_forward(
             qt, kt, vt, None, None, qt.shape[1], kt.shape[1], 0.0, causal, False, scale=scale
         )
-        return res[0].transpose(1, 2), res[1]
+        return head_slice(res[0].transpose(1, 2), v_dim), res[1]
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
-        qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in unit_stride(q, k, v, out, dout))
+        qk_dim, v_dim = q.shape[-1], v.shape[-1]
+        qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in unit_stride(*common_head_dim(q, k, v, out, dout)))
         rng = self._rng_state(q.device)
         dq, dk, dv = _ATEN._flash_attention_backward(
             dot,
@@ -80,14 +95,19 @@ class CUDAFlashKernel(AttentionKernel):
             rng,
             scale=scale,
         )
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        return (
+            head_slice(dq.transpose(1, 2), qk_dim),
+            head_slice(dk.transpose(1, 2), qk_dim),
+            head_slice(dv.transpose(1, 2), v_dim),
+        )
 
     def varlen_forward(
         self, q: Tensor, k: Tensor, v: Tensor, seg: Segments, causal: bool, scale: float, window: int | None = None
     ) -> tuple[Tensor, Tensor]:
         if len(seg) == 0:
-            return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-        q, k, v = unit_stride(q, k, v)
+            return empty_result(q, v)
+        v_dim = v.shape[-1]
+        q, k, v = unit_stride(*common_head_dim(q, k, v))
         res = _ATEN._flash_attention_forward(
             q, k, v, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, 0.0, causal, False, scale=scale, **_window(window)
         )
@@ -98,7 +118,7 @@ class CUDAFlashKernel(AttentionKernel):
                 f"{tuple(lse.shape)} for {len(seg)} segments, expected (q_heads, total_q) = "
                 f"{(q.shape[1], q.shape[0])}; choose another kernel (kernel='flash_attn' or 'math')"
             )
-        return out, lse
+        return head_slice(out, v_dim), lse
 
     def varlen_backward(
         self,
@@ -116,8 +136,9 @@ class CUDAFlashKernel(AttentionKernel):
         if len(seg) == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         rng = self._rng_state(q.device)
-        dout, q, k, v, out = unit_stride(dout, q, k, v, out)
-        return _ATEN._flash_attention_backward(
+        qk_dim, v_dim = q.shape[-1], v.shape[-1]
+        dout, q, k, v, out = unit_stride(*common_head_dim(dout, q, k, v, out))
+        dq, dk, dv = _ATEN._flash_attention_backward(
             dout,
             q,
             k,
@@ -135,6 +156,7 @@ class CUDAFlashKernel(AttentionKernel):
             scale=scale,
             **_window(window),
         )
+        return head_slice(dq, qk_dim), head_slice(dk, qk_dim), head_slice(dv, v_dim)
 
 
 def _window(window: int | None) -> dict[str, int]:

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from titan_cp.attention.kernels.base import HALF, AttentionKernel, Segments
+from titan_cp.attention.kernels.base import HALF, AttentionKernel, Segments, common_head_dim, empty_result, head_slice
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,7 +139,9 @@ class FlashAttnKernel(AttentionKernel):
 
     The tiles make causal calls square, so flash-attn's bottom-right causal alignment agrees
     with the top-left convention of the interface. ``fai``: the module holding the private
-    functions (``flash_attn.flash_attn_interface`` by default; tests pass stand-ins).
+    functions (``flash_attn.flash_attn_interface`` by default; tests pass stand-ins). flash-attn 2's
+    functions take one head dim for q, k and v: a value dim of its own runs zero-padded, the results
+    sliced back (:func:`~.base.common_head_dim`).
     """
 
     name = "flash_attn"
@@ -196,26 +198,30 @@ class FlashAttnKernel(AttentionKernel):
         return self._fn[key](*args, **self._kwargs(self._params[key].names, causal, scale, **extra))
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        v_dim = v.shape[-1]
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in common_head_dim(q, k, v))
         res = self._call("fwd", qt, kt, vt, causal=causal, scale=scale)
-        return res[0].transpose(1, 2), first_lse(res, (q.shape[0], q.shape[1], q.shape[2]))
+        return head_slice(res[0].transpose(1, 2), v_dim), first_lse(res, (q.shape[0], q.shape[1], q.shape[2]))
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
-        qt, kt, vt, ot, dot = (x.transpose(1, 2).contiguous() for x in (q, k, v, out, dout))
+        qk_dim, v_dim = q.shape[-1], v.shape[-1]
+        qt, kt, vt, ot, dot = (x.transpose(1, 2).contiguous() for x in common_head_dim(q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
         self._call("bwd", dot, qt, kt, vt, ot, lse.contiguous(), dq, dk, dv, causal=causal, scale=scale)
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
+        return head_slice(dq, qk_dim), head_slice(dk, qk_dim), head_slice(dv, v_dim)
 
     def varlen_forward(
         self, q: Tensor, k: Tensor, v: Tensor, seg: Segments, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
         if len(seg) == 0:
-            return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-        q, k, v = (x.contiguous() for x in (q, k, v))
+            return empty_result(q, v)
+        v_dim = v.shape[-1]
+        q, k, v = (x.contiguous() for x in common_head_dim(q, k, v))
         res = self._call("vfwd", q, k, v, causal=causal, scale=scale, **self._varlen(seg))
-        return res[0], first_lse(res, (q.shape[1], q.shape[0]))
+        return head_slice(res[0], v_dim), first_lse(res, (q.shape[1], q.shape[0]))
 
     def varlen_backward(
         self,
@@ -229,10 +235,11 @@ class FlashAttnKernel(AttentionKernel):
         causal: bool,
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if len(seg) == 0:
-            return dq.zero_(), dk.zero_(), dv.zero_()
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        qk_dim, v_dim = q.shape[-1], v.shape[-1]
+        q, k, v, out, dout = (x.contiguous() for x in common_head_dim(q, k, v, out, dout))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         args = (dout, q, k, v, out, lse.contiguous(), dq, dk, dv)
         self._call("vbwd", *args, causal=causal, scale=scale, **self._varlen(seg))
-        return dq, dk, dv
+        return head_slice(dq, qk_dim), head_slice(dk, qk_dim), head_slice(dv, v_dim)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from titan_cp.attention.kernels.base import FLOATS, AttentionKernel, Segments
+from titan_cp.attention.kernels.base import FLOATS, AttentionKernel, Segments, empty_result
 
 
 def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -24,7 +24,7 @@ def reduce_kv(dx: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class MathKernel(AttentionKernel):
-    """Plain fp32 attention, written out; any device, any float dtype, any head_dim."""
+    """Plain fp32 attention, written out; any device, any float dtype, any head_dim (v's may differ)."""
 
     name = "math"
     dtypes = FLOATS
@@ -93,7 +93,7 @@ class MathKernel(AttentionKernel):
             outs.append(out[0].transpose(0, 1))
             lses.append(lse[0])
         if not outs:
-            return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+            return empty_result(q, v)
         return torch.cat(outs), torch.cat(lses, dim=1)
 
     def varlen_backward(
