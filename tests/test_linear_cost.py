@@ -154,3 +154,28 @@ def test_the_recomputing_ops_send_what_the_planner_prices(dist_pools, kind, shap
     works = lin.linear_work(256, 4, DEFAULT_BALANCE, tuple(tuple(r) for r in SMALL_ROWS), 4)
     priced = [lin.exchange_bytes(shapes, w, 4, recompute=True)[0] for w in works]
     assert dist_pools.run(4, recomputed_bytes, kind) == priced and max(priced) > 0
+
+
+def _plans_work(layout: SequenceLayout, rank: int, batch: int, conv: int) -> lin.LinearWork:
+    """:class:`~titan_cp.plan.linear.LinearWork` read from the ops' own plans of one rank."""
+    from titan_cp.attention.linear.plan import halo_plan, state_plan  # noqa: PLC0415
+
+    state, halo = state_plan(layout, rank, batch), halo_plan(layout, rank, batch, conv)
+    lengths = tuple(n for _, n in state.runs)
+    read = {received for chain in state.chains if len(chain) > 1 for received, _ in chain}
+    return lin.LinearWork(
+        lengths, tuple(lengths[i] for i in state.summarize), state.middle, sum(map(len, state.send.values())),
+        state.received, sum(map(len, halo.send.values())), halo.received,
+        sum(max(0, len(chain) - 2) for chain in state.chains), False in read, True in read,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("balance", ["contiguous", "zigzag", "doc_zigzag", "doc_local"])
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_the_planners_work_is_the_ops_plans(balance, cp):
+    """The planner's one pass over the documents gives each rank what the ops' plans give it (pieces,
+    summaries, rows sent and received, halos, composed states), on two rows of packed documents."""
+    rows = ((2, 300, 7, 1, 700, 14), tuple(lognormal_doc_lens(1024, 40, seed=cp)))
+    layout = SequenceLayout(1024, cp, balance, [list(r) for r in rows])
+    want = tuple(_plans_work(layout, r, 2, 4) for r in range(cp))
+    assert lin.linear_work(1024, cp, balance, rows, 4) == want

@@ -51,11 +51,13 @@ GPU (``fla``'s own autograd for Gated DeltaNet, the custom op's saved inputs for
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 
-from titan_cp.attention.linear.plan import halo_plan, state_plan
+from titan_cp.attention.linear.plan import Piece, _pieces
 from titan_cp.families.llama3.model import ModelArgs
 from titan_cp.integrations.hf_shapes import HFShapes, LinearShapes
 from titan_cp.layout import get_layout
@@ -179,28 +181,66 @@ class LinearWork:
 @lru_cache(maxsize=64)
 def linear_work(seq_len: int, cp: int, balance: str, rows: tuple, conv: int) -> tuple[LinearWork, ...]:
     """Every rank's :class:`LinearWork` for ``rows`` (document lengths, one tuple a row) under ``balance``
-    (a convolution of ``conv`` taps), from the ops' own plans."""
+    (a convolution of ``conv`` taps): what the ops' :func:`~titan_cp.attention.linear.plan.state_plan` and
+    :func:`~titan_cp.attention.linear.plan.halo_plan` give each rank (``tests/test_linear_cost.py``), from
+    the layout's pieces in one pass over the documents (the plans, rank by rank, grow as ``cp^2``)."""
     layout = get_layout(seq_len, cp, balance, [list(r) for r in rows])
-    out = []
-    for rank in range(cp):
-        state, halo = state_plan(layout, rank, len(rows)), halo_plan(layout, rank, len(rows), conv)
-        lengths = tuple(n for _, n in state.runs)
-        read = {received for chain in state.chains if len(chain) > 1 for received, _ in chain}
-        out.append(
-            LinearWork(
-                lengths,
-                tuple(lengths[i] for i in state.summarize),
-                state.middle,
-                sum(len(r) for r in state.send.values()),
-                state.received,
-                sum(len(r) for r in halo.send.values()),
-                halo.received,
-                sum(max(0, len(chain) - 2) for chain in state.chains),
-                False in read,
-                True in read,
-            )
+    pieces = _pieces(layout, len(rows))
+    docs: dict[tuple[int, int], list[Piece]] = defaultdict(list)
+    for theirs in pieces.values():
+        for piece in theirs:
+            docs[(piece.row, piece.doc)].append(piece)
+    counts = {r: Counter() for r in range(cp)}  # type: ignore[var-annotated]
+    reads: dict[int, set[bool]] = defaultdict(set)
+    for chain in docs.values():
+        chain.sort(key=lambda piece: piece.index)
+        _states(chain, counts, reads)
+        _halos(chain, conv - 1, counts)
+    return tuple(
+        LinearWork(
+            tuple(piece.length for piece in pieces[r]),
+            tuple(piece.length for piece in pieces[r] if piece.index < piece.count - 1),
+            tuple(piece.index > 0 for piece in pieces[r] if piece.index < piece.count - 1),
+            counts[r]["sent"],
+            counts[r]["received"],
+            counts[r]["halo_sent"],
+            counts[r]["halo_received"],
+            counts[r]["composed"],
+            False in reads[r],
+            True in reads[r],
         )
-    return tuple(out)
+        for r in range(cp)
+    )
+
+
+def _states(chain: list[Piece], counts: dict[int, Counter], reads: dict[int, set[bool]]) -> None:
+    """One document's pieces (in order): each summary sent to the other ranks holding a later piece, each
+    rank receiving the others' summaries before its last piece, and what composing each piece's state reads."""
+    owners = [piece.rank for piece in chain]
+    for i, rank in enumerate(owners[:-1]):
+        counts[rank]["sent"] += len(set(owners[i + 1 :]) - {rank})
+    last = {rank: i for i, rank in enumerate(owners)}
+    for rank, i in last.items():
+        counts[rank]["received"] += sum(owner != rank for owner in owners[:i])
+    for piece in chain:
+        counts[piece.rank]["composed"] += max(0, piece.index - 2)
+        if piece.index >= 2:  # M s + B keeps s and M: the summaries the chain reads
+            reads[piece.rank] |= {owner != piece.rank for owner in owners[: piece.index]}
+
+
+def _halos(chain: list[Piece], h: int, counts: dict[int, Counter]) -> None:
+    """One document's convolution halos: the ``h`` positions before each piece (in its document), each rank
+    receiving those other ranks hold once, and sending those it holds to each rank that wants them."""
+    wanted: dict[int, set[int]] = defaultdict(set)
+    for piece in chain[1:]:
+        wanted[piece.rank].update(range(max(piece.doc_start, piece.start - h), piece.start))
+    starts = [piece.start for piece in chain]
+    for rank, positions in wanted.items():
+        for x in positions:
+            owner = chain[bisect.bisect_right(starts, x) - 1].rank
+            if owner != rank:
+                counts[rank]["halo_received"] += 1
+                counts[owner]["halo_sent"] += 1
 
 
 def exchange_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int, recompute: bool) -> tuple[int, int]:
