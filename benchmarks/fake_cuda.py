@@ -31,7 +31,9 @@ device bytes and are not counted, so one layer's counts are those of every layer
 - kernel calls per ring step, the bytes sent, the kernel's segments (for its work), and the
   operations outside the kernel with the HBM bytes they read and write (:class:`TrafficMeter`: an
   index operation counted by the rows it touches, views, allocations and host operations free), from which
-  :mod:`benchmarks.gpu_model` predicts GPU time.
+  :mod:`benchmarks.gpu_model` predicts GPU time. The kernel is ATen's flash op alone: a value head dim of
+  its own (multi-head latent attention) reaches it with v, out and dout zero-padded to q's head dim, and
+  that padding is counted among the operations outside it.
 """
 
 from __future__ import annotations
@@ -169,9 +171,11 @@ def _check_qkv(name: str, tensors: dict[str, torch.Tensor], problems: list[str])
     e = q.shape[-1]
     if e % 8 or e > 256:
         problems.append(f"{name}: head_dim {e} is not a multiple of 8 at most 256")
-    k = tensors["k"]
+    k, v = tensors["k"], tensors["v"]
     if k.shape[-1] != e or q.shape[-2] % k.shape[-2]:
         problems.append(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} do not agree in head_dim and GQA")
+    if v.shape[-1] != e:
+        problems.append(f"{name}: v's head_dim {v.shape[-1]} is not q's {e}: the kernel takes one (pad v)")
 
 
 def _check_lengths(name: str, cu_q, cu_k, max_q, max_k, q: torch.Tensor, problems: list[str]) -> int:
@@ -196,11 +200,22 @@ def _check_lengths(name: str, cu_q, cu_k, max_q, max_k, q: torch.Tensor, problem
 
 class CheckedAten:
     """Stands in for ``torch.ops.aten`` in the ``cuda_flash`` kernel: checks and records every flash
-    call, then runs ATen's own op (its schema checks the argument types; its fake kernel the shapes)."""
+    call, then runs ATen's own op (its schema checks the argument types; its fake kernel the shapes).
+    ``inside`` is set while a flash op runs: that op is the kernel, which a :class:`TrafficMeter` leaves out;
+    what the kernel's Python does around it (v padded to q's head dim and the results sliced, the lse made
+    contiguous) moves HBM bytes like any operation outside it, and is counted."""
 
     def __init__(self):
         self.calls: list[FlashCall] = []
         self.violations: list[str] = []
+        self.inside = False
+
+    def _run(self, op, *args, **kwargs):
+        self.inside = True
+        try:
+            return op(*args, **kwargs)
+        finally:
+            self.inside = False
 
     def __getattr__(self, name):
         op = getattr(_ATEN, name)
@@ -214,7 +229,7 @@ class CheckedAten:
         _check_qkv("forward", {"q": q, "k": k, "v": v}, problems)
         varlen = cu_q is not None
         n = _check_lengths("forward", cu_q, cu_k, max_q, max_k, q, problems) if varlen else q.shape[0]
-        res = op(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug_mask, **kw)
+        res = self._run(op, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug_mask, **kw)
         want = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
         lse = res[1]
         if tuple(lse.shape) != want or lse.dtype != torch.float32:
@@ -235,7 +250,7 @@ class CheckedAten:
             problems.append(f"backward: dout {tuple(dout.shape)} / out {tuple(out.shape)} differ from q")
         self.calls.append(FlashCall("backward", varlen, causal, tuple(q.shape), tuple(k.shape), n))
         self.violations += problems
-        return op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, *rest, **kw)
+        return self._run(op, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, *rest, **kw)
 
 
 # ---------------------------------------------------------------------------- host syncs
@@ -399,21 +414,16 @@ def fake_cuda():
 # ---------------------------------------------------------------------------- counting
 class MeteredFlash(CUDAFlashKernel):
     """The ``cuda_flash`` kernel, recording every variable-length call's segments (host offsets, and the
-    heads it runs) and marking its own operations (``inside``) so that a traffic meter can leave them out."""
+    heads it runs); the ATen flash op inside it is what a traffic meter leaves out (:class:`CheckedAten`)."""
 
     def __init__(self, inner: CUDAFlashKernel | None = None):
         super().__init__()
         self.inner = inner or CUDAFlashKernel()
         self.segments: list[tuple[str, bool, tuple[int, ...], tuple[int, ...], int | None, int]] = []
-        self.inside = False
 
     def _run(self, op: str, fn, seg, causal, window, *args):
         self.segments.append((op, causal, seg.host_q, seg.host_k, window, args[0].shape[1]))
-        self.inside = True
-        try:
-            return fn(*args, **({} if window is None else {"window": window}))
-        finally:
-            self.inside = False
+        return fn(*args, **({} if window is None else {"window": window}))
 
     def varlen_forward(self, q, k, v, seg, causal, scale, window=None):
         return self._run("forward", self.inner.varlen_forward, seg, causal, window, q, k, v, seg, causal, scale)
@@ -515,9 +525,9 @@ class TrafficMeter(TorchDispatchMode):
     """Counts the device operations outside the kernel and the HBM bytes they read and write (:func:`op_bytes`);
     ``sites`` splits them by where the engine issued them and which op it was
     (``{("fold.Results.fold", "index_copy"): [ops, bytes]}``). ``kernel``: anything with an ``inside`` flag
-    (the metered kernel); ``device_type``: as :class:`SyncDetector`'s."""
+    (the flash ops' :class:`CheckedAten`); ``device_type``: as :class:`SyncDetector`'s."""
 
-    def __init__(self, kernel: MeteredFlash, device_type: str = "cuda"):
+    def __init__(self, kernel: CheckedAten, device_type: str = "cuda"):
         super().__init__()
         self.kernel, self.ops, self.bytes, self.host_ops = kernel, 0, 0, 0
         self.device_type = device_type
@@ -559,13 +569,14 @@ class RankTrace:
         return sum(c.op == op for c in self.calls) / self.steps
 
 
-def _inputs(batch: int, local: int, heads: int, kv_heads: int, head_dim: int, dtype) -> tuple:
-    """Fake ``(B, H, S, E)`` views of token-major ``(B, S, H, E)`` storage, as the model hands them over."""
+def _inputs(batch: int, local: int, heads: int, kv_heads: int, head_dim: int, dtype, v_head_dim: int) -> tuple:
+    """Fake ``(B, H, S, E)`` views of token-major ``(B, S, H, E)`` storage, as the model hands them over
+    (``v`` and ``dout`` at ``v_head_dim``)."""
 
-    def make(h):
-        return torch.empty(batch, local, h, head_dim, dtype=dtype, device=CUDA).transpose(1, 2)
+    def make(h, e=head_dim):
+        return torch.empty(batch, local, h, e, dtype=dtype, device=CUDA).transpose(1, 2)
 
-    return make(heads), make(kv_heads), make(kv_heads), make(heads)
+    return make(heads), make(kv_heads), make(kv_heads, v_head_dim), make(heads, v_head_dim)
 
 
 def simulate(
@@ -583,11 +594,13 @@ def simulate(
     kernel: CUDAFlashKernel | None = None,
     window: int | None = None,
     chunk: int | None = None,
+    v_head_dim: int | None = None,
 ) -> list[RankTrace]:
     """One layer's forward + backward of ``strategy`` for each of the ``cp`` ranks (module docstring).
 
     ``doc_lens``: one list of document lengths per batch row (``None``: one causal document);
-    ``window``, ``chunk``: the layer's mask. A host synchronisation raises :class:`HostSyncError`.
+    ``window``, ``chunk``: the layer's mask; ``v_head_dim``: v's own (multi-head latent attention; ``None``:
+    ``head_dim``). A host synchronisation raises :class:`HostSyncError`.
     """
     s = get_strategy(strategy)
     batch = 1 if doc_lens is None else len(doc_lens)
@@ -598,10 +611,10 @@ def simulate(
     with fake_cuda() as (_, aten):
         for mesh in fake_meshes(strategy, cp, ulysses_degree):
             ctx = CPContext(mesh, layout, mask, head_dim**-0.5, meter, heads, kv_heads)
-            q, k, v, dout = _inputs(batch, seq_len // cp, heads, kv_heads, head_dim, dtype)
+            q, k, v, dout = _inputs(batch, seq_len // cp, heads, kv_heads, head_dim, dtype, v_head_dim or head_dim)
             aten.calls.clear()
             meter.segments.clear()
-            traffic = TrafficMeter(meter)
+            traffic = TrafficMeter(aten)
             with comm.count_comm() as sent, SyncDetector(), traffic:
                 out, saved = s.forward(ctx, q, k, v)
                 s.backward(ctx, dout, q, k, v, out, saved)

@@ -38,6 +38,11 @@ device, as the self-check's simulated ring measures it (:func:`check_model`, sec
                   sent home
     buffers       K/V stacked, taken and copied for sending; receive and gradient-return buffers
     sinks         attention sinks folded in
+    padding       a value head dim of its own (multi-head latent attention) zero-padded to q's for the
+                  flash kernel, which takes one head dim: v in every call, out and dout in the backward's
+
+A value head dim of its own (``v_head_dim``) also makes the kernel run ``P V`` and ``dV`` at the padded
+width: its FLOPs are counted at q's head dim (the larger).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import torch
 from benchmarks.fake_cuda import simulate
 from titan_cp.attention import fold
 from titan_cp.attention.kernels import check_kernel
+from titan_cp.attention.kernels.base import kernel_head_dim
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.attention.tiling import Mask, kernel_mask, tile_mask, token_major
 from titan_cp.data.row_mixes import lognormal_doc_lens
@@ -107,12 +113,14 @@ def one_call_segments(seq_len: int, doc_lens, mask: Mask, heads: int) -> list:
 _KINDS = {
     "tiling.token_major": "layout", "tiling.head_major": "layout", "ulysses": "layout", "hybrid": "layout",
     "layout": "layout", "allgather.AllGather.forward": "buffers", "allgather.AllGather.backward": "buffers",
+    "allgather.key_buffer": "buffers",
     "tiling.Rows.take": "repack", "fold.attend": "repack", "fold.attend_backward": "repack",
     "fold.Results.__init__": "merge", "fold.Results.finish": "merge", "merge": "merge", "fused.merge_into": "merge",
     "fold.Grads": "grad_acc", "ring._add_home": "grad_acc", "ring.ring_backward": "grad_acc",
     "ring.received_grads": "grad_acc",
     "ring._post_kv": "buffers", "ring.ring_forward": "buffers", "comm": "buffers", "ring._KV": "buffers",
-    "tiling.Rows.take_into": "buffers",
+    "tiling.Rows.take_into": "buffers", "base.common_head_dim": "padding", "base.unit_stride": "repack",
+    "cuda_flash": "repack",
 }  # fmt: skip
 
 
@@ -154,12 +162,26 @@ def predict(
     chunk: int | None = None,
     device: str = "h200",
     fraction: float | None = None,
+    v_head_dim: int | None = None,
 ) -> dict:
-    """One JSON-ready record: per-rank counts and seconds, and the predicted efficiency (module docstring)."""
+    """One JSON-ready record: per-rank counts and seconds, and the predicted efficiency (module docstring);
+    ``v_head_dim``: v's own (``None``: ``head_dim``), the kernel running at the larger of the two."""
     dev = GPUS[device]
     traces = simulate(
-        strategy, seq_len, cp, heads, kv_heads, head_dim, doc_lens, balance, ulysses_degree, window=window, chunk=chunk
+        strategy,
+        seq_len,
+        cp,
+        heads,
+        kv_heads,
+        head_dim,
+        doc_lens,
+        balance,
+        ulysses_degree,
+        window=window,
+        chunk=chunk,
+        v_head_dim=v_head_dim,
     )
+    head_dim = kernel_head_dim(head_dim, v_head_dim or head_dim)  # the padded width the kernel computes at
     kernel = [kernel_seconds(t.segments, head_dim, device, fraction) for t in traces]
     outside = [t.outside_bytes / dev.hbm_bandwidth for t in traces]
     launches = [t.outside_ops * OP_FLOOR_S for t in traces]

@@ -6,7 +6,9 @@ Checked: ATen's schema accepts every call (the real op runs, on its fake kernel)
 kernel's preconditions hold, the log-sum-exp comes back as the engine expects, nothing in the
 layer synchronises with the host or copies to the device blocking, no host work is redone in a
 layer (the plans are built once per microbatch), at most one kernel call per causal flag per ring
-step, and the bytes sent equal the strategy's minimum. No arithmetic runs.
+step, and the bytes sent equal the strategy's minimum. No arithmetic runs. Multi-head latent
+attention (q/k 192, v 128, DeepSeek V3's heads over TP 8): v reaches the kernel padded to q's head
+dim, that padding is counted byte for byte, and the bytes sent are priced at v's own size.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from benchmarks.fake_cuda import HostSyncError, simulate
+from benchmarks.gpu_model import traffic_kind
 from titan_cp.attention.kernels import cuda_flash
 from titan_cp.attention.kernels.cuda_flash import CUDAFlashKernel
 from titan_cp.attention.pricing import AttentionCall, cost_of
@@ -42,11 +45,14 @@ def lognormal_docs(seq: int, mean: int, seed: int = 0) -> list[int]:
 DOCS = [lognormal_docs(SEQ, 1024)]
 
 
-def _min_bytes(strategy: str, ulysses: int, layout, rank: int) -> int:
+def _min_bytes(
+    strategy: str, ulysses: int, layout, rank: int, heads=HEADS, kv_heads=KV_HEADS, dim=DIM, v_dim=DIM
+) -> int:
     meta = dict(dtype=torch.bfloat16, device="meta")
-    q = torch.empty(1, HEADS, SEQ // CP, DIM, **meta)
-    k = torch.empty(1, KV_HEADS, SEQ // CP, DIM, **meta)
-    return cost_of(strategy).min_bytes(AttentionCall.of(q, k, CP, ulysses, layout), rank=rank)
+    local = layout.local_len
+    q, k = torch.empty(1, heads, local, dim, **meta), torch.empty(1, kv_heads, local, dim, **meta)
+    v = torch.empty(1, kv_heads, local, v_dim, **meta)
+    return cost_of(strategy).min_bytes(AttentionCall.of(q, k, layout.cp_size, ulysses, layout, v=v), rank=rank)
 
 
 @pytest.mark.parametrize("docs", [None, DOCS], ids=["causal", "documents"])
@@ -61,6 +67,51 @@ def test_cuda_flash_calls_at_full_size(strategy, ulysses, docs):
         assert t.calls and all(c.varlen for c in t.calls)
         assert 0 < t.calls_per_step("forward") <= 2 and 0 < t.calls_per_step("backward") <= 2
         assert t.bytes_sent == _min_bytes(strategy, ulysses, get_layout(SEQ, CP, balance, docs), t.rank)
+
+
+MLA_SEQ, MLA_CP, MLA_HEADS, MLA_DIM, MLA_V_DIM = 8192, 4, 16, 192, 128  # K/V at every query head, as MLA expands
+
+
+def _padding_bytes(trace) -> int:
+    """Bytes the trace's operations outside the kernel spent padding v (and out, dout) to q's head dim."""
+    return sum(nbytes for (site, op), (_, nbytes) in trace.sites.items() if traffic_kind(site, op) == "padding")
+
+
+@pytest.mark.parametrize("strategy,ulysses", STRATEGIES)
+def test_mla_v_padded_for_the_kernel_counted_and_priced_at_its_own_size(strategy, ulysses):
+    """v (and the backward's out and dout) reach ATen's flash kernel zero-padded to q's head dim (else a
+    violation), the padding read and written outside the kernel is counted (every call's v rows, and the
+    backward's out and dout rows, each read at 128 and written at 192), and the bytes sent are the
+    strategy's minimum with V and the output at their own size."""
+    docs = [lognormal_docs(MLA_SEQ, 1024)]
+    layout = get_layout(MLA_SEQ, MLA_CP, "doc_zigzag", docs)
+    heads, dims = MLA_HEADS, MLA_DIM + MLA_V_DIM
+    traces = simulate(
+        strategy, MLA_SEQ, MLA_CP, heads, heads, MLA_DIM, docs, "doc_zigzag", ulysses, v_head_dim=MLA_V_DIM
+    )
+    for t in traces:
+        assert t.violations == [], t.violations
+        rows = [
+            c.k_shape[0] * c.k_shape[1] + (2 * c.q_shape[0] * c.q_shape[1] if c.op == "backward" else 0)
+            for c in t.calls
+        ]
+        assert _padding_bytes(t) == 2 * dims * sum(rows) > 0
+        want = _min_bytes(strategy, ulysses, layout, t.rank, heads, heads, MLA_DIM, MLA_V_DIM)
+        assert t.bytes_sent == want
+
+
+class _Unpadded(CUDAFlashKernel):
+    """Breaks a precondition on purpose: v reaches ATen at its own head dim (the padding switched off)."""
+
+    def varlen_forward(self, q, k, v, seg, causal, scale):
+        with mock.patch.object(cuda_flash, "common_head_dim", lambda *tensors: tensors):
+            return super().varlen_forward(q, k, v, seg, causal, scale)
+
+
+def test_an_unpadded_v_is_reported():
+    traces = simulate("ring", 4096, 2, 4, 4, 64, [[1000, 3096]], kernel=_Unpadded(), v_head_dim=32)
+    assert any("v's head_dim 32 is not q's 64" in v for t in traces for v in t.violations), traces[0].violations
+    assert all(_padding_bytes(t) > 0 for t in traces)  # the backward still pads (only the forward is broken)
 
 
 class _Int64Lengths(CUDAFlashKernel):
