@@ -43,6 +43,7 @@ PLAIN_HEAD_FAMILIES = frozenset(
         "qwen3_5_moe_text",
         "qwen3_next",
         "bamba",
+        "deepseek_v3",  # Kimi K2's checkpoints name this architecture too
     }
     | {"nemotron_h"}  # its forward casts the head's logits to fp32: the chunked loss is fp32 too
 )

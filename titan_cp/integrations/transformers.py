@@ -12,8 +12,9 @@ How it plugs in, without patching any model class:
 
 - ``AttentionInterface.register("titan_cp", titan_cp_attention)``: every layer's attention calls
   :func:`titan_cp_attention` with q ``(B, H, S_local, E)`` and k/v ``(B, K, S_local, E)`` after
-  RoPE (GQA at its own head count); it runs the ``titan_cp::cp_attention`` custom op (every
-  strategy, every kernel, packed documents) and returns ``(B, S_local, H, E)``.
+  RoPE (GQA at its own head count; v at a head dim of its own under multi-head latent attention,
+  DeepSeek V3 and Kimi K2: q/k 192, v 128, unpadded); it runs the ``titan_cp::cp_attention`` custom op
+  (every strategy, every kernel, packed documents) and returns ``(B, S_local, H, Ev)``.
 - ``AttentionMaskInterface.register("titan_cp", titan_cp_mask)``: builds nothing (``None``): the
   documents reach the attention as the ``cp_doc_lens`` keyword, a ``(B, max_docs)`` host tensor that
   ``cp.shard(batch)`` (:func:`shard_batch`) makes and ``transformers`` hands unchanged to every layer.
@@ -148,7 +149,8 @@ def _cp_attend(
 ) -> Tensor:
     """The one call of the CP attention op: causal inside each document of ``doc_lens``, with the
     layer's window or chunks, and ``sinks`` ``(H,)`` (per-head logits in every softmax denominator).
-    q ``(B, H, S_local, E)``, k/v ``(B, K, S_local, E)`` -> ``(B, H, S_local, E)`` (token-major storage)."""
+    q ``(B, H, S_local, E)``, k ``(B, K, S_local, E)``, v ``(B, K, S_local, Ev)`` -> ``(B, H, S_local, Ev)``
+    (token-major storage)."""
     query, key, value = _autocast_dtype(query, key, value)
     check_qkv(query, key, value)
     mask = check_mask(True, binding.window, binding.chunk, sinks, query.shape[1])
@@ -224,10 +226,11 @@ def titan_cp_attention(
 ) -> tuple[Tensor, None]:
     """``transformers``' attention-function contract, run as titan_cp's CP attention.
 
-    query ``(B, H, S_local, E)``, key/value ``(B, K, S_local, E)``: this rank's tokens in layout
-    order, RoPE applied. ``kwargs["cp_doc_lens"]``: the ``(B, max_docs)`` host tensor of
-    :func:`shard_batch` (absent: every row is one document). Returns ``(out (B, S_local, H, E),
-    None)`` (no attention weights are ever formed).
+    query ``(B, H, S_local, E)``, key ``(B, K, S_local, E)``, value ``(B, K, S_local, Ev)`` (``Ev``: its own
+    head dim under multi-head latent attention): this rank's tokens in layout order, RoPE applied; ``scaling``
+    the model's (DeepSeek's YaRN mscale in it), else ``1/sqrt(E)``. ``kwargs["cp_doc_lens"]``: the
+    ``(B, max_docs)`` host tensor of :func:`shard_batch` (absent: every row is one document). Returns
+    ``(out (B, S_local, H, Ev), None)`` (no attention weights are ever formed).
     """
     binding = _binding(module)
     _check_call(module, binding, query, key, attention_mask, dropout, kwargs)
