@@ -1,11 +1,12 @@
 """The self-check's section ``linear``: the gated delta rule's CP arithmetic on one device, against fp64.
 
 One document of ``seq`` tokens is cut into ``pieces`` equal pieces, as a layout cuts it over ranks, and
-run the way the CP op runs them (:mod:`titan_cp.attention.linear`): one call for the summaries
-``[B | M]`` of every piece but the last, the pieces' starting states composed from them, one call over
-every piece from its state. Its output and gradients are compared with the fp64 torch kernel over the
+run the way the CP op runs them (:mod:`titan_cp.attention.linear`): the first piece from zero at v's
+width, the others in one wide call from ``[0 | I]`` (their outputs from zero, the query carried through
+the transitions, their summaries ``[B | M]``), each later piece's starting state composed from the
+summaries before it and its share added. Its output and gradients are compared with the fp64 torch kernel over the
 whole document (from a zero state), and its time with one call over the whole document: the cost of
-cutting it (summaries and the states' composition; the exchange between ranks is not in it). The
+cutting it (the wide call and the states' composition; the exchange between ranks is not in it). The
 backend is the op's own on the device (``fla`` on CUDA where installed, else torch).
 
 A case passes when each of ``out, dq, dk, dv, dg, dbeta`` is within ``tol x max|fp64|`` of the fp64
@@ -44,35 +45,38 @@ def _fp64(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
     """The torch kernel in fp64 over the whole document, from a zero state."""
     rep = v.shape[1] // q.shape[1]
     q, k = (gated_delta.l2norm(x.double().repeat_interleave(rep, 1)) for x in (q, k))
-    chunks = chunked(((0, q.shape[0]),), q.shape[0], 64)
+    runs = ((0, q.shape[0]),)
+    chunks = chunked(runs, q.shape[0], 64)
     prep = gated_delta.prepare(chunks, q * q.shape[-1] ** -0.5, k, v.double(), g.double(), beta.double())
-    return gated_delta.outputs(chunks, prep, [None])
+    return gated_delta.scan(chunks, runs, prep, (0,), False)[0]
 
 
 def _cut(backend: str, x: list[Tensor], pieces: int) -> Tensor:
-    """The document as ``pieces`` pieces, the CP op's way: summaries, composed states, every piece."""
+    """The document as ``pieces`` pieces, the CP op's way: the first from zero, the others wide from ``[0 | I]``
+    (outputs from zero, the query carried through the transitions, summaries ``[B | M]``), each later piece's
+    state composed from the summaries before it and its share added."""
     t = x[0].shape[0]
     runs = tuple((i * t // pieces, (i + 1) * t // pieces - i * t // pieces) for i in range(pieces))
-    first = tuple(range(pieces - 1))
-    middle = tuple(i > 0 for i in first)
+    later = tuple(range(1, pieces))
     if backend == "fla":
-        p = fla.Prepared(x[0], x[1], x[2], x[3], x[4], x[0].shape[-1] ** -0.5, True)
-        states = _states(fla.summaries(runs, p, first, middle), pieces)
-        return fla.outputs(runs, p, states)
-    rep = x[2].shape[1] // x[0].shape[1]
-    q, k = (gated_delta.l2norm(y.float().repeat_interleave(rep, 1)) for y in x[:2])
-    chunks = chunked(runs, t, 64)
-    prep = gated_delta.prepare(chunks, q * q.shape[-1] ** -0.5, k, *(y.float() for y in x[2:]))
-    states = _states(gated_delta.summaries(chunks, prep, first, middle), pieces)
-    return gated_delta.outputs(chunks, prep, states)
-
-
-def _states(sent: Tensor, pieces: int) -> list[Tensor | None]:
-    """Each piece's starting state composed from the summaries of the pieces before it."""
-    states: list[Tensor | None] = [None]
-    for j in range(1, pieces):
-        states.append(gated_delta.apply(sent[j - 1], states[-1]))
-    return states
+        p: Any = fla.Prepared(x[0], x[1], x[2], x[3], x[4], x[0].shape[-1] ** -0.5, True)
+        first, wide = fla.scan(runs, p, (0,), False), fla.scan(runs, p, later, True)
+    else:
+        rep = x[2].shape[1] // x[0].shape[1]
+        q, k = (gated_delta.l2norm(y.float().repeat_interleave(rep, 1)) for y in x[:2])
+        chunks = chunked(runs, t, 64)
+        p = gated_delta.prepare(chunks, q * q.shape[-1] ** -0.5, k, *(y.float() for y in x[2:]))
+        first, wide = gated_delta.scan(chunks, runs, p, (0,), False), gated_delta.scan(chunks, runs, p, later, True)
+    dv = first[0].shape[-1]
+    state = first[1][0].float()  # the state after the first piece: its offset B
+    outs, at = [first[0]], 0
+    for j in later:
+        n = runs[j][1]
+        o = wide[0][at : at + n]
+        outs.append(o[..., :dv] + torch.einsum("thk,hkv->thv", o[..., dv:], state.to(o.dtype)))
+        state = gated_delta.apply(wide[1][j - 1].float(), state)
+        at += n
+    return torch.cat(outs)
 
 
 def check_linear(device: torch.device, small: bool, timed: Timer, repeats: int, backend: str = "auto") -> list[dict]:

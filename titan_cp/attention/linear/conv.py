@@ -5,9 +5,11 @@ squeezed)::
 
     y_t = act(bias_c + sum_{j=0}^{K-1} w[c, K-1-j] x_{t-j})        x_{t-j} = 0 before the document's start
 
-Each token's ``K`` inputs are read through the halo plan's ``taps`` (:class:`~.plan.HaloPlan`) from
-``cat([local tokens, halo rows received, one zero row])``: one gather and one contraction, whatever the
-pieces.
+One depthwise convolution over the whole local buffer gives every token whose ``K`` inputs are the
+tokens just before it in the buffer (all but the first ``K - 1`` of each piece); those *edge* tokens are
+computed again from their own inputs, read through the halo plan's ``edge_taps``
+(:class:`~.plan.HaloPlan`) from ``cat([local tokens, halo rows received, one zero row])``, and put in
+place: a convolution's memory traffic, plus ``pieces x (K - 1)`` tokens.
 """
 
 from __future__ import annotations
@@ -19,13 +21,26 @@ from torch import Tensor
 ACTIVATIONS = (None, "silu", "swish")
 
 
-def conv(x: Tensor, halo: Tensor, taps: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None) -> Tensor:
+def conv(
+    x: Tensor,
+    halo: Tensor,
+    edge: Tensor,
+    edge_taps: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str | None,
+) -> Tensor:
     """``x`` ``(tokens, channels)``, ``halo`` ``(rows, channels)`` -> ``(tokens, channels)`` (in ``x``'s
     dtype; accumulated in the weight's dtype or fp32, whichever is wider)."""
     acc = torch.promote_types(weight.dtype, torch.float32)
-    ext = torch.cat([x.to(acc), halo.to(acc), x.new_zeros(1, x.shape[1], dtype=acc)])
-    gathered = ext.index_select(0, taps.reshape(-1)).view(*taps.shape, x.shape[1])  # (tokens, K, channels)
-    y = torch.einsum("tkc,ck->tc", gathered, weight.to(acc).flip(-1))
+    tokens, channels = x.shape
+    kernel = weight.shape[-1]
+    xa, w = x.to(acc), weight.to(acc)
+    y = F.conv1d(xa.t()[None], w[:, None, :], None, padding=kernel - 1, groups=channels)[0, :, :tokens].t()
+    if edge.numel():
+        ext = torch.cat([xa, halo.to(acc), xa.new_zeros(1, channels)])
+        gathered = ext.index_select(0, edge_taps.reshape(-1)).view(*edge_taps.shape, channels)  # (edges, K, C)
+        y = y.index_copy(0, edge, torch.einsum("tkc,ck->tc", gathered, w.flip(-1)))
     if bias is not None:
         y = y + bias.to(acc)
     if activation is not None:

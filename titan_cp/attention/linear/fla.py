@@ -1,15 +1,17 @@
 """The gated delta rule on CUDA through ``fla`` (flash-linear-attention), where it is installed.
 
 ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` runs variable-length pieces (``cu_seqlens``) each
-from a state of its own (``initial_state``: ``(pieces, v_heads, d_k, d_v)``, the layout of
+from a state of its own (``initial_state``: ``(pieces, v_heads, d_k, width)``, the layout of
 :mod:`.gated_delta`'s state) and returns their final states; grouped value heads, the q/k
 normalisation and the scale are its own arguments. It is an autograd function, so the op's backward
-recomputes through it as through the torch kernel. The calls, per rank and layer::
+runs through it as through the torch kernel. Each piece runs once, per rank and layer at most two calls
+(:func:`.gated_delta.scan`'s arithmetic)::
 
-    summaries   one call over the pieces some later piece follows, v widened to [v | 0] and the
-                state started at [0 | I] for a middle piece ([0 | 0] for a first): its final state is
-                [B | M] (:mod:`.gated_delta`'s docstring)
-    outputs     one call over every piece of the buffer, each from its composed initial state
+    narrow   the pieces that start their document, from zero at v's own width (outputs final; the
+             final state is the offset B a later piece needs)
+    wide     the pieces a piece before them precedes, v widened to [v | 0] from [0 | I]: outputs
+             [o | r] (from zero, and the query carried through the transitions: the composed state's
+             share r^T S_in is added after the exchange) and final states [B | M]
 
 The import is never needed at titan_cp's import: :func:`available` looks for the package; the op picks
 this backend for CUDA tensors when it is there (``"auto"``), and the torch chunked kernel otherwise.
@@ -77,26 +79,24 @@ def _call(p: Prepared, index: Tensor | None, v: Tensor, lengths: list[int], init
     return o[0], final
 
 
-def summaries(
-    runs: tuple[tuple[int, int], ...], p: Prepared, pieces: tuple[int, ...], middle: tuple[bool, ...]
-) -> Tensor:
-    """``(len(pieces), v_heads, d_k, d_v + d_k)``: ``[B | M]`` of each piece (``M`` zero for a first piece)."""
+def _tokens(runs: tuple[tuple[int, int], ...], pieces: tuple[int, ...], device: torch.device) -> Tensor:
+    """The flat tokens of ``pieces``, in order, on ``device`` (made once per plan's values and device)."""
+    host = lambda: torch.cat([torch.arange(runs[j][0], runs[j][0] + runs[j][1]) for j in pieces])  # noqa: E731
+    return on_device(_DEVICE, ("index", runs, pieces), host, device)
+
+
+def scan(runs: tuple[tuple[int, int], ...], p: Prepared, pieces: tuple[int, ...], wide: bool) -> tuple[Tensor, Tensor]:
+    """:func:`.gated_delta.scan` through one ``fla`` call over ``pieces`` (their tokens gathered unless they
+    are the whole buffer): outputs ``(sum of the pieces' lengths, v_heads, width)`` and final states
+    ``(len(pieces), v_heads, d_k, width)``; ``wide``: ``v`` widened by ``d_k`` zero columns from ``[0 | I]``."""
     h, dk, dv = p.v.shape[1], p.q.shape[-1], p.v.shape[-1]
     if not pieces:
-        return p.v.new_zeros(0, h, dk, dv + dk, dtype=torch.float32)
-    host = lambda: torch.cat([torch.arange(runs[j][0], runs[j][0] + runs[j][1]) for j in pieces])  # noqa: E731
-    index = on_device(_DEVICE, ("index", runs, pieces), host, p.q.device)
-    v = p.v.index_select(0, index)
-    v = torch.cat([v, v.new_zeros(*v.shape[:2], dk)], -1)
-    eye = torch.eye(dk, device=p.q.device).expand(h, dk, dk)
-    zero = torch.zeros(h, dk, dv, device=p.q.device)
-    initial = torch.stack([torch.cat([zero, eye if mid else torch.zeros_like(eye)], -1) for mid in middle])
-    return _call(p, index, v, [runs[j][1] for j in pieces], initial)[1]
-
-
-def outputs(runs: tuple[tuple[int, int], ...], p: Prepared, initial: list[Tensor | None]) -> Tensor:
-    """``(tokens, v_heads, d_v)``: every piece from its state in ``initial`` (``None``: zero)."""
-    h, dk, dv = p.v.shape[1], p.q.shape[-1], p.v.shape[-1]
-    zero = torch.zeros(h, dk, dv, device=p.q.device)
-    states = torch.stack([zero if s is None else s.float() for s in initial])
-    return _call(p, None, p.v, [n for _, n in runs], states)[0]
+        width = dv + dk * wide
+        return p.v.new_zeros(0, h, width), torch.zeros(0, h, dk, width, device=p.q.device)
+    index = None if pieces == tuple(range(len(runs))) else _tokens(runs, pieces, p.q.device)
+    v = p.v if index is None else p.v.index_select(0, index)
+    initial = torch.zeros(len(pieces), h, dk, dv + dk * wide, device=p.q.device)
+    if wide:
+        v = torch.cat([v, v.new_zeros(*v.shape[:2], dk)], -1)
+        initial[..., dv:] = torch.eye(dk, device=p.q.device)
+    return _call(p, index, v, [runs[j][1] for j in pieces], initial)

@@ -14,9 +14,12 @@ Chunked form (chunks of ``C`` tokens; within a chunk ``c_t`` is the cumulative l
     U = T (b v)        W = T (b k exp(c))                         per chunk, all chunks at once
     v' = U - W S       o = (q exp(c)) S + ((q k^T) * D) v'       then S <- exp(c_C) S + (k exp(c_C - c))^T v'
 
-The state pass alone (no outputs) with ``S = [0 | I]`` and ``U = [U | 0]`` (``d_k`` columns more)
-leaves ``[B | M]``: the summary of a piece, by the same recurrence. Everything is fp32 and
-differentiable by autograd (the op's backward recomputes through it, :mod:`.op`).
+Run with ``S = [0 | I]`` and ``v`` widened by ``d_k`` zero columns, the same recurrence gives, in one pass
+over a piece, its outputs from zero ``o_t``, its query carried through the transitions ``r_t = M_t^T q_t``
+(``M_t``: the product up to ``t``) in the last ``d_k`` output columns, and its summary ``[B | M]`` as the
+final state; from the state ``S_in`` the pieces before it leave, the piece's output is then
+``o_t + S_in^T r_t`` (exactly: ``S_t = M_t S_in + S_t^0``). Everything is fp32 and differentiable by
+autograd (the op's backward recomputes through it, :mod:`.op`).
 
 Shapes: ``q, k`` ``(tokens, heads, d_k)``, ``v`` ``(tokens, heads, d_v)``, ``g, beta`` ``(tokens, heads)``
 with value heads (grouped q/k already repeated).
@@ -72,39 +75,34 @@ def _step(p: Prepared, i: int, s: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     return v_new, s * p.gamma[i].view(-1, 1, 1) + p.kd[i].transpose(-1, -2) @ v_new
 
 
-def outputs(chunks: Chunks, p: Prepared, initial: list[Tensor | None]) -> Tensor:
-    """``(tokens, heads, d_v)``: every piece run from its state in ``initial`` (one ``(heads, d_k, d_v)``
-    state per piece; ``None``: zero)."""
+def scan(
+    chunks: Chunks, runs: tuple[tuple[int, int], ...], p: Prepared, pieces: tuple[int, ...], wide: bool
+) -> tuple[Tensor, Tensor]:
+    """Each piece of ``pieces`` (indices into ``runs``, ``(flat start, length)``) from a zero state: its outputs,
+    ``(sum of the pieces' lengths, heads, width)`` (the pieces one after another), and its final state,
+    ``(len(pieces), heads, d_k, width)``. ``wide``: ``d_k`` more value columns, zero, from the state
+    ``[0 | I]``: the outputs are ``[o | r]`` (``o`` from zero, ``r_t = M_t^T q_t`` the query carried through
+    the transitions so far) and the final state ``[B | M]`` (module docstring)."""
     h, dk, dv = p.u.shape[1], p.w.shape[-1], p.u.shape[-1]
-    out = []
-    for j, (first, n) in enumerate(chunks.spans):
-        start = initial[j]
-        s = p.u.new_zeros(h, dk, dv) if start is None else start
-        for i in range(first, first + n):
-            v_new, s_next = _step(p, i, s, p.u[i])
-            out.append(p.qd[i] @ s + p.intra[i] @ v_new)
-            s = s_next
-    y = torch.stack(out)  # (N, H, C, d_v)
-    return chunks.scatter(y.transpose(1, 2))
-
-
-def summaries(chunks: Chunks, p: Prepared, pieces: tuple[int, ...], middle: tuple[bool, ...]) -> Tensor:
-    """``(len(pieces), heads, d_k, d_v + d_k)``: ``[B | M]`` of each piece in ``pieces`` (``M`` only where
-    ``middle``: a document's first piece needs only ``B``; its ``M`` part is left zero)."""
-    h, dk, dv = p.u.shape[1], p.w.shape[-1], p.u.shape[-1]
-    eye = torch.eye(dk, dtype=p.u.dtype, device=p.u.device).expand(h, dk, dk)
-    zero = p.u.new_zeros(h, dk, dv)
-    out = []
-    for j, mid in zip(pieces, middle):
+    width = dv + dk * wide
+    start = p.u.new_zeros(h, dk, width)
+    if wide:
+        start[..., dv:] = torch.eye(dk, dtype=p.u.dtype, device=p.u.device)
+    pad = p.u.new_zeros(h, p.u.shape[2], dk)
+    outs, finals = [], []
+    for j in pieces:
         first, n = chunks.spans[j]
-        s = torch.cat([zero, eye], -1) if mid else zero
+        s, chunk_outs = start, []
         for i in range(first, first + n):
-            u = torch.cat([p.u[i], p.u.new_zeros(h, p.u.shape[2], dk)], -1) if mid else p.u[i]
-            s = _step(p, i, s, u)[1]
-        out.append(s if mid else torch.cat([s, p.u.new_zeros(h, dk, dk)], -1))
-    if not out:
-        return p.u.new_zeros(0, h, dk, dv + dk)
-    return torch.stack(out)
+            u = torch.cat([p.u[i], pad], -1) if wide else p.u[i]
+            v_new, s_next = _step(p, i, s, u)
+            chunk_outs.append(p.qd[i] @ s + p.intra[i] @ v_new)  # (H, C, width)
+            s = s_next
+        outs.append(torch.stack(chunk_outs).transpose(1, 2).reshape(n * chunks.size, h, width)[: runs[j][1]])
+        finals.append(s)
+    if not outs:
+        return p.u.new_zeros(0, h, width), p.u.new_zeros(0, h, dk, width)
+    return torch.cat(outs), torch.stack(finals)
 
 
 def apply(summary: Tensor, s: Tensor | None) -> Tensor:

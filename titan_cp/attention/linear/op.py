@@ -2,13 +2,14 @@
 
 Each op runs one exchange between the cp ranks, through one driver::
 
-    forward     sent = outgoing(x)            this rank's summaries (or halo rows), from its own tokens
-                recv = send_rows(sent)        what the ranks after it in each document need  (plan)
-                out  = local(x, sent, recv)   every piece from the state (or halo) before it
+    forward     sent, partial = outgoing(x)            this rank's summaries (or halo rows), from its own
+                                                       tokens, and what its pieces computed on the way
+                recv = send_rows(sent)                 what the ranks after it in each document need (plan)
+                out  = local(x, partial, sent, recv)   every piece with the state (or halo) before it
     backward    recompute the forward under autograd, then
-                d_x, d_sent, d_recv = grad(out)           through local()
-                d_sent += return_rows(d_recv)             the exchange reversed: gradients home
-                d_x += grad(sent, d_sent)                 through outgoing()
+                d_x, d_partial, d_sent, d_recv = grad(out)     through local() alone
+                d_sent += return_rows(d_recv)                  the exchange reversed: gradients home
+                d_x += grad((partial, sent), (d_partial, d_sent))   through outgoing(), once
 
 so the op keeps only its inputs (the backward recomputes the local kernel, as activation checkpointing
 would) and its fake needs only shapes. Every output (and gradient) is contiguous, whatever the inputs'
@@ -36,6 +37,8 @@ from titan_cp.attention.linear.exchange import Transport, return_rows, send_rows
 from titan_cp.attention.linear.plan import HaloPlan, StatePlan, halo_plan, state_plan
 from titan_cp.layout import SequenceLayout
 
+Partial = tuple[Tensor, ...]
+
 
 class Kind(Protocol):
     """One op's arithmetic, bound to a call's plan (:func:`run`, :func:`run_backward`)."""
@@ -47,15 +50,15 @@ class Kind(Protocol):
     def send_index(self, device: torch.device) -> Tensor: ...
 
     def prepare(self, *inputs: Tensor | None) -> Any: ...
-    def outgoing(self, prep: Any) -> Tensor: ...
-    def local(self, prep: Any, sent: Tensor, recv: Tensor) -> Tensor: ...
+    def outgoing(self, prep: Any) -> tuple[Tensor, Partial]: ...
+    def local(self, prep: Any, partial: Partial, sent: Tensor, recv: Tensor) -> Tensor: ...
 
 
 def run(kind: Kind, comm: Transport | None, inputs: Sequence[Tensor | None]) -> Tensor:
     """The forward (module docstring)."""
     prep = kind.prepare(*inputs)
-    sent = kind.outgoing(prep)
-    return kind.local(prep, sent, _send(kind, comm, sent))
+    sent, partial = kind.outgoing(prep)
+    return kind.local(prep, partial, sent, _send(kind, comm, sent))
 
 
 def _send(kind: Kind, comm: Transport | None, sent: Tensor) -> Tensor:
@@ -71,6 +74,10 @@ def _autograd() -> Iterator[None]:
         yield
 
 
+def _or_zeros(grads: Sequence[Tensor | None], like: Sequence[Tensor]) -> list[Tensor]:
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, like)]
+
+
 def run_backward(
     kind: Kind, comm: Transport | None, inputs: Sequence[Tensor | None], dout: Tensor
 ) -> list[Tensor | None]:
@@ -79,17 +86,20 @@ def run_backward(
     wanted = [x for x in leaves if x is not None and x.requires_grad]
     with _autograd():
         prep = kind.prepare(*leaves)
-        sent = kind.outgoing(prep)
+        sent, partial = kind.outgoing(prep)
         recv = _send(kind, comm, sent.detach()).requires_grad_()
         sent_leaf = sent.detach().requires_grad_()
-        out = kind.local(prep, sent_leaf, recv)
-        grads = list(torch.autograd.grad(out, [*wanted, sent_leaf, recv], dout, retain_graph=True, allow_unused=True))
-        d_recv, d_sent = grads.pop(), grads.pop()
-        d_sent = torch.zeros_like(sent) if d_sent is None else d_sent
-        d_recv = torch.zeros_like(recv) if d_recv is None else d_recv
+        partial_leaf = tuple(t.detach().requires_grad_() for t in partial)
+        out = kind.local(prep, partial_leaf, sent_leaf, recv)
+        first = torch.autograd.grad(
+            out, [*wanted, *partial_leaf, sent_leaf, recv], dout, retain_graph=True, allow_unused=True
+        )
+        grads, d_partial = list(first[: len(wanted)]), _or_zeros(first[len(wanted) : -2], partial)
+        d_sent, d_recv = _or_zeros(first[-2:], (sent, recv))
         d_sent = return_rows(comm, d_recv, d_sent, kind.send, kind.recv, kind.crosses, kind.send_index(d_sent.device))
-        if sent.requires_grad and sent.numel():
-            more = torch.autograd.grad(sent, wanted, d_sent, allow_unused=True)
+        made = [(t, d) for t, d in zip((*partial, sent), (*d_partial, d_sent)) if t.requires_grad and t.numel()]
+        if made:
+            more = torch.autograd.grad([t for t, _ in made], wanted, [d for _, d in made], allow_unused=True)
             grads = [a if b is None else b if a is None else a + b for a, b in zip(grads, more)]
     by_leaf = iter(grads)
     return [None if x is None or not x.requires_grad else next(by_leaf) for x in leaves]
@@ -139,14 +149,19 @@ def _chunk_size(plan: StatePlan, chunk: int) -> int:
 
 
 def _compose(apply: Callable[[Tensor, Tensor | None], Tensor], plan: StatePlan, sent: Tensor, recv: Tensor) -> list:
-    """Each piece's initial state from the summaries before it (``None``: a document's first piece)."""
-    states: list[Tensor | None] = []
-    for chain in plan.chains:
-        s = None
-        for received, i in chain:
-            s = apply((recv if received else sent)[i], s)
-        states.append(s)
-    return states
+    """Each piece's initial state from the summaries before it (``None``: a document's first piece). A
+    document's pieces share the prefixes of their chains: each prefix's state is composed once (one
+    ``apply`` per summary of a chain, not per piece and summary), from the summaries unbound once."""
+    rows = {False: sent.unbind(0) if sent.shape[0] else (), True: recv.unbind(0) if recv.shape[0] else ()}
+    memo: dict[tuple, Tensor | None] = {(): None}
+
+    def state(chain: tuple) -> Tensor | None:
+        if chain not in memo:
+            received, i = chain[-1]
+            memo[chain] = apply(rows[received][i], state(chain[:-1]))
+        return memo[chain]
+
+    return [state(chain) for chain in plan.chains]
 
 
 @dataclass(frozen=True)
@@ -212,16 +227,41 @@ class GatedDelta(_Planned):
         v, g, beta = (_acc(_flat(x)) for x in (v, g, beta))
         return gated_delta.prepare(self.chunks, q * self.scale, k, v, g, beta)
 
-    def outgoing(self, prep: Any) -> Tensor:
+    def _scan(self, prep: Any, pieces: tuple[int, ...], wide: bool) -> tuple[Tensor, Tensor]:
         if self.backend == "fla":
-            return fla.summaries(self.plan.runs, prep, self.plan.summarize, self.plan.middle)
-        return gated_delta.summaries(self.chunks, prep, self.plan.summarize, self.plan.middle)
+            return fla.scan(self.plan.runs, prep, pieces, wide)
+        return gated_delta.scan(self.chunks, self.plan.runs, prep, pieces, wide)
 
-    def local(self, prep: Any, sent: Tensor, recv: Tensor) -> Tensor:
-        initial = _compose(gated_delta.apply, self.plan, sent, recv)
-        if self.backend == "fla":
-            return fla.outputs(self.plan.runs, prep, initial)
-        return gated_delta.outputs(self.chunks, prep, initial)
+    def outgoing(self, prep: Any) -> tuple[Tensor, Partial]:
+        """Each piece once: those that start their document at v's width (their outputs final), the others
+        wide (outputs ``[o | r]``, :func:`.gated_delta.scan`); the summaries are their final states."""
+        first, later = self.plan.pieces_first, self.plan.pieces_later
+        o_first, s_first = self._scan(prep, first, False)
+        o_later, s_later = self._scan(prep, later, True)
+        dk = s_later.shape[-2] if s_later.numel() else s_first.shape[-2]
+        finals = torch.cat([torch.cat([s_first, s_first.new_zeros(*s_first.shape[:-1], dk)], -1), s_later.float()])
+        slot = {j: i for i, j in enumerate(first + later)}
+        index = self.plan.index_on("summaries", [slot[j] for j in self.plan.summarize], finals.device)
+        return finals.float().index_select(0, index), (o_first, o_later)
+
+    def local(self, prep: Any, partial: Partial, sent: Tensor, recv: Tensor) -> Tensor:
+        """The pieces' outputs in flat order, each later piece's with its composed state's share ``r^T S_in``."""
+        o_first, o_later = partial
+        states = _compose(gated_delta.apply, self.plan, sent, recv)
+        dv = o_first.shape[-1] if o_first.numel() else o_later.shape[-1] - sent.shape[-2]
+        pieces, at = {}, {False: 0, True: 0}
+        for j, (_, n) in enumerate(self.plan.runs):
+            later = bool(self.plan.chains[j])
+            o = (o_later if later else o_first)[at[later] : at[later] + n]
+            at[later] += n
+            if later:
+                s = states[j]
+                assert s is not None
+                o = o[..., :dv] + torch.einsum("thk,hkv->thv", o[..., dv:], s.to(o.dtype))
+            pieces[j] = o
+        return torch.cat([pieces[j] for j in range(len(self.plan.runs))]).to(
+            o_first.dtype if o_first.numel() else o_later.dtype
+        )
 
 
 def _gated_delta(
@@ -323,9 +363,9 @@ def gated_delta_eager(
     (:class:`_Join`) wherever a summary crosses a rank boundary."""
     kind, call = _gated_delta(handle, q, doc_lens, scale, qk_l2norm, CHUNK_UNUSED, "fla")
     prep = kind.prepare(q, k, v, g, beta)
-    sent = kind.outgoing(prep)
+    sent, partial = kind.outgoing(prep)
     recv = _Exchange.apply(sent, call.comm, kind.plan, q, k, v, g, beta)
-    out = kind.local(prep, sent, recv)
+    out = kind.local(prep, partial, sent, recv)
     if kind.plan.crosses and recv.requires_grad:
         out = _Join.apply(out, recv)
     return out.reshape(v.shape).to(q.dtype)
@@ -348,10 +388,10 @@ class StateSpace(_Planned):
         b, c = (_acc(_flat(t)).repeat_interleave(rep, dim=1) for t in (b, c))
         return ssd.prepare(self.chunks, _acc(_flat(x)), _acc(_flat(dt)), _acc(a), b, c)
 
-    def outgoing(self, prep: ssd.Prepared) -> Tensor:
-        return ssd.summaries(self.chunks, prep, self.plan.summarize, self.plan.middle)
+    def outgoing(self, prep: ssd.Prepared) -> tuple[Tensor, Partial]:
+        return ssd.summaries(self.chunks, prep, self.plan.summarize, self.plan.middle), ()
 
-    def local(self, prep: ssd.Prepared, sent: Tensor, recv: Tensor) -> Tensor:
+    def local(self, prep: ssd.Prepared, partial: Partial, sent: Tensor, recv: Tensor) -> Tensor:
         return ssd.outputs(self.chunks, prep, _compose(ssd.apply, self.plan, sent, recv))
 
 
@@ -412,12 +452,12 @@ class Convolution(_Planned):
     def prepare(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         return _flat(x), weight, bias
 
-    def outgoing(self, prep: tuple[Tensor, Tensor, Tensor | None]) -> Tensor:
-        return prep[0]
+    def outgoing(self, prep: tuple[Tensor, Tensor, Tensor | None]) -> tuple[Tensor, Partial]:
+        return prep[0], ()
 
-    def local(self, prep: tuple[Tensor, Tensor, Tensor | None], sent: Tensor, recv: Tensor) -> Tensor:
+    def local(self, prep: tuple[Tensor, Tensor, Tensor | None], partial: Partial, sent: Tensor, recv: Tensor) -> Tensor:
         x, weight, bias = prep
-        return conv_kernel.conv(x, recv, self.plan.taps_on(x.device), weight, bias, self.activation)
+        return conv_kernel.conv(x, recv, *self.plan.edge_on(x.device), weight, bias, self.activation)
 
 
 def _convolution(handle: int, x: Tensor, weight: Tensor, doc_lens: Tensor | None, activation: str):

@@ -119,6 +119,20 @@ class StatePlan:
         """:func:`rows_index` of :attr:`send` on ``device``."""
         return on_device(self.device, "send", lambda: rows_index(self.send), device)
 
+    def index_on(self, name: str, values: list[int], device: torch.device) -> torch.Tensor:
+        """``values`` as an int64 tensor on ``device``, made once per plan, ``name`` and device."""
+        return on_device(self.device, name, lambda: torch.tensor(values, dtype=torch.int64), device)
+
+    @property
+    def pieces_first(self) -> tuple[int, ...]:
+        """The pieces that start their document (no chain of summaries before them)."""
+        return tuple(j for j, chain in enumerate(self.chains) if not chain)
+
+    @property
+    def pieces_later(self) -> tuple[int, ...]:
+        """The pieces some piece of their document precedes (they start from a composed state)."""
+        return tuple(j for j, chain in enumerate(self.chains) if chain)
+
     @property
     def received(self) -> int:
         return sum(self.recv.values())
@@ -182,15 +196,18 @@ class HaloPlan:
     send: per peer rank, the flat tokens of this rank it sends there (in order); ``recv``: per peer rank,
         how many rows arrive from it (appended in peer order); ``crosses``: whether any halo crosses a rank
         boundary anywhere.
-    taps: ``(tokens, kernel)`` int64: for each flat token and tap ``j`` (the token ``j`` positions before it
-        in its document), where that token is in ``cat([local tokens, received rows, one zero row])``:
+    edge: the flat tokens whose taps reach before their own piece (the first ``kernel - 1`` of each piece):
+        every other token's inputs are the tokens just before it in the buffer.
+    edge_taps: ``(len(edge), kernel)`` int64: for each of them and tap ``j`` (the token ``j`` positions before
+        it in its document), where that token is in ``cat([local tokens, received rows, one zero row])``:
         a local flat index, ``tokens + i`` for received row ``i``, or ``tokens + received`` (zero: before
         the document's start).
     """
 
     send: dict[int, tuple[int, ...]]
     recv: dict[int, int]
-    taps: torch.Tensor
+    edge: torch.Tensor
+    edge_taps: torch.Tensor
     crosses: bool
     device: dict = field(default_factory=dict, compare=False, repr=False)  # on_device's cache
 
@@ -198,8 +215,12 @@ class HaloPlan:
         """:func:`rows_index` of :attr:`send` on ``device``."""
         return on_device(self.device, "send", lambda: rows_index(self.send), device)
 
-    def taps_on(self, device: torch.device) -> torch.Tensor:
-        return on_device(self.device, "taps", lambda: self.taps, device)
+    def edge_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """:attr:`edge` and :attr:`edge_taps` on ``device``."""
+        return (
+            on_device(self.device, "edge", lambda: self.edge, device),
+            on_device(self.device, "edge_taps", lambda: self.edge_taps, device),
+        )
 
     @property
     def received(self) -> int:
@@ -240,15 +261,26 @@ def _halo_plan(layout: SequenceLayout, rank: int, batch: int, kernel: int) -> Ha
         for pos in recv_keys[r]:
             slot[pos] = at
             at += 1
-    taps = torch.arange(tokens).unsqueeze(1) - torch.arange(kernel)  # inside a piece: the token j before
+    edge, edge_taps = [], []
     for p in pieces[rank]:  # the first h tokens of each piece reach before it: the halo, or zero
         for i in range(min(h, p.length)):
-            for j in range(i + 1, kernel):
+            row = []
+            for j in range(kernel):
                 x = p.start + i - j
                 if x < p.doc_start:
-                    taps[p.flat + i, j] = at
+                    row.append(at)
+                elif j <= i:
+                    row.append(p.flat + i - j)
                 else:
                     owner, flat = where[(p.row, x)]
-                    taps[p.flat + i, j] = flat if owner == rank else slot[(p.row, x)]
+                    row.append(flat if owner == rank else slot[(p.row, x)])
+            edge.append(p.flat + i)
+            edge_taps.append(row)
     recv = {r: len(k) for r, k in recv_keys.items()}
-    return HaloPlan(send=send, recv=recv, taps=taps, crosses=any(wanted.values()))
+    return HaloPlan(
+        send=send,
+        recv=recv,
+        edge=torch.tensor(edge, dtype=torch.int64),
+        edge_taps=torch.tensor(edge_taps, dtype=torch.int64).view(len(edge), kernel),
+        crosses=any(wanted.values()),
+    )
