@@ -289,8 +289,11 @@ def test_titan_cp_trainer_trains_a_qwen35_folder_under_cp_as_one_process(dist_po
 
     one = losses(1, 1, 1)
     assert one[2] < one[0] - 1e-3  # it trains
-    assert losses(2, 2, 1) == pytest.approx(one, rel=1e-5)
-    assert losses(4, 2, 2) == pytest.approx(one, rel=1e-5)
+    # the first two steps within 1e-5; the third within 1e-4: fp32's summation order, which AdamW's
+    # normalised update amplifies for parameters whose gradient is near zero (3.5e-5 measured at step 3;
+    # the exactness itself is test_hybrid_models_equal_each_document_run_alone's, in fp64)
+    for got in (losses(2, 2, 1), losses(4, 2, 2)):
+        assert got[:2] == pytest.approx(one[:2], rel=1e-5) and got[2] == pytest.approx(one[2], rel=1e-4)
 
 
 def test_generation_refuses_linear_layers_naming_what_runs(tmp_path):

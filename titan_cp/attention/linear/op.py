@@ -239,29 +239,30 @@ class GatedDelta(_Planned):
         o_first, s_first = self._scan(prep, first, False)
         o_later, s_later = self._scan(prep, later, True)
         dk = s_later.shape[-2] if s_later.numel() else s_first.shape[-2]
-        finals = torch.cat([torch.cat([s_first, s_first.new_zeros(*s_first.shape[:-1], dk)], -1), s_later.float()])
+        acc = torch.promote_types(s_first.dtype, torch.float32)  # fla's states are fp32; the torch kernel's its own
+        s_first = torch.cat([s_first, s_first.new_zeros(*s_first.shape[:-1], dk)], -1)
+        finals = torch.cat([s_first.to(acc), s_later.to(acc)])
         slot = {j: i for i, j in enumerate(first + later)}
         index = self.plan.index_on("summaries", [slot[j] for j in self.plan.summarize], finals.device)
-        return finals.float().index_select(0, index), (o_first, o_later)
+        return finals.index_select(0, index), (o_first, o_later)
 
     def local(self, prep: Any, partial: Partial, sent: Tensor, recv: Tensor) -> Tensor:
-        """The pieces' outputs in flat order, each later piece's with its composed state's share ``r^T S_in``."""
+        """The pieces' outputs in flat order, each later piece's with its composed state's share ``r^T S_in``
+        (in the states' precision: fp32, or the inputs' where wider)."""
         o_first, o_later = partial
         states = _compose(gated_delta.apply, self.plan, sent, recv)
-        dv = o_first.shape[-1] if o_first.numel() else o_later.shape[-1] - sent.shape[-2]
-        pieces, at = {}, {False: 0, True: 0}
+        dv = sent.shape[-1] - sent.shape[-2]
+        pieces, at = [], {False: 0, True: 0}
         for j, (_, n) in enumerate(self.plan.runs):
             later = bool(self.plan.chains[j])
-            o = (o_later if later else o_first)[at[later] : at[later] + n]
+            o = (o_later if later else o_first)[at[later] : at[later] + n].to(sent.dtype)
             at[later] += n
             if later:
                 s = states[j]
                 assert s is not None
-                o = o[..., :dv] + torch.einsum("thk,hkv->thv", o[..., dv:], s.to(o.dtype))
-            pieces[j] = o
-        return torch.cat([pieces[j] for j in range(len(self.plan.runs))]).to(
-            o_first.dtype if o_first.numel() else o_later.dtype
-        )
+                o = o[..., :dv] + torch.einsum("thk,hkv->thv", o[..., dv:], s)
+            pieces.append(o)
+        return torch.cat(pieces)
 
 
 def _gated_delta(
