@@ -22,7 +22,9 @@ fake CUDA tensor needs CUDA's device guard, which a CPU-only build aborts on. Wh
 
 Each rank runs the layer twice, the second time counted: the first builds the layout's plans, which every
 later layer of a microbatch reuses. Beside it, the rank's own pieces run on one device as documents of their
-own (**alone**: the kernel over the same pieces, no summaries, no exchange): what the layer costs without CP.
+own (**alone**: one ``fla`` call over the same pieces at ``d_v`` columns, no exchange): what the layer costs
+without CP. Under CP each piece runs once too, in one of two calls: the pieces that start their document at
+``d_v``, the later ones at ``d_v + d_k`` (:mod:`titan_cp.attention.linear.fla`).
 
 **The time** (:func:`layer_record`), on a device of :data:`titan_cp.plan.GPUS`::
 
@@ -31,17 +33,18 @@ own (**alone**: the kernel over the same pieces, no summaries, no exchange): wha
                              (forward; backward 2x plus fla's recomputation) / rate
                elementwise   the convolution and the gated norm as fused kernels (plan.linear.elementwise_bytes_per_token)
                              / HBM bandwidth
-    overhead   summaries     the fla calls CP adds (the summaries call, forward and backward) / rate
-               exchange      the bytes counted / NVLink bandwidth, exposed whole (the outputs call waits for the
-                             states composed from what arrives; nothing else of the layer runs meanwhile)
+    overhead   kernel        the fla calls' FLOPs under CP less alone's (the later pieces' d_k more columns,
+                             forward and backward) / rate
+               exchange      the bytes counted / NVLink bandwidth, exposed whole (the later pieces' corrections
+                             wait for the states composed from what arrives; nothing else of the layer runs
+                             meanwhile)
                outside       the outside-kernel HBM bytes CP adds (counted under CP less counted alone) / HBM
                              bandwidth
 
 ``rate``: :data:`titan_cp.plan.linear.GATED_DELTA_FRACTION` of the device's peak (or ``fraction``). The
-record is the rank with the largest ``overhead / own``; ``variants`` say what would bring it down, from the
-same counts: the kernel at half and twice the rate, a summary pass without outputs (``fla``'s internal
-kernels), first pieces summarised at ``d_v`` columns (their ``M`` is never used), the whole decoder layer
-(its MLP or experts) as the layer.
+record is the rank with the largest ``overhead / own``; ``variants`` say what would bring it down, or push
+it up, from the same counts: the kernel at half and twice the rate, the GEMMs at twice theirs, the outside
+bytes CP adds gone, the whole decoder layer (its MLP or experts) as the layer.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ MODELS = {
 @dataclass(frozen=True)
 class FlaCall:
     """One call of ``fla``'s ``chunk_gated_delta_rule``: ``op`` (forward / backward), its pieces' ``lengths``,
-    its value ``width`` (``d_v``, or ``d_v + d_k`` for the summaries) and whether it starts from given states."""
+    its value ``width`` (``d_v``, or ``d_v + d_k`` for the later pieces) and whether it starts from given states."""
 
     op: str
     lengths: tuple[int, ...]
@@ -114,9 +117,9 @@ class FlaCall:
     def tokens(self) -> int:
         return sum(self.lengths)
 
-    def flops(self, shapes: LinearShapes, outputs: bool = True) -> float:
+    def flops(self, shapes: LinearShapes) -> float:
         chunks = lin.chunks_of(self.lengths, shapes.chunk)
-        return chunks * shapes.v_heads * lin.chunk_flops(shapes, self.width, self.op == "backward", outputs)
+        return chunks * shapes.v_heads * lin.chunk_flops(shapes, self.width, self.op == "backward")
 
 
 class _Fla(torch.autograd.Function):
@@ -254,9 +257,9 @@ class LinearTrace:
     host_ops: int = 0
     saved_bytes: int = 0
 
-    def kernel_flops(self, shapes: LinearShapes, width: int | None = None) -> float:
-        """FLOPs of the calls (of value width ``width`` only, where given)."""
-        return sum(c.flops(shapes) for c in self.calls if width is None or c.width == width)
+    def kernel_flops(self, shapes: LinearShapes) -> float:
+        """FLOPs of the calls."""
+        return sum(c.flops(shapes) for c in self.calls)
 
 
 def _inputs(shapes: LinearShapes, local: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -371,47 +374,17 @@ class RankTime:
         return sum(self.overhead.values()) / sum(self.own.values())
 
 
-def _first_pieces_at_dv(shapes: LinearShapes, work: lin.LinearWork) -> float:
-    """The summaries' FLOPs, forward and backward, if a document's first pieces ran at ``d_v`` columns
-    (their ``M`` is never used) and only its middle pieces at ``d_v + d_k``."""
-    total = 0.0
-    for n, middle in zip(work.summarized, work.middle):
-        width = shapes.d_v + shapes.d_k if middle else shapes.d_v
-        total += sum(lin.call_flops(shapes, lin.chunks_of([n], shapes.chunk), width))
-    return total
-
-
 @dataclass(frozen=True)
 class Variant:
     """A change to the model, priced from the same counts (module docstring): the kernel's rate and the
-    GEMMs' times ``rate`` and ``gemm``; the summaries as a state pass without outputs (``state_only``);
-    first pieces summarised at ``d_v`` columns (``first_at_dv``); the decoder layer's MLP or experts in the
-    layer's own time (``whole_layer``); ``one_pass``: no summaries call, the outputs call at ``d_v + d_k``
-    columns over every piece from ``[0 | I]`` (its extra columns give each token ``q_t`` carried through the
-    transitions before it, ``M_{<=t}^T q_t``, so the composed state's share ``(M_{<=t} S_in)^T q_t`` is added
-    after the exchange: ``2 d_k d_v`` FLOPs a token and head forward, three times that with the backward)."""
+    GEMMs' times ``rate`` and ``gemm``; the decoder layer's MLP or experts in the layer's own time
+    (``whole_layer``); ``no_outside``: the outside bytes CP adds gone (the bound of fusing the corrections
+    ``r^T S_in`` into the kernel and gathering without scatter-adds)."""
 
     rate: float = 1.0
     gemm: float = 1.0
-    state_only: bool = False
-    first_at_dv: bool = False
     whole_layer: bool = False
-    one_pass: bool = False
-
-
-def _summaries_flops(s: LinearShapes, cp: LinearTrace, alone: LinearTrace, work: lin.LinearWork, v: Variant) -> float:
-    """The FLOPs the summaries add under ``v`` (module docstring)."""
-    wide = s.d_v + s.d_k
-    if v.one_pass:
-        widened = sum(  # the outputs calls again, at d_v + d_k
-            lin.chunks_of(c.lengths, s.chunk) * s.v_heads * lin.chunk_flops(s, wide, c.op == "backward")
-            for c in alone.calls
-        )
-        return widened - alone.kernel_flops(s) + 3 * 2 * s.d_k * s.d_v * s.v_heads * sum(work.lengths)
-    summaries = sum(c.flops(s, outputs=not v.state_only) for c in cp.calls if c.width == wide)
-    if v.first_at_dv:
-        summaries *= _first_pieces_at_dv(s, work) / max(1.0, cp.kernel_flops(s, wide))
-    return summaries
+    no_outside: bool = False
 
 
 def rank_times(
@@ -431,9 +404,9 @@ def rank_times(
     if v.whole_layer:
         own["decoder_mlp"] = dims.ffn_flops * tokens / gemm
     overhead = {
-        "summaries": _summaries_flops(s, cp, alone, work, v) / rate,
+        "kernel": (cp.kernel_flops(s) - alone.kernel_flops(s)) / rate,
         "exchange": (cp.halo_bytes + cp.summary_bytes) / dev.intra_bw,
-        "outside": (cp.outside_bytes - alone.outside_bytes) / dev.hbm_bandwidth,
+        "outside": 0.0 if v.no_outside else (cp.outside_bytes - alone.outside_bytes) / dev.hbm_bandwidth,
     }
     return RankTime(cp.rank, own, overhead)
 
@@ -442,13 +415,10 @@ VARIANTS = {
     "kernel_at_half_rate": Variant(rate=0.5),
     "kernel_at_twice_rate": Variant(rate=2.0),
     "gemm_at_twice_rate": Variant(gemm=2.0),
-    "state_only_summaries": Variant(state_only=True),
-    "first_pieces_at_dv": Variant(first_at_dv=True),
-    "state_only_first_at_dv": Variant(state_only=True, first_at_dv=True),
-    "one_widened_pass": Variant(one_pass=True),
+    "without_outside_bytes": Variant(no_outside=True),
     "whole_decoder_layer": Variant(whole_layer=True),
-    "whole_layer_state_only_first_at_dv": Variant(state_only=True, first_at_dv=True, whole_layer=True),
-    "whole_layer_one_widened_pass": Variant(one_pass=True, whole_layer=True),
+    "whole_layer_without_outside_bytes": Variant(whole_layer=True, no_outside=True),
+    "whole_layer_kernel_at_twice_rate": Variant(whole_layer=True, rate=2.0),
 }
 """What would bring the overhead down, or push it up (module docstring)."""
 
@@ -481,6 +451,7 @@ def layer_record(
         "bar_pct": 100 * BAR, "within_bar": worst.ratio <= BAR,
         "overhead_pct_by_rank": [round(100 * t.ratio, 2) for t in times],
         "fla_calls": [dict(op=c.op, pieces=len(c.lengths), tokens=c.tokens, width=c.width) for c in traced.calls],
+        "later_tokens": sum(works[worst.rank].later_lengths),
         "summarized_tokens": sum(works[worst.rank].summarized),
         "bytes_per_layer": {"summaries": traced.summary_bytes, "halos": traced.halo_bytes},
         "bytes_per_layer_max_rank": max(p[0].summary_bytes + p[0].halo_bytes for p in pairs),

@@ -1,8 +1,8 @@
 """What a Gated DeltaNet layer does under CP, counted at full size (131072 tokens, CP 8, Qwen3-Next's heads, bf16)
 on the meta device through titan_cp's own ops and ``fla`` metered (``benchmarks.linear_model``): the ``fla`` calls
-(the summaries call over the pieces some later piece follows, at ``d_v + d_k`` columns, and the outputs call
-over every piece), the bytes each exchange sends, the bytes autograd keeps, no host synchronisation; what
-crosses is the same at two row lengths; and every rank of a crossing plan joins the exchange's backward.
+(each piece once: those that start their document at ``d_v`` columns, the later ones at ``d_v + d_k``), the
+bytes each exchange sends, the bytes autograd keeps, no host synchronisation; what crosses is the same at two
+row lengths; and every rank of a crossing plan joins the exchange's backward.
 Counts only: the time model's seconds are the benchmark's to report, never asserted."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from titan_cp.layout import DEFAULT_BALANCE, SequenceLayout
 from titan_cp.plan import linear as lin
 
 SEQ, CP, S = 131072, 8, QWEN3_NEXT
-WIDE = S.d_v + S.d_k  # the summaries call's value width: [v | 0] from [0 | I]
+WIDE = S.d_v + S.d_k  # the later pieces' value width: [v | 0] from [0 | I]
 
 
 def _works(seq: int, cp: int, rows: list[list[int]] | None) -> tuple[lin.LinearWork, ...]:
@@ -27,11 +27,16 @@ def _works(seq: int, cp: int, rows: list[list[int]] | None) -> tuple[lin.LinearW
 
 
 def _expected_calls(work: lin.LinearWork) -> list[FlaCall]:
-    """Forward: the summaries (where the rank has some), then the outputs; backward in reverse."""
-    outputs = [FlaCall(op, work.lengths, S.d_v, True) for op in ("forward", "backward")]
-    if not work.summarized:
-        return outputs
-    return [FlaCall("forward", work.summarized, WIDE, True), *outputs, FlaCall("backward", work.summarized, WIDE, True)]
+    """Forward: the pieces that start their document at v's width, then the later ones at ``d_v + d_k`` (each
+    call where the rank has such pieces); backward in reverse."""
+    calls = [
+        (lengths, width) for lengths, width in ((work.first_lengths, S.d_v), (work.later_lengths, WIDE)) if lengths
+    ]
+    return [
+        FlaCall(op, lengths, width, True)
+        for op, order in (("forward", 1), ("backward", -1))
+        for lengths, width in calls[::order]
+    ]
 
 
 @pytest.mark.parametrize("mix", ["docs_1k", "one_document"])
@@ -40,8 +45,11 @@ def test_the_count_of_a_gated_deltanet_layer_at_full_size(mix):
     pairs, works = simulate(S, SEQ, CP, rows), _works(SEQ, CP, rows)  # a host sync would raise here
     assert [cp.rank for cp, _ in pairs] == list(range(CP))
     assert any(w.summarized for w in works) and all(sum(w.lengths) == SEQ // CP for w in works)
+    assert any(w.first_lengths and w.later_lengths for w in works)  # a rank with both calls
     for (cp, alone), work in zip(pairs, works):
         assert cp.calls == _expected_calls(work), cp.rank
+        added = cp.kernel_flops(S) - alone.kernel_flops(S)  # the later pieces' d_k more columns, as priced
+        assert added == pytest.approx(sum(lin.cp_flops(S, work)), rel=1e-12) and (added > 0) == bool(work.later_lengths)
         assert alone.calls == [FlaCall(op, work.lengths, S.d_v, True) for op in ("forward", "backward")]
         summaries, halos = lin.exchange_bytes(S, work, 2, recompute=False)  # fla's autograd: no second send
         assert (cp.summary_bytes, cp.halo_bytes) == (summaries, halos) and summaries > 0
@@ -56,14 +64,14 @@ def test_the_count_of_a_gated_deltanet_layer_at_full_size(mix):
 def test_what_crosses_is_the_same_at_two_row_lengths():
     """One document over CP 8 at 32,768 and 131,072 tokens: each rank sends the same bytes (summaries of
     ``heads x d_k x (d_v + d_k)`` numbers, halos of ``kernel - 1`` tokens), counted and as the planner prices
-    them; only the tokens summarised grow with the row."""
+    them; only the tokens run wide (the later pieces') grow with the row."""
     short, long = (simulate(S, n, CP) for n in (SEQ // 4, SEQ))
     assert [(a.summary_bytes, a.halo_bytes) for a, _ in short] == [(a.summary_bytes, a.halo_bytes) for a, _ in long]
     for n in (SEQ // 4, SEQ):
         priced = [lin.exchange_bytes(S, w, 2, recompute=False) for w in _works(n, CP, None)]
         assert priced == [(a.summary_bytes, a.halo_bytes) for a, _ in long]
-    assert sum(sum(w.summarized) for w in _works(SEQ, CP, None)) == 4 * sum(
-        sum(w.summarized) for w in _works(SEQ // 4, CP, None)
+    assert sum(sum(w.later_lengths) for w in _works(SEQ, CP, None)) == 4 * sum(
+        sum(w.later_lengths) for w in _works(SEQ // 4, CP, None)
     )
 
 
@@ -81,7 +89,7 @@ SMALL_ROWS = [lognormal_doc_lens(256, 16, seed=2)]  # at CP 4, rank 3's summary 
 def test_every_rank_of_a_crossing_plan_joins_the_exchange_backward():
     """Where a rank's pieces read no summary it received (or it has none of its own), its backward still
     joins the exchange, a collective, and returns the gradients of what it received; a rank whose summaries
-    only others read still gets their gradients (its summaries call's backward runs)."""
+    only others read still gets their gradients (its calls' backward runs)."""
     layout = SequenceLayout(256, 4, DEFAULT_BALANCE, SMALL_ROWS)
     works = _works(256, 4, SMALL_ROWS)
     assert not any(received for chain in _chains(layout, 3) for received, _ in chain) and works[3].summarized
@@ -162,19 +170,21 @@ def _plans_work(layout: SequenceLayout, rank: int, batch: int, conv: int) -> lin
 
     state, halo = state_plan(layout, rank, batch), halo_plan(layout, rank, batch, conv)
     lengths = tuple(n for _, n in state.runs)
-    read = {received for chain in state.chains if len(chain) > 1 for received, _ in chain}
+    read = {received for chain in state.chains for received, _ in chain}
     return lin.LinearWork(
-        lengths, tuple(lengths[i] for i in state.summarize), state.middle, sum(map(len, state.send.values())),
+        lengths, tuple(map(bool, state.chains)), tuple(lengths[i] for i in state.summarize),
+        sum(map(len, state.send.values())),
         state.received, sum(map(len, halo.send.values())), halo.received,
-        sum(max(0, len(chain) - 2) for chain in state.chains), False in read, True in read,
+        len({chain[:n] for chain in state.chains for n in range(2, len(chain) + 1)}), False in read, True in read,
     )  # fmt: skip
 
 
 @pytest.mark.parametrize("balance", ["contiguous", "zigzag", "doc_zigzag", "doc_local"])
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_the_planners_work_is_the_ops_plans(balance, cp):
-    """The planner's one pass over the documents gives each rank what the ops' plans give it (pieces,
-    summaries, rows sent and received, halos, composed states), on two rows of packed documents."""
+    """The planner's one pass over the documents gives each rank what the ops' plans give it (pieces, which
+    of them are later pieces, summaries, rows sent and received, halos, composed states), on two rows of
+    packed documents."""
     rows = ((2, 300, 7, 1, 700, 14), tuple(lognormal_doc_lens(1024, 40, seed=cp)))
     layout = SequenceLayout(1024, cp, balance, [list(r) for r in rows])
     want = tuple(_plans_work(layout, r, 2, 4) for r in range(cp))

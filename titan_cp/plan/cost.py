@@ -14,8 +14,8 @@ straggler rank of the largest pipeline stage:
   all-gathers (compute dtype) and fp32 reduce-scatter, HSDP's all-reduce, TP's four
   sequence-parallel collectives per block and pass, PP's activations.
 - **linear layers** (a hybrid model's, :mod:`titan_cp.plan.linear`): each linear layer's kernel over the
-  straggler's pieces, its convolution and gated norm, the summaries call of the pieces it summarises, and
-  its exchange (the summaries and the convolution's halos), exposed whole (``cp_linear``); the attention
+  straggler's pieces, its convolution and gated norm, the kernel work CP adds (Gated DeltaNet's later
+  pieces at ``d_k`` more columns, Mamba2's summaries), and its exchange (the summaries and the convolution's halos), exposed whole (``cp_linear``); the attention
   above counts the attention layers only.
 - **ring exposure** (:class:`RingExposure`): per ring step, the transfer that must arrive
   during the step against the step's compute (``exposed = max(0, transfer - compute)``), for
@@ -159,7 +159,7 @@ class Compute:
 
     dense: float
     attention: float  # kernels and their merges, all steps and passes
-    linear: float = 0.0  # a hybrid's linear layers: kernels, summaries, convolutions and norms
+    linear: float = 0.0  # a hybrid's linear layers: kernels, CP's kernel work, convolutions and norms
 
     @property
     def total(self) -> float:

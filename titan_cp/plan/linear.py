@@ -4,13 +4,21 @@ A Gated DeltaNet or Mamba2 layer (:class:`~titan_cp.integrations.hf_shapes.Linea
 each piece of each document from the state the pieces before it leave (:mod:`titan_cp.attention.linear`).
 What that costs a rank follows from the layout's pieces alone (:func:`linear_work`, from the ops' own
 :func:`~titan_cp.attention.linear.plan.state_plan` and :func:`~titan_cp.attention.linear.plan.halo_plan`):
-its pieces and their chunks, the pieces it summarises (a later piece of the same document follows them),
-the summaries it sends and receives, the convolution's halo tokens. Nothing grows with the row but the
-tokens a rank runs: a summary is ``heads x d_k x (d_v + d_k)`` numbers whatever the piece's length.
+its pieces and their chunks, which of them have pieces of their document before them (*later* pieces), the
+pieces it summarises (a later piece of the same document follows them), the summaries it sends and
+receives, the convolution's halo tokens. Nothing grows with the row but the tokens a rank runs: a summary
+is ``heads x d_k x (d_v + d_k)`` numbers whatever the piece's length.
+
+**The calls** of Gated DeltaNet through ``fla`` (:mod:`titan_cp.attention.linear.fla`), per rank and layer,
+each where the rank has such pieces, forward and backward: one over the pieces that start their document
+at ``d_v`` columns, one over the later pieces at ``d_v + d_k`` (``[v | 0]`` from ``[0 | I]``: their
+outputs, the query carried through their transitions and their summaries in one pass). Without CP every
+piece runs at ``d_v``, so what CP adds to the kernel is the later pieces' ``d_k`` more columns
+(:func:`cp_flops`). Mamba2 runs its summaries' state pass, then every piece from its composed state.
 
 **Kernel FLOPs** (:func:`chunk_flops`), per head and chunk of ``C`` tokens (a piece's last chunk padded and
-computed whole), ``K = d_k``, ``V`` the value width the call runs (``d_v``; ``d_v + d_k`` for the
-Gated DeltaNet summaries call, ``[v | 0]`` from ``[0 | I]``)::
+computed whole), ``K = d_k``, ``V`` the value width the call runs (``d_v``; ``d_v + d_k`` for Gated
+DeltaNet's later pieces)::
 
     Gated DeltaNet, fla's chunk_gated_delta_rule (the chunked algorithm of arXiv:2412.06464, section 3.3):
       kkt      A = strict_lower(beta K K^T * D)            2 C^2 K
@@ -44,9 +52,15 @@ GPU (``fla``'s own autograd for Gated DeltaNet, the custom op's saved inputs for
                 beta (a), A (a C) per value head; the gate z and the kernel's output (a value_dim each,
                 the gated norm's), the norm's rstd (4 per head), out_proj's input (a value_dim)
                 Mamba2: x, dt, B, C (the op's inputs, a each), the gate, the output (fp32), out_proj's input
-    per summarised token (CP)   the summaries call's copies: q, k, beta, A as above, v widened to V + K, g
-    per piece   its initial state (fp32 heads x K x V); per summary: its [0 | I] start, the summary itself
-                and the composed states (fp32, heads x K x (V + K) each); per received summary: the row
+    CP, Gated DeltaNet (:func:`widened_saved_bytes`, :func:`state_bytes`):
+    per later token   v's d_k more columns (a K per value head: fla's saved v) and the wide call's outputs
+                [o | r] in fp32 (4 (V + K) per value head: the correction r^T S_in runs in the states'
+                precision, and its product keeps r, a view of the piece's outputs made fp32)
+    per token   the token index (int64) each call gathers its pieces by, on a rank that runs both calls
+    per piece   its call's initial state (fp32, heads x K x V for a first piece; heads x K x (V + K), the
+                [0 | I] start, for a later one); each state composed from two summaries or more (fp32
+                heads x K x V: M s + B keeps s, the correction its piece's S_in), the summary buffers the
+                later pieces' chains read (fp32 heads x K x (V + K) a row) and the summaries' index (int64)
 """
 
 from __future__ import annotations
@@ -85,14 +99,11 @@ def stage_linear_layers(args: ModelArgs, layers: int, first: bool, last: bool) -
 
 
 # ---------------------------------------------------------------------------- the kernel
-def chunk_flops(shapes: LinearShapes, width: int, backward: bool, outputs: bool = True) -> float:
-    """FLOPs of one chunk of one head, forward or backward, at value width ``width`` (module docstring);
-    ``outputs=False``: Gated DeltaNet's state pass alone (kkt, solve, wy, state: no output term)."""
+def chunk_flops(shapes: LinearShapes, width: int, backward: bool) -> float:
+    """FLOPs of one chunk of one head, forward or backward, at value width ``width`` (module docstring)."""
     c, k, v = shapes.chunk, shapes.d_k, width
     if shapes.gated_delta:
-        forward = 4 * c * c * k + 2 * c * c * v + 4 * c * k * v + c**3 / 3
-        if outputs:
-            forward += 2 * c * k * v + 2 * c * c * k + 2 * c * c * v
+        forward = 6 * c * c * k + 4 * c * c * v + 6 * c * k * v + c**3 / 3
         return 2 * forward + 2 * c * c * k + 2 * c * c * v + 4 * c * k * v if backward else forward
     forward = 2 * c * c * k + 2 * c * c * v + 4 * c * k * v + 2 * k * v
     return 3 * forward if backward else forward
@@ -122,20 +133,17 @@ def kernel_rate(shapes: LinearShapes, dev: Device) -> float:
     return dev.peak_flops * (GATED_DELTA_FRACTION if shapes.gated_delta else SSD_FRACTION)
 
 
-def summary_width(shapes: LinearShapes) -> int:
-    """The value width the summaries run at: Gated DeltaNet's ``d_v + d_k`` through ``fla``; Mamba2's ``d_v``
-    (its transition is a scalar per head, carried beside the state)."""
-    return shapes.d_v + shapes.d_k if shapes.gated_delta else shapes.d_v
-
-
-def summary_flops(shapes: LinearShapes, chunks: int) -> tuple[float, float]:
-    """``(forward, backward)`` FLOPs of the summaries over ``chunks`` chunks: Gated DeltaNet's one ``fla``
-    call at :func:`summary_width` (outputs and all); Mamba2's state pass alone, ``2 C N P + 2 N P`` a chunk
-    and head (its intra-chunk products are the outputs call's), three times that backward."""
+def cp_flops(shapes: LinearShapes, work: LinearWork) -> tuple[float, float]:
+    """``(forward, backward)`` kernel FLOPs CP adds to ``work`` (module docstring): Gated DeltaNet's later
+    pieces at ``d_v + d_k`` columns less the same pieces at ``d_v`` (every piece runs once either way);
+    Mamba2's summaries' state pass, ``2 C N P + 2 N P`` a chunk and head (its intra-chunk products are the
+    outputs call's), three times that backward."""
     if shapes.gated_delta:
-        return call_flops(shapes, chunks, summary_width(shapes))
+        chunks = chunks_of(work.later_lengths, shapes.chunk)
+        wide, narrow = (call_flops(shapes, chunks, shapes.d_v + shapes.d_k * w) for w in (True, False))
+        return wide[0] - narrow[0], wide[1] - narrow[1]
     c, n, p = shapes.chunk, shapes.d_k, shapes.d_v
-    forward = chunks * shapes.v_heads * (2 * c * n * p + 2 * n * p)
+    forward = work.summary_chunks(c) * shapes.v_heads * (2 * c * n * p + 2 * n * p)
     return forward, 3 * forward
 
 
@@ -152,29 +160,41 @@ def elementwise_bytes_per_token(shapes: LinearShapes, act_bytes: int) -> int:
 class LinearWork:
     """One rank's share of a linear layer of one microbatch under a layout (module docstring).
 
-    lengths: the rank's pieces (the outputs call's sequences); summarized: the pieces it summarises, and
-    whether each is a document's ``middle`` piece (else its first: only its offset ``B`` is needed); sent,
-    received: summary rows sent forward and received; halo_sent, halo_received: the convolution's halo tokens;
-    composed: the states composed from a composed state (``M s + B`` keeps ``s``: every link of a chain of
-    summaries after its second; the first ``s`` is a summary's ``B``); local_m, received_m: whether a chain of
-    two or more reads this rank's summaries / the received ones (``M s + B`` keeps them).
+    lengths: the rank's pieces, in its buffer's order; later: whether each has pieces of its document before
+    it (Gated DeltaNet runs it wide; else it starts its document); summarized: the pieces it summarises (a
+    later piece follows them); sent, received: summary rows sent forward and received; halo_sent,
+    halo_received: the convolution's halo tokens; composed: the states composed from two summaries or more,
+    once per chain prefix (a document's pieces on a rank share their chains' prefixes: the op composes each
+    once); reads_sent, reads_received: whether a later piece's chain reads this rank's summaries / the
+    received ones.
     """
 
     lengths: tuple[int, ...]
+    later: tuple[bool, ...]
     summarized: tuple[int, ...]
-    middle: tuple[bool, ...]
     sent: int
     received: int
     halo_sent: int
     halo_received: int
     composed: int = 0
-    local_m: bool = False
-    received_m: bool = False
+    reads_sent: bool = False
+    reads_received: bool = False
 
     def chunks(self, chunk: int) -> int:
         return chunks_of(self.lengths, chunk)
 
+    @property
+    def first_lengths(self) -> tuple[int, ...]:
+        """The pieces that start their document (Gated DeltaNet's narrow call), in order."""
+        return tuple(n for n, later in zip(self.lengths, self.later) if not later)
+
+    @property
+    def later_lengths(self) -> tuple[int, ...]:
+        """The pieces with pieces of their document before them (Gated DeltaNet's wide call), in order."""
+        return tuple(n for n, later in zip(self.lengths, self.later) if later)
+
     def summary_chunks(self, chunk: int) -> int:
+        """Chunks of the pieces it summarises (Mamba2's summaries pass)."""
         return chunks_of(self.summarized, chunk)
 
 
@@ -199,8 +219,8 @@ def linear_work(seq_len: int, cp: int, balance: str, rows: tuple, conv: int) -> 
     return tuple(
         LinearWork(
             tuple(piece.length for piece in pieces[r]),
+            tuple(piece.index > 0 for piece in pieces[r]),
             tuple(piece.length for piece in pieces[r] if piece.index < piece.count - 1),
-            tuple(piece.index > 0 for piece in pieces[r] if piece.index < piece.count - 1),
             counts[r]["sent"],
             counts[r]["received"],
             counts[r]["halo_sent"],
@@ -222,10 +242,12 @@ def _states(chain: list[Piece], counts: dict[int, Counter], reads: dict[int, set
     last = {rank: i for i, rank in enumerate(owners)}
     for rank, i in last.items():
         counts[rank]["received"] += sum(owner != rank for owner in owners[:i])
+    top: dict[int, int] = {}  # a rank's pieces of the document share their chains' prefixes: the longest counts
     for piece in chain:
-        counts[piece.rank]["composed"] += max(0, piece.index - 2)
-        if piece.index >= 2:  # M s + B keeps s and M: the summaries the chain reads
-            reads[piece.rank] |= {owner != piece.rank for owner in owners[: piece.index]}
+        top[piece.rank] = max(top.get(piece.rank, 0), piece.index)
+        reads[piece.rank] |= {owner != piece.rank for owner in owners[: piece.index]}
+    for rank, index in top.items():
+        counts[rank]["composed"] += max(0, index - 1)
 
 
 def _halos(chain: list[Piece], h: int, counts: dict[int, Counter]) -> None:
@@ -286,27 +308,36 @@ def _fla_saved_per_token(shapes: LinearShapes, a: int, width: int) -> int:
     return 2 * a * hk * k + 2 * FP32 * hk + a * h * width + FP32 * h + a * h + a * h * shapes.chunk
 
 
-def summarized_saved_per_token(shapes: LinearShapes, act_bytes: int) -> int:
-    """Bytes the summaries call saves per summarised token, and the tokens' index (int64) that gathers them
-    (Gated DeltaNet's ``fla`` path; Mamba2's op saves only its inputs)."""
-    return _fla_saved_per_token(shapes, act_bytes, summary_width(shapes)) + 8 if shapes.gated_delta else 0
+def widened_saved_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
+    """Bytes Gated DeltaNet's ``fla`` path saves under CP in proportion to tokens beyond
+    :func:`ops_saved_per_token` (module docstring): each later token's ``d_k`` more value columns, and its
+    wide outputs ``[o | r]`` in fp32 (the correction's product keeps ``r``, a view of the piece's outputs
+    made fp32); on a rank that runs both calls, each call's token index (int64 a token). 0 for Mamba2,
+    whose op saves only its inputs."""
+    if not shapes.gated_delta:
+        return 0
+    h, wide = shapes.v_heads, shapes.d_v + shapes.d_k
+    gathered = sum(work.lengths) if any(work.later) and not all(work.later) else 0
+    return sum(work.later_lengths) * h * (act_bytes * shapes.d_k + FP32 * wide) + 8 * gathered
 
 
 def state_bytes(shapes: LinearShapes, work: LinearWork) -> int:
     """Bytes of states a layer keeps for its backward on a rank, through ``fla``'s autograd (Gated DeltaNet; 0
-    for Mamba2, whose op keeps only its inputs): each piece's initial state and each summary's start
-    (``[0 | I]``, a summary's size); each composed state a later link reads (``M s + B`` keeps ``s``); and the
-    summaries a chain of two or more reads, this rank's and the received ones (each buffer kept whole)."""
+    for Mamba2, whose op keeps only its inputs): each call's initial states (a first piece's zero state, a
+    later piece's ``[0 | I]`` start, a summary's size); the summaries' index (int64 a row); each state
+    composed from two summaries or more (``M s + B`` keeps ``s``, a correction its piece's state); and the
+    summary buffers the later pieces' chains read, this rank's and the received ones (each kept whole)."""
     if not shapes.gated_delta:
         return 0
-    summary = shapes.summary_bytes
-    states = (len(work.lengths) + work.composed) * shapes.state_bytes + len(work.summarized) * summary
-    return states + (work.local_m * len(work.summarized) + work.received_m * work.received) * summary
+    later = sum(work.later)
+    starts = (len(work.lengths) - later) * shapes.state_bytes + later * shapes.summary_bytes
+    read = (work.reads_sent * len(work.summarized) + work.reads_received * work.received) * shapes.summary_bytes
+    return starts + 8 * len(work.summarized) + work.composed * shapes.state_bytes + read
 
 
 def work_extra_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
-    """What one layer keeps on a rank beyond its per-token figure: the summarised tokens' copies and the states."""
-    return summarized_saved_per_token(shapes, act_bytes) * sum(work.summarized) + state_bytes(shapes, work)
+    """What one layer keeps on a rank beyond its per-token figure: the later tokens' wider copies and the states."""
+    return widened_saved_bytes(shapes, work, act_bytes) + state_bytes(shapes, work)
 
 
 def work_saved_bytes(shapes: LinearShapes, work: LinearWork, dim: int, act_bytes: int) -> int:
@@ -325,26 +356,26 @@ def heaviest(shapes: LinearShapes, works: tuple[LinearWork, ...], act_bytes: int
 class LinearTime:
     """Seconds of one linear layer of one microbatch on one rank, by part (forward passes counted once).
 
-    own_forward, own_backward: the kernel over the rank's pieces; elementwise: the convolution and the gated
-    norm (:func:`elementwise_bytes_per_token`); summaries_forward, summaries_backward: the summaries call
-    (CP only); exchange: the summaries and halos at the link's bandwidth (exposed: each piece's outputs
-    wait for the states composed from what arrives)."""
+    own_forward, own_backward: the kernel over the rank's pieces as they would run without CP; elementwise:
+    the convolution and the gated norm (:func:`elementwise_bytes_per_token`); cp_forward, cp_backward: the
+    kernel work CP adds (:func:`cp_flops`); exchange: the summaries and halos at the link's bandwidth
+    (exposed: each later piece's correction waits for the states composed from what arrives)."""
 
     own_forward: float
     own_backward: float
     elementwise: float
-    summaries_forward: float
-    summaries_backward: float
+    cp_forward: float
+    cp_backward: float
     exchange: float
 
     def total(self, forward_passes: float = 1.0) -> float:
-        forward = self.own_forward + self.summaries_forward
-        return forward_passes * forward + self.own_backward + self.summaries_backward + self.elementwise + self.exchange
+        forward = self.own_forward + self.cp_forward
+        return forward_passes * forward + self.own_backward + self.cp_backward + self.elementwise + self.exchange
 
     @property
     def overhead(self) -> float:
-        """What CP adds: the summaries call and the exchange."""
-        return self.summaries_forward + self.summaries_backward + self.exchange
+        """What CP adds: its kernel work and the exchange."""
+        return self.cp_forward + self.cp_backward + self.exchange
 
 
 def linear_time(shapes: LinearShapes, work: LinearWork, dev: Device, link: str, act_bytes: int) -> LinearTime:
@@ -352,15 +383,10 @@ def linear_time(shapes: LinearShapes, work: LinearWork, dev: Device, link: str, 
     DeltaNet on a GPU: its backward sends only the gradients back)."""
     rate = kernel_rate(shapes, dev)
     own = call_flops(shapes, work.chunks(shapes.chunk), shapes.d_v)
-    summaries = summary_flops(shapes, work.summary_chunks(shapes.chunk))
+    added = cp_flops(shapes, work)
     recompute = not shapes.gated_delta or dev.name == "cpu"
     nbytes = sum(exchange_bytes(shapes, work, act_bytes, recompute))
     elementwise = elementwise_bytes_per_token(shapes, act_bytes) * sum(work.lengths) / dev.hbm_bandwidth
     return LinearTime(
-        own[0] / rate,
-        own[1] / rate,
-        elementwise,
-        summaries[0] / rate if work.summarized else 0.0,
-        summaries[1] / rate if work.summarized else 0.0,
-        dev.seconds(nbytes, link),
+        own[0] / rate, own[1] / rate, elementwise, added[0] / rate, added[1] / rate, dev.seconds(nbytes, link)
     )

@@ -44,7 +44,7 @@ and ``doc_lens`` (8 bytes per document per row). These equal, byte for byte, wha
 A hybrid model's linear-attention block (:mod:`titan_cp.plan.linear`) saves its norms and feed-forward as
 an attention block does, and its mixer's figure in place of ``wq``'s input and the attention's: per token
 (:func:`~titan_cp.plan.linear.saved_per_token`), plus what the rank keeping the most keeps beyond it (its
-summarised tokens' copies and its states, :func:`linear_extra_bytes`): never a function of ``tokens^2``.
+later tokens' wider copies and its states, :func:`linear_extra_bytes`): never a function of ``tokens^2``.
 """
 
 from __future__ import annotations
@@ -202,8 +202,8 @@ def linear_block_saved_per_token(m: RankModel) -> float:
 
 
 def linear_extra_bytes(m: RankModel) -> int:
-    """What one linear block keeps on the rank keeping the most beyond its per-token figure: the summarised
-    tokens' copies and the states (:func:`~titan_cp.plan.linear.work_extra_bytes`); 0 without linear layers."""
+    """What one linear block keeps on the rank keeping the most beyond its per-token figure: the later
+    tokens' wider copies and the states (:func:`~titan_cp.plan.linear.work_extra_bytes`); 0 without linear layers."""
     shapes, _ = lin.linear_shapes(m.args)
     if shapes is None or m.linear_work is None:
         return 0
