@@ -16,15 +16,22 @@ accelerate state. ``PLAN["steps"]``, in order:
 - ``"nproc": N`` (a program step, N below the launch's size): run by local ranks 0 to N - 1 alone, as under
   ``torchrun --nproc-per-node N`` (world size N); the other ranks wait for it to end. One launch then runs a
   page's 1-, 2- and 4-process lines, paying the imports of its workers once;
-- ``{"name", "shell"}``: a bash command line, run by local rank 0 only;
+- ``"first_rank": R`` (either kind): the step runs on local ranks R to R + N - 1 (N its ``nproc``, 1 for a shell
+  line), rank R its rank 0, and the other ranks do not wait for it: they go on to their next step, so that steps
+  on other ranks run at the same time (a step's rank 0 sleeping at its end, or loading, leaves the CPU to
+  another). What a step needs of another is its ``"after"``;
+- ``{"name", "shell"}``: a bash command line, run by local rank 0 only (its ``first_rank`` if placed);
 - ``"after": [names]`` (either kind): wait until those steps, of this launch or another, have
-  finished (local rank 0 of the launch that ran one writes ``PLAN["markers"]/NAME.ok``, or
-  ``NAME.failed``, when it ends: a collective save has finished everywhere by then);
+  finished (the rank that ran one as its rank 0 writes ``PLAN["markers"]/NAME.ok``, or ``NAME.failed``, when it
+  ends: a collective save has finished everywhere by then);
 - ``"status": N`` (either kind): the exit status the step must end with (default 0: a command refusing
   bad input ends with 2).
 
 Rank 0 prints ``== NAME`` before each step's output, on stdout and on stderr (:func:`sections` splits
-either). A failed step (another status than its own) skips the steps after it and the launch exits 1.
+either). With ``PLAN["logs"]`` (a folder) each step's processes write their stdout and stderr to ``NAME.out`` and
+``NAME.err`` there instead, every rank of the step appending (:func:`step_logs` reads them): placed steps running
+at once keep their lines apart. A failed step (another status than its own) skips the steps after it on its ranks,
+and those that wait for it, and the launch exits 1.
 :func:`launch` starts such a launch from a test.
 """
 
@@ -65,6 +72,13 @@ def sections(out: str) -> dict[str, str]:
     return dict(re.findall(r"^== (\S+)\n(.*?)(?=^== |\Z)", out, re.S | re.M))
 
 
+def step_logs(logs: Path, names: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The stdout and stderr of each step ``names`` of a launch with ``PLAN["logs"] = logs`` (empty if it wrote none)."""
+    read = {kind: {n: (logs / f"{n}.{kind}").read_text() if (logs / f"{n}.{kind}").exists() else "" for n in names}
+            for kind in ("out", "err")}  # fmt: skip
+    return read["out"], read["err"]
+
+
 def _script_imports(path: str) -> None:
     """Execute the top-level imports of the script ``path`` (those inside an ``if`` / ``try`` aside)."""
     tree = ast.parse(Path(path).read_text(), path)
@@ -72,12 +86,18 @@ def _script_imports(path: str) -> None:
     exec(compile(ast.Module(body=nodes, type_ignores=[]), path, "exec"), {"__name__": "__imports__"})
 
 
-def _run_program(step: dict) -> int:
+def _ranks(step: dict, size: int) -> range:
+    """The local ranks that run ``step``: its ``first_rank`` and on, or the first ``nproc`` (a shell line: one)."""
+    first = step.get("first_rank", 0)
+    return range(first, first + (1 if "shell" in step else step.get("nproc", size)))
+
+
+def _run_program(step: dict, local_rank: int) -> int:
     """The child: ``step``'s program as ``__main__``; its exit status."""
     os.environ.update(MASTER_PORT=str(step["port"]), TORCHELASTIC_USE_AGENT_STORE="False")
-    if "nproc" in step:  # a single node's first N ranks: the rank is the local rank
-        n = str(step["nproc"])
-        os.environ.update(RANK=os.environ["LOCAL_RANK"], WORLD_SIZE=n, LOCAL_WORLD_SIZE=n)
+    if "nproc" in step or "first_rank" in step:  # a single node's ranks from first_rank: the rank counts from there
+        n, rank = str(step.get("nproc", os.environ["LOCAL_WORLD_SIZE"])), str(local_rank - step.get("first_rank", 0))
+        os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=n, LOCAL_WORLD_SIZE=n)
     argv = step["argv"]
     try:
         if argv[0] == "-m":
@@ -94,6 +114,43 @@ def _run_program(step: dict) -> int:
     return 0
 
 
+def _to_logs(logs: str | None, name: str) -> None:
+    """This process's stdout and stderr appended to ``logs/name.out`` and ``.err`` (``logs`` None: left as they are)."""
+    if logs is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, kind in ((1, "out"), (2, "err")):
+        os.dup2(os.open(Path(logs) / f"{name}.{kind}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
+
+
+def _fork(step: dict, local_rank: int, logs: str | None) -> int:
+    """``step``'s program in a forked child of this worker (its output to ``logs`` if given); its exit status."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        _to_logs(logs, step["name"])
+        status = _run_program(step, local_rank)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _run_step(step: dict, local_rank: int, logs: str | None) -> int:
+    """Run ``step`` on this rank, one of its ranks (a shell line: its only one): its exit status."""
+    if logs is None and local_rank == step.get("first_rank", 0):
+        print(f"== {step['name']}", flush=True)
+        print(f"== {step['name']}", file=sys.stderr, flush=True)
+    if "shell" not in step:
+        return _fork(step, local_rank, logs)
+    if logs is None:
+        return subprocess.run(["bash", "-euo", "pipefail", "-c", step["shell"]]).returncode
+    with open(Path(logs) / f"{step['name']}.out", "a") as out, open(Path(logs) / f"{step['name']}.err", "a") as err:
+        return subprocess.run(["bash", "-euo", "pipefail", "-c", step["shell"]], stdout=out, stderr=err).returncode
+
+
 def _wait(names: list[str], markers: Path, timeout_s: float = 900.0) -> bool:
     """Wait for the steps ``names`` to end; whether all succeeded (and in time)."""
     deadline = time.monotonic() + timeout_s
@@ -105,11 +162,10 @@ def _wait(names: list[str], markers: Path, timeout_s: float = 900.0) -> bool:
     return True
 
 
-def main(plan_path: str) -> int:
-    plan = json.loads(Path(plan_path).read_text())
-    markers, local_rank = Path(plan["markers"]), int(os.environ.get("LOCAL_RANK", "0"))
-    rank0, size = local_rank == 0, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    for name in plan.get("preload", []):  # a module, or "module:function" (imported, then called)
+def _prepare(plan: dict) -> None:
+    """What every step inherits: the plan's preloads (a module, or "module:function": imported, then called) and
+    the top-level imports of its scripts, frozen out of the garbage collector's full scans."""
+    for name in plan.get("preload", []):
         module, _, function = name.partition(":")
         loaded = importlib.import_module(module)
         if function:
@@ -118,33 +174,28 @@ def main(plan_path: str) -> int:
         if "argv" in step and step["argv"][0] != "-m":
             _script_imports(step["argv"][0])
     gc.freeze()  # what every step inherits: its full collections scan only what the step makes
+
+
+def main(plan_path: str) -> int:
+    plan = json.loads(Path(plan_path).read_text())
+    markers, local_rank = Path(plan["markers"]), int(os.environ.get("LOCAL_RANK", "0"))
+    size, logs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), plan.get("logs")
+    _prepare(plan)
     failed = False
     for step in plan["steps"]:
-        want = step.get("status", 0)
+        want, ranks = step.get("status", 0), _ranks(step, size)
+        if local_rank not in ranks and "first_rank" in step:
+            continue  # placed on other ranks: not waited for
+        failed = failed or any(markers.glob("*.failed"))  # a step failed elsewhere: its ranks may not come
         code: int | None = None  # None: not run (an earlier step failed, or a wait timed out)
-        left_out = local_rank >= step.get("nproc", size)  # a step of fewer ranks: the others take its status
-        if not failed and left_out:
+        if not failed and local_rank not in ranks:  # a step of fewer ranks: the others take its status
             code = want if _wait([step["name"]], markers) else None
         elif not failed and _wait(step.get("after", []), markers):
-            if os.environ.get("RANK", "0") == "0":
-                print(f"== {step['name']}", flush=True)
-                print(f"== {step['name']}", file=sys.stderr, flush=True)
-            if "shell" in step:
-                code = subprocess.run(["bash", "-euo", "pipefail", "-c", step["shell"]]).returncode if rank0 else want
-            else:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    status = _run_program(step)
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(status)
-                code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            code = _run_step(step, local_rank, logs)
             if code != want:
                 print(f"{step['name']} exited {code}", file=sys.stderr, flush=True)
         failed = failed or code != want
-        if rank0:
+        if local_rank == ranks[0]:
             markers.mkdir(parents=True, exist_ok=True)
             (markers / f"{step['name']}.{'failed' if code != want else 'ok'}").touch()
     return 1 if failed else 0

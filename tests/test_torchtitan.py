@@ -19,9 +19,17 @@
   linear ops, imported without ``fla``), from its own seed checkpoint: CP 2 ring and CP 2 Ulysses give the
   one-process run's losses at every step, and the CP 2 ring run's step-2 checkpoint resumes at CP 4 (2 rings x
   Ulysses 2) with the straight run's steps 3 and 4.
-- All of it runs in one ``torchrun`` launch of 4 processes (a module fixture), in order, each line in a fresh
-  forked process (tests/forked_launch.py: torch and the other libraries imported once per worker; a line of
-  fewer processes on the first ones alone).
+- The page's gpt-oss block (``gpt_oss_debugmodel_cp``: sliding windows on alternate layers, sinks inside
+  titan_cp's op) and DeepSeek V3 block (``deepseek_v3_debugmodel_cp``: multi-head latent attention, v's head dim
+  of its own), each from its own seed: CP 2 ring and CP 2 Ulysses give the one-process run's losses (MoE layers:
+  step 1 within 1e-5, step 2 within 5e-5, :func:`_equal_moe_losses`). The expert-parallel block (Qwen3 MoE):
+  EP 2 x CP 2 gives EP 2's losses, and its step-1 checkpoint resumes at EP 4 x CP 2 Ulysses with its step 2.
+- All of it runs in one ``torchrun`` launch of 4 processes (a module fixture), each line in a fresh forked
+  process (tests/forked_launch.py: torch and the other libraries imported once per worker), several at once on
+  different ranks, each waiting for the lines whose outputs it reads (:func:`_schedule`); each line's output
+  (every rank's) in a file of its own.
+- A gpt-oss attention layer with titan_cp equals torchtitan's own (the log-sum-exp to its ``_apply_sinks``, under
+  its causal, document and sliding-window mask mods), output and every gradient.
 - titan_cp's Gated DeltaNet on packed rows equals torchtitan's own layer on each document alone (its forward
   and convolution, the recurrence token by token where fla's kernel was), output and every gradient; its
   state dict is torchtitan's. Without fla, torchtitan's Qwen3.5 imports with stand-ins that refuse to run
@@ -41,12 +49,13 @@ import glob
 import os
 import re
 import shlex
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.forked_launch import free_port, launch, sections
+from tests.forked_launch import free_port, launch, step_logs
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3 is in the dev extra (Python >= 3.11)")
 
@@ -104,17 +113,47 @@ def _step(name: str, line: str, cwd: Path, *flags: str, status: int = 0) -> dict
     return dict(name=name, argv=[*argv[3:], *flags], nproc=int(argv[2]), port=free_port(), status=status)
 
 
+def _dump_folder(step: dict) -> str | None:
+    """The ``--dump_folder`` a program step writes (the last given; ``None`` for a shell line)."""
+    argv = step.get("argv", [])
+    return argv[len(argv) - argv[::-1].index("--dump_folder")] if "--dump_folder" in argv else None
+
+
+def _schedule(steps: list[dict], size: int) -> list[dict]:
+    """``steps`` placed on the launch's ``size`` ranks each after the one before it (wrapping), so that a step starts
+    while the one before it ends (torchtitan's rank 0 sleeps 2 s after its last step; loading and saving leave a
+    core idle), each waiting for the steps whose output it reads: those whose dump folder its line names, and the
+    shell line that fills its own (a checkpoint copied in)."""
+    first = 0
+    for i, step in enumerate(steps):
+        n = 1 if "shell" in step else step["nproc"]
+        step["first_rank"] = first if first + n <= size else 0
+        first = (step["first_rank"] + n) % size
+        line, own = step.get("shell") or " ".join(step["argv"]), _dump_folder(step)
+        step["after"] = [
+            before["name"] for before in steps[:i]
+            if (_dump_folder(before) and f"{_dump_folder(before)}/" in line)
+            or (own and "shell" in before and f"{own}/" in before["shell"])
+        ]  # fmt: skip
+    return steps
+
+
 def _launch(steps: list[dict], cwd: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """One ``torchrun`` of as many processes as the largest step in ``cwd`` running ``steps`` in turn, each in a
-    fresh process; it must exit 0 (every step with its status). The launch's stdout and stderr, by step."""
+    """One ``torchrun`` of as many processes as the largest step in ``cwd`` running ``steps`` (:func:`_schedule`:
+    several at once), each in a fresh process; it must exit 0 (every step with its status). Each step's stdout and
+    stderr, every rank's."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.pop("TITAN_CP_DEBUG", None)
-    plan = dict(preload=PRELOAD, steps=steps, markers=str(cwd / "markers"))
-    run = launch(max(step.get("nproc", 1) for step in steps), plan, cwd / "plan.json", cwd, env)
+    size, logs = max(step.get("nproc", 1) for step in steps), cwd / "logs"
+    logs.mkdir()
+    plan = dict(preload=PRELOAD, steps=_schedule(steps, size), markers=str(cwd / "markers"), logs=str(logs))
+    run = launch(size, plan, cwd / "plan.json", cwd, env)
     out, err = run.communicate(timeout=1200)
-    assert run.returncode == 0, f"the launch exited {run.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
-    return sections(out), sections(err)
+    outs, errs = step_logs(logs, [step["name"] for step in steps])
+    failed = "\n".join(f"== {name}\n{errs[name][-3000:]}" for name in errs if "Traceback" in errs[name])
+    assert run.returncode == 0, f"the launch exited {run.returncode}:\n{out[-2000:]}\n{err[-3000:]}\n{failed}"
+    return outs, errs
 
 
 def _scalars(dump: Path, tag: str) -> list[float]:
@@ -141,21 +180,29 @@ def _check_refused(name: str, out: str, err: str, names: str) -> None:
 
 LLAMA_STEPS = ["seed", "one", "cp2", "copy", "resumed"]
 QWEN35_STEPS = ["qwen35_seed", "qwen35_one", "qwen35_ring", "qwen35_ulysses", "qwen35_copy", "qwen35_resumed"]
+GPT_OSS_STEPS = ["gpt_oss_seed", "gpt_oss_one", "gpt_oss_ring", "gpt_oss_ulysses"]
+MOE_STEPS = ["moe_seed", "moe_ep2", "moe_ep2_cp2", "moe_copy", "moe_resumed"]
+DEEPSEEK_STEPS = ["deepseek_seed", "deepseek_one", "deepseek_ring", "deepseek_ulysses"]
+BLOCKS = [  # the page's CPU blocks after the Llama one: (config, step names)
+    ("qwen35_debugmodel_cp", QWEN35_STEPS),
+    ("gpt_oss_debugmodel_cp", GPT_OSS_STEPS),
+    ("deepseek_v3_debugmodel_cp", DEEPSEEK_STEPS),
+    ("qwen3_moe_debugmodel_cp", MOE_STEPS),
+]
 
 
 @pytest.fixture(scope="module")
 def pages_runs(tmp_path_factory) -> tuple[Path, dict[str, str], dict[str, str]]:
-    """The page's two CPU blocks (Llama 3, then Qwen3.5) and the door's mistakes, in one launch of 4 processes
-    in a temporary folder: that folder, and the launch's stdout and stderr by step."""
+    """The page's CPU blocks (Llama 3, the door's mistakes, then :data:`BLOCKS`: Qwen3.5, gpt-oss, expert parallel)
+    in one launch of 4 processes in a temporary folder: that folder, and the launch's stdout and stderr by step."""
     cwd = tmp_path_factory.mktemp("torchtitan")
     llama = _cpu_block("llama3_debugmodel_cp")
     steps = [_step(name, line, cwd) for name, line in zip(LLAMA_STEPS, llama, strict=True)]
     steps += [
         _step(f"refused_{n}", llama[1], cwd, *flags, "--dump_folder", "refused", status=2) for n, flags, _ in REFUSED
     ]
-    steps += [
-        _step(name, line, cwd) for name, line in zip(QWEN35_STEPS, _cpu_block("qwen35_debugmodel_cp"), strict=True)
-    ]
+    for config, names in BLOCKS:
+        steps += [_step(name, line, cwd) for name, line in zip(names, _cpu_block(config), strict=True)]
     out, err = _launch(steps, cwd)
     return cwd, out, err
 
@@ -213,6 +260,80 @@ def test_qwen35_at_cp_2_ring_and_ulysses_gives_one_process_losses_and_resumes_at
     assert "titan_cp: CP 4 (cp_ring 2 x cp_ulysses 2): hybrid attention, doc_zigzag layout" in out["qwen35_resumed"]
 
 
+def _equal_moe_losses(got: dict[str, list[float]], want: dict[str, list[float]], name: str, first: int = 1) -> None:
+    """``got``'s loss metrics equal ``want``'s (steps ``first``, ``first + 1``, ... of it), for a mixture of experts:
+    step 1 (the seed's forward) within 1e-5 relative, later steps within 5e-5. torchtitan's experts compute in
+    bfloat16 and route by top-k: a float32 difference of reduction order in a token's input rounds to a bfloat16 step
+    at times, or tips a near tie of router scores to another expert, and AdamW's first step carries it: one process
+    against itself with another attention kernel is up to 1.0e-5 off at step 2 (the page's gpt-oss section, which
+    gives each seed's figures; the blocks fix the seed)."""
+    for key in ("global_avg_loss", "global_max_loss"):
+        values, wanted = got[key], want[key][first - 1 :]
+        assert len(values) == len(wanted), f"{name} {key}: {values} vs {wanted}"
+        for step, (value, target) in enumerate(zip(values, wanted), start=first):
+            rel = 1e-5 if step == 1 else 5e-5
+            assert value == pytest.approx(target, rel=rel, abs=0), f"{name} {key} step {step}: {values} vs {wanted}"
+
+
+def test_gpt_oss_at_cp_2_ring_and_ulysses_gives_one_process_losses(pages_runs):
+    """torchtitan's gpt-oss (sliding windows on alternate layers, sinks run inside titan_cp's op), the page's gpt-oss
+    block: one seed; CP 2 ring and CP 2 Ulysses give the one-process run's losses at both steps
+    (:func:`_equal_moe_losses`)."""
+    seed, one, ring, ulysses = _cpu_block("gpt_oss_debugmodel_cp")
+    assert "--parallelism.context_parallel_degree 2 --titan_cp.strategy ring" in ring and "ulysses" in ulysses
+    cwd, out, _ = pages_runs
+    single, by_ring, by_ulysses = (_metrics(cwd / "outputs" / f"gpt_oss_{name}") for name in ("one", "ring", "ulysses"))
+    losses = single["global_avg_loss"]
+    assert len(losses) == 2 and losses[1] < losses[0] - 1.0, losses  # two steps, and it trains
+    for name, run in (("CP 2 ring", by_ring), ("CP 2 ulysses", by_ulysses)):
+        assert run["n_tokens_seen"] == single["n_tokens_seen"], name
+        _equal_moe_losses(run, single, name)
+    assert "titan_cp: CP 2 (cp 2): ring attention, doc_local layout" in out["gpt_oss_ring"]
+    assert "titan_cp: CP 2 (cp 2): ulysses attention, doc_zigzag layout" in out["gpt_oss_ulysses"]
+
+
+def test_deepseek_v3_mla_at_cp_2_ring_and_ulysses_gives_one_process_losses(pages_runs):
+    """torchtitan's DeepSeek V3 (multi-head latent attention: q/k of 192, v of 128), the page's block: one seed; CP 2
+    ring and CP 2 Ulysses give the one-process run's losses at both steps (:func:`_equal_moe_losses`)."""
+    seed, one, ring, ulysses = _cpu_block("deepseek_v3_debugmodel_cp")
+    assert "--parallelism.context_parallel_degree 2 --titan_cp.strategy ring" in ring and "ulysses" in ulysses
+    cwd, out, _ = pages_runs
+    single, by_ring, by_ulysses = (
+        _metrics(cwd / "outputs" / f"deepseek_{name}") for name in ("one", "ring", "ulysses")
+    )
+    losses = single["global_avg_loss"]
+    assert len(losses) == 2 and losses[1] < losses[0] - 0.5, losses
+    for name, run in (("CP 2 ring", by_ring), ("CP 2 ulysses", by_ulysses)):
+        assert run["n_tokens_seen"] == single["n_tokens_seen"], name
+        _equal_moe_losses(run, single, name)
+    assert "titan_cp: CP 2 (cp 2): ring attention, doc_local layout" in out["deepseek_ring"]
+    assert "titan_cp: CP 2 (cp 2): ulysses attention, doc_zigzag layout" in out["deepseek_ulysses"]
+
+
+def test_expert_parallel_beside_cp_gives_eps_losses_and_resumes_on_another_shape(pages_runs):
+    """torchtitan's expert parallelism with titan_cp's CP, the page's block (Qwen3 MoE): EP 2 x CP 2 (4 processes:
+    dp 2 x cp 2, each ring's cp ranks sharing their experts) gives EP 2's losses (2 processes: dp 2) at both steps
+    (:func:`_equal_moe_losses`), so the attention and dense layers kept their CP beside EP; its step-1 checkpoint
+    resumed at EP 4 x CP 2 Ulysses gives its step 2."""
+    seed, ep2, ep2_cp2, copy, resumed = _cpu_block("qwen3_moe_debugmodel_cp")
+    assert "--parallelism.expert_parallel_degree 2" in ep2 and "context_parallel" not in ep2
+    assert "--parallelism.expert_parallel_degree 2" in ep2_cp2 and "--parallelism.context_parallel_degree 2" in ep2_cp2
+    assert "--parallelism.expert_parallel_degree 4" in resumed and "moe_ep2_cp2/checkpoint/step-1" in copy
+    cwd, out, _ = pages_runs
+    without_cp, with_cp, after = (_metrics(cwd / "outputs" / f"moe_{name}") for name in ("ep2", "ep2_cp2", "resumed"))
+    losses = without_cp["global_avg_loss"]
+    assert len(losses) == 2 and losses[1] < losses[0] - 0.5, losses
+    assert without_cp["global_max_loss"] != losses  # dp 2: the larger rank's mean
+    assert with_cp["n_tokens_seen"] == without_cp["n_tokens_seen"]
+    _equal_moe_losses(with_cp, without_cp, "EP 2 x CP 2")
+    _equal_moe_losses(after, with_cp, "resumed at EP 4 x CP 2", first=2)
+    assert "Training starts at step 2" in out["moe_resumed"]
+    for name, ep, cp in (("moe_ep2", 2, 1), ("moe_ep2_cp2", 2, 2), ("moe_resumed", 4, 2)):
+        assert f"cp={cp}, tp=1, ep={ep}" in out[name], out[name][-2000:]
+    assert "titan_cp: CP 2 (cp 2): ring attention, doc_local layout" in out["moe_ep2_cp2"]
+    assert "titan_cp: CP 2 (cp 2): ulysses attention, doc_zigzag layout" in out["moe_resumed"]
+
+
 def test_the_pages_recipe_puts_titan_cp_in_every_layer():
     from titan_cp.integrations.torchtitan import TitanCPAttention  # noqa: PLC0415
 
@@ -258,6 +379,79 @@ def test_one_process_attention_equals_torchtitans_flex_document_mask():
     assert not torch.allclose(ours, across.transpose(1, 2), atol=1e-3)  # the documents matter in this batch
 
 
+class _DenseSinksReference(torch.nn.Module):
+    """torchtitan's inner-attention call computed densely: ``softmax(q k^T scale)`` under a ``(B, L, L)`` boolean mask
+    (``attention_masks``), its log-sum-exp handed to the layer's ``out_transform`` (gpt-oss: the sinks), as
+    torchtitan's flex and varlen attentions do on a GPU (flex has no backward on a CPU)."""
+
+    def forward(self, q, k, v, *, attention_masks, scale, enable_gqa, out_transform):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~attention_masks[:, None], float("-inf"))
+        lse = scores.logsumexp(-1)
+        out = (scores - lse[..., None]).exp() @ v
+        return out_transform(out.transpose(1, 2), lse.transpose(1, 2))
+
+
+def test_gpt_oss_attention_is_torchtitans_sinks_and_window_on_one_process():
+    """A gpt-oss attention layer with titan_cp (TitanCPGptOssAttention: the window and the sinks inside titan_cp's op)
+    equals torchtitan's layer whose inner attention returns the log-sum-exp to its _apply_sinks, under torchtitan's
+    causal, packed-document and sliding-window mask mods (the debug model's layer 0: window 128, 64 query and 8 KV
+    heads, YaRN's scale): output and every gradient (x, the sinks, the projections) within 1e-5 of their size."""
+    from torch.nn.attention.flex_attention import and_masks  # noqa: PLC0415
+    from torchtitan.models.common.attention import (  # noqa: PLC0415
+        get_causal_mask_mod,
+        get_efficient_causal_mask_mod_for_packed_document,
+        get_sliding_window_mask_mod,
+    )
+    from torchtitan.models.gpt_oss.model import Attention  # noqa: PLC0415
+
+    from titan_cp.integrations.torchtitan import gpt_oss_debugmodel_cp, shard_by_documents  # noqa: PLC0415
+    from titan_cp.integrations.torchtitan.gpt_oss import TitanCPGptOssAttention  # noqa: PLC0415
+
+    layers = gpt_oss_debugmodel_cp().model_spec.model.layers
+    assert [layer.attention.inner_attention.window for layer in layers] == [128, None, 128, None]
+    config = layers[0].attention
+    torch.manual_seed(0)
+    ours = config.build()
+    assert isinstance(ours, TitanCPGptOssAttention)
+    ours.init_states()
+    with torch.no_grad():
+        ours.sinks.normal_()
+    theirs = Attention.Config(**{f.name: getattr(config, f.name) for f in fields(config)}).build()
+    theirs.load_state_dict(ours.state_dict())
+    theirs.inner_attention = _DenseSinksReference()  # torchtitan's layer, forward and _apply_sinks
+
+    positions = _packed_positions([[150, 60, 46]])  # a document past the window
+    b, s = positions.shape
+    rows, q_idx, kv_idx = torch.meshgrid(torch.arange(b), torch.arange(s), torch.arange(s), indexing="ij")
+    documents = and_masks(get_causal_mask_mod(), get_efficient_causal_mask_mod_for_packed_document(positions))
+    without_window = documents(rows, torch.zeros_like(rows), q_idx, kv_idx)  # (B, L, L): may q see kv
+    window = get_sliding_window_mask_mod(config.sliding_window_size)
+    mask = and_masks(documents, window)(rows, torch.zeros_like(rows), q_idx, kv_idx)
+    doc_lens = shard_by_documents(positions, positions, positions, CPHandle(None)).doc_lens
+    g = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(b, s, config.dim, generator=g), torch.randn(b, s, config.dim, generator=g)
+
+    def run(layer, masks) -> list[torch.Tensor]:
+        xs = x.clone().requires_grad_()
+        out = layer(xs, masks, positions)
+        return [out, *torch.autograd.grad((out * weight).sum(), [xs, *layer.parameters()])]
+
+    names = ["out", "x", *(n for n, _ in ours.named_parameters())]
+    assert "sinks" in names
+    got = run(ours, doc_lens)
+    for name, value, want in zip(names, got, run(theirs, mask), strict=True):
+        torch.testing.assert_close(
+            value, want, atol=1e-5 * want.abs().max().item(), rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    with torch.no_grad():  # no sinks, then no window: each not what titan_cp computed
+        theirs.sinks.fill_(-1e4)
+        assert not torch.allclose(theirs(x, mask, positions), got[0], atol=1e-3)
+        theirs.sinks.copy_(ours.sinks)
+        assert not torch.allclose(theirs(x, without_window, positions), got[0], atol=1e-3)
+
+
 def test_the_debug_configs_data_are_packed_documents_from_the_repository():
     """llama3_debugmodel_cp reads the repository's tokenizer and documents (no network); its 256-token rows
     hold several documents each, which doc_local at CP 2 places by document (not in halves)."""
@@ -294,12 +488,21 @@ def test_bad_input_gets_one_clear_line(monkeypatch):
         tt.TitanCPConfig(strategy="ring", ulysses_degree=2).check()
     with pytest.raises(ValueError, match=r"did you mean 'ulysses'"):
         tt.with_titan_cp(llama3_debugmodel, strategy="ulyses")
-    from torchtitan.models.gpt_oss.config_registry import gpt_oss_debugmodel  # noqa: PLC0415
+
+    def another_attention():  # an attention kind titan_cp does not know
+        config = llama3_debugmodel()
+        config.model_spec.model.layers[0].attention = SimpleNamespace(n_heads=8)
+        return config
 
     with pytest.raises(
-        ValueError, match=r"does not run torchtitan's gpt-oss yet: .*sliding windows and per-head sinks"
+        ValueError, match=r"with_titan_cp runs .*MLA.*; layer 0 has SimpleNamespace, which titan_cp does"
     ):
-        tt.with_titan_cp(gpt_oss_debugmodel)()
+        tt.with_titan_cp(another_attention)()
+    with pytest.raises(
+        ValueError, match="got an out_transform of the attention's log-sum-exp, which it does not return"
+    ):
+        q = torch.randn(1, 8, 2, 4)
+        tt.TitanCPAttention.Config().build()(q, q, q, attention_masks=torch.tensor([[8]]), out_transform=torch.mul)
 
     trainer = SimpleNamespace(cp=CPHandle(None), config=tt.llama3_debugmodel_cp())
     tokens = torch.zeros(1, 8, dtype=torch.int64)
@@ -454,6 +657,11 @@ def _titan_cp_layers(model_config) -> list[str]:
         ("qwen3_debugmodel_cp", ["attention"] * 8, 2048),
         ("llama3_8b_cp", ["attention"] * 32, 131072),
         ("qwen35_debugmodel_cp", ["linear", "linear", "linear", "attention"] * 2, 256),
+        ("gpt_oss_debugmodel_cp", ["attention"] * 4, 256),
+        ("qwen3_moe_debugmodel_cp", ["attention"] * 2, 256),
+        ("deepseek_v3_debugmodel_cp", ["attention"] * 3, 256),
+        ("deepseek_v3_16b_cp", ["attention"] * 27, 131072),
+        ("deepseek_v3_671b_cp", ["attention"] * 61, 131072),
         ("qwen35_9b_cp", ["linear", "linear", "linear", "attention"] * 8, 131072),
     ],
 )

@@ -10,13 +10,13 @@
     )
     local = style.handle.shard(microbatch)      # the one handle: sharding and attention by one layout
 
-The style takes over the forward of the attention core, ``inner_attention(q, k, v, doc_lens)``
-(q ``(B, H, S_local, E)``, k/v ``(B, K, S_local, E)``), keeping the module's mask (``window``,
-``chunk``) and sinks (``local_sinks()``) where it has them: everything around it (projections,
-RoPE, norms, MLP) is token-wise and runs on the local shard unchanged. Inputs may be plain
-local shards or DTensors placed ``Shard(2)`` on the cp mesh; the output is of the same kind.
-As a DTensor, the "global" sequence is the layout's rank-concatenated order (the shards
-stacked by rank), the convention of PyTorch's own load-balanced CP.
+The style takes over the forward of the attention core, ``inner_attention(q, k, v, doc_lens, *, scale,
+sinks)`` (q ``(B, H, S_local, E)``, k/v ``(B, K, S_local, E)``; ``scale`` ``None``: ``E ** -0.5``; ``sinks``
+given with the call, or the module's ``local_sinks()``), keeping the module's mask (``window``, ``chunk``)
+where it has them: everything around it (projections, RoPE, norms, MLP) is token-wise and runs on
+the local shard unchanged. Inputs may be plain local shards or DTensors placed ``Shard(2)`` on the
+cp mesh; the output is of the same kind. As a DTensor, the "global" sequence is the layout's
+rank-concatenated order (the shards stacked by rank), the convention of PyTorch's own load-balanced CP.
 
 The batch's document structure arrives as the ``doc_lens`` argument of every call, the
 zero-padded ``(B, max_docs)`` tensor *on the host* that the handle's ``shard`` returned; the
@@ -84,15 +84,15 @@ class ContextParallel(ParallelStyle):
             raise ValueError(f"ContextParallel is applied with a mesh other than its handle's ({self.handle})")
         handle = self.handle
 
-        def forward(q, k, v, doc_lens=None):
-            return self._attend(handle, q, k, v, doc_lens, module)
+        def forward(q, k, v, doc_lens=None, *, scale=None, sinks=None):
+            return self._attend(handle, q, k, v, doc_lens, module, scale, sinks)
 
         module.forward = forward
         module.cp_style = self  # type: ignore[assignment]  # torch's stub: __setattr__ for tensors/modules only
         module.cp_handle = handle  # type: ignore[assignment]
         return module
 
-    def _attend(self, handle: CPHandle, q, k, v, doc_lens, module=None):
+    def _attend(self, handle: CPHandle, q, k, v, doc_lens, module=None, scale=None, sinks=None):
         mesh = handle.mesh
         assert mesh is not None
         as_dtensor = isinstance(q, DTensor)
@@ -110,8 +110,10 @@ class ContextParallel(ParallelStyle):
                 f"got {type(doc_lens).__name__}"
             )
         window, chunk = getattr(module, "window", None), getattr(module, "chunk", None)
-        sinks = module.local_sinks() if hasattr(module, "local_sinks") else None
-        out = attend(q, k, v, handle.id, doc_lens, self.causal, q.shape[-1] ** -0.5, window, chunk, sinks)
+        if sinks is None and hasattr(module, "local_sinks"):
+            sinks = module.local_sinks()
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        out = attend(q, k, v, handle.id, doc_lens, self.causal, scale, window, chunk, sinks)
         if as_dtensor:
             out = DTensor.from_local(out, mesh, [Shard(SEQ_DIM)] * mesh.ndim, run_check=False)
         return out

@@ -19,8 +19,9 @@ A run of one's own gains titan_cp's CP in one call, in one's own module::
     llama3_8b_cp = with_titan_cp(llama3_8b, strategy="ulysses")
 
 What it changes in torchtitan's config (:func:`with_titan_cp`): every layer's ``inner_attention``
-becomes :class:`~.attention.TitanCPAttention` (titan_cp's exact packed-document attention); in Qwen3.5
-each Gated DeltaNet's kernel and short convolutions run titan_cp's linear ops (:mod:`.linear`); the
+becomes :class:`~.attention.TitanCPAttention` (titan_cp's exact packed-document attention; in gpt-oss with
+the layer's window and its sinks, :mod:`.gpt_oss`); in Qwen3.5 each Gated DeltaNet's kernel and short
+convolutions run titan_cp's linear ops (:mod:`.linear`); the
 model's ``parallelize_fn`` becomes :class:`~.parallelize.TitanCPParallelize` (torchtitan's own,
 with only its CP step replaced by titan_cp's), the Trainer becomes :class:`~.trainer.TitanCPTrainer`
 (a ``titan_cp`` config section, checked with torchtitan's settings when built; one CP handle of it that
@@ -28,8 +29,10 @@ every layer reads; batches sharded by titan_cp's layout of their documents; loss
 data-parallel rank) and the spmd backend ``partial_dtensor``. The CP size is torchtitan's
 ``--parallelism.context_parallel_degree``.
 
-Tested with torchtitan 0.3.0 on CPU (gloo): Llama 3 (dense, GQA) and Qwen3.5 (Gated DeltaNet and gated
-attention; imported without ``fla``: :mod:`.without_fla`) on a 1-D cp mesh and hybrid's 2-D one.
+Tested with torchtitan 0.3.0 on CPU (gloo): Llama 3 (dense, GQA), Qwen3.5 (Gated DeltaNet and gated
+attention; imported without ``fla``: :mod:`.without_fla`), gpt-oss (sliding windows and sinks: :mod:`.gpt_oss`)
+Qwen3 MoE beside torchtitan's expert parallel and DeepSeek V3 (multi-head latent attention: a value head dim of
+its own), on a 1-D cp mesh and hybrid's 2-D one.
 
 Importing this package imports nothing of torchtitan: its names (below) load on first use, so
 that :mod:`.train` can prepare torchtitan for a CPU before torchtitan reads its device.
@@ -47,6 +50,11 @@ _NAMES = {
         "llama3_8b_cp",
         "llama3_debugmodel_cp",
         "qwen3_debugmodel_cp",
+        "gpt_oss_debugmodel_cp",
+        "qwen3_moe_debugmodel_cp",
+        "deepseek_v3_debugmodel_cp",
+        "deepseek_v3_16b_cp",
+        "deepseek_v3_671b_cp",
         "with_titan_cp",
         "qwen35_debugmodel_cp",
         "qwen35_0_8b_cp",

@@ -142,12 +142,13 @@ def has_linear_layers(model_config: Any) -> bool:
 
 def _head_counts(model_spec: Any) -> set[tuple[int, int]]:
     """``(query heads, KV heads)`` of the model's attention layers that run titan_cp's attention (none without a
-    model): Llama 3's and Qwen3's GQA, Qwen3.5's gated attention."""
+    model): Llama 3's and Qwen3's GQA, gpt-oss's, Qwen3.5's gated attention, DeepSeek V3's MLA (as many KV heads
+    as query heads: it has no ``n_kv_heads``)."""
     attentions = [getattr(layer, "attention", None) for layer in _layers(getattr(model_spec, "model", None))]
     ours: list[Any] = [
         a for a in attentions if isinstance(getattr(a, "inner_attention", None), TitanCPAttention.Config)
     ]
-    return {(a.n_heads, a.n_heads if a.n_kv_heads is None else a.n_kv_heads) for a in ours}
+    return {(a.n_heads, getattr(a, "n_kv_heads", None) or a.n_heads) for a in ours}
 
 
 def _check_linear(config: Any) -> None:
