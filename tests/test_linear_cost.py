@@ -170,12 +170,13 @@ def _plans_work(layout: SequenceLayout, rank: int, batch: int, conv: int) -> lin
 
     state, halo = state_plan(layout, rank, batch), halo_plan(layout, rank, batch, conv)
     lengths = tuple(n for _, n in state.runs)
-    read = {received for chain in state.chains for received, _ in chain}
+    read = {received for chain in state.chains if len(chain) > 1 for received, _ in chain}  # what M s + B keeps
+    extended = {chain[:n] for chain in state.chains for n in range(2, len(chain))}  # kept as s by a longer link
     return lin.LinearWork(
         lengths, tuple(map(bool, state.chains)), tuple(lengths[i] for i in state.summarize),
         sum(map(len, state.send.values())),
         state.received, sum(map(len, halo.send.values())), halo.received,
-        len({chain[:n] for chain in state.chains for n in range(2, len(chain) + 1)}), False in read, True in read,
+        len(extended), False in read, True in read,
     )  # fmt: skip
 
 

@@ -54,13 +54,14 @@ GPU (``fla``'s own autograd for Gated DeltaNet, the custom op's saved inputs for
                 Mamba2: x, dt, B, C (the op's inputs, a each), the gate, the output (fp32), out_proj's input
     CP, Gated DeltaNet (:func:`widened_saved_bytes`, :func:`state_bytes`):
     per later token   v's d_k more columns (a K per value head: fla's saved v) and the wide call's outputs
-                [o | r] in fp32 (4 (V + K) per value head: the correction r^T S_in runs in the states'
-                precision, and its product keeps r, a view of the piece's outputs made fp32)
-    per token   the token index (int64) each call gathers its pieces by, on a rank that runs both calls
+                [o | r] (V + K per value head: the correction r^T S_in keeps r, a view of them)
+    per token   the permutation (int64) that puts the two calls' tokens back, on a rank that runs both
     per piece   its call's initial state (fp32, heads x K x V for a first piece; heads x K x (V + K), the
-                [0 | I] start, for a later one); each state composed from two summaries or more (fp32
-                heads x K x V: M s + B keeps s, the correction its piece's S_in), the summary buffers the
-                later pieces' chains read (fp32 heads x K x (V + K) a row) and the summaries' index (int64)
+                [0 | I] start, for a later one); each composed state a longer chain extends (fp32 heads x
+                K x V: M s + B keeps s); the summary buffers a chain of two links or more reads (fp32
+                heads x K x (V + K) a row: M s + B keeps M, and the first link's s is a view of its
+                summary); each later piece's state copied to the activations' dtype for its correction;
+                the summaries' index (int64)
 """
 
 from __future__ import annotations
@@ -163,10 +164,10 @@ class LinearWork:
     lengths: the rank's pieces, in its buffer's order; later: whether each has pieces of its document before
     it (Gated DeltaNet runs it wide; else it starts its document); summarized: the pieces it summarises (a
     later piece follows them); sent, received: summary rows sent forward and received; halo_sent,
-    halo_received: the convolution's halo tokens; composed: the states composed from two summaries or more,
-    once per chain prefix (a document's pieces on a rank share their chains' prefixes: the op composes each
-    once); reads_sent, reads_received: whether a later piece's chain reads this rank's summaries / the
-    received ones.
+    halo_received: the convolution's halo tokens; composed: the states composed from two summaries or more
+    that a longer chain extends (kept as its ``s``), once per chain prefix (a document's pieces on a rank
+    share their chains' prefixes: the op composes each once); reads_sent, reads_received: whether a chain
+    of two links or more reads this rank's summaries / the received ones.
     """
 
     lengths: tuple[int, ...]
@@ -245,9 +246,10 @@ def _states(chain: list[Piece], counts: dict[int, Counter], reads: dict[int, set
     top: dict[int, int] = {}  # a rank's pieces of the document share their chains' prefixes: the longest counts
     for piece in chain:
         top[piece.rank] = max(top.get(piece.rank, 0), piece.index)
-        reads[piece.rank] |= {owner != piece.rank for owner in owners[: piece.index]}
-    for rank, index in top.items():
-        counts[rank]["composed"] += max(0, index - 1)
+        if piece.index >= 2:  # M s + B keeps M and s (the first link's s is its summary's B, a view)
+            reads[piece.rank] |= {owner != piece.rank for owner in owners[: piece.index]}
+    for rank, index in top.items():  # each prefix a longer one extends (M s + B keeps s)
+        counts[rank]["composed"] += max(0, index - 2)
 
 
 def _halos(chain: list[Piece], h: int, counts: dict[int, Counter]) -> None:
@@ -311,33 +313,36 @@ def _fla_saved_per_token(shapes: LinearShapes, a: int, width: int) -> int:
 def widened_saved_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
     """Bytes Gated DeltaNet's ``fla`` path saves under CP in proportion to tokens beyond
     :func:`ops_saved_per_token` (module docstring): each later token's ``d_k`` more value columns, and its
-    wide outputs ``[o | r]`` in fp32 (the correction's product keeps ``r``, a view of the piece's outputs
-    made fp32); on a rank that runs both calls, each call's token index (int64 a token). 0 for Mamba2,
-    whose op saves only its inputs."""
+    wide outputs ``[o | r]`` (the correction's product keeps ``r``, a view of them); on a rank that runs
+    both calls, the permutation that puts the two calls' tokens back (int64 a token). 0 for Mamba2, whose
+    op saves only its inputs."""
     if not shapes.gated_delta:
         return 0
     h, wide = shapes.v_heads, shapes.d_v + shapes.d_k
     gathered = sum(work.lengths) if any(work.later) and not all(work.later) else 0
-    return sum(work.later_lengths) * h * (act_bytes * shapes.d_k + FP32 * wide) + 8 * gathered
+    return sum(work.later_lengths) * h * act_bytes * (shapes.d_k + wide) + 8 * gathered
 
 
-def state_bytes(shapes: LinearShapes, work: LinearWork) -> int:
+def state_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
     """Bytes of states a layer keeps for its backward on a rank, through ``fla``'s autograd (Gated DeltaNet; 0
     for Mamba2, whose op keeps only its inputs): each call's initial states (a first piece's zero state, a
     later piece's ``[0 | I]`` start, a summary's size); the summaries' index (int64 a row); each state
-    composed from two summaries or more (``M s + B`` keeps ``s``, a correction its piece's state); and the
-    summary buffers the later pieces' chains read, this rank's and the received ones (each kept whole)."""
+    a longer one extends (``M s + B`` keeps ``s``); the summary buffers a chain of two links or more reads
+    (``M s + B`` keeps ``M``, and the first link's ``s`` is a view of its summary: this rank's and the
+    received ones, each kept whole); and each later piece's state, copied to the activations' dtype for
+    its correction."""
     if not shapes.gated_delta:
         return 0
     later = sum(work.later)
     starts = (len(work.lengths) - later) * shapes.state_bytes + later * shapes.summary_bytes
     read = (work.reads_sent * len(work.summarized) + work.reads_received * work.received) * shapes.summary_bytes
-    return starts + 8 * len(work.summarized) + work.composed * shapes.state_bytes + read
+    corrections = later * shapes.state_bytes * act_bytes // FP32  # each later piece's state, copied to act's dtype
+    return starts + 8 * len(work.summarized) + work.composed * shapes.state_bytes + read + corrections
 
 
 def work_extra_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
     """What one layer keeps on a rank beyond its per-token figure: the later tokens' wider copies and the states."""
-    return widened_saved_bytes(shapes, work, act_bytes) + state_bytes(shapes, work)
+    return widened_saved_bytes(shapes, work, act_bytes) + state_bytes(shapes, work, act_bytes)
 
 
 def work_saved_bytes(shapes: LinearShapes, work: LinearWork, dim: int, act_bytes: int) -> int:

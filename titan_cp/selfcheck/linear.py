@@ -60,7 +60,8 @@ def _cut(backend: str, x: list[Tensor], pieces: int) -> Tensor:
     later = tuple(range(1, pieces))
     if backend == "fla":
         p: Any = fla.Prepared(x[0], x[1], x[2], x[3], x[4], x[0].shape[-1] ** -0.5, True)
-        first, wide = fla.scan(runs, p, (0,), False), fla.scan(runs, p, later, True)
+        head, rest = fla.split(p, [runs[0][1], t - runs[0][1]])
+        first, wide = fla.scan(head, [runs[0][1]], False), fla.scan(rest, [n for _, n in runs[1:]], True)
     else:
         rep = x[2].shape[1] // x[0].shape[1]
         q, k = (gated_delta.l2norm(y.float().repeat_interleave(rep, 1)) for y in x[:2])

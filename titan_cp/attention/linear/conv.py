@@ -30,19 +30,24 @@ def conv(
     bias: Tensor | None,
     activation: str | None,
 ) -> Tensor:
-    """``x`` ``(tokens, channels)``, ``halo`` ``(rows, channels)`` -> ``(tokens, channels)`` (in ``x``'s
-    dtype; accumulated in the weight's dtype or fp32, whichever is wider)."""
-    acc = torch.promote_types(weight.dtype, torch.float32)
+    """``x`` ``(tokens, channels)``, ``halo`` ``(rows, channels)`` -> ``(tokens, channels)`` in ``x``'s dtype,
+    computed in the wider of ``x``'s and the weight's (as ``transformers``' own convolution, in the weight's)."""
+    dtype = torch.promote_types(x.dtype, weight.dtype)
     tokens, channels = x.shape
     kernel = weight.shape[-1]
-    xa, w = x.to(acc), weight.to(acc)
+    xa, w = x.to(dtype), weight.to(dtype)
     y = F.conv1d(xa.t()[None], w[:, None, :], None, padding=kernel - 1, groups=channels)[0, :, :tokens].t()
-    if edge.numel():
-        ext = torch.cat([xa, halo.to(acc), xa.new_zeros(1, channels)])
-        gathered = ext.index_select(0, edge_taps.reshape(-1)).view(*edge_taps.shape, channels)  # (edges, K, C)
+    if edge.numel():  # the edges' taps: local tokens below ``tokens``, then the halo rows and one zero row
+        local = edge_taps < tokens
+        rest = torch.cat([halo.to(dtype), xa.new_zeros(1, channels)])
+        gathered = torch.where(
+            local[..., None],
+            xa[edge_taps.clamp(max=tokens - 1)],
+            rest[(edge_taps - tokens).clamp(min=0)],
+        )  # (edges, K, channels)
         y = y.index_copy(0, edge, torch.einsum("tkc,ck->tc", gathered, w.flip(-1)))
     if bias is not None:
-        y = y + bias.to(acc)
+        y = y + bias.to(dtype)
     if activation is not None:
         y = F.silu(y)
     return y.to(x.dtype)

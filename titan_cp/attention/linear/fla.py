@@ -67,36 +67,33 @@ def _cu(lengths: list[int], device: torch.device) -> tuple[Tensor, Tensor]:
     return on_device(_DEVICE, ("cu", tuple(lengths)), lambda: cpu, device), cpu
 
 
-def _call(p: Prepared, index: Tensor | None, v: Tensor, lengths: list[int], initial: Tensor) -> tuple[Tensor, Tensor]:
-    """``fla`` over the tokens ``index`` (``None``: all) cut into pieces of ``lengths``: ``(o, final states)``."""
-    pick = (lambda x: x) if index is None else (lambda x: x.index_select(0, index))  # noqa: E731
+def _call(p: Prepared, v: Tensor, lengths: list[int], initial: Tensor) -> tuple[Tensor, Tensor]:
+    """``fla`` over ``p``'s tokens (``v`` in place of ``p.v``) cut into pieces of ``lengths``: ``(o, final states)``."""
     cu, cu_cpu = _cu(lengths, p.q.device)
     o, final = _kernel()(
-        pick(p.q)[None], pick(p.k)[None], v[None], pick(p.g)[None], pick(p.beta)[None],
+        p.q[None], p.k[None], v[None], p.g[None], p.beta[None],
         scale=p.scale, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=p.qk_l2norm,
         cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
     )  # fmt: skip
     return o[0], final
 
 
-def _tokens(runs: tuple[tuple[int, int], ...], pieces: tuple[int, ...], device: torch.device) -> Tensor:
-    """The flat tokens of ``pieces``, in order, on ``device`` (made once per plan's values and device)."""
-    host = lambda: torch.cat([torch.arange(runs[j][0], runs[j][0] + runs[j][1]) for j in pieces])  # noqa: E731
-    return on_device(_DEVICE, ("index", runs, pieces), host, device)
-
-
-def scan(runs: tuple[tuple[int, int], ...], p: Prepared, pieces: tuple[int, ...], wide: bool) -> tuple[Tensor, Tensor]:
-    """:func:`.gated_delta.scan` through one ``fla`` call over ``pieces`` (their tokens gathered unless they
-    are the whole buffer): outputs ``(sum of the pieces' lengths, v_heads, width)`` and final states
-    ``(len(pieces), v_heads, d_k, width)``; ``wide``: ``v`` widened by ``d_k`` zero columns from ``[0 | I]``."""
+def scan(p: Prepared, lengths: list[int], wide: bool) -> tuple[Tensor, Tensor]:
+    """:func:`.gated_delta.scan` through one ``fla`` call: ``p`` holds the pieces' tokens one after another,
+    ``lengths`` theirs; outputs ``(sum(lengths), v_heads, width)`` and final states ``(len(lengths), v_heads,
+    d_k, width)``; ``wide``: ``v`` widened by ``d_k`` zero columns from ``[0 | I]``."""
     h, dk, dv = p.v.shape[1], p.q.shape[-1], p.v.shape[-1]
-    if not pieces:
-        width = dv + dk * wide
+    width = dv + dk * wide
+    if not lengths:
         return p.v.new_zeros(0, h, width), torch.zeros(0, h, dk, width, device=p.q.device)
-    index = None if pieces == tuple(range(len(runs))) else _tokens(runs, pieces, p.q.device)
-    v = p.v if index is None else p.v.index_select(0, index)
-    initial = torch.zeros(len(pieces), h, dk, dv + dk * wide, device=p.q.device)
+    v, initial = p.v, torch.zeros(len(lengths), h, dk, width, device=p.q.device)
     if wide:
         v = torch.cat([v, v.new_zeros(*v.shape[:2], dk)], -1)
         initial[..., dv:] = torch.eye(dk, device=p.q.device)
-    return _call(p, index, v, [runs[j][1] for j in pieces], initial)
+    return _call(p, v, lengths, initial)
+
+
+def split(p: Prepared, sizes: list[int]) -> list[Prepared]:
+    """``p``'s tokens cut into consecutive parts of ``sizes`` (views)."""
+    q, k, v, g, beta = (x.split(sizes) for x in (p.q, p.k, p.v, p.g, p.beta))
+    return [Prepared(q[i], k[i], v[i], g[i], beta[i], p.scale, p.qk_l2norm) for i in range(len(sizes))]

@@ -51,6 +51,7 @@ class Kind(Protocol):
 
     def prepare(self, *inputs: Tensor | None) -> Any: ...
     def outgoing(self, prep: Any) -> tuple[Tensor, Partial]: ...
+    def add_sent_grad(self, grads: Sequence[Tensor | None], d_sent: Tensor) -> bool: ...
     def local(self, prep: Any, partial: Partial, sent: Tensor, recv: Tensor) -> Tensor: ...
 
 
@@ -97,7 +98,8 @@ def run_backward(
         grads, d_partial = list(first[: len(wanted)]), _or_zeros(first[len(wanted) : -2], partial)
         d_sent, d_recv = _or_zeros(first[-2:], (sent, recv))
         d_sent = return_rows(comm, d_recv, d_sent, kind.send, kind.recv, kind.crosses, kind.send_index(d_sent.device))
-        made = [(t, d) for t, d in zip((*partial, sent), (*d_partial, d_sent)) if t.requires_grad and t.numel()]
+        outgoing = [*partial] if kind.add_sent_grad(grads, d_sent) else [*partial, sent]  # else autograd's
+        made = [(t, d) for t, d in zip(outgoing, (*d_partial, d_sent)) if t.requires_grad and t.numel()]
         if made:
             more = torch.autograd.grad([t for t, _ in made], wanted, [d for _, d in made], allow_unused=True)
             grads = [a if b is None else b if a is None else a + b for a, b in zip(grads, more)]
@@ -185,6 +187,27 @@ class _Planned:
     def send_index(self, device: torch.device) -> Tensor:
         return self.plan.send_index(device)
 
+    def add_sent_grad(self, grads: Sequence[Tensor | None], d_sent: Tensor) -> bool:
+        """Add the gradient of the rows sent into ``grads`` (the inputs', in place) where a kind can say where
+        they came from, and say so; else the driver runs autograd through :meth:`outgoing`."""
+        return False
+
+
+class _Group(torch.autograd.Function):
+    """``(x[first], x[later])``: the tokens of the two calls, each part a tensor of its own (what a call keeps
+    for its backward holds its own tokens only); backward, ``cat([d_first, d_later])[inverse]``: one gather,
+    where two ``index_select`` would each add their gradient into a full-size zero tensor."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, first: Tensor, later: Tensor, inverse: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, first), x.index_select(0, later)
+
+    @staticmethod
+    def backward(ctx, d_first: Tensor, d_later: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        return torch.cat([d_first, d_later]).index_select(0, inverse), None, None, None
+
 
 # ---------------------------------------------------------------------------- the gated delta rule
 BACKENDS = ("auto", "torch", "fla")
@@ -227,17 +250,30 @@ class GatedDelta(_Planned):
         v, g, beta = (_acc(_flat(x)) for x in (v, g, beta))
         return gated_delta.prepare(self.chunks, q * self.scale, k, v, g, beta)
 
-    def _scan(self, prep: Any, pieces: tuple[int, ...], wide: bool) -> tuple[Tensor, Tensor]:
-        if self.backend == "fla":
-            return fla.scan(self.plan.runs, prep, pieces, wide)
-        return gated_delta.scan(self.chunks, self.plan.runs, prep, pieces, wide)
+    def _scans(self, prep: Any) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+        """The first pieces' narrow call and the later pieces' wide one: ``(outputs, final states)`` each.
+        Through ``fla`` each call's tokens are gathered into a tensor of their own (:class:`_Group`, where
+        both calls run; else the one group is the whole buffer)."""
+        first, later = self.plan.pieces_first, self.plan.pieces_later
+        if self.backend != "fla":
+            return tuple(  # type: ignore[return-value]
+                gated_delta.scan(self.chunks, self.plan.runs, prep, pieces, wide)
+                for pieces, wide in ((first, False), (later, True))
+            )
+        lengths = [[self.plan.runs[j][1] for j in pieces] for pieces in (first, later)]
+        if first and later:  # else the one group is the whole buffer, in order
+            index = self.plan.grouped(prep.q.device)
+            q, k, v, g, beta = (_Group.apply(x, *index) for x in (prep.q, prep.k, prep.v, prep.g, prep.beta))
+            parts = [fla.Prepared(q[i], k[i], v[i], g[i], beta[i], prep.scale, prep.qk_l2norm) for i in (0, 1)]
+        else:
+            parts = fla.split(prep, [sum(n) for n in lengths])
+        return fla.scan(parts[0], lengths[0], False), fla.scan(parts[1], lengths[1], True)
 
     def outgoing(self, prep: Any) -> tuple[Tensor, Partial]:
         """Each piece once: those that start their document at v's width (their outputs final), the others
         wide (outputs ``[o | r]``, :func:`.gated_delta.scan`); the summaries are their final states."""
         first, later = self.plan.pieces_first, self.plan.pieces_later
-        o_first, s_first = self._scan(prep, first, False)
-        o_later, s_later = self._scan(prep, later, True)
+        (o_first, s_first), (o_later, s_later) = self._scans(prep)
         dk = s_later.shape[-2] if s_later.numel() else s_first.shape[-2]
         acc = torch.promote_types(s_first.dtype, torch.float32)  # fla's states are fp32; the torch kernel's its own
         s_first = torch.cat([s_first, s_first.new_zeros(*s_first.shape[:-1], dk)], -1)
@@ -248,20 +284,28 @@ class GatedDelta(_Planned):
 
     def local(self, prep: Any, partial: Partial, sent: Tensor, recv: Tensor) -> Tensor:
         """The pieces' outputs in flat order, each later piece's with its composed state's share ``r^T S_in``
-        (in the states' precision: fp32, or the inputs' where wider)."""
+        (in the outputs' dtype, as the kernel reads its state against q; the states are composed in fp32, or
+        the inputs' dtype where wider). Pieces are taken from the two calls' outputs by ``split`` (one
+        backward for all of them)."""
         o_first, o_later = partial
         states = _compose(gated_delta.apply, self.plan, sent, recv)
         dv = sent.shape[-1] - sent.shape[-2]
-        pieces, at = [], {False: 0, True: 0}
-        for j, (_, n) in enumerate(self.plan.runs):
-            later = bool(self.plan.chains[j])
-            o = (o_later if later else o_first)[at[later] : at[later] + n].to(sent.dtype)
-            at[later] += n
-            if later:
+        lengths = [
+            [self.plan.runs[j][1] for j in pieces] for pieces in (self.plan.pieces_first, self.plan.pieces_later)
+        ]
+        firsts = list(o_first.split(lengths[0])) if lengths[0] else []
+        laters: list[Tensor] = []
+        if lengths[1]:
+            o, r = o_later.split([dv, o_later.shape[-1] - dv], -1)
+            for j, o_j, r_j in zip(self.plan.pieces_later, o.split(lengths[1]), r.split(lengths[1])):
                 s = states[j]
                 assert s is not None
-                o = o[..., :dv] + torch.einsum("thk,hkv->thv", o[..., dv:], s)
-            pieces.append(o)
+                # a copy of its own in the outputs' dtype: what the correction keeps is that, not the composed
+                # state (nor the summaries' buffer a first link's state is a view of)
+                laters.append(o_j + torch.einsum("thk,hkv->thv", r_j, s.to(r_j.dtype, copy=True)))
+        pieces, it = [], {False: iter(firsts), True: iter(laters)}
+        for chain in self.plan.chains:
+            pieces.append(next(it[bool(chain)]))
         return torch.cat(pieces)
 
 
@@ -453,8 +497,22 @@ class Convolution(_Planned):
     def prepare(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         return _flat(x), weight, bias
 
+    def send_index(self, device: torch.device) -> Tensor:
+        """The rows :meth:`outgoing` gives are the rows sent, in order."""
+        return self.plan.index_on("all_sent", list(range(sum(map(len, self.plan.send.values())))), device)
+
     def outgoing(self, prep: tuple[Tensor, Tensor, Tensor | None]) -> tuple[Tensor, Partial]:
-        return prep[0], ()
+        """The halo rows this rank sends, peers in order (nothing more: the tokens are read where they are)."""
+        return prep[0].index_select(0, self.plan.send_index(prep[0].device)), ()
+
+    def add_sent_grad(self, grads: Sequence[Tensor | None], d_sent: Tensor) -> bool:
+        """The rows sent are tokens of ``x``: their gradient is added into ``x``'s where they are (the halo's
+        rows, not a full-size gradient of the gather and its sum)."""
+        dx = grads[0]
+        if dx is None or not d_sent.numel():
+            return dx is not None
+        dx.view(-1, dx.shape[-1]).index_add_(0, self.plan.send_index(dx.device), d_sent.to(dx.dtype))
+        return True
 
     def local(self, prep: tuple[Tensor, Tensor, Tensor | None], partial: Partial, sent: Tensor, recv: Tensor) -> Tensor:
         x, weight, bias = prep

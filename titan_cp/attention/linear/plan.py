@@ -123,6 +123,22 @@ class StatePlan:
         """``values`` as an int64 tensor on ``device``, made once per plan, ``name`` and device."""
         return on_device(self.device, name, lambda: torch.tensor(values, dtype=torch.int64), device)
 
+    def grouped(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(first, later, inverse)`` on ``device``: the flat tokens of :attr:`pieces_first` and of
+        :attr:`pieces_later`, each in order, and the permutation back (``cat([x[first], x[later]])[inverse]
+        == x``)."""
+
+        def tokens(pieces: tuple[int, ...]) -> torch.Tensor:
+            spans = [self.runs[j] for j in pieces]
+            return torch.cat([torch.arange(a, a + n) for a, n in spans]) if spans else torch.zeros(0, dtype=torch.int64)
+
+        first, later = tokens(self.pieces_first), tokens(self.pieces_later)
+        return (
+            on_device(self.device, "first", lambda: first, device),
+            on_device(self.device, "later", lambda: later, device),
+            on_device(self.device, "grouped_inverse", lambda: torch.argsort(torch.cat([first, later])), device),
+        )
+
     @property
     def pieces_first(self) -> tuple[int, ...]:
         """The pieces that start their document (no chain of summaries before them)."""
@@ -214,6 +230,10 @@ class HaloPlan:
     def send_index(self, device: torch.device) -> torch.Tensor:
         """:func:`rows_index` of :attr:`send` on ``device``."""
         return on_device(self.device, "send", lambda: rows_index(self.send), device)
+
+    def index_on(self, name: str, values: list[int], device: torch.device) -> torch.Tensor:
+        """``values`` as an int64 tensor on ``device``, made once per plan, ``name`` and device."""
+        return on_device(self.device, name, lambda: torch.tensor(values, dtype=torch.int64), device)
 
     def edge_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """:attr:`edge` and :attr:`edge_taps` on ``device``."""
