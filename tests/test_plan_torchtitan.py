@@ -127,7 +127,7 @@ def test_bad_input_gets_one_clear_line(tmp_path, monkeypatch):
     _one_line(
         ["--ngpu", "8", "--module", MODULE, "--config", "llama3_8b_pc"],
         rf"--config 'llama3_8b_pc' is not a config function of {re.escape(MODULE)}; did you mean 'llama3_8b_cp'.*"
-        r"\(its config functions: llama3_8b_cp, llama3_debugmodel_cp, (.*, )?qwen3_debugmodel_cp\)",
+        r"\(its config functions: (.*, )?llama3_8b_cp, llama3_debugmodel_cp, (.*, )?qwen3_debugmodel_cp(, .*)?\)",
     )
     _one_line(
         ["--ngpu", "8", "--module", "torchtitan.models.llama3", "--config", "llama3_debugmodel"],

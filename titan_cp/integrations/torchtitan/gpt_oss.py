@@ -26,6 +26,7 @@ The softmax scale is the layer's: YaRN's ``mscale ** 2`` times ``head_dim ** -0.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -78,12 +79,12 @@ def _as(config_cls: type, config: object, **changes: object) -> object:
     return config_cls(**{**{f.name: getattr(config, f.name) for f in fields(config)}, **changes})  # type: ignore[arg-type]
 
 
-def is_gpt_oss(model_config) -> bool:
+def is_gpt_oss(model_config: Any) -> bool:
     """Whether torchtitan's model config has gpt-oss attention layers."""
     return any(isinstance(getattr(layer, "attention", None), Attention.Config) for layer in model_config.layers)
 
 
-def use_titan_cp_gpt_oss(model_config) -> None:
+def use_titan_cp_gpt_oss(model_config: Any) -> None:
     """Every gpt-oss layer's attention :class:`TitanCPGptOssAttention` with :class:`~.attention.TitanCPAttention` of
     the layer's window (module docstring); its experts :class:`GptOssExpertsInTokensDtype`."""
     for layer in model_config.layers:
