@@ -288,3 +288,29 @@ def test_the_launchers_exit_status_is_the_root_causes():
     assert exit_status(failed((2, 5), (-15, 6))) == 2  # rank 0's user error; rank 1 stopped by the launcher
     assert exit_status(failed((-15, 6), (1, 5))) == 1  # rank 1 failed first
     assert exit_status(failed((-9, 4), (-15, 6))) == 137  # killed (SIGKILL)
+
+
+END_OF_A_RANK = """
+import atexit, sys
+from titan_cp.errors import run_cli
+atexit.register(lambda: print("finalized", flush=True))
+def main(argv):
+    print("buffered", end="")  # no newline, no flush: the exit must not lose it
+    sys.stderr.write("err")
+    return int(argv[0])
+run_cli(main, sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("rank_env, finalized", [({"LOCAL_RANK": "0"}, False), ({}, True)])
+def test_a_rank_ends_without_the_interpreters_finalization(rank_env, finalized):
+    """A rank's command ends through ``end_process``: its output flushed, its status kept, and no finalization
+    (at-exit handlers do not run), where a gloo worker thread still dropping a finished collective's tensors
+    would abort the process; a command started by hand ends as Python does."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(rank_env, PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-c", END_OF_A_RANK, "3"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 3
+    assert done.stdout == ("buffered" + ("finalized\n" if finalized else "")) and done.stderr == "err"

@@ -6,7 +6,7 @@ Under ``torchrun`` (``torchrun --nproc-per-node 2 -m titan_cp.integrations.torch
 alone as one process (no ``LOCAL_RANK`` set: rank 0 of a world of 1, its store on a port of its own).
 A mistake in the run's settings (the ``titan_cp`` section and its agreement with torchtitan's:
 :func:`~titan_cp.integrations.torchtitan.trainer.check_run`, checked before any process group or
-model) is one line naming the flag and exit status 2 (:func:`titan_cp.errors.error_exit`; under
+model) is one line naming the flag and exit status 2 (:func:`titan_cp.errors.run_cli`; under
 ``python -m titan_cp.run`` the launch exits 2 with nothing after it); under torchtitan's own launcher
 the same message ends torchtitan's traceback. torchtitan's INFO lines come from rank 0 alone
 (:func:`~titan_cp.integrations.torchtitan.reporting.log_info_on_rank0`).
@@ -37,13 +37,14 @@ from __future__ import annotations
 import os
 import sys
 from types import SimpleNamespace
+from typing import NoReturn
 
 import torch
 import torch._utils
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from titan_cp.errors import debug_requested, error_exit
+from titan_cp.errors import run_cli
 from titan_cp.integrations.torchtitan.reporting import log_info_on_rank0
 
 
@@ -144,7 +145,7 @@ def _one_process_default() -> None:
         os.environ.setdefault(key, value)
 
 
-def main() -> None:
+def main() -> NoReturn:
     """torchtitan's ``main`` on a CPU (module docstring), under titan_cp's error path (``TITAN_CP_DEBUG=1``:
     the traceback of a user error too)."""
     _one_process_default()
@@ -152,8 +153,7 @@ def main() -> None:
     prepare()
     from torchtitan.train import main as torchtitan_main  # noqa: PLC0415
 
-    with error_exit(debug_requested([])[1]):
-        torchtitan_main()
+    run_cli(lambda _argv: torchtitan_main(), argv=[])  # torchtitan reads sys.argv itself
 
 
 if __name__ == "__main__":
