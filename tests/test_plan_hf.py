@@ -39,7 +39,7 @@ def test_the_plan_of_a_qwen3_8b_config_uses_its_shapes_and_no_tp_or_pp(tmp_path)
     assert hf.best.tokens_per_second_per_gpu < debug.best.tokens_per_second_per_gpu / 5
 
 
-def test_windows_and_sinks_come_from_the_config_and_moe_is_refused(tmp_path):
+def test_windows_and_sinks_come_from_the_config_and_experts_need_their_count_a_token(tmp_path):
     oss = dict(
         QWEN3_8B, model_type="gpt_oss", sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 18
     )
@@ -47,8 +47,8 @@ def test_windows_and_sinks_come_from_the_config_and_moe_is_refused(tmp_path):
     args = hf_model_args(str(tmp_path))
     assert args.attention_pattern == "WF" * 18 and args.window == 128 and args.sinks
     (tmp_path / "config.json").write_text(json.dumps(dict(oss, num_local_experts=32)))
-    with pytest.raises(ValueError, match=r"is a mixture of experts \(config.json 32 experts\)"):
-        hf_model_args(str(tmp_path))
+    with pytest.raises(ValueError, match=r"config.json has 32 experts and no num_experts_per_tok"):
+        hf_model_args(str(tmp_path))  # a mixture of experts is planned (tests/test_plan_moe.py), given its top-k
     with pytest.raises(ValueError, match=r"model.hf_assets_path = .* holds no config.json"):
         hf_model_args(str(tmp_path / "missing"))
 

@@ -8,8 +8,14 @@ chunked; gpt-oss's sinks). A hybrid model's linear-attention layers (``linear_at
 ``linear_num_value_heads``, ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim``
 (Qwen3.5, Qwen3-Next), Mamba2 from the ``mamba_*`` fields (Bamba, Granite 4), which the planner prices
 as linear layers (:mod:`titan_cp.plan.linear`), never as attention. Tensor and pipeline parallelism are
-not built for these models, so the planner lists meshes without them. A mixture of experts is refused
-(its weights and its compute per token differ, which the planner's dense model cannot hold both of).
+not built for these models, so the planner lists meshes without them.
+
+Multi-head latent attention (DeepSeek V3, Kimi K2: ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``,
+``qk_rope_head_dim``, ``v_head_dim``) is :class:`MLAShapes`: q and k of ``qk_nope + qk_rope`` a head, v of
+``v_head_dim``, as the model hands them to the attention after its up-projection (every head its own K/V).
+A mixture of experts (DeepSeek V3 / Kimi K2's ``n_routed_experts``, Qwen3-MoE's and Qwen3.5-MoE's
+``num_experts``, Mixtral's and gpt-oss's ``num_local_experts``) is :class:`MoEShapes`: the routed experts'
+weights are held, ``num_experts_per_tok`` of them (and the shared experts) run on each token.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ LINEAR = ("linear_attention", "mamba")  # layer_types of linear-attention layers
 LINEAR_KINDS = ("gated_delta", "mamba2")
 GATED_ATTENTION = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 """``model_type`` of models whose attention's ``q_proj`` also makes a gate per head (``2 x heads x head_dim``)."""
+QK_NORM = ("qwen3", "qwen3_moe", "qwen3_next", *GATED_ATTENTION[:4])
+"""``model_type`` of models whose attention normalises each query and key head (a ``head_dim`` weight each)."""
 FP32 = 4
 
 
@@ -91,11 +99,88 @@ class LinearShapes:
         return self.v_heads * self.d_v * (self.d_k + 1) * FP32
 
 
+@dataclass(frozen=True)
+class MLAShapes:
+    """Multi-head latent attention (DeepSeek V3, Kimi K2), every layer alike.
+
+    q_lora_rank: the query's low rank (``q_a_proj``, its norm, ``q_b_proj``); 0: ``q_proj`` from the hidden state.
+    kv_lora_rank: the compressed K/V (``kv_a_proj_with_mqa`` makes it and the shared RoPE key, ``kv_b_proj`` the
+        heads' K (no RoPE part) and V from it, after its norm).
+    qk_nope, qk_rope: a query / key head's dims without and with RoPE; v_head_dim: a value head's.
+    """
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope: int
+    qk_rope: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope + self.qk_rope
+
+    def params(self, dim: int, heads: int) -> int:
+        """One layer's attention parameters, ``H`` heads, ``r_q, r_kv`` the ranks::
+
+        q      D r_q + r_q (norm) + r_q H (nope + rope)      (r_q = 0: D H (nope + rope))
+        kv_a   D (r_kv + rope) + r_kv (norm)
+        kv_b   r_kv H (nope + v)
+        o      H v D
+        """
+        qk, rq, rkv = self.qk_head_dim, self.q_lora_rank, self.kv_lora_rank
+        q = dim * rq + rq + rq * heads * qk if rq else dim * heads * qk
+        kv = dim * (rkv + self.qk_rope) + rkv + rkv * heads * (self.qk_nope + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * dim
+
+
+@dataclass(frozen=True)
+class MoEShapes:
+    """A mixture-of-experts feed-forward (every MoE layer alike), SwiGLU experts of three ``D x F`` matrices.
+
+    experts: the routed experts; top_k: those each token runs (``num_experts_per_tok``); hidden: a routed expert's
+    width ``F``; shared_hidden: the shared experts' width together (DeepSeek V3's ``n_shared_experts x F``,
+    Qwen's ``shared_expert_intermediate_size``; 0 without); shared_gate: the shared expert's sigmoid gate
+    (Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE: a ``D x 1`` linear). The router is one ``D x experts`` linear.
+    """
+
+    experts: int
+    top_k: int
+    hidden: int
+    shared_hidden: int = 0
+    shared_gate: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{self.experts} (the experts), got {self.top_k}")
+
+    def expert_params(self, dim: int) -> int:
+        """The routed experts' weights, ``3 D F x experts``: what expert parallelism shards."""
+        return 3 * dim * self.hidden * self.experts
+
+    def dense_params(self, dim: int) -> int:
+        """What every rank of an expert-parallel group holds alike: the router ``D x experts``, the shared experts
+        ``3 D F_shared`` and their gate."""
+        return dim * self.experts + 3 * dim * self.shared_hidden + dim * self.shared_gate
+
+    def params(self, dim: int) -> int:
+        """One MoE layer's feed-forward parameters (:meth:`expert_params` + :meth:`dense_params`)."""
+        return self.expert_params(dim) + self.dense_params(dim)
+
+    def active_params(self, dim: int) -> int:
+        """The parameters a token's matmuls run through: ``top_k`` routed experts, the shared ones, the router."""
+        return 3 * dim * self.hidden * self.top_k + self.dense_params(dim)
+
+    def routed_width(self) -> int:
+        """A token's routed experts' width together (``top_k x F``)."""
+        return self.top_k * self.hidden
+
+
 @dataclass
 class HFShapes(ModelArgs):
     """:class:`ModelArgs` with the shapes a Hugging Face config sets on its own: ``hf_head_dim``,
     ``hf_ffn`` (the MLP width, ``intermediate_size``), ``tied`` (head = embedding), ``q_gate`` (the attention's
-    output gate: ``q_proj`` twice as wide, :data:`GATED_ATTENTION`); a hybrid model's ``linear`` layers
+    output gate: ``q_proj`` twice as wide, :data:`GATED_ATTENTION`), ``qk_norm`` (:data:`QK_NORM`); ``mla``
+    (:class:`MLAShapes`), ``moe`` (:class:`MoEShapes`) at the layers ``moe_layers`` (the others dense); a hybrid model's ``linear`` layers
     (:class:`LinearShapes`) at the indices ``linear_layers`` (their letters in ``attention_pattern`` stand for
     nothing: the planner prices them as linear layers)."""
 
@@ -106,10 +191,35 @@ class HFShapes(ModelArgs):
     q_gate: bool = False
     linear: LinearShapes | None = None
     linear_layers: tuple[int, ...] = ()
+    qk_norm: bool = False
+    mla: MLAShapes | None = None
+    moe: MoEShapes | None = None
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def head_dim(self) -> int:
-        return self.hf_head_dim
+        """The query / key head dim (MLA's ``qk_nope + qk_rope``)."""
+        return self.mla.qk_head_dim if self.mla is not None else self.hf_head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        """A value head's dim (MLA's own; else the query's)."""
+        return self.mla.v_head_dim if self.mla is not None else self.head_dim
+
+    def ffn_params(self, layer_moe: bool) -> int:
+        """One layer's feed-forward parameters: a dense layer's ``3 D F``, an MoE layer's :meth:`MoEShapes.params`."""
+        return self.moe.params(self.dim) if layer_moe and self.moe is not None else 3 * self.dim * self.hf_ffn
+
+    def expert_params(self) -> int:
+        """Every MoE layer's routed experts' weights (what expert parallelism shards; 0 without experts)."""
+        return len(self.moe_layers) * self.moe.expert_params(self.dim) if self.moe is not None else 0
+
+    def active_params(self, include_embedding: bool = True) -> int:
+        """:meth:`num_params` with each MoE layer's experts as a token runs them (:meth:`MoEShapes.active_params`)."""
+        n = self.num_params(include_embedding)
+        if self.moe is None:
+            return n
+        return n - len(self.moe_layers) * (self.moe.params(self.dim) - self.moe.active_params(self.dim))
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -122,29 +232,40 @@ class HFShapes(ModelArgs):
 
     @property
     def attention_params(self) -> int:
-        """One attention layer's projections: q (and its gate), k, v, o."""
-        return self.dim * self.head_dim * (self.n_heads * (2 + self.q_gate) + self.kv_heads * 2)
+        """One attention layer's projections: q (and its gate), k, v, o; MLA's (:meth:`MLAShapes.params`)."""
+        if self.mla is not None:
+            return self.mla.params(self.dim, self.n_heads)
+        norms = 2 * self.head_dim * self.qk_norm
+        return self.dim * self.head_dim * (self.n_heads * (2 + self.q_gate) + self.kv_heads * 2) + norms
 
     def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count (one embedding when the head is tied to it)."""
-        d, f = self.dim, self.hf_ffn
+        """Parameter count (one embedding when the head is tied to it; every expert's weights)."""
+        d = self.dim
         attention = self.attention_params
         mixers = self.attention_layers * attention
         if self.linear is not None:
             mixers += len(self.linear_layers) * self.linear.params(d)
-        n = mixers + self.n_layers * (3 * d * f + 2 * d) + d + (0 if self.tied else d * self.vocab_size)
+        ffn = sum(self.ffn_params(i in self.moe_layers) for i in range(self.n_layers))
+        n = mixers + ffn + self.n_layers * 2 * d + d + (0 if self.tied else d * self.vocab_size)
         return n + (self.vocab_size * d if include_embedding else 0)
 
+    def pair_flops(self) -> int:
+        """Training FLOPs of one visible (query, key) pair in one head: ``QK^T`` and ``PV`` forward
+        (``2 E + 2 E_v``), twice that backward: ``6 (E + E_v)`` (``12 E`` where ``E_v = E``)."""
+        return 6 * (self.head_dim + self.v_head_dim)
+
     def num_flops_per_token(self, seq_len: int) -> int:
-        """:meth:`ModelArgs.num_flops_per_token` with ``QK^T`` and ``PV`` in the attention layers only."""
-        n = self.num_params(include_embedding=False)
-        return 6 * n + 12 * self.attention_layers * self.n_heads * self.head_dim * seq_len
+        """:meth:`ModelArgs.num_flops_per_token` with ``QK^T`` and ``PV`` in the attention layers only, the matmuls
+        of the parameters a token runs through (:meth:`active_params`)."""
+        n = self.active_params(include_embedding=False)
+        return 6 * n + self.attention_layers * self.n_heads * self.pair_flops() * seq_len
 
     def training_flops(self, num_tokens: int, attention_pairs: int) -> int:
         """:meth:`ModelArgs.training_flops` with the attention pairs in the attention layers only (a linear
-        layer's kernel is priced by the planner, :mod:`titan_cp.plan.linear`)."""
-        n = self.num_params(include_embedding=False)
-        return 6 * n * num_tokens + 12 * self.attention_layers * self.n_heads * self.head_dim * attention_pairs
+        layer's kernel is priced by the planner, :mod:`titan_cp.plan.linear`), a value head dim of its own and the
+        experts a token runs (:meth:`active_params`)."""
+        n = self.active_params(include_embedding=False)
+        return 6 * n * num_tokens + self.attention_layers * self.n_heads * self.pair_flops() * attention_pairs
 
 
 def _text_config(config: dict) -> dict:
@@ -219,20 +340,16 @@ def hf_model_args(folder: str) -> HFShapes:
         vocab = int(c["vocab_size"])
     except KeyError as e:
         raise ValueError(f"model.hf_assets_path = {folder!r}: config.json has no {e.args[0]!r}") from None
-    experts = c.get("num_local_experts") or c.get("num_experts")
-    if experts and int(experts) > 1:
-        raise ValueError(
-            f"model.hf_assets_path = {folder!r} is a mixture of experts (config.json {experts} experts): the "
-            "planner models dense MLPs only; plan a dense model of the same attention shapes instead"
-        )
     width = int(c.get("intermediate_size") or 4 * dim)
     letters, window, chunk, linear = _pattern(c, layers)
     where = f"model.hf_assets_path = {folder!r}"
+    mla = _mla_shapes(c)
+    moe, moe_layers = _moe_shapes(c, layers, width, where)
     return HFShapes(
         dim=dim,
         n_layers=layers,
         n_heads=heads,
-        n_kv_heads=int(c.get("num_key_value_heads") or heads),
+        n_kv_heads=heads if mla is not None else int(c.get("num_key_value_heads") or heads),
         vocab_size=vocab,
         max_seq_len=int(c.get("max_position_embeddings") or 131072),
         attention_pattern=letters,
@@ -244,6 +361,54 @@ def hf_model_args(folder: str) -> HFShapes:
         tied=bool(c.get("tie_word_embeddings", False)),
         name=f"hf:{c.get('model_type', '?')}",
         q_gate=c.get("model_type") in GATED_ATTENTION,
+        qk_norm=c.get("model_type") in QK_NORM,
         linear=_linear_shapes(c, dim, where) if linear else None,
         linear_layers=linear,
+        mla=mla,
+        moe=moe,
+        moe_layers=moe_layers,
     )
+
+
+def _mla_shapes(c: dict) -> MLAShapes | None:
+    """Multi-head latent attention's :class:`MLAShapes` (DeepSeek V3, Kimi K2: ``kv_lora_rank``), else ``None``."""
+    if not c.get("kv_lora_rank"):
+        return None
+    return MLAShapes(
+        int(c.get("q_lora_rank") or 0),
+        int(c["kv_lora_rank"]),
+        int(c.get("qk_nope_head_dim") or 128),
+        int(c.get("qk_rope_head_dim") or 64),
+        int(c.get("v_head_dim") or 128),
+    )
+
+
+def _moe_layers(c: dict, layers: int) -> tuple[int, ...]:
+    """The MoE layers' indices: after DeepSeek V3's ``first_k_dense_replace`` dense ones, every
+    ``moe_layer_freq``-th; Qwen's every ``decoder_sparse_step``-th but ``mlp_only_layers``; else every layer."""
+    if "first_k_dense_replace" in c or "n_routed_experts" in c:
+        first, every = int(c.get("first_k_dense_replace") or 0), int(c.get("moe_layer_freq") or 1)
+        return tuple(i for i in range(first, layers) if i % every == 0)
+    every, dense = int(c.get("decoder_sparse_step") or 1), set(c.get("mlp_only_layers") or ())
+    return tuple(i for i in range(layers) if i not in dense and (i + 1) % every == 0)
+
+
+def _moe_shapes(c: dict, layers: int, width: int, where: str) -> tuple[MoEShapes | None, tuple[int, ...]]:
+    """A mixture of experts' :class:`MoEShapes` and its layers' indices (``(None, ())`` for a dense model): the
+    routed experts (``n_routed_experts``, ``num_experts``, ``num_local_experts``), their width
+    (``moe_intermediate_size``; Mixtral's and gpt-oss's ``intermediate_size``), ``num_experts_per_tok``, the shared
+    experts (DeepSeek V3's ``n_shared_experts x moe_intermediate_size``, Qwen's ``shared_expert_intermediate_size``
+    and its gate)."""
+    experts = int(c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts") or 0)
+    if experts <= 1:
+        return None, ()
+    if not c.get("num_experts_per_tok"):
+        raise ValueError(
+            f"{where}: config.json has {experts} experts and no num_experts_per_tok: the planner needs the experts "
+            "each token runs"
+        )
+    hidden = int(c.get("moe_intermediate_size") or width)
+    shared = int(c.get("n_shared_experts") or 0) * hidden or int(c.get("shared_expert_intermediate_size") or 0)
+    gate = bool(c.get("shared_expert_intermediate_size"))
+    moe = MoEShapes(experts, int(c["num_experts_per_tok"]), hidden, shared, gate)
+    return moe, _moe_layers(c, layers)

@@ -149,7 +149,9 @@ def launch_lines(e: Estimate, ngpu: int, nnodes: int, config_file: str | None) -
 
 def row(r: dict) -> str:
     """One table row of a record."""
-    mesh = f"pp{r['pp']} rep{r['dp_replicate']} fsdp{r['dp_shard']} cp{r['cp']} tp{r['tp']}"
+    mesh = f"pp{r['pp']} rep{r['dp_replicate']} fsdp{r['dp_shard']} cp{r['cp']} tp{r['tp']}" + (
+        f" ep{r['ep']}" if r["ep"] > 1 else ""
+    )
     takes = r["cp"] > 1 and get_strategy(r["strategy"]).takes_ulysses_degree()
     strat = r["strategy"] + (f"(u{r['ulysses_degree']})" if takes else "")
     ratio = r["ring_compute_over_transfer"]
@@ -285,7 +287,7 @@ def max_seq_line(n: int, e: Estimate, practical: bool) -> str:
     """The human-readable line of ``--max-seq``: the length, its mesh, its step time and throughput, and
     plainly when that step is impractical (over :data:`PRACTICAL_STEP_SECONDS`)."""
     c, step = e.candidate, e.cost.step
-    mesh = f"pp{c.pp} rep{c.dp_replicate} fsdp{c.dp_shard} cp{c.cp} tp{c.tp}"
+    mesh = f"pp{c.pp} rep{c.dp_replicate} fsdp{c.dp_shard} cp{c.cp} tp{c.tp}" + (f" ep{c.ep}" if c.ep > 1 else "")
     strat = c.strategy + (f"(u{c.ulysses})" if _takes_ulysses(e) else "") if c.cp > 1 else "no CP"
     if c.cp > 1 and e.cost.schedule != c.strategy:
         strat += f" (the {e.cost.schedule} schedule)"

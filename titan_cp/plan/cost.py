@@ -17,6 +17,10 @@ straggler rank of the largest pipeline stage:
   straggler's pieces, its convolution and gated norm, the kernel work CP adds (Gated DeltaNet's later
   pieces at ``d_k`` more columns, Mamba2's summaries), and its exchange (the summaries and the convolution's halos), exposed whole (``cp_linear``); the attention
   above counts the attention layers only.
+- **experts** (:mod:`titan_cp.plan.moe`): the matmuls count the experts a token runs; with expert parallelism
+  each MoE layer's token dispatch and combine (``ep``, :func:`expert_transfers`), exposed whole, and FSDP
+  gathering a block's experts over ``efsdp = dp_shard x cp x tp / ep`` ranks, ``1 / ep`` of them each.
+  Multi-head latent attention's kernel runs at ``max(E, E_v)`` (V padded), its bytes at V's own size.
 - **ring exposure** (:class:`RingExposure`): per ring step, the transfer that must arrive
   during the step against the step's compute (``exposed = max(0, transfer - compute)``), for
   the way the ring runs (:class:`RingImpl`). Collectives the attention waits for (all-gather,
@@ -39,6 +43,7 @@ from titan_cp.attention.tiling import CAUSAL, causal_counts, zigzag_counts
 from titan_cp.families.llama3.model import ModelArgs
 from titan_cp.layout import DEFAULT_BALANCE, SequenceLayout, get_layout
 from titan_cp.plan import linear as lin
+from titan_cp.plan import moe as mx
 from titan_cp.plan.devices import Device
 from titan_cp.plan.kernels import BWD_FLOPS_PER_PAIR_DIM, FWD_FLOPS_PER_PAIR_DIM
 from titan_cp.plan.memory import (
@@ -258,7 +263,16 @@ def cp_bytes_per_rank(
         return 0
     layout = None if doc_rows is None else get_layout(seq_len, cp, balance, [list(r) for r in doc_rows])
     call = AttentionCall(
-        cp, args.n_heads // tp, args.kv_heads // tp, args.head_dim, ulysses, rows, seq_len // cp, act_bytes, layout
+        cp,
+        args.n_heads // tp,
+        args.kv_heads // tp,
+        args.head_dim,
+        ulysses,
+        rows,
+        seq_len // cp,
+        act_bytes,
+        layout,
+        v_head_dim=mx.v_head_dim(args),
     )
     cost = cost_of(strategy)
     per = cost.min_bytes(call, True, rank)
@@ -317,8 +331,18 @@ class Setting:
         (the documents: :attr:`layout`'s)."""
         h, k, _ = self.m.heads
         local = self.w.seq_len // self.c.cp
+        a = self.w.args
         return AttentionCall(
-            self.c.cp, h, k, self.w.args.head_dim, self.c.ulysses, self.rows, local, self.w.act_bytes, self.layout
+            self.c.cp,
+            h,
+            k,
+            a.head_dim,
+            self.c.ulysses,
+            self.rows,
+            local,
+            self.w.act_bytes,
+            self.layout,
+            v_head_dim=mx.v_head_dim(a),
         )
 
     @property
@@ -330,10 +354,10 @@ class Setting:
 
 def dense_seconds(s: Setting) -> float:
     """The stage's matmuls on one microbatch: ``2 x params`` FLOPs per token forward, twice that backward,
-    the forward again for checkpointed blocks (the embedding is a lookup, not a matmul), and with tiles the
-    feed-forward's once more."""
+    the forward again for checkpointed blocks (the embedding is a lookup, not a matmul; an MoE block's params
+    those a token runs), and with tiles the feed-forward's once more."""
     args, tp = s.w.args, s.c.tp
-    blocks = stage_layer_params(args, tp, s.stage)
+    blocks = stage_layer_params(args, tp, s.stage, active=True)
     matmul_params = blocks + (args.vocab_size * args.dim // tp) * s.stage.last
     flops = 2 * s.tokens * (3 * matmul_params + s.m.recomputed(s.stage.layers) * blocks / max(1, s.stage.layers))
     if s.w.host.tile_tokens:  # each tile's feed-forward runs once more, in its own backward
@@ -352,7 +376,7 @@ def _heads(s: Setting) -> tuple[int, int]:
 def _ring_steps(s: Setting, work: AttentionWork) -> tuple[list[float], list[float]]:
     """Compute seconds of each ring step of one layer and microbatch, forward and backward:
     the kernel calls at the measured rates and the step's merge traffic at HBM bandwidth."""
-    impl, e = s.stack.ring, s.w.args.head_dim
+    impl, e = s.stack.ring, mx.kernel_head_dim(s.w.args)
     heads, kv_heads = _heads(s)
     tokens = s.tokens * s.c.ulysses_size  # a Ulysses group attends the union of its members' shards
     merges = len(work.steps) > 1
@@ -442,7 +466,7 @@ def collective_transfers(s: Setting, dense: float, compute_step: float) -> dict[
     f, a = c.fsdp, w.act_bytes
     if f > 1:  # gathered for the forward and again for the backward, unless kept gathered
         gathers = 2 if (w.reshard and c.pp == 1) else 1
-        nbytes = int(params * (a * gathers + FP32) * (f - 1) / f)
+        nbytes = int(fsdp_gathered(s, params) * (a * gathers + FP32))
         link = dev.link(c.span("dp_shard"))
         out["fsdp"] = Transfer(nbytes, link, max(0.0, dev.seconds(nbytes, link) - compute_step), False)
     if c.dp_replicate > 1:
@@ -460,6 +484,31 @@ def collective_transfers(s: Setting, dense: float, compute_step: float) -> dict[
         link = dev.link(c.span("pp"))
         out["pp"] = Transfer(nbytes, link, dev.seconds(nbytes, link))
     return out
+
+
+def fsdp_gathered(s: Setting, params: int) -> float:
+    """Parameters of the stage (``params`` on one TP rank) one rank receives when FSDP gathers them all once: the
+    others' shards, ``(F - 1) / F``; with expert parallelism the routed experts are the rank's ``1 / ep`` of them,
+    gathered over ``efsdp = F tp / ep`` ranks (:mod:`titan_cp.plan.moe`)."""
+    c, f = s.c, s.c.fsdp
+    if c.ep == 1:
+        return params * (f - 1) / f
+    experts = mx.stage_expert_params(s.w.args, s.stage.layers, s.stage.first, s.stage.last)
+    efsdp = f * c.tp // c.ep
+    dense = params - experts // c.tp
+    return dense * (f - 1) / f + experts / (c.tp * c.ep) * (efsdp - 1) / efsdp
+
+
+def expert_transfers(s: Setting) -> dict[str, Transfer]:
+    """Expert parallelism's token dispatch and combine of the stage's MoE layers on one microbatch
+    (:func:`~titan_cp.plan.moe.all_to_all_bytes`), exposed whole, on the link of ``ep`` consecutive ranks."""
+    c, w = s.c, s.w
+    layers = mx.stage_moe_layers(w.args, s.stage.layers, s.stage.first, s.stage.last)
+    nbytes = mx.all_to_all_bytes(w.args, s.tokens, c.ep, w.act_bytes, layers, s.forward_passes)
+    if not nbytes:
+        return {}
+    link = s.dev.link(c.ep)
+    return {"ep": Transfer(nbytes, link, s.dev.seconds(nbytes, link))}
 
 
 # host <-> GPU bytes/s per GPU and direction: PCIe Gen5 x16 (H100, H200 SXM), NVLink-C2C (GH200)
@@ -501,7 +550,7 @@ def attention_floor(s: Setting, pairs: int) -> float:
     share of the ``pairs`` of every local row (``1 / cp`` of them, times the local query heads) at the
     kernel's fastest rate, forward passes and backward, no merge (:func:`_ring_steps` counts the slowest
     rank's pairs of each step at the rate of its length, and the merges)."""
-    share = pairs / s.microbatches * s.m.heads[0] / s.c.cp * s.w.args.head_dim
+    share = pairs / s.microbatches * s.m.heads[0] / s.c.cp * mx.kernel_head_dim(s.w.args)
     rates = s.dev.attention
     return s.forward_passes * FWD_FLOPS_PER_PAIR_DIM * share / rates.peak(False) + (
         BWD_FLOPS_PER_PAIR_DIM * share / rates.peak(True)
@@ -532,6 +581,7 @@ def step_lower_bound(s: Setting, pairs: int) -> float:
     compute = Compute(dense, attention_layers * attention_floor(s, pairs), linear_layers * linear_floor(s))
     transfers = collective_transfers(s, dense, compute.total * s.microbatches)
     transfers.update(host_transfers(s, compute.total))
+    transfers.update(expert_transfers(s))
     bubble = pipeline(s.w.schedule, s.microbatches, s.c.pp).bubble
     return Cost(compute, transfers, None, s.microbatches, bubble, s.w.accum).step
 
@@ -545,5 +595,6 @@ def step_cost(s: Setting) -> Cost:
     compute = Compute(dense, attention, linear)
     transfers.update(collective_transfers(s, dense, compute.total * s.microbatches))
     transfers.update(host_transfers(s, compute.total))
+    transfers.update(expert_transfers(s))
     bubble = pipeline(s.w.schedule, s.microbatches, s.c.pp).bubble
     return Cost(compute, transfers, ring, s.microbatches, bubble, s.w.accum, s.schedule)

@@ -91,12 +91,17 @@ def linear_shapes(args: ModelArgs) -> tuple[LinearShapes | None, tuple[int, ...]
 
 
 def stage_linear_layers(args: ModelArgs, layers: int, first: bool, last: bool) -> int:
-    """How many of a pipeline stage's ``layers`` are linear: the stage's first layers when it is the first
-    stage, its last ones when the last (all of them without a pipeline)."""
-    _, ids = linear_shapes(args)
+    """How many of a pipeline stage's ``layers`` are linear (:func:`layers_in_stage`)."""
+    return layers_in_stage(linear_shapes(args)[1], args.n_layers, layers, first, last)
+
+
+def layers_in_stage(ids: tuple[int, ...], n_layers: int, layers: int, first: bool, last: bool) -> int:
+    """How many of the layers ``ids`` (of ``n_layers``) are among a pipeline stage's ``layers``: the model's first
+    layers when it is the first stage, its last ones when the last (all of them without a pipeline), else in
+    proportion."""
     if first:
         return sum(i < layers for i in ids)
-    return sum(i >= args.n_layers - layers for i in ids) if last else round(len(ids) * layers / args.n_layers)
+    return sum(i >= n_layers - layers for i in ids) if last else round(len(ids) * layers / n_layers)
 
 
 # ---------------------------------------------------------------------------- the kernel

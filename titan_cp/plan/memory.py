@@ -45,6 +45,14 @@ A hybrid model's linear-attention block (:mod:`titan_cp.plan.linear`) saves its 
 an attention block does, and its mixer's figure in place of ``wq``'s input and the attention's: per token
 (:func:`~titan_cp.plan.linear.saved_per_token`), plus what the rank keeping the most keeps beyond it (its
 later tokens' wider copies and its states, :func:`linear_extra_bytes`): never a function of ``tokens^2``.
+
+Multi-head latent attention and experts (:mod:`titan_cp.plan.moe`): an MLA block's attention is priced at its
+value head dim of its own (:attr:`RankModel.attention_call`) and saves its low-rank projections' norms and inputs
+besides (:func:`~titan_cp.plan.moe.mla_saved_per_token`); an MoE layer's feed-forward saves
+:func:`~titan_cp.plan.moe.moe_saved_per_token` in place of a dense one's, holds every expert (``params``,
+``optimizer`` over ``F``, as FSDP shards them with or without expert parallelism), and FSDP gathers a block's
+experts' ``1 / ep`` (:func:`layer_params`); with ``ep > 1`` the token exchange's buffer (the ``k`` copies of
+the local tokens received beside those sent) is ``k T D a`` among ``comm_buffers`` (:func:`a2a_buffer_bytes`).
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ from titan_cp.integrations.hf_shapes import HFShapes
 from titan_cp.loss import LOSS_CHUNK_BYTES
 from titan_cp.parallel.pp import layers_per_stage
 from titan_cp.plan import linear as lin
+from titan_cp.plan import moe as mx
 
 FP32 = 4
 INT64 = 8
@@ -103,6 +112,7 @@ class RankModel:
     fused_norm: bool = False  # RMSNorm as the GPU's fused kernel (:func:`norm_saved_per_token`)
     documents: bool = True  # several documents a row (what Ulysses and hybrid keep depends on it)
     linear_work: lin.LinearWork | None = None  # a hybrid's linear layers on the rank that keeps the most
+    ep: int = 1  # expert parallelism (torchtitan's): the routed experts split over ep ranks
 
     @property
     def attention(self) -> Strategy:
@@ -116,8 +126,18 @@ class RankModel:
     def attention_call(self, tokens: int = 1) -> AttentionCall:
         """One layer's attention call on this rank, over ``tokens`` local tokens, as its cost object prices it."""
         h, k, _ = self.heads
+        a = self.args
         return AttentionCall(
-            self.cp, h, k, self.args.head_dim, self.ulysses, 1, tokens, self.act_bytes, documents=self.documents
+            self.cp,
+            h,
+            k,
+            a.head_dim,
+            self.ulysses,
+            1,
+            tokens,
+            self.act_bytes,
+            documents=self.documents,
+            v_head_dim=mx.v_head_dim(a),
         )
 
     def checkpointed(self, layers: int) -> int:
@@ -185,11 +205,33 @@ def norm_saved_per_token(m: RankModel) -> float:
 
 
 def block_saved_per_token(m: RankModel) -> float:
-    """Bytes one block saves per local token without checkpointing (module docstring)."""
+    """Bytes one block saves per local token without checkpointing (module docstring), a dense feed-forward's."""
     a, d = m.act_bytes, m.args.dim
     norm = norm_saved_per_token(m)
     attn = m.cost.saved_bytes_per_token(m.attention_call())
+    mla = mx.mla_shapes(m.args)
+    if mla is not None:
+        attn += mx.mla_saved_per_token(mla, m.heads[0], a, m.fused_norm)
     return norm + a * d + attn + ffn_saved_per_token(m) + norm
+
+
+def moe_delta_saved_per_token(m: RankModel) -> float:
+    """What an MoE layer's feed-forward saves per local token beyond a dense one's (0 for a dense model)."""
+    moe, _ = mx.moe_shapes(m.args)
+    if moe is None:
+        return 0.0
+    return mx.moe_saved_per_token(moe, m.args.dim, m.act_bytes, m.tp) - ffn_saved_per_token(m)
+
+
+def largest_block_saved_per_token(m: RankModel) -> float:
+    """:func:`block_saved_per_token` of the block that saves the most (an MoE block's where it saves more)."""
+    return block_saved_per_token(m) + max(0.0, moe_delta_saved_per_token(m))
+
+
+def stage_moe_blocks(m: RankModel, stage: Stage, count: int) -> int:
+    """MoE blocks among ``count`` of ``stage``'s (in proportion, as :func:`stage_blocks`)."""
+    moe = mx.stage_moe_layers(m.args, stage.layers, stage.first, stage.last)
+    return round(moe * count / stage.layers) if stage.layers else 0
 
 
 def linear_block_saved_per_token(m: RankModel) -> float:
@@ -220,7 +262,8 @@ def stage_blocks(m: RankModel, stage: Stage, count: int) -> tuple[int, int]:
 def blocks_saved_per_token(m: RankModel, stage: Stage, count: int) -> float:
     """Per-token bytes of ``count`` of ``stage``'s blocks, uncheckpointed (:func:`stage_blocks`)."""
     attention, linear = stage_blocks(m, stage, count)
-    return block_saved_per_token(m) * attention + (linear_block_saved_per_token(m) * linear if linear else 0.0)
+    per = block_saved_per_token(m) * attention + (linear_block_saved_per_token(m) * linear if linear else 0.0)
+    return per + moe_delta_saved_per_token(m) * stage_moe_blocks(m, stage, count)
 
 
 def recomputed_linear_block(m: RankModel, tokens: int) -> float:
@@ -338,15 +381,20 @@ def linear_layer_params(args: ModelArgs, tp: int) -> int:
     return (shapes.params(args.dim) + 3 * args.dim * args.ffn_hidden_dim) // tp + 2 * args.dim
 
 
-def layer_params(args: ModelArgs, tp: int) -> int:
-    """Parameters of the largest block on one TP rank."""
-    return max(attention_layer_params(args, tp), linear_layer_params(args, tp))
+def layer_params(args: ModelArgs, tp: int, ep: int = 1) -> int:
+    """Parameters of the largest block on one TP rank, as FSDP gathers it (an MoE block's experts: the rank's
+    ``1 / ep`` of them, :func:`~titan_cp.plan.moe.gathered_layer_params`)."""
+    largest = max(attention_layer_params(args, tp), linear_layer_params(args, tp))
+    return largest + (max(0, mx.gathered_layer_params(args, tp, ep)) if mx.moe_shapes(args)[1] else 0)
 
 
-def stage_layer_params(args: ModelArgs, tp: int, stage: Stage) -> int:
-    """Parameters of ``stage``'s blocks on one TP rank (a hybrid's linear blocks counted as theirs)."""
+def stage_layer_params(args: ModelArgs, tp: int, stage: Stage, active: bool = False) -> int:
+    """Parameters of ``stage``'s blocks on one TP rank (a hybrid's linear blocks counted as theirs, an MoE
+    block's every expert; ``active``: the experts a token runs, :meth:`~titan_cp.integrations.hf_shapes.MoEShapes.active_params`)."""
     linear = lin.stage_linear_layers(args, stage.layers, stage.first, stage.last)
-    return (stage.layers - linear) * attention_layer_params(args, tp) + linear * linear_layer_params(args, tp)
+    blocks = (stage.layers - linear) * attention_layer_params(args, tp) + linear * linear_layer_params(args, tp)
+    moe = mx.stage_moe_layers(args, stage.layers, stage.first, stage.last)
+    return blocks + moe * mx.ffn_delta(args, active) // tp
 
 
 def stage_param_count(args: ModelArgs, tp: int, stage: Stage) -> int:
@@ -401,7 +449,7 @@ def step_peak(
     """
     saved = stage_saved_bytes(m, stage, local_tokens, docs_per_row, rows)
     tokens = local_tokens * rows
-    layer_grad = FP32 * layer_params(m.args, m.tp) // grad_shards
+    layer_grad = FP32 * layer_params(m.args, m.tp, m.ep) // grad_shards
     emb_grad = FP32 * m.args.vocab_size * m.args.dim // m.tp // grad_shards
     all_grads = FP32 * stage_param_count(m.args, m.tp, stage) // grad_shards
     others = (in_flight - 1) * saved
@@ -411,7 +459,7 @@ def step_peak(
     # a unit of k > 1 blocks recomputes its k block inputs, then one block's internals at a time (units.py;
     # measured by tools/full_step: k inputs beside the stored one, not k - 1)
     inputs = min(k, max(full, 1))
-    block = max(block_saved_per_token(m) * tokens, recomputed_linear_block(m, tokens))
+    block = max(largest_block_saved_per_token(m) * tokens, recomputed_linear_block(m, tokens))
     recompute = int(block + m.act_bytes * m.args.dim / m.tp * (inputs if inputs > 1 else 0) * tokens) if full else 0
     recompute += tile_transient_bytes(m, tokens)
     first_grads = held + (layer_grad if grads_held else layer_grad + emb_grad * stage.last)
@@ -510,7 +558,7 @@ def rank_memory(
     """One rank's peak on ``stage`` with microbatches of ``rows`` rows of ``local_tokens`` tokens."""
     params = stage_param_count(m.args, m.tp, stage)
     f = sharding.fsdp
-    layer = layer_params(m.args, m.tp)
+    layer = layer_params(m.args, m.tp, m.ep)
     if f == 1:
         buffers, grad_shards = 0, 1
     elif sharding.pipelined:  # gathered weights kept, gradients accumulated unsharded in fp32
@@ -519,12 +567,22 @@ def rank_memory(
         buffers, grad_shards = 2 * m.act_bytes * layer + FP32 * layer, f
     else:
         buffers, grad_shards = m.act_bytes * params + FP32 * layer, f
-    buffers += m.cost.buffer_bytes(m.attention_call(local_tokens * rows))
+    buffers += m.cost.buffer_bytes(m.attention_call(local_tokens * rows)) + a2a_buffer_bytes(m, local_tokens * rows)
     step = step_peak(m, stage, local_tokens, docs_per_row, rows, grad_shards, in_flight, grads_held)
     host = host_bytes(m, stage, local_tokens * rows, in_flight, params, f)
     if m.host.fsdp_offload and f > 1:  # shards, gradients and AdamW on the host; a block's gradient in buffers
         return RankMemory(0, 0, buffers, dataclasses.replace(step, gradients=0), host)
     return RankMemory(FP32 * params // f, 2 * FP32 * params // f, buffers, step, host)
+
+
+def a2a_buffer_bytes(m: RankModel, tokens: int) -> int:
+    """Expert parallelism's token exchange of one MoE layer: the ``k`` copies of ``tokens`` local tokens received
+    for the rank's experts beside the permuted copy sent (which the routed experts save), ``k T D a`` (0 without
+    EP or experts)."""
+    moe, _ = mx.moe_shapes(m.args)
+    if moe is None or m.ep == 1:
+        return 0
+    return moe.top_k * tokens * m.args.dim * m.act_bytes
 
 
 def host_bytes(m: RankModel, stage: Stage, tokens: int, in_flight: int, params: int, fsdp: int) -> int:

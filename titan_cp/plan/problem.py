@@ -17,7 +17,9 @@ from titan_cp.plan.memory import HostOptions, RankModel
 
 @dataclass(frozen=True)
 class Candidate:
-    """One mesh ``pp x dp_replicate x dp_shard x cp x tp`` and the CP strategy on its ``cp`` axis."""
+    """One mesh ``pp x dp_replicate x dp_shard x cp x tp`` and the CP strategy on its ``cp`` axis; ``ep``: expert
+    parallelism's degree (torchtitan's), over ``ep`` consecutive ranks of ``dp_shard x cp x tp``
+    (:mod:`titan_cp.plan.moe`)."""
 
     strategy: str
     dp_shard: int
@@ -26,6 +28,7 @@ class Candidate:
     tp: int
     pp: int
     ulysses: int = 1  # the hybrid strategy's Ulysses degree
+    ep: int = 1
 
     @property
     def attention(self) -> Strategy:
@@ -62,6 +65,7 @@ class Candidate:
             "dp_shard": self.dp_shard,
             "cp": self.cp,
             "tp": self.tp,
+            "ep": self.ep,
         }
 
     def span(self, axis: str) -> int:
@@ -122,6 +126,7 @@ class Workload:
             self.fused_norm,
             self.docs_per_row > 1,
             self.linear_work(c.cp, c.pp),
+            c.ep,
         )
 
     def linear_works(self, cp: int, pp: int) -> tuple[lin.LinearWork, ...]:

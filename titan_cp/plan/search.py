@@ -30,6 +30,7 @@ from titan_cp.errors import plural
 from titan_cp.families import get_family
 from titan_cp.families.llama3.model import ModelArgs
 from titan_cp.layout import get_layout
+from titan_cp.plan import moe as mx
 from titan_cp.plan.checks import Keys, TrainerChecks, with_keys
 from titan_cp.plan.cost import Cost, Setting, Stack, attention_work, causal_pairs, step_cost, step_lower_bound
 from titan_cp.plan.devices import GB, HEADROOM, Device, device, node_count
@@ -83,20 +84,29 @@ def meshes(ngpu: int, nnodes: int) -> Iterator[Candidate]:
 
 
 def candidates(
-    checks: TrainerChecks, w: Workload, ngpu: int, nnodes: int, runs: Callable[[Candidate], bool]
+    checks: TrainerChecks,
+    w: Workload,
+    ngpu: int,
+    nnodes: int,
+    runs: Callable[[Candidate], bool],
+    expert_parallel: bool = False,
 ) -> list[Candidate]:
     """Every mesh (:func:`meshes`) and CP strategy (:func:`strategies_for`) the trainer runs with ``w``'s
-    options, as ``checks`` says, and ``runs`` (a given model's trainer) takes. A mesh is checked with the
-    ring, which splits no heads, before its other strategies: one the trainer refuses then has none."""
+    options, as ``checks`` says, and ``runs`` (a given model's trainer) takes; with ``expert_parallel`` (a trainer
+    that runs torchtitan's EP) each of them at every expert-parallel degree of a model with experts
+    (:func:`~titan_cp.plan.moe.ep_degrees`). A mesh is checked with the ring, which splits no heads, before its
+    other strategies: one the trainer refuses then has none."""
     out = []
     for mesh in meshes(ngpu, nnodes):
         if not (runs(mesh) and checks.runs(mesh, w)):
             continue
         heads, kv_heads = w.args.n_heads // mesh.tp, w.args.kv_heads // mesh.tp
+        eps = mx.ep_degrees(w.args, mesh.dp_shard, mesh.cp, mesh.tp) if expert_parallel else [1]
         for strategy, u in strategies_for(mesh.cp, heads, kv_heads):
-            c = dataclasses.replace(mesh, strategy=strategy, ulysses=u)
-            if c == mesh or (runs(c) and checks.runs(c, w)):
-                out.append(c)
+            for ep in eps:
+                c = dataclasses.replace(mesh, strategy=strategy, ulysses=u, ep=ep)
+                if c == mesh or (runs(c) and checks.runs(c, w)):
+                    out.append(c)
     return out
 
 
@@ -251,7 +261,7 @@ class PlanResult:
         want, c = self.context.configured, e.candidate
         if want is None:
             return False
-        same = all(getattr(c, k) == getattr(want, k) for k in ("pp", "dp_replicate", "cp", "tp"))
+        same = all(getattr(c, k) == getattr(want, k) for k in ("pp", "dp_replicate", "cp", "tp", "ep"))
         return same and (c.cp == 1 or (c.strategy, c.ulysses) == (want.strategy, want.ulysses))
 
 
@@ -367,13 +377,16 @@ class GivenModel:
     config function's (:mod:`titan_cp.plan.torchtitan`). ``shapes`` as a family's ``planner_args``,
     ``label`` its name in the plan, ``runs`` the candidates its trainer runs, ``escalation`` how many
     options of :data:`ESCALATION` it has (the first: full activation checkpointing), ``nothing_fits`` the
-    reason printed when none fits."""
+    reason printed when none fits, ``expert_parallel`` whether its trainer runs expert parallelism (its plans
+    then take each EP degree, :func:`candidates`; ``ep`` the configured one)."""
 
     shapes: ModelArgs
     label: str
     runs: Callable[[Candidate], bool] = _any_candidate
     escalation: int = len(ESCALATION)
     nothing_fits: str = NOTHING_FITS
+    expert_parallel: bool = False
+    ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -411,7 +424,8 @@ def _setup(
     w, _ = workload_of(job_config, gpu, doc_mix, seed, host_gb, given)
     label = given.label if given is not None else get_family(job_config.model.name).plan_label(job_config, w.args)
     checks = TrainerChecks(job_config, ngpu, w.args, label, w, family=given is None)
-    cands = candidates(checks, w, ngpu, nnodes, given.runs if given is not None else _any_candidate)
+    runs, ep = (given.runs, given.expert_parallel) if given is not None else (_any_candidate, False)
+    cands = candidates(checks, w, ngpu, nnodes, runs, ep)
     if not cands:
         raise ValueError(
             f"no mesh of {plural(ngpu, 'GPU')} passes the trainer's checks; most often: {checks.most_refused()}"
@@ -521,6 +535,7 @@ def plan(
         p.tensor_parallel_degree,
         p.pipeline_parallel_degree,
         p.context_parallel_ulysses_degree if takes else 1,
+        given.ep if given is not None else 1,
     )
     context = Context(gpu, ngpu, s.nnodes, doc_mix, w.ac, s.checks.label, p.context_parallel_load_balancer, configured)
     why = reason(ranked[0], given.nothing_fits if given is not None else NOTHING_FITS)

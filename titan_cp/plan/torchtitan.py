@@ -4,7 +4,9 @@ The config function's ``Trainer.Config`` (:mod:`titan_cp.integrations.torchtitan
 planned as a torchtitan 0.2 TOML is: its training, parallelism, activation checkpointing and
 ``titan_cp`` section become the config keys of the plan (``load_config``), and its model's shapes
 the :class:`~titan_cp.plan.search.GivenModel`. What differs is what torchtitan's Trainer runs with
-titan_cp's CP: its strategies (hybrid on torchtitan's cp axis split in two), no pipeline meshes (not run yet), and of the
+titan_cp's CP: its strategies (hybrid on torchtitan's cp axis split in two), no pipeline meshes (not run yet), its
+expert parallelism for a model with experts (each degree torchtitan takes, :func:`~titan_cp.plan.moe.ep_degrees`;
+without TP beside experts or MLA, which titan_cp's CP has not run under torchtitan yet), and of the
 options the planner turns on when nothing fits, full activation checkpointing alone (the others are
 titan_cp's own trainer's). The recommended plan's command is torchtitan's own launcher with its flags.
 """
@@ -61,11 +63,15 @@ def read(module: str, config: str, args: list[str]) -> TorchtitanPlan:
 
     run = planning.read_run(module, config, args)
 
-    def runs(c: Candidate) -> bool:  # a hybrid's Gated DeltaNet layers do not run under torchtitan's TP yet
-        pipeline, linear = c.pp == 1 or planning.BUILDS_PIPELINE, c.tp == 1 or run.shapes.linear is None
-        return pipeline and linear and (c.cp == 1 or planning.runs_strategy(c.strategy))
+    shapes = run.shapes
+    tp_runs = shapes.linear is None and shapes.mla is None and shapes.moe is None
 
-    given = GivenModel(run.shapes, run.label, runs, escalation=1, nothing_fits=NOTHING_FITS)
+    def runs(c: Candidate) -> bool:  # Gated DeltaNet, MLA and experts not run under torchtitan's TP with titan_cp's CP
+        pipeline = c.pp == 1 or planning.BUILDS_PIPELINE
+        return pipeline and (c.tp == 1 or tp_runs) and (c.cp == 1 or planning.runs_strategy(c.strategy))
+
+    experts = shapes.moe is not None
+    given = GivenModel(shapes, run.label, runs, 1, NOTHING_FITS, experts, run.ep if experts else 1)
     return TorchtitanPlan(load_config(list(run.keys), warn_adjustments=False), given, run)
 
 
@@ -78,6 +84,8 @@ def flags(e: Estimate, run: PlannedRun) -> str:
         f"--parallelism.data_parallel_shard_degree {c.dp_shard} --parallelism.context_parallel_degree {c.cp} "
         f"--parallelism.tensor_parallel_degree {c.tp} --parallelism.pipeline_parallel_degree {c.pp}"
     )
+    if run.shapes.moe is not None:
+        out += f" --parallelism.expert_parallel_degree {c.ep}"
     if c.cp > 1:
         out += f" --titan_cp.strategy {c.strategy}"
         if c.attention.takes_ulysses_degree():

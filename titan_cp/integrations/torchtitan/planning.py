@@ -6,9 +6,10 @@ name that is not there), and :func:`read_run` builds its ``Trainer.Config`` with
 command line (``--training.seq_len 65536``, ``--titan_cp.strategy ulysses``) and reads what the
 planner plans (:class:`PlannedRun`):
 
-- the model's shapes from its ``model_spec.model`` (torchtitan's Llama 3 / Qwen3 ``Decoder``: ``dim``,
-  the layers, query and KV heads, head size, feed-forward width, vocabulary, weight tying), as
-  :class:`TorchtitanShapes`; a mixture of experts, or layers of different shapes, is refused;
+- the model's shapes from its ``model_spec.model`` (torchtitan's Llama 3 / Qwen3 / Qwen3.5 / DeepSeek V3
+  ``Decoder``: ``dim``, the layers, query and KV heads, head size, q/k norms, feed-forward width, vocabulary,
+  weight tying; DeepSeek V3's multi-head latent attention; the MoE layers' experts), as
+  :class:`TorchtitanShapes`; layers of a kind that differ in shape are refused;
 - ``training.seq_len``, ``local_batch_size``, ``global_batch_size``, ``mixed_precision_param``,
   ``enable_cpu_offload``; the parallelism degrees and pipeline settings it sets; its activation
   checkpointing (``SelectiveAC`` is op-level, ``FullAC`` full, ``None`` none, ``MemoryBudgetAC``
@@ -35,7 +36,7 @@ from torchtitan.trainer import Trainer
 
 from titan_cp.attention.strategy import get_strategy
 from titan_cp.errors import did_you_mean
-from titan_cp.integrations.hf_shapes import LINEAR_KINDS, HFShapes, LinearShapes
+from titan_cp.integrations.hf_shapes import LINEAR_KINDS, HFShapes, LinearShapes, MLAShapes, MoEShapes
 
 BUILDS_PIPELINE = False
 """Whether titan_cp's CP runs under torchtitan's pipeline parallelism (not run yet: no pipeline meshes planned)."""
@@ -52,7 +53,7 @@ class PlannedRun:
     """A torchtitan run as the planner takes it: ``module`` and ``config`` (as given, for the launch line),
     the model's ``shapes``, its ``label`` in the plan (``torchtitan:<model>/<flavor>``), ``keys`` (titan_cp
     config keys of its training, parallelism, activation checkpointing and titan_cp section) and its
-    activation checkpointing as titan_cp's ``activation_checkpoint.mode`` (``ac``)."""
+    activation checkpointing as titan_cp's ``activation_checkpoint.mode`` (``ac``), its expert-parallel degree (``ep``)."""
 
     module: str
     config: str
@@ -60,6 +61,7 @@ class PlannedRun:
     label: str
     keys: tuple[str, ...]
     ac: str
+    ep: int = 1
 
 
 def runs_strategy(name: str) -> bool:
@@ -160,7 +162,8 @@ def read_run(module: str, name: str, args: list[str]) -> PlannedRun:
         raise ValueError(f"--config {name!r} of {module} sets no model_spec: the planner plans its model")
     shapes = model_shapes(spec.model, f"--config {name!r}", f"torchtitan:{spec.name}/{spec.flavor}")
     ac = _ac_mode(config.activation_checkpoint)
-    return PlannedRun(module, name, shapes, shapes.name, tuple(_keys(config, section, ac)), ac)
+    keys = tuple(_keys(config, section, ac))
+    return PlannedRun(module, name, shapes, shapes.name, keys, ac, config.parallelism.expert_parallel_degree)
 
 
 def _ac_mode(ac: Any) -> str:
@@ -199,23 +202,28 @@ def _keys(config: Any, section: Any, ac: str) -> list[str]:
 
 def model_shapes(model: Any, what: str, label: str = "torchtitan") -> TorchtitanShapes:
     """The planner's shapes of torchtitan's model config ``model`` (a ``Decoder.Config``: Llama 3,
-    Qwen3, Qwen3.5), named ``label`` in the plan; ``what`` names it in errors. Every attention layer must be a
-    dense GQA block (Qwen3.5's gated one too) of the same shapes, every Gated DeltaNet layer (Qwen3.5's linear
-    layers: :class:`~titan_cp.integrations.hf_shapes.LinearShapes`) too, with one feed-forward width."""
+    Qwen3, Qwen3 MoE, Qwen3.5, DeepSeek V3), named ``label`` in the plan; ``what`` names it in errors. Every
+    attention layer must be a GQA block (Qwen3.5's gated one too) or DeepSeek V3's MLA of the same shapes, every
+    Gated DeltaNet layer (Qwen3.5's linear layers: :class:`~titan_cp.integrations.hf_shapes.LinearShapes`) too,
+    the dense feed-forwards of one width and the MoE layers of one :class:`~titan_cp.integrations.hf_shapes.MoEShapes`."""
     layers = getattr(model, "layers", None)
     if not layers:
         raise ValueError(
             f"{what}: the planner reads a torchtitan decoder (Llama 3, Qwen3); {type(model).__name__} has no layers"
         )
     linear_layers = tuple(i for i, layer in enumerate(layers) if getattr(layer, "delta_net", None) is not None)
+    moe_layers = tuple(i for i, layer in enumerate(layers) if getattr(layer, "moe", None) is not None)
     shapes = {_layer_shapes(layer, model.dim, what, i) for i, layer in enumerate(layers) if i not in linear_layers}
-    linear = {(_linear_shapes(layers[i].delta_net), _feed_forward(layers[i], what, i)) for i in linear_layers}
-    if len(shapes) != 1 or len(linear) > 1 or len({s[3] for s in shapes} | {f for _, f in linear}) > 1:
+    linear = {_linear_shapes(layers[i].delta_net) for i in linear_layers}
+    ffns = {_feed_forward(layer, what, i) for i, layer in enumerate(layers) if i not in moe_layers}
+    moes = {_moe(layers[i].moe) for i in moe_layers}
+    if len(shapes) != 1 or len(linear) > 1 or len(ffns) > 1 or len(moes) > 1:
         raise ValueError(
-            f"{what}: the layers differ in shape {sorted(shapes)} {sorted(map(str, linear))}; the planner plans one "
-            "shape for every layer of a kind"
+            f"{what}: the layers differ in shape {sorted(map(str, shapes))} {sorted(map(str, linear))} "
+            f"{sorted(ffns)} {sorted(map(str, moes))}; the planner plans one shape for every layer of a kind"
         )
-    ((heads, kv_heads, head_dim, ffn, gate),) = shapes
+    ((heads, kv_heads, head_dim, gate, qk_norm, mla),) = shapes
+    moe = next(iter(moes)) if moes else None
     first = next(layer for i, layer in enumerate(layers) if i not in linear_layers)
     return TorchtitanShapes(
         dim=model.dim,
@@ -225,12 +233,16 @@ def model_shapes(model: Any, what: str, label: str = "torchtitan") -> Torchtitan
         vocab_size=model.vocab_size,
         max_seq_len=first.attention.rope.max_seq_len,
         hf_head_dim=head_dim,
-        hf_ffn=ffn,
+        hf_ffn=next(iter(ffns)) if ffns else moe.hidden if moe is not None else 0,
         tied=bool(model.enable_weight_tying),
         name=label,
         q_gate=gate,
-        linear=next(iter(linear))[0] if linear else None,
+        qk_norm=qk_norm,
+        linear=next(iter(linear)) if linear else None,
         linear_layers=linear_layers,
+        mla=mla,
+        moe=moe,
+        moe_layers=moe_layers,
     )
 
 
@@ -241,10 +253,29 @@ def _linear_shapes(delta_net: Any) -> LinearShapes:
     return LinearShapes(LINEAR_KINDS[0], heads[0], heads[1], k, v, delta_net.conv_kernel_size)
 
 
-def _layer_shapes(layer: Any, dim: int, what: str, i: int) -> tuple[int, int, int, int, bool]:
-    """``(heads, kv heads, head size, feed-forward width, gate)`` of attention layer ``i``'s config (``gate``:
-    Qwen3.5's gated attention, its ``wq`` twice as wide as its heads)."""
+def _mla(attention: Any) -> MLAShapes | None:
+    """DeepSeek V3's multi-head latent attention config as the planner's :class:`MLAShapes` (``None`` for another)."""
+    if not getattr(attention, "kv_lora_rank", 0):
+        return None
+    a = attention
+    return MLAShapes(a.q_lora_rank, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim)
+
+
+def _moe(moe: Any) -> MoEShapes:
+    """torchtitan's ``MoE.Config`` as the planner's :class:`MoEShapes`: its routed experts (``num_experts`` of
+    ``hidden_dim``), the router's ``top_k``, its shared experts' width (``w1``'s, ``None``: none)."""
+    shared_experts = getattr(moe, "shared_experts", None)
+    shared = shared_experts.w1.out_features if shared_experts is not None else 0
+    return MoEShapes(moe.num_experts, moe.router.top_k, moe.routed_experts.inner_experts.hidden_dim, shared)
+
+
+def _layer_shapes(layer: Any, dim: int, what: str, i: int) -> tuple[int, int, int, bool, bool, MLAShapes | None]:
+    """``(heads, kv heads, head size, gate, q/k norms, MLA)`` of attention layer ``i``'s config (``gate``: Qwen3.5's
+    gated attention, its ``wq`` twice as wide as its heads; MLA: DeepSeek V3's, every head its own K/V)."""
     attention = layer.attention
+    mla = _mla(attention)
+    if mla is not None:
+        return attention.n_heads, attention.n_heads, mla.qk_head_dim, False, False, mla
     heads, head_dim = getattr(attention, "n_heads", 0), getattr(attention, "head_dim", None)
     gated = getattr(getattr(attention, "wq", None), "out_features", 0) == 2 * heads * (head_dim or dim // max(1, heads))
     if not (isinstance(attention, GQAttention.Config) or gated):
@@ -252,14 +283,12 @@ def _layer_shapes(layer: Any, dim: int, what: str, i: int) -> tuple[int, int, in
             f"{what}: layer {i} has {type(attention).__qualname__}; the planner plans torchtitan's GQA attention"
         )
     kv_heads = heads if attention.n_kv_heads is None else attention.n_kv_heads
-    return heads, kv_heads, head_dim if head_dim is not None else dim // heads, _feed_forward(layer, what, i), gated
+    qk_norm = any(getattr(attention, n, None) is not None for n in ("qk_norm", "q_norm"))  # Qwen3's; Qwen3.5's
+    return heads, kv_heads, head_dim if head_dim is not None else dim // heads, gated, qk_norm, None
 
 
 def _feed_forward(layer: Any, what: str, i: int) -> int:
-    """Layer ``i``'s dense feed-forward width (``ValueError`` for a mixture of experts)."""
-    if getattr(layer, "moe", None) is not None or layer.feed_forward is None:
-        raise ValueError(
-            f"{what}: layer {i} is a mixture of experts; the planner models dense feed-forwards only (plan a dense "
-            "model of the same attention shapes instead)"
-        )
+    """Layer ``i``'s dense feed-forward width (``ValueError`` for a layer with neither experts nor one)."""
+    if layer.feed_forward is None:
+        raise ValueError(f"{what}: layer {i} has neither experts nor a feed-forward; the planner plans one of them")
     return layer.feed_forward.w1.out_features
