@@ -190,6 +190,20 @@ def test_only_the_doors_that_run_expert_parallel_plan_it(tmp_path, capsys):
     assert all((r["dp_shard"] * r["cp"]) % r["ep"] == 0 and r["tp"] == 1 for r in records)
     assert any(r["ep"] > 1 and r["cp"] > 1 and "ep" in r["comm_detail"] for r in records)
     assert f"--parallelism.expert_parallel_degree {records[0]['ep']} " in out
+    # a plan with EP beside CP is a launch line torchtitan's config manager and the door's checks take
+    from torchtitan.config import ConfigManager  # noqa: PLC0415
+
+    from titan_cp.integrations.torchtitan import check_run  # noqa: PLC0415
+    from titan_cp.plan import torchtitan  # noqa: PLC0415
+
+    tt = torchtitan.read(MODULE, "deepseek_v3_debugmodel_cp", [])
+    result = plan(tt.job_config, 4, "cpu", given=tt.given, exhaustive=True)
+    e = next(e for e in result.estimates if e.candidate.ep > 1 and e.candidate.cp > 1)
+    (line,) = torchtitan.launch_lines(e, 4, 1, tt.run)
+    config = ConfigManager().parse_args(shlex.split(line.split(f"-m {torchtitan.CPU_LAUNCHER} ")[1]))
+    check_run(config)
+    p = config.parallelism
+    assert (p.expert_parallel_degree, p.context_parallel_degree) == (e.candidate.ep, e.candidate.cp)
 
 
 def test_max_seq_of_deepseek_v3_16b_on_8_gpus_answers(capsys):

@@ -76,8 +76,10 @@ def read(module: str, config: str, args: list[str]) -> TorchtitanPlan:
 
 
 def flags(e: Estimate, run: PlannedRun) -> str:
-    """torchtitan's command-line flags of ``e``'s mesh and strategy, and ``activation_checkpoint:full`` (its
-    subcommand) where the run has none and the plan turned it on."""
+    """torchtitan's command-line flags of ``e``'s mesh and strategy (its expert-parallel degree for a model with
+    experts, and ``--training.disable_cuda_graphs`` beside EP where the run has CUDA graphs on: torchtitan refuses
+    them with EP's all-to-all dispatcher), and ``activation_checkpoint:full`` (its subcommand) where the run has
+    none and the plan turned it on."""
     c = e.candidate
     out = (
         f"--parallelism.data_parallel_replicate_degree {c.dp_replicate} "
@@ -86,6 +88,7 @@ def flags(e: Estimate, run: PlannedRun) -> str:
     )
     if run.shapes.moe is not None:
         out += f" --parallelism.expert_parallel_degree {c.ep}"
+        out += " --training.disable_cuda_graphs" * (c.ep > 1 and run.cuda_graphs)
     if c.cp > 1:
         out += f" --titan_cp.strategy {c.strategy}"
         if c.attention.takes_ulysses_degree():

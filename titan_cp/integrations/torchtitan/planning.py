@@ -53,7 +53,8 @@ class PlannedRun:
     """A torchtitan run as the planner takes it: ``module`` and ``config`` (as given, for the launch line),
     the model's ``shapes``, its ``label`` in the plan (``torchtitan:<model>/<flavor>``), ``keys`` (titan_cp
     config keys of its training, parallelism, activation checkpointing and titan_cp section) and its
-    activation checkpointing as titan_cp's ``activation_checkpoint.mode`` (``ac``), its expert-parallel degree (``ep``)."""
+    activation checkpointing as titan_cp's ``activation_checkpoint.mode`` (``ac``), its expert-parallel degree (``ep``)
+    and whether it runs CUDA graphs (``cuda_graphs``: torchtitan refuses them beside EP's all-to-all dispatcher)."""
 
     module: str
     config: str
@@ -62,6 +63,7 @@ class PlannedRun:
     keys: tuple[str, ...]
     ac: str
     ep: int = 1
+    cuda_graphs: bool = False
 
 
 def runs_strategy(name: str) -> bool:
@@ -163,7 +165,8 @@ def read_run(module: str, name: str, args: list[str]) -> PlannedRun:
     shapes = model_shapes(spec.model, f"--config {name!r}", f"torchtitan:{spec.name}/{spec.flavor}")
     ac = _ac_mode(config.activation_checkpoint)
     keys = tuple(_keys(config, section, ac))
-    return PlannedRun(module, name, shapes, shapes.name, keys, ac, config.parallelism.expert_parallel_degree)
+    ep, graphs = config.parallelism.expert_parallel_degree, not config.training.disable_cuda_graphs
+    return PlannedRun(module, name, shapes, shapes.name, keys, ac, ep, graphs)
 
 
 def _ac_mode(ac: Any) -> str:
