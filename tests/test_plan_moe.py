@@ -8,6 +8,7 @@
 - Expert parallelism: every rank stores the same share of the experts at any EP degree, FSDP gathers ``1 / ep``
   of a block's experts, the token exchange's bytes are ``2 T k D a (ep - 1) / ep`` a layer and pass.
 - Only the doors that run EP plan it; ``--max-seq`` answers for DeepSeek V3 16B on 8 GPUs; bad input is one line.
+- An MoE layer's saved bytes: the formula against what transformers' DeepSeek V3 saves (a count).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.memory import SavedTensorCounter
 from titan_cp.attention.pricing import cost_of
 from titan_cp.config import load_config
 from titan_cp.errors import is_user_error
@@ -29,7 +31,7 @@ from titan_cp.plan import main, plan
 from titan_cp.plan import moe as mx
 from titan_cp.plan.cost import Setting, Stack, collective_transfers, expert_transfers
 from titan_cp.plan.devices import device
-from titan_cp.plan.memory import RankModel, Sharding, Stage, rank_memory
+from titan_cp.plan.memory import RankModel, Sharding, Stage, moe_delta_saved_per_token, rank_memory
 from titan_cp.plan.problem import Candidate, Workload
 
 ROOT = Path(__file__).parents[1]
@@ -234,3 +236,25 @@ def test_bad_input_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(TINY_DSV3, num_experts_per_tok=5)))
     with pytest.raises(ValueError, match=r"num_experts_per_tok must be in 1..4 \(the experts\), got 5"):
         main(argv)
+
+
+def test_an_moe_layers_saved_bytes_are_near_what_transformers_saves(tmp_path):
+    """The MoE feed-forward's saved bytes a token beyond a dense one's (a formula over what any implementation
+    keeps, titan_cp/plan/moe.py) within 10% of what transformers' DeepSeek V3 saves (fp32, its experts' loop)."""
+    tf = pytest.importorskip("transformers")
+    tokens, counted = 512, []
+    for first_dense in (2, 0):  # two dense layers, then two MoE layers
+        config = tf.DeepseekV3Config(
+            **dict(TINY_DSV3, num_hidden_layers=2, n_group=1, first_k_dense_replace=first_dense)
+        )
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = tf.DeepseekV3ForCausalLM(config)
+        counter = SavedTensorCounter(model.parameters())
+        with counter:
+            model(input_ids=torch.randint(0, 320, (1, tokens))).logits.sum()
+        counted.append(counter.saved_bytes)
+    per_token = (counted[1] - counted[0]) / 2 / tokens
+    formula = moe_delta_saved_per_token(RankModel(_shapes(tmp_path, TINY_DSV3), act_bytes=4))
+    assert formula == 1088  # measured 1,136 to 1,152: a few per-expert tensors of transformers' loop follow the routing
+    assert abs(formula - per_token) / per_token < 0.1, per_token

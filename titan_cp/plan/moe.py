@@ -37,10 +37,13 @@ Saved per local token of an MoE layer's feed-forward (:func:`moe_saved_per_token
 
     router     its input (a D, the shared experts' too), its scores (fp32 X), the top-k indices and weights (8 k + a k)
     routed     each of the k copies: the gathered input (a D), w1 x, w3 x, silu(w1 x) and w2's input (4 a F),
-               the expert's output before its weight (a D)
+               the expert's output before its weight (a D), its token's index (8) and weight (fp32)
     shared     w1 x, w3 x, silu(w1 x), w2's input (4 a F_s)
 
-These are the formulas' figures; unlike a dense block's, they are not checked against a saved-tensor count.
+A formula over what any implementation keeps, not a count of one: transformers' DeepSeek V3 MoE layer (its
+experts in a loop, group-limited routing, fp32, D 64, F 32, 4 experts, 2 a token, one shared) saves 1,136 to 1,152
+bytes a token beyond a dense layer of the same model (``benchmarks.memory.SavedTensorCounter``; a few per-expert
+tensors follow the routing), where this says 1,088 (4-6% less: its routing masks, a copy's indices in three tensors).
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def moe_saved_per_token(moe: MoEShapes, dim: int, act_bytes: int, tp: int = 1) -
     """An MoE layer's feed-forward's saved bytes per local token (module docstring)."""
     a, k = act_bytes, moe.top_k
     router = a * dim + FP32 * moe.experts + (INT64 + a) * k
-    routed = k * (2 * a * dim + 4 * a * moe.hidden / tp)
+    routed = k * (2 * a * dim + 4 * a * moe.hidden / tp + INT64 + FP32)
     return router + routed + 4 * a * moe.shared_hidden / tp
 
 
