@@ -31,7 +31,7 @@ from titan_cp.plan import main, plan
 from titan_cp.plan import moe as mx
 from titan_cp.plan.cost import Setting, Stack, collective_transfers, expert_transfers
 from titan_cp.plan.devices import device
-from titan_cp.plan.memory import RankModel, Sharding, Stage, moe_delta_saved_per_token, rank_memory
+from titan_cp.plan.memory import HostOptions, RankModel, Sharding, Stage, moe_delta_saved_per_token, rank_memory
 from titan_cp.plan.problem import Candidate, Workload
 
 ROOT = Path(__file__).parents[1]
@@ -258,3 +258,5 @@ def test_an_moe_layers_saved_bytes_are_near_what_transformers_saves(tmp_path):
     formula = moe_delta_saved_per_token(RankModel(_shapes(tmp_path, TINY_DSV3), act_bytes=4))
     assert formula == 1088  # measured 1,136 to 1,152: a few per-expert tensors of transformers' loop follow the routing
     assert abs(formula - per_token) / per_token < 0.1, per_token
+    tiled = RankModel(_shapes(tmp_path, TINY_DSV3), act_bytes=4, host=HostOptions(tile_tokens=64))
+    assert moe_delta_saved_per_token(tiled) == 0  # a tiled feed-forward, MoE or dense, keeps its input alone

@@ -191,9 +191,14 @@ def ffn_saved_per_token(m: RankModel) -> float:
 
 
 def tile_transient_bytes(m: RankModel, tokens: int) -> int:
-    """One tile's recomputed intermediates and their gradients (``2 x 4 a F`` per tile token), 0 untiled."""
+    """One tile's recomputed intermediates and their gradients (``2 x 4 a F`` per tile token; an MoE layer's,
+    ``2 x`` :func:`~titan_cp.plan.moe.moe_saved_per_token`, where larger), 0 untiled."""
     t = min(m.host.tile_tokens, tokens)
-    return int(2 * 4 * m.act_bytes * m.heads[2] * t)
+    moe, _ = mx.moe_shapes(m.args)
+    per: float = 4 * m.act_bytes * m.heads[2]
+    if moe is not None:
+        per = max(per, mx.moe_saved_per_token(moe, m.args.dim, m.act_bytes, m.tp))
+    return int(2 * per * t)
 
 
 def norm_saved_per_token(m: RankModel) -> float:
@@ -216,9 +221,10 @@ def block_saved_per_token(m: RankModel) -> float:
 
 
 def moe_delta_saved_per_token(m: RankModel) -> float:
-    """What an MoE layer's feed-forward saves per local token beyond a dense one's (0 for a dense model)."""
+    """What an MoE layer's feed-forward saves per local token beyond a dense one's (0 for a dense model, and in
+    tiles, ``tile_tokens``: a tiled feed-forward, MoE or dense, keeps only its input)."""
     moe, _ = mx.moe_shapes(m.args)
-    if moe is None:
+    if moe is None or m.host.tile_tokens:
         return 0.0
     return mx.moe_saved_per_token(moe, m.args.dim, m.act_bytes, m.tp) - ffn_saved_per_token(m)
 
