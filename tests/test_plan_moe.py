@@ -43,6 +43,11 @@ TINY_DSV3 = dict(
     first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
     v_head_dim=12, tie_word_embeddings=False,
 )  # fmt: skip
+# Kimi K2's config.json is DeepSeek V3's architecture: one expert group, 8 of 384 experts a token, one shared
+KIMI_K2_LIKE = dict(
+    TINY_DSV3, n_routed_experts=12, num_experts_per_tok=8, n_group=1, topk_group=1,
+    routed_scaling_factor=2.827,
+)  # fmt: skip
 SMALL = dict(
     vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, num_experts_per_tok=2,
@@ -76,6 +81,13 @@ def test_parameters_equal_what_transformers_builds(tmp_path):
         (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(TINY_DSV3, q_lora_rank=None)),
         (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(SMALL, num_experts=8, moe_intermediate_size=32, mlp_only_layers=[0])),
         (tf.MixtralConfig, tf.MixtralForCausalLM, dict(SMALL, num_local_experts=4)),
+        (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, KIMI_K2_LIKE),
+        (
+            tf.Qwen3_5MoeTextConfig,
+            tf.Qwen3_5MoeForCausalLM,
+            dict(SMALL, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8),
+        ),
         (
             tf.Qwen3NextConfig,
             tf.Qwen3NextForCausalLM,
