@@ -360,8 +360,9 @@ def dense_seconds(s: Setting) -> float:
     blocks = stage_layer_params(args, tp, s.stage, active=True)
     matmul_params = blocks + (args.vocab_size * args.dim // tp) * s.stage.last
     flops = 2 * s.tokens * (3 * matmul_params + s.m.recomputed(s.stage.layers) * blocks / max(1, s.stage.layers))
-    if s.w.host.tile_tokens:  # each tile's feed-forward runs once more, in its own backward
-        flops += 2 * s.tokens * s.stage.layers * 3 * args.dim * args.ffn_hidden_dim // tp
+    if s.w.host.tile_tokens:  # each tile's feed-forward runs once more, in its own backward (an MoE one's experts)
+        moe = mx.stage_moe_layers(args, s.stage.layers, s.stage.first, s.stage.last) * mx.ffn_delta(args, True)
+        flops += 2 * s.tokens * (s.stage.layers * 3 * args.dim * args.ffn_hidden_dim + moe) // tp
     return flops / (s.dev.matmul_flops * s.stack.matmul_speedup)
 
 
