@@ -49,7 +49,7 @@ def test_exception_names_rank_and_traceback():
     pool = DistPool(2, collective_timeout_s=30)
     t0 = time.monotonic()
     with pytest.raises(RankError, match=r"(?s)rank 1 raised.*boom on the last rank"):
-        pool.run(_raise_on_one, grace=2.0)
+        pool.run(_raise_on_one, grace=0.5)
     assert time.monotonic() - t0 < 20
     assert not pool.alive
 
@@ -58,7 +58,7 @@ def test_dead_rank_fails_fast():
     pool = DistPool(2, **FORKED)
     t0 = time.monotonic()
     with pytest.raises(RankError, match="rank 0 died"):
-        pool.run(_die, grace=2.0)
+        pool.run(_die, grace=0.5)
     assert time.monotonic() - t0 < 20
 
 
@@ -66,7 +66,7 @@ def test_timeout_fails_instead_of_hanging():
     pool = DistPool(2, **FORKED)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[0\] never finished"):
-        pool.run(_hang, timeout=3.0)
+        pool.run(_hang, timeout=1.0)
     assert time.monotonic() - t0 < 20
 
 
