@@ -1,13 +1,15 @@
-"""Several programs in one ``torchrun`` launch, each in a fresh process of its own (for the tests that
+"""Several programs in one launch of N ranks, each in a fresh process of its own (for the tests that
 launch ``examples/`` and torchtitan's trainer; not collected by pytest).
 
-    torchrun --nproc-per-node N tests/forked_launch.py PLAN.json
+    python tests/forked_launch.py --nproc-per-node N PLAN.json
 
-Importing torch, transformers, TRL or torchtitan is most of such a launch's time on a CPU. Each worker
+Importing torch, transformers, TRL or torchtitan is most of such a launch's time on a CPU. The launch
 imports them once (``PLAN["preload"]``: module names, or ``module:function`` to import and call; and
-the top-level imports of every script step), then runs the steps one after another, each in a child forked from it, so that a step starts
-as a program does under its own ``torchrun``: nothing of it ran before, its own process group and
-accelerate state. ``PLAN["steps"]``, in order:
+the top-level imports of every script step), then forks its N workers, each with the environment
+``torchrun --nproc-per-node N`` gives its ranks (:func:`torchrun_env`), and each runs the steps one after
+another, each in a child forked from it, so that a step starts as a program does under its own
+``torchrun``: nothing of it ran before, its own process group and accelerate state. A worker that fails
+stops the others, as torchrun stops them. ``PLAN["steps"]``, in order:
 
 - ``{"name", "argv", "port"}``: ``argv`` is what follows ``torchrun [options]`` on a command line: a
   script and its arguments, or ``-m MODULE`` and its arguments; run as ``__main__``. Its process
@@ -44,6 +46,7 @@ import json
 import os
 import re
 import runpy
+import signal
 import socket
 import subprocess
 import sys
@@ -59,12 +62,22 @@ def free_port() -> int:
 
 
 def launch(nproc: int, plan: dict, plan_path: Path, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
-    """``torchrun --nproc-per-node <nproc> tests/forked_launch.py <plan_path>`` (``plan`` written there) from
-    ``cwd``, on a free port, with ``env``; stdout and stderr piped, as text."""
+    """``python tests/forked_launch.py --nproc-per-node <nproc> <plan_path>`` (``plan`` written there) from
+    ``cwd``, with ``env``; stdout and stderr piped, as text."""
     plan_path.write_text(json.dumps(plan))
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    argv += ["--master-port", str(free_port()), str(Path(__file__).resolve()), str(plan_path)]
+    argv = [sys.executable, str(Path(__file__).resolve()), "--nproc-per-node", str(nproc), str(plan_path)]
     return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def torchrun_env(local_rank: int, nproc: int, port: int) -> dict[str, str]:
+    """What ``torchrun --nproc-per-node <nproc>`` (one node, no restarts) sets for its rank ``local_rank``."""
+    ranks = dict(RANK=local_rank, LOCAL_RANK=local_rank, GROUP_RANK=0, ROLE_RANK=local_rank)
+    sizes = dict(WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc, GROUP_WORLD_SIZE=1, ROLE_WORLD_SIZE=nproc)
+    elastic = dict(TORCHELASTIC_RESTART_COUNT=0, TORCHELASTIC_MAX_RESTARTS=0, TORCHELASTIC_USE_AGENT_STORE=False)
+    env = {k: str(v) for k, v in {**ranks, **sizes, **elastic}.items()}
+    env.update(ROLE_NAME="default", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="none")
+    env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    return env
 
 
 def sections(out: str) -> dict[str, str]:
@@ -176,11 +189,9 @@ def _prepare(plan: dict) -> None:
     gc.freeze()  # what every step inherits: its full collections scan only what the step makes
 
 
-def main(plan_path: str) -> int:
-    plan = json.loads(Path(plan_path).read_text())
-    markers, local_rank = Path(plan["markers"]), int(os.environ.get("LOCAL_RANK", "0"))
-    size, logs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), plan.get("logs")
-    _prepare(plan)
+def _worker(plan: dict, local_rank: int, size: int) -> int:
+    """Rank ``local_rank`` of ``size``: the plan's steps in order; 1 if one ended with another status than its own."""
+    markers, logs = Path(plan["markers"]), plan.get("logs")
     failed = False
     for step in plan["steps"]:
         want, ranks = step.get("status", 0), _ranks(step, size)
@@ -201,8 +212,36 @@ def main(plan_path: str) -> int:
     return 1 if failed else 0
 
 
+def main(nproc: int, plan_path: str) -> int:
+    """The plan's preloads once, then its ``nproc`` workers forked from here; 1 if one fails (the others then
+    stopped), else 0."""
+    plan = json.loads(Path(plan_path).read_text())
+    _prepare(plan)
+    port, workers = free_port(), {}
+    for local_rank in range(nproc):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(torchrun_env(local_rank, nproc, port))
+            status = _worker(plan, local_rank, nproc)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        workers[pid] = local_rank
+    failed = False
+    while workers:
+        pid, status = os.wait()
+        if workers.pop(pid, None) is not None and os.waitstatus_to_exitcode(status) != 0 and not failed:
+            failed = True
+            for other in workers:  # as torchrun stops the other ranks of a failed one
+                os.kill(other, signal.SIGTERM)
+    return 1 if failed else 0
+
+
 if __name__ == "__main__":
-    status = main(sys.argv[1])
+    assert sys.argv[1] == "--nproc-per-node", sys.argv
+    status = main(int(sys.argv[2]), sys.argv[3])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)  # the steps ran in children: nothing of this process's teardown is needed (seconds of it)

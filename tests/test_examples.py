@@ -4,8 +4,9 @@ the one-process run (``--nproc-per-node 1``: the stock Trainer / SFTTrainer, the
 trainer at CP 1); ``grpo_agent.py`` (docs/rl.md) runs ten steps and prints each step's mean reward too:
 the same rollouts, so the same rewards.
 
-The scripts share one launch of 2 processes (tests/forked_launch.py: their imports paid once, then
-each run in a fresh process of its own, forked; the 1-process runs on the launch's first process alone). Tolerances: the printed numbers have six decimals
+The scripts share one launch of 2 ranks (tests/forked_launch.py: their imports paid once, then
+each run in a fresh process of its own, forked, with torchrun's environment; the 1-process runs on the launch's first
+rank alone). Tolerances: the printed numbers have six decimals
 (rounding 5e-7 each) and the CP runs add the same fp32 numbers in another order (~1e-6 on a loss of ~6).
 """
 
@@ -29,7 +30,7 @@ EXAMPLES = list(STEPS)
 
 
 def _launch(tmp: Path) -> subprocess.Popen:
-    """One ``torchrun --nproc-per-node 2`` from the repository root running every example on 2 processes,
+    """One launch of 2 ranks (as ``torchrun --nproc-per-node 2``) from the repository root running every example on 2 processes,
     then on 1 (``nproc: 1``: as under ``torchrun --nproc-per-node 1``), each on its own port."""
     env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "CP")}
     env.update(

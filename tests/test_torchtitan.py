@@ -24,8 +24,8 @@
   of its own), each from its own seed: CP 2 ring and CP 2 Ulysses give the one-process run's losses (MoE layers:
   step 1 within 1e-5, step 2 within 5e-5, :func:`_equal_moe_losses`). The expert-parallel block (Qwen3 MoE):
   EP 2 x CP 2 gives EP 2's losses, and its step-1 checkpoint resumes at EP 4 x CP 2 Ulysses with its step 2.
-- All of it runs in one ``torchrun`` launch of 4 processes (a module fixture), each line in a fresh forked
-  process (tests/forked_launch.py: torch and the other libraries imported once per worker), several at once on
+- All of it runs in one launch of 4 ranks (a module fixture), each line in a fresh forked process
+  (tests/forked_launch.py: torch and the other libraries imported once, before the ranks fork), several at once on
   different ranks, each waiting for the lines whose outputs it reads (:func:`_schedule`); each line's output
   (every rank's) in a file of its own.
 - A gpt-oss attention layer with titan_cp equals torchtitan's own (the log-sum-exp to its ``_apply_sinks``, under
@@ -76,7 +76,7 @@ def _cpu_block(config: str) -> list[str]:
     return [line for line in re.sub(r"\\\n\s*", " ", block).splitlines() if line.strip()]
 
 
-# Imported by the launch's workers once, before its steps (tests/forked_launch.py): what torchtitan's
+# Imported by the launch once, before it forks its ranks (tests/forked_launch.py): what torchtitan's
 # trainer imports, and torchtitan itself behind the CPU launcher's shims (its prepare(): what each
 # step's launcher would do first, done once; a step's run then starts from there, forked).
 PRELOAD = [
@@ -139,7 +139,7 @@ def _schedule(steps: list[dict], size: int) -> list[dict]:
 
 
 def _launch(steps: list[dict], cwd: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """One ``torchrun`` of as many processes as the largest step in ``cwd`` running ``steps`` (:func:`_schedule`:
+    """One launch of as many ranks as the largest step in ``cwd`` running ``steps`` (:func:`_schedule`:
     several at once), each in a fresh process; it must exit 0 (every step with its status). Each step's stdout and
     stderr, every rank's."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
@@ -194,7 +194,7 @@ BLOCKS = [  # the page's CPU blocks after the Llama one: (config, step names)
 @pytest.fixture(scope="module")
 def pages_runs(tmp_path_factory) -> tuple[Path, dict[str, str], dict[str, str]]:
     """The page's CPU blocks (Llama 3, the door's mistakes, then :data:`BLOCKS`: Qwen3.5, gpt-oss, expert parallel)
-    in one launch of 4 processes in a temporary folder: that folder, and the launch's stdout and stderr by step."""
+    in one launch of 4 ranks in a temporary folder: that folder, and the launch's stdout and stderr by step."""
     cwd = tmp_path_factory.mktemp("torchtitan")
     llama = _cpu_block("llama3_debugmodel_cp")
     steps = [_step(name, line, cwd) for name, line in zip(LLAMA_STEPS, llama, strict=True)]
