@@ -656,7 +656,7 @@ def _titan_cp_layers(model_config) -> list[str]:
         ("llama3_debugmodel_cp", ["attention"] * 6, 2048),
         ("qwen3_debugmodel_cp", ["attention"] * 8, 2048),
         ("llama3_8b_cp", ["attention"] * 32, 131072),
-        ("qwen35_debugmodel_cp", ["linear", "linear", "linear", "attention"] * 2, 256),
+        ("qwen35_debugmodel_cp", ["linear", "linear", "linear", "attention"], 256),
         ("gpt_oss_debugmodel_cp", ["attention"] * 4, 256),
         ("qwen3_moe_debugmodel_cp", ["attention"] * 2, 256),
         ("deepseek_v3_debugmodel_cp", ["attention"] * 3, 256),
