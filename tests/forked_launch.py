@@ -11,10 +11,11 @@ another, each in a child forked from it, so that a step starts as a program does
 ``torchrun``: nothing of it ran before, its own process group and accelerate state. A worker that fails
 stops the others, as torchrun stops them. ``PLAN["steps"]``, in order:
 
-- ``{"name", "argv", "port"}``: ``argv`` is what follows ``torchrun [options]`` on a command line: a
+- ``{"name", "argv"}``: ``argv`` is what follows ``torchrun [options]`` on a command line: a
   script and its arguments, or ``-m MODULE`` and its arguments; run as ``__main__``. Its process
-  group meets on ``port`` (the same in every worker) with rank 0 hosting the store: the launch's
-  agent store still holds the previous step's rendezvous keys;
+  group meets on a port its rank 0 picks free when the step starts (``PLAN["markers"]/NAME.port`` tells
+  its other ranks), with rank 0 hosting the store: a port picked when the plan is written may be taken
+  by the time a later step starts;
 - ``"nproc": N`` (a program step, N below the launch's size): run by local ranks 0 to N - 1 alone, as under
   ``torchrun --nproc-per-node N`` (world size N); the other ranks wait for it to end. One launch then runs a
   page's 1-, 2- and 4-process lines, paying the imports of its workers once;
@@ -105,9 +106,26 @@ def _ranks(step: dict, size: int) -> range:
     return range(first, first + (1 if "shell" in step else step.get("nproc", size)))
 
 
-def _run_program(step: dict, local_rank: int) -> int:
-    """The child: ``step``'s program as ``__main__``; its exit status."""
-    os.environ.update(MASTER_PORT=str(step["port"]), TORCHELASTIC_USE_AGENT_STORE="False")
+def _step_port(step: dict, local_rank: int, markers: Path, timeout_s: float = 900.0) -> int | None:
+    """The port ``step``'s process group meets on: its rank 0 picks it free now and writes it to
+    ``markers/NAME.port``; its other ranks read it there (None: not written in time, or a step failed)."""
+    path = markers / f"{step['name']}.port"
+    if local_rank == step.get("first_rank", 0):
+        markers.mkdir(parents=True, exist_ok=True)
+        (markers / f"{step['name']}.port.tmp").write_text(str(port := free_port()))
+        (markers / f"{step['name']}.port.tmp").rename(path)
+        return port
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if any(markers.glob("*.failed")) or time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def _run_program(step: dict, local_rank: int, port: int) -> int:
+    """The child: ``step``'s program as ``__main__``, its process group on ``port``; its exit status."""
+    os.environ.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
     if "nproc" in step or "first_rank" in step:  # a single node's ranks from first_rank: the rank counts from there
         n, rank = str(step.get("nproc", os.environ["LOCAL_WORLD_SIZE"])), str(local_rank - step.get("first_rank", 0))
         os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=n, LOCAL_WORLD_SIZE=n)
@@ -137,27 +155,29 @@ def _to_logs(logs: str | None, name: str) -> None:
         os.dup2(os.open(Path(logs) / f"{name}.{kind}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
 
 
-def _fork(step: dict, local_rank: int, logs: str | None) -> int:
+def _fork(step: dict, local_rank: int, logs: str | None, port: int) -> int:
     """``step``'s program in a forked child of this worker (its output to ``logs`` if given); its exit status."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         _to_logs(logs, step["name"])
-        status = _run_program(step, local_rank)
+        status = _run_program(step, local_rank, port)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
-def _run_step(step: dict, local_rank: int, logs: str | None) -> int:
-    """Run ``step`` on this rank, one of its ranks (a shell line: its only one): its exit status."""
+def _run_step(step: dict, local_rank: int, logs: str | None, markers: Path) -> int | None:
+    """Run ``step`` on this rank, one of its ranks (a shell line: its only one): its exit status (None: its
+    ranks never met)."""
     if logs is None and local_rank == step.get("first_rank", 0):
         print(f"== {step['name']}", flush=True)
         print(f"== {step['name']}", file=sys.stderr, flush=True)
     if "shell" not in step:
-        return _fork(step, local_rank, logs)
+        port = _step_port(step, local_rank, markers)
+        return None if port is None else _fork(step, local_rank, logs, port)
     if logs is None:
         return subprocess.run(["bash", "-euo", "pipefail", "-c", step["shell"]]).returncode
     with open(Path(logs) / f"{step['name']}.out", "a") as out, open(Path(logs) / f"{step['name']}.err", "a") as err:
@@ -202,7 +222,7 @@ def _worker(plan: dict, local_rank: int, size: int) -> int:
         if not failed and local_rank not in ranks:  # a step of fewer ranks: the others take its status
             code = want if _wait([step["name"]], markers) else None
         elif not failed and _wait(step.get("after", []), markers):
-            code = _run_step(step, local_rank, logs)
+            code = _run_step(step, local_rank, logs, markers)
             if code != want:
                 print(f"{step['name']} exited {code}", file=sys.stderr, flush=True)
         failed = failed or code != want

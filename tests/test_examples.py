@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.forked_launch import free_port, launch, sections
+from tests.forked_launch import launch, sections
 
 pytest.importorskip("transformers", reason="transformers is in the dev extra")
 pytest.importorskip("trl", reason="trl is in the trainer extra")
@@ -36,7 +36,7 @@ def _launch(tmp: Path) -> subprocess.Popen:
     env.update(
         OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     )
-    steps = [dict(name=f"{e}:{n}", argv=[f"examples/{e}"], port=free_port(), nproc=n) for e in EXAMPLES for n in (2, 1)]
+    steps = [dict(name=f"{e}:{n}", argv=[f"examples/{e}"], nproc=n) for e in EXAMPLES for n in (2, 1)]
     plan = dict(steps=steps, markers=str(tmp / "markers"))
     return launch(2, plan, tmp / "plan.json", ROOT, env)
 

@@ -55,7 +55,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.forked_launch import free_port, launch, step_logs
+from tests.forked_launch import launch, step_logs
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3 is in the dev extra (Python >= 3.11)")
 
@@ -110,7 +110,7 @@ def _step(name: str, line: str, cwd: Path, *flags: str, status: int = 0) -> dict
     if argv[:2] != ["torchrun", "--nproc-per-node"]:
         assert not flags
         return dict(name=name, shell=line, status=status)
-    return dict(name=name, argv=[*argv[3:], *flags], nproc=int(argv[2]), port=free_port(), status=status)
+    return dict(name=name, argv=[*argv[3:], *flags], nproc=int(argv[2]), status=status)
 
 
 def _dump_folder(step: dict) -> str | None:
