@@ -28,15 +28,21 @@ if _XDIST:  # torch only here and in the fixture: pytest-xdist's controller, whi
 # The files that take longest, longest first (wall seconds on a 2-core machine, 2026-12-05): the two test
 # processes take files in collection order (--no-loadscope-reorder), so the long ones start first and the
 # short ones fill in behind them, and neither process is left alone at the end with a long one.
-_LONGEST_FIRST = (
-    "test_torchtitan.py",  # one forked launch of the page's blocks: ~165 s
-    "test_hf_integration.py",
-    "test_train.py",
-    "test_docs.py",
-    "test_hf_trainer.py",
-    "test_hf_hybrid.py",
-    "test_examples.py",
-    "test_hot_path.py",
+_LONGEST_FIRST = (  # summed wall seconds of each file's tests in a full run here, 2026-12-05
+    "test_torchtitan.py",  # 93: one forked launch of the page's blocks
+    "test_train.py",  # 62
+    "test_gpu_model.py",  # 37
+    "test_hf_integration.py",  # 34
+    "test_plan.py",  # 30
+    "test_hot_path.py",  # 22
+    "test_long_context.py",  # 21
+    "test_errors.py",  # 18
+    "test_documents.py",  # 18
+    "test_composition.py",  # 18
+    "test_hf_hybrid.py",  # 17
+    "test_examples.py",  # 17
+    "test_generate.py",  # 14
+    "test_docs.py",  # 13
 )
 
 
