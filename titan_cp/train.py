@@ -238,7 +238,11 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Release the dump folder (rank 0's lock file)."""
+        """Close the metrics (a run stopped by an error keeps the TensorBoard events of its last steps: the
+        process ends without finalization, :func:`titan_cp.errors.end_process`) and release the dump folder
+        (rank 0's lock file)."""
+        with contextlib.suppress(OSError):  # a full disk was reported already
+            self.metrics.close()
         if self.lock is not None:
             self.lock.release()
 
