@@ -241,8 +241,10 @@ class Trainer:
         """Close the metrics (a run stopped by an error keeps the TensorBoard events of its last steps: the
         process ends without finalization, :func:`titan_cp.errors.end_process`) and release the dump folder
         (rank 0's lock file)."""
-        with contextlib.suppress(OSError):  # a full disk was reported already
-            self.metrics.close()
+        metrics = getattr(self, "metrics", None)  # None: the trainer stopped before it opened them
+        if metrics is not None:
+            with contextlib.suppress(OSError):  # a full disk was reported already
+                metrics.close()
         if self.lock is not None:
             self.lock.release()
 
