@@ -16,6 +16,10 @@ is kept. ``--debug`` on the command line (removed before
 ``main`` sees it) or ``TITAN_CP_DEBUG=1`` prints the full traceback of a user error too, for
 people reporting a bug.
 
+A rank of a job (a process group open, or ``LOCAL_RANK`` set) ends through :func:`end_process`: its
+output flushed, then ``os._exit`` with its status, without the interpreter's finalization (the function
+says why).
+
 Under a launcher the rank's exit status is the launcher's to report: ``python -m titan_cp.run``
 (:mod:`titan_cp.run`) exits with it and adds no traceback of its own; stock ``torchrun`` follows
 any failure with its ``ChildFailedError`` traceback and exits 1.
