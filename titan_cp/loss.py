@@ -104,17 +104,24 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             mine = (index >= 0) & (index < vocab_local) & (y != IGNORE_INDEX)
             p.scatter_add_(1, index.clamp(0, vocab_local - 1)[:, None], -mine.to(p.dtype)[:, None])
             p.mul_(((y != IGNORE_INDEX).to(p.dtype) * g)[:, None])
-            p = p.to(h_ND.dtype)
-            if need_h:
-                torch.mm(p, w_VD, out=dh_ND[s:e])
-            if need_w:
-                if p.dtype == torch.float32:
-                    dw_VD.addmm_(p.t(), h_c)
-                else:
-                    dw_VD += torch.mm(p.t(), h_c)
+            _through_the_head(p.to(h_ND.dtype), h_c, w_VD, dh_ND, dw_VD, s)
             del p
         dw = dw_VD.to(w_VD.dtype) if need_w else None
         return dh_ND, dw, None, None, None, None
+
+
+def _through_the_head(
+    dz_CV: Tensor, h_CD: Tensor, w_VD: Tensor, dh_ND: Tensor | None, dw_VD: Tensor | None, start: int
+) -> None:
+    """A chunk's logit gradient ``dz`` (rows ``start`` on of ``h``) through ``z = h W^T``: ``dh[rows] = dz W``
+    where ``dh`` is wanted, ``dW += dz^T h`` (fp32) where ``dW`` is."""
+    if dh_ND is not None:
+        torch.mm(dz_CV, w_VD, out=dh_ND[start : start + dz_CV.shape[0]])
+    if dw_VD is not None:
+        if dz_CV.dtype == torch.float32:
+            dw_VD.addmm_(dz_CV.t(), h_CD)
+        else:
+            dw_VD += torch.mm(dz_CV.t(), h_CD)
 
 
 def _local_operands(h: Tensor, weight: Tensor, chunk_tokens: int | None, grad: bool):
@@ -253,14 +260,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 dz.mul_(z.sub_(mean_N[s:e, None]).mul_(-g_ent[s:e, None]).sub_(g_logp[s:e, None]))
             del z
             dz.scatter_add_(1, labels_N[s:e].clamp(0, vocab - 1)[:, None], g_logp[s:e, None])
-            dz = dz.mul_(ctx.inv_t).to(h_ND.dtype)
-            if need_h:
-                torch.mm(dz, w_VD, out=dh_ND[s:e])
-            if need_w:
-                if dz.dtype == torch.float32:
-                    dw_VD.addmm_(dz.t(), h_c)
-                else:
-                    dw_VD += torch.mm(dz.t(), h_c)
+            _through_the_head(dz.mul_(ctx.inv_t).to(h_ND.dtype), h_c, w_VD, dh_ND, dw_VD, s)
             del dz
         dw = dw_VD.to(w_VD.dtype) if need_w else None
         return dh_ND, dw, None, None, None, None
