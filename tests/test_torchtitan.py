@@ -275,39 +275,36 @@ def _equal_moe_losses(got: dict[str, list[float]], want: dict[str, list[float]],
             assert value == pytest.approx(target, rel=rel, abs=0), f"{name} {key} step {step}: {values} vs {wanted}"
 
 
+def _check_ring_and_ulysses_at_cp_2(pages_runs, config: str, prefix: str, drop: float) -> None:
+    """A page's block of ``config`` (seed, one process, CP 2 ring, CP 2 Ulysses; dump folders ``outputs/<prefix>_*``):
+    two steps whose loss falls by ``drop``, and the CP runs' tokens and losses those of one process
+    (:func:`_equal_moe_losses`), each naming the CP that ran."""
+    seed, one, ring, ulysses = _cpu_block(config)
+    assert "--parallelism.context_parallel_degree 2 --titan_cp.strategy ring" in ring and "ulysses" in ulysses
+    cwd, out, _ = pages_runs
+    single, by_ring, by_ulysses = (
+        _metrics(cwd / "outputs" / f"{prefix}_{name}") for name in ("one", "ring", "ulysses")
+    )
+    losses = single["global_avg_loss"]
+    assert len(losses) == 2 and losses[1] < losses[0] - drop, losses  # two steps, and it trains
+    for name, run in (("CP 2 ring", by_ring), ("CP 2 ulysses", by_ulysses)):
+        assert run["n_tokens_seen"] == single["n_tokens_seen"], name
+        _equal_moe_losses(run, single, name)
+    assert "titan_cp: CP 2 (cp 2): ring attention, doc_local layout" in out[f"{prefix}_ring"]
+    assert "titan_cp: CP 2 (cp 2): ulysses attention, doc_zigzag layout" in out[f"{prefix}_ulysses"]
+
+
 def test_gpt_oss_at_cp_2_ring_and_ulysses_gives_one_process_losses(pages_runs):
     """torchtitan's gpt-oss (sliding windows on alternate layers, sinks run inside titan_cp's op), the page's gpt-oss
     block: one seed; CP 2 ring and CP 2 Ulysses give the one-process run's losses at both steps
     (:func:`_equal_moe_losses`)."""
-    seed, one, ring, ulysses = _cpu_block("gpt_oss_debugmodel_cp")
-    assert "--parallelism.context_parallel_degree 2 --titan_cp.strategy ring" in ring and "ulysses" in ulysses
-    cwd, out, _ = pages_runs
-    single, by_ring, by_ulysses = (_metrics(cwd / "outputs" / f"gpt_oss_{name}") for name in ("one", "ring", "ulysses"))
-    losses = single["global_avg_loss"]
-    assert len(losses) == 2 and losses[1] < losses[0] - 1.0, losses  # two steps, and it trains
-    for name, run in (("CP 2 ring", by_ring), ("CP 2 ulysses", by_ulysses)):
-        assert run["n_tokens_seen"] == single["n_tokens_seen"], name
-        _equal_moe_losses(run, single, name)
-    assert "titan_cp: CP 2 (cp 2): ring attention, doc_local layout" in out["gpt_oss_ring"]
-    assert "titan_cp: CP 2 (cp 2): ulysses attention, doc_zigzag layout" in out["gpt_oss_ulysses"]
+    _check_ring_and_ulysses_at_cp_2(pages_runs, "gpt_oss_debugmodel_cp", "gpt_oss", drop=1.0)
 
 
 def test_deepseek_v3_mla_at_cp_2_ring_and_ulysses_gives_one_process_losses(pages_runs):
     """torchtitan's DeepSeek V3 (multi-head latent attention: q/k of 192, v of 128), the page's block: one seed; CP 2
     ring and CP 2 Ulysses give the one-process run's losses at both steps (:func:`_equal_moe_losses`)."""
-    seed, one, ring, ulysses = _cpu_block("deepseek_v3_debugmodel_cp")
-    assert "--parallelism.context_parallel_degree 2 --titan_cp.strategy ring" in ring and "ulysses" in ulysses
-    cwd, out, _ = pages_runs
-    single, by_ring, by_ulysses = (
-        _metrics(cwd / "outputs" / f"deepseek_{name}") for name in ("one", "ring", "ulysses")
-    )
-    losses = single["global_avg_loss"]
-    assert len(losses) == 2 and losses[1] < losses[0] - 0.5, losses
-    for name, run in (("CP 2 ring", by_ring), ("CP 2 ulysses", by_ulysses)):
-        assert run["n_tokens_seen"] == single["n_tokens_seen"], name
-        _equal_moe_losses(run, single, name)
-    assert "titan_cp: CP 2 (cp 2): ring attention, doc_local layout" in out["deepseek_ring"]
-    assert "titan_cp: CP 2 (cp 2): ulysses attention, doc_zigzag layout" in out["deepseek_ulysses"]
+    _check_ring_and_ulysses_at_cp_2(pages_runs, "deepseek_v3_debugmodel_cp", "deepseek", drop=0.5)
 
 
 def test_expert_parallel_beside_cp_gives_eps_losses_and_resumes_on_another_shape(pages_runs):
