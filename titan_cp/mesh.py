@@ -41,7 +41,7 @@ from titan_cp.errors import plural
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 HYBRID_AXES = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
 
-_KEYS = {
+DEGREE_KEYS = {  # each mesh axis's degree as a config key
     "pp": "parallelism.pipeline_parallel_degree",
     "dp_replicate": "parallelism.data_parallel_replicate_degree",
     "dp_shard": "parallelism.data_parallel_shard_degree",
@@ -74,33 +74,35 @@ class ParallelDims:
         for axis in ("pp", "dp_replicate", "cp", "tp"):
             degree = getattr(self, axis)
             if degree == -1:
-                raise ValueError(f"{_KEYS[axis]} is -1, but only {_KEYS['dp_shard']} may be -1 (the ranks left over)")
+                raise ValueError(
+                    f"{DEGREE_KEYS[axis]} is -1, but only {DEGREE_KEYS['dp_shard']} may be -1 (the ranks left over)"
+                )
             if degree < 1:
-                raise ValueError(f"{_KEYS[axis]} must be positive, got {degree}")
+                raise ValueError(f"{DEGREE_KEYS[axis]} must be positive, got {degree}")
         others = self.pp * self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise ValueError(
-                    f"{_KEYS['dp_shard']} = -1 takes the ranks left over, but the world size "
+                    f"{DEGREE_KEYS['dp_shard']} = -1 takes the ranks left over, but the world size "
                     f"{self.world_size} is not a multiple of {self._describe(skip='dp_shard')} = {others}"
                 )
             self.dp_shard = self.world_size // others
         elif self.dp_shard < 1:
-            raise ValueError(f"{_KEYS['dp_shard']} must be positive or -1 (the rest), got {self.dp_shard}")
+            raise ValueError(f"{DEGREE_KEYS['dp_shard']} must be positive or -1 (the rest), got {self.dp_shard}")
         if others * self.dp_shard != self.world_size:
             raise ValueError(
                 f"the parallelism degrees multiply to {others * self.dp_shard} "
                 f"({self._describe()}), not the world size {self.world_size}; change them or set "
-                f"{_KEYS['dp_shard']} = -1"
+                f"{DEGREE_KEYS['dp_shard']} = -1"
             )
         if self.cp_ulysses is not None and (self.cp_ulysses < 1 or self.cp % self.cp_ulysses):
             raise ValueError(
                 f"parallelism.context_parallel_ulysses_degree ({self.cp_ulysses}) must be a positive "
-                f"divisor of {_KEYS['cp']} ({self.cp})"
+                f"divisor of {DEGREE_KEYS['cp']} ({self.cp})"
             )
 
     def _describe(self, skip: str = "") -> str:
-        return " x ".join(f"{_KEYS[a]}={getattr(self, a)}" for a in AXES if a != skip)
+        return " x ".join(f"{DEGREE_KEYS[a]}={getattr(self, a)}" for a in AXES if a != skip)
 
     def summary(self) -> str:
         """The mesh in words, for the log: ``dp_shard`` and ``cp`` always, the other axes where larger

@@ -41,7 +41,7 @@ from titan_cp.config.training import Training, check_microbatch_tokens
 from titan_cp.config.values import Section
 from titan_cp.errors import plural
 from titan_cp.layout import seq_len_multiple
-from titan_cp.mesh import ParallelDims
+from titan_cp.mesh import DEGREE_KEYS, ParallelDims
 
 
 @dataclass
@@ -109,14 +109,7 @@ class JobConfig:
 
     def parallel_degrees(self) -> dict[str, int]:
         """Degrees by mesh axis name; ``dp_shard`` may be -1 ("the rest", resolved by the mesh)."""
-        p = self.parallelism
-        return {
-            "pp": p.pipeline_parallel_degree,
-            "dp_replicate": p.data_parallel_replicate_degree,
-            "dp_shard": p.data_parallel_shard_degree,
-            "cp": p.context_parallel_degree,
-            "tp": p.tensor_parallel_degree,
-        }
+        return {axis: getattr(self.parallelism, key.partition(".")[2]) for axis, key in DEGREE_KEYS.items()}
 
     def resolve_batch_sizes(self, dp_degree: int) -> tuple[int, int]:
         """``(global_batch_size, gradient_accumulation_steps)`` in rows, for ``dp_degree`` data-parallel

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from titan_cp.families.llama3.model import ModelArgs
+from titan_cp.mesh import DEGREE_KEYS
 from titan_cp.plan.problem import Candidate, Workload
 from titan_cp.preflight import check_model
 
@@ -47,13 +48,7 @@ def plan_keys(c: Candidate, w: Workload, base: Workload, ulysses: int) -> Keys:
     degree is ``ulysses``: the five degrees; the strategy with CP; the Ulysses degree where the strategy
     reads one or the config's would not fit (a strategy that reads none takes 1); and the options ``w``
     turned on beyond ``base``'s (:func:`option_keys`)."""
-    keys: Keys = {
-        "parallelism.data_parallel_replicate_degree": c.dp_replicate,
-        "parallelism.data_parallel_shard_degree": c.dp_shard,
-        "parallelism.context_parallel_degree": c.cp,
-        "parallelism.tensor_parallel_degree": c.tp,
-        "parallelism.pipeline_parallel_degree": c.pp,
-    }
+    keys: Keys = {key: getattr(c, axis) for axis, key in DEGREE_KEYS.items()}
     takes = c.cp > 1 and c.attention.takes_ulysses_degree()
     if c.cp > 1:
         keys["parallelism.context_parallel_strategy"] = c.strategy
