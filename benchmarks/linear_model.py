@@ -50,9 +50,7 @@ bytes CP adds gone, the whole decoder layer (its MLP or experts) as the layer.
 from __future__ import annotations
 
 import contextlib
-import importlib.machinery
 import sys
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -64,13 +62,13 @@ from titan_cp.attention import comm
 from titan_cp.attention.api import local_handle
 from titan_cp.attention.handle import CPHandle
 from titan_cp.attention.linear import CHUNK, gated_delta_rule, op
-from titan_cp.attention.linear import fla as fla_backend
 from titan_cp.attention.linear.plan import state_plan
 from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.integrations.hf_shapes import LinearShapes
 from titan_cp.layout import DEFAULT_BALANCE, SequenceLayout, get_layout
 from titan_cp.plan import linear as lin
 from titan_cp.plan.devices import GPUS
+from titan_cp.testing.fla import stand_in
 
 DEVICE = torch.device("meta")
 FP32 = 4
@@ -165,26 +163,10 @@ class MeteredFla:
             self.inside = False
 
 
-_FLA_MODULES = ("fla", "fla.ops", "fla.ops.gated_delta_rule")
-
-
-@contextlib.contextmanager
-def _fla_installed(meter: MeteredFla) -> Iterator[None]:
-    """``import fla`` finds ``meter`` as ``chunk_gated_delta_rule`` inside the block (refused where a real
-    ``fla`` is imported: the stand-in would hide it)."""
-    assert not any(name in sys.modules for name in _FLA_MODULES), "a real fla is imported"
-    for name in _FLA_MODULES:
-        module = types.ModuleType(name)
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        sys.modules[name] = module
-    sys.modules[_FLA_MODULES[-1]].chunk_gated_delta_rule = meter  # type: ignore[attr-defined]
-    fla_backend.available.cache_clear()
-    try:
-        yield
-    finally:
-        for name in _FLA_MODULES:
-            sys.modules.pop(name, None)
-        fla_backend.available.cache_clear()
+def _fla_installed(meter: MeteredFla) -> contextlib.AbstractContextManager[None]:
+    """``import fla`` finds ``meter`` as ``chunk_gated_delta_rule`` inside the block
+    (:func:`titan_cp.testing.fla.stand_in`)."""
+    return stand_in(meter)
 
 
 @contextlib.contextmanager

@@ -8,12 +8,10 @@ specs, as an installed package has); ``CALLS`` counts the calls."""
 from __future__ import annotations
 
 import contextlib
-import importlib.machinery
-import sys
-import types
-from collections.abc import Iterator
 
 import torch
+
+from titan_cp.testing.fla import stand_in
 
 CALLS: list[dict] = []
 
@@ -48,25 +46,6 @@ def chunk_gated_delta_rule(
     return o, (torch.stack(finals) if output_final_state else None)
 
 
-NAMES = ("fla", "fla.ops", "fla.ops.gated_delta_rule")
-
-
-@contextlib.contextmanager
-def installed() -> Iterator[None]:
-    """``import fla`` (and ``fla.ops.gated_delta_rule``) finds this stand-in inside the block, in this process;
-    after it, nothing named ``fla`` is left (a pool worker runs other tests after: transformers must not find it)."""
-    from titan_cp.attention.linear import fla  # noqa: PLC0415
-
-    assert not any(name in sys.modules for name in NAMES), "a real fla is imported: the stand-in would hide it"
-    for name in NAMES:
-        module = types.ModuleType(name)
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        sys.modules[name] = module
-    sys.modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = chunk_gated_delta_rule  # type: ignore[attr-defined]
-    fla.available.cache_clear()
-    try:
-        yield
-    finally:
-        for name in NAMES:
-            sys.modules.pop(name, None)
-        fla.available.cache_clear()
+def installed() -> contextlib.AbstractContextManager[None]:
+    """``import fla`` finds this stand-in inside the block (:func:`titan_cp.testing.fla.stand_in`)."""
+    return stand_in(chunk_gated_delta_rule)
