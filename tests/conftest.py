@@ -15,6 +15,13 @@ _HEAVY = {"transformers": "transformers.trainer", "trl": "trl.trainer.sft_traine
 # inductor's vectoriser (on a GPU inductor writes Triton instead).
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
+# Each module compiled once: the suite writes Python's bytecode caches (``__pycache__``, ignored by git) even
+# where PYTHONDONTWRITEBYTECODE is set, as on the machines it is sized for. Otherwise each of its processes
+# (the test processes, their forkservers, every launched rank) compiles titan_cp and rewrites the test modules
+# again: ~3 s of each test process's collection, and a fraction of a second of each launch's ranks.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 # Under pytest-xdist (``-n 2``: one test process per core) each test process computes on one thread and
 # keeps fewer idle pool workers alive: the two share the cores and the memory.
 _XDIST = "PYTEST_XDIST_WORKER" in os.environ

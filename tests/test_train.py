@@ -494,11 +494,12 @@ def _launch_on_a_full_disk(argv: list[str], prefix: Path, free: int) -> str:
 
 
 def test_a_full_disk_mid_metrics_or_mid_checkpoint_is_one_line_on_two_ranks(dist_pools, straight, tmp_path):
-    """Under the launcher, 2 ranks (CP 2), 8 steps saved every 4: metrics.jsonl's disk filling after step
-    4's save, then, rerun, step 8's save not fitting (refused inside torch.save, whose zip writer reports
-    only a position mismatch): each run ends with exactly one line, rank 0's, naming the file or folder,
-    the free bytes and the step kept, and exit status 2. Nothing is lost: the records before are kept,
-    step 4 stays whole, and the run resumed from it afterwards trains the straight run's steps 5-8."""
+    """2 ranks (CP 2), 8 steps saved every 4: metrics.jsonl's disk filling after step 4's save, under the
+    launcher, ends with exactly one line, rank 0's, and exit status 2; then, rerun on the pool's ranks, step 8's
+    save not fitting (refused inside torch.save, whose zip writer reports only a position mismatch) stops every
+    rank with the same error. Each names the file or folder, the free bytes and the step kept. Nothing is lost:
+    the records before are kept, step 4 stays whole, and the run resumed from it afterwards trains the straight
+    run's steps 5-8."""
     run = tmp_path / "run"
     argv = BASE + _mesh_args(cp=2) + ["--job.dump_folder", str(run)]
     kept = "step-4 is kept whole and a rerun resumes from it"
@@ -512,13 +513,14 @@ def test_a_full_disk_mid_metrics_or_mid_checkpoint_is_one_line_on_two_ranks(dist
     lines = (run / "metrics.jsonl").read_text().splitlines()
     head = [json.loads(x)["loss"] for x in lines[: int(found.group(1)) - 1]]  # then a record cut by the disk
     assert head[:4] == pytest.approx(straight[:4], rel=1e-6) and saved_steps(run / "checkpoint") == [4]
-    line = _launch_on_a_full_disk(argv, run / "checkpoint" / "step-8", 100_000)
+    messages = dist_pools.run(2, _main_on_a_full_disk, argv, run / "checkpoint" / "step-8", 100_000, timeout=600)
     size = sum(f.stat().st_size for f in (run / "checkpoint" / "step-4").rglob("*") if f.is_file())
-    assert re.fullmatch(
-        rf"error: checkpoint step 8 could not be written to {run}/checkpoint: the disk is full \(\d+ bytes free; the "
+    same = [re.sub(r"\d+ bytes free", "", m) for m in messages]  # the free space moves between the two looks
+    assert same[0] == same[1] and re.fullmatch(
+        rf"checkpoint step 8 could not be written to {run}/checkpoint: the disk is full \(\d+ bytes free; the "
         rf"last saved step takes {size} bytes\); {kept}\. Free space there .* and rerun",
-        line,
-    ), line
+        messages[0],
+    ), messages
     assert saved_steps(run / "checkpoint") == [4] and not (run / "checkpoint" / "step-8.tmp").exists()
     tail = dist_pools.run(2, _train, argv, timeout=600)[0]  # space freed: the rerun resumes from step 4
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -548,12 +550,13 @@ def test_a_damaged_checkpoint_is_refused_alike_on_every_rank(dist_pools, tmp_pat
     )
 
 
-def _export_on_a_full_disk(rank, world, argv, prefix):
-    """``main(argv)`` with the files written under ``prefix`` on a full disk: the ``UserError`` it stops with."""
+def _main_on_a_full_disk(rank, world, argv, prefix, free=0):
+    """``main(argv)`` with the files written under ``prefix`` on a disk with ``free`` bytes left: the ``UserError``
+    it stops with."""
     from titan_cp.errors import UserError
     from titan_cp.testing.full_disk import full_disk
 
-    with full_disk(prefix, 0):
+    with full_disk(prefix, free):
         try:
             main(argv)
         except UserError as e:
@@ -565,7 +568,7 @@ def test_a_full_disk_during_the_model_export_names_the_step_holding_the_same_mod
         "--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(tmp_path), "--checkpoint.enable",
         "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0", "--checkpoint.last_save_model_only",
     ]  # fmt: skip
-    messages = dist_pools.run(2, _export_on_a_full_disk, argv, tmp_path / "checkpoint" / "step-2-model", timeout=600)
+    messages = dist_pools.run(2, _main_on_a_full_disk, argv, tmp_path / "checkpoint" / "step-2-model", timeout=600)
     same = [re.sub(r"\d+ bytes free", "", m) for m in messages]  # the free space moves between the two looks
     assert same[0] == same[1], messages  # every rank stops with the same line
     assert re.fullmatch(
