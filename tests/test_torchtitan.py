@@ -24,7 +24,7 @@
   of its own), each from its own seed: CP 2 ring and CP 2 Ulysses give the one-process run's losses (MoE layers:
   step 1 within 1e-5, step 2 within 5e-5, :func:`_equal_moe_losses`). The expert-parallel block (Qwen3 MoE):
   EP 2 x CP 2 gives EP 2's losses, and its step-1 checkpoint resumes at EP 4 x CP 2 Ulysses with its step 2.
-- All of it runs in one launch of 4 ranks (a module fixture), each line in a fresh forked process
+- All of it runs in one launch of 8 ranks (a module fixture), each line in a fresh forked process
   (tests/forked_launch.py: torch and the other libraries imported once, before the ranks fork), several at once on
   different ranks, each waiting for the lines whose outputs it reads (:func:`_schedule`); each line's output
   (every rank's) in a file of its own.
@@ -119,22 +119,46 @@ def _dump_folder(step: dict) -> str | None:
     return argv[len(argv) - argv[::-1].index("--dump_folder")] if "--dump_folder" in argv else None
 
 
+# The launch's ranks: more than its largest run's 4, so that the blocks run side by side (:func:`_schedule`); an idle
+# rank is a forked process waiting (its memory the launch's, shared).
+LAUNCH_RANKS = 8
+
+
+def _seconds(step: dict) -> float:
+    """A rough guess of ``step``'s seconds on a busy 2-core machine, for :func:`_schedule`: a shell line or a refused
+    run (parsing, then one line) next to nothing, a seed checkpoint one, a training run five."""
+    argv = step.get("argv", [])
+    if "shell" in step or step["status"] != 0:
+        return 0.2
+    return 1.0 if "--checkpoint.create_seed_checkpoint" in argv else 5.0
+
+
 def _schedule(steps: list[dict], size: int) -> list[dict]:
-    """``steps`` placed on the launch's ``size`` ranks each after the one before it (wrapping), so that a step starts
-    while the one before it ends (torchtitan's rank 0 sleeps 2 s after its last step; loading and saving leave a
-    core idle), each waiting for the steps whose output it reads: those whose dump folder its line names, and the
-    shell line that fills its own (a checkpoint copied in)."""
-    first = 0
+    """``steps`` placed on the launch's ``size`` ranks, each waiting for the steps whose output it reads: those whose
+    dump folder its line names, and the shell line that fills its own (a checkpoint copied in). The steps run side by
+    side (a run's rank 0 sleeping 2 s after its last step, as torchtitan's does, loading or saving leave the cores to
+    another): longest chain of waits first (by :func:`_seconds`), each step taking the consecutive ranks where it can
+    start first, after what it reads and what those ranks run before it. A rank runs its steps in the plan's order,
+    and a step waits only for earlier ones."""
     for i, step in enumerate(steps):
-        n = 1 if "shell" in step else step["nproc"]
-        step["first_rank"] = first if first + n <= size else 0
-        first = (step["first_rank"] + n) % size
         line, own = step.get("shell") or " ".join(step["argv"]), _dump_folder(step)
         step["after"] = [
             before["name"] for before in steps[:i]
             if (_dump_folder(before) and f"{_dump_folder(before)}/" in line)
             or (own and "shell" in before and f"{own}/" in before["shell"])
         ]  # fmt: skip
+    chain = {}  # a step's seconds and those of the longest chain of steps waiting for it
+    for step in reversed(steps):
+        waiting = [chain[later["name"]] for later in steps if step["name"] in later["after"]]
+        chain[step["name"]] = _seconds(step) + max(waiting, default=0.0)
+    steps = sorted(steps, key=lambda step: -chain[step["name"]])  # a step's chain outlasts those waiting for it
+    free, ends = [0.0] * size, {}
+    for step in steps:
+        n = 1 if "shell" in step else step["nproc"]
+        ready = max((ends[name] for name in step["after"]), default=0.0)
+        start, first = min((max(ready, *free[r : r + n]), r) for r in range(size - n + 1))
+        step["first_rank"], ends[step["name"]] = first, start + _seconds(step)
+        free[first : first + n] = [ends[step["name"]]] * n
     return steps
 
 
@@ -145,7 +169,7 @@ def _launch(steps: list[dict], cwd: Path) -> tuple[dict[str, str], dict[str, str
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.pop("TITAN_CP_DEBUG", None)
-    size, logs = max(step.get("nproc", 1) for step in steps), cwd / "logs"
+    size, logs = max(LAUNCH_RANKS, *(step.get("nproc", 1) for step in steps)), cwd / "logs"
     logs.mkdir()
     plan = dict(preload=PRELOAD, steps=_schedule(steps, size), markers=str(cwd / "markers"), logs=str(logs))
     run = launch(size, plan, cwd / "plan.json", cwd, env)
@@ -194,7 +218,8 @@ BLOCKS = [  # the page's CPU blocks after the Llama one: (config, step names)
 @pytest.fixture(scope="module")
 def pages_runs(tmp_path_factory) -> tuple[Path, dict[str, str], dict[str, str]]:
     """The page's CPU blocks (Llama 3, the door's mistakes, then :data:`BLOCKS`: Qwen3.5, gpt-oss, expert parallel)
-    in one launch of 4 ranks in a temporary folder: that folder, and the launch's stdout and stderr by step."""
+    in one launch of :data:`LAUNCH_RANKS` ranks in a temporary folder: that folder, and the launch's stdout and stderr
+    by step."""
     cwd = tmp_path_factory.mktemp("torchtitan")
     llama = _cpu_block("llama3_debugmodel_cp")
     steps = [_step(name, line, cwd) for name, line in zip(LLAMA_STEPS, llama, strict=True)]
