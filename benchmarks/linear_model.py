@@ -44,7 +44,9 @@ without CP. Under CP each piece runs once too, in one of two calls: the pieces t
 ``rate``: :data:`titan_cp.plan.linear.GATED_DELTA_FRACTION` of the device's peak (or ``fraction``). The
 record is the rank with the largest ``overhead / own``; ``variants`` say what would bring it down, or push
 it up, from the same counts: the kernel at half and twice the rate, the GEMMs at twice theirs, the outside
-bytes CP adds gone, the whole decoder layer (its MLP or experts) as the layer.
+bytes CP adds gone, the whole decoder layer (its MLP or experts) as the layer. ``floor_pct``: the least any
+exact method adds, :func:`titan_cp.plan.linear.floor_flops` (the incoming state carried through the later
+pieces' chunks) at ``rate`` over the same ``own``, with no exchange and no byte outside the kernel.
 """
 
 from __future__ import annotations
@@ -425,12 +427,14 @@ def layer_record(
         name: max(rank_times(dims, p, works[p[0].rank], device, fraction, v).ratio for p in pairs)
         for name, v in VARIANTS.items()
     }
+    rate = GPUS[device].peak_flops * fraction
+    floor = max(sum(lin.floor_flops(dims.shapes, works[t.rank])) / rate / sum(t.own.values()) for t in times)
     sites = {f"{k[0]}:{k[1]}": v[1] - alone.sites.get(k, [0, 0])[1] for k, v in traced.sites.items()}
     return {
         "model": dims.name, "mix": mix, "seq_len": seq_len, "cp": cp, "balance": balance,
         "documents": len(rows[0]), "device": device, "kernel_fraction": fraction, "rank": worst.rank,
         "own_ms": _ms(worst.own), "overhead_ms": _ms(worst.overhead), "overhead_pct": round(100 * worst.ratio, 2),
-        "bar_pct": 100 * BAR, "within_bar": worst.ratio <= BAR,
+        "bar_pct": 100 * BAR, "within_bar": worst.ratio <= BAR, "floor_pct": round(100 * floor, 2),
         "overhead_pct_by_rank": [round(100 * t.ratio, 2) for t in times],
         "fla_calls": [dict(op=c.op, pieces=len(c.lengths), tokens=c.tokens, width=c.width) for c in traced.calls],
         "later_tokens": sum(works[worst.rank].later_lengths),

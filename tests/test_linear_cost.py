@@ -7,6 +7,8 @@ Counts only: the time model's seconds are the benchmark's to report, never asser
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -50,6 +52,8 @@ def test_the_count_of_a_gated_deltanet_layer_at_full_size(mix):
         assert cp.calls == _expected_calls(work), cp.rank
         added = cp.kernel_flops(S) - alone.kernel_flops(S)  # the later pieces' d_k more columns, as priced
         assert added == pytest.approx(sum(lin.cp_flops(S, work)), rel=1e-12) and (added > 0) == bool(work.later_lengths)
+        floor = lin.floor_flops(S, work)  # what any exact method adds: below the wide call's, as much backward
+        assert all(0 <= f <= a for f, a in zip(floor, lin.cp_flops(S, work))) and (floor[0] > 0) == (added > 0)
         assert alone.calls == [FlaCall(op, work.lengths, S.d_v, True) for op in ("forward", "backward")]
         summaries, halos = lin.exchange_bytes(S, work, 2, recompute=False)  # fla's autograd: no second send
         assert (cp.summary_bytes, cp.halo_bytes) == (summaries, halos) and summaries > 0
@@ -59,6 +63,20 @@ def test_the_count_of_a_gated_deltanet_layer_at_full_size(mix):
         tokens = sum(work.lengths)
         assert cp.saved_bytes == lin.ops_saved_per_token(S, 2) * tokens + lin.work_extra_bytes(S, work, 2)
         assert alone.saved_bytes == lin.ops_saved_per_token(S, 2) * tokens + len(work.lengths) * S.state_bytes
+
+
+def test_the_floor_carries_the_incoming_state_through_each_later_chunk():
+    """:func:`~titan_cp.plan.linear.floor_flops`: a later piece's chunks each carry the state (``W S``, ``K'^T``
+    times it: ``4 C K V``) and give its outputs' share (``2 C K V + 2 C^2 V``), every value head; at Qwen3-Next's
+    dims 87% of the wide call's added FLOPs forward (``4 C^2 K + 6 C K K``), a first piece nothing; Mamba2 has none."""
+    work = lin.LinearWork((100, 64), (False, True), (), 0, 1, 0, 3)  # a first piece, then a later one of one chunk
+    c, k, v = S.chunk, S.d_k, S.d_v
+    forward = S.v_heads * (6 * c * k * v + 2 * c * c * v)
+    assert lin.floor_flops(S, work) == (forward, 2 * forward)
+    wide = S.v_heads * (4 * c * c * k + 6 * c * k * k)
+    assert lin.cp_flops(S, work)[0] == pytest.approx(wide) and lin.floor_flops(S, work)[0] / wide == 0.875
+    with pytest.raises(ValueError, match="Gated DeltaNet's"):
+        lin.floor_flops(dataclasses.replace(S, kind="mamba2"), work)
 
 
 def test_what_crosses_is_the_same_at_two_row_lengths():
