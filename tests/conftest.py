@@ -14,6 +14,9 @@ _HEAVY = {"transformers": "transformers.trainer", "trl": "trl.trainer.sft_traine
 # compile through inductor). Scalar kernels lower the same graphs: the tests check titan_cp's graphs, not
 # inductor's vectoriser (on a GPU inductor writes Triton instead).
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+# Its kernels compiled in the test process: a pool of compile workers (a process importing torch, then its
+# workers) costs more CPU than the few kernels a test compiles, on cores both test processes already use.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 # Each module compiled once: the suite writes Python's bytecode caches (``__pycache__``, ignored by git) even
 # where PYTHONDONTWRITEBYTECODE is set, as on the machines it is sized for. Otherwise each of its processes
