@@ -513,14 +513,15 @@ def test_a_full_disk_mid_metrics_or_mid_checkpoint_is_one_line_on_two_ranks(dist
     lines = (run / "metrics.jsonl").read_text().splitlines()
     head = [json.loads(x)["loss"] for x in lines[: int(found.group(1)) - 1]]  # then a record cut by the disk
     assert head[:4] == pytest.approx(straight[:4], rel=1e-6) and saved_steps(run / "checkpoint") == [4]
-    messages = dist_pools.run(2, _main_on_a_full_disk, argv, run / "checkpoint" / "step-8", 100_000, timeout=600)
+    message = _every_rank_alike(
+        dist_pools.run(2, _main_on_a_full_disk, argv, run / "checkpoint" / "step-8", 100_000, timeout=600)
+    )
     size = sum(f.stat().st_size for f in (run / "checkpoint" / "step-4").rglob("*") if f.is_file())
-    same = [re.sub(r"\d+ bytes free", "", m) for m in messages]  # the free space moves between the two looks
-    assert same[0] == same[1] and re.fullmatch(
+    assert re.fullmatch(
         rf"checkpoint step 8 could not be written to {run}/checkpoint: the disk is full \(\d+ bytes free; the "
         rf"last saved step takes {size} bytes\); {kept}\. Free space there .* and rerun",
-        messages[0],
-    ), messages
+        message,
+    ), message
     assert saved_steps(run / "checkpoint") == [4] and not (run / "checkpoint" / "step-8.tmp").exists()
     tail = dist_pools.run(2, _train, argv, timeout=600)[0]  # space freed: the rerun resumes from step 4
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -563,20 +564,28 @@ def _main_on_a_full_disk(rank, world, argv, prefix, free=0):
             return str(e)
 
 
+def _every_rank_alike(messages: list[str]) -> str:
+    """Rank 0's message, after checking every rank stopped with the same one (the free bytes aside: the free space
+    moves between the ranks' looks)."""
+    same = [re.sub(r"\d+ bytes free", "", m) for m in messages]
+    assert all(m == same[0] for m in same), messages  # every rank stops with the same line
+    return messages[0]
+
+
 def test_a_full_disk_during_the_model_export_names_the_step_holding_the_same_model(dist_pools, tmp_path):
     argv = tiny_run_args(steps=2) + [
         "--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(tmp_path), "--checkpoint.enable",
         "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0", "--checkpoint.last_save_model_only",
     ]  # fmt: skip
-    messages = dist_pools.run(2, _main_on_a_full_disk, argv, tmp_path / "checkpoint" / "step-2-model", timeout=600)
-    same = [re.sub(r"\d+ bytes free", "", m) for m in messages]  # the free space moves between the two looks
-    assert same[0] == same[1], messages  # every rank stops with the same line
+    message = _every_rank_alike(
+        dist_pools.run(2, _main_on_a_full_disk, argv, tmp_path / "checkpoint" / "step-2-model", timeout=600)
+    )
     assert re.fullmatch(
         rf"the model export step-2-model could not be written to {tmp_path}/checkpoint: the disk is full \(\d+ bytes "
         r"free; the last saved step takes \d+ bytes\); step-2 holds the same model with the whole state "
         r"\(checkpoint.initial_load_path loads its model alone\)",
-        messages[0],
-    ), messages[0]
+        message,
+    ), message
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
 
 

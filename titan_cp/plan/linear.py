@@ -42,9 +42,8 @@ over ``W S``: ``2 C K V + 2 C^2 V``), ``6 C K V + 2 C^2 V`` forward, each produc
 (:func:`floor_flops`). Carried as the ``d_k`` columns ``[0 | I]`` (titan_cp's pass: the query carried through the
 transitions, its product with ``S_in`` after the exchange) it costs the wide call's ``4 C^2 K + 6 C K K`` more
 (at ``K = V`` and ``C = 64``: 8.4 MFLOP a chunk forward against the floor's 7.3); running a second pass from
-``S_in`` once it arrives costs the floor again and puts the exchange between the passes. ``fla`` and
-``titan_cp`` alike pay it on every token of a later piece, so a row that is one document pays it on nearly all
-of them.
+``S_in`` once it arrives costs the floor again and puts the exchange between the passes. Any implementation
+pays it on every token of a later piece, so a row that is one document pays it on nearly all of them.
 
 **Rates.** Gated DeltaNet's kernel at :data:`GATED_DELTA_FRACTION` of the device's peak: 0.15, half the
 rate FlashAttention-2 reaches on an H100 at head dim 128 (0.29 to 0.37 of peak, :data:`~titan_cp.plan.kernels.FA2_H100`),
@@ -168,8 +167,8 @@ def cp_flops(shapes: LinearShapes, work: LinearWork) -> tuple[float, float]:
 def floor_flops(shapes: LinearShapes, work: LinearWork) -> tuple[float, float]:
     """``(forward, backward)``: the least kernel FLOPs any exact method adds to ``work`` under CP (module docstring,
     *The floor*): Gated DeltaNet's incoming states carried through the later pieces' chunks, ``6 C K V + 2 C^2 V``
-    a chunk and head forward, twice that backward. Gated DeltaNet's alone (Mamba2's transitions are a scalar decay
-    a head: its incoming state costs a chunk's outputs one product, :func:`cp_flops`)."""
+    a chunk and head forward, twice that backward. Gated DeltaNet's alone (a Mamba2 layer's CP work:
+    :func:`cp_flops`)."""
     if not shapes.gated_delta:
         raise ValueError("floor_flops is Gated DeltaNet's: a Mamba2 layer's CP work is cp_flops'")
     c, k, v = shapes.chunk, shapes.d_k, shapes.d_v
