@@ -1,6 +1,7 @@
 """What a Gated DeltaNet layer does under CP, counted at full size (131072 tokens, CP 8, Qwen3-Next's heads, bf16)
 on the meta device through titan_cp's own ops and ``fla`` metered (``benchmarks.linear_model``): the ``fla`` calls
-(each piece once: those that start their document at ``d_v`` columns, the later ones at ``d_v + d_k``), the
+(each piece once: those that start their document at ``d_v`` columns, the middle ones at ``d_v + d_k``, the last
+ones at ``d_v`` from their composed states), the
 bytes each exchange sends, the bytes autograd keeps, no host synchronisation; what crosses is the same at two
 row lengths; and every rank of a crossing plan joins the exchange's backward.
 Counts only: the time model's seconds are the benchmark's to report, never asserted."""
@@ -21,7 +22,7 @@ from titan_cp.layout import DEFAULT_BALANCE, SequenceLayout
 from titan_cp.plan import linear as lin
 
 SEQ, CP, S = 131072, 8, QWEN3_NEXT
-WIDE = S.d_v + S.d_k  # the later pieces' value width: [v | 0] from [0 | I]
+WIDE = S.d_v + S.d_k  # the middle pieces' value width: [v | 0] from [0 | I]
 
 
 def _works(seq: int, cp: int, rows: list[list[int]] | None) -> tuple[lin.LinearWork, ...]:
@@ -29,11 +30,10 @@ def _works(seq: int, cp: int, rows: list[list[int]] | None) -> tuple[lin.LinearW
 
 
 def _expected_calls(work: lin.LinearWork) -> list[FlaCall]:
-    """Forward: the pieces that start their document at v's width, then the later ones at ``d_v + d_k`` (each
-    call where the rank has such pieces); backward in reverse."""
-    calls = [
-        (lengths, width) for lengths, width in ((work.first_lengths, S.d_v), (work.later_lengths, WIDE)) if lengths
-    ]
+    """Forward: the pieces that start their document at v's width, the middle ones at ``d_v + d_k``, then (after
+    the exchange) the last ones at v's width (each call where the rank has such pieces); backward in reverse."""
+    groups = ((work.first_lengths, S.d_v), (work.middle_lengths, WIDE), (work.last_lengths, S.d_v))
+    calls = [(lengths, width) for lengths, width in groups if lengths]
     return [
         FlaCall(op, lengths, width, True)
         for op, order in (("forward", 1), ("backward", -1))
@@ -47,12 +47,14 @@ def test_the_count_of_a_gated_deltanet_layer_at_full_size(mix):
     pairs, works = simulate(S, SEQ, CP, rows), _works(SEQ, CP, rows)  # a host sync would raise here
     assert [cp.rank for cp, _ in pairs] == list(range(CP))
     assert any(w.summarized for w in works) and all(sum(w.lengths) == SEQ // CP for w in works)
-    assert any(w.first_lengths and w.later_lengths for w in works)  # a rank with both calls
+    assert any(w.first_lengths and w.last_lengths for w in works)  # a rank with two calls
     for (cp, alone), work in zip(pairs, works):
         assert cp.calls == _expected_calls(work), cp.rank
-        added = cp.kernel_flops(S) - alone.kernel_flops(S)  # the later pieces' d_k more columns, as priced
-        assert added == pytest.approx(sum(lin.cp_flops(S, work)), rel=1e-12) and (added > 0) == bool(work.later_lengths)
-        floor = lin.floor_flops(S, work)  # what any exact method adds: below the wide call's, as much backward
+        added = cp.kernel_flops(S) - alone.kernel_flops(S)  # the middle pieces' d_k more columns, as priced
+        assert added == pytest.approx(sum(lin.cp_flops(S, work)), rel=1e-12) and (added > 0) == bool(
+            work.middle_lengths
+        )
+        floor = lin.floor_flops(S, work)  # the chunked form's least: below the wide call's, as much backward
         assert all(0 <= f <= a for f, a in zip(floor, lin.cp_flops(S, work))) and (floor[0] > 0) == (added > 0)
         assert alone.calls == [FlaCall(op, work.lengths, S.d_v, True) for op in ("forward", "backward")]
         summaries, halos = lin.exchange_bytes(S, work, 2, recompute=False)  # fla's autograd: no second send
@@ -65,16 +67,20 @@ def test_the_count_of_a_gated_deltanet_layer_at_full_size(mix):
         assert alone.saved_bytes == lin.ops_saved_per_token(S, 2) * tokens + len(work.lengths) * S.state_bytes
 
 
-def test_the_floor_carries_the_incoming_state_through_each_later_chunk():
-    """:func:`~titan_cp.plan.linear.floor_flops`: a later piece's chunks each carry the state (``W S``, ``K'^T``
-    times it: ``4 C K V``) and give its outputs' share (``2 C K V + 2 C^2 V``), every value head; at Qwen3-Next's
-    dims 87% of the wide call's added FLOPs forward (``4 C^2 K + 6 C K K``), a first piece nothing; Mamba2 has none."""
-    work = lin.LinearWork((100, 64), (False, True), (), 0, 1, 0, 3)  # a first piece, then a later one of one chunk
-    c, k, v = S.chunk, S.d_k, S.d_v
-    forward = S.v_heads * (6 * c * k * v + 2 * c * c * v)
+def test_the_floor_carries_each_middle_pieces_transition_through_its_chunks():
+    """:func:`~titan_cp.plan.linear.floor_flops`: a middle piece's chunks each carry its transition (``W M``, ``K'^T``
+    times it: ``4 C K^2``), every value head, twice that backward: at Qwen3-Next's dims half of the wide call's added
+    FLOPs forward (``4 C^2 K + 6 C K K``); a first piece and a last one (run from its composed state) nothing;
+    Mamba2 has none."""
+    # a first piece, a middle one of one chunk (a piece follows it), a last one of two chunks
+    work = lin.LinearWork((100, 64, 128), (False, True, True), (True, True, False), 0, 1, 0, 3)
+    c, k = S.chunk, S.d_k
+    forward = S.v_heads * 4 * c * k * k
     assert lin.floor_flops(S, work) == (forward, 2 * forward)
     wide = S.v_heads * (4 * c * c * k + 6 * c * k * k)
-    assert lin.cp_flops(S, work)[0] == pytest.approx(wide) and lin.floor_flops(S, work)[0] / wide == 0.875
+    assert lin.cp_flops(S, work)[0] == pytest.approx(wide) and lin.floor_flops(S, work)[0] / wide == 0.5
+    last = dataclasses.replace(work, followed=(True, False, False))  # the middle piece now ends its document
+    assert lin.floor_flops(S, last) == lin.cp_flops(S, last) == (0, 0)
     with pytest.raises(ValueError, match="Gated DeltaNet's"):
         lin.floor_flops(dataclasses.replace(S, kind="mamba2"), work)
 
@@ -82,14 +88,14 @@ def test_the_floor_carries_the_incoming_state_through_each_later_chunk():
 def test_what_crosses_is_the_same_at_two_row_lengths():
     """One document over CP 8 at 32,768 and 131,072 tokens: each rank sends the same bytes (summaries of
     ``heads x d_k x (d_v + d_k)`` numbers, halos of ``kernel - 1`` tokens), counted and as the planner prices
-    them; only the tokens run wide (the later pieces') grow with the row."""
+    them; only the tokens run wide (the middle pieces') grow with the row."""
     short, long = (simulate(S, n, CP) for n in (SEQ // 4, SEQ))
     assert [(a.summary_bytes, a.halo_bytes) for a, _ in short] == [(a.summary_bytes, a.halo_bytes) for a, _ in long]
     for n in (SEQ // 4, SEQ):
         priced = [lin.exchange_bytes(S, w, 2, recompute=False) for w in _works(n, CP, None)]
         assert priced == [(a.summary_bytes, a.halo_bytes) for a, _ in long]
-    assert sum(sum(w.later_lengths) for w in _works(SEQ, CP, None)) == 4 * sum(
-        sum(w.later_lengths) for w in _works(SEQ // 4, CP, None)
+    assert sum(sum(w.middle_lengths) for w in _works(SEQ, CP, None)) == 4 * sum(
+        sum(w.middle_lengths) for w in _works(SEQ // 4, CP, None)
     )
 
 
@@ -191,7 +197,7 @@ def _plans_work(layout: SequenceLayout, rank: int, batch: int, conv: int) -> lin
     read = {received for chain in state.chains if len(chain) > 1 for received, _ in chain}  # what M s + B keeps
     extended = {chain[:n] for chain in state.chains for n in range(2, len(chain))}  # kept as s by a longer link
     return lin.LinearWork(
-        lengths, tuple(map(bool, state.chains)), tuple(lengths[i] for i in state.summarize),
+        lengths, tuple(map(bool, state.chains)), tuple(j in state.summarize for j in range(len(lengths))),
         sum(map(len, state.send.values())),
         state.received, sum(map(len, halo.send.values())), halo.received,
         len(extended), False in read, True in read,

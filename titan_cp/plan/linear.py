@@ -10,15 +10,19 @@ receives, the convolution's halo tokens. Nothing grows with the row but the toke
 is ``heads x d_k x (d_v + d_k)`` numbers whatever the piece's length.
 
 **The calls** of Gated DeltaNet through ``fla`` (:mod:`titan_cp.attention.linear.fla`), per rank and layer,
-each where the rank has such pieces, forward and backward: one over the pieces that start their document
-at ``d_v`` columns, one over the later pieces at ``d_v + d_k`` (``[v | 0]`` from ``[0 | I]``: their
-outputs, the query carried through their transitions and their summaries in one pass). Without CP every
-piece runs at ``d_v``, so what CP adds to the kernel is the later pieces' ``d_k`` more columns
-(:func:`cp_flops`). Mamba2 runs its summaries' state pass, then every piece from its composed state.
+each where the rank has such pieces, forward and backward: before the exchange, one over the pieces that
+start their document at ``d_v`` columns and one over the *middle* pieces (later pieces a later piece
+follows: the ranks after them need their summaries before their own states are known) at ``d_v + d_k``
+(``[v | 0]`` from ``[0 | I]``: their outputs, the query carried through their transitions and their
+summaries in one pass); after it, one over the *last* pieces (later pieces no piece follows) at ``d_v``
+from their composed states. Without CP every piece runs at ``d_v`` from zero, at the same cost as from a
+given state, so what CP adds to the kernel is the middle pieces' ``d_k`` more columns (:func:`cp_flops`):
+nothing where no document crosses two rank boundaries. Mamba2 runs its summaries' state pass, then every
+piece from its composed state.
 
 **Kernel FLOPs** (:func:`chunk_flops`), per head and chunk of ``C`` tokens (a piece's last chunk padded and
 computed whole), ``K = d_k``, ``V`` the value width the call runs (``d_v``; ``d_v + d_k`` for Gated
-DeltaNet's later pieces)::
+DeltaNet's middle pieces)::
 
     Gated DeltaNet, fla's chunk_gated_delta_rule (the chunked algorithm of arXiv:2412.06464, section 3.3):
       kkt      A = strict_lower(beta K K^T * D)            2 C^2 K
@@ -34,16 +38,17 @@ DeltaNet's later pieces)::
                the outputs from the state before it) + 2 N P (the state passed on)
       backward F (the op recomputes its forward) + 2 F
 
-**The floor.** Whatever the method, an exact Gated DeltaNet under CP carries the state a later piece starts from
-(``S_in``, known only once the pieces before it ran) through every chunk of the piece, since each token's output
-reads it through the transitions before it: per chunk and head the state's two rank-``C`` updates (``W S``, then
-``K'^T`` times the result: ``4 C K V``) and its share of the outputs (``(Q exp(c)) S`` and the chunk's attention
-over ``W S``: ``2 C K V + 2 C^2 V``), ``6 C K V + 2 C^2 V`` forward, each product's two gradients backward
-(:func:`floor_flops`). Carried as the ``d_k`` columns ``[0 | I]`` (titan_cp's pass: the query carried through the
-transitions, its product with ``S_in`` after the exchange) it costs the wide call's ``4 C^2 K + 6 C K K`` more
-(at ``K = V`` and ``C = 64``: 8.4 MFLOP a chunk forward against the floor's 7.3); running a second pass from
-``S_in`` once it arrives costs the floor again and puts the exchange between the passes. Any implementation
-pays it on every token of a later piece, so a row that is one document pays it on nearly all of them.
+**The floor.** A last piece costs nothing more than alone: it waits for its state and runs from it. A middle
+piece cannot wait without serialising the ranks (the ranks after it wait for its summary), so its summary's
+transition ``M`` (``d_k x d_k``) is carried through its chunks: per chunk and head the two rank-``C``
+products of the state update (``W M``, then ``K'^T`` times it), ``4 C K^2`` forward, twice that backward
+(:func:`floor_flops`), with ``W`` shared with the piece's own pass; its outputs could then run from its
+composed state at the cost they have alone. That needs a kernel ``fla`` does not have (the transition
+carried beside the pass, without outputs); ``fla``'s own call carries it as the ``d_k`` columns ``[0 |
+I]`` (titan_cp's wide call: the query carried through the transitions, its product with ``S_in`` after the
+exchange) at ``4 C^2 K + 6 C K K`` more (at ``K = V`` and ``C = 64``: 8.4 MFLOP a chunk forward, twice the
+floor's 4.2); a second ``fla`` call over the piece for the transition alone would cost a whole pass at
+``d_k`` columns (11.6). A row that is one document has middle pieces on nearly every token of every rank.
 
 **Rates.** Gated DeltaNet's kernel at :data:`GATED_DELTA_FRACTION` of the device's peak: 0.15, half the
 rate FlashAttention-2 reaches on an H100 at head dim 128 (0.29 to 0.37 of peak, :data:`~titan_cp.plan.kernels.FA2_H100`),
@@ -64,15 +69,15 @@ GPU (``fla``'s own autograd for Gated DeltaNet, the custom op's saved inputs for
                 the gated norm's), the norm's rstd (4 per head), out_proj's input (a value_dim)
                 Mamba2: x, dt, B, C (the op's inputs, a each), the gate, the output (fp32), out_proj's input
     CP, Gated DeltaNet (:func:`widened_saved_bytes`, :func:`state_bytes`):
-    per later token   v's d_k more columns (a K per value head: fla's saved v) and the wide call's outputs
+    per middle token  v's d_k more columns (a K per value head: fla's saved v) and the wide call's outputs
                 [o | r] (V + K per value head: the correction r^T S_in keeps r, a view of them)
-    per token   the permutation (int64) that puts the two calls' tokens back, on a rank that runs both
-    per piece   its call's initial state (fp32, heads x K x V for a first piece; heads x K x (V + K), the
-                [0 | I] start, for a later one); each composed state a longer chain extends (fp32 heads x
-                K x V: M s + B keeps s); the summary buffers a chain of two links or more reads (fp32
-                heads x K x (V + K) a row: M s + B keeps M, and the first link's s is a view of its
-                summary); each later piece's state copied to the activations' dtype for its correction;
-                the summaries' index (int64)
+    per token   the permutation (int64) that puts the calls' tokens back, on a rank that runs two or more
+    per piece   its call's initial state (fp32, heads x K x V for a first or a last piece: zero, or its
+                composed state; heads x K x (V + K), the [0 | I] start, for a middle one); each composed
+                state a longer chain extends (fp32 heads x K x V: M s + B keeps s); the summary buffers a
+                chain of two links or more reads (fp32 heads x K x (V + K) a row: M s + B keeps M, and the
+                first link's s is a view of its summary); each middle piece's state copied to the
+                activations' dtype for its correction; the summaries' index (int64)
 """
 
 from __future__ import annotations
@@ -151,12 +156,13 @@ def kernel_rate(shapes: LinearShapes, dev: Device) -> float:
 
 
 def cp_flops(shapes: LinearShapes, work: LinearWork) -> tuple[float, float]:
-    """``(forward, backward)`` kernel FLOPs CP adds to ``work`` (module docstring): Gated DeltaNet's later
-    pieces at ``d_v + d_k`` columns less the same pieces at ``d_v`` (every piece runs once either way);
+    """``(forward, backward)`` kernel FLOPs CP adds to ``work`` (module docstring): Gated DeltaNet's middle
+    pieces at ``d_v + d_k`` columns less the same pieces at ``d_v`` (every piece runs once either way, a last
+    piece at ``d_v`` from its composed state);
     Mamba2's summaries' state pass, ``2 C N P + 2 N P`` a chunk and head (its intra-chunk products are the
     outputs call's), three times that backward."""
     if shapes.gated_delta:
-        chunks = chunks_of(work.later_lengths, shapes.chunk)
+        chunks = chunks_of(work.middle_lengths, shapes.chunk)
         wide, narrow = (call_flops(shapes, chunks, shapes.d_v + shapes.d_k * w) for w in (True, False))
         return wide[0] - narrow[0], wide[1] - narrow[1]
     c, n, p = shapes.chunk, shapes.d_k, shapes.d_v
@@ -165,14 +171,14 @@ def cp_flops(shapes: LinearShapes, work: LinearWork) -> tuple[float, float]:
 
 
 def floor_flops(shapes: LinearShapes, work: LinearWork) -> tuple[float, float]:
-    """``(forward, backward)``: the least kernel FLOPs any exact method adds to ``work`` under CP (module docstring,
-    *The floor*): Gated DeltaNet's incoming states carried through the later pieces' chunks, ``6 C K V + 2 C^2 V``
-    a chunk and head forward, twice that backward. Gated DeltaNet's alone (a Mamba2 layer's CP work:
-    :func:`cp_flops`)."""
+    """``(forward, backward)``: the least kernel FLOPs the chunked form adds to ``work`` under CP without
+    serialising the ranks (module docstring, *The floor*): Gated DeltaNet's middle pieces' transitions carried
+    through their chunks, ``4 C K^2`` a chunk and head forward, twice that backward. Gated DeltaNet's alone (a
+    Mamba2 layer's CP work: :func:`cp_flops`)."""
     if not shapes.gated_delta:
         raise ValueError("floor_flops is Gated DeltaNet's: a Mamba2 layer's CP work is cp_flops'")
-    c, k, v = shapes.chunk, shapes.d_k, shapes.d_v
-    forward = chunks_of(work.later_lengths, c) * shapes.v_heads * (6 * c * k * v + 2 * c * c * v)
+    c, k = shapes.chunk, shapes.d_k
+    forward = chunks_of(work.middle_lengths, c) * shapes.v_heads * 4 * c * k * k
     return forward, 2 * forward
 
 
@@ -190,8 +196,9 @@ class LinearWork:
     """One rank's share of a linear layer of one microbatch under a layout (module docstring).
 
     lengths: the rank's pieces, in its buffer's order; later: whether each has pieces of its document before
-    it (Gated DeltaNet runs it wide; else it starts its document); summarized: the pieces it summarises (a
-    later piece follows them); sent, received: summary rows sent forward and received; halo_sent,
+    it (else it starts its document); followed: whether a later piece follows each (the rank summarises it;
+    a later piece that is followed is a *middle* piece, which Gated DeltaNet runs wide, one that is not a
+    *last* piece, run from its composed state); sent, received: summary rows sent forward and received; halo_sent,
     halo_received: the convolution's halo tokens; composed: the states composed from two summaries or more
     that a longer chain extends (kept as its ``s``), once per chain prefix (a document's pieces on a rank
     share their chains' prefixes: the op composes each once); reads_sent, reads_received: whether a chain
@@ -200,7 +207,7 @@ class LinearWork:
 
     lengths: tuple[int, ...]
     later: tuple[bool, ...]
-    summarized: tuple[int, ...]
+    followed: tuple[bool, ...]
     sent: int
     received: int
     halo_sent: int
@@ -214,13 +221,23 @@ class LinearWork:
 
     @property
     def first_lengths(self) -> tuple[int, ...]:
-        """The pieces that start their document (Gated DeltaNet's narrow call), in order."""
+        """The pieces that start their document (Gated DeltaNet's first call, from zero), in order."""
         return tuple(n for n, later in zip(self.lengths, self.later) if not later)
 
     @property
-    def later_lengths(self) -> tuple[int, ...]:
-        """The pieces with pieces of their document before them (Gated DeltaNet's wide call), in order."""
-        return tuple(n for n, later in zip(self.lengths, self.later) if later)
+    def middle_lengths(self) -> tuple[int, ...]:
+        """The later pieces a later piece follows (Gated DeltaNet's wide call), in order."""
+        return tuple(n for n, later, f in zip(self.lengths, self.later, self.followed) if later and f)
+
+    @property
+    def last_lengths(self) -> tuple[int, ...]:
+        """The later pieces no piece follows (Gated DeltaNet's call from the composed states), in order."""
+        return tuple(n for n, later, f in zip(self.lengths, self.later, self.followed) if later and not f)
+
+    @property
+    def summarized(self) -> tuple[int, ...]:
+        """The pieces it summarises (a later piece follows them), in order."""
+        return tuple(n for n, f in zip(self.lengths, self.followed) if f)
 
     def summary_chunks(self, chunk: int) -> int:
         """Chunks of the pieces it summarises (Mamba2's summaries pass)."""
@@ -249,7 +266,7 @@ def linear_work(seq_len: int, cp: int, balance: str, rows: tuple, conv: int) -> 
         LinearWork(
             tuple(piece.length for piece in pieces[r]),
             tuple(piece.index > 0 for piece in pieces[r]),
-            tuple(piece.length for piece in pieces[r] if piece.index < piece.count - 1),
+            tuple(piece.index < piece.count - 1 for piece in pieces[r]),
             counts[r]["sent"],
             counts[r]["received"],
             counts[r]["halo_sent"],
@@ -340,36 +357,37 @@ def _fla_saved_per_token(shapes: LinearShapes, a: int, width: int) -> int:
 
 def widened_saved_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
     """Bytes Gated DeltaNet's ``fla`` path saves under CP in proportion to tokens beyond
-    :func:`ops_saved_per_token` (module docstring): each later token's ``d_k`` more value columns, and its
-    wide outputs ``[o | r]`` (the correction's product keeps ``r``, a view of them); on a rank that runs
-    both calls, the permutation that puts the two calls' tokens back (int64 a token). 0 for Mamba2, whose
-    op saves only its inputs."""
+    :func:`ops_saved_per_token` (module docstring): each middle token's ``d_k`` more value columns, and its
+    wide outputs ``[o | r]`` (the correction's product keeps ``r``, a view of them); on a rank whose pieces
+    fall in two calls or more, the permutation that puts the calls' tokens back (int64 a token). 0 for
+    Mamba2, whose op saves only its inputs."""
     if not shapes.gated_delta:
         return 0
     h, wide = shapes.v_heads, shapes.d_v + shapes.d_k
-    gathered = sum(work.lengths) if any(work.later) and not all(work.later) else 0
-    return sum(work.later_lengths) * h * act_bytes * (shapes.d_k + wide) + 8 * gathered
+    calls = sum(map(bool, (work.first_lengths, work.middle_lengths, work.last_lengths)))
+    gathered = sum(work.lengths) if calls > 1 else 0
+    return sum(work.middle_lengths) * h * act_bytes * (shapes.d_k + wide) + 8 * gathered
 
 
 def state_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
     """Bytes of states a layer keeps for its backward on a rank, through ``fla``'s autograd (Gated DeltaNet; 0
     for Mamba2, whose op keeps only its inputs): each call's initial states (a first piece's zero state, a
-    later piece's ``[0 | I]`` start, a summary's size); the summaries' index (int64 a row); each state
-    a longer one extends (``M s + B`` keeps ``s``); the summary buffers a chain of two links or more reads
-    (``M s + B`` keeps ``M``, and the first link's ``s`` is a view of its summary: this rank's and the
-    received ones, each kept whole); and each later piece's state, copied to the activations' dtype for
-    its correction."""
+    middle piece's ``[0 | I]`` start, a summary's size, a last piece's composed state); the summaries' index
+    (int64 a row); each state a longer one extends (``M s + B`` keeps ``s``); the summary buffers a chain of
+    two links or more reads (``M s + B`` keeps ``M``, and the first link's ``s`` is a view of its summary:
+    this rank's and the received ones, each kept whole); and each middle piece's state, copied to the
+    activations' dtype for its correction."""
     if not shapes.gated_delta:
         return 0
-    later = sum(work.later)
-    starts = (len(work.lengths) - later) * shapes.state_bytes + later * shapes.summary_bytes
+    middle = len(work.middle_lengths)
+    starts = (len(work.lengths) - middle) * shapes.state_bytes + middle * shapes.summary_bytes
     read = (work.reads_sent * len(work.summarized) + work.reads_received * work.received) * shapes.summary_bytes
-    corrections = later * shapes.state_bytes * act_bytes // FP32  # each later piece's state, copied to act's dtype
+    corrections = middle * shapes.state_bytes * act_bytes // FP32  # each middle piece's state, in act's dtype
     return starts + 8 * len(work.summarized) + work.composed * shapes.state_bytes + read + corrections
 
 
 def work_extra_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
-    """What one layer keeps on a rank beyond its per-token figure: the later tokens' wider copies and the states."""
+    """What one layer keeps on a rank beyond its per-token figure: the middle tokens' wider copies and the states."""
     return widened_saved_bytes(shapes, work, act_bytes) + state_bytes(shapes, work, act_bytes)
 
 
@@ -392,7 +410,8 @@ class LinearTime:
     own_forward, own_backward: the kernel over the rank's pieces as they would run without CP; elementwise:
     the convolution and the gated norm (:func:`elementwise_bytes_per_token`); cp_forward, cp_backward: the
     kernel work CP adds (:func:`cp_flops`); exchange: the summaries and halos at the link's bandwidth
-    (exposed: each later piece's correction waits for the states composed from what arrives)."""
+    (exposed: each last piece's call and each middle piece's correction wait for the states composed from what
+    arrives)."""
 
     own_forward: float
     own_backward: float

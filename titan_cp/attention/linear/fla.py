@@ -4,14 +4,17 @@
 from a state of its own (``initial_state``: ``(pieces, v_heads, d_k, width)``, the layout of
 :mod:`.gated_delta`'s state) and returns their final states; grouped value heads, the q/k
 normalisation and the scale are its own arguments. It is an autograd function, so the op's backward
-runs through it as through the torch kernel. Each piece runs once, per rank and layer at most two calls
-(:func:`.gated_delta.scan`'s arithmetic)::
+runs through it as through the torch kernel. Each piece runs once, per rank and layer at most three calls
+(:func:`.gated_delta.scan`'s arithmetic, :attr:`.plan.StatePlan.groups`)::
 
-    narrow   the pieces that start their document, from zero at v's own width (outputs final; the
+    first    the pieces that start their document, from zero at v's own width (outputs final; the
              final state is the offset B a later piece needs)
-    wide     the pieces a piece before them precedes, v widened to [v | 0] from [0 | I]: outputs
-             [o | r] (from zero, and the query carried through the transitions: the composed state's
-             share r^T S_in is added after the exchange) and final states [B | M]
+    middle   the pieces with a piece before them whose summary a piece after them needs, v widened to
+             [v | 0] from [0 | I]: outputs [o | r] (from zero, and the query carried through the
+             transitions: the composed state's share r^T S_in is added after the exchange) and final
+             states [B | M]
+    last     after the exchange, the other pieces with a piece before them, from the states the pieces
+             before them leave, at v's own width (what the piece would cost alone)
 
 The import is never needed at titan_cp's import: :func:`available` looks for the package; the op picks
 this backend for CUDA tensors when it is there (``"auto"``), and the torch chunked kernel otherwise.
@@ -78,14 +81,17 @@ def _call(p: Prepared, v: Tensor, lengths: list[int], initial: Tensor) -> tuple[
     return o[0], final
 
 
-def scan(p: Prepared, lengths: list[int], wide: bool) -> tuple[Tensor, Tensor]:
+def scan(p: Prepared, lengths: list[int], wide: bool, starts: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """:func:`.gated_delta.scan` through one ``fla`` call: ``p`` holds the pieces' tokens one after another,
     ``lengths`` theirs; outputs ``(sum(lengths), v_heads, width)`` and final states ``(len(lengths), v_heads,
-    d_k, width)``; ``wide``: ``v`` widened by ``d_k`` zero columns from ``[0 | I]``."""
+    d_k, width)``; each piece from zero, or from ``starts`` (one fp32 ``(v_heads, d_k, d_v)`` state a piece);
+    ``wide``: ``v`` widened by ``d_k`` zero columns from ``[0 | I]``."""
     h, dk, dv = p.v.shape[1], p.q.shape[-1], p.v.shape[-1]
     width = dv + dk * wide
     if not lengths:
         return p.v.new_zeros(0, h, width), torch.zeros(0, h, dk, width, device=p.q.device)
+    if starts is not None:
+        return _call(p, p.v, lengths, torch.stack(starts))
     v, initial = p.v, torch.zeros(len(lengths), h, dk, width, device=p.q.device)
     if wide:
         v = torch.cat([v, v.new_zeros(*v.shape[:2], dk)], -1)

@@ -76,13 +76,19 @@ def _step(p: Prepared, i: int, s: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def scan(
-    chunks: Chunks, runs: tuple[tuple[int, int], ...], p: Prepared, pieces: tuple[int, ...], wide: bool
+    chunks: Chunks,
+    runs: tuple[tuple[int, int], ...],
+    p: Prepared,
+    pieces: tuple[int, ...],
+    wide: bool,
+    starts: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Each piece of ``pieces`` (indices into ``runs``, ``(flat start, length)``) from a zero state: its outputs,
-    ``(sum of the pieces' lengths, heads, width)`` (the pieces one after another), and its final state,
-    ``(len(pieces), heads, d_k, width)``. ``wide``: ``d_k`` more value columns, zero, from the state
-    ``[0 | I]``: the outputs are ``[o | r]`` (``o`` from zero, ``r_t = M_t^T q_t`` the query carried through
-    the transitions so far) and the final state ``[B | M]`` (module docstring)."""
+    """Each piece of ``pieces`` (indices into ``runs``, ``(flat start, length)``) from a zero state, or from
+    ``starts`` (one ``(heads, d_k, d_v)`` state a piece): its outputs, ``(sum of the pieces' lengths, heads,
+    width)`` (the pieces one after another), and its final state, ``(len(pieces), heads, d_k, width)``.
+    ``wide``: ``d_k`` more value columns, zero, from the state ``[0 | I]``: the outputs are ``[o | r]`` (``o``
+    from zero, ``r_t = M_t^T q_t`` the query carried through the transitions so far) and the final state
+    ``[B | M]`` (module docstring)."""
     h, dk, dv = p.u.shape[1], p.w.shape[-1], p.u.shape[-1]
     width = dv + dk * wide
     start = p.u.new_zeros(h, dk, width)
@@ -90,9 +96,9 @@ def scan(
         start[..., dv:] = torch.eye(dk, dtype=p.u.dtype, device=p.u.device)
     pad = p.u.new_zeros(h, p.u.shape[2], dk)
     outs, finals = [], []
-    for j in pieces:
+    for at, j in enumerate(pieces):
         first, n = chunks.spans[j]
-        s, chunk_outs = start, []
+        s, chunk_outs = start if starts is None else starts[at].to(p.u.dtype), []
         for i in range(first, first + n):
             u = torch.cat([p.u[i], pad], -1) if wide else p.u[i]
             v_new, s_next = _step(p, i, s, u)

@@ -194,19 +194,20 @@ class _Planned:
 
 
 class _Group(torch.autograd.Function):
-    """``(x[first], x[later])``: the tokens of the two calls, each part a tensor of its own (what a call keeps
-    for its backward holds its own tokens only); backward, ``cat([d_first, d_later])[inverse]``: one gather,
-    where two ``index_select`` would each add their gradient into a full-size zero tensor."""
+    """``x[index]`` for each index: the tokens of each call, each part a tensor of its own (what a call keeps
+    for its backward holds its own tokens only); backward, ``cat(d_parts)[inverse]``: one gather, where an
+    ``index_select`` each would add its gradient into a full-size zero tensor."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, first: Tensor, later: Tensor, inverse: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(ctx, x: Tensor, inverse: Tensor, *index: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         ctx.save_for_backward(inverse)
-        return x.index_select(0, first), x.index_select(0, later)
+        ctx.parts = len(index)
+        return tuple(x.index_select(0, i) for i in index)
 
     @staticmethod
-    def backward(ctx, d_first: Tensor, d_later: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx, *d_parts: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         (inverse,) = ctx.saved_tensors
-        return torch.cat([d_first, d_later]).index_select(0, inverse), None, None, None
+        return (torch.cat(d_parts).index_select(0, inverse), None, *([None] * ctx.parts))
 
 
 # ---------------------------------------------------------------------------- the gated delta rule
@@ -240,9 +241,24 @@ class GatedDelta(_Planned):
     backend: str
 
     def prepare(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Any:
+        """The torch kernel's chunks (:func:`.gated_delta.prepare`); through ``fla``, the tokens of each of the
+        plan's groups (first, middle, last) as an :class:`.fla.Prepared` of its own, gathered (:class:`_Group`)
+        where two groups or more have pieces, else views of the buffer."""
         if self.backend == "fla":
             q, k, v, beta = (_flat(x) for x in (q, k, v, beta))
-            return fla.Prepared(q, k, v, _flat(g).float(), beta, self.scale, self.qk_l2norm)
+            flat = [q, k, v, _flat(g).float(), beta]
+            sizes = [sum(self.plan.runs[j][1] for j in pieces) for pieces in self.plan.groups]
+            if sum(n > 0 for n in sizes) > 1:
+                *index, inverse = self.plan.grouped(q.device)
+                parts = [_Group.apply(x, inverse, *index) for x in flat]
+            else:  # the one group is the whole buffer, in order
+                parts = [x.split(sizes) for x in flat]
+            return [
+                fla.Prepared(
+                    parts[0][i], parts[1][i], parts[2][i], parts[3][i], parts[4][i], self.scale, self.qk_l2norm
+                )
+                for i in range(3)
+            ]
         rep = v.shape[2] // q.shape[2]
         q, k = (_acc(_flat(x)).repeat_interleave(rep, dim=1) for x in (q, k))
         if self.qk_l2norm:
@@ -250,63 +266,53 @@ class GatedDelta(_Planned):
         v, g, beta = (_acc(_flat(x)) for x in (v, g, beta))
         return gated_delta.prepare(self.chunks, q * self.scale, k, v, g, beta)
 
-    def _scans(self, prep: Any) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-        """The first pieces' narrow call and the later pieces' wide one: ``(outputs, final states)`` each.
-        Through ``fla`` each call's tokens are gathered into a tensor of their own (:class:`_Group`, where
-        both calls run; else the one group is the whole buffer)."""
-        first, later = self.plan.pieces_first, self.plan.pieces_later
-        if self.backend != "fla":
-            return tuple(  # type: ignore[return-value]
-                gated_delta.scan(self.chunks, self.plan.runs, prep, pieces, wide)
-                for pieces, wide in ((first, False), (later, True))
-            )
-        lengths = [[self.plan.runs[j][1] for j in pieces] for pieces in (first, later)]
-        if first and later:  # else the one group is the whole buffer, in order
-            index = self.plan.grouped(prep.q.device)
-            q, k, v, g, beta = (_Group.apply(x, *index) for x in (prep.q, prep.k, prep.v, prep.g, prep.beta))
-            parts = [fla.Prepared(q[i], k[i], v[i], g[i], beta[i], prep.scale, prep.qk_l2norm) for i in (0, 1)]
-        else:
-            parts = fla.split(prep, [sum(n) for n in lengths])
-        return fla.scan(parts[0], lengths[0], False), fla.scan(parts[1], lengths[1], True)
+    def _scan(
+        self, prep: Any, group: int, wide: bool = False, starts: list[Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """One call over the pieces of the plan's ``group`` (:func:`.gated_delta.scan`, :func:`.fla.scan`):
+        ``(outputs, final states)``."""
+        pieces = self.plan.groups[group]
+        if self.backend == "fla":
+            return fla.scan(prep[group], [self.plan.runs[j][1] for j in pieces], wide, starts)
+        return gated_delta.scan(self.chunks, self.plan.runs, prep, pieces, wide, starts)
 
     def outgoing(self, prep: Any) -> tuple[Tensor, Partial]:
-        """Each piece once: those that start their document at v's width (their outputs final), the others
-        wide (outputs ``[o | r]``, :func:`.gated_delta.scan`); the summaries are their final states."""
-        first, later = self.plan.pieces_first, self.plan.pieces_later
-        (o_first, s_first), (o_later, s_later) = self._scans(prep)
-        dk = s_later.shape[-2] if s_later.numel() else s_first.shape[-2]
+        """The pieces the summaries come from: those that start their document at v's width (their outputs
+        final), the middle ones wide (outputs ``[o | r]``, :func:`.gated_delta.scan`); the summaries are their
+        final states."""
+        first, middle, _ = self.plan.groups
+        (o_first, s_first), (o_middle, s_middle) = self._scan(prep, 0), self._scan(prep, 1, wide=True)
+        dk = s_first.shape[-2]
         acc = torch.promote_types(s_first.dtype, torch.float32)  # fla's states are fp32; the torch kernel's its own
         s_first = torch.cat([s_first, s_first.new_zeros(*s_first.shape[:-1], dk)], -1)
-        finals = torch.cat([s_first.to(acc), s_later.to(acc)])
-        slot = {j: i for i, j in enumerate(first + later)}
+        finals = torch.cat([s_first.to(acc), s_middle.to(acc)])
+        slot = {j: i for i, j in enumerate(first + middle)}
         index = self.plan.index_on("summaries", [slot[j] for j in self.plan.summarize], finals.device)
-        return finals.index_select(0, index), (o_first, o_later)
+        return finals.index_select(0, index), (o_first, o_middle)
 
     def local(self, prep: Any, partial: Partial, sent: Tensor, recv: Tensor) -> Tensor:
-        """The pieces' outputs in flat order, each later piece's with its composed state's share ``r^T S_in``
-        (in the outputs' dtype, as the kernel reads its state against q; the states are composed in fp32, or
-        the inputs' dtype where wider). Pieces are taken from the two calls' outputs by ``split`` (one
-        backward for all of them)."""
-        o_first, o_later = partial
+        """The pieces' outputs in flat order: the last pieces run from their composed states; each middle piece's
+        outputs get its composed state's share ``r^T S_in`` (in the outputs' dtype, as the kernel reads its state
+        against q; the states are composed in fp32, or the inputs' dtype where wider). Pieces are taken from the
+        calls' outputs by ``split`` (one backward for all of them)."""
+        o_first, o_middle = partial
         states = _compose(gated_delta.apply, self.plan, sent, recv)
-        dv = sent.shape[-1] - sent.shape[-2]
-        lengths = [
-            [self.plan.runs[j][1] for j in pieces] for pieces in (self.plan.pieces_first, self.plan.pieces_later)
-        ]
-        firsts = list(o_first.split(lengths[0])) if lengths[0] else []
-        laters: list[Tensor] = []
-        if lengths[1]:
-            o, r = o_later.split([dv, o_later.shape[-1] - dv], -1)
-            for j, o_j, r_j in zip(self.plan.pieces_later, o.split(lengths[1]), r.split(lengths[1])):
+        first, middle, last = self.plan.groups
+        o_last, _ = self._scan(prep, 2, starts=[states[j] for j in last]) if last else (o_first[:0], None)
+        dv = o_first.shape[-1]
+        lengths = [[self.plan.runs[j][1] for j in pieces] for pieces in self.plan.groups]
+        middles: list[Tensor] = []
+        if middle:
+            o, r = o_middle.split([dv, o_middle.shape[-1] - dv], -1)
+            for j, o_j, r_j in zip(middle, o.split(lengths[1]), r.split(lengths[1])):
                 s = states[j]
                 assert s is not None
                 # a copy of its own in the outputs' dtype: what the correction keeps is that, not the composed
                 # state (nor the summaries' buffer a first link's state is a view of)
-                laters.append(o_j + torch.einsum("thk,hkv->thv", r_j, s.to(r_j.dtype, copy=True)))
-        pieces, it = [], {False: iter(firsts), True: iter(laters)}
-        for chain in self.plan.chains:
-            pieces.append(next(it[bool(chain)]))
-        return torch.cat(pieces)
+                middles.append(o_j + torch.einsum("thk,hkv->thv", r_j, s.to(r_j.dtype, copy=True)))
+        outs = [iter(o_first.split(lengths[0])), iter(middles), iter(o_last.split(lengths[2]))]
+        group = {j: i for i, pieces in enumerate(self.plan.groups) for j in pieces}
+        return torch.cat([next(outs[group[j]]) for j in range(len(self.plan.runs))])
 
 
 def _gated_delta(

@@ -25,6 +25,7 @@ buffer is ``b * local_len + j``.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -123,31 +124,38 @@ class StatePlan:
         """``values`` as an int64 tensor on ``device``, made once per plan, ``name`` and device."""
         return on_device(self.device, name, lambda: torch.tensor(values, dtype=torch.int64), device)
 
-    def grouped(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(first, later, inverse)`` on ``device``: the flat tokens of :attr:`pieces_first` and of
-        :attr:`pieces_later`, each in order, and the permutation back (``cat([x[first], x[later]])[inverse]
-        == x``)."""
+    def grouped(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``(*groups, inverse)`` on ``device``: the flat tokens of each of :attr:`groups`' pieces, each in order,
+        and the permutation back (``cat([x[g] for g in groups])[inverse] == x``)."""
+        host = self._grouped_host
+        return tuple(on_device(self.device, ("grouped", i), lambda t=t: t, device) for i, t in enumerate(host))  # type: ignore[misc]
 
+    @functools.cached_property
+    def _grouped_host(self) -> tuple[torch.Tensor, ...]:
         def tokens(pieces: tuple[int, ...]) -> torch.Tensor:
             spans = [self.runs[j] for j in pieces]
             return torch.cat([torch.arange(a, a + n) for a, n in spans]) if spans else torch.zeros(0, dtype=torch.int64)
 
-        first, later = tokens(self.pieces_first), tokens(self.pieces_later)
-        return (
-            on_device(self.device, "first", lambda: first, device),
-            on_device(self.device, "later", lambda: later, device),
-            on_device(self.device, "grouped_inverse", lambda: torch.argsort(torch.cat([first, later])), device),
-        )
+        groups = [tokens(pieces) for pieces in self.groups]
+        return (*groups, torch.argsort(torch.cat(groups)))
 
-    @property
-    def pieces_first(self) -> tuple[int, ...]:
-        """The pieces that start their document (no chain of summaries before them)."""
-        return tuple(j for j, chain in enumerate(self.chains) if not chain)
-
-    @property
-    def pieces_later(self) -> tuple[int, ...]:
-        """The pieces some piece of their document precedes (they start from a composed state)."""
-        return tuple(j for j, chain in enumerate(self.chains) if chain)
+    @functools.cached_property
+    def groups(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """The pieces (indices into :attr:`runs`, in flat order) by what they start from: ``(first, middle,
+        last)``. *First*: they start their document (from zero). *Middle*: a piece before them and one after
+        them on another rank (or later on this one): the pieces after them need their summary before their own
+        state is known. *Last*: a piece before them and none after: they can start from the state the pieces
+        before them leave, once it is composed."""
+        first: list[int] = []
+        middle: list[int] = []
+        last: list[int] = []
+        summarized = set(self.summarize)
+        for j, chain in enumerate(self.chains):
+            if not chain:
+                first.append(j)
+            else:
+                (middle if j in summarized else last).append(j)
+        return tuple(first), tuple(middle), tuple(last)
 
     @property
     def received(self) -> int:
