@@ -371,12 +371,32 @@ class Variant:
     no_outside: bool = False
 
 
+def phases(shapes: LinearShapes, work: lin.LinearWork) -> tuple[float, float, float, float]:
+    """One rank's kernel FLOPs by side of the exchange, in the order they run: forward before it (the first
+    call and the wide one), forward after it (the last call), backward before the exchange's return (the last
+    call's), backward after it (the others')."""
+    before = [(work.before_lengths, shapes.d_v), (work.wide_lengths, shapes.d_v + shapes.d_k)]
+    fb, bb = (sum(lin.call_flops(shapes, lin.chunks_of(n, shapes.chunk), w)[i] for n, w in before) for i in (0, 1))
+    fa, ba = lin.call_flops(shapes, lin.chunks_of(work.after_lengths, shapes.chunk), shapes.d_v)
+    return fb, fa, ba, bb
+
+
+def waits(shapes: LinearShapes, works: tuple[lin.LinearWork, ...]) -> list[float]:
+    """Each rank's kernel FLOPs of waiting: the exchange is a collective, forward and backward, so the layer's
+    kernels take the longest of the ranks' work before it plus the longest after it, each way; a rank waits
+    for what that adds to its own."""
+    each = [phases(shapes, w) for w in works]
+    critical = sum(max(p[i] for p in each) for i in range(4))
+    return [critical - sum(p) for p in each]
+
+
 def rank_times(
     dims: ModelDims, pair: tuple[LinearTrace, LinearTrace], work: lin.LinearWork, device: str = "h200",
-    fraction: float = lin.GATED_DELTA_FRACTION, variant: Variant = Variant(),
+    fraction: float = lin.GATED_DELTA_FRACTION, variant: Variant = Variant(), wait: float = 0.0,
 ) -> RankTime:  # fmt: skip
     """:class:`RankTime` of one rank's ``(under CP, alone)`` counts; ``work``: its
-    :class:`~titan_cp.plan.linear.LinearWork`; ``variant``: a :class:`Variant` of the model."""
+    :class:`~titan_cp.plan.linear.LinearWork`; ``variant``: a :class:`Variant` of the model; ``wait``: its kernel
+    FLOPs of waiting at the exchange (:func:`waits`)."""
     cp, alone = pair
     dev, s, v = GPUS[device], dims.shapes, variant
     rate, gemm, tokens = dev.peak_flops * fraction * v.rate, dev.matmul_flops * v.gemm, sum(work.lengths)
@@ -390,6 +410,7 @@ def rank_times(
     overhead = {
         "kernel": (cp.kernel_flops(s) - alone.kernel_flops(s)) / rate,
         "exchange": (cp.halo_bytes + cp.summary_bytes) / dev.intra_bw,
+        "wait": wait / rate,
         "outside": 0.0 if v.no_outside else (cp.outside_bytes - alone.outside_bytes) / dev.hbm_bandwidth,
     }
     return RankTime(cp.rank, own, overhead, sum(lin.floor_flops(s, work)) / rate)
@@ -420,11 +441,12 @@ def layer_record(
     pairs = simulate(dims.shapes, seq_len, cp, doc_lens, balance)
     rows = tuple(tuple(r) for r in (doc_lens or [[seq_len]]))
     works = lin.linear_work(seq_len, cp, balance, rows, dims.shapes.conv)
-    times = [rank_times(dims, p, works[p[0].rank], device, fraction) for p in pairs]
+    wait = waits(dims.shapes, works)
+    times = [rank_times(dims, p, works[p[0].rank], device, fraction, wait=wait[p[0].rank]) for p in pairs]
     worst = max(times, key=lambda t: t.ratio)
     traced, alone = pairs[worst.rank]
     variants = {
-        name: max(rank_times(dims, p, works[p[0].rank], device, fraction, v).ratio for p in pairs)
+        name: max(rank_times(dims, p, works[p[0].rank], device, fraction, v, wait[p[0].rank]).ratio for p in pairs)
         for name, v in VARIANTS.items()
     }
     sites = {f"{k[0]}:{k[1]}": v[1] - alone.sites.get(k, [0, 0])[1] for k, v in traced.sites.items()}
@@ -435,8 +457,8 @@ def layer_record(
         "bar_pct": 100 * BAR, "within_bar": worst.ratio <= BAR, "floor_pct": round(100 * max(t.floor_ratio for t in times), 2),
         "overhead_pct_by_rank": [round(100 * t.ratio, 2) for t in times],
         "fla_calls": [dict(op=c.op, pieces=len(c.lengths), tokens=c.tokens, width=c.width) for c in traced.calls],
-        "middle_tokens": sum(works[worst.rank].middle_lengths),
-        "last_tokens": sum(works[worst.rank].last_lengths),
+        "wide_tokens": sum(works[worst.rank].wide_lengths),
+        "after_tokens": sum(works[worst.rank].after_lengths),
         "summarized_tokens": sum(works[worst.rank].summarized),
         "bytes_per_layer": {"summaries": traced.summary_bytes, "halos": traced.halo_bytes},
         "bytes_per_layer_max_rank": max(p[0].summary_bytes + p[0].halo_bytes for p in pairs),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks.fake_cuda import HostSyncError
-from benchmarks.linear_model import QWEN3_NEXT, FlaCall, mix_rows, simulate
+from benchmarks.linear_model import QWEN3_NEXT, FlaCall, mix_rows, phases, simulate
 from titan_cp.attention.linear.plan import StatePlan, rows_index
 from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.integrations.hf_shapes import LinearShapes
@@ -30,9 +30,10 @@ def _works(seq: int, cp: int, rows: list[list[int]] | None) -> tuple[lin.LinearW
 
 
 def _expected_calls(work: lin.LinearWork) -> list[FlaCall]:
-    """Forward: the pieces that start their document at v's width, the middle ones at ``d_v + d_k``, then (after
-    the exchange) the last ones at v's width (each call where the rank has such pieces); backward in reverse."""
-    groups = ((work.first_lengths, S.d_v), (work.middle_lengths, WIDE), (work.last_lengths, S.d_v))
+    """Forward: the pieces that start their document before the exchange at v's width, the middle ones at ``d_v +
+    d_k``, then (after the exchange) the last ones and the late documents at v's width (each call where the rank
+    has such pieces); backward in reverse."""
+    groups = ((work.before_lengths, S.d_v), (work.wide_lengths, WIDE), (work.after_lengths, S.d_v))
     calls = [(lengths, width) for lengths, width in groups if lengths]
     return [
         FlaCall(op, lengths, width, True)
@@ -47,15 +48,15 @@ def test_the_count_of_a_gated_deltanet_layer_at_full_size(mix):
     pairs, works = simulate(S, SEQ, CP, rows), _works(SEQ, CP, rows)  # a host sync would raise here
     assert [cp.rank for cp, _ in pairs] == list(range(CP))
     assert any(w.summarized for w in works) and all(sum(w.lengths) == SEQ // CP for w in works)
-    assert any(w.first_lengths and w.last_lengths for w in works)  # a rank with two calls
+    assert any(sum(map(bool, (w.before_lengths, w.wide_lengths, w.after_lengths))) > 1 for w in works)  # two calls
     for (cp, alone), work in zip(pairs, works):
         assert cp.calls == _expected_calls(work), cp.rank
-        added = cp.kernel_flops(S) - alone.kernel_flops(S)  # the middle pieces' d_k more columns, as priced
-        assert added == pytest.approx(sum(lin.cp_flops(S, work)), rel=1e-12) and (added > 0) == bool(
-            work.middle_lengths
-        )
-        floor = lin.floor_flops(S, work)  # the chunked form's least: below the wide call's, as much backward
-        assert all(0 <= f <= a for f, a in zip(floor, lin.cp_flops(S, work))) and (floor[0] > 0) == (added > 0)
+        added = cp.kernel_flops(S) - alone.kernel_flops(S)  # the wide pieces' d_k more columns, as priced
+        assert added == pytest.approx(sum(lin.cp_flops(S, work)), rel=1e-12)
+        assert (added > 0) == bool(work.wide_lengths) and set(work.middle_lengths) <= set(work.wide_lengths)
+        floor = lin.floor_flops(S, work)  # the chunked form's least (middle pieces): at most the wide call's
+        assert all(0 <= f <= a for f, a in zip(floor, lin.cp_flops(S, work)))
+        assert (floor[0] > 0) == bool(work.middle_lengths)
         assert alone.calls == [FlaCall(op, work.lengths, S.d_v, True) for op in ("forward", "backward")]
         summaries, halos = lin.exchange_bytes(S, work, 2, recompute=False)  # fla's autograd: no second send
         assert (cp.summary_bytes, cp.halo_bytes) == (summaries, halos) and summaries > 0
@@ -73,16 +74,39 @@ def test_the_floor_carries_each_middle_pieces_transition_through_its_chunks():
     FLOPs forward (``4 C^2 K + 6 C K K``); a first piece and a last one (run from its composed state) nothing;
     Mamba2 has none."""
     # a first piece, a middle one of one chunk (a piece follows it), a last one of two chunks
-    work = lin.LinearWork((100, 64, 128), (False, True, True), (True, True, False), 0, 1, 0, 3)
+    work = lin.LinearWork((100, 64, 128), (False, True, True), (True, True, False), 0, 1, 0, 3, calls=(0, 1, 2))
     c, k = S.chunk, S.d_k
     forward = S.v_heads * 4 * c * k * k
     assert lin.floor_flops(S, work) == (forward, 2 * forward)
     wide = S.v_heads * (4 * c * c * k + 6 * c * k * k)
     assert lin.cp_flops(S, work)[0] == pytest.approx(wide) and lin.floor_flops(S, work)[0] / wide == 0.5
-    last = dataclasses.replace(work, followed=(True, False, False))  # the middle piece now ends its document
+    last = dataclasses.replace(work, followed=(True, False, False), calls=(0, 2, 2))  # now it ends its document
     assert lin.floor_flops(S, last) == lin.cp_flops(S, last) == (0, 0)
     with pytest.raises(ValueError, match="Gated DeltaNet's"):
         lin.floor_flops(dataclasses.replace(S, kind="mamba2"), work)
+
+
+def _critical(works) -> float:
+    """The layer's kernel FLOPs along its critical path: the longest work before the exchange plus the longest after
+    it, forward and backward (the exchange is a collective)."""
+    each = [phases(S, w) for w in works]
+    return sum(max(p[i] for p in each) for i in range(4))
+
+
+@pytest.mark.parametrize("balance", ["doc_local", "contiguous", "zigzag"])
+@pytest.mark.parametrize("mix", ["docs_1k", "one_document"])
+def test_the_calls_around_the_exchange_never_lengthen_the_layer(balance, mix):
+    """Where each piece runs (:func:`~titan_cp.attention.linear.plan.piece_calls`): the layer's critical path (counted
+    FLOPs) is never longer than with every later piece wide before the exchange, and shorter where documents are cut
+    in two (``contiguous``, ``zigzag``: their last pieces run from their states, after it, with whole documents
+    beside them), and within 2% of what the busiest rank computes."""
+    rows = mix_rows(mix, SEQ)
+    works = lin.linear_work(SEQ, CP, balance, tuple(tuple(r) for r in rows or [[SEQ]]), S.conv)
+    wide = [dataclasses.replace(w, calls=tuple(int(later) for later in w.later)) for w in works]
+    assert _critical(works) <= _critical(wide)
+    if mix == "docs_1k" and balance != "doc_local":
+        assert _critical(works) < 0.95 * _critical(wide) and all(w.after_lengths for w in works)
+    assert _critical(works) <= 1.02 * max(sum(phases(S, w)) for w in works)  # within 2% of the busiest rank's work
 
 
 def test_what_crosses_is_the_same_at_two_row_lengths():
@@ -94,8 +118,8 @@ def test_what_crosses_is_the_same_at_two_row_lengths():
     for n in (SEQ // 4, SEQ):
         priced = [lin.exchange_bytes(S, w, 2, recompute=False) for w in _works(n, CP, None)]
         assert priced == [(a.summary_bytes, a.halo_bytes) for a, _ in long]
-    assert sum(sum(w.middle_lengths) for w in _works(SEQ, CP, None)) == 4 * sum(
-        sum(w.middle_lengths) for w in _works(SEQ // 4, CP, None)
+    assert sum(sum(w.wide_lengths) for w in _works(SEQ, CP, None)) == 4 * sum(
+        sum(w.wide_lengths) for w in _works(SEQ // 4, CP, None)
     )
 
 
@@ -200,7 +224,7 @@ def _plans_work(layout: SequenceLayout, rank: int, batch: int, conv: int) -> lin
         lengths, tuple(map(bool, state.chains)), tuple(j in state.summarize for j in range(len(lengths))),
         sum(map(len, state.send.values())),
         state.received, sum(map(len, halo.send.values())), halo.received,
-        len(extended), False in read, True in read,
+        len(extended), False in read, True in read, state.calls,
     )  # fmt: skip
 
 

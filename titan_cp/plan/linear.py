@@ -88,7 +88,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 
-from titan_cp.attention.linear.plan import Piece, _pieces
+from titan_cp.attention.linear.plan import Piece, _pieces, piece_calls
 from titan_cp.families.llama3.model import ModelArgs
 from titan_cp.integrations.hf_shapes import HFShapes, LinearShapes
 from titan_cp.layout import get_layout
@@ -162,7 +162,7 @@ def cp_flops(shapes: LinearShapes, work: LinearWork) -> tuple[float, float]:
     Mamba2's summaries' state pass, ``2 C N P + 2 N P`` a chunk and head (its intra-chunk products are the
     outputs call's), three times that backward."""
     if shapes.gated_delta:
-        chunks = chunks_of(work.middle_lengths, shapes.chunk)
+        chunks = chunks_of(work.wide_lengths, shapes.chunk)
         wide, narrow = (call_flops(shapes, chunks, shapes.d_v + shapes.d_k * w) for w in (True, False))
         return wide[0] - narrow[0], wide[1] - narrow[1]
     c, n, p = shapes.chunk, shapes.d_k, shapes.d_v
@@ -198,11 +198,13 @@ class LinearWork:
     lengths: the rank's pieces, in its buffer's order; later: whether each has pieces of its document before
     it (else it starts its document); followed: whether a later piece follows each (the rank summarises it;
     a later piece that is followed is a *middle* piece, which Gated DeltaNet runs wide, one that is not a
-    *last* piece, run from its composed state); sent, received: summary rows sent forward and received; halo_sent,
+    *last* piece, run from its composed state after the exchange); sent, received: summary rows sent forward and received; halo_sent,
     halo_received: the convolution's halo tokens; composed: the states composed from two summaries or more
     that a longer chain extends (kept as its ``s``), once per chain prefix (a document's pieces on a rank
     share their chains' prefixes: the op composes each once); reads_sent, reads_received: whether a chain
-    of two links or more reads this rank's summaries / the received ones.
+    of two links or more reads this rank's summaries / the received ones; calls: which of Gated DeltaNet's
+    calls runs each piece (:func:`~titan_cp.attention.linear.plan.piece_calls`: 0 before the exchange from
+    zero, 1 wide, 2 after it from its composed state).
     """
 
     lengths: tuple[int, ...]
@@ -215,24 +217,34 @@ class LinearWork:
     composed: int = 0
     reads_sent: bool = False
     reads_received: bool = False
+    calls: tuple[int, ...] = ()
 
     def chunks(self, chunk: int) -> int:
         return chunks_of(self.lengths, chunk)
 
+    def _call(self, call: int) -> tuple[int, ...]:
+        return tuple(n for n, c in zip(self.lengths, self.calls) if c == call)
+
     @property
-    def first_lengths(self) -> tuple[int, ...]:
-        """The pieces that start their document (Gated DeltaNet's first call, from zero), in order."""
-        return tuple(n for n, later in zip(self.lengths, self.later) if not later)
+    def before_lengths(self) -> tuple[int, ...]:
+        """The pieces Gated DeltaNet runs before the exchange from zero (documents' first pieces), in order."""
+        return self._call(0)
+
+    @property
+    def wide_lengths(self) -> tuple[int, ...]:
+        """The pieces Gated DeltaNet runs wide (every middle piece, and the last pieces placed there), in order."""
+        return self._call(1)
+
+    @property
+    def after_lengths(self) -> tuple[int, ...]:
+        """The pieces Gated DeltaNet runs after the exchange (last pieces from their composed states, documents
+        held whole from zero), in order."""
+        return self._call(2)
 
     @property
     def middle_lengths(self) -> tuple[int, ...]:
-        """The later pieces a later piece follows (Gated DeltaNet's wide call), in order."""
+        """The later pieces a later piece follows, in order."""
         return tuple(n for n, later, f in zip(self.lengths, self.later, self.followed) if later and f)
-
-    @property
-    def last_lengths(self) -> tuple[int, ...]:
-        """The later pieces no piece follows (Gated DeltaNet's call from the composed states), in order."""
-        return tuple(n for n, later, f in zip(self.lengths, self.later, self.followed) if later and not f)
 
     @property
     def summarized(self) -> tuple[int, ...]:
@@ -256,6 +268,8 @@ def linear_work(seq_len: int, cp: int, balance: str, rows: tuple, conv: int) -> 
     for theirs in pieces.values():
         for piece in theirs:
             docs[(piece.row, piece.doc)].append(piece)
+    crosses = any(len({piece.rank for piece in chain}) > 1 for chain in docs.values())
+    calls = layout.memo(("linear_calls", len(rows)), lambda: piece_calls(pieces, crosses))
     counts = {r: Counter() for r in range(cp)}  # type: ignore[var-annotated]
     reads: dict[int, set[bool]] = defaultdict(set)
     for chain in docs.values():
@@ -274,6 +288,7 @@ def linear_work(seq_len: int, cp: int, balance: str, rows: tuple, conv: int) -> 
             counts[r]["composed"],
             False in reads[r],
             True in reads[r],
+            calls[r],
         )
         for r in range(cp)
     )
@@ -364,9 +379,9 @@ def widened_saved_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) 
     if not shapes.gated_delta:
         return 0
     h, wide = shapes.v_heads, shapes.d_v + shapes.d_k
-    calls = sum(map(bool, (work.first_lengths, work.middle_lengths, work.last_lengths)))
+    calls = sum(map(bool, (work.before_lengths, work.wide_lengths, work.after_lengths)))
     gathered = sum(work.lengths) if calls > 1 else 0
-    return sum(work.middle_lengths) * h * act_bytes * (shapes.d_k + wide) + 8 * gathered
+    return sum(work.wide_lengths) * h * act_bytes * (shapes.d_k + wide) + 8 * gathered
 
 
 def state_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
@@ -379,7 +394,7 @@ def state_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
     activations' dtype for its correction."""
     if not shapes.gated_delta:
         return 0
-    middle = len(work.middle_lengths)
+    middle = len(work.wide_lengths)
     starts = (len(work.lengths) - middle) * shapes.state_bytes + middle * shapes.summary_bytes
     read = (work.reads_sent * len(work.summarized) + work.reads_received * work.received) * shapes.summary_bytes
     corrections = middle * shapes.state_bytes * act_bytes // FP32  # each middle piece's state, in act's dtype

@@ -81,17 +81,21 @@ def _call(p: Prepared, v: Tensor, lengths: list[int], initial: Tensor) -> tuple[
     return o[0], final
 
 
-def scan(p: Prepared, lengths: list[int], wide: bool, starts: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
+def scan(
+    p: Prepared, lengths: list[int], wide: bool, starts: list[Tensor | None] | None = None
+) -> tuple[Tensor, Tensor]:
     """:func:`.gated_delta.scan` through one ``fla`` call: ``p`` holds the pieces' tokens one after another,
     ``lengths`` theirs; outputs ``(sum(lengths), v_heads, width)`` and final states ``(len(lengths), v_heads,
-    d_k, width)``; each piece from zero, or from ``starts`` (one fp32 ``(v_heads, d_k, d_v)`` state a piece);
+    d_k, width)``; each piece from zero, or from ``starts`` (one fp32 ``(v_heads, d_k, d_v)`` state a piece,
+    ``None`` for zero);
     ``wide``: ``v`` widened by ``d_k`` zero columns from ``[0 | I]``."""
     h, dk, dv = p.v.shape[1], p.q.shape[-1], p.v.shape[-1]
     width = dv + dk * wide
     if not lengths:
         return p.v.new_zeros(0, h, width), torch.zeros(0, h, dk, width, device=p.q.device)
-    if starts is not None:
-        return _call(p, p.v, lengths, torch.stack(starts))
+    if starts is not None and any(s is not None for s in starts):
+        zero = torch.zeros(h, dk, dv, device=p.q.device)
+        return _call(p, p.v, lengths, torch.stack([zero if s is None else s for s in starts]))
     v, initial = p.v, torch.zeros(len(lengths), h, dk, width, device=p.q.device)
     if wide:
         v = torch.cat([v, v.new_zeros(*v.shape[:2], dk)], -1)

@@ -81,10 +81,10 @@ def scan(
     p: Prepared,
     pieces: tuple[int, ...],
     wide: bool,
-    starts: list[Tensor] | None = None,
+    starts: list[Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Each piece of ``pieces`` (indices into ``runs``, ``(flat start, length)``) from a zero state, or from
-    ``starts`` (one ``(heads, d_k, d_v)`` state a piece): its outputs, ``(sum of the pieces' lengths, heads,
+    ``starts`` (one ``(heads, d_k, d_v)`` state a piece, ``None`` for zero): its outputs, ``(sum of the pieces' lengths, heads,
     width)`` (the pieces one after another), and its final state, ``(len(pieces), heads, d_k, width)``.
     ``wide``: ``d_k`` more value columns, zero, from the state ``[0 | I]``: the outputs are ``[o | r]`` (``o``
     from zero, ``r_t = M_t^T q_t`` the query carried through the transitions so far) and the final state
@@ -98,7 +98,8 @@ def scan(
     outs, finals = [], []
     for at, j in enumerate(pieces):
         first, n = chunks.spans[j]
-        s, chunk_outs = start if starts is None else starts[at].to(p.u.dtype), []
+        given = None if starts is None else starts[at]
+        s, chunk_outs = start if given is None else given.to(p.u.dtype), []
         for i in range(first, first + n):
             u = torch.cat([p.u[i], pad], -1) if wide else p.u[i]
             v_new, s_next = _step(p, i, s, u)

@@ -267,7 +267,7 @@ class GatedDelta(_Planned):
         return gated_delta.prepare(self.chunks, q * self.scale, k, v, g, beta)
 
     def _scan(
-        self, prep: Any, group: int, wide: bool = False, starts: list[Tensor] | None = None
+        self, prep: Any, group: int, wide: bool = False, starts: list[Tensor | None] | None = None
     ) -> tuple[Tensor, Tensor]:
         """One call over the pieces of the plan's ``group`` (:func:`.gated_delta.scan`, :func:`.fla.scan`):
         ``(outputs, final states)``."""
@@ -277,29 +277,30 @@ class GatedDelta(_Planned):
         return gated_delta.scan(self.chunks, self.plan.runs, prep, pieces, wide, starts)
 
     def outgoing(self, prep: Any) -> tuple[Tensor, Partial]:
-        """The pieces the summaries come from: those that start their document at v's width (their outputs
-        final), the middle ones wide (outputs ``[o | r]``, :func:`.gated_delta.scan`); the summaries are their
-        final states."""
-        first, middle, _ = self.plan.groups
-        (o_first, s_first), (o_middle, s_middle) = self._scan(prep, 0), self._scan(prep, 1, wide=True)
-        dk = s_first.shape[-2]
-        acc = torch.promote_types(s_first.dtype, torch.float32)  # fla's states are fp32; the torch kernel's its own
-        s_first = torch.cat([s_first, s_first.new_zeros(*s_first.shape[:-1], dk)], -1)
-        finals = torch.cat([s_first.to(acc), s_middle.to(acc)])
-        slot = {j: i for i, j in enumerate(first + middle)}
+        """What runs before the exchange (:attr:`.plan.StatePlan.groups`): the pieces that start their document
+        at v's width (their outputs final), the middle ones wide (outputs ``[o | r]``, :func:`.gated_delta.scan`);
+        the summaries are their final states."""
+        before, middle, _ = self.plan.groups
+        (o_before, s_before), (o_middle, s_middle) = self._scan(prep, 0), self._scan(prep, 1, wide=True)
+        dk = s_before.shape[-2]
+        acc = torch.promote_types(s_before.dtype, torch.float32)  # fla's states are fp32; the torch kernel's its own
+        s_before = torch.cat([s_before, s_before.new_zeros(*s_before.shape[:-1], dk)], -1)
+        finals = torch.cat([s_before.to(acc), s_middle.to(acc)])
+        slot = {j: i for i, j in enumerate(before + middle)}
         index = self.plan.index_on("summaries", [slot[j] for j in self.plan.summarize], finals.device)
-        return finals.index_select(0, index), (o_first, o_middle)
+        return finals.index_select(0, index), (o_before, o_middle)
 
     def local(self, prep: Any, partial: Partial, sent: Tensor, recv: Tensor) -> Tensor:
-        """The pieces' outputs in flat order: the last pieces run from their composed states; each middle piece's
-        outputs get its composed state's share ``r^T S_in`` (in the outputs' dtype, as the kernel reads its state
-        against q; the states are composed in fp32, or the inputs' dtype where wider). Pieces are taken from the
-        calls' outputs by ``split`` (one backward for all of them)."""
-        o_first, o_middle = partial
+        """The pieces' outputs in flat order: after the exchange, the last pieces run from their composed states
+        (and the documents the plan runs after it from zero); each middle piece's outputs get its composed
+        state's share ``r^T S_in`` (in the outputs' dtype, as the kernel reads its state against q; the states
+        are composed in fp32, or the inputs' dtype where wider). Pieces are taken from the calls' outputs by
+        ``split`` (one backward for all of them)."""
+        o_before, o_middle = partial
         states = _compose(gated_delta.apply, self.plan, sent, recv)
-        first, middle, last = self.plan.groups
-        o_last, _ = self._scan(prep, 2, starts=[states[j] for j in last]) if last else (o_first[:0], None)
-        dv = o_first.shape[-1]
+        _, middle, after = self.plan.groups
+        o_after = self._scan(prep, 2, starts=[states[j] for j in after])[0] if after else o_before[:0]
+        dv = o_before.shape[-1]
         lengths = [[self.plan.runs[j][1] for j in pieces] for pieces in self.plan.groups]
         middles: list[Tensor] = []
         if middle:
@@ -310,7 +311,7 @@ class GatedDelta(_Planned):
                 # a copy of its own in the outputs' dtype: what the correction keeps is that, not the composed
                 # state (nor the summaries' buffer a first link's state is a view of)
                 middles.append(o_j + torch.einsum("thk,hkv->thv", r_j, s.to(r_j.dtype, copy=True)))
-        outs = [iter(o_first.split(lengths[0])), iter(middles), iter(o_last.split(lengths[2]))]
+        outs = [iter(o_before.split(lengths[0])), iter(middles), iter(o_after.split(lengths[2]))]
         group = {j: i for i, pieces in enumerate(self.plan.groups) for j in pieces}
         return torch.cat([next(outs[group[j]]) for j in range(len(self.plan.runs))])
 

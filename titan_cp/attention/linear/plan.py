@@ -105,6 +105,9 @@ class StatePlan:
         first (empty for a document's first piece): ``S_in`` is composed from them.
     crosses: whether a summary crosses a rank boundary anywhere (on any rank: then every rank takes part
         in the exchange, possibly with nothing; else no rank does).
+    calls: for each run (by index), which of the rank's three calls runs it (:func:`piece_calls`): 0, before
+        the exchange from zero; 1, before it, wide (its outputs corrected after it); 2, after it, from its
+        composed state (zero for a document's first piece).
     """
 
     runs: tuple[tuple[int, int], ...]
@@ -114,6 +117,7 @@ class StatePlan:
     recv: dict[int, int]
     chains: tuple[tuple[Ref, ...], ...]
     crosses: bool
+    calls: tuple[int, ...] = ()
     device: dict = field(default_factory=dict, compare=False, repr=False)  # on_device's cache
 
     def send_index(self, device: torch.device) -> torch.Tensor:
@@ -141,21 +145,9 @@ class StatePlan:
 
     @functools.cached_property
     def groups(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """The pieces (indices into :attr:`runs`, in flat order) by what they start from: ``(first, middle,
-        last)``. *First*: they start their document (from zero). *Middle*: a piece before them and one after
-        them on another rank (or later on this one): the pieces after them need their summary before their own
-        state is known. *Last*: a piece before them and none after: they can start from the state the pieces
-        before them leave, once it is composed."""
-        first: list[int] = []
-        middle: list[int] = []
-        last: list[int] = []
-        summarized = set(self.summarize)
-        for j, chain in enumerate(self.chains):
-            if not chain:
-                first.append(j)
-            else:
-                (middle if j in summarized else last).append(j)
-        return tuple(first), tuple(middle), tuple(last)
+        """The pieces (indices into :attr:`runs`, in flat order) of each of :attr:`calls`: ``(before, wide,
+        after)``."""
+        return tuple(tuple(j for j, c in enumerate(self.calls) if c == call) for call in range(3))  # type: ignore[return-value]
 
     @property
     def received(self) -> int:
@@ -197,6 +189,7 @@ def _state_plan(layout: SequenceLayout, rank: int, batch: int) -> StatePlan:
             k = (p.row, p.doc, i)
             chain.append((False, local_row[k]) if k in local_row else (True, recv_row[k]))
         chains.append(tuple(chain))
+    crosses = any(len({owner[(row, doc, i)] for i in range(n)}) > 1 for row, doc, n in _docs(pieces))
     return StatePlan(
         runs=tuple((p.flat, p.length) for p in mine),
         summarize=tuple(summarize),
@@ -204,8 +197,88 @@ def _state_plan(layout: SequenceLayout, rank: int, batch: int) -> StatePlan:
         send=send,
         recv={r: len(k) for r, k in recv_keys.items()},
         chains=tuple(chains),
-        crosses=any(len({owner[(row, doc, i)] for i in range(n)}) > 1 for row, doc, n in _docs(pieces)),
+        crosses=crosses,
+        calls=layout.memo(("linear_calls", batch), lambda: piece_calls(pieces, crosses))[rank],
     )
+
+
+BALANCE_CHUNK = 64
+"""The tokens a chunked kernel computes at once (``fla``'s chunk): :func:`piece_calls` prices a piece in them."""
+
+
+def piece_calls(pieces: dict[int, list[Piece]], crosses: bool) -> dict[int, tuple[int, ...]]:
+    """For every rank, which of its three calls runs each of its pieces (:attr:`StatePlan.calls`).
+
+    A document's first piece runs before the exchange from zero (call 0) and a middle piece (pieces before and
+    after it) wide before it (call 1): the ranks after them need their summaries. A last piece (pieces before it,
+    none after) runs after the exchange from its composed state (call 2, at what it costs alone), or wide before
+    it; a document held whole runs from zero, before it or after it. The exchange is a collective, forward and
+    backward: the layer's kernels take the longest of the ranks' work before it plus the longest after it. So
+    for each bound on the work before it (from the largest the ranks must do there to the largest they hold),
+    each rank runs its whole documents before it while they fit under the bound (largest first), then its last
+    pieces wide while they fit (:data:`WIDTH`), the rest after it; the bound whose two longest add up least is
+    kept, where it takes :data:`MARGIN` less than the largest (every piece before the exchange, as ``fla``'s wide
+    call alone would run them). Work is counted in :data:`BALANCE_CHUNK`-token chunks. Where no document
+    crosses a rank boundary there is no exchange: last pieces run after, whole documents before."""
+
+    def chunks(p: Piece) -> int:
+        return -(-p.length // BALANCE_CHUNK)
+
+    if not crosses:
+        return {
+            r: tuple(2 if p.index and p.index == p.count - 1 else int(bool(p.index)) for p in theirs)
+            for r, theirs in pieces.items()
+        }
+    ranks = {}  # per rank: the calls fixed, their work, and the pieces to place, in the order they are placed
+    for r, theirs in pieces.items():
+        fixed = {i: int(p.index > 0) for i, p in enumerate(theirs) if p.index < p.count - 1 and p.count > 1}
+        load = sum(chunks(theirs[i]) * WIDTH[c] for i, c in fixed.items())
+        whole = sorted((i for i, p in enumerate(theirs) if p.count == 1), key=lambda i: (-theirs[i].length, i))
+        last = sorted(
+            (i for i, p in enumerate(theirs) if p.index and p.index == p.count - 1),
+            key=lambda i: (-theirs[i].length, i),
+        )
+        place = [(i, 0, chunks(theirs[i])) for i in whole] + [(i, 1, chunks(theirs[i])) for i in last]
+        ranks[r] = (fixed, load, place)
+
+    def split(bound: int) -> dict[int, tuple[int, int, dict[int, int]]]:
+        """Each rank's ``(work before, work after, calls by piece)`` under ``bound``."""
+        out = {}
+        for r, (fixed, load, place) in ranks.items():
+            calls, late = dict(fixed), 0
+            for i, wide, cost in place:
+                if load + cost * WIDTH[wide] <= bound:
+                    load, calls[i] = load + cost * WIDTH[wide], wide
+                else:
+                    late, calls[i] = late + cost * WIDTH[0], 2
+            out[r] = (load, late, calls)
+        return out
+
+    least = max(load for _, load, _ in ranks.values())  # what must run before the exchange
+    most = max(load + sum(cost * WIDTH[wide] for _, wide, cost in place) for _, load, place in ranks.values())
+    tried = []
+    for bound in [*range(least, most, max(1, (most - least) // BOUNDS)), most]:
+        splits = split(bound)
+        after = max(b for _, b, _ in splits.values())
+        tried.append((max(a for a, _, _ in splits.values()) + after, splits))
+        if not after:  # every piece before the exchange: a larger bound changes nothing
+            break
+    took, splits = min(tried, key=lambda t: t[0])
+    if took > (1 - MARGIN) * tried[-1][0]:  # within the work's pricing of running everything before the exchange
+        splits = tried[-1][1]
+    return {r: tuple(calls[i] for i in range(len(pieces[r]))) for r, (_, _, calls) in splits.items()}
+
+
+WIDTH = (4, 7)
+"""A chunk's work at v's width and wide, in quarters: the wide call's ``d_v + d_k`` columns cost 1.72 times ``d_v``'s
+at ``d_k = d_v = 128`` and 64-token chunks (:func:`titan_cp.plan.linear.chunk_flops`)."""
+
+MARGIN = 0.02
+"""How much shorter a split must make the layer (as priced) to be kept over running every piece before the exchange,
+which needs no waiting: the chunks' pricing is near, not exact."""
+
+BOUNDS = 64
+"""How many bounds on the work before the exchange :func:`piece_calls` tries, at most (evenly spaced)."""
 
 
 def _docs(pieces: dict[int, list[Piece]]) -> set[tuple[int, int, int]]:
