@@ -23,8 +23,10 @@ fake CUDA tensor needs CUDA's device guard, which a CPU-only build aborts on. Wh
 Each rank runs the layer twice, the second time counted: the first builds the layout's plans, which every
 later layer of a microbatch reuses. Beside it, the rank's own pieces run on one device as documents of their
 own (**alone**: one ``fla`` call over the same pieces at ``d_v`` columns, no exchange): what the layer costs
-without CP. Under CP each piece runs once too, in one of two calls: the pieces that start their document at
-``d_v``, the later ones at ``d_v + d_k`` (:mod:`titan_cp.attention.linear.fla`).
+without CP. Under CP each piece runs once too, in one of three calls: before the exchange, the pieces that
+start their document at ``d_v`` and the wide ones at ``d_v + d_k``; after it, the last pieces from their
+states and the documents placed there at ``d_v`` (:mod:`titan_cp.attention.linear.fla`,
+:func:`titan_cp.attention.linear.plan.piece_calls`).
 
 **The time** (:func:`layer_record`), on a device of :data:`titan_cp.plan.GPUS`::
 
@@ -33,11 +35,13 @@ without CP. Under CP each piece runs once too, in one of two calls: the pieces t
                              (forward; backward 2x plus fla's recomputation) / rate
                elementwise   the convolution and the gated norm as fused kernels (plan.linear.elementwise_bytes_per_token)
                              / HBM bandwidth
-    overhead   kernel        the fla calls' FLOPs under CP less alone's (the later pieces' d_k more columns,
+    overhead   kernel        the fla calls' FLOPs under CP less alone's (the wide pieces' d_k more columns,
                              forward and backward) / rate
-               exchange      the bytes counted / NVLink bandwidth, exposed whole (the later pieces' corrections
-                             wait for the states composed from what arrives; nothing else of the layer runs
-                             meanwhile)
+               exchange      the bytes counted / NVLink bandwidth, exposed whole (the last call and the wide
+                             pieces' corrections wait for the states composed from what arrives)
+               wait          the kernel FLOPs the rank waits for the others at the exchange, a collective
+                             (:func:`waits`: the longest work before it plus the longest after it, each way,
+                             less the rank's own) / rate
                outside       the outside-kernel HBM bytes CP adds (counted under CP less counted alone) / HBM
                              bandwidth
 

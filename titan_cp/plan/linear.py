@@ -11,18 +11,19 @@ is ``heads x d_k x (d_v + d_k)`` numbers whatever the piece's length.
 
 **The calls** of Gated DeltaNet through ``fla`` (:mod:`titan_cp.attention.linear.fla`), per rank and layer,
 each where the rank has such pieces, forward and backward: before the exchange, one over the pieces that
-start their document at ``d_v`` columns and one over the *middle* pieces (later pieces a later piece
-follows: the ranks after them need their summaries before their own states are known) at ``d_v + d_k``
-(``[v | 0]`` from ``[0 | I]``: their outputs, the query carried through their transitions and their
-summaries in one pass); after it, one over the *last* pieces (later pieces no piece follows) at ``d_v``
-from their composed states. Without CP every piece runs at ``d_v`` from zero, at the same cost as from a
-given state, so what CP adds to the kernel is the middle pieces' ``d_k`` more columns (:func:`cp_flops`):
-nothing where no document crosses two rank boundaries. Mamba2 runs its summaries' state pass, then every
+start their document at ``d_v`` columns and one over the *wide* pieces at ``d_v + d_k`` (``[v | 0]`` from
+``[0 | I]``: their outputs, the query carried through their transitions and their summaries in one pass):
+every *middle* piece (a later piece a later piece follows: the ranks after it need its summary before its
+own state is known) and the *last* pieces (later pieces no piece follows) placed there; after it, one over
+the other last pieces, from their composed states, and the whole documents placed there, at ``d_v``
+(:func:`~titan_cp.attention.linear.plan.piece_calls` places them so that the ranks reach the exchange, a
+collective, together). Without CP every piece runs at ``d_v`` from zero, at the same cost as from a given
+state, so what CP adds to the kernel is the wide pieces' ``d_k`` more columns (:func:`cp_flops`). Mamba2 runs its summaries' state pass, then every
 piece from its composed state.
 
 **Kernel FLOPs** (:func:`chunk_flops`), per head and chunk of ``C`` tokens (a piece's last chunk padded and
 computed whole), ``K = d_k``, ``V`` the value width the call runs (``d_v``; ``d_v + d_k`` for Gated
-DeltaNet's middle pieces)::
+DeltaNet's wide pieces)::
 
     Gated DeltaNet, fla's chunk_gated_delta_rule (the chunked algorithm of arXiv:2412.06464, section 3.3):
       kkt      A = strict_lower(beta K K^T * D)            2 C^2 K
@@ -69,14 +70,14 @@ GPU (``fla``'s own autograd for Gated DeltaNet, the custom op's saved inputs for
                 the gated norm's), the norm's rstd (4 per head), out_proj's input (a value_dim)
                 Mamba2: x, dt, B, C (the op's inputs, a each), the gate, the output (fp32), out_proj's input
     CP, Gated DeltaNet (:func:`widened_saved_bytes`, :func:`state_bytes`):
-    per middle token  v's d_k more columns (a K per value head: fla's saved v) and the wide call's outputs
+    per wide token    v's d_k more columns (a K per value head: fla's saved v) and the wide call's outputs
                 [o | r] (V + K per value head: the correction r^T S_in keeps r, a view of them)
     per token   the permutation (int64) that puts the calls' tokens back, on a rank that runs two or more
     per piece   its call's initial state (fp32, heads x K x V for a first or a last piece: zero, or its
                 composed state; heads x K x (V + K), the [0 | I] start, for a middle one); each composed
                 state a longer chain extends (fp32 heads x K x V: M s + B keeps s); the summary buffers a
                 chain of two links or more reads (fp32 heads x K x (V + K) a row: M s + B keeps M, and the
-                first link's s is a view of its summary); each middle piece's state copied to the
+                first link's s is a view of its summary); each wide piece's state copied to the
                 activations' dtype for its correction; the summaries' index (int64)
 """
 
@@ -372,7 +373,7 @@ def _fla_saved_per_token(shapes: LinearShapes, a: int, width: int) -> int:
 
 def widened_saved_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
     """Bytes Gated DeltaNet's ``fla`` path saves under CP in proportion to tokens beyond
-    :func:`ops_saved_per_token` (module docstring): each middle token's ``d_k`` more value columns, and its
+    :func:`ops_saved_per_token` (module docstring): each wide token's ``d_k`` more value columns, and its
     wide outputs ``[o | r]`` (the correction's product keeps ``r``, a view of them); on a rank whose pieces
     fall in two calls or more, the permutation that puts the calls' tokens back (int64 a token). 0 for
     Mamba2, whose op saves only its inputs."""
@@ -387,22 +388,22 @@ def widened_saved_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) 
 def state_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
     """Bytes of states a layer keeps for its backward on a rank, through ``fla``'s autograd (Gated DeltaNet; 0
     for Mamba2, whose op keeps only its inputs): each call's initial states (a first piece's zero state, a
-    middle piece's ``[0 | I]`` start, a summary's size, a last piece's composed state); the summaries' index
+    wide piece's ``[0 | I]`` start, a summary's size, a last piece's composed state); the summaries' index
     (int64 a row); each state a longer one extends (``M s + B`` keeps ``s``); the summary buffers a chain of
     two links or more reads (``M s + B`` keeps ``M``, and the first link's ``s`` is a view of its summary:
-    this rank's and the received ones, each kept whole); and each middle piece's state, copied to the
+    this rank's and the received ones, each kept whole); and each wide piece's state, copied to the
     activations' dtype for its correction."""
     if not shapes.gated_delta:
         return 0
-    middle = len(work.wide_lengths)
-    starts = (len(work.lengths) - middle) * shapes.state_bytes + middle * shapes.summary_bytes
+    wide = len(work.wide_lengths)
+    starts = (len(work.lengths) - wide) * shapes.state_bytes + wide * shapes.summary_bytes
     read = (work.reads_sent * len(work.summarized) + work.reads_received * work.received) * shapes.summary_bytes
-    corrections = middle * shapes.state_bytes * act_bytes // FP32  # each middle piece's state, in act's dtype
+    corrections = wide * shapes.state_bytes * act_bytes // FP32  # each wide piece's state, in act's dtype
     return starts + 8 * len(work.summarized) + work.composed * shapes.state_bytes + read + corrections
 
 
 def work_extra_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
-    """What one layer keeps on a rank beyond its per-token figure: the middle tokens' wider copies and the states."""
+    """What one layer keeps on a rank beyond its per-token figure: the wide tokens' wider copies and the states."""
     return widened_saved_bytes(shapes, work, act_bytes) + state_bytes(shapes, work, act_bytes)
 
 
@@ -425,7 +426,7 @@ class LinearTime:
     own_forward, own_backward: the kernel over the rank's pieces as they would run without CP; elementwise:
     the convolution and the gated norm (:func:`elementwise_bytes_per_token`); cp_forward, cp_backward: the
     kernel work CP adds (:func:`cp_flops`); exchange: the summaries and halos at the link's bandwidth
-    (exposed: each last piece's call and each middle piece's correction wait for the states composed from what
+    (exposed: each last piece's call and each wide piece's correction wait for the states composed from what
     arrives)."""
 
     own_forward: float

@@ -7,14 +7,16 @@ normalisation and the scale are its own arguments. It is an autograd function, s
 runs through it as through the torch kernel. Each piece runs once, per rank and layer at most three calls
 (:func:`.gated_delta.scan`'s arithmetic, :attr:`.plan.StatePlan.groups`)::
 
-    first    the pieces that start their document, from zero at v's own width (outputs final; the
+    before   the pieces that start their document, from zero at v's own width (outputs final; the
              final state is the offset B a later piece needs)
-    middle   the pieces with a piece before them whose summary a piece after them needs, v widened to
-             [v | 0] from [0 | I]: outputs [o | r] (from zero, and the query carried through the
-             transitions: the composed state's share r^T S_in is added after the exchange) and final
-             states [B | M]
-    last     after the exchange, the other pieces with a piece before them, from the states the pieces
-             before them leave, at v's own width (what the piece would cost alone)
+    wide     the middle pieces (a piece before them, and one after them whose rank needs their summary)
+             and the last pieces placed before the exchange, v widened to [v | 0] from [0 | I]: outputs
+             [o | r] (from zero, and the query carried through the transitions: the composed state's
+             share r^T S_in is added after the exchange) and final states [B | M]
+    after    after the exchange, the last pieces from the states the pieces before them leave, and the
+             documents held whole placed there from zero, at v's own width (what they cost alone)
+
+(:func:`.plan.piece_calls` places the whole documents and the last pieces.)
 
 The import is never needed at titan_cp's import: :func:`available` looks for the package; the op picks
 this backend for CUDA tensors when it is there (``"auto"``), and the torch chunked kernel otherwise.
