@@ -242,7 +242,7 @@ class GatedDelta(_Planned):
 
     def prepare(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Any:
         """The torch kernel's chunks (:func:`.gated_delta.prepare`); through ``fla``, the tokens of each of the
-        plan's groups (first, middle, last) as an :class:`.fla.Prepared` of its own, gathered (:class:`_Group`)
+        plan's groups (before the exchange, wide, after it) as an :class:`.fla.Prepared` of its own, gathered (:class:`_Group`)
         where two groups or more have pieces, else views of the buffer."""
         if self.backend == "fla":
             q, k, v, beta = (_flat(x) for x in (q, k, v, beta))
@@ -278,42 +278,41 @@ class GatedDelta(_Planned):
 
     def outgoing(self, prep: Any) -> tuple[Tensor, Partial]:
         """What runs before the exchange (:attr:`.plan.StatePlan.groups`): the pieces that start their document
-        at v's width (their outputs final), the middle ones wide (outputs ``[o | r]``, :func:`.gated_delta.scan`);
-        the summaries are their final states."""
-        before, middle, _ = self.plan.groups
-        (o_before, s_before), (o_middle, s_middle) = self._scan(prep, 0), self._scan(prep, 1, wide=True)
+        at v's width (their outputs final), the wide ones (outputs ``[o | r]``, :func:`.gated_delta.scan`); the
+        summaries are their final states."""
+        before, wide, _ = self.plan.groups
+        (o_before, s_before), (o_wide, s_wide) = self._scan(prep, 0), self._scan(prep, 1, wide=True)
         dk = s_before.shape[-2]
         acc = torch.promote_types(s_before.dtype, torch.float32)  # fla's states are fp32; the torch kernel's its own
         s_before = torch.cat([s_before, s_before.new_zeros(*s_before.shape[:-1], dk)], -1)
-        finals = torch.cat([s_before.to(acc), s_middle.to(acc)])
-        slot = {j: i for i, j in enumerate(before + middle)}
+        finals = torch.cat([s_before.to(acc), s_wide.to(acc)])
+        slot = {j: i for i, j in enumerate(before + wide)}
         index = self.plan.index_on("summaries", [slot[j] for j in self.plan.summarize], finals.device)
-        return finals.index_select(0, index), (o_before, o_middle)
+        return finals.index_select(0, index), (o_before, o_wide)
 
     def local(self, prep: Any, partial: Partial, sent: Tensor, recv: Tensor) -> Tensor:
         """The pieces' outputs in flat order: after the exchange, the last pieces run from their composed states
-        (and the documents the plan runs after it from zero); each middle piece's outputs get its composed
-        state's share ``r^T S_in`` (in the outputs' dtype, as the kernel reads its state against q; the states
+        (and the documents the plan runs after it from zero); each wide piece's outputs get its composed state's
+        share ``r^T S_in`` (in the outputs' dtype, as the kernel reads its state against q; the states
         are composed in fp32, or the inputs' dtype where wider). Pieces are taken from the calls' outputs by
         ``split`` (one backward for all of them)."""
-        o_before, o_middle = partial
+        o_before, o_wide = partial
         states = _compose(gated_delta.apply, self.plan, sent, recv)
-        _, middle, after = self.plan.groups
+        _, wide, after = self.plan.groups
         o_after = self._scan(prep, 2, starts=[states[j] for j in after])[0] if after else o_before[:0]
         dv = o_before.shape[-1]
         lengths = [[self.plan.runs[j][1] for j in pieces] for pieces in self.plan.groups]
-        middles: list[Tensor] = []
-        if middle:
-            o, r = o_middle.split([dv, o_middle.shape[-1] - dv], -1)
-            for j, o_j, r_j in zip(middle, o.split(lengths[1]), r.split(lengths[1])):
+        wides: list[Tensor] = []
+        if wide:
+            o, r = o_wide.split([dv, o_wide.shape[-1] - dv], -1)
+            for j, o_j, r_j in zip(wide, o.split(lengths[1]), r.split(lengths[1])):
                 s = states[j]
                 assert s is not None
                 # a copy of its own in the outputs' dtype: what the correction keeps is that, not the composed
                 # state (nor the summaries' buffer a first link's state is a view of)
-                middles.append(o_j + torch.einsum("thk,hkv->thv", r_j, s.to(r_j.dtype, copy=True)))
-        outs = [iter(o_before.split(lengths[0])), iter(middles), iter(o_after.split(lengths[2]))]
-        group = {j: i for i, pieces in enumerate(self.plan.groups) for j in pieces}
-        return torch.cat([next(outs[group[j]]) for j in range(len(self.plan.runs))])
+                wides.append(o_j + torch.einsum("thk,hkv->thv", r_j, s.to(r_j.dtype, copy=True)))
+        outs = [iter(o_before.split(lengths[0])), iter(wides), iter(o_after.split(lengths[2]))]
+        return torch.cat([next(outs[call]) for call in self.plan.calls])
 
 
 def _gated_delta(
