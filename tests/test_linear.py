@@ -204,7 +204,8 @@ def fla_case(rank: int, world: int, balance: str, rows: str, data) -> dict[str, 
         errors = linear_case(rank, world, "gated_delta_fla", balance, rows, "ring", data)
     plan = state_plan(SequenceLayout(SEQ, world, balance, ROWS[rows]), rank, 2)
     width = {0: 6, 1: 6 + 8, 2: 6}  # d_v; the middle pieces' [v | 0] from [0 | I]
-    want = [dict(pieces=len(g), v_dim=width[i], initial=True) for i, g in enumerate(plan.groups) if g]
+    given = (False, True, any(plan.chains[j] for j in plan.groups[2]))  # zero states are not passed
+    want = [dict(pieces=len(g), v_dim=width[i], initial=given[i]) for i, g in enumerate(plan.groups) if g]
     errors["wrong_calls"] = float(fla_standin.CALLS != want)
     return errors
 

@@ -226,6 +226,14 @@ class LinearWork:
     def _call(self, call: int) -> tuple[int, ...]:
         return tuple(n for n, c in zip(self.lengths, self.calls) if c == call)
 
+    def groups(self) -> list[tuple[tuple[int, ...], bool]]:
+        """Each call's pieces' lengths and whether they are one span of the rank's buffer (consecutive pieces)."""
+        out = []
+        for call in range(3):
+            at = [j for j, c in enumerate(self.calls) if c == call]
+            out.append((self._call(call), all(b == a + 1 for a, b in zip(at, at[1:]))))
+        return out
+
     @property
     def before_lengths(self) -> tuple[int, ...]:
         """The pieces Gated DeltaNet runs before the exchange from zero (documents' first pieces), in order."""
@@ -373,30 +381,40 @@ def _fla_saved_per_token(shapes: LinearShapes, a: int, width: int) -> int:
 
 def widened_saved_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
     """Bytes Gated DeltaNet's ``fla`` path saves under CP in proportion to tokens beyond
-    :func:`ops_saved_per_token` (module docstring): each wide token's ``d_k`` more value columns, and its
-    wide outputs ``[o | r]`` (the correction's product keeps ``r``, a view of them); on a rank whose pieces
-    fall in two calls or more, the permutation that puts the calls' tokens back (int64 a token). 0 for
-    Mamba2, whose op saves only its inputs."""
+    :func:`ops_saved_per_token` (module docstring). ``fla`` keeps each call's ``v`` and ``beta`` as given: a call
+    whose pieces are one span of the buffer is given views, which keep the layer's whole input (as one call
+    over every piece does); another, copies of its tokens (:meth:`~titan_cp.attention.linear.plan.StatePlan.grouped`).
+    So: the wide call's ``v``, widened to ``d_v + d_k`` columns, and its outputs ``[o | r]`` (the correction's
+    product keeps ``r``, a view of them); each gathered call's ``v`` (a narrow one's) and ``beta``; less the
+    whole ``v`` (``beta``) where no narrow call (no call) keeps a view of it. 0 for Mamba2, whose op saves only
+    its inputs."""
     if not shapes.gated_delta:
         return 0
-    h, wide = shapes.v_heads, shapes.d_v + shapes.d_k
-    calls = sum(map(bool, (work.before_lengths, work.wide_lengths, work.after_lengths)))
-    gathered = sum(work.lengths) if calls > 1 else 0
-    return sum(work.wide_lengths) * h * act_bytes * (shapes.d_k + wide) + 8 * gathered
+    h, a, dv, dk = shapes.v_heads, act_bytes, shapes.d_v, shapes.d_k
+    groups = [(call, sum(n), span) for call, (n, span) in enumerate(work.groups()) if sum(n)]
+    tokens = sum(work.lengths)
+    v_kept = max((tokens * h * a * dv for call, _, span in groups if span and call != 1), default=0)
+    v_kept += sum(n * h * a * dv for call, n, span in groups if not span and call != 1)
+    beta_kept = max((tokens * h * a for _, _, span in groups if span), default=0)
+    beta_kept += sum(n * h * a for _, n, span in groups if not span)
+    wide = sum(work.wide_lengths) * h * a * (dv + dk)
+    return v_kept + beta_kept - tokens * h * a * (dv + 1) + 2 * wide
 
 
 def state_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
     """Bytes of states a layer keeps for its backward on a rank, through ``fla``'s autograd (Gated DeltaNet; 0
-    for Mamba2, whose op keeps only its inputs): each call's initial states (a first piece's zero state, a
-    wide piece's ``[0 | I]`` start, a summary's size, a last piece's composed state); the summaries' index
-    (int64 a row); each state a longer one extends (``M s + B`` keeps ``s``); the summary buffers a chain of
-    two links or more reads (``M s + B`` keeps ``M``, and the first link's ``s`` is a view of its summary:
-    this rank's and the received ones, each kept whole); and each wide piece's state, copied to the
-    activations' dtype for its correction."""
+    for Mamba2, whose op keeps only its inputs): each call's initial states where it is given any (a wide
+    piece's ``[0 | I]`` start, a summary's size; in the call after the exchange, a last piece's composed state
+    and a zero state for each document placed there beside one; a call whose pieces all start from zero is
+    given none); the summaries' index (int64 a row); each state a longer one extends (``M s + B`` keeps
+    ``s``); the summary buffers a chain of two links or more reads (``M s + B`` keeps ``M``, and the first
+    link's ``s`` is a view of its summary: this rank's and the received ones, each kept whole); and each wide
+    piece's state, copied to the activations' dtype for its correction."""
     if not shapes.gated_delta:
         return 0
     wide = len(work.wide_lengths)
-    starts = (len(work.lengths) - wide) * shapes.state_bytes + wide * shapes.summary_bytes
+    after = len(work.after_lengths) if any(later and c == 2 for later, c in zip(work.later, work.calls)) else 0
+    starts = after * shapes.state_bytes + wide * shapes.summary_bytes
     read = (work.reads_sent * len(work.summarized) + work.reads_received * work.received) * shapes.summary_bytes
     corrections = wide * shapes.state_bytes * act_bytes // FP32  # each wide piece's state, in act's dtype
     return starts + 8 * len(work.summarized) + work.composed * shapes.state_bytes + read + corrections

@@ -72,8 +72,9 @@ def _cu(lengths: list[int], device: torch.device) -> tuple[Tensor, Tensor]:
     return on_device(_DEVICE, ("cu", tuple(lengths)), lambda: cpu, device), cpu
 
 
-def _call(p: Prepared, v: Tensor, lengths: list[int], initial: Tensor) -> tuple[Tensor, Tensor]:
-    """``fla`` over ``p``'s tokens (``v`` in place of ``p.v``) cut into pieces of ``lengths``: ``(o, final states)``."""
+def _call(p: Prepared, v: Tensor, lengths: list[int], initial: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``fla`` over ``p``'s tokens (``v`` in place of ``p.v``) cut into pieces of ``lengths``, each from its
+    ``initial`` state (``None``: every piece from zero): ``(o, final states)``."""
     cu, cu_cpu = _cu(lengths, p.q.device)
     o, final = _kernel()(
         p.q[None], p.k[None], v[None], p.g[None], p.beta[None],
@@ -89,8 +90,8 @@ def scan(
     """:func:`.gated_delta.scan` through one ``fla`` call: ``p`` holds the pieces' tokens one after another,
     ``lengths`` theirs; outputs ``(sum(lengths), v_heads, width)`` and final states ``(len(lengths), v_heads,
     d_k, width)``; each piece from zero, or from ``starts`` (one fp32 ``(v_heads, d_k, d_v)`` state a piece,
-    ``None`` for zero);
-    ``wide``: ``v`` widened by ``d_k`` zero columns from ``[0 | I]``."""
+    ``None`` for zero: where every piece starts from zero, ``fla`` is given no initial state);
+    ``wide``: ``v`` widened by ``d_k`` zero columns (one padded copy) from ``[0 | I]``."""
     h, dk, dv = p.v.shape[1], p.q.shape[-1], p.v.shape[-1]
     width = dv + dk * wide
     if not lengths:
@@ -98,11 +99,11 @@ def scan(
     if starts is not None and any(s is not None for s in starts):
         zero = torch.zeros(h, dk, dv, device=p.q.device)
         return _call(p, p.v, lengths, torch.stack([zero if s is None else s for s in starts]))
-    v, initial = p.v, torch.zeros(len(lengths), h, dk, width, device=p.q.device)
-    if wide:
-        v = torch.cat([v, v.new_zeros(*v.shape[:2], dk)], -1)
-        initial[..., dv:] = torch.eye(dk, device=p.q.device)
-    return _call(p, v, lengths, initial)
+    if not wide:
+        return _call(p, p.v, lengths, None)
+    initial = torch.zeros(len(lengths), h, dk, width, device=p.q.device)
+    initial[..., dv:] = torch.eye(dk, device=p.q.device)
+    return _call(p, torch.nn.functional.pad(p.v, (0, dk)), lengths, initial)
 
 
 def split(p: Prepared, sizes: list[int]) -> list[Prepared]:

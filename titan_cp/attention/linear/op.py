@@ -194,20 +194,26 @@ class _Planned:
 
 
 class _Group(torch.autograd.Function):
-    """``x[index]`` for each index: the tokens of each call, each part a tensor of its own (what a call keeps
-    for its backward holds its own tokens only); backward, ``cat(d_parts)[inverse]``: one gather, where an
+    """The tokens of each call, each part a tensor of its own (what a call keeps for its backward holds its own
+    tokens only): a view where the part is one span of the buffer (``(start, length)``), else gathered (its flat
+    tokens). Backward, the parts' gradients written once into one tensor (the parts tile the buffer), where an
     ``index_select`` each would add its gradient into a full-size zero tensor."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, inverse: Tensor, *index: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        ctx.save_for_backward(inverse)
-        ctx.parts = len(index)
-        return tuple(x.index_select(0, i) for i in index)
+    def forward(ctx, x: Tensor, *parts: tuple[int, int] | Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.parts = parts
+        return tuple(x.narrow(0, *p) if isinstance(p, tuple) else x.index_select(0, p) for p in parts)
 
     @staticmethod
     def backward(ctx, *d_parts: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        (inverse,) = ctx.saved_tensors
-        return (torch.cat(d_parts).index_select(0, inverse), None, *([None] * ctx.parts))
+        total = sum(d.shape[0] for d in d_parts)
+        d_x = d_parts[0].new_empty(total, *d_parts[0].shape[1:])
+        for p, d in zip(ctx.parts, d_parts):
+            if isinstance(p, tuple):
+                d_x.narrow(0, *p).copy_(d)
+            else:
+                d_x.index_copy_(0, p, d)
+        return (d_x, *([None] * len(ctx.parts)))
 
 
 # ---------------------------------------------------------------------------- the gated delta rule
@@ -242,15 +248,15 @@ class GatedDelta(_Planned):
 
     def prepare(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Any:
         """The torch kernel's chunks (:func:`.gated_delta.prepare`); through ``fla``, the tokens of each of the
-        plan's groups (before the exchange, wide, after it) as an :class:`.fla.Prepared` of its own, gathered (:class:`_Group`)
-        where two groups or more have pieces, else views of the buffer."""
+        plan's groups (before the exchange, wide, after it) as an :class:`.fla.Prepared` of its own
+        (:class:`_Group`: a view where a group's pieces are one span of the buffer, else gathered)."""
         if self.backend == "fla":
             q, k, v, beta = (_flat(x) for x in (q, k, v, beta))
             flat = [q, k, v, _flat(g).float(), beta]
             sizes = [sum(self.plan.runs[j][1] for j in pieces) for pieces in self.plan.groups]
             if sum(n > 0 for n in sizes) > 1:
-                *index, inverse = self.plan.grouped(q.device)
-                parts = [_Group.apply(x, inverse, *index) for x in flat]
+                where = self.plan.grouped(q.device)
+                parts = [_Group.apply(x, *where) for x in flat]
             else:  # the one group is the whole buffer, in order
                 parts = [x.split(sizes) for x in flat]
             return [

@@ -128,20 +128,23 @@ class StatePlan:
         """``values`` as an int64 tensor on ``device``, made once per plan, ``name`` and device."""
         return on_device(self.device, name, lambda: torch.tensor(values, dtype=torch.int64), device)
 
-    def grouped(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """``(*groups, inverse)`` on ``device``: the flat tokens of each of :attr:`groups`' pieces, each in order,
-        and the permutation back (``cat([x[g] for g in groups])[inverse] == x``)."""
-        host = self._grouped_host
-        return tuple(on_device(self.device, ("grouped", i), lambda t=t: t, device) for i, t in enumerate(host))  # type: ignore[misc]
+    def grouped(self, device: torch.device) -> tuple[tuple[int, int] | torch.Tensor, ...]:
+        """Where each of :attr:`groups`' tokens are, on ``device``: ``(start, length)`` where its pieces are one
+        span of the buffer (consecutive runs), else the flat tokens of its pieces, in order (made once)."""
+        return tuple(
+            part if isinstance(part, tuple) else on_device(self.device, ("grouped", i), lambda t=part: t, device)  # type: ignore[misc]
+            for i, part in enumerate(self._grouped_host)
+        )
 
     @functools.cached_property
-    def _grouped_host(self) -> tuple[torch.Tensor, ...]:
-        def tokens(pieces: tuple[int, ...]) -> torch.Tensor:
+    def _grouped_host(self) -> tuple[tuple[int, int] | torch.Tensor, ...]:
+        def where(pieces: tuple[int, ...]) -> tuple[int, int] | torch.Tensor:
             spans = [self.runs[j] for j in pieces]
-            return torch.cat([torch.arange(a, a + n) for a, n in spans]) if spans else torch.zeros(0, dtype=torch.int64)
+            if not spans or all(b == a + 1 for a, b in zip(pieces, pieces[1:])):  # runs tile the buffer in order
+                return (spans[0][0] if spans else 0, sum(n for _, n in spans))
+            return torch.cat([torch.arange(a, a + n) for a, n in spans])
 
-        groups = [tokens(pieces) for pieces in self.groups]
-        return (*groups, torch.argsort(torch.cat(groups)))
+        return tuple(where(pieces) for pieces in self.groups)
 
     @functools.cached_property
     def groups(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
