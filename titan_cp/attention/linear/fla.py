@@ -91,7 +91,8 @@ def scan(
     ``lengths`` theirs; outputs ``(sum(lengths), v_heads, width)`` and final states ``(len(lengths), v_heads,
     d_k, width)``; each piece from zero, or from ``starts`` (one fp32 ``(v_heads, d_k, d_v)`` state a piece,
     ``None`` for zero: where every piece starts from zero, ``fla`` is given no initial state);
-    ``wide``: ``v`` widened by ``d_k`` zero columns (one padded copy) from ``[0 | I]``."""
+    ``wide``: ``v`` widened by ``d_k`` zero columns from ``[0 | I]`` (a ``cat``, whose backward is a view: a pad's
+    would copy)."""
     h, dk, dv = p.v.shape[1], p.q.shape[-1], p.v.shape[-1]
     width = dv + dk * wide
     if not lengths:
@@ -103,7 +104,7 @@ def scan(
         return _call(p, p.v, lengths, None)
     initial = torch.zeros(len(lengths), h, dk, width, device=p.q.device)
     initial[..., dv:] = torch.eye(dk, device=p.q.device)
-    return _call(p, torch.nn.functional.pad(p.v, (0, dk)), lengths, initial)
+    return _call(p, torch.cat([p.v, p.v.new_zeros(*p.v.shape[:2], dk)], -1), lengths, initial)
 
 
 def split(p: Prepared, sizes: list[int]) -> list[Prepared]:
