@@ -317,8 +317,10 @@ class GatedDelta(_Planned):
                 s = states[j]
                 assert s is not None
                 # a copy of its own in the outputs' dtype: what the correction keeps is that, not the composed
-                # state (nor the summaries' buffer a first link's state is a view of)
-                wides.append(o_j + torch.einsum("thk,hkv->thv", r_j, s.to(r_j.dtype, copy=True)))
+                # state (nor the summaries' buffer a first link's state is a view of); one GEMM a head, batched
+                # over heads on strided views, where einsum would first copy r and its result to head-major
+                o_h, r_h = o_j.transpose(0, 1), r_j.transpose(0, 1)
+                wides.append(torch.baddbmm(o_h, r_h, s.to(r_j.dtype, copy=True)).transpose(0, 1))
         outs = [iter(o_before.split(lengths[0])), iter(wides), iter(o_after.split(lengths[2]))]
         return torch.cat([next(outs[call]) for call in self.plan.calls])
 
