@@ -24,8 +24,9 @@ Each rank runs the layer twice, the second time counted: the first builds the la
 later layer of a microbatch reuses. Beside it, the rank's own pieces run on one device as documents of their
 own (**alone**: one ``fla`` call over the same pieces at ``d_v`` columns, no exchange): what the layer costs
 without CP. Under CP each piece runs once too, in one of three calls: before the exchange, the pieces that
-start their document at ``d_v`` and the wide ones at ``d_v + d_k``; after it, the last pieces from their
-states and the documents placed there at ``d_v`` (:mod:`titan_cp.attention.linear.fla`,
+start their document at ``d_v`` and the wide ones at ``d_v + d_k``; after it, the last pieces and the late
+middle ones from their states and the documents placed there at ``d_v``; the late middles' final states go
+by a second exchange to the ranks whose wide pieces they correct (:mod:`titan_cp.attention.linear.fla`,
 :func:`titan_cp.attention.linear.plan.piece_calls`).
 
 **The time** (:func:`layer_record`), on a device of :data:`titan_cp.plan.GPUS`::
@@ -444,7 +445,7 @@ def layer_record(
     docstring), for the rank with the largest ``overhead / own``, the variants' largest ratios beside it."""
     pairs = simulate(dims.shapes, seq_len, cp, doc_lens, balance)
     rows = tuple(tuple(r) for r in (doc_lens or [[seq_len]]))
-    works = lin.linear_work(seq_len, cp, balance, rows, dims.shapes.conv)
+    works = lin.linear_work(seq_len, cp, balance, rows, dims.shapes.conv, late=True)
     wait = waits(dims.shapes, works)
     times = [rank_times(dims, p, works[p[0].rank], device, fraction, wait=wait[p[0].rank]) for p in pairs]
     worst = max(times, key=lambda t: t.ratio)

@@ -125,6 +125,58 @@ def test_linear_layers_on_a_hybrid_mesh(dist_pools, kind):
     assert max(max(e.values()) for e in results) < TOL, results
 
 
+def late_case(rank: int, world: int, kind: str, balance: str, rows: str, data) -> dict[str, float]:
+    """:func:`linear_case` with each document's longest later piece, where it is a middle one, run after the
+    exchange from its state (priced or not: :data:`~titan_cp.attention.linear.plan.MARGIN` forced), the pieces
+    after it wide, corrected from the state it leaves (the second exchange); ``n_late``: such pieces anywhere,
+    ``crosses``: whether their states cross a rank boundary."""
+    from titan_cp import layout as layout_module  # noqa: PLC0415
+    from titan_cp.attention.linear import plan as plan_module  # noqa: PLC0415
+
+    # layouts are kept by value with their plans (a row without documents is one of them): none made before
+    # the forced placement, none kept after it
+    layout_module._layout.cache_clear()
+    before, plan_module.MARGIN = plan_module.MARGIN, -100.0  # every late placement is kept
+    try:
+        with count_comm() as counted:
+            if kind == "gated_delta_fla":
+                from tests import fla_standin  # noqa: PLC0415
+
+                with fla_standin.installed():
+                    errors = linear_case(rank, world, kind, balance, rows, "ring", data)
+            else:
+                errors = linear_case(rank, world, kind, balance, rows, "ring", data)
+        layout = SequenceLayout(SEQ, world, balance, ROWS[rows])
+        plans = [state_plan(layout, r, 2, late=True) for r in range(world)]
+    finally:
+        plan_module.MARGIN = before
+        layout_module._layout.cache_clear()
+    second = any(p.second is not None and p.second.crosses for p in plans)
+    per = 2 if kind == "gated_delta_fla" else 3  # forward and return (and the recomputing backward's forward)
+    errors["wrong_exchanges"] = float(counted.calls != per * (plans[0].crosses + second))
+    errors["n_late"] = float(sum(len(p.states2) for p in plans))
+    errors["crosses"] = float(second)
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("kind", ["gated_delta", "gated_delta_fla"])
+def test_late_middle_pieces_equal_each_document_alone(dist_pools, world, kind):
+    """Middle pieces run after the exchange from their states, the pieces after them corrected from the states
+    they leave (a second exchange): forward and every gradient as each document alone, on the torch kernel (the
+    custom op, its backward recomputing) and through ``fla`` (plain autograd), at world 2-4 on three balances."""
+    crossed = 0.0
+    for balance in ("contiguous", "zigzag", "doc_local"):
+        for rows in ROWS:
+            results = dist_pools.run(world, late_case, kind, balance, rows, expected("gated_delta", rows))
+            n_late, crosses = results[0].pop("n_late"), results[0].pop("crosses")
+            for errors in results[1:]:
+                errors.pop("n_late"), errors.pop("crosses")
+            assert max(max(e.values()) for e in results) < TOL, (balance, rows, results)
+            crossed += n_late * crosses
+    assert crossed > 0  # the second exchange ran
+
+
 def bytes_case(rank: int, world: int, seq: int, kind: str) -> int:
     mesh = cp_mesh("ring", world)
     layout = SequenceLayout(seq, world, "doc_zigzag")

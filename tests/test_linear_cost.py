@@ -26,7 +26,7 @@ WIDE = S.d_v + S.d_k  # the middle pieces' value width: [v | 0] from [0 | I]
 
 
 def _works(seq: int, cp: int, rows: list[list[int]] | None) -> tuple[lin.LinearWork, ...]:
-    return lin.linear_work(seq, cp, DEFAULT_BALANCE, tuple(tuple(r) for r in rows or [[seq]]), S.conv)
+    return lin.linear_work(seq, cp, DEFAULT_BALANCE, tuple(tuple(r) for r in rows or [[seq]]), S.conv, late=True)
 
 
 def _expected_calls(work: lin.LinearWork) -> list[FlaCall]:
@@ -43,10 +43,30 @@ def _expected_calls(work: lin.LinearWork) -> list[FlaCall]:
     ]
 
 
-@pytest.mark.parametrize("mix", ["docs_1k", "one_document"])
-def test_the_count_of_a_gated_deltanet_layer_at_full_size(mix):
+@pytest.mark.parametrize("mix", ["docs_1k", "one_document", "one_document_late"])
+def test_the_count_of_a_gated_deltanet_layer_at_full_size(monkeypatch, mix):
+    """The calls, FLOPs, bytes exchanged, collectives and bytes kept, counted, equal the planner's (``one_document_late``:
+    every late middle piece placed: chains of two links and more start from its state)."""
+    if mix.endswith("_late"):
+        from titan_cp import layout as layout_module  # noqa: PLC0415
+        from titan_cp.attention.linear import plan as plan_module  # noqa: PLC0415
+
+        monkeypatch.setattr(plan_module, "MARGIN", -100.0)
+        layout_module._layout.cache_clear()
+        lin.linear_work.cache_clear()
+    try:
+        _count_at_full_size(mix.removesuffix("_late"), late=mix.endswith("_late"))
+    finally:
+        if mix.endswith("_late"):
+            layout_module._layout.cache_clear()
+            lin.linear_work.cache_clear()
+
+
+def _count_at_full_size(mix: str, late: bool) -> None:
     rows = mix_rows(mix, SEQ)
     pairs, works = simulate(S, SEQ, CP, rows), _works(SEQ, CP, rows)  # a host sync would raise here
+    if late:
+        assert any(w.reads_own2 or w.reads_received2 for w in works)  # chains through a late middle's state
     assert [cp.rank for cp, _ in pairs] == list(range(CP))
     assert any(w.summarized for w in works) and all(sum(w.lengths) == SEQ // CP for w in works)
     assert any(sum(map(bool, (w.before_lengths, w.wide_lengths, w.after_lengths))) > 1 for w in works)  # two calls
@@ -54,16 +74,21 @@ def test_the_count_of_a_gated_deltanet_layer_at_full_size(mix):
         assert cp.calls == _expected_calls(work), cp.rank
         added = cp.kernel_flops(S) - alone.kernel_flops(S)  # the wide pieces' d_k more columns, as priced
         assert added == pytest.approx(sum(lin.cp_flops(S, work)), rel=1e-12)
-        assert (added > 0) == bool(work.wide_lengths) and set(work.middle_lengths) <= set(work.wide_lengths)
-        floor = lin.floor_flops(S, work)  # the chunked form's least (middle pieces): at most the wide call's
-        assert all(0 <= f <= a for f, a in zip(floor, lin.cp_flops(S, work)))
+        assert (added > 0) == bool(work.wide_lengths)
+        middles = [c for later, f, c in zip(work.later, work.followed, work.calls) if later and f]
+        assert all(c in (1, 2) for c in middles) and middles.count(2) == work.late_middles  # wide, or late
+        floor = lin.floor_flops(S, work)  # the least with one exchange (middle pieces' transitions)
         assert (floor[0] > 0) == bool(work.middle_lengths)
+        if not any(w.late_middles for w in works):  # a second exchange trades a transition for a wait
+            assert all(0 <= f <= a for f, a in zip(floor, lin.cp_flops(S, work)))
         assert alone.calls == [FlaCall(op, work.lengths, S.d_v, False) for op in ("forward", "backward")]
         summaries, halos = lin.exchange_bytes(S, work, 2, recompute=False)  # fla's autograd: no second send
         assert (cp.summary_bytes, cp.halo_bytes) == (summaries, halos) and summaries > 0
-        assert summaries == (work.sent + work.received) * S.v_heads * S.d_k * WIDE * 4  # fp32 [B | M] rows
+        rows = (work.sent + work.received) * WIDE + (work.sent2 + work.received2) * S.d_v  # [B | M]; late states
+        assert summaries == rows * S.v_heads * S.d_k * 4  # fp32
         assert alone.summary_bytes == alone.halo_bytes == alone.collectives == 0
-        assert cp.collectives == 5  # halos: forward, backward's resend and return; summaries: forward, return
+        # halos: forward, backward's resend and return; summaries: forward, return; late middles' states alike
+        assert cp.collectives == 5 + 2 * any(w.sent2 for w in works)
         tokens = sum(work.lengths)
         assert cp.saved_bytes == lin.ops_saved_per_token(S, 2) * tokens + lin.work_extra_bytes(S, work, 2)
         assert alone.saved_bytes == lin.ops_saved_per_token(S, 2) * tokens  # from zero: no initial state given
@@ -102,7 +127,7 @@ def test_the_calls_around_the_exchange_never_lengthen_the_layer(balance, mix):
     in two (``contiguous``, ``zigzag``: their last pieces run from their states, after it, with whole documents
     beside them), and within 2% of what the busiest rank computes."""
     rows = mix_rows(mix, SEQ)
-    works = lin.linear_work(SEQ, CP, balance, tuple(tuple(r) for r in rows or [[SEQ]]), S.conv)
+    works = lin.linear_work(SEQ, CP, balance, tuple(tuple(r) for r in rows or [[SEQ]]), S.conv, late=True)
     wide = [dataclasses.replace(w, calls=tuple(int(later) for later in w.later)) for w in works]
     assert _critical(works) <= _critical(wide)
     if mix == "docs_1k" and balance != "doc_local":
@@ -143,7 +168,7 @@ def test_every_rank_of_a_crossing_plan_joins_the_exchange_backward():
     works = _works(256, 4, SMALL_ROWS)
     assert not any(received for chain in _chains(layout, 3) for received, _ in chain) and works[3].summarized
     for (cp, _), work in zip(simulate(S, 256, 4, SMALL_ROWS), works):
-        assert cp.collectives == 5 and cp.calls == _expected_calls(work)
+        assert cp.collectives == 5 + 2 * any(w.sent2 for w in works) and cp.calls == _expected_calls(work)
 
 
 def _chains(layout: SequenceLayout, rank: int):
@@ -208,34 +233,51 @@ def recomputed_bytes(rank: int, world: int, kind: str) -> int:
 def test_the_recomputing_ops_send_what_the_planner_prices(dist_pools, kind, shapes):
     """Mamba2's SSD and the torch kernel's gated delta rule at CP 4: each rank's bytes equal the planner's
     summaries (``recompute``: sent forward, sent again by the backward, the received ones' gradients returned)."""
-    works = lin.linear_work(256, 4, DEFAULT_BALANCE, tuple(tuple(r) for r in SMALL_ROWS), 4)
+    works = lin.linear_work(256, 4, DEFAULT_BALANCE, tuple(tuple(r) for r in SMALL_ROWS), 4, late=kind == "gated_delta")
     priced = [lin.exchange_bytes(shapes, w, 4, recompute=True)[0] for w in works]
     assert dist_pools.run(4, recomputed_bytes, kind) == priced and max(priced) > 0
 
 
-def _plans_work(layout: SequenceLayout, rank: int, batch: int, conv: int) -> lin.LinearWork:
+def _plans_work(layout: SequenceLayout, rank: int, batch: int, conv: int, late: bool) -> lin.LinearWork:
     """:class:`~titan_cp.plan.linear.LinearWork` read from the ops' own plans of one rank."""
     from titan_cp.attention.linear.plan import halo_plan, state_plan  # noqa: PLC0415
 
-    state, halo = state_plan(layout, rank, batch), halo_plan(layout, rank, batch, conv)
+    state, halo = state_plan(layout, rank, batch, late), halo_plan(layout, rank, batch, conv)
     lengths = tuple(n for _, n in state.runs)
-    read = {received for chain in state.chains if len(chain) > 1 for received, _ in chain}  # what M s + B keeps
+    read = {source for chain in state.chains if len(chain) > 1 for source, _ in chain}  # what M s + B keeps
     extended = {chain[:n] for chain in state.chains for n in range(2, len(chain))}  # kept as s by a longer link
+    followed = tuple(j in state.summarize or j in state.states2 for j in range(len(lengths)))
+    second = state.second
     return lin.LinearWork(
-        lengths, tuple(map(bool, state.chains)), tuple(j in state.summarize for j in range(len(lengths))),
-        sum(map(len, state.send.values())),
+        lengths, tuple(map(bool, state.chains)), followed, sum(map(len, state.send.values())),
         state.received, sum(map(len, halo.send.values())), halo.received,
-        len(extended), False in read, True in read, state.calls,
+        len(extended), 0 in read, 1 in read, state.calls,
+        0 if second is None else sum(map(len, second.send.values())), 0 if second is None else second.received,
+        2 in read, 3 in read,
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("late", [False, True, "forced"])
 @pytest.mark.parametrize("balance", ["contiguous", "zigzag", "doc_zigzag", "doc_local"])
 @pytest.mark.parametrize("cp", [2, 4, 8])
-def test_the_planners_work_is_the_ops_plans(balance, cp):
+def test_the_planners_work_is_the_ops_plans(monkeypatch, balance, cp, late):
     """The planner's one pass over the documents gives each rank what the ops' plans give it (pieces, which
     of them are later pieces, summaries, rows sent and received, halos, composed states), on two rows of
     packed documents."""
     rows = ((2, 300, 7, 1, 700, 14), tuple(lognormal_doc_lens(1024, 40, seed=cp)))
+    if late == "forced":  # every late middle piece placed (the second exchange's rows, what it keeps)
+        from titan_cp import layout as layout_module  # noqa: PLC0415
+        from titan_cp.attention.linear import plan as plan_module  # noqa: PLC0415
+
+        monkeypatch.setattr(plan_module, "MARGIN", -100.0)
+        layout_module._layout.cache_clear()
+        lin.linear_work.cache_clear()
     layout = SequenceLayout(1024, cp, balance, [list(r) for r in rows])
-    want = tuple(_plans_work(layout, r, 2, 4) for r in range(cp))
-    assert lin.linear_work(1024, cp, balance, rows, 4) == want
+    want = tuple(_plans_work(layout, r, 2, 4, bool(late)) for r in range(cp))
+    got = lin.linear_work(1024, cp, balance, rows, 4, bool(late))
+    if late == "forced":
+        layout_module._layout.cache_clear()
+        lin.linear_work.cache_clear()
+        if cp > 2 or balance.startswith("doc"):  # (at cp 2, contiguous and zigzag cut these documents in two)
+            assert any(w.late_middles for w in got) and any(w.sent2 for w in got)
+    assert got == want

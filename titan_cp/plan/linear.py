@@ -17,8 +17,10 @@ every *middle* piece (a later piece a later piece follows: the ranks after it ne
 own state is known) and the *last* pieces (later pieces no piece follows) placed there; after it, one over
 the other last pieces, from their composed states, and the whole documents placed there, at ``d_v``
 (:func:`~titan_cp.attention.linear.plan.piece_calls` places them so that the ranks reach the exchange, a
-collective, together). Without CP every piece runs at ``d_v`` from zero, at the same cost as from a given
-state, so what CP adds to the kernel is the wide pieces' ``d_k`` more columns (:func:`cp_flops`). Mamba2 runs its summaries' state pass, then every
+collective, together); a document's longest middle piece may run there too, from its state (a *late
+middle*: the pieces after it wide, corrected from its final state, which a second exchange sends). Without
+CP every piece runs at ``d_v`` from zero, at the same cost as from a given state, so what CP adds to the
+kernel is the wide pieces' ``d_k`` more columns (:func:`cp_flops`). Mamba2 runs its summaries' state pass, then every
 piece from its composed state.
 
 **Kernel FLOPs** (:func:`chunk_flops`), per head and chunk of ``C`` tokens (a piece's last chunk padded and
@@ -78,7 +80,7 @@ GPU (``fla``'s own autograd for Gated DeltaNet, the custom op's saved inputs for
                 state a longer chain extends (fp32 heads x K x V: M s + B keeps s); the summary buffers a
                 chain of two links or more reads (fp32 heads x K x (V + K) a row: M s + B keeps M, and the
                 first link's s is a view of its summary); each wide piece's state copied to the
-                activations' dtype for its correction; the summaries' index (int64)
+                activations' dtype for its correction; the summaries' and the late middles' states' indices (int64)
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 
-from titan_cp.attention.linear.plan import Piece, _pieces, piece_calls
+from titan_cp.attention.linear.plan import Piece, _pieces, late_middles, piece_calls
 from titan_cp.families.llama3.model import ModelArgs
 from titan_cp.integrations.hf_shapes import HFShapes, LinearShapes
 from titan_cp.layout import get_layout
@@ -205,7 +207,10 @@ class LinearWork:
     share their chains' prefixes: the op composes each once); reads_sent, reads_received: whether a chain
     of two links or more reads this rank's summaries / the received ones; calls: which of Gated DeltaNet's
     calls runs each piece (:func:`~titan_cp.attention.linear.plan.piece_calls`: 0 before the exchange from
-    zero, 1 wide, 2 after it from its composed state).
+    zero, 1 wide, 2 after it from its composed state; a middle piece there is a *late middle*, whose final
+    state a second exchange sends to the ranks holding the pieces after it); sent2, received2: those states
+    sent and received; reads_own2, reads_received2: whether a chain of two links or more starts from this
+    rank's late middles' states / the received ones (keeping them).
     """
 
     lengths: tuple[int, ...]
@@ -219,6 +224,10 @@ class LinearWork:
     reads_sent: bool = False
     reads_received: bool = False
     calls: tuple[int, ...] = ()
+    sent2: int = 0
+    received2: int = 0
+    reads_own2: bool = False
+    reads_received2: bool = False
 
     def chunks(self, chunk: int) -> int:
         return chunks_of(self.lengths, chunk)
@@ -257,8 +266,17 @@ class LinearWork:
 
     @property
     def summarized(self) -> tuple[int, ...]:
-        """The pieces it summarises (a later piece follows them), in order."""
-        return tuple(n for n, f in zip(self.lengths, self.followed) if f)
+        """The pieces it summarises (a later piece follows them, and they are not late middles), in order."""
+        return tuple(n for n, f, x in zip(self.lengths, self.followed, self._lates()) if f and not x)
+
+    @property
+    def late_middles(self) -> int:
+        """How many of its pieces are late middles (their states sent by the second exchange)."""
+        return sum(self._lates())
+
+    def _lates(self) -> tuple[bool, ...]:
+        calls = self.calls or (0,) * len(self.lengths)
+        return tuple(later and f and c == 2 for later, f, c in zip(self.later, self.followed, calls))
 
     def summary_chunks(self, chunk: int) -> int:
         """Chunks of the pieces it summarises (Mamba2's summaries pass)."""
@@ -266,9 +284,12 @@ class LinearWork:
 
 
 @lru_cache(maxsize=64)
-def linear_work(seq_len: int, cp: int, balance: str, rows: tuple, conv: int) -> tuple[LinearWork, ...]:
+def linear_work(
+    seq_len: int, cp: int, balance: str, rows: tuple, conv: int, late: bool = False
+) -> tuple[LinearWork, ...]:
     """Every rank's :class:`LinearWork` for ``rows`` (document lengths, one tuple a row) under ``balance``
-    (a convolution of ``conv`` taps): what the ops' :func:`~titan_cp.attention.linear.plan.state_plan` and
+    (a convolution of ``conv`` taps; ``late``: the gated delta rule's plan, with late middle pieces where they
+    pay): what the ops' :func:`~titan_cp.attention.linear.plan.state_plan` and
     :func:`~titan_cp.attention.linear.plan.halo_plan` give each rank (``tests/test_linear_cost.py``), from
     the layout's pieces in one pass over the documents (the plans, rank by rank, grow as ``cp^2``)."""
     layout = get_layout(seq_len, cp, balance, [list(r) for r in rows])
@@ -278,12 +299,13 @@ def linear_work(seq_len: int, cp: int, balance: str, rows: tuple, conv: int) -> 
         for piece in theirs:
             docs[(piece.row, piece.doc)].append(piece)
     crosses = any(len({piece.rank for piece in chain}) > 1 for chain in docs.values())
-    calls = layout.memo(("linear_calls", len(rows)), lambda: piece_calls(pieces, crosses))
+    calls = layout.memo(("linear_calls", len(rows), late), lambda: piece_calls(pieces, crosses, late))
+    base = late_middles(pieces, calls)
     counts = {r: Counter() for r in range(cp)}  # type: ignore[var-annotated]
-    reads: dict[int, set[bool]] = defaultdict(set)
-    for chain in docs.values():
+    reads: dict[int, set[int]] = defaultdict(set)
+    for key, chain in docs.items():
         chain.sort(key=lambda piece: piece.index)
-        _states(chain, counts, reads)
+        _states(chain, base.get(key), counts, reads)
         _halos(chain, conv - 1, counts)
     return tuple(
         LinearWork(
@@ -295,30 +317,53 @@ def linear_work(seq_len: int, cp: int, balance: str, rows: tuple, conv: int) -> 
             counts[r]["halo_sent"],
             counts[r]["halo_received"],
             counts[r]["composed"],
-            False in reads[r],
-            True in reads[r],
+            0 in reads[r],
+            1 in reads[r],
             calls[r],
+            counts[r]["sent2"],
+            counts[r]["received2"],
+            2 in reads[r],
+            3 in reads[r],
         )
         for r in range(cp)
     )
 
 
-def _states(chain: list[Piece], counts: dict[int, Counter], reads: dict[int, set[bool]]) -> None:
-    """One document's pieces (in order): each summary sent to the other ranks holding a later piece, each
-    rank receiving the others' summaries before its last piece, and what composing each piece's state reads."""
+def _states(chain: list[Piece], late: int | None, counts: dict[int, Counter], reads: dict[int, set[int]]) -> None:
+    """One document's pieces (in order; ``late``: the index of its late middle piece, if any): each summary sent
+    to the other ranks holding a piece that needs it, each rank receiving the others' summaries its pieces need
+    (all before them; after the late middle, only those after it), the late middle's state sent to the other
+    ranks holding pieces after it, and what composing each piece's state reads and keeps."""
     owners = [piece.rank for piece in chain]
+    n = len(chain)
+
+    def needed(p: int) -> range:  # the summaries piece p's chain reads
+        return range(late + 1, p) if late is not None and p > late else range(p)
+
     for i, rank in enumerate(owners[:-1]):
-        counts[rank]["sent"] += len(set(owners[i + 1 :]) - {rank})
-    last = {rank: i for i, rank in enumerate(owners)}
-    for rank, i in last.items():
-        counts[rank]["received"] += sum(owner != rank for owner in owners[:i])
-    top: dict[int, int] = {}  # a rank's pieces of the document share their chains' prefixes: the longest counts
-    for piece in chain:
-        top[piece.rank] = max(top.get(piece.rank, 0), piece.index)
-        if piece.index >= 2:  # M s + B keeps M and s (the first link's s is its summary's B, a view)
-            reads[piece.rank] |= {owner != piece.rank for owner in owners[: piece.index]}
-    for rank, index in top.items():  # each prefix a longer one extends (M s + B keeps s)
-        counts[rank]["composed"] += max(0, index - 2)
+        if i != late:
+            users = range(i + 1, late + 1) if late is not None and i < late else range(i + 1, n)
+            counts[rank]["sent"] += len({owners[p] for p in users} - {rank})
+    for rank in set(owners):
+        counts[rank]["received"] += len(
+            {i for p in range(n) if owners[p] == rank for i in needed(p) if owners[i] != rank}
+        )
+    if late is not None:
+        later = {owners[p] for p in range(late + 1, n)} - {owners[late]}
+        counts[owners[late]]["sent2"] += len(later)
+        for rank in later:
+            counts[rank]["received2"] += 1
+    top: dict[tuple[int, bool], int] = {}  # a rank's chains of one kind share their prefixes: the longest counts
+    for p, piece in enumerate(chain):
+        start = late if late is not None and p > late else None  # the chain: the late middle's state, then the
+        length = p if start is None else p - start  # summaries after it
+        top[(piece.rank, start is not None)] = max(top.get((piece.rank, start is not None), 0), length)
+        if length >= 2:  # M s + B keeps M and s (the first link's s is a view of its row)
+            reads[piece.rank] |= {int(owners[i] != piece.rank) for i in needed(p)}
+            if start is not None:
+                reads[piece.rank].add(2 if owners[start] == piece.rank else 3)
+    for (rank, _), length in top.items():  # each prefix a longer one extends (M s + B keeps s)
+        counts[rank]["composed"] += max(0, length - 2)
 
 
 def _halos(chain: list[Piece], h: int, counts: dict[int, Counter]) -> None:
@@ -343,13 +388,18 @@ def exchange_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int, recom
     torch kernel, a compiled graph) the forward's sends again; the halo rows (``act_bytes`` a channel) alike,
     the convolution's op always recomputing."""
     summaries = (work.sent * (1 + recompute) + work.received) * shapes.summary_bytes
+    summaries += (work.sent2 * (1 + recompute) + work.received2) * shapes.state_bytes  # the late middles' states
     halos = (2 * work.halo_sent + work.halo_received) * shapes.conv_channels * act_bytes
     return summaries, halos
 
 
 def forward_exchange_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
     """Bytes one rank sends in one forward of one layer (what a checkpointed forward sends again)."""
-    return work.sent * shapes.summary_bytes + work.halo_sent * shapes.conv_channels * act_bytes
+    return (
+        work.sent * shapes.summary_bytes
+        + work.sent2 * shapes.state_bytes
+        + work.halo_sent * shapes.conv_channels * act_bytes
+    )
 
 
 # ---------------------------------------------------------------------------- memory
@@ -406,7 +456,7 @@ def state_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
     for Mamba2, whose op keeps only its inputs): each call's initial states where it is given any (a wide
     piece's ``[0 | I]`` start, a summary's size; in the call after the exchange, a last piece's composed state
     and a zero state for each document placed there beside one; a call whose pieces all start from zero is
-    given none); the summaries' index (int64 a row); each state a longer one extends (``M s + B`` keeps
+    given none); the summaries' and the late middles' states' indices (int64 a row); each state a longer one extends (``M s + B`` keeps
     ``s``); the summary buffers a chain of two links or more reads (``M s + B`` keeps ``M``, and the first
     link's ``s`` is a view of its summary: this rank's and the received ones, each kept whole); and each wide
     piece's state, copied to the activations' dtype for its correction."""
@@ -416,8 +466,10 @@ def state_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:
     after = len(work.after_lengths) if any(later and c == 2 for later, c in zip(work.later, work.calls)) else 0
     starts = after * shapes.state_bytes + wide * shapes.summary_bytes
     read = (work.reads_sent * len(work.summarized) + work.reads_received * work.received) * shapes.summary_bytes
+    read += (work.reads_own2 * work.late_middles + work.reads_received2 * work.received2) * shapes.state_bytes
     corrections = wide * shapes.state_bytes * act_bytes // FP32  # each wide piece's state, in act's dtype
-    return starts + 8 * len(work.summarized) + work.composed * shapes.state_bytes + read + corrections
+    indices = 8 * (len(work.summarized) + work.late_middles)  # the summaries' and the late states' (int64)
+    return starts + indices + work.composed * shapes.state_bytes + read + corrections
 
 
 def work_extra_bytes(shapes: LinearShapes, work: LinearWork, act_bytes: int) -> int:

@@ -135,7 +135,7 @@ class Workload:
         if shapes is None:
             return ()
         rows = self.rows[: self.rows_per_microbatch(pp)]
-        return lin.linear_work(self.seq_len, cp, self.balance, rows, shapes.conv)
+        return lin.linear_work(self.seq_len, cp, self.balance, rows, shapes.conv, late=shapes.gated_delta)
 
     def linear_work(self, cp: int, pp: int) -> lin.LinearWork | None:
         """:meth:`linear_works` of the rank that keeps the most (``None`` without linear layers)."""

@@ -34,7 +34,7 @@ from titan_cp.attention.linear import conv as conv_kernel
 from titan_cp.attention.linear import fla, gated_delta, ssd
 from titan_cp.attention.linear.chunks import Chunks, chunked
 from titan_cp.attention.linear.exchange import Transport, return_rows, send_rows, transport
-from titan_cp.attention.linear.plan import HaloPlan, StatePlan, halo_plan, state_plan
+from titan_cp.attention.linear.plan import HaloPlan, StatePlan, StateRows, halo_plan, state_plan
 from titan_cp.layout import SequenceLayout
 
 Partial = tuple[Tensor, ...]
@@ -120,8 +120,8 @@ class Call:
     def layout(self, doc_lens: Tensor | None) -> SequenceLayout:
         return self.handle.find(self.local_len * self.handle.size, doc_lens)
 
-    def state(self, doc_lens: Tensor | None) -> StatePlan:
-        return state_plan(self.layout(doc_lens), self.handle.rank, self.batch)
+    def state(self, doc_lens: Tensor | None, late: bool = False) -> StatePlan:
+        return state_plan(self.layout(doc_lens), self.handle.rank, self.batch, late)
 
     def halo(self, doc_lens: Tensor | None, kernel: int) -> HaloPlan:
         return halo_plan(self.layout(doc_lens), self.handle.rank, self.batch, kernel)
@@ -150,20 +150,36 @@ def _chunk_size(plan: StatePlan, chunk: int) -> int:
     return min(chunk, 1 << (longest - 1).bit_length())
 
 
-def _compose(apply: Callable[[Tensor, Tensor | None], Tensor], plan: StatePlan, sent: Tensor, recv: Tensor) -> list:
-    """Each piece's initial state from the summaries before it (``None``: a document's first piece). A
-    document's pieces share the prefixes of their chains: each prefix's state is composed once (one
-    ``apply`` per summary of a chain, not per piece and summary), from the summaries unbound once."""
-    rows = {False: sent.unbind(0) if sent.shape[0] else (), True: recv.unbind(0) if recv.shape[0] else ()}
+def _compose(
+    apply: Callable[[Tensor, Tensor | None], Tensor],
+    plan: StatePlan,
+    sent: Tensor,
+    recv: Tensor,
+    pieces: Sequence[int] | None = None,
+    states: tuple[Tensor, Tensor] | None = None,
+) -> dict[int, Tensor | None]:
+    """Each piece's initial state (of ``pieces``; all of them by default) from the summaries before it (``None``: a
+    document's first piece), or from the state of the late middle piece before it and the summaries after that
+    (``states``: this rank's late middles' states and those received, :attr:`.plan.StatePlan.second`). A
+    document's pieces share the prefixes of their chains: each prefix's state is composed once (one ``apply``
+    per summary of a chain, not per piece and summary), from the summaries unbound once."""
+    rows: dict[int, Sequence[Tensor]] = {
+        0: sent.unbind(0) if sent.shape[0] else (),
+        1: recv.unbind(0) if recv.shape[0] else (),
+    }
+    if states is not None:
+        rows.update(
+            {2: states[0].unbind(0) if states[0].shape[0] else (), 3: states[1].unbind(0) if states[1].shape[0] else ()}
+        )
     memo: dict[tuple, Tensor | None] = {(): None}
 
     def state(chain: tuple) -> Tensor | None:
         if chain not in memo:
-            received, i = chain[-1]
-            memo[chain] = apply(rows[received][i], state(chain[:-1]))
+            source, i = chain[-1]
+            memo[chain] = rows[source][i] if source >= 2 else apply(rows[source][i], state(chain[:-1]))
         return memo[chain]
 
-    return [state(chain) for chain in plan.chains]
+    return {j: state(plan.chains[j]) for j in (range(len(plan.chains)) if pieces is None else pieces)}
 
 
 @dataclass(frozen=True)
@@ -245,6 +261,7 @@ class GatedDelta(_Planned):
     scale: float
     qk_l2norm: bool
     backend: str
+    comm: Transport | None = None
 
     def prepare(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Any:
         """The torch kernel's chunks (:func:`.gated_delta.prepare`); through ``fla``, the tokens of each of the
@@ -303,9 +320,36 @@ class GatedDelta(_Planned):
         are composed in fp32, or the inputs' dtype where wider). Pieces are taken from the calls' outputs by
         ``split`` (one backward for all of them)."""
         o_before, o_wide = partial
-        states = _compose(gated_delta.apply, self.plan, sent, recv)
         _, wide, after = self.plan.groups
-        o_after = self._scan(prep, 2, starts=[states[j] for j in after])[0] if after else o_before[:0]
+        states = _compose(gated_delta.apply, self.plan, sent, recv, after)
+        o_after, s_after = self._scan(prep, 2, starts=[states[j] for j in after]) if after else (o_before[:0], None)
+        recv2 = self._second(sent, recv, s_after)
+        if wide:
+            states.update(_compose(gated_delta.apply, self.plan, sent, recv, wide, recv2))
+        out = self._assemble(o_before, o_wide, o_after, states)
+        second = self.plan.second
+        if second is not None and second.crosses and recv2 is not None and recv2[1].requires_grad:
+            out = _Join.apply(out, recv2[1])  # every rank returns the second exchange's gradients
+        return out
+
+    def _second(self, sent: Tensor, recv: Tensor, s_after: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """The second exchange (:attr:`.plan.StatePlan.second`), where the plan has one: ``(this rank's late
+        middle pieces' final states, those received)``, fp32 (or the inputs' dtype where wider)."""
+        second = self.plan.second
+        if second is None:
+            return None
+        if self.plan.states2:
+            assert s_after is not None
+            after = {j: i for i, j in enumerate(self.plan.groups[2])}
+            index = self.plan.index_on("states2", [after[j] for j in self.plan.states2], s_after.device)
+            own = s_after.index_select(0, index).to(sent.dtype)
+        else:
+            own = sent.new_zeros(0, *sent.shape[1:-1], sent.shape[-1] - sent.shape[-2])
+        return own, _Exchange.apply(own, self.comm, second, recv)
+
+    def _assemble(self, o_before: Tensor, o_wide: Tensor, o_after: Tensor, states: dict[int, Tensor | None]) -> Tensor:
+        """The pieces' outputs in flat order, each wide piece's with its state's share."""
+        wide = self.plan.groups[1]
         if not wide and not (len(o_before) and len(o_after)):  # one call: its pieces are the buffer, in order
             return o_after if len(o_after) else o_before
         dv = o_before.shape[-1]
@@ -329,9 +373,9 @@ def _gated_delta(
     handle: int, q: Tensor, doc_lens: Tensor | None, scale: float, qk_l2norm: bool, chunk: int, backend: str
 ):
     call = _call(handle, q)
-    plan = call.state(doc_lens)
+    plan = call.state(doc_lens, late=True)
     chunks = chunked(plan.runs, call.batch * call.local_len, _chunk_size(plan, chunk))
-    return GatedDelta(plan, chunks, scale, qk_l2norm, gated_delta_backend(backend, q.device)), call
+    return GatedDelta(plan, chunks, scale, qk_l2norm, gated_delta_backend(backend, q.device), call.comm), call
 
 
 @torch.library.custom_op("titan_cp::cp_gated_delta", mutates_args=())
@@ -385,7 +429,7 @@ class _Exchange(torch.autograd.Function):
     not the rank has summaries of its own."""
 
     @staticmethod
-    def forward(ctx, sent: Tensor, comm: Transport | None, plan: StatePlan, *anchors: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, sent: Tensor, comm: Transport | None, plan: StatePlan | StateRows, *anchors: Tensor) -> Tensor:  # type: ignore[override]
         ctx.comm, ctx.plan, ctx.shape, ctx.anchors = comm, plan, sent.shape, len(anchors)
         return send_rows(comm, sent, plan.send, plan.recv, plan.crosses, plan.send_index(sent.device))
 
@@ -453,7 +497,8 @@ class StateSpace(_Planned):
         return ssd.summaries(self.chunks, prep, self.plan.summarize, self.plan.middle), ()
 
     def local(self, prep: ssd.Prepared, partial: Partial, sent: Tensor, recv: Tensor) -> Tensor:
-        return ssd.outputs(self.chunks, prep, _compose(ssd.apply, self.plan, sent, recv))
+        states = _compose(ssd.apply, self.plan, sent, recv)
+        return ssd.outputs(self.chunks, prep, [states[j] for j in range(len(self.plan.chains))])
 
 
 def _state_space(handle: int, x: Tensor, doc_lens: Tensor | None, chunk: int):

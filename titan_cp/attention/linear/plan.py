@@ -48,9 +48,30 @@ def rows_index(send: dict[int, tuple[int, ...]]) -> torch.Tensor:
     return torch.tensor([i for p in sorted(send) for i in send[p]], dtype=torch.int64)
 
 
-Ref = tuple[bool, int]
-"""Where a summary is on this rank: ``(False, i)``: row ``i`` of the summaries it computed;
-``(True, i)``: row ``i`` of the summaries it received."""
+Ref = tuple[int, int]
+"""Where a summary is on this rank: ``(0, i)``: row ``i`` of the summaries it computed; ``(1, i)``: row ``i``
+of the summaries it received. A chain may start instead from a state (:attr:`StatePlan.second`): ``(2, i)``,
+row ``i`` of the states this rank's late middle pieces leave; ``(3, i)``: row ``i`` of those it received."""
+
+
+@dataclass(frozen=True)
+class StateRows:
+    """The second exchange of a state-passing plan (:attr:`StatePlan.second`): the states (not summaries) of
+    the late middle pieces, to the ranks holding the pieces after them. ``send``, ``recv``, ``crosses`` as
+    :class:`StatePlan`'s."""
+
+    send: dict[int, tuple[int, ...]]
+    recv: dict[int, int]
+    crosses: bool
+    device: dict = field(default_factory=dict, compare=False, repr=False)  # on_device's cache
+
+    def send_index(self, device: torch.device) -> torch.Tensor:
+        """:func:`rows_index` of :attr:`send` on ``device``."""
+        return on_device(self.device, "send", lambda: rows_index(self.send), device)
+
+    @property
+    def received(self) -> int:
+        return sum(self.recv.values())
 
 
 @dataclass(frozen=True)
@@ -108,6 +129,11 @@ class StatePlan:
     calls: for each run (by index), which of the rank's three calls runs it (:func:`piece_calls`): 0, before
         the exchange from zero; 1, before it, wide (its outputs corrected after it); 2, after it, from its
         composed state (zero for a document's first piece).
+    states2, second: in a plan with *late middle* pieces (middle pieces run after the exchange from their
+        states, :func:`piece_calls` with ``late``): this rank's late middle pieces (indices into ``runs``, in
+        order), whose final states a second exchange (``second``) sends to the ranks holding the pieces after
+        them; those pieces run wide and their chains start from that state. ``second`` is ``None`` where no
+        document has one.
     """
 
     runs: tuple[tuple[int, int], ...]
@@ -118,6 +144,8 @@ class StatePlan:
     chains: tuple[tuple[Ref, ...], ...]
     crosses: bool
     calls: tuple[int, ...] = ()
+    states2: tuple[int, ...] = ()
+    second: StateRows | None = None
     device: dict = field(default_factory=dict, compare=False, repr=False)  # on_device's cache
 
     def send_index(self, device: torch.device) -> torch.Tensor:
@@ -161,55 +189,107 @@ class StatePlan:
         return bool(self.received or any(self.send.values()))
 
 
-def state_plan(layout: SequenceLayout, rank: int, batch: int) -> StatePlan:
-    """This ``rank``'s :class:`StatePlan` for ``batch`` rows under ``layout`` (memoised on the layout)."""
-    return layout.memo(("linear_state", rank, batch), lambda: _state_plan(layout, rank, batch))
+def state_plan(layout: SequenceLayout, rank: int, batch: int, late: bool = False) -> StatePlan:
+    """This ``rank``'s :class:`StatePlan` for ``batch`` rows under ``layout`` (memoised on the layout); ``late``:
+    where it makes the layer shorter, a document's longest later piece, if a middle one, runs after the exchange
+    from its state (the gated delta rule's plan, :func:`piece_calls`)."""
+    return layout.memo(("linear_state", rank, batch, late), lambda: _state_plan(layout, rank, batch, late))
 
 
-def _state_plan(layout: SequenceLayout, rank: int, batch: int) -> StatePlan:
+def _state_plan(layout: SequenceLayout, rank: int, batch: int, late: bool) -> StatePlan:
     pieces = _pieces(layout, batch)
     mine = pieces[rank]
     key = lambda p: (p.row, p.doc, p.index)  # noqa: E731 - a piece's name on every rank
-    summarize = [i for i, p in enumerate(mine) if p.index < p.count - 1]
+    owner = {key(p): r for r, theirs in pieces.items() for p in theirs}
+    crosses = any(len({owner[(row, doc, i)] for i in range(n)}) > 1 for row, doc, n in _docs(pieces))
+    calls = layout.memo(("linear_calls", batch, late), lambda: piece_calls(pieces, crosses, late))
+    base = late_middles(pieces, calls)  # (row, doc) -> index of its late middle piece
+    lates = {(row, doc, i) for (row, doc), i in base.items()}
+
+    def after_base(p: Piece) -> int | None:  # the late middle piece a piece's chain starts from, if any
+        i = base.get((p.row, p.doc))
+        return i if i is not None and i < p.index else None
+
+    summarize = [i for i, p in enumerate(mine) if p.index < p.count - 1 and key(p) not in lates]
     local_row = {key(mine[i]): j for j, i in enumerate(summarize)}
-    # what each peer needs of this rank's summaries, and what this rank needs of each peer's
-    needs: dict[int, set[tuple[int, int, int]]] = defaultdict(set)  # rank -> keys of pieces before its pieces
+    # what each rank needs of the summaries (those after its pieces' late middle, else all before them) and
+    # of the late middles' states
+    needs: dict[int, set[tuple[int, int, int]]] = defaultdict(set)
+    needs2: dict[int, set[tuple[int, int, int]]] = defaultdict(set)
     for r, theirs in pieces.items():
         for p in theirs:
-            needs[r].update((p.row, p.doc, i) for i in range(p.index))
+            b = after_base(p)
+            needs[r].update((p.row, p.doc, i) for i in range(0 if b is None else b + 1, p.index))
+            if b is not None:
+                needs2[r].add((p.row, p.doc, b))
+    send, recv_row, recv = _rows(rank, pieces, owner, needs, local_row)
+    states2 = [i for i, p in enumerate(mine) if key(p) in lates]
+    own2 = {key(mine[i]): j for j, i in enumerate(states2)}
+    send2, recv2_row, recv2 = _rows(rank, pieces, owner, needs2, own2)
+
+    def ref(k: tuple[int, int, int]) -> Ref:
+        return (0, local_row[k]) if k in local_row else (1, recv_row[k])
+
+    chains = []
+    for p in mine:
+        b = after_base(p)
+        if b is None:
+            chains.append(tuple(ref((p.row, p.doc, i)) for i in range(p.index)))
+        else:
+            k = (p.row, p.doc, b)
+            head: Ref = (2, own2[k]) if k in own2 else (3, recv2_row[k])
+            chains.append((head, *(ref((p.row, p.doc, i)) for i in range(b + 1, p.index))))
+    crosses2 = any(owner[k] != r for r, keys in needs2.items() for k in keys)
+    return StatePlan(
+        runs=tuple((p.flat, p.length) for p in mine),
+        summarize=tuple(summarize),
+        middle=tuple(mine[i].index > 0 for i in summarize),
+        send=send,
+        recv=recv,
+        chains=tuple(chains),
+        crosses=crosses,
+        calls=calls[rank],
+        states2=tuple(states2),
+        second=StateRows(send2, recv2, crosses2) if base else None,
+    )
+
+
+def _rows(
+    rank: int,
+    pieces: dict[int, list[Piece]],
+    owner: dict[tuple[int, int, int], int],
+    needs: dict[int, set[tuple[int, int, int]]],
+    local_row: dict[tuple[int, int, int], int],
+) -> tuple[dict[int, tuple[int, ...]], dict[tuple[int, int, int], int], dict[int, int]]:
+    """One exchange of rows named by pieces: ``(send, recv_row, recv)``: per peer, the rows of this rank's
+    (``local_row``) each needs (in the pieces' order); where each row this rank needs from the others lands in
+    the received buffer (peers in layout order); per peer, how many rows arrive from it."""
     send = {r: tuple(local_row[k] for k in sorted(needs[r] & local_row.keys())) for r in pieces if r != rank}
-    owner = {key(p): r for r, theirs in pieces.items() for p in theirs}
     recv_keys = {r: sorted(k for k in needs[rank] if owner[k] == r) for r in pieces if r != rank}
     recv_row, at = {}, 0
     for r in sorted(recv_keys):
         for k in recv_keys[r]:
             recv_row[k] = at
             at += 1
-    chains = []
-    for p in mine:
-        chain = []
-        for i in range(p.index):
-            k = (p.row, p.doc, i)
-            chain.append((False, local_row[k]) if k in local_row else (True, recv_row[k]))
-        chains.append(tuple(chain))
-    crosses = any(len({owner[(row, doc, i)] for i in range(n)}) > 1 for row, doc, n in _docs(pieces))
-    return StatePlan(
-        runs=tuple((p.flat, p.length) for p in mine),
-        summarize=tuple(summarize),
-        middle=tuple(mine[i].index > 0 for i in summarize),
-        send=send,
-        recv={r: len(k) for r, k in recv_keys.items()},
-        chains=tuple(chains),
-        crosses=crosses,
-        calls=layout.memo(("linear_calls", batch), lambda: piece_calls(pieces, crosses))[rank],
-    )
+    return send, recv_row, {r: len(k) for r, k in recv_keys.items()}
+
+
+def late_middles(pieces: dict[int, list[Piece]], calls: dict[int, tuple[int, ...]]) -> dict[tuple[int, int], int]:
+    """``(row, doc) -> index`` of each document's late middle piece: a middle piece :func:`piece_calls` runs after
+    the exchange."""
+    return {
+        (p.row, p.doc): p.index
+        for r, theirs in pieces.items()
+        for i, p in enumerate(theirs)
+        if 0 < p.index < p.count - 1 and calls[r][i] == 2
+    }
 
 
 BALANCE_CHUNK = 64
 """The tokens a chunked kernel computes at once (``fla``'s chunk): :func:`piece_calls` prices a piece in them."""
 
 
-def piece_calls(pieces: dict[int, list[Piece]], crosses: bool) -> dict[int, tuple[int, ...]]:
+def piece_calls(pieces: dict[int, list[Piece]], crosses: bool, late: bool = False) -> dict[int, tuple[int, ...]]:
     """For every rank, which of its three calls runs each of its pieces (:attr:`StatePlan.calls`).
 
     A document's first piece runs before the exchange from zero (call 0) and a middle piece (pieces before and
@@ -222,33 +302,68 @@ def piece_calls(pieces: dict[int, list[Piece]], crosses: bool) -> dict[int, tupl
     pieces wide while they fit (:data:`WIDTH`), the rest after it; the bound whose two longest add up least is
     kept, where it takes :data:`MARGIN` less than the largest (every piece before the exchange, as ``fla``'s wide
     call alone would run them). Work is counted in :data:`BALANCE_CHUNK`-token chunks. Where no document
-    crosses a rank boundary there is no exchange: last pieces run after, whole documents before."""
+    crosses a rank boundary there is no exchange: last pieces run after, whole documents before.
 
-    def chunks(p: Piece) -> int:
-        return -(-p.length // BALANCE_CHUNK)
-
+    ``late``: each document's longest later piece, where it is a middle one, may run after the exchange from its
+    state too (a *late middle*, call 2): the pieces after it then run wide, their outputs corrected from the state
+    it leaves, sent by a second exchange. Kept where the layer so placed takes :data:`MARGIN` less."""
     if not crosses:
         return {
             r: tuple(2 if p.index and p.index == p.count - 1 else int(bool(p.index)) for p in theirs)
             for r, theirs in pieces.items()
         }
-    ranks = {}  # per rank: the calls fixed, their work, and the pieces to place, in the order they are placed
+    took, calls = _placed(pieces, set())
+    lates = _longest_middles(pieces) if late else set()
+    if lates:
+        took_late, calls_late = _placed(pieces, lates)
+        if took_late < (1 - MARGIN) * took:
+            return calls_late
+    return calls
+
+
+def _longest_middles(pieces: dict[int, list[Piece]]) -> set[tuple[int, int, int]]:
+    """``(row, doc, index)`` of each document's longest later piece (the first of equals), where it is a middle one."""
+    longest: dict[tuple[int, int], Piece] = {}
+    for theirs in pieces.values():
+        for p in theirs:
+            best = longest.get((p.row, p.doc))
+            if p.index and (best is None or (p.length, -p.index) > (best.length, -best.index)):
+                longest[(p.row, p.doc)] = p
+    return {(p.row, p.doc, p.index) for p in longest.values() if p.index < p.count - 1}
+
+
+def _placed(pieces: dict[int, list[Piece]], lates: set[tuple[int, int, int]]) -> tuple[int, dict[int, tuple[int, ...]]]:
+    """:func:`piece_calls`' placement with the late middle pieces ``lates`` after the exchange (and the pieces after
+    them wide): ``(the layer's work as priced, calls by rank)``."""
+
+    def chunks(p: Piece) -> int:
+        return -(-p.length // BALANCE_CHUNK)
+
+    base = {(row, doc): i for row, doc, i in lates}
+    ranks = {}  # per rank: the calls fixed, their work before and after, the pieces to place, in order
     for r, theirs in pieces.items():
-        fixed = {i: int(p.index > 0) for i, p in enumerate(theirs) if p.index < p.count - 1 and p.count > 1}
-        load = sum(chunks(theirs[i]) * WIDTH[c] for i, c in fixed.items())
+        fixed = {}
+        for i, p in enumerate(theirs):
+            b = base.get((p.row, p.doc))
+            if b is not None and p.index >= b:
+                fixed[i] = 2 if p.index == b else 1  # a late middle; the pieces after it wide
+            elif p.index < p.count - 1 and p.count > 1:
+                fixed[i] = int(p.index > 0)
+        load = sum(chunks(theirs[i]) * WIDTH[c] for i, c in fixed.items() if c < 2)
+        after = sum(chunks(theirs[i]) * WIDTH[0] for i, c in fixed.items() if c == 2)
         whole = sorted((i for i, p in enumerate(theirs) if p.count == 1), key=lambda i: (-theirs[i].length, i))
         last = sorted(
-            (i for i, p in enumerate(theirs) if p.index and p.index == p.count - 1),
+            (i for i, p in enumerate(theirs) if p.index and p.index == p.count - 1 and i not in fixed),
             key=lambda i: (-theirs[i].length, i),
         )
         place = [(i, 0, chunks(theirs[i])) for i in whole] + [(i, 1, chunks(theirs[i])) for i in last]
-        ranks[r] = (fixed, load, place)
+        ranks[r] = (fixed, load, after, place)
 
     def split(bound: int) -> dict[int, tuple[int, int, dict[int, int]]]:
         """Each rank's ``(work before, work after, calls by piece)`` under ``bound``."""
         out = {}
-        for r, (fixed, load, place) in ranks.items():
-            calls, late = dict(fixed), 0
+        for r, (fixed, load, late, place) in ranks.items():
+            calls = dict(fixed)
             for i, wide, cost in place:
                 if load + cost * WIDTH[wide] <= bound:
                     load, calls[i] = load + cost * WIDTH[wide], wide
@@ -257,8 +372,8 @@ def piece_calls(pieces: dict[int, list[Piece]], crosses: bool) -> dict[int, tupl
             out[r] = (load, late, calls)
         return out
 
-    least = max(load for _, load, _ in ranks.values())  # what must run before the exchange
-    most = max(load + sum(cost * WIDTH[wide] for _, wide, cost in place) for _, load, place in ranks.values())
+    least = max(load for _, load, _, _ in ranks.values())  # what must run before the exchange
+    most = max(load + sum(cost * WIDTH[wide] for _, wide, cost in place) for _, load, _, place in ranks.values())
     tried = []
     for bound in [*range(least, most, max(1, (most - least) // BOUNDS)), most]:
         splits = split(bound)
@@ -267,9 +382,9 @@ def piece_calls(pieces: dict[int, list[Piece]], crosses: bool) -> dict[int, tupl
         if not after:  # every piece before the exchange: a larger bound changes nothing
             break
     took, splits = min(tried, key=lambda t: t[0])
-    if took > (1 - MARGIN) * tried[-1][0]:  # within the work's pricing of running everything before the exchange
-        splits = tried[-1][1]
-    return {r: tuple(calls[i] for i in range(len(pieces[r]))) for r, (_, _, calls) in splits.items()}
+    if took > (1 - MARGIN) * tried[-1][0]:  # within the work's pricing of running everything it can before it
+        took, splits = tried[-1]
+    return took, {r: tuple(calls[i] for i in range(len(pieces[r]))) for r, (_, _, calls) in splits.items()}
 
 
 WIDTH = (4, 7)
