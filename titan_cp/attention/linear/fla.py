@@ -13,8 +13,10 @@ runs through it as through the torch kernel. Each piece runs once, per rank and 
              and the last pieces placed before the exchange, v widened to [v | 0] from [0 | I]: outputs
              [o | r] (from zero, and the query carried through the transitions: the composed state's
              share r^T S_in is added after the exchange) and final states [B | M]
-    after    after the exchange, the last pieces from the states the pieces before them leave, and the
-             documents held whole placed there from zero, at v's own width (what they cost alone)
+    after    after the exchange, the last pieces (and the late middle ones) from the states the pieces
+             before them leave, and the documents held whole placed there from zero, at v's own width
+             (what they cost alone); a late middle's final state goes by a second exchange to the
+             ranks whose wide pieces after it it corrects
 
 (:func:`.plan.piece_calls` places the whole documents and the last pieces.)
 
