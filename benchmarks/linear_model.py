@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -386,13 +386,17 @@ def phases(shapes: LinearShapes, work: lin.LinearWork) -> tuple[float, float, fl
     return fb, fa, ba, bb
 
 
-def waits(shapes: LinearShapes, works: tuple[lin.LinearWork, ...]) -> list[float]:
-    """Each rank's kernel FLOPs of waiting: the exchange is a collective, forward and backward, so the layer's
-    kernels take the longest of the ranks' work before it plus the longest after it, each way; a rank waits
-    for what that adds to its own."""
+def critical(shapes: LinearShapes, works: Sequence[lin.LinearWork]) -> float:
+    """The layer's kernel FLOPs along its critical path: the exchange is a collective, forward and backward, so
+    its kernels take the longest of the ranks' work before it plus the longest after it, each way."""
     each = [phases(shapes, w) for w in works]
-    critical = sum(max(p[i] for p in each) for i in range(4))
-    return [critical - sum(p) for p in each]
+    return sum(max(p[i] for p in each) for i in range(4))
+
+
+def waits(shapes: LinearShapes, works: Sequence[lin.LinearWork]) -> list[float]:
+    """Each rank's kernel FLOPs of waiting: what the :func:`critical` path adds to its own."""
+    longest = critical(shapes, works)
+    return [longest - sum(phases(shapes, w)) for w in works]
 
 
 def rank_times(

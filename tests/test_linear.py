@@ -23,6 +23,7 @@ from titan_cp.attention.linear import (
 )
 from titan_cp.attention.linear.plan import state_plan
 from titan_cp.layout import SequenceLayout
+from titan_cp.testing.linear import every_late_middle
 
 SEQ = 96  # a multiple of 2N for N = 1..4 (zigzag)
 ROWS = {
@@ -130,14 +131,7 @@ def late_case(rank: int, world: int, kind: str, balance: str, rows: str, data) -
     exchange from its state (priced or not: :data:`~titan_cp.attention.linear.plan.MARGIN` forced), the pieces
     after it wide, corrected from the state it leaves (the second exchange); ``n_late``: such pieces anywhere,
     ``crosses``: whether their states cross a rank boundary."""
-    from titan_cp import layout as layout_module  # noqa: PLC0415
-    from titan_cp.attention.linear import plan as plan_module  # noqa: PLC0415
-
-    # layouts are kept by value with their plans (a row without documents is one of them): none made before
-    # the forced placement, none kept after it
-    layout_module._layout.cache_clear()
-    before, plan_module.MARGIN = plan_module.MARGIN, -100.0  # every late placement is kept
-    try:
+    with every_late_middle():
         with count_comm() as counted:
             if kind == "gated_delta_fla":
                 from tests import fla_standin  # noqa: PLC0415
@@ -148,9 +142,6 @@ def late_case(rank: int, world: int, kind: str, balance: str, rows: str, data) -
                 errors = linear_case(rank, world, kind, balance, rows, "ring", data)
         layout = SequenceLayout(SEQ, world, balance, ROWS[rows])
         plans = [state_plan(layout, r, 2, late=True) for r in range(world)]
-    finally:
-        plan_module.MARGIN = before
-        layout_module._layout.cache_clear()
     second = any(p.second is not None and p.second.crosses for p in plans)
     per = 2 if kind == "gated_delta_fla" else 3  # forward and return (and the recomputing backward's forward)
     errors["wrong_exchanges"] = float(counted.calls != per * (plans[0].crosses + second))

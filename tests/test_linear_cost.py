@@ -8,18 +8,20 @@ Counts only: the time model's seconds are the benchmark's to report, never asser
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
 import torch
 
 from benchmarks.fake_cuda import HostSyncError
-from benchmarks.linear_model import QWEN3_NEXT, FlaCall, mix_rows, phases, simulate
+from benchmarks.linear_model import QWEN3_NEXT, FlaCall, critical, mix_rows, phases, simulate
 from titan_cp.attention.linear.plan import StatePlan, rows_index
 from titan_cp.data.row_mixes import lognormal_doc_lens
 from titan_cp.integrations.hf_shapes import LinearShapes
 from titan_cp.layout import DEFAULT_BALANCE, SequenceLayout
 from titan_cp.plan import linear as lin
+from titan_cp.testing.linear import every_late_middle
 
 SEQ, CP, S = 131072, 8, QWEN3_NEXT
 WIDE = S.d_v + S.d_k  # the middle pieces' value width: [v | 0] from [0 | I]
@@ -44,22 +46,11 @@ def _expected_calls(work: lin.LinearWork) -> list[FlaCall]:
 
 
 @pytest.mark.parametrize("mix", ["docs_1k", "one_document", "one_document_late"])
-def test_the_count_of_a_gated_deltanet_layer_at_full_size(monkeypatch, mix):
+def test_the_count_of_a_gated_deltanet_layer_at_full_size(mix):
     """The calls, FLOPs, bytes exchanged, collectives and bytes kept, counted, equal the planner's (``one_document_late``:
     every late middle piece placed: chains of two links and more start from its state)."""
-    if mix.endswith("_late"):
-        from titan_cp import layout as layout_module  # noqa: PLC0415
-        from titan_cp.attention.linear import plan as plan_module  # noqa: PLC0415
-
-        monkeypatch.setattr(plan_module, "MARGIN", -100.0)
-        layout_module._layout.cache_clear()
-        lin.linear_work.cache_clear()
-    try:
+    with every_late_middle() if mix.endswith("_late") else contextlib.nullcontext():
         _count_at_full_size(mix.removesuffix("_late"), late=mix.endswith("_late"))
-    finally:
-        if mix.endswith("_late"):
-            layout_module._layout.cache_clear()
-            lin.linear_work.cache_clear()
 
 
 def _count_at_full_size(mix: str, late: bool) -> None:
@@ -112,13 +103,6 @@ def test_the_floor_carries_each_middle_pieces_transition_through_its_chunks():
         lin.floor_flops(dataclasses.replace(S, kind="mamba2"), work)
 
 
-def _critical(works) -> float:
-    """The layer's kernel FLOPs along its critical path: the longest work before the exchange plus the longest after
-    it, forward and backward (the exchange is a collective)."""
-    each = [phases(S, w) for w in works]
-    return sum(max(p[i] for p in each) for i in range(4))
-
-
 @pytest.mark.parametrize("balance", ["doc_local", "contiguous", "zigzag"])
 @pytest.mark.parametrize("mix", ["docs_1k", "one_document"])
 def test_the_calls_around_the_exchange_never_lengthen_the_layer(balance, mix):
@@ -129,10 +113,10 @@ def test_the_calls_around_the_exchange_never_lengthen_the_layer(balance, mix):
     rows = mix_rows(mix, SEQ)
     works = lin.linear_work(SEQ, CP, balance, tuple(tuple(r) for r in rows or [[SEQ]]), S.conv, late=True)
     wide = [dataclasses.replace(w, calls=tuple(int(later) for later in w.later)) for w in works]
-    assert _critical(works) <= _critical(wide)
+    assert critical(S, works) <= critical(S, wide)
     if mix == "docs_1k" and balance != "doc_local":
-        assert _critical(works) < 0.95 * _critical(wide) and all(w.after_lengths for w in works)
-    assert _critical(works) <= 1.02 * max(sum(phases(S, w)) for w in works)  # within 2% of the busiest rank's work
+        assert critical(S, works) < 0.95 * critical(S, wide) and all(w.after_lengths for w in works)
+    assert critical(S, works) <= 1.02 * max(sum(phases(S, w)) for w in works)  # within 2% of the busiest rank's work
 
 
 def test_what_crosses_is_the_same_at_two_row_lengths():
@@ -260,24 +244,17 @@ def _plans_work(layout: SequenceLayout, rank: int, batch: int, conv: int, late: 
 @pytest.mark.parametrize("late", [False, True, "forced"])
 @pytest.mark.parametrize("balance", ["contiguous", "zigzag", "doc_zigzag", "doc_local"])
 @pytest.mark.parametrize("cp", [2, 4, 8])
-def test_the_planners_work_is_the_ops_plans(monkeypatch, balance, cp, late):
+def test_the_planners_work_is_the_ops_plans(balance, cp, late):
     """The planner's one pass over the documents gives each rank what the ops' plans give it (pieces, which
     of them are later pieces, summaries, rows sent and received, halos, composed states), on two rows of
     packed documents."""
     rows = ((2, 300, 7, 1, 700, 14), tuple(lognormal_doc_lens(1024, 40, seed=cp)))
-    if late == "forced":  # every late middle piece placed (the second exchange's rows, what it keeps)
-        from titan_cp import layout as layout_module  # noqa: PLC0415
-        from titan_cp.attention.linear import plan as plan_module  # noqa: PLC0415
-
-        monkeypatch.setattr(plan_module, "MARGIN", -100.0)
-        layout_module._layout.cache_clear()
-        lin.linear_work.cache_clear()
-    layout = SequenceLayout(1024, cp, balance, [list(r) for r in rows])
-    want = tuple(_plans_work(layout, r, 2, 4, bool(late)) for r in range(cp))
-    got = lin.linear_work(1024, cp, balance, rows, 4, bool(late))
+    # "forced": every late middle piece placed (the second exchange's rows, what it keeps)
+    with every_late_middle() if late == "forced" else contextlib.nullcontext():
+        layout = SequenceLayout(1024, cp, balance, [list(r) for r in rows])
+        want = tuple(_plans_work(layout, r, 2, 4, bool(late)) for r in range(cp))
+        got = lin.linear_work(1024, cp, balance, rows, 4, bool(late))
     if late == "forced":
-        layout_module._layout.cache_clear()
-        lin.linear_work.cache_clear()
         if cp > 2 or balance.startswith("doc"):  # (at cp 2, contiguous and zigzag cut these documents in two)
             assert any(w.late_middles for w in got) and any(w.sent2 for w in got)
     assert got == want

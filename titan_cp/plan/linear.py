@@ -91,7 +91,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 
-from titan_cp.attention.linear.plan import Piece, _pieces, late_middles, piece_calls
+from titan_cp.attention.linear.plan import Piece, _pieces, consecutive, late_middles, piece_calls
 from titan_cp.families.llama3.model import ModelArgs
 from titan_cp.integrations.hf_shapes import HFShapes, LinearShapes
 from titan_cp.layout import get_layout
@@ -240,7 +240,7 @@ class LinearWork:
         out = []
         for call in range(3):
             at = [j for j, c in enumerate(self.calls) if c == call]
-            out.append((self._call(call), all(b == a + 1 for a, b in zip(at, at[1:]))))
+            out.append((self._call(call), consecutive(at)))
         return out
 
     @property

@@ -163,14 +163,8 @@ def _compose(
     (``states``: this rank's late middles' states and those received, :attr:`.plan.StatePlan.second`). A
     document's pieces share the prefixes of their chains: each prefix's state is composed once (one ``apply``
     per summary of a chain, not per piece and summary), from the summaries unbound once."""
-    rows: dict[int, Sequence[Tensor]] = {
-        0: sent.unbind(0) if sent.shape[0] else (),
-        1: recv.unbind(0) if recv.shape[0] else (),
-    }
-    if states is not None:
-        rows.update(
-            {2: states[0].unbind(0) if states[0].shape[0] else (), 3: states[1].unbind(0) if states[1].shape[0] else ()}
-        )
+    buffers = (sent, recv) if states is None else (sent, recv, *states)
+    rows = [t.unbind(0) if t.shape[0] else () for t in buffers]  # indexed by a Ref's source
     memo: dict[tuple, Tensor | None] = {(): None}
 
     def state(chain: tuple) -> Tensor | None:
@@ -269,19 +263,13 @@ class GatedDelta(_Planned):
         (:class:`_Group`: a view where a group's pieces are one span of the buffer, else gathered)."""
         if self.backend == "fla":
             q, k, v, beta = (_flat(x) for x in (q, k, v, beta))
-            flat = [q, k, v, _flat(g).float(), beta]
+            flat = fla.Prepared(q, k, v, _flat(g).float(), beta, self.scale, self.qk_l2norm)
             sizes = [sum(self.plan.runs[j][1] for j in pieces) for pieces in self.plan.groups]
-            if sum(n > 0 for n in sizes) > 1:
-                where = self.plan.grouped(q.device)
-                parts = [_Group.apply(x, *where) for x in flat]
-            else:  # the one group is the whole buffer, in order
-                parts = [x.split(sizes) for x in flat]
-            return [
-                fla.Prepared(
-                    parts[0][i], parts[1][i], parts[2][i], parts[3][i], parts[4][i], self.scale, self.qk_l2norm
-                )
-                for i in range(3)
-            ]
+            if sum(n > 0 for n in sizes) <= 1:  # the one group is the whole buffer, in order
+                return fla.split(flat, sizes)
+            where = self.plan.grouped(q.device)
+            q, k, v, g, beta = (_Group.apply(x, *where) for x in (flat.q, flat.k, flat.v, flat.g, flat.beta))
+            return [fla.Prepared(q[i], k[i], v[i], g[i], beta[i], self.scale, self.qk_l2norm) for i in range(3)]
         rep = v.shape[2] // q.shape[2]
         q, k = (_acc(_flat(x)).repeat_interleave(rep, dim=1) for x in (q, k))
         if self.qk_l2norm:

@@ -54,8 +54,36 @@ of the summaries it received. A chain may start instead from a state (:attr:`Sta
 row ``i`` of the states this rank's late middle pieces leave; ``(3, i)``: row ``i`` of those it received."""
 
 
+def consecutive(pieces: list[int] | tuple[int, ...]) -> bool:
+    """Whether the pieces (indices into a rank's runs, in order) follow each other: one span of its buffer (the
+    runs tile it in order)."""
+    return all(b == a + 1 for a, b in zip(pieces, pieces[1:]))
+
+
+class Rows:
+    """What an exchange's plan holds and reads (:class:`StateRows`, :class:`StatePlan`, :class:`HaloPlan`): per
+    peer rank, the rows of this rank it sends there (``send``) and how many arrive from it (``recv``); its device
+    tensors, made once (``device``, :func:`on_device`'s cache)."""
+
+    send: dict[int, tuple[int, ...]]
+    recv: dict[int, int]
+    device: dict
+
+    def send_index(self, device: torch.device) -> torch.Tensor:
+        """:func:`rows_index` of :attr:`send` on ``device``."""
+        return on_device(self.device, "send", lambda: rows_index(self.send), device)
+
+    def index_on(self, name: str, values: list[int], device: torch.device) -> torch.Tensor:
+        """``values`` as an int64 tensor on ``device``, made once per plan, ``name`` and device."""
+        return on_device(self.device, name, lambda: torch.tensor(values, dtype=torch.int64), device)
+
+    @property
+    def received(self) -> int:
+        return sum(self.recv.values())
+
+
 @dataclass(frozen=True)
-class StateRows:
+class StateRows(Rows):
     """The second exchange of a state-passing plan (:attr:`StatePlan.second`): the states (not summaries) of
     the late middle pieces, to the ranks holding the pieces after them. ``send``, ``recv``, ``crosses`` as
     :class:`StatePlan`'s."""
@@ -64,14 +92,6 @@ class StateRows:
     recv: dict[int, int]
     crosses: bool
     device: dict = field(default_factory=dict, compare=False, repr=False)  # on_device's cache
-
-    def send_index(self, device: torch.device) -> torch.Tensor:
-        """:func:`rows_index` of :attr:`send` on ``device``."""
-        return on_device(self.device, "send", lambda: rows_index(self.send), device)
-
-    @property
-    def received(self) -> int:
-        return sum(self.recv.values())
 
 
 @dataclass(frozen=True)
@@ -113,7 +133,7 @@ def _pieces(layout: SequenceLayout, batch: int) -> dict[int, list[Piece]]:
 
 
 @dataclass(frozen=True)
-class StatePlan:
+class StatePlan(Rows):
     """One rank's share of a state-passing recurrence (module docstring).
 
     runs: ``(flat start, length)`` of this rank's pieces, in flat order (they tile the buffer).
@@ -148,14 +168,6 @@ class StatePlan:
     second: StateRows | None = None
     device: dict = field(default_factory=dict, compare=False, repr=False)  # on_device's cache
 
-    def send_index(self, device: torch.device) -> torch.Tensor:
-        """:func:`rows_index` of :attr:`send` on ``device``."""
-        return on_device(self.device, "send", lambda: rows_index(self.send), device)
-
-    def index_on(self, name: str, values: list[int], device: torch.device) -> torch.Tensor:
-        """``values`` as an int64 tensor on ``device``, made once per plan, ``name`` and device."""
-        return on_device(self.device, name, lambda: torch.tensor(values, dtype=torch.int64), device)
-
     def grouped(self, device: torch.device) -> tuple[tuple[int, int] | torch.Tensor, ...]:
         """Where each of :attr:`groups`' tokens are, on ``device``: ``(start, length)`` where its pieces are one
         span of the buffer (consecutive runs), else the flat tokens of its pieces, in order (made once)."""
@@ -168,7 +180,7 @@ class StatePlan:
     def _grouped_host(self) -> tuple[tuple[int, int] | torch.Tensor, ...]:
         def where(pieces: tuple[int, ...]) -> tuple[int, int] | torch.Tensor:
             spans = [self.runs[j] for j in pieces]
-            if not spans or all(b == a + 1 for a, b in zip(pieces, pieces[1:])):  # runs tile the buffer in order
+            if consecutive(pieces):  # runs tile the buffer in order
                 return (spans[0][0] if spans else 0, sum(n for _, n in spans))
             return torch.cat([torch.arange(a, a + n) for a, n in spans])
 
@@ -179,10 +191,6 @@ class StatePlan:
         """The pieces (indices into :attr:`runs`, in flat order) of each of :attr:`calls`: ``(before, wide,
         after)``."""
         return tuple(tuple(j for j, c in enumerate(self.calls) if c == call) for call in range(3))  # type: ignore[return-value]
-
-    @property
-    def received(self) -> int:
-        return sum(self.recv.values())
 
     def exchanges(self) -> bool:
         """Whether any summary crosses a rank boundary (into or out of this rank)."""
@@ -405,7 +413,7 @@ def _docs(pieces: dict[int, list[Piece]]) -> set[tuple[int, int, int]]:
 
 
 @dataclass(frozen=True)
-class HaloPlan:
+class HaloPlan(Rows):
     """One rank's share of a short causal convolution of ``kernel`` taps (module docstring).
 
     send: per peer rank, the flat tokens of this rank it sends there (in order); ``recv``: per peer rank,
@@ -426,24 +434,12 @@ class HaloPlan:
     crosses: bool
     device: dict = field(default_factory=dict, compare=False, repr=False)  # on_device's cache
 
-    def send_index(self, device: torch.device) -> torch.Tensor:
-        """:func:`rows_index` of :attr:`send` on ``device``."""
-        return on_device(self.device, "send", lambda: rows_index(self.send), device)
-
-    def index_on(self, name: str, values: list[int], device: torch.device) -> torch.Tensor:
-        """``values`` as an int64 tensor on ``device``, made once per plan, ``name`` and device."""
-        return on_device(self.device, name, lambda: torch.tensor(values, dtype=torch.int64), device)
-
     def edge_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """:attr:`edge` and :attr:`edge_taps` on ``device``."""
         return (
             on_device(self.device, "edge", lambda: self.edge, device),
             on_device(self.device, "edge_taps", lambda: self.edge_taps, device),
         )
-
-    @property
-    def received(self) -> int:
-        return sum(self.recv.values())
 
 
 def halo_plan(layout: SequenceLayout, rank: int, batch: int, kernel: int) -> HaloPlan:
