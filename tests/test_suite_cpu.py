@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pluggy
 import pytest
 
+from titan_cp.testing import suite_cpu
 from titan_cp.testing.suite_cpu import ENV, summarize, tree_cpu_seconds
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="counts CPU seconds from /proc")
@@ -36,8 +37,6 @@ def test_the_plugin_records_what_a_tests_children_spent(tmp_path, monkeypatch):
     """The hook as pytest calls it (its name and arguments checked against pytest's own hook specifications)
     around a test that starts a busy child, then one that does nothing."""
     import _pytest.hookspec  # noqa: PLC0415
-
-    from titan_cp.testing import suite_cpu  # noqa: PLC0415
 
     specs = pluggy.PluginManager("pytest")
     specs.add_hookspecs(_pytest.hookspec)
@@ -65,8 +64,6 @@ def test_the_plugin_records_what_a_tests_children_spent(tmp_path, monkeypatch):
 
 
 def test_without_the_records_file_the_plugin_refuses_in_one_line(monkeypatch):
-    from titan_cp.testing import suite_cpu  # noqa: PLC0415
-
     monkeypatch.delenv(ENV, raising=False)
     with pytest.raises(pytest.UsageError, match=f"set {ENV} to the file its records go to"):
         suite_cpu.pytest_configure(None)

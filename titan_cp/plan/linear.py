@@ -91,7 +91,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 
-from titan_cp.attention.linear.plan import Piece, _pieces, consecutive, late_middles, piece_calls
+from titan_cp.attention.linear.plan import Piece, _pieces, consecutive, late_middles, layout_calls
 from titan_cp.families.llama3.model import ModelArgs
 from titan_cp.integrations.hf_shapes import HFShapes, LinearShapes
 from titan_cp.layout import get_layout
@@ -298,8 +298,7 @@ def linear_work(
     for theirs in pieces.values():
         for piece in theirs:
             docs[(piece.row, piece.doc)].append(piece)
-    crosses = any(len({piece.rank for piece in chain}) > 1 for chain in docs.values())
-    calls = layout.memo(("linear_calls", len(rows), late), lambda: piece_calls(pieces, crosses, late))
+    calls = layout_calls(layout, pieces, len(rows), late)
     base = late_middles(pieces, calls)
     counts = {r: Counter() for r in range(cp)}  # type: ignore[var-annotated]
     reads: dict[int, set[int]] = defaultdict(set)

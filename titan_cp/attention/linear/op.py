@@ -485,8 +485,7 @@ class StateSpace(_Planned):
         return ssd.summaries(self.chunks, prep, self.plan.summarize, self.plan.middle), ()
 
     def local(self, prep: ssd.Prepared, partial: Partial, sent: Tensor, recv: Tensor) -> Tensor:
-        states = _compose(ssd.apply, self.plan, sent, recv)
-        return ssd.outputs(self.chunks, prep, [states[j] for j in range(len(self.plan.chains))])
+        return ssd.outputs(self.chunks, prep, list(_compose(ssd.apply, self.plan, sent, recv).values()))
 
 
 def _state_space(handle: int, x: Tensor, doc_lens: Tensor | None, chunk: int):

@@ -209,8 +209,8 @@ def _state_plan(layout: SequenceLayout, rank: int, batch: int, late: bool) -> St
     mine = pieces[rank]
     key = lambda p: (p.row, p.doc, p.index)  # noqa: E731 - a piece's name on every rank
     owner = {key(p): r for r, theirs in pieces.items() for p in theirs}
-    crosses = any(len({owner[(row, doc, i)] for i in range(n)}) > 1 for row, doc, n in _docs(pieces))
-    calls = layout.memo(("linear_calls", batch, late), lambda: piece_calls(pieces, crosses, late))
+    crosses = crossing(pieces)
+    calls = layout_calls(layout, pieces, batch, late)
     base = late_middles(pieces, calls)  # (row, doc) -> index of its late middle piece
     lates = {(row, doc, i) for (row, doc), i in base.items()}
 
@@ -407,9 +407,21 @@ BOUNDS = 64
 """How many bounds on the work before the exchange :func:`piece_calls` tries, at most (evenly spaced)."""
 
 
-def _docs(pieces: dict[int, list[Piece]]) -> set[tuple[int, int, int]]:
-    """``(row, doc, pieces)`` of every document."""
-    return {(p.row, p.doc, p.count) for theirs in pieces.values() for p in theirs}
+def crossing(pieces: dict[int, list[Piece]]) -> bool:
+    """Whether any document's pieces lie on more than one rank (then the ranks exchange)."""
+    ranks: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for r, theirs in pieces.items():
+        for p in theirs:
+            ranks[(p.row, p.doc)].add(r)
+    return any(len(held) > 1 for held in ranks.values())
+
+
+def layout_calls(
+    layout: SequenceLayout, pieces: dict[int, list[Piece]], batch: int, late: bool
+) -> dict[int, tuple[int, ...]]:
+    """:func:`piece_calls` for ``layout``'s ``pieces`` (``batch`` rows), memoised on the layout: the ops' plans
+    and the planner's work read one placement."""
+    return layout.memo(("linear_calls", batch, late), lambda: piece_calls(pieces, crossing(pieces), late))
 
 
 @dataclass(frozen=True)
