@@ -25,13 +25,29 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
-# Under pytest-xdist (``-n 2``: one test process per core) each test process computes on one thread and
-# keeps fewer idle pool workers alive: the two share the cores and the memory.
+
+def own_cores(cores: list[int], worker: str, count: int) -> list[int]:
+    """The cores of pytest-xdist's test process ``worker`` (``gw<i>``) of ``count``, of the ``cores`` the session
+    may use: worker ``i`` takes cores ``i``, ``i + count``, ... (one each on the 2-core machine; where the workers
+    outnumber the cores, one each, shared)."""
+    return cores[int(worker.removeprefix("gw")) % len(cores) :: count]
+
+
+# Under pytest-xdist (``-n 2``: one test process per core) each test process computes on one thread,
+# keeps fewer idle pool workers alive, and runs, with every process it starts (its pools' ranks, the
+# programs it launches: they inherit it), on its own share of the cores (:func:`own_cores`). Left free to run
+# on either core, the two processes' ranks took 638 CPU seconds for the tests (357 s) where they take 537-554
+# each on its own core (291-300 s; benchmarks/results/2026-12-06-suite-cpu.md).
 _XDIST = "PYTEST_XDIST_WORKER" in os.environ
 if _XDIST:  # torch only here and in the fixture: pytest-xdist's controller, which runs no test, loads this too
     import torch
 
     torch.set_num_threads(1)
+    if hasattr(os, "sched_setaffinity"):  # Linux
+        _cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(
+            0, own_cores(_cores, os.environ["PYTEST_XDIST_WORKER"], int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+        )
     gc.disable()  # while the test modules import what they need: all of it lives on (see below)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.conftest import own_cores
 from titan_cp.testing.pool import DistPool, RankError
 
 # the failing pools below fork their workers from the forkserver (started once), but one that spawns them,
@@ -86,3 +87,25 @@ def test_meshes_share_process_groups_between_calls(dist_pools):
     first = dist_pools.run(2, _mesh_groups)
     assert dist_pools.run(2, _mesh_groups) == first
     assert [total for _, total in first] == [1.0, 1.0]
+
+
+def test_the_test_processes_share_the_cores_out():
+    assert [own_cores([0, 1], f"gw{i}", 2) for i in range(2)] == [[0], [1]]  # the 2-core machine
+    assert [own_cores(list(range(8)), f"gw{i}", 2) for i in range(2)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert [own_cores([0, 1], f"gw{i}", 3) for i in range(3)] == [[0], [1], [0]]  # more workers than cores
+    assert own_cores([4, 5], "gw0", 1) == [4, 5]
+
+
+def _cores(rank, world_size):
+    return sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(
+    "PYTEST_XDIST_WORKER" not in os.environ or not hasattr(os, "sched_setaffinity"),
+    reason="under pytest-xdist, on Linux (tests/conftest.py)",
+)
+def test_a_test_process_and_its_ranks_run_on_its_share_of_the_cores(dist_pools):
+    session = sorted(os.sched_getaffinity(os.getppid()))  # pytest-xdist's controller: the session's cores
+    mine = own_cores(session, os.environ["PYTEST_XDIST_WORKER"], int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    assert sorted(os.sched_getaffinity(0)) == mine
+    assert dist_pools.run(2, _cores) == [mine, mine]  # the pools' ranks inherit it
