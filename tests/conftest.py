@@ -36,8 +36,8 @@ def own_cores(cores: list[int], worker: str, count: int) -> list[int]:
 # Under pytest-xdist (``-n 2``: one test process per core) each test process computes on one thread,
 # keeps fewer idle pool workers alive, and runs, with every process it starts (its pools' ranks, the
 # programs it launches: they inherit it), on its own share of the cores (:func:`own_cores`). Left free to run
-# on either core, the two processes' ranks took 638 CPU seconds for the tests (357 s) where they take 537-554
-# each on its own core (291-300 s; benchmarks/results/2026-12-06-suite-cpu.md).
+# on either core, the two processes' ranks took 629-638 CPU seconds for the tests where they take 537-594 each
+# on its own core (benchmarks/results/2026-12-06-suite-cpu.md).
 _XDIST = "PYTEST_XDIST_WORKER" in os.environ
 if _XDIST:  # torch only here and in the fixture: pytest-xdist's controller, which runs no test, loads this too
     import torch
