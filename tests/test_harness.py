@@ -89,6 +89,28 @@ def test_meshes_share_process_groups_between_calls(dist_pools):
     assert [total for _, total in first] == [1.0, 1.0]
 
 
+def _groups_and_pollers(rank, world_size, timeouts):
+    """New groups over every rank (their own timeouts: groups of their own, not shared ones), a sum on each;
+    the sums and the rank's gloo device pollers (gloo names each device's thread ``gloo_tcp_loop``)."""
+    import datetime
+
+    groups = [dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=s)) for s in timeouts]
+    sums = []
+    for group in groups:
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=group)
+        sums.append(t.item())
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return sums, names.count("gloo_tcp_loop")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the threads' names in /proc (Linux)")
+def test_a_ranks_gloo_groups_share_one_device(dist_pools):
+    """Each gloo group on a device of its own polls its sockets every 10 ms for the worker's life; a pool's
+    ranks run every group, the default one and four more, on one device, and the sums are the same."""
+    assert dist_pools.run(2, _groups_and_pollers, [601, 602, 603, 604]) == [([3.0] * 4, 1)] * 2
+
+
 def test_the_test_processes_share_the_cores_out():
     assert [own_cores([0, 1], f"gw{i}", 2) for i in range(2)] == [[0], [1]]  # the 2-core machine
     assert [own_cores(list(range(8)), f"gw{i}", 2) for i in range(2)] == [[0, 2, 4, 6], [1, 3, 5, 7]]

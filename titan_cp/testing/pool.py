@@ -33,6 +33,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import wait
 from typing import Any
 
 _CTX = mp.get_context("spawn")
@@ -58,6 +59,7 @@ def _worker(rank: int, world_size: int, port: int, conn, collective_timeout_s: f
 
     torch.set_num_threads(threads)
     try:
+        _one_gloo_device()
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
@@ -91,6 +93,40 @@ def _worker(rank: int, world_size: int, port: int, conn, collective_timeout_s: f
     # seconds per pool at the end of every test session. Nothing is left to flush.
     conn.close()
     os._exit(0)
+
+
+def _one_gloo_device() -> None:
+    """Make every gloo group this worker creates (the default one, each mesh's) run on one gloo device.
+
+    torch gives each gloo group a device of its own, and each device a thread that polls its sockets every 10 ms
+    whether or not the group has work: ~0.1% of a core per group, for as long as the worker lives (a rank of a
+    4-rank pool holds a dozen groups; the suite's pools, ~40). One device serves any number of groups (gloo's
+    device carries every pair of every context on it): the groups' collectives are the same, their one poller
+    wakes for all of them. The class torch builds groups with is replaced by a subclass taking that device,
+    under which torch's ``isinstance`` checks of the backends it made still hold.
+    """
+    import datetime
+
+    from torch.distributed import distributed_c10d as c10d
+
+    gloo = c10d.ProcessGroupGloo
+    device = gloo.create_default_device()
+
+    class _Gloo(type(gloo)):  # type: ignore[misc]
+        def __instancecheck__(cls, obj: object) -> bool:
+            return isinstance(obj, gloo)
+
+        def __subclasscheck__(cls, sub: type) -> bool:
+            return issubclass(sub, gloo)
+
+    class OneDeviceGloo(gloo, metaclass=_Gloo):  # type: ignore[misc, valid-type]
+        def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta = c10d.default_pg_timeout):
+            options = gloo._Options()  # type: ignore[attr-defined]
+            options._devices = [device]
+            options._timeout = timeout
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = OneDeviceGloo  # type: ignore[misc]
 
 
 def _share_process_groups() -> None:
@@ -171,31 +207,31 @@ class DistPool:
         first_error: tuple[int, str] | None = None
         while any(r is None for r in replies):
             now = time.monotonic()
+            pending = [i for i, r in enumerate(replies) if r is None]
             if now > deadline:
-                pending = [i for i, r in enumerate(replies) if r is None]
                 self.close()
                 if first_error is not None:
                     rank, tb = first_error
                     raise RankError(f"rank {rank} raised (ranks {pending} then stuck):\n{tb}")
                 raise TimeoutError(f"distributed call exceeded {timeout:.0f}s; ranks {pending} never finished")
-            for rank, conn in enumerate(self._conns):
-                if replies[rank] is not None:
-                    continue
-                if conn.poll(0.01):
+            # asleep until a pending rank replies or ends, or the deadline (a poll would wake this process, on
+            # the cores its ranks compute on, every few milliseconds of a call)
+            wait([self._conns[i] for i in pending] + [self._procs[i].sentinel for i in pending], deadline - now)
+            for rank in pending:
+                conn = self._conns[rank]
+                if conn.poll():
                     try:
                         reply = conn.recv()
                     except EOFError:
                         reply = ("error", f"rank {rank} died (exit code {self._procs[rank].exitcode})")
-                    replies[rank] = reply
-                    if reply[0] == "error" and first_error is None:
-                        first_error = (rank, reply[1])
-                        deadline = min(deadline, time.monotonic() + grace)
                 elif not self._procs[rank].is_alive():
                     reply = ("error", f"rank {rank} died (exit code {self._procs[rank].exitcode})")
-                    replies[rank] = reply
-                    if first_error is None:
-                        first_error = (rank, reply[1])
-                        deadline = min(deadline, time.monotonic() + grace)
+                else:
+                    continue
+                replies[rank] = reply
+                if reply[0] == "error" and first_error is None:
+                    first_error = (rank, reply[1])
+                    deadline = min(deadline, time.monotonic() + grace)
         if first_error is not None:
             self.close()
             rank, tb = first_error
