@@ -59,7 +59,7 @@ def _worker(rank: int, world_size: int, port: int, conn, collective_timeout_s: f
 
     torch.set_num_threads(threads)
     try:
-        one_gloo_device()
+        _one_gloo_device()
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
@@ -95,43 +95,22 @@ def _worker(rank: int, world_size: int, port: int, conn, collective_timeout_s: f
     os._exit(0)
 
 
-def _threads() -> set[int]:
-    """The ids of this process's threads (none where there is no /proc)."""
-    return {int(t) for t in os.listdir("/proc/self/task")} if os.path.isdir("/proc/self/task") else set()
-
-
-def gloo_pollers() -> list[int]:
-    """The ids of this process's threads that poll a gloo device's sockets (gloo names them ``gloo_tcp_loop``)."""
-    return sorted(t for t in _threads() if open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop")
-
-
-def one_gloo_device(nice: int = 19) -> None:
-    """Make every gloo group this process creates from now on (the default one, each mesh's) run on one gloo
-    device, whose polling thread runs at ``nice``.
+def _one_gloo_device() -> None:
+    """Make every gloo group this worker creates (the default one, each mesh's) run on one gloo device.
 
     torch gives each gloo group a device of its own, and each device a thread that polls its sockets every 10 ms
-    whether or not the group has work: ~0.1% of a core per group, for as long as the process lives (a rank of a
+    whether or not the group has work: ~0.1% of a core per group, for as long as the worker lives (a rank of a
     4-rank pool holds a dozen groups; the suite's pools, ~40). One device serves any number of groups (gloo's
     device carries every pair of every context on it): the groups' collectives are the same, their one poller
     wakes for all of them. The class torch builds groups with is replaced by a subclass taking that device,
     under which torch's ``isinstance`` checks of the backends it made still hold.
-
-    Where ranks outnumber the cores they run on (the suite's pools: up to 8 ranks on one core), the pollers take
-    a large share of the core, in the kernel, polling over and over (perf: a 4-rank ring exchange on one core,
-    a quarter of the core in ``gloo_tcp_loop``'s ``epoll_wait``) while the ranks' own threads wait for it. At nice
-    19 a poller runs when the ranks' threads do not need the core: ring attention fwd+bwd on 4 ranks on one
-    core took 20.5 ms of a rank's CPU instead of 31.0; test_documents and test_attention, 30 and 33 core-seconds
-    instead of 33 and 37 (alternate runs; the kernel's share from 8-9 to 5 core-seconds).
     """
     import datetime
 
     from torch.distributed import distributed_c10d as c10d
 
     gloo = c10d.ProcessGroupGloo
-    before = _threads()
     device = gloo.create_default_device()
-    for poller in _threads() - before:  # the device's thread (named by itself once it runs)
-        os.setpriority(os.PRIO_PROCESS, poller, nice)
 
     class _Gloo(type(gloo)):  # type: ignore[misc]
         def __instancecheck__(cls, obj: object) -> bool:
