@@ -83,7 +83,7 @@ def _mesh_groups(rank, world_size):
 
 def test_meshes_share_process_groups_between_calls(dist_pools):
     """A new mesh over the same ranks reuses the worker's groups: their count stays put
-    (each gloo group keeps a waking thread for the worker's life)."""
+    (each gloo group keeps its connections and threads for the worker's life)."""
     first = dist_pools.run(2, _mesh_groups)
     assert dist_pools.run(2, _mesh_groups) == first
     assert [total for _, total in first] == [1.0, 1.0]

@@ -133,10 +133,10 @@ def _share_process_groups() -> None:
     """Make ``new_group`` in this worker return the group it made before for the same ranks and
     options, instead of a new one.
 
-    Every mesh a call builds creates its sub-groups, and a gloo group keeps a thread that wakes
-    on a timer (about 0.1% of a core apiece) for as long as the worker lives: over a session's
-    hundreds of calls, a pool of 4 ranks would hold over 300 groups a rank and its idle threads
-    would take most of a core of a 2-core machine. Sharing is exact: every rank makes the same
+    Every mesh a call builds creates its sub-groups, each with its connections to the other ranks and
+    its own threads for as long as the worker lives: over a session's hundreds of calls, a pool of 4
+    ranks would hold over 300 groups a rank (on devices of their own, their pollers alone would take most
+    of a core of a 2-core machine; see :func:`_one_gloo_device`). Sharing is exact: every rank makes the same
     ``new_group`` calls in the same order (the function requires it), so every rank shares the
     same groups, and collectives on a shared group run in the order the program issues them.
     """
