@@ -1,6 +1,6 @@
 """The test suite's CPU seconds by test and by file (:mod:`titan_cp.testing.suite_cpu`), as JSON lines: the ``--top``
 tests by CPU seconds, every file, the tests' sum, then the run (its wall seconds, the machine's busy core-seconds
-meanwhile, its cores). The suite runs as its README command runs it (two test processes); arguments after ``--``
+meanwhile, its cores, pytest's lines of the tests that failed). The suite runs as its README command runs it (two test processes); arguments after ``--``
 go to pytest.
 
     python scripts/suite_cpu.py                        # the whole suite
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             run=" ".join(cmd[1:]),
             status=done.returncode,
             outcome=(done.stdout.strip().splitlines() or [""])[-1],
+            failed=[line for line in done.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))],
             wall_s=round(time.monotonic() - wall, 1),
             busy_core_s=round(machine_busy_seconds() - busy, 1),
             cores=os.cpu_count(),
