@@ -1,7 +1,7 @@
 """The test suite's CPU seconds by test and by file (:mod:`titan_cp.testing.suite_cpu`), as JSON lines: the ``--top``
 tests by CPU seconds, every file, the tests' sum, then the run (its wall seconds, the machine's busy core-seconds
-meanwhile, its cores, pytest's lines of the tests that failed). The suite runs as its README command runs it (two test processes); arguments after ``--``
-go to pytest.
+meanwhile, its cores, pytest's lines of the tests that failed). The suite runs as its README command runs it (two
+test processes); arguments after ``--`` go to pytest.
 
     python scripts/suite_cpu.py                        # the whole suite
     python scripts/suite_cpu.py --top 10 -- tests/test_train.py -n 0
